@@ -1,0 +1,145 @@
+// The op interface every backend implements (cpu now, cuda later).
+//
+// Model, optimizer and training code are written once against this interface. Ops take raw
+// pointers into backend memory, sizes and element types; they are stream-ordered: a call may
+// return before its work is done, results are visible to later calls on the same backend, and the
+// host sees them only after `copy_to_host` (which synchronises). The CPU backend runs each op to
+// completion before returning.
+//
+// Shape letters (llm.c / paper style): B batch, T sequence length, C hidden size, NH query heads,
+// NKV key/value heads, HS head size (C / NH), F ffn hidden size, V vocabulary size, N rows (B*T).
+//
+// Conventions that every implementation must follow (and the CPU tests check):
+// - Activation tensors have the activation type `act` (F32 or BF16). Norm statistics, losses,
+//   attention log-sum-exp and every parameter gradient are F32.
+// - Parameter gradients ACCUMULATE (+=) into F32 buffers: gradient accumulation over micro-batches
+//   and parameter sharing need it. Activation gradients OVERWRITE their output, except where a
+//   doc comment says "accumulates" (the residual stream).
+// - Internal reductions (norm statistics, softmax, loss, dot products) are done in fp32 whatever
+//   the storage type.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "trainer/core/dtype.h"
+
+namespace tetra {
+
+enum class NormKind : uint8_t { LAYERNORM, RMSNORM };
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+
+  // ---- memory ------------------------------------------------------------------------------
+  // Allocations happen while the run is planned, never inside the step loop.
+  virtual void* alloc(size_t bytes) = 0;
+  virtual void free(void* ptr) = 0;
+  virtual void memset_zero(void* ptr, size_t bytes) = 0;
+  virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
+  virtual void copy_from_host(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual void synchronize() = 0;
+
+  // ---- dense algebra -----------------------------------------------------------------------
+  // Row-major C(M,N) = alpha * op(A) · op(B) + beta * C, then + bias[n] on every row if bias is
+  // non-null (bias: N elements of ab_type, the weights' type).
+  //   op(A) is (M,K): A stored (M,K) with leading dimension lda, or, if trans_a, stored (K,M).
+  //   op(B) is (K,N): B stored (K,N) with ldb, or, if trans_b, stored (N,K).
+  // a_type and b_type must be equal (F32 or BF16); c_type is F32 or BF16. beta != 0 reads C.
+  // Accumulation is fp32.
+  virtual void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                    const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type,
+                    float beta, void* C, int64_t ldc, DType c_type,
+                    const void* bias = nullptr) = 0;
+
+  // dbias[j] += sum_i dout[i, j]. dout (N, OC) of type act; dbias F32 (OC).
+  virtual void bias_backward(float* dbias, const void* dout, int64_t N, int64_t OC, DType act) = 0;
+
+  // ---- embeddings ----------------------------------------------------------------------------
+  // out[b,t,:] = wte[tokens[b,t], :] + (wpe ? wpe[t, :] : 0). out (B,T,C) act; wte (V,C) and
+  // wpe (T,C) of type w. Token ids outside [0, V) are a caller error (checked by the data layer).
+  virtual void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
+                                 int64_t B, int64_t T, int64_t C, DType act, DType w) = 0;
+  // dwte[tokens[b,t], :] += dout[b,t,:]; dwpe[t,:] += dout[b,t,:] (if dwpe). Deterministic:
+  // the result must not depend on thread scheduling.
+  virtual void embedding_backward(float* dwte, float* dwpe, const void* dout,
+                                  const int32_t* tokens, int64_t B, int64_t T, int64_t C,
+                                  DType act) = 0;
+
+  // ---- normalisation -------------------------------------------------------------------------
+  // LAYERNORM: out = (x - mean) * rstd * weight + bias,   rstd = 1/sqrt(var + eps)
+  // RMSNORM:   out = x * rstd * weight,                   rstd = 1/sqrt(mean(x^2) + eps)
+  // x, out (N, C) act; weight, bias (C) of type w, bias may be null; mean (N) F32 (written only
+  // for LAYERNORM, may be null for RMSNORM); rstd (N) F32.
+  virtual void norm_forward(NormKind kind, void* out, float* mean, float* rstd, const void* x,
+                            const void* weight, const void* bias, int64_t N, int64_t C, float eps,
+                            DType act, DType w) = 0;
+  // dx ACCUMULATES (+=): it is the residual stream's gradient. dweight, dbias (if non-null) +=.
+  virtual void norm_backward(NormKind kind, void* dx, float* dweight, float* dbias,
+                             const void* dout, const void* x, const void* weight,
+                             const float* mean, const float* rstd, int64_t N, int64_t C,
+                             DType act, DType w) = 0;
+
+  // ---- element-wise --------------------------------------------------------------------------
+  // out = a + b, n elements of type act (out may alias a or b).
+  virtual void add(void* out, const void* a, const void* b, int64_t n, DType act) = 0;
+  // y = gelu(x); dx = gelu'(x) * dy (overwrites dx; dx may alias dy).
+  virtual void gelu_forward(void* y, const void* x, int64_t n, DType act) = 0;
+  virtual void gelu_backward(void* dx, const void* x, const void* dy, int64_t n, DType act) = 0;
+  // SwiGLU: x (N, 2F) holds [gate | up] per row; y (N, F) = silu(gate) * up.
+  // dx (N, 2F) is overwritten from dy (N, F).
+  virtual void swiglu_forward(void* y, const void* x, int64_t N, int64_t F, DType act) = 0;
+  virtual void swiglu_backward(void* dx, const void* x, const void* dy, int64_t N, int64_t F,
+                               DType act) = 0;
+
+  // ---- attention -----------------------------------------------------------------------------
+  // qkv (B, T, (NH + 2*NKV) * HS): per token, NH query heads, then NKV key heads, then NKV value
+  // heads, each HS wide. Query head h uses kv head h / (NH / NKV) (GQA; NKV == NH is MHA).
+  //
+  // RoPE (in place on the q and k parts of qkv; v untouched), position t = token index in its
+  // sequence, math::rope_* convention. Backward applies the inverse rotation to the gradient.
+  virtual void rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
+                            float theta, DType act) = 0;
+  virtual void rope_backward(void* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                             int64_t HS, float theta, DType act) = 0;
+  // Causal softmax attention with scale 1/sqrt(HS). out (B, T, NH*HS) act; lse (B, NH, T) F32 is
+  // the log-sum-exp of each query row's scaled scores (saved for backward). Implementations must
+  // not materialise the (B, NH, T, T) score tensor.
+  virtual void attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T,
+                                 int64_t NH, int64_t NKV, int64_t HS, DType act) = 0;
+  // dqkv (same layout as qkv) is overwritten. dout, out (B, T, NH*HS).
+  virtual void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
+                                  const float* lse, int64_t B, int64_t T, int64_t NH,
+                                  int64_t NKV, int64_t HS, DType act) = 0;
+
+  // ---- loss ----------------------------------------------------------------------------------
+  // Softmax cross-entropy over logits (N, V) F32 with targets (N) int32:
+  //   losses[i] = logsumexp(logits[i]) - logits[i, targets[i]]            (F32, N)
+  // If dlogits is non-null it is written with dloss_scale * (softmax(logits[i]) - onehot(t_i)),
+  // of type dlogits_type; dlogits may alias logits when dlogits_type is F32 (fused in place).
+  // A target < 0 is ignored: loss 0 and zero gradient for that row.
+  virtual void cross_entropy(float* losses, void* dlogits, DType dlogits_type, const float* logits,
+                             const int32_t* targets, int64_t N, int64_t V, float dloss_scale) = 0;
+
+  // ---- optimizer and reductions --------------------------------------------------------------
+  // out[0] = sum_i x[i]^2 over n F32 elements, accumulated in double then stored as float.
+  virtual void sum_squares(float* out, const float* x, int64_t n) = 0;
+  // out[0] = sum_i x[i] over n F32 elements (accumulated in double).
+  virtual void sum(float* out, const float* x, int64_t n) = 0;
+  // In place AdamW (math::adamw_update) on n elements of fp32 master params with fp32 grads and
+  // moments. If compute_copy is non-null the updated params are also written to it, rounded to
+  // compute_type (the bf16 weights the next forward reads).
+  virtual void adamw(float* params, const float* grads, float* m, float* v, int64_t n,
+                     const math::AdamParams& hp, void* compute_copy, DType compute_type) = 0;
+  // dst = src converted between F32 and BF16 (or a copy if equal types), n elements.
+  virtual void cast(void* dst, DType dst_type, const void* src, DType src_type, int64_t n) = 0;
+};
+
+// The CPU backend (kernels/cpu). `threads` <= 0 means all available cores.
+std::unique_ptr<Backend> make_cpu_backend(int threads = 0);
+
+}  // namespace tetra

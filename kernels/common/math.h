@@ -1,0 +1,182 @@
+// Element-wise math shared by every backend.
+//
+// Each function here is the single definition of one piece of scalar math (bf16 rounding, GELU,
+// SiLU, RoPE, the AdamW update, the counter-based RNG used for initialisation). The CPU kernels
+// call them from vectorised loops; CUDA kernels call the same functions from device code
+// (TETRA_HD expands to __host__ __device__ under nvcc), so the backends cannot drift apart.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define TETRA_HD __host__ __device__ __forceinline__
+#else
+#define TETRA_HD inline
+#endif
+
+namespace tetra::math {
+
+// ---------------------------------------------------------------------------------------------
+// bf16: the upper 16 bits of an IEEE fp32. Conversion rounds to nearest, ties to even; NaN stays
+// NaN (a quiet NaN payload is forced so rounding cannot turn it into infinity).
+// ---------------------------------------------------------------------------------------------
+TETRA_HD uint32_t f32_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return u;
+#endif
+}
+
+TETRA_HD float bits_f32(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+#endif
+}
+
+TETRA_HD uint16_t f32_to_bf16_bits(float x) {
+  uint32_t u = f32_bits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);  // NaN
+  uint32_t rounding_bias = 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>((u + rounding_bias) >> 16);
+}
+
+TETRA_HD float bf16_bits_to_f32(uint16_t b) { return bits_f32(static_cast<uint32_t>(b) << 16); }
+
+// Round an fp32 value to the nearest bf16 and return it widened back to fp32.
+TETRA_HD float round_bf16(float x) { return bf16_bits_to_f32(f32_to_bf16_bits(x)); }
+
+// ---------------------------------------------------------------------------------------------
+// Activations. GELU is the tanh approximation used by GPT-2 (PyTorch: gelu(approximate="tanh")).
+// ---------------------------------------------------------------------------------------------
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluCube = 0.044715f;
+
+TETRA_HD float gelu(float x) {
+  float u = kGeluScale * (x + kGeluCube * x * x * x);
+  return 0.5f * x * (1.0f + tanhf(u));
+}
+
+// d gelu(x) / dx
+TETRA_HD float gelu_grad(float x) {
+  float x2 = x * x;
+  float u = kGeluScale * (x + kGeluCube * x2 * x);
+  float t = tanhf(u);
+  float sech2 = 1.0f - t * t;
+  return 0.5f * (1.0f + t) + 0.5f * x * sech2 * kGeluScale * (1.0f + 3.0f * kGeluCube * x2);
+}
+
+TETRA_HD float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+TETRA_HD float silu(float x) { return x * sigmoid(x); }
+
+// d silu(x) / dx = s + x s (1 - s)
+TETRA_HD float silu_grad(float x) {
+  float s = sigmoid(x);
+  return s * (1.0f + x * (1.0f - s));
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE, "rotate half" convention (GPT-NeoX, Llama in HF transformers): within one head of size
+// HS, element i (i < HS/2) is paired with element i + HS/2 and the pair is rotated by the angle
+// pos * theta^(-2i/HS). The inverse rotation (used in backward) is the rotation by -angle.
+// ---------------------------------------------------------------------------------------------
+TETRA_HD float rope_inv_freq(int i, int head_size, float theta) {
+  return powf(theta, -2.0f * static_cast<float>(i) / static_cast<float>(head_size));
+}
+
+TETRA_HD void rope_rotate(float& x0, float& x1, float cos_a, float sin_a) {
+  float r0 = x0 * cos_a - x1 * sin_a;
+  float r1 = x0 * sin_a + x1 * cos_a;
+  x0 = r0;
+  x1 = r1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// AdamW (Loshchilov & Hutter), decoupled weight decay, bias-corrected moments, as torch.optim.AdamW:
+//   m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
+//   p = p - lr * wd * p - lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)
+// `grad_scale` multiplies the raw gradient first (global-norm clipping, loss-scale removal).
+// ---------------------------------------------------------------------------------------------
+struct AdamParams {
+  float lr;
+  float beta1;
+  float beta2;
+  float eps;
+  float weight_decay;
+  float bias_correction1;  // 1 - beta1^t
+  float bias_correction2;  // 1 - beta2^t
+  float grad_scale;
+};
+
+TETRA_HD float adamw_update(float& param, float& m, float& v, float grad, const AdamParams& a) {
+  float g = grad * a.grad_scale;
+  m = a.beta1 * m + (1.0f - a.beta1) * g;
+  v = a.beta2 * v + (1.0f - a.beta2) * g * g;
+  float m_hat = m / a.bias_correction1;
+  float v_hat = v / a.bias_correction2;
+  param -= a.lr * (a.weight_decay * param + m_hat / (sqrtf(v_hat) + a.eps));
+  return param;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Counter-based RNG: Philox-4x32-10 (Salmon et al., SC'11). Element n of a tensor is a pure
+// function of (seed, stream, n), so any slice of a parameter can be generated alone and every
+// parallel layout starts from the same model.
+// ---------------------------------------------------------------------------------------------
+struct Philox4 {
+  uint32_t v[4];
+};
+
+TETRA_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
+  uint64_t p = static_cast<uint64_t>(a) * static_cast<uint64_t>(b);
+  hi = static_cast<uint32_t>(p >> 32);
+  lo = static_cast<uint32_t>(p);
+}
+
+TETRA_HD Philox4 philox4x32(uint64_t counter_lo, uint64_t counter_hi, uint64_t key) {
+  uint32_t c0 = static_cast<uint32_t>(counter_lo), c1 = static_cast<uint32_t>(counter_lo >> 32);
+  uint32_t c2 = static_cast<uint32_t>(counter_hi), c3 = static_cast<uint32_t>(counter_hi >> 32);
+  uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
+  for (int round = 0; round < 10; ++round) {
+    uint32_t hi0, lo0, hi1, lo1;
+    mulhilo32(0xD2511F53u, c0, hi0, lo0);
+    mulhilo32(0xCD9E8D57u, c2, hi1, lo1);
+    uint32_t n0 = hi1 ^ c1 ^ k0, n1 = lo1, n2 = hi0 ^ c3 ^ k1, n3 = lo0;
+    c0 = n0; c1 = n1; c2 = n2; c3 = n3;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return Philox4{{c0, c1, c2, c3}};
+}
+
+// Uniform in (0, 1): 24 random bits, never exactly 0 (safe for log).
+TETRA_HD float uint_to_unit(uint32_t x) { return (static_cast<float>(x >> 8) + 0.5f) * (1.0f / 16777216.0f); }
+
+// Standard normal sample number `n` of stream (seed, stream_id), by Box-Muller on one Philox block.
+TETRA_HD float philox_normal(uint64_t seed, uint64_t stream_id, uint64_t n) {
+  Philox4 r = philox4x32(n, stream_id, seed);
+  float u1 = uint_to_unit(r.v[0]);
+  float u2 = uint_to_unit(r.v[1]);
+  return sqrtf(-2.0f * logf(u1)) * cosf(6.283185307179586f * u2);
+}
+
+// 64-bit FNV-1a, for turning a parameter name into an RNG stream id.
+TETRA_HD uint64_t fnv1a64(const char* s) {
+  uint64_t h = 1469598103934665603ull;
+  for (; *s; ++s) {
+    h ^= static_cast<uint8_t>(*s);
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+}  // namespace tetra::math

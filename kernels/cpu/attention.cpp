@@ -1,0 +1,596 @@
+// Causal self-attention (forward and backward) and RoPE on the CPU.
+//
+// qkv (B, T, (NH + 2*NKV) * HS) holds per token NH query heads, then NKV key heads, then NKV value
+// heads; query head h reads kv head h / (NH / NKV) (grouped-query attention). Scores are scaled by
+// 1/sqrt(HS); lse (B, NH, T) saves each query row's log-sum-exp for the backward pass.
+//
+// Flash-attention style: the (T, T) score matrix of a head is never stored. Work is cut into
+// square blocks of kBlock queries x kBlock keys. Forward keeps, per query block, a running max m,
+// a running sum l and an unnormalised output accumulator, rescaled as each key block arrives
+// (online softmax). Backward recomputes each probability tile from the saved lse:
+//   p_ij = exp(s_ij - lse_i),  D_i = dout_i · out_i,  ds_ij = p_ij (dout_i · v_j - D_i)
+//   dv_j += p_ij dout_i,  dq_i += scale ds_ij k_j,  dk_j += scale ds_ij q_i.
+// Every product of two tiles goes through one register-blocked kernel (tile_gemm) written with
+// GCC vector extensions (16 fp32 lanes = one AVX-512 register; narrower ISAs split it), so QK^T,
+// PV and the five backward products run as small dense GEMMs on fp32 copies of the operands, at
+// close to the FMA peak; on diagonal tiles the causally masked half is skipped. The rest of the
+// time goes to moving head rows in and out of the strided qkv / out layouts (prefetched).
+//
+// Parallelism and determinism: forward runs one task per (b, head, query block); backward one
+// task per (b, kv head), which owns dk and dv of that kv head, so the GQA heads sharing it never
+// race and every sum runs in a fixed order whatever the thread count. Per-thread scratch is a set
+// of thread_local buffers that only grow (no allocation once the largest shape has been seen).
+//
+// Storage is float or bf16 (template T); all math is fp32. exp is a vectorised polynomial (the
+// compiler does not vectorise expf without -ffast-math), accurate to a few ulp.
+#include <omp.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels/common/math.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "trainer/core/check.h"
+
+namespace tetra {
+namespace {
+
+constexpr int64_t kBlock = 64;  // queries and keys per tile; a multiple of 16 (vector width)
+constexpr int64_t kRows = 4;    // rows of one register block of tile_gemm
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// ---------------------------------------------------------------------------------------------
+// 16-lane fp32 vectors
+// ---------------------------------------------------------------------------------------------
+using v16 = float __attribute__((vector_size(64)));
+using v16i = int32_t __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline v16 splat16(float x) { return v16{} + x; }
+
+// exp(x) to ~2 ulp (Cephes expf polynomial after reduction by ln 2); returns exactly 0 below
+// -87.3 (and for -inf, which marks masked scores), so masked entries drop out of every sum.
+inline v16 exp16(v16 x) {
+  const v16i underflow = x < -87.3f;
+  x = x > 88.0f ? splat16(88.0f) : x;
+  x = underflow ? splat16(0.0f) : x;
+  const float kMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  v16 n = (x * 1.44269504088896341f + kMagic) - kMagic;
+  v16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16 p = splat16(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16 y = p * std::bit_cast<v16>(bits);
+  return underflow ? splat16(0.0f) : y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tile products: C (M, N) (+)= A (M, K) · B (K, N), all fp32 scratch.
+//   A(r, k) = a[r * a_rs + k * a_ks]  (so A may be read transposed), B rows are ldb apart.
+//   M is a multiple of kRows, N a multiple of 16. With `zero_init` C is overwritten, not read.
+// The register block is kRows x (16 * NV) accumulators, which stay in registers over K.
+// ---------------------------------------------------------------------------------------------
+template <int NV>
+inline void micro_tile(float* c, int64_t ldc, const float* a, int64_t a_rs, int64_t a_ks,
+                       const float* b, int64_t ldb, int64_t K, bool zero_init) {
+  v16 acc[kRows][NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = zero_init ? v16{} : load16(c + r * ldc + 16 * v);
+  for (int64_t k = 0; k < K; ++k) {
+    v16 bk[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bk[v] = load16(b + k * ldb + 16 * v);
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      float ar = a[r * a_rs + k * a_ks];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] += ar * bk[v];
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) store16(c + r * ldc + 16 * v, acc[r][v]);
+}
+
+// On a diagonal tile (query block == key block) half of the work is causally masked. Rows and
+// the inner index k (or the columns n) then count positions in the same block, and the caller
+// says which part is known to be zero or unused, so it is skipped:
+//   K_UPTO_ROW   A(r, k) == 0 for k > r: k runs over [0, r]        (P · V, dS · K)
+//   K_FROM_ROW   A(r, k) == 0 for k < r: k runs over [r, K)        (P^T · dO, dS^T · Q)
+//   N_UPTO_ROW   only C(r, n <= r) is used: columns up to r        (Q · K^T, dO · V^T)
+//   N_FROM_ROW   only C(r, n >= r) is used: columns from r         (K · Q^T)
+// in units of register blocks and vectors. Skipped k terms are exact zeros, so results are
+// unchanged; skipped columns of C are left unwritten and the caller masks them.
+enum class Causal : uint8_t { NONE, K_UPTO_ROW, K_FROM_ROW, N_UPTO_ROW, N_FROM_ROW };
+
+void tile_gemm(float* c, int64_t ldc, const float* a, int64_t a_rs, int64_t a_ks, const float* b,
+               int64_t ldb, int64_t M, int64_t N, int64_t K, bool zero_init,
+               Causal causal = Causal::NONE) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+    int64_t k0 = 0, k1 = K, n_begin = 0, n_end = N;
+    switch (causal) {
+      case Causal::K_UPTO_ROW: k1 = std::min(K, m0 + kRows); break;
+      case Causal::K_FROM_ROW: k0 = std::min(K, m0); break;
+      case Causal::N_UPTO_ROW: n_end = std::min(N, round_up(m0 + kRows, 16)); break;
+      case Causal::N_FROM_ROW: n_begin = m0 / 16 * 16; break;
+      case Causal::NONE: break;
+    }
+    const float* aa = a + m0 * a_rs + k0 * a_ks;
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += 64) {
+      const int64_t nv = std::min<int64_t>(4, (n_end - n0) / 16);
+      float* cc = c + m0 * ldc + n0;
+      const float* bb = b + k0 * ldb + n0;
+      const int64_t kk = k1 - k0;
+      switch (nv) {
+        case 4: micro_tile<4>(cc, ldc, aa, a_rs, a_ks, bb, ldb, kk, zero_init); break;
+        case 3: micro_tile<3>(cc, ldc, aa, a_rs, a_ks, bb, ldb, kk, zero_init); break;
+        case 2: micro_tile<2>(cc, ldc, aa, a_rs, a_ks, bb, ldb, kk, zero_init); break;
+        default: micro_tile<1>(cc, ldc, aa, a_rs, a_ks, bb, ldb, kk, zero_init); break;
+      }
+    }
+  }
+}
+
+// A grow-only per-thread buffer of floats.
+float* scratch(std::vector<float>& buf, size_t n) {
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+// Geometry of qkv / out shared by forward and backward.
+struct AttnShape {
+  int64_t B, T, NH, NKV, HS;
+  int64_t HSP;    // HS rounded up to 16: scratch rows are padded with zeros to whole vectors
+  int64_t G;      // query heads per kv head
+  int64_t row;    // elements per token in qkv: (NH + 2 * NKV) * HS
+  int64_t n_qb;   // query (= key) blocks per sequence
+  float scale;    // 1 / sqrt(HS)
+  // Offsets of head h's vector at token t of batch b.
+  int64_t q_at(int64_t b, int64_t t, int64_t h) const { return (b * T + t) * row + h * HS; }
+  int64_t k_at(int64_t b, int64_t t, int64_t kvh) const { return (b * T + t) * row + (NH + kvh) * HS; }
+  int64_t v_at(int64_t b, int64_t t, int64_t kvh) const {
+    return (b * T + t) * row + (NH + NKV + kvh) * HS;
+  }
+  int64_t o_at(int64_t b, int64_t t, int64_t h) const { return (b * T + t) * NH * HS + h * HS; }
+};
+
+AttnShape make_shape(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, const char* op) {
+  TETRA_CHECK(B > 0 && T > 0 && NH > 0 && NKV > 0 && HS > 0,
+              "{}: sizes must be positive, got B={} T={} NH={} NKV={} HS={}", op, B, T, NH, NKV,
+              HS);
+  TETRA_CHECK(NH % NKV == 0, "{}: NH ({}) must be a multiple of NKV ({})", op, NH, NKV);
+  AttnShape s{B, T, NH, NKV, HS, round_up(HS, 16), NH / NKV, (NH + 2 * NKV) * HS,
+              (T + kBlock - 1) / kBlock, 1.0f / std::sqrt(static_cast<float>(HS))};
+  return s;
+}
+
+// Rows of one head lie (NH + 2*NKV) * HS elements apart in qkv (NH * HS in out): kilobytes, too
+// far for the hardware's stride prefetchers, so every row would be a full cache miss. Loops over
+// rows prefetch the head vector kPrefetchRows rows ahead.
+constexpr int64_t kPrefetchRows = 8;
+
+template <int kWrite, typename T>
+inline void prefetch_head(const T* p, int64_t HS) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < HS * static_cast<int64_t>(sizeof(T)); off += 64)
+    __builtin_prefetch(c + off, kWrite);
+}
+
+// Copy rows [t0, t0 + n) of one head (at src + t * row) into dst (rows, ld) as fp32, multiplied
+// by `mul`; rows n..rows-1 and columns HS..ld-1 are zeroed.
+template <typename T>
+void load_rows(float* dst, int64_t ld, int64_t rows, const T* src, int64_t row, int64_t n,
+               int64_t HS, float mul) {
+  for (int64_t t = 0; t < rows; ++t) {
+    float* d = dst + t * ld;
+    if (t < n) {
+      if (t + kPrefetchRows < n) prefetch_head<0>(src + (t + kPrefetchRows) * row, HS);
+      const T* s = src + t * row;
+      for (int64_t x = 0; x < HS; ++x) d[x] = to_f32(s[x]) * mul;
+      for (int64_t x = HS; x < ld; ++x) d[x] = 0.0f;
+    } else {
+      std::memset(d, 0, sizeof(float) * ld);
+    }
+  }
+}
+
+// The same, transposed: dst (ld_rows, cols) with dst[x * cols + t] = mul * (src row t)[x], zero
+// where t >= n or x >= HS. cols and ld_rows are multiples of 16. Works in 16 x 16 blocks so that
+// both the reads and the writes are whole cache lines (a plain column scatter with a stride of
+// a few KiB would thrash L1's sets).
+template <typename T>
+void load_rows_transposed(float* dst, int64_t cols, int64_t ld_rows, const T* src, int64_t row,
+                          int64_t n, int64_t HS, float mul) {
+  alignas(64) float blk[16][16];  // [x][t]
+  for (int64_t t0 = 0; t0 < cols; t0 += 16) {
+    const int64_t nt = std::clamp<int64_t>(n - t0, 0, 16);
+    for (int64_t t = t0 + 16; t < std::min(n, t0 + 32); ++t) prefetch_head<0>(src + t * row, HS);
+    for (int64_t x0 = 0; x0 < ld_rows; x0 += 16) {
+      const int64_t nx = std::clamp<int64_t>(HS - x0, 0, 16);
+      std::memset(blk, 0, sizeof(blk));
+      for (int64_t t = 0; t < nt; ++t) {
+        const T* sr = src + (t0 + t) * row + x0;
+        for (int64_t x = 0; x < nx; ++x) blk[x][t] = to_f32(sr[x]) * mul;
+      }
+      for (int64_t x = 0; x < 16; ++x) store16(dst + (x0 + x) * cols + t0, load16(blk[x]));
+    }
+  }
+}
+
+// Sum of the 16 lanes, in a fixed order.
+inline float hsum16(v16 v) {
+  float acc = 0.0f;
+  for (int i = 0; i < 16; ++i) acc += v[i];
+  return acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+// ---------------------------------------------------------------------------------------------
+// Per-thread forward state. K and V of one (b, kv head), converted to fp32 rows (Tp, HSP), are
+// kept while the thread's consecutive tasks use them: its query blocks in increasing order and
+// the G heads that share the kv head. Converted blocks are reused, never redone.
+struct FwdScratch {
+  std::vector<float> k, v, qt, st, acc;
+  int64_t b = -1, kvh = -1, blocks = 0;  // K/V blocks [0, blocks) of (b, kvh) are in k and v
+};
+
+// One query block [i0, i0 + nq) of head h. Tiles are held transposed (keys x queries), so the
+// softmax statistics of kBlock queries are vectors and need no horizontal reductions:
+//   st (nkr, kBlock)    = K_blk (nkr, HS) · (scale Q)^T (HS, kBlock)
+//   acc (kBlock, HSP)  += P (kBlock, nkr) · V_blk (nkr, HSP)       with P read from st
+template <typename T>
+void attention_forward_block(T* out, float* lse, const T* qkv, const AttnShape& s, int64_t b,
+                             int64_t h, int64_t qb, FwdScratch& w) {
+  const int64_t kvh = h / s.G, HS = s.HS, HSP = s.HSP;
+  const int64_t i0 = qb * kBlock, nq = std::min(kBlock, s.T - i0);
+  float* kc = scratch(w.k, s.n_qb * kBlock * HSP);
+  float* vc = scratch(w.v, s.n_qb * kBlock * HSP);
+  float* qt = scratch(w.qt, HSP * kBlock);
+  float* st = scratch(w.st, kBlock * kBlock);
+  float* acc = scratch(w.acc, kBlock * HSP);
+  if (w.b != b || w.kvh != kvh) {
+    w.b = b;
+    w.kvh = kvh;
+    w.blocks = 0;
+  }
+  for (; w.blocks <= qb; ++w.blocks) {
+    const int64_t j0 = w.blocks * kBlock, nk = std::min(kBlock, s.T - j0);
+    load_rows(kc + j0 * HSP, HSP, kBlock, qkv + s.k_at(b, j0, kvh), s.row, nk, HS, 1.0f);
+    load_rows(vc + j0 * HSP, HSP, kBlock, qkv + s.v_at(b, j0, kvh), s.row, nk, HS, 1.0f);
+  }
+  load_rows_transposed(qt, kBlock, HSP, qkv + s.q_at(b, i0, h), s.row, nq, HS, s.scale);
+  std::memset(acc, 0, sizeof(float) * kBlock * HSP);
+  constexpr int64_t kVecs = kBlock / 16;
+  v16 m[kVecs], l[kVecs];
+  for (int64_t u = 0; u < kVecs; ++u) {
+    m[u] = splat16(kNegInf);
+    l[u] = v16{};
+  }
+
+  for (int64_t kbi = 0; kbi <= qb; ++kbi) {
+    const int64_t j0 = kbi * kBlock, nk = std::min(kBlock, s.T - j0), nkr = round_up(nk, kRows);
+    const float* kb = kc + j0 * HSP;
+    const float* vb = vc + j0 * HSP;
+    const bool diagonal = kbi == qb;  // j0 == i0
+    tile_gemm(st, kBlock, kb, HSP, 1, qt, kBlock, nkr, kBlock, HS, /*zero_init=*/true,
+              diagonal ? Causal::N_FROM_ROW : Causal::NONE);
+    if (diagonal) {  // mask keys after the query and padded keys
+      for (int64_t j = 0; j < nkr; ++j)
+        for (int64_t i = 0; i < kBlock; ++i)
+          if (j > i || j >= nk) st[j * kBlock + i] = kNegInf;
+    }
+    // Online softmax, 16 queries at a time.
+    for (int64_t u = 0; u < kVecs; ++u) {
+      v16 mx = m[u];
+      for (int64_t j = 0; j < nkr; ++j) {
+        v16 x = load16(st + j * kBlock + 16 * u);
+        mx = x > mx ? x : mx;
+      }
+      v16 corr = exp16(m[u] - mx);  // first block: exp(-inf) = 0
+      v16 sum = v16{};
+      for (int64_t j = 0; j < nkr; ++j) {
+        v16 p = exp16(load16(st + j * kBlock + 16 * u) - mx);
+        store16(st + j * kBlock + 16 * u, p);
+        sum += p;
+      }
+      m[u] = mx;
+      l[u] = l[u] * corr + sum;
+      for (int64_t i = 0; i < 16; ++i) {
+        float* a = acc + (16 * u + i) * HSP;
+        for (int64_t x = 0; x < HSP; ++x) a[x] *= corr[i];
+      }
+    }
+    tile_gemm(acc, HSP, st, 1, kBlock, vb, HSP, round_up(nq, kRows), HSP, nkr, false,
+              diagonal ? Causal::K_UPTO_ROW : Causal::NONE);
+  }
+
+  for (int64_t i = 0; i < nq; ++i) {
+    float mi = m[i / 16][i % 16], li = l[i / 16][i % 16];
+    float inv = 1.0f / li;
+    if (i + kPrefetchRows < nq) prefetch_head<1>(out + s.o_at(b, i0 + i + kPrefetchRows, h), HS);
+    T* o = out + s.o_at(b, i0 + i, h);
+    const float* a = acc + i * HSP;
+    for (int64_t x = 0; x < HS; ++x) o[x] = from_f32<T>(a[x] * inv);
+    lse[(b * s.NH + h) * s.T + i0 + i] = mi + std::log(li);
+  }
+}
+
+template <typename T>
+void attention_forward_impl(T* out, float* lse, const T* qkv, const AttnShape& s, int nt) {
+  const int64_t n_tasks = s.B * s.NH * s.n_qb;
+#pragma omp parallel num_threads(nt)
+  {
+    thread_local FwdScratch w;
+    w.b = -1;  // K/V cached by an earlier call are stale
+    // Tasks ordered (b, h, qb), qb fastest, in contiguous static chunks: each thread walks the
+    // query blocks of a head in order and then the next head, reusing the converted K/V. Every
+    // (b, h) costs the same, so equal chunks balance.
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < n_tasks; ++task) {
+      const int64_t qb = task % s.n_qb, bh = task / s.n_qb;
+      attention_forward_block(out, lse, qkv, s, bh / s.NH, bh % s.NH, qb, w);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward
+// ---------------------------------------------------------------------------------------------
+struct BwdScratch {
+  std::vector<float> k, kt, vt, dk, dv, q, dout, out, dq, p, dp, d;
+};
+
+// All of kv head kvh of batch b: its G query heads and every query block. K (Tp, HSP), K^T and
+// V^T (HSP, Tp) are converted once; dK and dV (Tp, HSP) accumulate over heads and blocks.
+// Per query block, with Qs = scale * Q:
+//   S  (nqr, kBlock) = Qs · K^T_blk        P = exp(S - lse), masked to 0
+//   dV_blk += P^T · dO                      dP (nqr, kBlock) = dO · V^T_blk
+//   dS = P * (dP - D)                       dQ += dS · K_blk,   dK_blk += dS^T · Qs
+// and finally dq = scale * dQ (dK needs no extra scale: Qs carries it).
+template <typename T>
+void attention_backward_kv_head(T* dqkv, const T* dout, const T* qkv, const T* out,
+                                const float* lse, const AttnShape& s, int64_t b, int64_t kvh,
+                                BwdScratch& w) {
+  const int64_t HS = s.HS, HSP = s.HSP, T_ = s.T, Tp = s.n_qb * kBlock;
+  float* k = scratch(w.k, Tp * HSP);
+  float* kt = scratch(w.kt, HSP * Tp);
+  float* vt = scratch(w.vt, HSP * Tp);
+  float* dk = scratch(w.dk, Tp * HSP);
+  float* dv = scratch(w.dv, Tp * HSP);
+  float* q = scratch(w.q, kBlock * HSP);
+  float* dob = scratch(w.dout, kBlock * HSP);
+  float* ob = scratch(w.out, kBlock * HSP);
+  float* dq = scratch(w.dq, kBlock * HSP);
+  float* p = scratch(w.p, kBlock * kBlock);
+  float* dp = scratch(w.dp, kBlock * kBlock);
+  float* dvec = scratch(w.d, 2 * kBlock);  // D_i, then lse_i
+  float* lsev = dvec + kBlock;
+
+  load_rows(k, HSP, Tp, qkv + s.k_at(b, 0, kvh), s.row, T_, HS, 1.0f);
+  load_rows_transposed(kt, Tp, HSP, qkv + s.k_at(b, 0, kvh), s.row, T_, HS, 1.0f);
+  load_rows_transposed(vt, Tp, HSP, qkv + s.v_at(b, 0, kvh), s.row, T_, HS, 1.0f);
+  std::memset(dk, 0, sizeof(float) * Tp * HSP);
+  std::memset(dv, 0, sizeof(float) * Tp * HSP);
+
+  for (int64_t g = 0; g < s.G; ++g) {
+    const int64_t h = kvh * s.G + g;
+    for (int64_t qb = 0; qb < s.n_qb; ++qb) {
+      const int64_t i0 = qb * kBlock, nq = std::min(kBlock, T_ - i0), nqr = round_up(nq, kRows);
+      load_rows(q, HSP, kBlock, qkv + s.q_at(b, i0, h), s.row, nq, HS, s.scale);
+      load_rows(dob, HSP, kBlock, dout + s.o_at(b, i0, h), s.NH * HS, nq, HS, 1.0f);
+      load_rows(ob, HSP, kBlock, out + s.o_at(b, i0, h), s.NH * HS, nq, HS, 1.0f);
+      for (int64_t i = 0; i < nq; ++i) {
+        v16 acc = v16{};
+        for (int64_t x = 0; x < HSP; x += 16)
+          acc += load16(dob + i * HSP + x) * load16(ob + i * HSP + x);
+        dvec[i] = hsum16(acc);
+        lsev[i] = lse[(b * s.NH + h) * T_ + i0 + i];
+      }
+      for (int64_t i = nq; i < kBlock; ++i) dvec[i] = lsev[i] = 0.0f;
+      std::memset(dq, 0, sizeof(float) * kBlock * HSP);
+
+      for (int64_t kbi = 0; kbi <= qb; ++kbi) {
+        const int64_t j0 = kbi * kBlock, nk = std::min(kBlock, T_ - j0);
+        const bool diagonal = kbi == qb;  // j0 == i0
+        const Causal upto = diagonal ? Causal::N_UPTO_ROW : Causal::NONE;
+        tile_gemm(p, kBlock, q, HSP, 1, kt + j0, Tp, nqr, kBlock, HS, true, upto);
+        tile_gemm(dp, kBlock, dob, HSP, 1, vt + j0, Tp, nqr, kBlock, HS, true, upto);
+        for (int64_t i = 0; i < nqr; ++i) {
+          // Keys [0, valid) take part: none for padded queries, up to the query itself on the
+          // diagonal, all real keys otherwise. The rest of P and dS (possibly never computed
+          // above) is zeroed.
+          const int64_t valid = i >= nq ? 0 : (diagonal ? std::min(i + 1, nk) : nk);
+          float* pr = p + i * kBlock;
+          float* dsr = dp + i * kBlock;
+          const v16 li = splat16(lsev[i]), di = splat16(dvec[i]);
+          for (int64_t j = 0; j < round_up(valid, 16); j += 16) {
+            v16 pj = exp16(load16(pr + j) - li);
+            store16(pr + j, pj);
+            store16(dsr + j, pj * (load16(dsr + j) - di));
+          }
+          for (int64_t j = valid; j < kBlock; ++j) pr[j] = dsr[j] = 0.0f;
+        }
+        // dp now holds dS.
+        tile_gemm(dv + j0 * HSP, HSP, p, 1, kBlock, dob, HSP, kBlock, HSP, nqr, false,
+                  diagonal ? Causal::K_FROM_ROW : Causal::NONE);
+        tile_gemm(dq, HSP, dp, kBlock, 1, k + j0 * HSP, HSP, nqr, HSP, kBlock, false,
+                  diagonal ? Causal::K_UPTO_ROW : Causal::NONE);
+        tile_gemm(dk + j0 * HSP, HSP, dp, 1, kBlock, q, HSP, kBlock, HSP, nqr, false,
+                  diagonal ? Causal::K_FROM_ROW : Causal::NONE);
+      }
+      for (int64_t i = 0; i < nq; ++i) {
+        if (i + kPrefetchRows < nq)
+          prefetch_head<1>(dqkv + s.q_at(b, i0 + i + kPrefetchRows, h), HS);
+        T* d = dqkv + s.q_at(b, i0 + i, h);
+        const float* a = dq + i * HSP;
+        for (int64_t x = 0; x < HS; ++x) d[x] = from_f32<T>(a[x] * s.scale);
+      }
+    }
+  }
+  for (int64_t t = 0; t < T_; ++t) {
+    if (t + kPrefetchRows < T_) {
+      prefetch_head<1>(dqkv + s.k_at(b, t + kPrefetchRows, kvh), HS);
+      prefetch_head<1>(dqkv + s.v_at(b, t + kPrefetchRows, kvh), HS);
+    }
+    T* dkr = dqkv + s.k_at(b, t, kvh);
+    T* dvr = dqkv + s.v_at(b, t, kvh);
+    for (int64_t x = 0; x < HS; ++x) {
+      dkr[x] = from_f32<T>(dk[t * HSP + x]);
+      dvr[x] = from_f32<T>(dv[t * HSP + x]);
+    }
+  }
+}
+
+template <typename T>
+void attention_backward_impl(T* dqkv, const T* dout, const T* qkv, const T* out,
+                             const float* lse, const AttnShape& s, int nt) {
+  const int64_t n_tasks = s.B * s.NKV;
+#pragma omp parallel num_threads(nt)
+  {
+    thread_local BwdScratch w;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < n_tasks; ++task)
+      attention_backward_kv_head(dqkv, dout, qkv, out, lse, s, task / s.NKV, task % s.NKV, w);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE
+// ---------------------------------------------------------------------------------------------
+// cos/sin of pos * inv_freq(i) for pos < T, i < HS/2, each (T, HS/2). The angle is formed in
+// fp32 exactly as a device kernel would: float(pos) * inv_freq. A model calls RoPE with the same
+// (T, HS, theta) in every layer, so the calling thread keeps the last table.
+struct RopeTable {
+  int64_t T = 0, HS = 0;
+  float theta = 0.0f;
+  std::vector<float> cos_t, sin_t;
+};
+
+const RopeTable& rope_table(int64_t T, int64_t HS, float theta) {
+  thread_local RopeTable table;
+  if (table.T == T && table.HS == HS && table.theta == theta) return table;
+  const int64_t half = HS / 2;
+  table.cos_t.resize(T * half);
+  table.sin_t.resize(T * half);
+  for (int64_t i = 0; i < half; ++i) {
+    float inv = math::rope_inv_freq(static_cast<int>(i), static_cast<int>(HS), theta);
+    for (int64_t t = 0; t < T; ++t) {
+      float angle = static_cast<float>(t) * inv;
+      table.cos_t[t * half + i] = std::cos(angle);
+      table.sin_t[t * half + i] = std::sin(angle);
+    }
+  }
+  table.T = T;
+  table.HS = HS;
+  table.theta = theta;
+  return table;
+}
+
+// Rotates the NH query and NKV key heads of every token; sign = +1 forward, -1 the inverse.
+template <typename T>
+void rope_impl(T* qkv, int64_t B, int64_t T_, int64_t NH, int64_t NKV, int64_t HS, float theta,
+               float sign, int nt) {
+  const RopeTable& table = rope_table(T_, HS, theta);
+  const int64_t half = HS / 2, row = (NH + 2 * NKV) * HS, heads = NH + NKV;
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t bt = 0; bt < B * T_; ++bt) {
+    const int64_t t = bt % T_;
+    const float* c = table.cos_t.data() + t * half;
+    const float* sn = table.sin_t.data() + t * half;
+    for (int64_t hd = 0; hd < heads; ++hd) {
+      T* x = qkv + bt * row + hd * HS;
+      for (int64_t i = 0; i < half; ++i) {
+        float x0 = to_f32(x[i]), x1 = to_f32(x[i + half]);
+        math::rope_rotate(x0, x1, c[i], sign * sn[i]);
+        x[i] = from_f32<T>(x0);
+        x[i + half] = from_f32<T>(x1);
+      }
+    }
+  }
+}
+
+void check_act(DType act, const char* op) {
+  TETRA_CHECK(act == DType::F32 || act == DType::BF16,
+              "{}: activation type must be F32 or BF16, got {}", op, dtype_name(act));
+}
+
+void check_rope(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float theta,
+                const char* op) {
+  TETRA_CHECK(B > 0 && T > 0 && NH > 0 && NKV > 0 && HS > 0,
+              "{}: sizes must be positive, got B={} T={} NH={} NKV={} HS={}", op, B, T, NH, NKV,
+              HS);
+  TETRA_CHECK(HS % 2 == 0, "{}: head size must be even, got HS={}", op, HS);
+  TETRA_CHECK(theta > 0.0f, "{}: theta must be positive, got {}", op, theta);
+}
+
+}  // namespace
+
+void CpuBackend::attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T,
+                                   int64_t NH, int64_t NKV, int64_t HS, DType act) {
+  check_act(act, "attention_forward");
+  AttnShape s = make_shape(B, T, NH, NKV, HS, "attention_forward");
+  if (act == DType::F32)
+    attention_forward_impl(static_cast<float*>(out), lse, static_cast<const float*>(qkv), s,
+                           threads_);
+  else
+    attention_forward_impl(static_cast<bf16*>(out), lse, static_cast<const bf16*>(qkv), s,
+                           threads_);
+}
+
+void CpuBackend::attention_backward(void* dqkv, const void* dout, const void* qkv,
+                                    const void* out, const float* lse, int64_t B, int64_t T,
+                                    int64_t NH, int64_t NKV, int64_t HS, DType act) {
+  check_act(act, "attention_backward");
+  AttnShape s = make_shape(B, T, NH, NKV, HS, "attention_backward");
+  if (act == DType::F32)
+    attention_backward_impl(static_cast<float*>(dqkv), static_cast<const float*>(dout),
+                            static_cast<const float*>(qkv), static_cast<const float*>(out), lse,
+                            s, threads_);
+  else
+    attention_backward_impl(static_cast<bf16*>(dqkv), static_cast<const bf16*>(dout),
+                            static_cast<const bf16*>(qkv), static_cast<const bf16*>(out), lse, s,
+                            threads_);
+}
+
+void CpuBackend::rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                              int64_t HS, float theta, DType act) {
+  check_act(act, "rope_forward");
+  check_rope(B, T, NH, NKV, HS, theta, "rope_forward");
+  if (act == DType::F32)
+    rope_impl(static_cast<float*>(qkv), B, T, NH, NKV, HS, theta, 1.0f, threads_);
+  else
+    rope_impl(static_cast<bf16*>(qkv), B, T, NH, NKV, HS, theta, 1.0f, threads_);
+}
+
+void CpuBackend::rope_backward(void* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                               int64_t HS, float theta, DType act) {
+  check_act(act, "rope_backward");
+  check_rope(B, T, NH, NKV, HS, theta, "rope_backward");
+  if (act == DType::F32)
+    rope_impl(static_cast<float*>(dqkv), B, T, NH, NKV, HS, theta, -1.0f, threads_);
+  else
+    rope_impl(static_cast<bf16*>(dqkv), B, T, NH, NKV, HS, theta, -1.0f, threads_);
+}
+
+}  // namespace tetra

@@ -1,0 +1,77 @@
+// The CPU backend: the numerical reference, and still fast. GEMMs go to oneDNN's matmul (fp32, and
+// bf16 x bf16 -> fp32 on AVX512-BF16/AMX); everything else is OpenMP-parallel C++ written so the
+// compiler vectorises it. Each op lives in its own file under kernels/cpu/; this class only binds
+// them to the Backend interface (see kernels/backend.h for every op's contract).
+#pragma once
+
+#include <memory>
+
+#include "kernels/backend.h"
+
+namespace tetra {
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(int threads);
+  ~CpuBackend() override;
+  std::string name() const override { return "cpu"; }
+  int threads() const { return threads_; }
+
+  void* alloc(size_t bytes) override;
+  void free(void* ptr) override;
+  void memset_zero(void* ptr, size_t bytes) override;
+  void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
+  void copy_from_host(void* dst, const void* host_src, size_t bytes) override;
+  void copy(void* dst, const void* src, size_t bytes) override;
+  void synchronize() override {}
+
+  void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+            const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type, float beta,
+            void* C, int64_t ldc, DType c_type, const void* bias) override;
+  void bias_backward(float* dbias, const void* dout, int64_t N, int64_t OC, DType act) override;
+
+  void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
+                         int64_t B, int64_t T, int64_t C, DType act, DType w) override;
+  void embedding_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens,
+                          int64_t B, int64_t T, int64_t C, DType act) override;
+
+  void norm_forward(NormKind kind, void* out, float* mean, float* rstd, const void* x,
+                    const void* weight, const void* bias, int64_t N, int64_t C, float eps,
+                    DType act, DType w) override;
+  void norm_backward(NormKind kind, void* dx, float* dweight, float* dbias, const void* dout,
+                     const void* x, const void* weight, const float* mean, const float* rstd,
+                     int64_t N, int64_t C, DType act, DType w) override;
+
+  void add(void* out, const void* a, const void* b, int64_t n, DType act) override;
+  void gelu_forward(void* y, const void* x, int64_t n, DType act) override;
+  void gelu_backward(void* dx, const void* x, const void* dy, int64_t n, DType act) override;
+  void swiglu_forward(void* y, const void* x, int64_t N, int64_t F, DType act) override;
+  void swiglu_backward(void* dx, const void* x, const void* dy, int64_t N, int64_t F,
+                       DType act) override;
+
+  void rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
+                    float theta, DType act) override;
+  void rope_backward(void* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
+                     float theta, DType act) override;
+  void attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t NH,
+                         int64_t NKV, int64_t HS, DType act) override;
+  void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
+                          const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                          int64_t HS, DType act) override;
+
+  void cross_entropy(float* losses, void* dlogits, DType dlogits_type, const float* logits,
+                     const int32_t* targets, int64_t N, int64_t V, float dloss_scale) override;
+
+  void sum_squares(float* out, const float* x, int64_t n) override;
+  void sum(float* out, const float* x, int64_t n) override;
+  void adamw(float* params, const float* grads, float* m, float* v, int64_t n,
+             const math::AdamParams& hp, void* compute_copy, DType compute_type) override;
+  void cast(void* dst, DType dst_type, const void* src, DType src_type, int64_t n) override;
+
+ private:
+  int threads_;
+  struct GemmCache;                     // oneDNN engine, stream and primitives cached per shape
+  std::unique_ptr<GemmCache> gemm_cache_;
+};
+
+}  // namespace tetra

@@ -1,0 +1,220 @@
+// CpuBackend::gemm through oneDNN's matmul primitive, plus the backend's constructor/destructor
+// (they own the primitive cache, whose type is complete only here).
+//
+//   C(M,N) = alpha * op(A)(M,K) · op(B)(K,N) + beta * C + bias(N)      (row-major, fp32 accumulate)
+//
+// Row-major storage with leading dimensions and transposes is expressed purely through memory
+// descriptor strides, so no operand is ever copied by us:
+//   op(A) (M,K): strides {lda, 1}, or {1, lda} when A is stored (K,M)  (trans_a)
+//   op(B) (K,N): strides {ldb, 1}, or {1, ldb} when B is stored (N,K)  (trans_b)
+//   C     (M,N): strides {ldc, 1}
+// alpha is an output scale and beta a sum post-op. beta == 0 adds no sum post-op at all, so C is
+// never read (it may hold garbage, NaN included). The bias is oneDNN's native matmul bias when
+// alpha == 1; oneDNN applies output scales after its bias (dst = alpha * (A·B + bias)), so with
+// alpha != 1 the bias becomes a binary-add post-op placed after the sum, which keeps the contract's
+// order: alpha * A·B + beta * C + bias.
+//
+// oneDNN 2.6's brgemm matmul packs a non-transposed B (K, N) into its blocked layout on every
+// call, reading down columns; when B's rows lie a multiple of 1 KiB apart those reads collide in
+// the same L1 sets and the whole product runs up to 2.5x slower (1024x768 · 768x3072 fp32 on one
+// core: 70 ms with ldb = 3072, 27 ms with ldb = 3088). Such a B is first copied to rows padded by
+// one cache line: O(K N) of copying against O(M K N) of arithmetic, done only for M >= 64.
+//
+// oneDNN 2.6 has no f32 x f32 -> bf16 matmul: that combination runs the f32 -> f32 primitive into
+// an fp32 staging buffer (sized on first sight of a shape, then reused), and a rounding pass adds
+// beta * C and stores bf16.
+//
+// Creating a primitive costs far more than running a small one, so primitives are cached per
+// shape key (every field that changes the primitive). A training loop sees a fixed set of shapes:
+// each is created on its first call and reused ever after; per call we only swap data handles.
+// The cache is not thread-safe: one backend is driven by one host thread (oneDNN parallelises
+// inside each call with OpenMP).
+#include <omp.h>
+
+#include <cstring>
+#include <functional>
+#include <unordered_map>
+#include <vector>
+
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include "kernels/cpu/cpu_backend.h"
+#include "trainer/core/check.h"
+
+namespace tetra {
+
+namespace {
+
+struct GemmKey {
+  bool trans_a, trans_b, has_bias;
+  DType ab_type, c_type;
+  int64_t M, N, K, lda, ldb, ldc;
+  uint32_t alpha_bits, beta_bits;  // compared bitwise: every distinct value is its own primitive
+  bool operator==(const GemmKey&) const = default;
+};
+
+struct GemmKeyHash {
+  size_t operator()(const GemmKey& k) const {
+    size_t h = 0;
+    auto mix = [&h](uint64_t v) { h ^= std::hash<uint64_t>{}(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
+    mix((uint64_t(k.trans_a) << 0) | (uint64_t(k.trans_b) << 1) | (uint64_t(k.has_bias) << 2) |
+        (uint64_t(k.ab_type) << 8) | (uint64_t(k.c_type) << 16));
+    for (int64_t v : {k.M, k.N, k.K, k.lda, k.ldb, k.ldc}) mix(static_cast<uint64_t>(v));
+    mix((uint64_t(k.alpha_bits) << 32) | k.beta_bits);
+    return h;
+  }
+};
+
+// One cached matmul and the memory objects it runs on; only their data handles change per call.
+struct GemmPlan {
+  dnnl::matmul prim;
+  dnnl::memory a, b, c, bias;
+  std::unordered_map<int, dnnl::memory> args;  // execution arguments, bound to the memories above
+};
+
+dnnl::memory::data_type dnnl_type(DType t) {
+  switch (t) {
+    case DType::F32: return dnnl::memory::data_type::f32;
+    case DType::BF16: return dnnl::memory::data_type::bf16;
+    default: break;
+  }
+  TETRA_CHECK(false, "gemm: no oneDNN type for {}", dtype_name(t));
+  return dnnl::memory::data_type::undef;
+}
+
+uint32_t float_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return u;
+}
+
+}  // namespace
+
+struct CpuBackend::GemmCache {
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  dnnl::stream stream{engine};
+  std::unordered_map<GemmKey, GemmPlan, GemmKeyHash> plans;
+  std::vector<float> staging;       // (M, N) fp32 result of an f32 x f32 -> bf16 product
+  std::vector<char> b_staging;      // B (K, N) copied to padded rows
+};
+
+CpuBackend::CpuBackend(int threads)
+    : threads_(threads > 0 ? threads : omp_get_max_threads()),
+      gemm_cache_(std::make_unique<GemmCache>()) {
+  omp_set_num_threads(threads_);
+}
+
+CpuBackend::~CpuBackend() = default;
+
+namespace {
+
+GemmPlan make_gemm_plan(const dnnl::engine& engine, const GemmKey& k, float alpha, float beta) {
+  using dims = dnnl::memory::dims;
+  using dt = dnnl::memory::data_type;
+  dt ab = dnnl_type(k.ab_type), c = dnnl_type(k.c_type);
+  dnnl::memory::desc a_md(dims{k.M, k.K}, ab, k.trans_a ? dims{1, k.lda} : dims{k.lda, 1});
+  dnnl::memory::desc b_md(dims{k.K, k.N}, ab, k.trans_b ? dims{1, k.ldb} : dims{k.ldb, 1});
+  dnnl::memory::desc c_md(dims{k.M, k.N}, c, dims{k.ldc, 1});
+  dnnl::memory::desc bias_md(dims{1, k.N}, ab, dims{k.N, 1});
+
+  bool bias_as_post_op = k.has_bias && alpha != 1.0f;
+  dnnl::primitive_attr attr;
+  if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
+  dnnl::post_ops ops;
+  if (beta != 0.0f) ops.append_sum(beta);
+  if (bias_as_post_op) ops.append_binary(dnnl::algorithm::binary_add, bias_md);
+  attr.set_post_ops(ops);
+
+  GemmPlan plan;
+  bool native_bias = k.has_bias && !bias_as_post_op;
+  auto desc = native_bias ? dnnl::matmul::desc(a_md, b_md, bias_md, c_md)
+                          : dnnl::matmul::desc(a_md, b_md, c_md);
+  dnnl::matmul::primitive_desc pd(desc, attr, engine);
+  plan.prim = dnnl::matmul(pd);
+  plan.a = dnnl::memory(a_md, engine, nullptr);
+  plan.b = dnnl::memory(b_md, engine, nullptr);
+  plan.c = dnnl::memory(c_md, engine, nullptr);
+  plan.args = {{DNNL_ARG_SRC, plan.a}, {DNNL_ARG_WEIGHTS, plan.b}, {DNNL_ARG_DST, plan.c}};
+  if (k.has_bias) {
+    plan.bias = dnnl::memory(bias_md, engine, nullptr);
+    // The binary post-op is the last one: index 1 after a sum, else 0.
+    int slot = bias_as_post_op
+                   ? (DNNL_ARG_ATTR_MULTIPLE_POST_OP(beta != 0.0f ? 1 : 0) | DNNL_ARG_SRC_1)
+                   : DNNL_ARG_BIAS;
+    plan.args.emplace(slot, plan.bias);
+  }
+  return plan;
+}
+
+}  // namespace
+
+void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                      const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type,
+                      float beta, void* C, int64_t ldc, DType c_type, const void* bias) {
+  TETRA_CHECK(ab_type == DType::F32 || ab_type == DType::BF16,
+              "gemm: A/B type must be F32 or BF16, got {}", dtype_name(ab_type));
+  TETRA_CHECK(c_type == DType::F32 || c_type == DType::BF16,
+              "gemm: C type must be F32 or BF16, got {} (A/B are {})", dtype_name(c_type),
+              dtype_name(ab_type));
+  TETRA_CHECK(M >= 0 && N >= 0 && K > 0, "gemm: need M, N >= 0 and K > 0, got M={} N={} K={}",
+              M, N, K);
+  if (M == 0 || N == 0) return;
+  TETRA_CHECK(lda >= (trans_a ? M : K) && ldb >= (trans_b ? K : N) && ldc >= N,
+              "gemm: leading dimensions too small: trans_a={} trans_b={} M={} N={} K={} lda={} "
+              "ldb={} ldc={}",
+              trans_a, trans_b, M, N, K, lda, ldb, ldc);
+
+  // oneDNN runs on the calling thread's OpenMP team size; make it this backend's.
+  omp_set_num_threads(threads_);
+
+  if (ab_type == DType::F32 && c_type == DType::BF16) {
+    std::vector<float>& staging = gemm_cache_->staging;
+    if (staging.size() < static_cast<size_t>(M * N)) staging.resize(M * N);
+    gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, DType::F32, 0.0f, staging.data(), N,
+         DType::F32, bias);
+    bf16* c = static_cast<bf16*>(C);
+    const float* src = staging.data();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+      bf16* cr = c + m * ldc;
+      const float* sr = src + m * N;
+      if (beta == 0.0f) {
+        for (int64_t n = 0; n < N; ++n) cr[n] = bf16(sr[n]);
+      } else {
+        for (int64_t n = 0; n < N; ++n) cr[n] = bf16(sr[n] + beta * static_cast<float>(cr[n]));
+      }
+    }
+    return;
+  }
+
+  const int64_t es = static_cast<int64_t>(dtype_size(ab_type));
+  if (!trans_b && (ldb * es) % 1024 == 0 && M >= 64) {
+    const int64_t ldp = N + 64 / es;  // one cache line more per row
+    std::vector<char>& packed = gemm_cache_->b_staging;
+    if (packed.size() < static_cast<size_t>(K * ldp * es)) packed.resize(K * ldp * es);
+    const char* src = static_cast<const char*>(B);
+    char* dst = packed.data();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+    for (int64_t k = 0; k < K; ++k) std::memcpy(dst + k * ldp * es, src + k * ldb * es, N * es);
+    B = dst;
+    ldb = ldp;
+  }
+
+  GemmKey key{trans_a, trans_b, bias != nullptr, ab_type, c_type, M,
+              N,       K,       lda,             ldb,     ldc,    float_bits(alpha),
+              float_bits(beta)};
+  auto it = gemm_cache_->plans.find(key);
+  if (it == gemm_cache_->plans.end()) {
+    it = gemm_cache_->plans.emplace(key, make_gemm_plan(gemm_cache_->engine, key, alpha, beta))
+             .first;
+  }
+  GemmPlan& plan = it->second;
+  plan.a.set_data_handle(const_cast<void*>(A));
+  plan.b.set_data_handle(const_cast<void*>(B));
+  plan.c.set_data_handle(C);
+  if (bias != nullptr) plan.bias.set_data_handle(const_cast<void*>(bias));
+  plan.prim.execute(gemm_cache_->stream, plan.args);
+  gemm_cache_->stream.wait();
+}
+
+}  // namespace tetra

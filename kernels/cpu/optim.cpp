@@ -1,0 +1,87 @@
+// Optimizer kernels on the CPU: the AdamW step over a flat fp32 parameter range, and the two
+// reductions the optimizer needs (sum of squares for the global gradient norm, plain sum).
+//
+// The reductions must give the same bits on every run whatever the thread count: the range is cut
+// into chunks whose size depends on n only, each chunk is summed in double, and the chunks'
+// partial sums are added in chunk order by one thread. AdamW is element-wise through
+// math::adamw_update (the same function the CUDA kernel calls); the optional compute copy is the
+// updated parameter rounded to the compute type (bf16 weights for the next forward).
+#include <omp.h>
+
+#include <algorithm>
+
+#include "kernels/common/math.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "trainer/core/check.h"
+
+namespace tetra {
+namespace {
+
+int team_size(int threads) { return threads > 0 ? threads : omp_get_max_threads(); }
+
+// sum_i f(x[i]) in double, deterministic: at most kMaxChunks chunks of >= kMinChunk elements.
+template <bool kSquare>
+double chunked_sum(const float* x, int64_t n, int nt) {
+  constexpr int64_t kMinChunk = 8192, kMaxChunks = 256;
+  const int64_t chunk = std::max(kMinChunk, (n + kMaxChunks - 1) / kMaxChunks);
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  double partial[kMaxChunks];
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t end = std::min(n, (c + 1) * chunk);
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = c * chunk; i < end; ++i) {
+      double v = x[i];
+      s += kSquare ? v * v : v;
+    }
+    partial[c] = s;
+  }
+  double total = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) total += partial[c];
+  return total;
+}
+
+template <typename T>
+void adamw_impl(float* params, const float* grads, float* m, float* v, int64_t n,
+                const math::AdamParams& hp, T* compute_copy, int nt) {
+  const math::AdamParams a = hp;
+  if (compute_copy) {
+#pragma omp parallel for simd num_threads(nt) schedule(static)
+    for (int64_t i = 0; i < n; ++i)
+      compute_copy[i] = from_f32<T>(math::adamw_update(params[i], m[i], v[i], grads[i], a));
+  } else {
+#pragma omp parallel for simd num_threads(nt) schedule(static)
+    for (int64_t i = 0; i < n; ++i) math::adamw_update(params[i], m[i], v[i], grads[i], a);
+  }
+}
+
+}  // namespace
+
+void CpuBackend::sum_squares(float* out, const float* x, int64_t n) {
+  TETRA_CHECK(n >= 0, "sum_squares: n ({}) must be >= 0", n);
+  out[0] = static_cast<float>(chunked_sum<true>(x, n, team_size(threads_)));
+}
+
+void CpuBackend::sum(float* out, const float* x, int64_t n) {
+  TETRA_CHECK(n >= 0, "sum: n ({}) must be >= 0", n);
+  out[0] = static_cast<float>(chunked_sum<false>(x, n, team_size(threads_)));
+}
+
+void CpuBackend::adamw(float* params, const float* grads, float* m, float* v, int64_t n,
+                       const math::AdamParams& hp, void* compute_copy, DType compute_type) {
+  TETRA_CHECK(n >= 0, "adamw: n ({}) must be >= 0", n);
+  const int nt = team_size(threads_);
+  if (compute_copy == nullptr) {
+    adamw_impl<float>(params, grads, m, v, n, hp, nullptr, nt);
+  } else if (compute_type == DType::F32) {
+    adamw_impl(params, grads, m, v, n, hp, static_cast<float*>(compute_copy), nt);
+  } else if (compute_type == DType::BF16) {
+    adamw_impl(params, grads, m, v, n, hp, static_cast<bf16*>(compute_copy), nt);
+  } else {
+    throw Error(fmt::format("adamw: compute_type must be F32 or BF16, got {}",
+                            dtype_name(compute_type)));
+  }
+}
+
+}  // namespace tetra

@@ -1,0 +1,252 @@
+#!/usr/bin/env bash
+# Tetra against PyTorch on the CPU: one GPT-2 124M training step (forward + backward + AdamW),
+# batch 4, T in {64, 256}, fp32 and bf16, 2 threads, side by side in one run (these shared machines
+# drift ±20% between runs, so only figures from the same run compare).
+#
+# For each case it prints ms/step, tokens/s, the Tetra/torch tokens/s ratio, both GFLOP/s (FLOPs
+# per token 6 N + 12 L T C, N = matmul parameters including the tied lm_head) as a share of the
+# fp32 FMA ceiling measured here (an AVX-512 FMA loop on both threads; one yardstick for every
+# row), and the peak RSS of each process (/usr/bin/time). The bf16 dot-product (vdpbf16ps)
+# ceiling is printed too; on CPUs with AMX, oneDNN's bf16 GEMMs (torch's under autocast) can
+# exceed both, and the header says when AMX is present.
+#
+# The torch peer is run at its best, as cpu-performance.md measured it: tcmalloc preloaded when
+# installed (libtcmalloc-minimal4 or libgoogle-perftools4), OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE
+# unset for it alone, and an optimised BLAS: Debian's torch calls whatever libblas.so.3 the
+# alternatives system points to, and the reference (netlib) BLAS there is ~100x slower than
+# OpenBLAS, so when it is the reference one an installed OpenBLAS is put first on the torch
+# command's library path. The output says which allocator and BLAS torch really ran with.
+#
+# Usage: scripts/bench_cpu.sh
+# Environment: TETRA_BIN (skip the build), TETRA_BUILD_DIR (default build-release), BENCH_WARMUP
+# (2), BENCH_STEPS (3 timed steps), BENCH_SEQ_LENS ("64 256"), BENCH_PRECISIONS ("fp32 bf16"),
+# TCMALLOC (a libtcmalloc*.so to preload), TORCH_BLAS_DIR (a directory holding libblas.so.3).
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BUILD=${TETRA_BUILD_DIR:-$REPO/build-release}
+WARMUP=${BENCH_WARMUP:-2}
+STEPS=${BENCH_STEPS:-3}
+SEQ_LENS=${BENCH_SEQ_LENS:-"64 256"}
+PRECISIONS=${BENCH_PRECISIONS:-"fp32 bf16"}
+THREADS=2
+BATCH=4
+PY=/usr/bin/python3
+LIBDIR=/usr/lib/$(uname -m)-linux-gnu
+export OMP_NUM_THREADS=$THREADS
+
+# ---- Tetra, Release ------------------------------------------------------------------------------
+if [ -z "${TETRA_BIN:-}" ]; then
+  if [ ! -f "$BUILD/build.ninja" ]; then
+    cmake -S "$REPO" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTETRA_CUDA=OFF >/dev/null
+  fi
+  cmake --build "$BUILD" -j2 --target tetra >/dev/null
+  TETRA_BIN=$BUILD/tetra
+fi
+[ -x "$TETRA_BIN" ] || { echo "bench_cpu: no tetra binary at $TETRA_BIN" >&2; exit 1; }
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/tetra-bench.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+
+# ---- the FMA ceiling on this machine -------------------------------------------------------------
+cat >"$WORK/ceiling.c" <<'EOF'
+// Peak arithmetic of all threads: independent FMA chains (fp32) and bf16 dot products (vdpbf16ps,
+// fp32 accumulate), enough chains to cover the FMA latency. Prints "fp32 GFLOPS bf16 GFLOPS".
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+#include <time.h>
+#define CHAINS 12
+#define ITERS 20000000L
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec * 1e-9;
+}
+#ifdef __AVX512F__
+typedef __m512 vec;
+#define LANES 16
+#define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define SET1(x) _mm512_set1_ps(x)
+#define SUM(v) _mm512_reduce_add_ps(v)
+#else
+typedef __m256 vec;
+#define LANES 8
+#define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define SET1(x) _mm256_set1_ps(x)
+static float SUM(__m256 v) { float f[8]; _mm256_storeu_ps(f, v); return f[0] + f[7]; }
+#endif
+static double run(int bf16) {
+  double best = 0;
+  float sink = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    double t0 = now();
+    int threads = 1;
+#pragma omp parallel reduction(+ : sink)
+    {
+#pragma omp single
+      threads = omp_get_num_threads();
+      vec acc[CHAINS];
+      for (int j = 0; j < CHAINS; ++j) acc[j] = SET1(1e-3f * j);
+      const vec a = SET1(0.999f), b = SET1(1e-3f);
+      if (!bf16) {
+        for (long i = 0; i < ITERS; ++i)
+          for (int j = 0; j < CHAINS; ++j) acc[j] = FMA(acc[j], a, b);
+      } else {
+#if defined(__AVX512BF16__)
+        const __m512bh ab = _mm512_cvtne2ps_pbh(a, a), bb = _mm512_cvtne2ps_pbh(b, b);
+        for (long i = 0; i < ITERS; ++i)
+          for (int j = 0; j < CHAINS; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], ab, bb);
+#endif
+      }
+      for (int j = 0; j < CHAINS; ++j) sink += SUM(acc[j]);
+    }
+    double flops = (double)threads * ITERS * CHAINS * LANES * 2 * (bf16 ? 2 : 1);
+    double gf = flops / (now() - t0) / 1e9;
+    if (gf > best) best = gf;
+  }
+  if (sink == 12345.f) printf("#");  // keep the chains alive
+  return best;
+}
+int main(void) {
+  double fp32 = run(0);
+#if defined(__AVX512BF16__)
+  double bf16 = run(1);
+#else
+  double bf16 = 0;  // no bf16 dot-product instruction on this CPU
+#endif
+  printf("%.1f %.1f\n", fp32, bf16);
+  return 0;
+}
+EOF
+if cc -O3 -march=native -fopenmp "$WORK/ceiling.c" -o "$WORK/ceiling" 2>"$WORK/ceiling.err"; then
+  read -r CEIL_FP32 CEIL_BF16 < <("$WORK/ceiling")
+else
+  echo "bench_cpu: could not build the FMA-ceiling probe: $(head -3 "$WORK/ceiling.err")" >&2
+  CEIL_FP32=0 CEIL_BF16=0
+fi
+
+# ---- the torch peer's environment ----------------------------------------------------------------
+TCMALLOC_LIB=${TCMALLOC:-}
+if [ -z "$TCMALLOC_LIB" ]; then
+  for lib in "$LIBDIR/libtcmalloc_minimal.so.4" "$LIBDIR/libtcmalloc.so.4"; do
+    if [ -e "$lib" ]; then TCMALLOC_LIB=$lib; break; fi
+  done
+fi
+if [ -n "$TCMALLOC_LIB" ]; then
+  ALLOC_NOTE="tcmalloc preloaded ($TCMALLOC_LIB)"
+else
+  ALLOC_NOTE="tcmalloc NOT installed (apt-get install libtcmalloc-minimal4): torch runs on glibc"
+  ALLOC_NOTE+=" malloc, slower than its best"
+fi
+BLAS_DIR=${TORCH_BLAS_DIR:-}
+SYSTEM_BLAS=$(readlink -f "$LIBDIR/libblas.so.3" 2>/dev/null || echo none)
+if [ -z "$BLAS_DIR" ] && [[ "$SYSTEM_BLAS" == "$LIBDIR/blas/"* || "$SYSTEM_BLAS" == none ]]; then
+  for dir in "$LIBDIR/openblas-pthread" "$LIBDIR/openblas-openmp" "$LIBDIR/openblas-serial"; do
+    if [ -e "$dir/libblas.so.3" ]; then BLAS_DIR=$dir; break; fi
+  done
+  if [ -z "$BLAS_DIR" ]; then
+    BLAS_NOTE="the system libblas.so.3 is the reference BLAS ($SYSTEM_BLAS) and no OpenBLAS is"
+    BLAS_NOTE+=" installed (apt-get install libopenblas0-pthread): torch's fp32 GEMMs are far from"
+    BLAS_NOTE+=" its best"
+  fi
+fi
+[ -n "$BLAS_DIR" ] && BLAS_NOTE="torch BLAS from $BLAS_DIR (system libblas.so.3: $SYSTEM_BLAS)"
+[ -z "${BLAS_NOTE:-}" ] && BLAS_NOTE="torch BLAS: system libblas.so.3 = $SYSTEM_BLAS"
+
+torch_env=(env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE)
+[ -n "$TCMALLOC_LIB" ] && torch_env+=("LD_PRELOAD=$TCMALLOC_LIB")
+[ -n "$BLAS_DIR" ] && torch_env+=("LD_LIBRARY_PATH=$BLAS_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
+
+echo "bench_cpu: GPT-2 124M, batch $BATCH, $THREADS threads," \
+     "$WARMUP warm-up + $STEPS timed steps (median)"
+echo "  tetra: $TETRA_BIN"
+echo "  torch: $ALLOC_NOTE"
+echo "  torch: $BLAS_NOTE"
+AMX_NOTE="no AMX"
+grep -qw amx_bf16 /proc/cpuinfo && AMX_NOTE="AMX-BF16 present: bf16 GEMMs using it can beat both"
+echo "  ceiling (this machine, $THREADS threads): fp32 FMA $CEIL_FP32 GFLOP/s," \
+     "bf16 dot product (vdpbf16ps) $CEIL_BF16 GFLOP/s; $AMX_NOTE"
+
+# ---- the runs ------------------------------------------------------------------------------------
+results=$WORK/results.jsonl
+: >"$results"
+for T in $SEQ_LENS; do
+  for P in $PRECISIONS; do
+    case_dir=$WORK/T${T}_$P
+    mkdir -p "$case_dir"
+    peak=$CEIL_FP32  # Tetra's MFU then reads as the same share of the same ceiling
+    [ "${peak%.*}" -gt 0 ] 2>/dev/null || peak=100
+    cat >"$case_dir/config.json" <<EOF
+{
+  "model": {"vocab_size": 50257, "seq_len": $T, "num_layers": 12, "hidden_size": 768,
+            "num_heads": 12, "norm": "layernorm", "activation": "gelu", "position": "learned",
+            "tie_embeddings": true, "bias": true},
+  "training": {"precision": "$P", "micro_batch_size": $BATCH, "global_batch_size": $BATCH,
+               "steps": $((WARMUP + STEPS)), "threads": $THREADS, "peak_gflops": $peak},
+  "optimizer": {"lr": 6e-4, "warmup_steps": 0, "decay": "constant", "grad_clip": 1.0},
+  "data": {"synthetic": true},
+  "logging": {"dir": "$case_dir/logs"}
+}
+EOF
+    echo "  T=$T $P: tetra ..." >&2
+    if ! /usr/bin/time -f "%M" -o "$case_dir/tetra.rss" \
+        "$TETRA_BIN" --config "$case_dir/config.json" >"$case_dir/tetra.log" 2>&1; then
+      echo "bench_cpu: tetra failed on T=$T $P; last lines:" >&2
+      tail -5 "$case_dir/tetra.log" >&2
+      exit 1
+    fi
+    echo "  T=$T $P: torch ..." >&2
+    if ! "${torch_env[@]}" /usr/bin/time -f "%M" -o "$case_dir/torch.rss" \
+        "$PY" "$REPO/tools/bench_torch_gpt.py" --seq-len "$T" --batch "$BATCH" --precision "$P" \
+        --steps "$STEPS" --warmup "$WARMUP" --threads "$THREADS" >"$case_dir/torch.json" \
+        2>"$case_dir/torch.err"; then
+      echo "bench_cpu: torch peer failed on T=$T $P:" >&2
+      tail -5 "$case_dir/torch.err" >&2
+      exit 1
+    fi
+    "$PY" - "$case_dir" "$T" "$P" "$WARMUP" "$BATCH" >>"$results" <<'EOF'
+import json, statistics, sys
+case, t, p = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+warmup, batch = int(sys.argv[4]), int(sys.argv[5])
+rows = [json.loads(l) for l in open(f"{case}/logs/metrics.jsonl") if l.strip()]
+ms = [r["ms"] for r in rows if "loss" in r and r["step"] > warmup]
+torch = json.loads(open(f"{case}/torch.json").read().strip().splitlines()[-1])
+rss = lambda f: int(open(f).read().split()[-1]) / 1024  # /usr/bin/time %M: KiB
+print(json.dumps({"T": t, "precision": p, "tetra_ms": statistics.median(ms),
+                  "tetra_rss": rss(f"{case}/tetra.rss"), "tetra_loss": rows[-1].get("loss"),
+                  "torch_ms": torch["ms_per_step"], "torch_rss": rss(f"{case}/torch.rss"),
+                  "torch_blas": torch["blas"], "torch_alloc": torch["allocator"], "batch": batch}))
+EOF
+  done
+done
+
+# ---- the table -----------------------------------------------------------------------------------
+"$PY" - "$results" "$CEIL_FP32" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+ceil = float(sys.argv[2])
+L, C, V = 12, 768, 50257
+n_matmul = L * 12 * C * C + V * C
+print()
+print(f"{'':10} | {'ms/step':^19} | {'tokens/s':^26} | {'GFLOP/s (% of fp32 FMA ceiling)':^37} | "
+      f"{'peak RSS MiB':^15}")
+print(f"{'T':>4} {'prec':>5} | {'tetra':>9} {'torch':>9} | {'tetra':>8} {'torch':>8} "
+      f"{'ratio':>8} | "
+      f"{'tetra':>9} {'':>8} {'torch':>9} {'':>8} | {'tetra':>7} {'torch':>7}")
+for r in rows:
+    t, p = r["T"], r["precision"]
+    tokens = r["batch"] * t
+    flops = (6 * n_matmul + 12 * L * t * C) * tokens
+    tt, to = tokens / (r["tetra_ms"] / 1e3), tokens / (r["torch_ms"] / 1e3)
+    gt, go = flops / (r["tetra_ms"] / 1e3) / 1e9, flops / (r["torch_ms"] / 1e3) / 1e9
+    pct = lambda g: f"{100 * g / ceil:5.1f}%" if ceil > 0 else "   n/a"
+    print(f"{t:>4} {p:>5} | {r['tetra_ms']:9.0f} {r['torch_ms']:9.0f} | {tt:8.1f} {to:8.1f} "
+          f"{tt / to:8.2f} | {gt:9.1f} ({pct(gt)}) {go:9.1f} ({pct(go)}) | {r['tetra_rss']:7.0f} "
+          f"{r['torch_rss']:7.0f}")
+print(f"\nms/step: median of the timed steps; ratio: Tetra tokens/s / torch tokens/s (> 1: Tetra "
+      f"faster); FLOPs/token = 6*{n_matmul} + 12*L*T*C; % of the fp32 FMA ceiling "
+      f"({ceil:.0f} GFLOP/s) in every row.")
+print(f"torch ran with BLAS {rows[0]['torch_blas']} and allocator "
+      f"{rows[0]['torch_alloc'] or 'glibc malloc'}")
+EOF

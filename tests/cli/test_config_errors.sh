@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Bad configurations are refused by the real binary before it does anything: exit code 2, a message
+# on stderr that names the offending key (or file), and nothing written into the run's logging.dir.
+#
+# Usage: test_config_errors.sh <tetra binary> <source dir> <scratch dir>
+set -u
+
+tetra="$(realpath "$1")"
+scratch="$(realpath -m "$3")"
+rm -rf "$scratch"
+mkdir -p "$scratch"
+
+failures=0
+fail() {
+  echo "FAIL [$case]: $*"
+  failures=$((failures + 1))
+}
+
+# A small valid config whose logging.dir is $scratch/<case>/logs; extra JSON members for the
+# "model" section come as $2.
+write_config() {
+  local path="$1" model_extra="$2"
+  cat >"$path" <<EOF
+{
+  "model": {"vocab_size": 64, "seq_len": 16, "num_layers": 1, "hidden_size": 32,
+            "num_heads": 4${model_extra}},
+  "training": {"micro_batch_size": 2, "steps": 2},
+  "data": {"synthetic": true},
+  "logging": {"dir": "$scratch/$case/logs"}
+}
+EOF
+}
+
+# run_case <expected exit code> <config path> [tetra arguments...]: runs tetra in $scratch/$case,
+# leaves its stdout and stderr in $out and $err.
+run_case() {
+  local expected="$1" config="$2"
+  shift 2
+  out="$scratch/$case/stdout"
+  err="$scratch/$case/stderr"
+  (cd "$scratch/$case" && "$tetra" --config "$config" "$@" >"$out" 2>"$err")
+  local rc=$?
+  [[ $rc -eq $expected ]] || fail "exit code $rc, expected $expected; stderr: $(cat "$err")"
+}
+
+expect_stderr() {
+  grep -qF -- "$1" "$err" || fail "stderr lacks '$1'; stderr: $(cat "$err")"
+}
+
+# Nothing may have been created in the run's logging.dir (not even the directory).
+expect_no_output_files() {
+  local logs="$scratch/$case/logs"
+  if [[ -e "$logs" ]]; then
+    fail "logging.dir was written: $(find "$logs" | head -5 | tr '\n' ' ')"
+  fi
+}
+
+start_case() {
+  case="$1"
+  mkdir -p "$scratch/$case"
+  echo "--- $case"
+}
+
+# Control: the valid config is accepted, so each refusal below comes from what that case changes.
+start_case valid
+write_config "$scratch/valid/config.json" ""
+run_case 0 "$scratch/valid/config.json" --print-config
+grep -qF '"hidden_size": 32' "$out" || fail "--print-config did not print the config"
+expect_no_output_files
+
+start_case malformed_json
+config="$scratch/malformed_json/config.json"
+write_config "$config" ","  # a trailing comma in "model" (line 3)
+run_case 2 "$config"
+expect_stderr "error: $config:3:"
+expect_stderr "invalid JSON"
+expect_no_output_files
+
+start_case unknown_key
+write_config "$scratch/unknown_key/config.json" ', "hiden_size": 64'
+run_case 2 "$scratch/unknown_key/config.json"
+expect_stderr 'model.hiden_size: unknown key; did you mean "model.hidden_size"?'
+expect_no_output_files
+
+start_case wrong_type
+write_config "$scratch/wrong_type/config.json" ', "num_kv_heads": "2"'
+run_case 2 "$scratch/wrong_type/config.json"
+expect_stderr 'model.num_kv_heads: "2": expected an integer, got a string'
+expect_no_output_files
+
+start_case cross_field_rule
+write_config "$scratch/cross_field_rule/config.json" ', "num_kv_heads": 3'
+run_case 2 "$scratch/cross_field_rule/config.json"
+expect_stderr 'model.num_kv_heads: 3: must divide model.num_heads (4)'
+expect_no_output_files
+
+start_case missing_file
+run_case 2 "$scratch/missing_file/no_such_config.json"
+expect_stderr "error: $scratch/missing_file/no_such_config.json: cannot read the config file"
+expect_no_output_files
+
+# Overrides go through the same checks, and every problem is reported at once.
+start_case override_errors
+write_config "$scratch/override_errors/config.json" ""
+run_case 2 "$scratch/override_errors/config.json" \
+  --set training.steps=0 --set training.device=cuda --set model.hidden_size
+expect_stderr 'training.steps: 0: must be >= 1'
+expect_stderr 'training.device: "cuda": the CUDA backend is not built yet'
+expect_stderr 'override "model.hidden_size": expected section.key=value'
+expect_no_output_files
+
+if [[ $failures -ne 0 ]]; then
+  echo "$failures check(s) failed"
+  exit 1
+fi
+echo "all config error checks passed"

@@ -1,0 +1,608 @@
+// The config reader: defaults, derived values, every class of rule and its message, collecting
+// several problems in one error, key suggestions, the JSON round trip, overrides and file errors.
+//
+// Messages are checked by their JSON path and the phrase that states the rule, so rewording the
+// explanation after the phrase does not break a test, but reporting the wrong key does.
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "trainer/config/config.h"
+
+using namespace tetra;
+using nlohmann::json;
+
+namespace {
+
+// The smallest valid config: everything default, synthetic data.
+json base() {
+  return json{{"data", {{"synthetic", true}}}};
+}
+
+// `j` with the dotted `path` set to `value` (objects created on the way).
+json with(json j, const std::string& path, const json& value) {
+  json* node = &j;
+  size_t start = 0;
+  for (size_t dot; (dot = path.find('.', start)) != std::string::npos; start = dot + 1)
+    node = &(*node)[path.substr(start, dot - start)];
+  (*node)[path.substr(start)] = value;
+  return j;
+}
+
+// The problems config_from_json reports; empty when it accepts the config.
+std::vector<std::string> problems_of(const json& j) {
+  try {
+    config_from_json(j);
+  } catch (const ConfigError& e) {
+    return e.problems();
+  }
+  return {};
+}
+
+std::string joined(const std::vector<std::string>& lines) {
+  std::string s;
+  for (const std::string& l : lines) s += l + "\n";
+  return s;
+}
+
+// Exactly one problem, starting with `prefix` ("path: value: ") and containing `phrase`.
+void require_one(const json& j, const std::string& prefix, const std::string& phrase) {
+  const std::vector<std::string> p = problems_of(j);
+  INFO("config: " << j.dump() << "\nproblems:\n" << joined(p));
+  REQUIRE(p.size() == 1);
+  CHECK(p[0].rfind(prefix, 0) == 0);
+  CHECK(p[0].find(phrase) != std::string::npos);
+}
+
+std::string tmp_dir() {
+  const std::string dir = std::string(TETRA_TEST_TMPDIR) + "/config";
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::string write_file(const std::string& name, const std::string& text) {
+  const std::string path = tmp_dir() + "/" + name;
+  std::ofstream(path, std::ios::binary) << text;
+  return path;
+}
+
+// The message of the ConfigError that load_config throws ("" if it does not throw).
+std::string load_error(const std::string& path, const std::vector<std::string>& overrides = {}) {
+  try {
+    load_config(path, overrides);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Field-by-field equality, written out so that a field the JSON writer forgot shows up here.
+void require_equal(const Config& a, const Config& b) {
+  CHECK(a.model.vocab_size == b.model.vocab_size);
+  CHECK(a.model.seq_len == b.model.seq_len);
+  CHECK(a.model.num_layers == b.model.num_layers);
+  CHECK(a.model.hidden_size == b.model.hidden_size);
+  CHECK(a.model.num_heads == b.model.num_heads);
+  CHECK(a.model.num_kv_heads == b.model.num_kv_heads);
+  CHECK(a.model.ffn_hidden_size == b.model.ffn_hidden_size);
+  CHECK(a.model.norm == b.model.norm);
+  CHECK(a.model.norm_eps == b.model.norm_eps);
+  CHECK(a.model.activation == b.model.activation);
+  CHECK(a.model.position == b.model.position);
+  CHECK(a.model.rope_theta == b.model.rope_theta);
+  CHECK(a.model.tie_embeddings == b.model.tie_embeddings);
+  CHECK(a.model.bias == b.model.bias);
+  CHECK(a.model.init_std == b.model.init_std);
+  CHECK(a.parallel.dp == b.parallel.dp);
+  CHECK(a.parallel.tp == b.parallel.tp);
+  CHECK(a.parallel.pp == b.parallel.pp);
+  CHECK(a.parallel.ep == b.parallel.ep);
+  CHECK(a.training.device == b.training.device);
+  CHECK(a.training.precision == b.training.precision);
+  CHECK(a.training.micro_batch_size == b.training.micro_batch_size);
+  CHECK(a.training.global_batch_size == b.training.global_batch_size);
+  CHECK(a.training.steps == b.training.steps);
+  CHECK(a.training.seed == b.training.seed);
+  CHECK(a.training.eval_every == b.training.eval_every);
+  CHECK(a.training.eval_steps == b.training.eval_steps);
+  CHECK(a.training.log_every == b.training.log_every);
+  CHECK(a.training.threads == b.training.threads);
+  CHECK(a.training.peak_gflops == b.training.peak_gflops);
+  CHECK(a.optimizer.lr == b.optimizer.lr);
+  CHECK(a.optimizer.min_lr == b.optimizer.min_lr);
+  CHECK(a.optimizer.warmup_steps == b.optimizer.warmup_steps);
+  CHECK(a.optimizer.decay == b.optimizer.decay);
+  CHECK(a.optimizer.decay_steps == b.optimizer.decay_steps);
+  CHECK(a.optimizer.weight_decay == b.optimizer.weight_decay);
+  CHECK(a.optimizer.beta1 == b.optimizer.beta1);
+  CHECK(a.optimizer.beta2 == b.optimizer.beta2);
+  CHECK(a.optimizer.eps == b.optimizer.eps);
+  CHECK(a.optimizer.grad_clip == b.optimizer.grad_clip);
+  CHECK(a.data.synthetic == b.data.synthetic);
+  for (auto [x, y] :
+       {std::pair{&a.data.train, &b.data.train}, std::pair{&a.data.valid, &b.data.valid}}) {
+    REQUIRE(x->size() == y->size());
+    for (size_t i = 0; i < x->size(); ++i) {
+      CHECK((*x)[i].path == (*y)[i].path);
+      CHECK((*x)[i].weight == (*y)[i].weight);
+    }
+  }
+  CHECK(a.logging.dir == b.logging.dir);
+  CHECK(a.logging.level == b.logging.level);
+}
+
+// A config that sets every key to a value other than its default (and no 0 = derive markers).
+json every_key() {
+  return json::parse(R"({
+    "model": {"vocab_size": 32000, "seq_len": 256, "num_layers": 4, "hidden_size": 512,
+              "num_heads": 8, "num_kv_heads": 2, "ffn_hidden_size": 1376, "norm": "rmsnorm",
+              "norm_eps": 1e-6, "activation": "swiglu", "position": "rope",
+              "rope_theta": 500000.0, "tie_embeddings": false, "bias": false, "init_std": 0.01},
+    "parallel": {"dp": 1, "tp": 1, "pp": 1, "ep": 1},
+    "training": {"device": "cpu", "precision": "bf16", "micro_batch_size": 2,
+                 "global_batch_size": 8, "steps": 500, "seed": 18446744073709551615,
+                 "eval_every": 50, "eval_steps": 5, "log_every": 10, "threads": 2,
+                 "peak_gflops": 123.5},
+    "optimizer": {"lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 20, "decay": "linear",
+                  "decay_steps": 400, "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.99,
+                  "eps": 1e-6, "grad_clip": 0.5},
+    "data": {"synthetic": false,
+             "train": [{"path": "data/a", "weight": 0.7}, {"path": "data/b", "weight": 0.3}],
+             "valid": [{"path": "data/v", "weight": 1.0}]},
+    "logging": {"dir": "runs/x", "level": "debug"}
+  })");
+}
+
+}  // namespace
+
+TEST_CASE("config: defaults are the documented ones and resolve as documented", "[config]") {
+  const Config c = config_from_json(base());
+  CHECK(c.model.vocab_size == 50257);
+  CHECK(c.model.seq_len == 1024);
+  CHECK(c.model.num_layers == 12);
+  CHECK(c.model.hidden_size == 768);
+  CHECK(c.model.num_heads == 12);
+  CHECK(c.model.num_kv_heads == 12);       // 0 -> num_heads
+  CHECK(c.model.ffn_hidden_size == 3072);  // 0 -> 4 * 768 (gelu)
+  CHECK(c.model.norm == "layernorm");
+  CHECK(c.model.norm_eps == 1e-5);
+  CHECK(c.model.activation == "gelu");
+  CHECK(c.model.position == "learned");
+  CHECK(c.model.rope_theta == 10000.0);
+  CHECK(c.model.tie_embeddings);
+  CHECK(c.model.bias);
+  CHECK(c.model.init_std == 0.02);
+  CHECK((c.parallel.dp == 1 && c.parallel.tp == 1 && c.parallel.pp == 1 && c.parallel.ep == 1));
+  CHECK(c.training.device == "cpu");
+  CHECK(c.training.precision == "fp32");
+  CHECK(c.training.micro_batch_size == 4);
+  CHECK(c.training.global_batch_size == 4);  // 0 -> micro_batch_size * dp
+  CHECK(c.grad_accum_steps() == 1);
+  CHECK(c.training.steps == 100);
+  CHECK(c.training.seed == 1234);
+  CHECK(c.training.eval_every == 0);
+  CHECK(c.training.eval_steps == 0);
+  CHECK(c.training.log_every == 1);
+  CHECK(c.training.threads == 0);
+  CHECK(c.training.peak_gflops == 0.0);
+  CHECK(c.optimizer.lr == 6e-4);
+  CHECK(c.optimizer.min_lr == 0.0);
+  CHECK(c.optimizer.warmup_steps == 0);
+  CHECK(c.optimizer.decay == "cosine");
+  CHECK(c.optimizer.decay_steps == 0);  // stays 0: the LR schedule derives it
+  CHECK(c.optimizer.weight_decay == 0.1);
+  CHECK(c.optimizer.beta1 == 0.9);
+  CHECK(c.optimizer.beta2 == 0.95);
+  CHECK(c.optimizer.eps == 1e-8);
+  CHECK(c.optimizer.grad_clip == 1.0);
+  CHECK(c.data.synthetic);
+  CHECK(c.data.train.empty());
+  CHECK(c.data.valid.empty());
+  CHECK(c.logging.dir.empty());
+  CHECK(c.logging.level == "info");
+}
+
+TEST_CASE("config: derived values", "[config]") {
+  SECTION("num_kv_heads: 0 means num_heads, an explicit value is kept") {
+    CHECK(config_from_json(with(base(), "model.num_heads", 8)).model.num_kv_heads == 8);
+    CHECK(config_from_json(with(with(base(), "model.num_heads", 8), "model.num_kv_heads", 2))
+              .model.num_kv_heads == 2);
+  }
+  SECTION("ffn_hidden_size: 4 * hidden_size for gelu, an explicit value is kept") {
+    CHECK(config_from_json(with(base(), "model.hidden_size", 96)).model.ffn_hidden_size == 384);
+    CHECK(config_from_json(with(base(), "model.ffn_hidden_size", 1000)).model.ffn_hidden_size ==
+          1000);
+  }
+  SECTION("ffn_hidden_size for swiglu: the smallest multiple of 64 that is >= 8/3 * hidden_size") {
+    // Known values: 768 -> exactly 2048; 4096 -> 10922.67 rounded up to 10944.
+    json j = with(with(base(), "model.activation", "swiglu"), "model.num_heads", 1);
+    CHECK(config_from_json(with(j, "model.hidden_size", 768)).model.ffn_hidden_size == 2048);
+    CHECK(config_from_json(with(j, "model.hidden_size", 4096)).model.ffn_hidden_size == 10944);
+    // Against a search by plain counting, in exact integer arithmetic (f >= 8h/3 <=> 3f >= 8h).
+    for (int64_t h = 1; h <= 700; h += 7) {
+      int64_t f = 64;
+      while (3 * f < 8 * h) f += 64;
+      INFO("hidden_size " << h);
+      CHECK(config_from_json(with(j, "model.hidden_size", h)).model.ffn_hidden_size == f);
+    }
+  }
+  SECTION("global_batch_size: 0 means micro_batch_size * dp (no accumulation)") {
+    const Config c = config_from_json(with(base(), "training.micro_batch_size", 3));
+    CHECK(c.training.global_batch_size == 3);
+    const Config d = config_from_json(
+        with(with(base(), "training.micro_batch_size", 3), "training.global_batch_size", 12));
+    CHECK(d.training.global_batch_size == 12);
+    CHECK(d.grad_accum_steps() == 4);
+  }
+  SECTION("data lists: a plain string has weight 1, objects keep their weight") {
+    const Config c = config_from_json(json::parse(R"({"data": {
+        "train": ["a", {"path": "b", "weight": 2.5}, {"path": "c"}], "valid": ["v"]}})"));
+    REQUIRE(c.data.train.size() == 3);
+    CHECK((c.data.train[0].path == "a" && c.data.train[0].weight == 1.0));
+    CHECK((c.data.train[1].path == "b" && c.data.train[1].weight == 2.5));
+    CHECK((c.data.train[2].path == "c" && c.data.train[2].weight == 1.0));
+    REQUIRE(c.data.valid.size() == 1);
+    CHECK(c.data.valid[0].path == "v");
+  }
+}
+
+TEST_CASE("config: type checks", "[config]") {
+  const std::string mbs = "training.micro_batch_size";
+  CHECK(problems_of(with(base(), mbs, "4")) ==
+        std::vector<std::string>{
+            "training.micro_batch_size: \"4\": expected an integer, got a string"});
+  require_one(with(base(), mbs, 4.5),
+              mbs + ": 4.5: ", "expected an integer, got a floating-point number");
+  require_one(with(base(), mbs, 4.0), mbs + ": 4.0: ", "expected an integer");
+  require_one(with(base(), mbs, true), mbs + ": true: ", "expected an integer, got a boolean");
+  require_one(with(base(), mbs, nullptr), mbs + ": null: ", "expected an integer, got null");
+  require_one(with(base(), "model.hidden_size", json::parse("9223372036854775808")),
+              "model.hidden_size: 9223372036854775808: ", "out of range for a 64-bit integer");
+  require_one(with(base(), "training.seed", -1), "training.seed: -1: ", "must be >= 0");
+  CHECK(config_from_json(with(base(), "training.seed", json::parse("18446744073709551615")))
+            .training.seed == 18446744073709551615ull);
+  // Floats accept integers.
+  CHECK(config_from_json(with(base(), "optimizer.min_lr", 0)).optimizer.min_lr == 0.0);
+  CHECK(config_from_json(with(base(), "model.rope_theta", 500000)).model.rope_theta == 500000.0);
+  require_one(with(base(), "optimizer.lr", "0.1"),
+              "optimizer.lr: \"0.1\": ", "expected a number, got a string");
+  require_one(with(base(), "model.bias", 1),
+              "model.bias: 1: ", "expected true or false, got an integer");
+  require_one(with(base(), "logging.dir", 5),
+              "logging.dir: 5: ", "expected a string, got an integer");
+  require_one(with(base(), "model.norm", 5), "model.norm: 5: ", "expected a string");
+  CHECK(problems_of(with(base(), "optimizer.decay", "cosin")) ==
+        std::vector<std::string>{"optimizer.decay: \"cosin\": must be one of cosine, linear, "
+                                 "constant; did you mean \"cosine\"?"});
+  require_one(with(base(), "model.norm", "RMSNorm"), "model.norm: \"RMSNorm\": ",
+              "must be one of layernorm, rmsnorm; did you mean \"rmsnorm\"?");
+  require_one(with(base(), "training.precision", "fp8"),
+              "training.precision: \"fp8\": ", "must be one of fp32, bf16");
+  require_one(with(base(), "logging.level", "loud"),
+              "logging.level: \"loud\": ", "must be one of trace, debug, info, warn, error");
+  require_one(with(base(), "model.activation", "relu"),
+              "model.activation: \"relu\": ", "must be one of gelu, swiglu");
+  require_one(with(base(), "model.position", "alibi"),
+              "model.position: \"alibi\": ", "must be one of learned, rope");
+  // Sections and the root must be objects.
+  require_one(with(base(), "model", 5), "model: 5: ", "expected an object, got an integer");
+  require_one(json::array({1}), "config: [1]: ", "expected an object");
+  require_one(with(base(), "data.train", "a"),
+              "data.train: \"a\": ", "expected a list of datasets");
+  require_one(with(with(base(), "data.synthetic", false), "data.train", json::array({5})),
+              "data.train[0]: 5: ", "expected a path string or {\"path\": ..., \"weight\": ...}");
+  require_one(
+      with(with(base(), "data.synthetic", false), "data.train", json::parse(R"([{"weight": 1}])")),
+      "data.train[0].path: ", "missing");
+}
+
+TEST_CASE("config: single-value ranges", "[config]") {
+  struct Case {
+    std::string path;
+    json value;
+    std::string phrase;
+  };
+  const std::vector<Case> cases = {
+      {"model.vocab_size", 0, "must be >= 1"},
+      {"model.vocab_size", 2147483648LL, "must be <= 2147483647"},
+      {"model.seq_len", 0, "must be >= 1"},
+      {"model.num_layers", -1, "must be >= 1"},
+      {"model.hidden_size", 0, "must be >= 1"},
+      {"model.num_heads", 0, "must be >= 1"},
+      {"model.num_kv_heads", -1, "must be >= 0"},
+      {"model.ffn_hidden_size", -5, "must be >= 0"},
+      {"model.norm_eps", 0.0, "must be > 0"},
+      {"model.rope_theta", -1.0, "must be > 0"},
+      {"model.init_std", 0.0, "must be > 0"},
+      {"parallel.dp", 0, "must be >= 1"},
+      {"parallel.tp", -1, "must be >= 1"},
+      {"parallel.dp", 2,
+       "data parallelism is not available yet in this build; set parallel.dp to 1"},
+      {"parallel.tp", 2,
+       "tensor parallelism is not available yet in this build; set parallel.tp to 1"},
+      {"parallel.pp", 4,
+       "pipeline parallelism is not available yet in this build; set parallel.pp to 1"},
+      {"parallel.ep", 2,
+       "expert parallelism is not available yet in this build; set parallel.ep to 1"},
+      {"training.device", "cuda", "the CUDA backend is not built yet"},
+      {"training.micro_batch_size", 0, "must be >= 1"},
+      {"training.global_batch_size", -4, "must be >= 0"},
+      {"training.steps", 0, "must be >= 1"},
+      {"training.eval_every", -1, "must be >= 0"},
+      {"training.eval_steps", -1, "must be >= 0"},
+      {"training.log_every", 0, "must be >= 1"},
+      {"training.threads", -1, "must be >= 0"},
+      {"training.peak_gflops", -1.0, "must be >= 0"},
+      {"optimizer.lr", 0.0, "must be > 0"},
+      {"optimizer.lr", -1e-3, "must be > 0"},
+      {"optimizer.min_lr", -1e-5, "must be >= 0"},
+      {"optimizer.warmup_steps", -1, "must be >= 0"},
+      {"optimizer.decay_steps", -1, "must be >= 0"},
+      {"optimizer.weight_decay", -0.1, "must be >= 0"},
+      {"optimizer.beta1", 1.0, "must be in [0, 1)"},
+      {"optimizer.beta1", -0.1, "must be in [0, 1)"},
+      {"optimizer.beta2", 1.5, "must be in [0, 1)"},
+      {"optimizer.eps", 0.0, "must be > 0"},
+      {"optimizer.grad_clip", -1.0, "must be >= 0"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.path << " = " << c.value.dump());
+    require_one(with(base(), c.path, c.value), c.path + ": " + c.value.dump() + ": ", c.phrase);
+  }
+  // The edges of the ranges are accepted.
+  json edges = base();
+  for (const auto& [path, value] :
+       std::vector<std::pair<std::string, json>>{{"optimizer.beta1", 0.0},
+                                                 {"optimizer.beta2", 0.0},
+                                                 {"optimizer.weight_decay", 0.0},
+                                                 {"optimizer.grad_clip", 0.0},
+                                                 {"optimizer.min_lr", 6e-4},
+                                                 {"optimizer.warmup_steps", 0},
+                                                 {"training.eval_every", 0},
+                                                 {"training.threads", 0},
+                                                 {"training.steps", 1},
+                                                 {"model.vocab_size", 2147483647LL}})
+    edges = with(edges, path, value);
+  CHECK(problems_of(edges).empty());
+}
+
+TEST_CASE("config: cross-field rules", "[config]") {
+  require_one(with(base(), "model.hidden_size", 770),
+              "model.hidden_size: 770: ", "must be divisible by model.num_heads (12)");
+  require_one(with(base(), "model.num_kv_heads", 5),
+              "model.num_kv_heads: 5: ", "must divide model.num_heads (12)");
+  // Head size 780 / 12 = 65: fine for a learned position table, not for RoPE (pairs of dims).
+  CHECK(problems_of(with(base(), "model.hidden_size", 780)).empty());
+  require_one(
+      with(with(base(), "model.hidden_size", 780), "model.position", "rope"),
+      "model.hidden_size: 780: ", "head size hidden_size / num_heads (780 / 12 = 65) must be even");
+  CHECK(problems_of(with(base(), "model.position", "rope")).empty());
+  require_one(with(base(), "training.global_batch_size", 10), "training.global_batch_size: 10: ",
+              "must be a multiple of training.micro_batch_size * parallel.dp (4 * 1 = 4)");
+  require_one(with(base(), "optimizer.min_lr", 1.0),
+              "optimizer.min_lr: 1.0: ", "must be <= optimizer.lr (0.0006)");
+}
+
+TEST_CASE("config: data and evaluation rules", "[config]") {
+  const json real = json{{"data", {{"train", {"data/a"}}}}};
+  CHECK(problems_of(real).empty());
+  require_one(json::object(),
+              "data.train: []: ", "must list at least one dataset, or set data.synthetic to true");
+  require_one(with(real, "data.synthetic", true),
+              "data.train: ", "must be empty when data.synthetic is true");
+  require_one(with(base(), "data.valid", {"v"}),
+              "data.valid: ", "must be empty when data.synthetic is true");
+  require_one(with(real, "data.train", {""}), "data.train[0].path: \"\": ", "must not be empty");
+  require_one(with(real, "data.train", {"a", "data/x.bin"}), "data.train[1].path: \"data/x.bin\": ",
+              "give the dataset prefix without .bin (\"data/x\")");
+  require_one(with(real, "data.valid", {"data/v.idx"}), "data.valid[0].path: ", "without .idx");
+  require_one(with(real, "data.train", json::parse(R"([{"path": "a", "weight": 0}])")),
+              "data.train[0].weight: 0.0: ", "must be > 0");
+  require_one(with(real, "data.train", json::parse(R"([{"path": "a", "weight": "2"}])")),
+              "data.train[0].weight: \"2\": ", "expected a number");
+  // Evaluation needs eval_steps and validation data (a valid list, or synthetic data).
+  require_one(with(base(), "training.eval_every", 10),
+              "training.eval_every: 10: ", "evaluating needs training.eval_steps > 0");
+  CHECK(
+      problems_of(with(with(base(), "training.eval_every", 10), "training.eval_steps", 2)).empty());
+  require_one(with(with(real, "training.eval_every", 10), "training.eval_steps", 2),
+              "training.eval_every: 10: ", "evaluating needs validation data");
+  require_one(with(real, "training.eval_steps", 2),
+              "training.eval_steps: 2: ", "evaluating needs validation data");
+  CHECK(problems_of(with(with(with(real, "training.eval_every", 10), "training.eval_steps", 2),
+                         "data.valid", {"data/v"}))
+            .empty());
+}
+
+TEST_CASE("config: every problem is collected into one error, grouped by section", "[config]") {
+  const json j = json::parse(R"({
+    "data": {"synthetic": false},
+    "training": {"steps": 0, "micro_batch_size": "4"},
+    "model": {"hidden_size": 770, "hiden_size": 1, "norm": "x"}
+  })");
+  std::vector<std::string> p;
+  std::string what;
+  try {
+    config_from_json(j);
+  } catch (const ConfigError& e) {
+    p = e.problems();
+    what = e.what();
+  }
+  INFO(joined(p));
+  REQUIRE(p.size() == 6);
+  CHECK(what + "\n" == joined(p));  // what(): one line per problem
+  auto index_of = [&](const std::string& prefix) {
+    for (size_t i = 0; i < p.size(); ++i)
+      if (p[i].rfind(prefix, 0) == 0) return static_cast<int>(i);
+    return -1;
+  };
+  const int norm = index_of("model.norm: \"x\": must be one of"),
+            typo = index_of("model.hiden_size: unknown key"),
+            divisible = index_of("model.hidden_size: 770: must be divisible"),
+            steps = index_of("training.steps: 0: must be >= 1"),
+            mbs = index_of("training.micro_batch_size: \"4\": expected an integer"),
+            data = index_of("data.train: []: must list");
+  for (int i : {norm, typo, divisible, steps, mbs, data}) CHECK(i >= 0);
+  // Sections in their documented order: model, training, data.
+  CHECK(std::max({norm, typo, divisible}) < std::min(steps, mbs));
+  CHECK(std::max(steps, mbs) < data);
+  // A ConfigError is an input error (exit code 2 at the top level).
+  CHECK_THROWS_AS(config_from_json(j), InputError);
+}
+
+TEST_CASE("config: a rejected value does not cause follow-on messages", "[config]") {
+  // Each of these would divide by zero or compare against a meaningless value if the rules ran on
+  // them; exactly one message is expected.
+  require_one(with(base(), "model.num_heads", 0), "model.num_heads: 0: ", "must be >= 1");
+  require_one(with(base(), "model.hidden_size", "768"),
+              "model.hidden_size: \"768\": ", "expected an integer");
+  require_one(with(base(), "training.micro_batch_size", 0),
+              "training.micro_batch_size: 0: ", "must be >= 1");
+  require_one(with(base(), "parallel.dp", 0), "parallel.dp: 0: ", "must be >= 1");
+  require_one(with(base(), "optimizer.lr", -1.0), "optimizer.lr: -1.0: ", "must be > 0");
+  require_one(with(base(), "data.synthetic", "yes"),
+              "data.synthetic: \"yes\": ", "expected true or false");
+  // A section that is not an object hides the rules on its keys.
+  require_one(json{{"data", 5}}, "data: 5: ", "expected an object");
+}
+
+TEST_CASE("config: unknown keys and sections, with suggestions", "[config]") {
+  auto one = [](const json& j) {
+    const std::vector<std::string> p = problems_of(j);
+    INFO(joined(p));
+    REQUIRE(p.size() == 1);
+    return p[0];
+  };
+  CHECK(one(with(base(), "model.hiden_size", 768)) ==
+        "model.hiden_size: unknown key; did you mean \"model.hidden_size\"?");
+  CHECK(one(with(base(), "model.Hidden-Size", 768)) ==
+        "model.Hidden-Size: unknown key; did you mean \"model.hidden_size\"?");
+  CHECK(one(with(base(), "training.lr", 1e-3)) ==
+        "training.lr: unknown key; did you mean \"optimizer.lr\"?");
+  CHECK(one(with(base(), "model.num_attention_heads", 8)) ==
+        "model.num_attention_heads: unknown key; did you mean \"model.num_heads\"?");
+  CHECK(one(with(base(), "optimizer.adam_beta2", 0.99)) ==
+        "optimizer.adam_beta2: unknown key; did you mean \"optimizer.beta2\"?");
+  CHECK(one(with(base(), "model.qwertyuiop", 1)) == "model.qwertyuiop: unknown key");
+  CHECK(one(with(base(), "modle", json::object())) ==
+        "modle: unknown section; did you mean \"model\"?");
+  CHECK(one(with(base(), "lr", 1e-3)) == "lr: unknown section; did you mean \"optimizer.lr\"?");
+  CHECK(one(with(base(), "zzz_qqq", 1)) == "zzz_qqq: unknown section");
+  CHECK(one(json{{"data", {{"synthetic", true}}}, {"model.num_layers", 2}}) ==
+        "model.num_layers: unknown section; keys are nested in their section: "
+        "{\"model\": {\"num_layers\": ...}}");
+  CHECK(one(with(with(base(), "data.synthetic", false), "data.train",
+                 json::parse(R"([{"path": "a", "wieght": 2}])"))) ==
+        "data.train[0].wieght: unknown key; did you mean \"data.train[0].weight\"?");
+}
+
+TEST_CASE("config: config_to_json writes every key and reads back to the same config", "[config]") {
+  SECTION("a config that sets every key: parsed exactly, written back exactly") {
+    const json j = every_key();
+    const Config c = config_from_json(j);
+    CHECK(c.model.ffn_hidden_size == 1376);
+    CHECK(c.training.seed == 18446744073709551615ull);
+    REQUIRE(c.data.train.size() == 2);
+    CHECK(c.data.train[1].weight == 0.3);
+    CHECK(config_to_json(c) == j);  // every key, nothing else (the input lists every key once)
+    require_equal(config_from_json(config_to_json(c)), c);
+  }
+  SECTION("defaults and derived values survive the round trip") {
+    for (const json& j :
+         {base(), with(with(base(), "model.activation", "swiglu"), "logging.dir", "runs/b"),
+          json{{"data", {{"train", {"a", "b"}}, {"valid", {"c"}}}}}}) {
+      INFO(j.dump());
+      const Config c = config_from_json(j);
+      const json written = config_to_json(c);
+      for (const char* section : {"model", "parallel", "training", "optimizer", "data", "logging"})
+        CHECK(written.contains(section));
+      CHECK(written["model"]["num_kv_heads"] == c.model.num_heads);
+      require_equal(config_from_json(written), c);
+      CHECK(config_to_json(config_from_json(written)) == written);
+    }
+  }
+}
+
+TEST_CASE("config: load_config applies overrides", "[config]") {
+  const std::string path = write_file("overrides.json", R"({
+    // comments are allowed
+    "model": {"hidden_size": 256, "num_heads": 4},
+    "data": {"synthetic": true}
+  })");
+  const Config c =
+      load_config(path, {"model.hidden_size=128", "optimizer.lr=1e-3", "model.bias=false",
+                         "logging.dir=runs/x y", "model.norm=rmsnorm", "training.seed=7",
+                         "training.precision=\"bf16\""});
+  CHECK(c.model.hidden_size == 128);  // the override wins over the file
+  CHECK(c.model.num_heads == 4);      // the rest of the file stays
+  CHECK(c.optimizer.lr == 1e-3);
+  CHECK(!c.model.bias);
+  CHECK(c.logging.dir == "runs/x y");  // not JSON: taken as a string
+  CHECK(c.model.norm == "rmsnorm");
+  CHECK(c.training.seed == 7);
+  CHECK(c.training.precision == "bf16");
+  // A list, and the last override of a key wins.
+  const Config d =
+      load_config(path, {"data.synthetic=false", R"(data.train=["a", {"path": "b", "weight": 3}])",
+                         "training.steps=5", "training.steps=6"});
+  REQUIRE(d.data.train.size() == 2);
+  CHECK(d.data.train[1].weight == 3.0);
+  CHECK(d.training.steps == 6);
+  // Override values go through the same checks; override errors and config errors come together.
+  const std::string e =
+      load_error(path, {"model.hiden_size=1", "training.steps", "model.hidden_size.x=1",
+                        "model..norm=rmsnorm", "training.micro_batch_size=four"});
+  INFO(e);
+  CHECK(e.find("override \"training.steps\": expected section.key=value") != std::string::npos);
+  CHECK(e.find("override \"model.hidden_size.x=1\": model.hidden_size is 256, not an object") !=
+        std::string::npos);
+  CHECK(e.find("override \"model..norm=rmsnorm\": expected section.key=value") !=
+        std::string::npos);
+  CHECK(e.find("model.hiden_size: unknown key; did you mean \"model.hidden_size\"?") !=
+        std::string::npos);
+  CHECK(e.find("training.micro_batch_size: \"four\": expected an integer, got a string") !=
+        std::string::npos);
+}
+
+TEST_CASE("config: file errors name the file, syntax errors the line and column", "[config]") {
+  const std::string missing = tmp_dir() + "/no_such_config.json";
+  std::filesystem::remove(missing);
+  CHECK(load_error(missing) ==
+        missing + ": cannot read the config file: No such file or directory");
+  CHECK(load_error(tmp_dir()) == tmp_dir() + ": cannot read the config file: it is a directory");
+  CHECK_THROWS_AS(load_config(missing, {}), InputError);
+
+  // A trailing comma: the parser stops at the '}' on line 4, column 3.
+  const std::string trailing =
+      write_file("trailing_comma.json", "{\n  \"model\": {\n    \"hidden_size\": 768,\n  }\n}\n");
+  std::string e = load_error(trailing);
+  INFO(e);
+  CHECK(e.rfind(trailing + ":4:3: invalid JSON: ", 0) == 0);
+  CHECK(e.find("[json.exception") == std::string::npos);  // the parser's prefix is dropped
+  // Cut short: the error is at the end of the input, line 3, column 1 (after the last newline).
+  const std::string truncated = write_file("truncated.json", "{\n  \"model\": {\n");
+  e = load_error(truncated);
+  CHECK(e.rfind(truncated + ":3:1: invalid JSON: ", 0) == 0);
+  // A bad literal on the first line.
+  const std::string literal = write_file("literal.json", "{\"data\": {\"synthetic\": yes}}");
+  e = load_error(literal);
+  CHECK(e.rfind(literal + ":1:", 0) == 0);
+  CHECK(e.find("invalid literal") != std::string::npos);
+  const std::string empty = write_file("empty.json", "");
+  CHECK(load_error(empty).rfind(empty + ":1:1: invalid JSON: ", 0) == 0);
+
+  // A key given twice in one object (the parser would keep the last one silently).
+  const std::string dup =
+      write_file("duplicate.json", R"({"model": {"num_layers": 2, "num_layers": 3},
+    "data": {"train": ["a", {"path": "b", "path": "c"}]}})");
+  e = load_error(dup);
+  CHECK(e.find("model.num_layers: duplicate key") != std::string::npos);
+  CHECK(e.find("data.train[1].path: duplicate key") != std::string::npos);
+  // Keys of the same name in different objects are not duplicates.
+  const std::string same = write_file(
+      "same_names.json",
+      R"({"data": {"train": [{"path": "a"}, {"path": "b"}], "valid": [{"path": "c"}]}})");
+  CHECK(load_error(same).empty());
+}

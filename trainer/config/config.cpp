@@ -1,0 +1,215 @@
+// The front end of the config: ConfigError, reading the file, command-line overrides.
+//
+// load_config reports I/O and JSON syntax errors with the file name and a line:column computed
+// from the parser's byte offset, so an editor can jump to them. The file may carry // and /* */
+// comments (the parser skips them). A key given twice in one object is reported: JSON parsers
+// keep the last value silently, which hides the first one from whoever reads the file.
+//
+// Overrides ("section.key=value", e.g. from `--set training.steps=10`) are applied to the JSON
+// before it is parsed, so an overridden value goes through exactly the same checks as one in the
+// file. The value is parsed as JSON (10, 3e-4, true, ["a","b"]); if it is not valid JSON it is
+// taken as a string, so `logging.dir=runs/a` needs no quotes.
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "trainer/config/config_detail.h"
+
+namespace tetra {
+namespace config_detail {
+
+void Problems::add(const std::string& path, const std::string& value, const std::string& rule) {
+  lines_.push_back({path, path + ": " + value + ": " + rule});
+  bad_.insert(path);
+}
+
+void Problems::add_plain(const std::string& path, const std::string& message) {
+  lines_.push_back({path, path + ": " + message});
+  bad_.insert(path);
+}
+
+bool Problems::ok(const std::string& path) const {
+  for (size_t i = 0; i < path.size(); ++i)
+    if ((path[i] == '.' || path[i] == '[') && bad_.count(path.substr(0, i))) return false;
+  return bad_.count(path) == 0;
+}
+
+std::vector<std::string> Problems::sorted() const {
+  auto rank = [](const std::string& path) {
+    const std::string first = path.substr(0, path.find_first_of(".["));
+    const auto& names = section_names();
+    const auto it = std::find(names.begin(), names.end(), first);
+    return it == names.end() ? -1 : static_cast<int>(it - names.begin());
+  };
+  std::vector<Line> lines = lines_;
+  std::stable_sort(lines.begin(), lines.end(),
+                   [&](const Line& a, const Line& b) { return rank(a.path) < rank(b.path); });
+  std::vector<std::string> out;
+  for (const Line& l : lines) out.push_back(l.text);
+  return out;
+}
+
+}  // namespace config_detail
+
+namespace {
+
+using config_detail::json;
+using config_detail::Problems;
+
+std::string join_lines(const std::vector<std::string>& lines) {
+  if (lines.empty()) return "invalid configuration";
+  std::string s;
+  for (const std::string& l : lines) s += (s.empty() ? "" : "\n") + l;
+  return s;
+}
+
+Config build(const json& j, Problems& problems) {
+  Config c = config_detail::parse_config(j, problems);
+  if (j.is_object()) config_detail::resolve_and_validate(c, problems);  // else nothing was read
+  if (!problems.empty()) throw ConfigError(problems.sorted());
+  return c;
+}
+
+std::string read_file(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw ConfigError({path + ": cannot read the config file: it is a directory"});
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError({path + ": cannot read the config file: " + std::strerror(errno)});
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad())
+    throw ConfigError({path + ": cannot read the config file: " + std::strerror(errno)});
+  return text.str();
+}
+
+// "file:line:column: invalid JSON: <what the parser says>", from the offset of the last byte the
+// parser read (1-based; one past the end when the input ended too early).
+std::string syntax_error(const std::string& path, const std::string& text,
+                         const nlohmann::json::parse_error& e) {
+  const size_t pos = std::min(e.byte > 0 ? e.byte - 1 : 0, text.size());
+  size_t line = 1, line_start = 0;
+  for (size_t i = 0; i < pos; ++i)
+    if (text[i] == '\n') ++line, line_start = i + 1;
+  const size_t column = pos - line_start + 1;
+  // nlohmann's message: "[json.exception.parse_error.101] parse error at line L, column C: <why>".
+  std::string why = e.what();
+  const size_t at = why.find("parse error");
+  const size_t colon = at == std::string::npos ? std::string::npos : why.find(": ", at);
+  if (colon != std::string::npos) why = why.substr(colon + 2);
+  return fmt::format("{}:{}:{}: invalid JSON: {}", path, line, column, why);
+}
+
+// Parses `text`, reporting every key that appears twice in one object.
+json parse_text(const std::string& path, const std::string& text, Problems& problems) {
+  struct Frame {
+    bool array = false;
+    size_t count = 0;  // elements of an array seen so far
+    std::set<std::string> keys;
+    std::string key;  // the object's current key
+  };
+  std::vector<Frame> stack;
+  auto location = [&] {
+    std::string s;
+    for (const Frame& f : stack)
+      s += f.array ? fmt::format("[{}]", f.count - 1) : (s.empty() ? "" : ".") + f.key;
+    return s;
+  };
+  auto element_starts = [&] {
+    if (!stack.empty() && stack.back().array) ++stack.back().count;
+  };
+  using event = nlohmann::json::parse_event_t;
+  auto callback = [&](int, event ev, json& parsed) {
+    switch (ev) {
+      case event::object_start:
+      case event::array_start:
+        element_starts();
+        stack.push_back({ev == event::array_start, 0, {}, {}});
+        break;
+      case event::object_end:
+      case event::array_end:
+        stack.pop_back();
+        break;
+      case event::key: {
+        Frame& f = stack.back();
+        f.key = parsed.get<std::string>();
+        if (!f.keys.insert(f.key).second)
+          problems.add_plain(location(),
+                             "duplicate key; the later value would silently replace "
+                             "the earlier one");
+        break;
+      }
+      case event::value:
+        element_starts();
+        break;
+    }
+    return true;
+  };
+  try {
+    return json::parse(text, callback, /*allow_exceptions=*/true, /*ignore_comments=*/true);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw ConfigError({syntax_error(path, text, e)});
+  }
+}
+
+void apply_override(json& j, const std::string& text, Problems& problems) {
+  const std::string where = "override \"" + text + "\"";
+  const size_t eq = text.find('=');
+  if (eq == std::string::npos) {
+    problems.add_plain(where, "expected section.key=value");
+    return;
+  }
+  const std::string key_path = text.substr(0, eq), value_text = text.substr(eq + 1);
+  std::vector<std::string> keys;
+  for (size_t start = 0;;) {
+    const size_t dot = key_path.find('.', start);
+    keys.push_back(key_path.substr(start, dot - start));
+    if (dot == std::string::npos) break;
+    start = dot + 1;
+  }
+  if (std::any_of(keys.begin(), keys.end(), [](const std::string& k) { return k.empty(); })) {
+    problems.add_plain(where,
+                       "expected section.key=value, with no empty name in \"" + key_path + "\"");
+    return;
+  }
+  json value = json::parse(value_text, nullptr, /*allow_exceptions=*/false);
+  if (value.is_discarded()) value = value_text;
+  if (!j.is_object()) return;  // parse_config reports the root itself
+  json* node = &j;
+  std::string walked;
+  for (size_t i = 0; i + 1 < keys.size(); ++i) {
+    walked += (walked.empty() ? "" : ".") + keys[i];
+    json& next = (*node)[keys[i]];
+    if (next.is_null()) next = json::object();
+    if (!next.is_object()) {
+      problems.add_plain(where, walked + " is " + config_detail::show(next) + ", not an object");
+      return;
+    }
+    node = &next;
+  }
+  (*node)[keys.back()] = value;
+}
+
+}  // namespace
+
+ConfigError::ConfigError(std::vector<std::string> problems)
+    : InputError(join_lines(problems)), problems_(std::move(problems)) {}
+
+Config config_from_json(const nlohmann::json& j) {
+  Problems problems;
+  return build(j, problems);
+}
+
+Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  const std::string text = read_file(path);
+  Problems problems;
+  json j = parse_text(path, text, problems);
+  for (const std::string& o : overrides) apply_override(j, o, problems);
+  return build(j, problems);
+}
+
+}  // namespace tetra

@@ -1,0 +1,125 @@
+// The run configuration: one struct per JSON section, read once and validated before any rank
+// allocates anything.
+//
+// Reading collects every problem it finds (unknown keys with the closest known key suggested,
+// wrong types, out-of-range values, cross-field rules) and reports them all at once in a
+// ConfigError whose message lists one line per problem: "<json.path>: <value>: <rule>".
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "trainer/core/check.h"
+
+namespace tetra {
+
+struct ModelConfig {
+  int64_t vocab_size = 50257;
+  int64_t seq_len = 1024;
+  int64_t num_layers = 12;
+  int64_t hidden_size = 768;
+  int64_t num_heads = 12;
+  int64_t num_kv_heads = 0;      // 0 = num_heads (multi-head attention)
+  int64_t ffn_hidden_size = 0;   // 0 = 4 * hidden_size (gelu), or for swiglu
+                                 // 8/3 * hidden_size rounded up to a multiple of 64
+  std::string norm = "layernorm";  // layernorm | rmsnorm
+  double norm_eps = 1e-5;
+  std::string activation = "gelu";  // gelu | swiglu
+  std::string position = "learned";  // learned | rope
+  double rope_theta = 10000.0;
+  bool tie_embeddings = true;
+  bool bias = true;
+  double init_std = 0.02;
+  // Derived by resolve(): never 0 after validation.
+  int64_t head_size() const { return hidden_size / num_heads; }
+};
+
+struct ParallelConfig {
+  int64_t dp = 1;
+  int64_t tp = 1;
+  int64_t pp = 1;
+  int64_t ep = 1;
+};
+
+struct TrainingConfig {
+  std::string device = "cpu";       // cpu (cuda comes with the CUDA backend)
+  std::string precision = "fp32";   // fp32 | bf16
+  int64_t micro_batch_size = 4;
+  int64_t global_batch_size = 0;    // 0 = micro_batch_size * dp (no accumulation)
+  int64_t steps = 100;
+  uint64_t seed = 1234;
+  int64_t eval_every = 0;           // 0 = never (except at the end when eval_steps > 0)
+  int64_t eval_steps = 0;
+  int64_t log_every = 1;
+  int64_t threads = 0;              // CPU threads; 0 = all cores
+  double peak_gflops = 0.0;         // for MFU; 0 = measured at start-up
+};
+
+struct OptimizerConfig {
+  double lr = 6e-4;
+  double min_lr = 0.0;
+  int64_t warmup_steps = 0;
+  std::string decay = "cosine";     // cosine | linear | constant
+  int64_t decay_steps = 0;          // 0 = training.steps - warmup_steps
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double grad_clip = 1.0;           // global-norm clip; 0 = off
+};
+
+struct DataSource {
+  std::string path;                 // prefix of a Megatron indexed dataset: path.bin + path.idx
+  double weight = 1.0;
+};
+
+struct DataConfig {
+  bool synthetic = false;
+  std::vector<DataSource> train;
+  std::vector<DataSource> valid;
+};
+
+struct LoggingConfig {
+  std::string dir;                  // empty = no files, console only
+  std::string level = "info";       // trace | debug | info | warn | error
+};
+
+struct Config {
+  ModelConfig model;
+  ParallelConfig parallel;
+  TrainingConfig training;
+  OptimizerConfig optimizer;
+  DataConfig data;
+  LoggingConfig logging;
+
+  int64_t grad_accum_steps() const {
+    return training.global_batch_size / (training.micro_batch_size * parallel.dp);
+  }
+};
+
+// Bad configuration: every problem found, one per line. main() turns it into exit code 2.
+class ConfigError : public InputError {
+ public:
+  explicit ConfigError(std::vector<std::string> problems);
+  const std::vector<std::string>& problems() const { return problems_; }
+
+ private:
+  std::vector<std::string> problems_;
+};
+
+// Parse, apply defaults and derived values (num_kv_heads = 0 -> num_heads, ...), validate.
+// Throws ConfigError listing every problem.
+Config config_from_json(const nlohmann::json& j);
+
+// Read a JSON file (ConfigError naming the file on I/O or syntax errors, with line/column),
+// apply `overrides` ("section.key=value"; value parsed as JSON, else taken as a string), then
+// config_from_json.
+Config load_config(const std::string& path, const std::vector<std::string>& overrides);
+
+// The fully resolved config (every key, defaults filled in), as written to logs and checkpoints.
+nlohmann::json config_to_json(const Config& c);
+
+}  // namespace tetra

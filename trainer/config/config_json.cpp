@@ -1,0 +1,516 @@
+// JSON <-> Config: the list of keys, their types and defaults, the type checks, and the hunt for
+// unknown keys.
+//
+// Every key is named exactly once, in the visit_* functions below. The same visit drives both
+// directions: a SectionReader pulls each key out of the JSON (checking its type, leaving the
+// default in place when the key is absent or wrong), a SectionWriter puts each field into the
+// JSON. So config_to_json cannot forget a key that parsing knows, and the set of keys the reader
+// asked for is exactly the set of known keys that unknown-key detection compares against.
+//
+// Types are strict: an integer field takes only a JSON integer (not 4.5, 4.0, "4" or true), a
+// float field takes any finite JSON number, a bool only true/false, an enum one of its listed
+// strings. A value of the wrong type leaves the default in place and is reported.
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <limits>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "trainer/config/config_detail.h"
+
+namespace tetra::config_detail {
+namespace {
+
+using Choices = std::vector<std::string>;
+
+const Choices kNorms = {"layernorm", "rmsnorm"};
+const Choices kActivations = {"gelu", "swiglu"};
+const Choices kPositions = {"learned", "rope"};
+const Choices kDevices = {"cpu", "cuda"};  // cuda: known, but rejected until the backend exists
+const Choices kPrecisions = {"fp32", "bf16"};
+const Choices kDecays = {"cosine", "linear", "constant"};
+const Choices kLevels = {"trace", "debug", "info", "warn", "error"};
+
+// ---- the schema: every key of every section, in the order they are documented ---------------
+
+template <class M, class V>
+void visit_model(M& m, V& v) {
+  v.integer("vocab_size", m.vocab_size);
+  v.integer("seq_len", m.seq_len);
+  v.integer("num_layers", m.num_layers);
+  v.integer("hidden_size", m.hidden_size);
+  v.integer("num_heads", m.num_heads);
+  v.integer("num_kv_heads", m.num_kv_heads);
+  v.integer("ffn_hidden_size", m.ffn_hidden_size);
+  v.choice("norm", m.norm, kNorms);
+  v.number("norm_eps", m.norm_eps);
+  v.choice("activation", m.activation, kActivations);
+  v.choice("position", m.position, kPositions);
+  v.number("rope_theta", m.rope_theta);
+  v.boolean("tie_embeddings", m.tie_embeddings);
+  v.boolean("bias", m.bias);
+  v.number("init_std", m.init_std);
+}
+
+template <class P, class V>
+void visit_parallel(P& p, V& v) {
+  v.integer("dp", p.dp);
+  v.integer("tp", p.tp);
+  v.integer("pp", p.pp);
+  v.integer("ep", p.ep);
+}
+
+template <class T, class V>
+void visit_training(T& t, V& v) {
+  v.choice("device", t.device, kDevices);
+  v.choice("precision", t.precision, kPrecisions);
+  v.integer("micro_batch_size", t.micro_batch_size);
+  v.integer("global_batch_size", t.global_batch_size);
+  v.integer("steps", t.steps);
+  v.integer("seed", t.seed);
+  v.integer("eval_every", t.eval_every);
+  v.integer("eval_steps", t.eval_steps);
+  v.integer("log_every", t.log_every);
+  v.integer("threads", t.threads);
+  v.number("peak_gflops", t.peak_gflops);
+}
+
+template <class O, class V>
+void visit_optimizer(O& o, V& v) {
+  v.number("lr", o.lr);
+  v.number("min_lr", o.min_lr);
+  v.integer("warmup_steps", o.warmup_steps);
+  v.choice("decay", o.decay, kDecays);
+  v.integer("decay_steps", o.decay_steps);
+  v.number("weight_decay", o.weight_decay);
+  v.number("beta1", o.beta1);
+  v.number("beta2", o.beta2);
+  v.number("eps", o.eps);
+  v.number("grad_clip", o.grad_clip);
+}
+
+template <class D, class V>
+void visit_data(D& d, V& v) {
+  v.boolean("synthetic", d.synthetic);
+  v.sources("train", d.train);
+  v.sources("valid", d.valid);
+}
+
+template <class L, class V>
+void visit_logging(L& l, V& v) {
+  v.text("dir", l.dir);
+  v.choice("level", l.level, kLevels);
+}
+
+// Calls f(section name, section struct, visit function) for each section, in section_names() order.
+template <class C, class F>
+void for_each_section(C& c, F&& f) {
+  f("model", c.model, [](auto& s, auto& v) { visit_model(s, v); });
+  f("parallel", c.parallel, [](auto& s, auto& v) { visit_parallel(s, v); });
+  f("training", c.training, [](auto& s, auto& v) { visit_training(s, v); });
+  f("optimizer", c.optimizer, [](auto& s, auto& v) { visit_optimizer(s, v); });
+  f("data", c.data, [](auto& s, auto& v) { visit_data(s, v); });
+  f("logging", c.logging, [](auto& s, auto& v) { visit_logging(s, v); });
+}
+
+// ---- suggestions for unknown keys -------------------------------------------------------------
+
+// Names that users of Megatron-LM, Hugging Face configs and llm.c reach for, mapped to ours.
+// Only used to suggest; they are not accepted as keys.
+const std::map<std::string, std::string>& foreign_names() {
+  static const std::map<std::string, std::string> m = {
+      {"num_attention_heads", "model.num_heads"},
+      {"n_head", "model.num_heads"},
+      {"num_query_groups", "model.num_kv_heads"},
+      {"num_key_value_heads", "model.num_kv_heads"},
+      {"n_kv_head", "model.num_kv_heads"},
+      {"n_layer", "model.num_layers"},
+      {"num_hidden_layers", "model.num_layers"},
+      {"n_embd", "model.hidden_size"},
+      {"d_model", "model.hidden_size"},
+      {"intermediate_size", "model.ffn_hidden_size"},
+      {"max_position_embeddings", "model.seq_len"},
+      {"seq_length", "model.seq_len"},
+      {"n_positions", "model.seq_len"},
+      {"block_size", "model.seq_len"},
+      {"max_seq_len", "model.seq_len"},
+      {"padded_vocab_size", "model.vocab_size"},
+      {"normalization", "model.norm"},
+      {"layernorm_epsilon", "model.norm_eps"},
+      {"norm_epsilon", "model.norm_eps"},
+      {"rms_norm_eps", "model.norm_eps"},
+      {"layer_norm_epsilon", "model.norm_eps"},
+      {"position_embedding_type", "model.position"},
+      {"rotary_base", "model.rope_theta"},
+      {"init_method_std", "model.init_std"},
+      {"initializer_range", "model.init_std"},
+      {"tie_word_embeddings", "model.tie_embeddings"},
+      {"add_bias_linear", "model.bias"},
+      {"hidden_act", "model.activation"},
+      {"swiglu", "model.activation"},
+      {"tensor_model_parallel_size", "parallel.tp"},
+      {"pipeline_model_parallel_size", "parallel.pp"},
+      {"expert_model_parallel_size", "parallel.ep"},
+      {"data_parallel_size", "parallel.dp"},
+      {"train_iters", "training.steps"},
+      {"max_steps", "training.steps"},
+      {"num_iterations", "training.steps"},
+      {"log_interval", "training.log_every"},
+      {"eval_interval", "training.eval_every"},
+      {"eval_iters", "training.eval_steps"},
+      {"bf16", "training.precision"},
+      {"fp16", "training.precision"},
+      {"batch_size", "training.micro_batch_size"},
+      {"total_batch_size", "training.global_batch_size"},
+      {"learning_rate", "optimizer.lr"},
+      {"adam_beta1", "optimizer.beta1"},
+      {"adam_beta2", "optimizer.beta2"},
+      {"adam_eps", "optimizer.eps"},
+      {"clip_grad", "optimizer.grad_clip"},
+      {"max_grad_norm", "optimizer.grad_clip"},
+      {"lr_warmup_iters", "optimizer.warmup_steps"},
+      {"warmup_iters", "optimizer.warmup_steps"},
+      {"lr_decay_style", "optimizer.decay"},
+      {"lr_decay_iters", "optimizer.decay_steps"},
+      {"data_path", "data.train"},
+      {"train_data_path", "data.train"},
+      {"valid_data_path", "data.valid"},
+      {"mock_data", "data.synthetic"},
+      {"log_level", "logging.level"},
+      {"log_dir", "logging.dir"},
+      {"tensorboard_dir", "logging.dir"},
+  };
+  return m;
+}
+
+std::string normalise(const std::string& s) {
+  std::string out;
+  for (char ch : s)
+    out += ch == '-' ? '_' : static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  return out;
+}
+
+// Optimal string alignment distance: insertions, deletions, substitutions, adjacent swaps.
+size_t edit_distance(const std::string& a, const std::string& b) {
+  const size_t n = a.size(), m = b.size();
+  std::vector<std::vector<size_t>> d(n + 1, std::vector<size_t>(m + 1));
+  for (size_t i = 0; i <= n; ++i) d[i][0] = i;
+  for (size_t j = 0; j <= m; ++j) d[0][j] = j;
+  for (size_t i = 1; i <= n; ++i)
+    for (size_t j = 1; j <= m; ++j) {
+      const size_t cost = a[i - 1] == b[j - 1] ? 0 : 1;
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  return d[n][m];
+}
+
+// Known keys, per section, as the reader asked for them.
+using KnownKeys = std::map<std::string, std::vector<std::string>>;
+
+// The suggestion for an unknown `key` found in `section` ("" at the top level), or "".
+std::string suggest(const std::string& section, const std::string& key, const KnownKeys& known) {
+  const std::string k = normalise(key);
+  // The exact name of a key that lives in another section: it was put in the wrong place.
+  for (const std::string& s : section_names())
+    for (const std::string& name : known.at(s))
+      if (name == k && s != section) return s + "." + name;
+  if (section.empty()) {
+    const std::string s = closest(key, section_names());
+    if (!s.empty()) return s;
+  } else {
+    const std::string s = closest(key, known.at(section));
+    if (!s.empty()) return section + "." + s;
+  }
+  const auto foreign = foreign_names().find(k);
+  if (foreign != foreign_names().end()) return foreign->second;
+  for (const std::string& s : section_names()) {
+    if (s == section) continue;
+    const std::string c = closest(key, known.at(s));
+    if (!c.empty()) return s + "." + c;
+  }
+  return "";
+}
+
+std::string did_you_mean(const std::string& suggestion) {
+  return suggestion.empty() ? "" : "; did you mean \"" + suggestion + "\"?";
+}
+
+// ---- reading ----------------------------------------------------------------------------------
+
+class SectionReader {
+ public:
+  SectionReader(const json* section, std::string name, Problems& problems)
+      : section_(section), name_(std::move(name)), problems_(problems) {}
+
+  void integer(const char* key, int64_t& out) {
+    const json* v = find(key);
+    if (!v) return;
+    if (v->is_number_unsigned() &&
+        v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      problems_.add(path(key), show(*v), "out of range for a 64-bit integer");
+    else if (v->is_number_integer())
+      out = v->get<int64_t>();
+    else
+      problems_.add(path(key), show(*v), "expected an integer, got " + type_phrase(*v));
+  }
+
+  void integer(const char* key, uint64_t& out) {
+    const json* v = find(key);
+    if (!v) return;
+    if (v->is_number_unsigned())
+      out = v->get<uint64_t>();
+    else if (v->is_number_integer())
+      problems_.add(path(key), show(*v), "must be >= 0");
+    else
+      problems_.add(path(key), show(*v), "expected an integer, got " + type_phrase(*v));
+  }
+
+  void number(const char* key, double& out) {
+    const json* v = find(key);
+    if (!v) return;
+    if (!v->is_number())
+      problems_.add(path(key), show(*v), "expected a number, got " + type_phrase(*v));
+    else if (!std::isfinite(v->get<double>()))
+      problems_.add(path(key), show(*v), "must be a finite number");
+    else
+      out = v->get<double>();
+  }
+
+  void boolean(const char* key, bool& out) {
+    const json* v = find(key);
+    if (!v) return;
+    if (v->is_boolean())
+      out = v->get<bool>();
+    else
+      problems_.add(path(key), show(*v), "expected true or false, got " + type_phrase(*v));
+  }
+
+  void text(const char* key, std::string& out) {
+    const json* v = find(key);
+    if (!v) return;
+    if (v->is_string())
+      out = v->get<std::string>();
+    else
+      problems_.add(path(key), show(*v), "expected a string, got " + type_phrase(*v));
+  }
+
+  void choice(const char* key, std::string& out, const Choices& choices) {
+    const json* v = find(key);
+    if (!v) return;
+    if (!v->is_string()) {
+      problems_.add(path(key), show(*v), "expected a string, got " + type_phrase(*v));
+      return;
+    }
+    const std::string s = v->get<std::string>();
+    if (std::find(choices.begin(), choices.end(), s) != choices.end()) {
+      out = s;
+      return;
+    }
+    std::string list;
+    for (const std::string& c : choices) list += (list.empty() ? "" : ", ") + c;
+    problems_.add(path(key), show(*v),
+                  "must be one of " + list + did_you_mean(closest(s, choices)));
+  }
+
+  // A list of datasets: each entry "prefix" (weight 1) or {"path": "prefix", "weight": w}.
+  void sources(const char* key, std::vector<DataSource>& out) {
+    const json* v = find(key);
+    if (!v) return;
+    if (!v->is_array()) {
+      problems_.add(
+          path(key), show(*v),
+          "expected a list of datasets, e.g. [\"data/train_text\"], got " + type_phrase(*v));
+      return;
+    }
+    out.clear();
+    for (size_t i = 0; i < v->size(); ++i) {
+      const json& e = (*v)[i];
+      const std::string at = path(key) + "[" + std::to_string(i) + "]";
+      DataSource src;
+      if (e.is_string()) {
+        src.path = e.get<std::string>();
+      } else if (e.is_object()) {
+        SectionReader entry(&e, at, problems_);
+        if (!e.contains("path"))
+          problems_.add_plain(at + ".path", "missing; every dataset needs a path");
+        entry.text("path", src.path);
+        entry.number("weight", src.weight);
+        entry.report_unknown_keys();
+      } else {
+        problems_.add(
+            at, show(e),
+            "expected a path string or {\"path\": ..., \"weight\": ...}, got " + type_phrase(e));
+      }
+      out.push_back(src);
+    }
+  }
+
+  const std::vector<std::string>& keys() const { return keys_; }
+
+  // Keys of this object that no field asked for, with a suggestion among this object's keys.
+  void report_unknown_keys() {
+    if (!section_) return;
+    for (const auto& [key, value] : section_->items())
+      if (std::find(keys_.begin(), keys_.end(), key) == keys_.end())
+        problems_.add_plain(path(key), "unknown key" + did_you_mean(suggest_local(key)));
+  }
+
+ private:
+  const json* find(const char* key) {
+    keys_.push_back(key);
+    if (!section_) return nullptr;
+    const auto it = section_->find(key);
+    return it == section_->end() ? nullptr : &*it;
+  }
+  std::string path(const std::string& key) const { return name_ + "." + key; }
+  std::string suggest_local(const std::string& key) const {
+    const std::string s = closest(key, keys_);
+    return s.empty() ? "" : path(s);
+  }
+
+  const json* section_;  // null: the section is absent, every key keeps its default
+  std::string name_;
+  Problems& problems_;
+  std::vector<std::string> keys_;
+};
+
+// ---- writing ----------------------------------------------------------------------------------
+
+class SectionWriter {
+ public:
+  explicit SectionWriter(json& out) : out_(out) {}
+  void integer(const char* key, const int64_t& v) { out_[key] = v; }
+  void integer(const char* key, const uint64_t& v) { out_[key] = v; }
+  void number(const char* key, const double& v) { out_[key] = v; }
+  void boolean(const char* key, const bool& v) { out_[key] = v; }
+  void text(const char* key, const std::string& v) { out_[key] = v; }
+  void choice(const char* key, const std::string& v, const Choices&) { out_[key] = v; }
+  void sources(const char* key, const std::vector<DataSource>& v) {
+    json list = json::array();
+    for (const DataSource& s : v) list.push_back({{"path", s.path}, {"weight", s.weight}});
+    out_[key] = list;
+  }
+
+ private:
+  json& out_;
+};
+
+}  // namespace
+
+// ---- shared helpers ---------------------------------------------------------------------------
+
+std::string show(const json& v) {
+  std::string s = v.dump();
+  if (s.size() > 60) s = s.substr(0, 57) + "...";
+  return s;
+}
+
+std::string type_phrase(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null:
+      return "null";
+    case json::value_t::boolean:
+      return "a boolean";
+    case json::value_t::string:
+      return "a string";
+    case json::value_t::array:
+      return "a list";
+    case json::value_t::object:
+      return "an object";
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned:
+      return "an integer";
+    case json::value_t::number_float:
+      return "a floating-point number";
+    default:
+      return "an unsupported value";
+  }
+}
+
+std::string closest(const std::string& word, const std::vector<std::string>& candidates) {
+  const std::string w = normalise(word);
+  std::string best;
+  size_t best_d = std::numeric_limits<size_t>::max();
+  for (const std::string& c : candidates) {
+    const size_t d = edit_distance(w, normalise(c));
+    if (d < best_d) best_d = d, best = c;
+  }
+  if (best.empty()) return "";
+  // Plausible typos only: one edit for very short names, up to three for long ones.
+  const size_t len = std::max(w.size(), best.size());
+  const size_t allowed = len <= 3 ? 1 : len <= 6 ? 2 : 3;
+  return best_d <= allowed && best_d < len ? best : "";
+}
+
+Config parse_config(const json& j, Problems& problems) {
+  Config c;
+  if (!j.is_object()) {
+    problems.add("config", show(j),
+                 "expected an object with the sections model, parallel, training, optimizer, data, "
+                 "logging; got " +
+                     type_phrase(j));
+    return c;
+  }
+  KnownKeys known;
+  for_each_section(c, [&](const std::string& name, auto& section, auto visit) {
+    const auto it = j.find(name);
+    const json* obj = nullptr;
+    if (it != j.end()) {
+      if (it->is_object())
+        obj = &*it;
+      else
+        problems.add(name, show(*it), "expected an object, got " + type_phrase(*it));
+    }
+    SectionReader reader(obj, name, problems);
+    visit(section, reader);
+    known[name] = reader.keys();
+  });
+  // Unknown keys are reported once every known key is known, so a key put in the wrong section
+  // can be pointed to where it belongs.
+  for (size_t s = 0; s < section_names().size(); ++s) {
+    const std::string& name = section_names()[s];
+    const auto it = j.find(name);
+    if (it == j.end() || !it->is_object()) continue;
+    for (const auto& [key, value] : it->items())
+      if (std::find(known[name].begin(), known[name].end(), key) == known[name].end())
+        problems.add_plain(name + "." + key,
+                           "unknown key" + did_you_mean(suggest(name, key, known)));
+  }
+  for (const auto& [key, value] : j.items()) {
+    if (std::find(section_names().begin(), section_names().end(), key) != section_names().end())
+      continue;
+    // "model.hidden_size" written as a top-level key: the file wants nesting, not a dotted name.
+    const size_t dot = key.find('.');
+    const auto section = dot == std::string::npos ? known.end() : known.find(key.substr(0, dot));
+    if (section != known.end()) {
+      const std::string rest = key.substr(dot + 1);
+      problems.add_plain(key, fmt::format("unknown section; keys are nested in their section: "
+                                          "{{\"{}\": {{\"{}\": ...}}}}",
+                                          section->first, rest));
+      continue;
+    }
+    problems.add_plain(key, "unknown section" + did_you_mean(suggest("", key, known)));
+  }
+  return c;
+}
+
+}  // namespace tetra::config_detail
+
+namespace tetra {
+
+nlohmann::json config_to_json(const Config& c) {
+  nlohmann::json j = nlohmann::json::object();
+  config_detail::for_each_section(c, [&](const std::string& name, const auto& section, auto visit) {
+    nlohmann::json s = nlohmann::json::object();
+    config_detail::SectionWriter writer(s);
+    visit(section, writer);
+    j[name] = s;
+  });
+  return j;
+}
+
+}  // namespace tetra

@@ -1,0 +1,218 @@
+// The rules a parsed config must satisfy, and the values derived from it.
+//
+// Three passes, each skipping values that an earlier pass (or the type checks) already rejected:
+//   1. ranges of single values (sizes >= 1, 0 <= beta < 1, ...), and features this build cannot
+//      run yet (parallel degrees > 1, the CUDA device);
+//   2. resolution of the "0 = derive it" defaults:
+//        model.num_kv_heads      0 -> model.num_heads (plain multi-head attention)
+//        model.ffn_hidden_size   0 -> 4 * hidden_size for gelu; for swiglu the Llama rule
+//                                     64 * ceil(floor(8 * hidden_size / 3) / 64): two thirds of
+//                                     4 * hidden_size (the gate doubles the matrices, so this
+//                                     keeps the parameter count of a 4x GELU MLP), rounded up to
+//                                     a multiple of 64 (768 -> 2048, 4096 -> 10944)
+//        training.global_batch_size   0 -> micro_batch_size * parallel.dp (no accumulation)
+//      Resolved values are never 0 again, so resolving a resolved config changes nothing (the
+//      round trip config_from_json(config_to_json(c)) == c depends on it).
+//      optimizer.decay_steps keeps its 0 (= training.steps - warmup_steps, read so by the LR
+//      schedule): resolving it here would freeze the decay horizon into checkpoints, and a resumed
+//      run that extends training.steps would stop decaying early.
+//   3. cross-field rules (divisibility, data sources, evaluation).
+#include <fmt/format.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "trainer/config/config_detail.h"
+
+namespace tetra::config_detail {
+namespace {
+
+constexpr int64_t kMaxSize = std::numeric_limits<int32_t>::max();  // token ids are int32
+
+class Rules {
+ public:
+  explicit Rules(Problems& p) : p_(p) {}
+
+  // Reports `rule` against `path` unless `holds` or `path` already has a problem.
+  template <class T>
+  void require(bool holds, const std::string& path, const T& value, const std::string& rule) {
+    if (!holds && p_.ok(path)) p_.add(path, show(json(value)), rule);
+  }
+
+  // Every path is free of problems: the values can be combined in a cross-field rule.
+  bool ok(std::initializer_list<std::string> paths) const {
+    for (const std::string& path : paths)
+      if (!p_.ok(path)) return false;
+    return true;
+  }
+
+  // A size or count: min <= v <= 2^31 - 1 (so that products of sizes cannot overflow int64).
+  void size(const std::string& path, int64_t v, int64_t min) {
+    require(v >= min, path, v, fmt::format("must be >= {}", min));
+    require(v <= kMaxSize, path, v, fmt::format("must be <= {}", kMaxSize));
+  }
+  void at_least(const std::string& path, int64_t v, int64_t min) {
+    require(v >= min, path, v, fmt::format("must be >= {}", min));
+  }
+  void positive(const std::string& path, double v) { require(v > 0.0, path, v, "must be > 0"); }
+  void non_negative(const std::string& path, double v) {
+    require(v >= 0.0, path, v, "must be >= 0");
+  }
+
+ private:
+  Problems& p_;
+};
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+void check_ranges(const Config& c, Rules& r) {
+  const ModelConfig& m = c.model;
+  r.size("model.vocab_size", m.vocab_size, 1);
+  r.size("model.seq_len", m.seq_len, 1);
+  r.size("model.num_layers", m.num_layers, 1);
+  r.size("model.hidden_size", m.hidden_size, 1);
+  r.size("model.num_heads", m.num_heads, 1);
+  r.size("model.num_kv_heads", m.num_kv_heads, 0);
+  r.size("model.ffn_hidden_size", m.ffn_hidden_size, 0);
+  r.positive("model.norm_eps", m.norm_eps);
+  r.positive("model.rope_theta", m.rope_theta);
+  r.positive("model.init_std", m.init_std);
+
+  const struct {
+    const char* path;
+    int64_t value;
+    const char* what;
+  } degrees[] = {{"parallel.dp", c.parallel.dp, "data"},
+                 {"parallel.tp", c.parallel.tp, "tensor"},
+                 {"parallel.pp", c.parallel.pp, "pipeline"},
+                 {"parallel.ep", c.parallel.ep, "expert"}};
+  for (const auto& d : degrees) {
+    r.at_least(d.path, d.value, 1);
+    r.require(d.value <= 1, d.path, d.value,
+              fmt::format("{} parallelism is not available yet in this build; set {} to 1", d.what,
+                          d.path));
+  }
+
+  const TrainingConfig& t = c.training;
+  r.require(t.device != "cuda", "training.device", t.device,
+            "the CUDA backend is not built yet; set training.device to \"cpu\"");
+  r.size("training.micro_batch_size", t.micro_batch_size, 1);
+  r.size("training.global_batch_size", t.global_batch_size, 0);
+  r.at_least("training.steps", t.steps, 1);
+  r.at_least("training.eval_every", t.eval_every, 0);
+  r.at_least("training.eval_steps", t.eval_steps, 0);
+  r.at_least("training.log_every", t.log_every, 1);
+  r.at_least("training.threads", t.threads, 0);
+  r.non_negative("training.peak_gflops", t.peak_gflops);
+
+  const OptimizerConfig& o = c.optimizer;
+  r.positive("optimizer.lr", o.lr);
+  r.non_negative("optimizer.min_lr", o.min_lr);
+  r.at_least("optimizer.warmup_steps", o.warmup_steps, 0);
+  r.at_least("optimizer.decay_steps", o.decay_steps, 0);
+  r.non_negative("optimizer.weight_decay", o.weight_decay);
+  r.require(o.beta1 >= 0.0 && o.beta1 < 1.0, "optimizer.beta1", o.beta1, "must be in [0, 1)");
+  r.require(o.beta2 >= 0.0 && o.beta2 < 1.0, "optimizer.beta2", o.beta2, "must be in [0, 1)");
+  r.positive("optimizer.eps", o.eps);
+  r.non_negative("optimizer.grad_clip", o.grad_clip);
+
+  const std::pair<const char*, const std::vector<DataSource>*> lists[] = {
+      {"data.train", &c.data.train}, {"data.valid", &c.data.valid}};
+  for (const auto& [name, list] : lists)
+    for (size_t i = 0; i < list->size(); ++i) {
+      const DataSource& s = (*list)[i];
+      const std::string at = fmt::format("{}[{}]", name, i);
+      r.require(!s.path.empty(), at + ".path", s.path, "must not be empty");
+      for (const char* ext : {".bin", ".idx"})
+        r.require(!ends_with(s.path, ext), at + ".path", s.path,
+                  fmt::format("give the dataset prefix without {} (\"{}\")", ext,
+                              s.path.substr(0, s.path.size() - 4)));
+      r.positive(at + ".weight", s.weight);
+    }
+}
+
+void resolve(Config& c, Rules& r) {
+  ModelConfig& m = c.model;
+  if (m.num_kv_heads == 0 && r.ok({"model.num_kv_heads", "model.num_heads"}))
+    m.num_kv_heads = m.num_heads;
+  if (m.ffn_hidden_size == 0 && r.ok({"model.ffn_hidden_size", "model.hidden_size"})) {
+    if (m.activation == "swiglu")
+      m.ffn_hidden_size = (8 * m.hidden_size / 3 + 63) / 64 * 64;
+    else
+      m.ffn_hidden_size = 4 * m.hidden_size;
+  }
+  TrainingConfig& t = c.training;
+  if (t.global_batch_size == 0 &&
+      r.ok({"training.global_batch_size", "training.micro_batch_size", "parallel.dp"}))
+    t.global_batch_size = t.micro_batch_size * c.parallel.dp;
+}
+
+void check_cross_field(const Config& c, Rules& r) {
+  const ModelConfig& m = c.model;
+  if (r.ok({"model.hidden_size", "model.num_heads"})) {
+    r.require(m.hidden_size % m.num_heads == 0, "model.hidden_size", m.hidden_size,
+              fmt::format("must be divisible by model.num_heads ({})", m.num_heads));
+    if (m.position == "rope" && m.hidden_size % m.num_heads == 0)
+      r.require(m.head_size() % 2 == 0, "model.hidden_size", m.hidden_size,
+                fmt::format("with model.position \"rope\" the head size hidden_size / num_heads "
+                            "({} / {} = {}) must be even",
+                            m.hidden_size, m.num_heads, m.head_size()));
+  }
+  if (r.ok({"model.num_heads", "model.num_kv_heads"}) && m.num_kv_heads > 0)
+    r.require(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
+              fmt::format("must divide model.num_heads ({})", m.num_heads));
+
+  const TrainingConfig& t = c.training;
+  if (r.ok({"training.global_batch_size", "training.micro_batch_size", "parallel.dp"})) {
+    const int64_t per_step = t.micro_batch_size * c.parallel.dp;
+    r.require(t.global_batch_size % per_step == 0, "training.global_batch_size",
+              t.global_batch_size,
+              fmt::format("must be a multiple of training.micro_batch_size * parallel.dp "
+                          "({} * {} = {})",
+                          t.micro_batch_size, c.parallel.dp, per_step));
+  }
+
+  const OptimizerConfig& o = c.optimizer;
+  if (r.ok({"optimizer.lr", "optimizer.min_lr"}))
+    r.require(o.min_lr <= o.lr, "optimizer.min_lr", o.min_lr,
+              fmt::format("must be <= optimizer.lr ({})", json(o.lr).dump()));
+
+  const DataConfig& d = c.data;
+  if (r.ok({"data.synthetic", "data.train"})) {
+    if (d.synthetic)
+      r.require(d.train.empty(), "data.train", config_to_json(c)["data"]["train"],
+                "must be empty when data.synthetic is true (synthetic data replaces the datasets)");
+    else
+      r.require(!d.train.empty(), "data.train", json::array(),
+                "must list at least one dataset, or set data.synthetic to true");
+  }
+  if (r.ok({"data.synthetic", "data.valid"}) && d.synthetic)
+    r.require(d.valid.empty(), "data.valid", config_to_json(c)["data"]["valid"],
+              "must be empty when data.synthetic is true (synthetic data replaces the datasets)");
+
+  const bool have_valid = d.synthetic || !d.valid.empty();
+  if (r.ok({"training.eval_every", "training.eval_steps", "data.synthetic", "data.valid"})) {
+    r.require(t.eval_every == 0 || t.eval_steps > 0, "training.eval_every", t.eval_every,
+              "evaluating needs training.eval_steps > 0 (it is 0)");
+    const bool every = t.eval_every > 0;
+    r.require(!(every || t.eval_steps > 0) || have_valid,
+              every ? "training.eval_every" : "training.eval_steps",
+              every ? t.eval_every : t.eval_steps,
+              "evaluating needs validation data: list datasets in data.valid (or set "
+              "data.synthetic to true)");
+  }
+}
+
+}  // namespace
+
+void resolve_and_validate(Config& c, Problems& problems) {
+  Rules rules(problems);
+  check_ranges(c, rules);
+  resolve(c, rules);
+  check_cross_field(c, rules);
+}
+
+}  // namespace tetra::config_detail

@@ -1,0 +1,88 @@
+// DataLoader (Megatron's pretraining sampler order) and the config -> sample-source factory.
+#include "trainer/data/data_loader.h"
+
+#include <string>
+#include <vector>
+
+#include "trainer/core/check.h"
+
+namespace tetra {
+
+DataLoader::DataLoader(std::shared_ptr<SampleSource> source, int64_t seq_len,
+                       int64_t micro_batch_size, int64_t dp_rank, int64_t dp_size)
+    : source_(std::move(source)),
+      seq_len_(seq_len),
+      micro_batch_size_(micro_batch_size),
+      dp_rank_(dp_rank),
+      dp_size_(dp_size) {
+  TETRA_CHECK(source_ != nullptr, "DataLoader without a source");
+  TETRA_CHECK(source_->seq_len() == seq_len_, "source seq_len {} != loader seq_len {}",
+              source_->seq_len(), seq_len_);
+  TETRA_CHECK(micro_batch_size_ >= 1, "micro_batch_size {}", micro_batch_size_);
+  TETRA_CHECK(dp_size_ >= 1 && dp_rank_ >= 0 && dp_rank_ < dp_size_, "dp_rank {} of dp_size {}",
+              dp_rank_, dp_size_);
+}
+
+void DataLoader::next(int32_t* tokens) {
+  const int64_t first = consumed_ + dp_rank_ * micro_batch_size_;
+  for (int64_t b = 0; b < micro_batch_size_; ++b)
+    source_->sample(first + b, tokens + b * (seq_len_ + 1));
+  consumed_ += micro_batch_size_ * dp_size_;
+}
+
+void DataLoader::set_consumed_samples(int64_t consumed) {
+  TETRA_CHECK(consumed >= 0, "consumed samples {}", consumed);
+  consumed_ = consumed;
+}
+
+namespace {
+
+// Validation must never read training's shuffle order: its seed is derived, not shared.
+constexpr uint64_t kValidSeedSalt = 0x56414C4944415445ull;  // "VALIDATE"
+
+std::shared_ptr<SampleSource> make_indexed_stack(const Config& cfg,
+                                                 const std::vector<DataSource>& list,
+                                                 const char* key, uint64_t shuffle_seed,
+                                                 int64_t total_samples) {
+  std::vector<std::shared_ptr<SampleSource>> sources;
+  std::vector<double> weights;
+  for (size_t i = 0; i < list.size(); ++i) {
+    try {
+      auto ds = std::make_shared<const IndexedDataset>(IndexedDataset::open(list[i].path));
+      sources.push_back(
+          std::make_shared<IndexedSamples>(std::move(ds), cfg.model.seq_len, cfg.model.vocab_size));
+    } catch (const InputError& e) {
+      // Say which config entry it was: the same file may be listed under train and valid.
+      throw InputError(fmt::format("{}[{}] (path '{}'): {}", key, i, list[i].path, e.what()));
+    }
+    weights.push_back(list[i].weight);
+  }
+  std::shared_ptr<SampleSource> source = sources[0];
+  if (sources.size() > 1)
+    source =
+        std::make_shared<BlendedSamples>(std::move(sources), std::move(weights), total_samples);
+  return std::make_shared<ShuffledSamples>(std::move(source), shuffle_seed);
+}
+
+}  // namespace
+
+std::shared_ptr<SampleSource> make_train_source(const Config& cfg, int64_t total_samples) {
+  if (cfg.data.synthetic)
+    return std::make_shared<SyntheticSamples>(cfg.model.vocab_size, cfg.model.seq_len,
+                                              cfg.training.seed, /*stream=*/0);
+  TETRA_INPUT_CHECK(!cfg.data.train.empty(),
+                    "data.train is empty and data.synthetic is false: list at least one dataset "
+                    "prefix (PREFIX.bin + PREFIX.idx) or set data.synthetic to true");
+  return make_indexed_stack(cfg, cfg.data.train, "data.train", cfg.training.seed, total_samples);
+}
+
+std::shared_ptr<SampleSource> make_valid_source(const Config& cfg, int64_t total_samples) {
+  if (cfg.data.synthetic)
+    return std::make_shared<SyntheticSamples>(cfg.model.vocab_size, cfg.model.seq_len,
+                                              cfg.training.seed, /*stream=*/1);
+  if (cfg.data.valid.empty()) return nullptr;
+  return make_indexed_stack(cfg, cfg.data.valid, "data.valid", cfg.training.seed ^ kValidSeedSalt,
+                            total_samples);
+}
+
+}  // namespace tetra

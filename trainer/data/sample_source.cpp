@@ -1,0 +1,267 @@
+// Sample sources: windows of an indexed dataset, the synthetic Markov stream, the deterministic
+// blend and the epoch-wise shuffle. See sample_source.h for what each one promises.
+#include "trainer/data/sample_source.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/common/math.h"
+#include "trainer/core/check.h"
+
+namespace tetra {
+
+namespace {
+
+// SplitMix64's finaliser: turns related seeds (seed, seed + 1, ...) into unrelated Philox keys.
+uint64_t mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Uniform integer in [0, n) from 32 random bits (multiply-shift; bias < n / 2^32, irrelevant for
+// a synthetic corpus).
+inline int32_t uniform_below(uint32_t bits, int64_t n) {
+  return static_cast<int32_t>((static_cast<uint64_t>(bits) * static_cast<uint64_t>(n)) >> 32);
+}
+
+// Domain separators, so the table, the walks and the shuffles never share Philox counters.
+constexpr uint64_t kTableCounterHi = uint64_t{1} << 63;   // sample indices stay below 2^40
+constexpr uint64_t kStreamSalt = 0x53594E5448455449ull;   // "SYNTHETI"
+constexpr uint64_t kShuffleSalt = 0x53485546464C4521ull;  // "SHUFFLE!"
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// IndexedSamples
+// ---------------------------------------------------------------------------------------------
+IndexedSamples::IndexedSamples(std::shared_ptr<const IndexedDataset> dataset, int64_t seq_len,
+                               int64_t vocab_size)
+    : dataset_(std::move(dataset)), seq_len_(seq_len) {
+  TETRA_CHECK(dataset_ != nullptr && seq_len_ >= 1 && vocab_size >= 1, "seq_len {} vocab_size {}",
+              seq_len_, vocab_size);
+  const int64_t n = dataset_->num_tokens();
+  TETRA_INPUT_CHECK(n >= seq_len_ + 1,
+                    "dataset {} has {} tokens, fewer than one sample of model.seq_len + 1 = {} "
+                    "tokens; use more data or a shorter model.seq_len",
+                    dataset_->prefix(), n, seq_len_ + 1);
+  num_samples_ = (n - 1) / seq_len_;
+  const int64_t lo = dataset_->min_token(), hi = dataset_->max_token();
+  TETRA_INPUT_CHECK(hi < vocab_size,
+                    "dataset {} holds token id {} but model.vocab_size is {}: the data was "
+                    "tokenised with a larger vocabulary; raise model.vocab_size to at least {} or "
+                    "tokenise with the model's tokenizer",
+                    dataset_->bin_path(), hi, vocab_size, hi + 1);
+  TETRA_INPUT_CHECK(lo >= 0, "dataset {} holds negative token id {}: token ids must be in [0, {})",
+                    dataset_->bin_path(), lo, vocab_size);
+}
+
+void IndexedSamples::sample(int64_t i, int32_t* out) {
+  TETRA_CHECK(i >= 0 && i < num_samples_, "sample {} of {} in {}", i, num_samples_,
+              dataset_->prefix());
+  dataset_->read(i * seq_len_, seq_len_ + 1, out);
+}
+
+std::string IndexedSamples::describe() const {
+  return fmt::format("{} ({} documents, {} tokens of {}, {} samples of {}+1)", dataset_->prefix(),
+                     dataset_->num_documents(), dataset_->num_tokens(),
+                     indexed_dtype_name(dataset_->dtype()), num_samples_, seq_len_);
+}
+
+// ---------------------------------------------------------------------------------------------
+// SyntheticSamples
+// ---------------------------------------------------------------------------------------------
+SyntheticSamples::SyntheticSamples(int64_t vocab_size, int64_t seq_len, uint64_t seed,
+                                   uint64_t stream)
+    : vocab_size_(vocab_size),
+      seq_len_(seq_len),
+      seed_(seed),
+      stream_key_(mix64(seed ^ mix64(kStreamSalt + stream))) {
+  TETRA_INPUT_CHECK(vocab_size_ >= kSuccessors && vocab_size_ <= (int64_t{1} << 31) - 1,
+                    "synthetic data needs model.vocab_size in [{}, 2^31), got {}", kSuccessors,
+                    vocab_size_);
+  TETRA_CHECK(seq_len_ >= 1, "seq_len {}", seq_len_);
+  // Successors of token a: distinct draws from Philox counters (a, table domain + round, seed).
+  table_.resize(static_cast<size_t>(vocab_size_) * kSuccessors);
+  for (int64_t a = 0; a < vocab_size_; ++a) {
+    int32_t* succ = &table_[static_cast<size_t>(a) * kSuccessors];
+    int64_t have = 0;
+    for (uint64_t round = 0; have < kSuccessors; ++round) {
+      math::Philox4 r = math::philox4x32(static_cast<uint64_t>(a), kTableCounterHi + round, seed_);
+      for (int w = 0; w < 4 && have < kSuccessors; ++w) {
+        const int32_t cand = uniform_below(r.v[w], vocab_size_);
+        if (std::find(succ, succ + have, cand) == succ + have) succ[have++] = cand;
+      }
+    }
+  }
+}
+
+void SyntheticSamples::sample(int64_t i, int32_t* out) {
+  TETRA_CHECK(i >= 0 && i < num_samples(), "synthetic sample {}", i);
+  // Block 0 gives the start token; block b >= 1 gives 2-bit choices for steps 64(b-1) .. 64b-1.
+  math::Philox4 r = math::philox4x32(0, static_cast<uint64_t>(i), stream_key_);
+  out[0] = uniform_below(r.v[0], vocab_size_);
+  for (int64_t t = 1; t <= seq_len_; ++t) {
+    const int64_t s = t - 1;
+    if (s % 64 == 0)
+      r = math::philox4x32(static_cast<uint64_t>(s / 64 + 1), static_cast<uint64_t>(i),
+                           stream_key_);
+    const uint32_t choice = (r.v[(s % 64) / 16] >> (2 * (s % 16))) & 3u;
+    out[t] = table_[static_cast<size_t>(out[t - 1]) * kSuccessors + choice];
+  }
+}
+
+std::string SyntheticSamples::describe() const {
+  return fmt::format(
+      "synthetic Markov stream (vocab {}, {} successors per token, entropy {:.4f} "
+      "nats/token, seed {}, samples of {}+1)",
+      vocab_size_, kSuccessors, kEntropyNats, seed_, seq_len_);
+}
+
+// ---------------------------------------------------------------------------------------------
+// BlendedSamples
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+// Megatron's choice for blended sample k: the source furthest behind its target share.
+inline int32_t blend_choose(const std::vector<double>& w, const int64_t* counts, int64_t k) {
+  int32_t best = 0;
+  double best_err = w[0] * static_cast<double>(k + 1) - static_cast<double>(counts[0]);
+  for (size_t i = 1; i < w.size(); ++i) {
+    const double err = w[i] * static_cast<double>(k + 1) - static_cast<double>(counts[i]);
+    if (err > best_err) {
+      best_err = err;
+      best = static_cast<int32_t>(i);
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+BlendedSamples::BlendedSamples(std::vector<std::shared_ptr<SampleSource>> sources,
+                               std::vector<double> weights, int64_t total_samples)
+    : sources_(std::move(sources)), weights_(std::move(weights)), total_samples_(total_samples) {
+  TETRA_CHECK(!sources_.empty() && sources_.size() == weights_.size(), "{} sources with {} weights",
+              sources_.size(), weights_.size());
+  TETRA_CHECK(total_samples_ >= 1, "total_samples {}", total_samples_);
+  seq_len_ = sources_[0]->seq_len();
+  double sum = 0.0;
+  for (size_t i = 0; i < sources_.size(); ++i) {
+    TETRA_CHECK(sources_[i]->seq_len() == seq_len_, "source {} has seq_len {}, source 0 has {}", i,
+                sources_[i]->seq_len(), seq_len_);
+    TETRA_INPUT_CHECK(std::isfinite(weights_[i]) && weights_[i] > 0.0,
+                      "data weight {} of {} must be a positive number", weights_[i],
+                      sources_[i]->describe());
+    sum += weights_[i];
+  }
+  for (double& w : weights_) w /= sum;
+
+  const size_t S = sources_.size();
+  const int64_t num_chunks = (total_samples_ + kChunk - 1) / kChunk;
+  chunk_counts_.assign(static_cast<size_t>(num_chunks) * S, 0);
+  std::vector<int64_t> counts(S, 0);
+  for (int64_t k = 0; k < total_samples_; ++k) {
+    if (k % kChunk == 0) std::copy(counts.begin(), counts.end(), &chunk_counts_[(k / kChunk) * S]);
+    ++counts[blend_choose(weights_, counts.data(), k)];
+  }
+  cached_source_.resize(kChunk);
+  cached_index_.resize(kChunk);
+}
+
+void BlendedSamples::load_chunk(int64_t chunk) {
+  const size_t S = sources_.size();
+  std::vector<int64_t> counts(&chunk_counts_[chunk * S], &chunk_counts_[chunk * S] + S);
+  const int64_t begin = chunk * kChunk, end = std::min(total_samples_, begin + kChunk);
+  for (int64_t k = begin; k < end; ++k) {
+    const int32_t i = blend_choose(weights_, counts.data(), k);
+    cached_source_[k - begin] = i;
+    cached_index_[k - begin] = counts[i]++;
+  }
+  cached_chunk_ = chunk;
+}
+
+std::pair<int32_t, int64_t> BlendedSamples::locate(int64_t k) {
+  TETRA_CHECK(k >= 0 && k < total_samples_, "blended sample {} of {}", k, total_samples_);
+  if (k / kChunk != cached_chunk_) load_chunk(k / kChunk);
+  const int32_t i = cached_source_[k % kChunk];
+  return {i, cached_index_[k % kChunk] % sources_[i]->num_samples()};
+}
+
+void BlendedSamples::sample(int64_t k, int32_t* out) {
+  auto [i, j] = locate(k);
+  sources_[i]->sample(j, out);
+}
+
+std::string BlendedSamples::describe() const {
+  std::string s =
+      fmt::format("blend of {} sources over {} samples:", sources_.size(), total_samples_);
+  for (size_t i = 0; i < sources_.size(); ++i)
+    s += fmt::format(" [{:.4f}] {};", weights_[i], sources_[i]->describe());
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// ShuffledSamples
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+// Fisher-Yates: for x = n-1 .. 1, swap perm[x] with perm[u(x)], u(x) uniform in [0, x] from 64
+// random bits of Philox counter (x / 2, epoch) (Lemire's multiply-shift; bias below n / 2^64).
+// The targets depend only on x, not on the array, so they are drawn a batch ahead and prefetched:
+// for n = 1e8 the swaps are random accesses into 400 MB, and without the prefetch the loop waits
+// on memory at every step.
+void shuffle_permutation(std::vector<uint32_t>& perm, int64_t n, uint64_t key, uint64_t epoch) {
+  constexpr int64_t kBatch = 256;
+  perm.resize(static_cast<size_t>(n));
+  for (int64_t x = 0; x < n; ++x) perm[x] = static_cast<uint32_t>(x);
+  int64_t target[kBatch];
+  math::Philox4 r{};
+  int64_t block = -1;  // Philox counter of r: one block serves x = 2b and 2b + 1
+  for (int64_t hi = n - 1; hi >= 1; hi -= kBatch) {
+    const int64_t lo = std::max<int64_t>(1, hi - kBatch + 1);
+    for (int64_t x = hi; x >= lo; --x) {
+      if ((x >> 1) != block) {
+        block = x >> 1;
+        r = math::philox4x32(static_cast<uint64_t>(block), epoch, key);
+      }
+      const uint64_t bits = (x & 1) ? (uint64_t{r.v[2]} | (uint64_t{r.v[3]} << 32))
+                                    : (uint64_t{r.v[0]} | (uint64_t{r.v[1]} << 32));
+      const auto u = static_cast<int64_t>(
+          (static_cast<unsigned __int128>(bits) * static_cast<unsigned __int128>(x + 1)) >> 64);
+      target[hi - x] = u;
+      __builtin_prefetch(&perm[u], 1);
+    }
+    for (int64_t x = hi; x >= lo; --x) std::swap(perm[x], perm[target[hi - x]]);
+  }
+}
+
+}  // namespace
+
+ShuffledSamples::ShuffledSamples(std::shared_ptr<SampleSource> source, uint64_t seed)
+    : source_(std::move(source)), seed_(seed) {
+  TETRA_CHECK(source_ != nullptr, "null source");
+  n_ = source_->num_samples();
+  TETRA_INPUT_CHECK(n_ >= 1 && n_ < (int64_t{1} << 32),
+                    "cannot shuffle {} samples (at most 2^32 - 1): {}", n_, source_->describe());
+}
+
+int64_t ShuffledSamples::source_index(int64_t g) {
+  TETRA_CHECK(g >= 0, "shuffled sample {}", g);
+  const int64_t epoch = g / n_, j = g % n_;
+  if (epoch != cached_epoch_) {
+    shuffle_permutation(perm_, n_, mix64(seed_ ^ kShuffleSalt), static_cast<uint64_t>(epoch));
+    cached_epoch_ = epoch;
+  }
+  return perm_[j];
+}
+
+void ShuffledSamples::sample(int64_t g, int32_t* out) { source_->sample(source_index(g), out); }
+
+std::string ShuffledSamples::describe() const {
+  return fmt::format("shuffled (seed {}, new order every {} samples) {}", seed_, n_,
+                     source_->describe());
+}
+
+}  // namespace tetra

@@ -1,0 +1,29 @@
+// Model size and FLOPs accounting (for --dry-run, tokens/s and MFU).
+//   FLOPs per token of a training step = 6 N + 12 L C T    (PaLM, appendix B)
+// N = parameters of matrix multiplies, the output projection included (embedding lookups are not
+// matmuls); 12 L C T counts the attention score and value products, forward and backward.
+#pragma once
+
+#include <cstdint>
+
+#include "trainer/config/config.h"
+#include "trainer/model/param_layout.h"
+
+namespace tetra {
+
+struct ModelStats {
+  int64_t params = 0;
+  int64_t matmul_params = 0;
+  double train_flops_per_token = 0.0;
+};
+
+inline ModelStats model_stats(const ModelConfig& m, const ParamLayout& layout) {
+  ModelStats s;
+  s.params = layout.count();
+  s.matmul_params = layout.matmul_count();
+  s.train_flops_per_token = 6.0 * static_cast<double>(s.matmul_params) +
+                            12.0 * static_cast<double>(m.num_layers * m.hidden_size * m.seq_len);
+  return s;
+}
+
+}  // namespace tetra

@@ -1,0 +1,59 @@
+#include "trainer/train/metrics.h"
+
+#include <cmath>
+#include <filesystem>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "trainer/core/check.h"
+
+namespace tetra {
+
+std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  auto s = static_cast<int64_t>(seconds + 0.5);
+  if (s < 60) return fmt::format("{}s", s);
+  if (s < 3600) return fmt::format("{}m{:02}s", s / 60, s % 60);
+  return fmt::format("{}h{:02}m", s / 3600, (s % 3600) / 60);
+}
+
+MetricsWriter::MetricsWriter(const std::string& dir, const std::string& run_info_json) {
+  if (dir.empty()) return;
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/metrics.jsonl";
+  jsonl_.open(path, std::ios::app);
+  if (!jsonl_) throw InputError(fmt::format("logging.dir: cannot open {} for appending", path));
+  jsonl_ << run_info_json << '\n';
+  jsonl_.flush();
+}
+
+std::string MetricsWriter::format_line(const StepMetrics& m) {
+  std::string line = fmt::format(
+      "step {:>{}}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f}{} | {:.1f} ms | {:.0f} tok/s | "
+      "MFU {:.1f}% | ETA {}",
+      m.step, std::to_string(m.total_steps).size(), m.total_steps, m.loss, m.lr, m.grad_norm,
+      m.clip < 1.0 ? " (clipped)" : "", m.ms, m.tokens_per_s, 100.0 * m.mfu, format_duration(m.eta_s));
+  if (m.val_loss) line += fmt::format(" | val loss {:.4f}", *m.val_loss);
+  return line;
+}
+
+void MetricsWriter::write(const StepMetrics& m) {
+  if (!jsonl_.is_open()) return;
+  nlohmann::ordered_json j;
+  j["step"] = m.step;
+  j["loss"] = m.loss;
+  j["lr"] = m.lr;
+  j["grad_norm"] = m.grad_norm;
+  j["clip"] = m.clip;
+  j["ms"] = m.ms;
+  j["tokens_per_s"] = m.tokens_per_s;
+  j["mfu"] = m.mfu;
+  j["consumed_samples"] = m.consumed_samples;
+  if (m.val_loss) j["val_loss"] = *m.val_loss;
+  jsonl_ << j.dump() << '\n';
+  jsonl_.flush();
+}
+
+}  // namespace tetra

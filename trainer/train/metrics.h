@@ -1,0 +1,43 @@
+// What a step reports: one human-readable log line and one JSON object in metrics.jsonl.
+//
+// metrics.jsonl is appended to, never truncated: a run in a directory that already holds one adds
+// an {"event": "start", ...} line and then its own step lines, so nothing earlier is lost.
+// Consumers select lines with a "step" key.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <optional>
+#include <string>
+
+namespace tetra {
+
+struct StepMetrics {
+  int64_t step = 0;            // 1-based, the step just completed
+  int64_t total_steps = 0;
+  double loss = 0.0;           // mean training loss of the step's global batch (before the update)
+  double lr = 0.0;             // learning rate used by the update
+  double grad_norm = 0.0;      // global norm before clipping
+  double clip = 1.0;           // factor the gradients were multiplied by
+  double ms = 0.0;             // wall time of the step
+  double tokens_per_s = 0.0;
+  double mfu = 0.0;            // achieved FLOP/s / peak FLOP/s
+  double eta_s = 0.0;
+  int64_t consumed_samples = 0;
+  std::optional<double> val_loss;
+};
+
+class MetricsWriter {
+ public:
+  // `dir` empty: console only.
+  MetricsWriter(const std::string& dir, const std::string& run_info_json);
+  void write(const StepMetrics& m);
+  static std::string format_line(const StepMetrics& m);
+
+ private:
+  std::ofstream jsonl_;
+};
+
+std::string format_duration(double seconds);
+
+}  // namespace tetra
