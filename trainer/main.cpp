@@ -80,9 +80,8 @@ int main(int argc, char** argv) {
       print_dry_run(cfg);
       return 0;
     }
-    tetra::init_logging(cfg.logging.dir, cfg.logging.level, tetra::RankCoords{});
-    spdlog::info("config {}: {}", config_path, tetra::config_to_json(cfg).dump());
-    tetra::Trainer trainer(cfg, dump_dir);
+    tetra::init_logging(cfg.logging.level, tetra::RankCoords{});
+    tetra::Trainer trainer(cfg, config_path, dump_dir);
     trainer.run();
     return 0;
   } catch (const tetra::InputError& e) {

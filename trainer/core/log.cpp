@@ -13,19 +13,25 @@ std::string rank_prefix(const RankCoords& c) {
   return fmt::format("[tp{} pp{} dp{} ep{} | r{}]", c.tp, c.pp, c.dp, c.ep, c.rank);
 }
 
-void init_logging(const std::string& dir, const std::string& level, const RankCoords& coords) {
-  std::vector<spdlog::sink_ptr> sinks;
-  auto out = std::make_shared<spdlog::sinks::stdout_sink_mt>();
-  sinks.push_back(out);
-  if (!dir.empty()) {
-    std::filesystem::create_directories(dir);
-    sinks.push_back(std::make_shared<spdlog::sinks::basic_file_sink_mt>(dir + "/train.log"));
-  }
-  auto logger = std::make_shared<spdlog::logger>("tetra", sinks.begin(), sinks.end());
-  logger->set_pattern(fmt::format("%Y-%m-%d %H:%M:%S %^%L%$ {} %v", rank_prefix(coords)));
+namespace {
+std::string g_pattern;
+}
+
+void init_logging(const std::string& level, const RankCoords& coords) {
+  g_pattern = fmt::format("%Y-%m-%d %H:%M:%S %L {} %v", rank_prefix(coords));
+  auto logger = std::make_shared<spdlog::logger>("tetra", std::make_shared<spdlog::sinks::stdout_sink_mt>());
+  logger->set_pattern(g_pattern);
   logger->set_level(spdlog::level::from_str(level));
   logger->flush_on(spdlog::level::info);
   spdlog::set_default_logger(logger);
+}
+
+void log_to_file(const std::string& dir) {
+  if (dir.empty()) return;
+  std::filesystem::create_directories(dir);
+  auto sink = std::make_shared<spdlog::sinks::basic_file_sink_mt>(dir + "/train.log");
+  sink->set_pattern(g_pattern);
+  spdlog::default_logger()->sinks().push_back(sink);
 }
 
 }  // namespace tetra

@@ -12,9 +12,12 @@ struct RankCoords {
   int tp = 0, pp = 0, dp = 0, ep = 0, rank = 0;
 };
 
-// Console (stderr for warnings and errors, stdout otherwise) plus, if `dir` is non-empty,
-// `dir/train.log`. `level`: trace | debug | info | warn | error.
-void init_logging(const std::string& dir, const std::string& level, const RankCoords& coords);
+// Console logging. `level`: trace | debug | info | warn | error.
+void init_logging(const std::string& level, const RankCoords& coords);
+
+// From now on also append to `dir/train.log` (creating `dir`). Called once the run's inputs have
+// been checked, so a refused run leaves no files behind.
+void log_to_file(const std::string& dir);
 
 std::string rank_prefix(const RankCoords& c);
 

@@ -13,6 +13,7 @@
 #include "kernels/cpu/peak.h"
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/core/check.h"
+#include "trainer/core/log.h"
 #include "trainer/data/data_loader.h"
 #include "trainer/data/sample_source.h"
 #include "trainer/model/flops.h"
@@ -46,7 +47,7 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout) {
   return m;
 }
 
-Trainer::Trainer(const Config& cfg, std::string dump_dir)
+Trainer::Trainer(const Config& cfg, const std::string& config_path, std::string dump_dir)
     : cfg_(cfg), dump_dir_(std::move(dump_dir)), layout_(ParamLayout::build(cfg.model)) {
   act_ = activation_type(cfg);
   accum_ = cfg.grad_accum_steps();
@@ -59,6 +60,10 @@ Trainer::Trainer(const Config& cfg, std::string dump_dir)
   if (cfg.training.eval_steps > 0)
     valid_source_ = make_valid_source(cfg, cfg.training.eval_steps * B);
   train_loader_ = std::make_unique<DataLoader>(train_source_, T, B, /*dp_rank=*/0, cfg.parallel.dp);
+  log_to_file(cfg.logging.dir);
+  spdlog::info("config {}: {}", config_path, config_to_json(cfg).dump());
+  spdlog::info("data: train {}{}", train_source_->describe(),
+               valid_source_ ? ", valid " + valid_source_->describe() : std::string());
 
   be_ = make_cpu_backend(static_cast<int>(cfg.training.threads));
   const size_t n = static_cast<size_t>(layout_.total);

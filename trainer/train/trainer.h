@@ -34,7 +34,7 @@ class Trainer {
  public:
   // `dump_dir` non-empty: write initial weights, step-0 gradients and the batches (debugging and
   // the PyTorch reference tests).
-  Trainer(const Config& cfg, std::string dump_dir = "");
+  Trainer(const Config& cfg, const std::string& config_path, std::string dump_dir = "");
   ~Trainer();
 
   void run();
