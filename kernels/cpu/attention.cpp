@@ -23,7 +23,6 @@
 //
 // Storage is float or bf16 (template T); all math is fp32. exp is a vectorised polynomial (the
 // compiler does not vectorise expf without -ffast-math), accurate to a few ulp.
-#include <omp.h>
 
 #include <algorithm>
 #include <bit>
@@ -237,6 +236,17 @@ void load_rows_transposed(float* dst, int64_t cols, int64_t ld_rows, const T* sr
   }
 }
 
+// dst (cols, rows) = src (rows, cols)^T for fp32 scratch already in cache; rows and cols are
+// multiples of 16, and each 16 x 16 block stays within L1.
+void transpose(float* dst, const float* src, int64_t rows, int64_t cols) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 16)
+    for (int64_t c0 = 0; c0 < cols; c0 += 16)
+      for (int64_t r = r0; r < r0 + 16; ++r) {
+        const v16 v = load16(src + r * cols + c0);
+        for (int c = 0; c < 16; ++c) dst[(c0 + c) * rows + r] = v[c];
+      }
+}
+
 // Sum of the 16 lanes, in a fixed order.
 inline float hsum16(v16 v) {
   float acc = 0.0f;
@@ -387,9 +397,12 @@ void attention_backward_kv_head(T* dqkv, const T* dout, const T* qkv, const T* o
   float* dvec = scratch(w.d, 2 * kBlock);  // D_i, then lse_i
   float* lsev = dvec + kBlock;
 
+  // Each strided head row is read from memory once; the transposes work on the fp32 copies
+  // (V's rows pass through dv, which is cleared afterwards).
   load_rows(k, HSP, Tp, qkv + s.k_at(b, 0, kvh), s.row, T_, HS, 1.0f);
-  load_rows_transposed(kt, Tp, HSP, qkv + s.k_at(b, 0, kvh), s.row, T_, HS, 1.0f);
-  load_rows_transposed(vt, Tp, HSP, qkv + s.v_at(b, 0, kvh), s.row, T_, HS, 1.0f);
+  transpose(kt, k, Tp, HSP);
+  load_rows(dv, HSP, Tp, qkv + s.v_at(b, 0, kvh), s.row, T_, HS, 1.0f);
+  transpose(vt, dv, Tp, HSP);
   std::memset(dk, 0, sizeof(float) * Tp * HSP);
   std::memset(dv, 0, sizeof(float) * Tp * HSP);
 
