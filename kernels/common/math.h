@@ -55,6 +55,44 @@ TETRA_HD float bf16_bits_to_f32(uint16_t b) { return bits_f32(static_cast<uint32
 TETRA_HD float round_bf16(float x) { return bf16_bits_to_f32(f32_to_bf16_bits(x)); }
 
 // ---------------------------------------------------------------------------------------------
+// exp(x) in fp32, within 1 ulp of expf on the normal range, written so compilers vectorise it
+// (glibc's expf is vectorised only under -ffast-math): x = n ln2 + r with |r| <= ln2/2, exp(r) by
+// the Cephes expf polynomial, 2^n placed in the exponent field. x is clamped to [-87.3, 88.3]
+// (exp of the ends: ~1e-38 and ~2.2e38, inside fp32's normal range); below -87.3 the result is 0.
+// A NaN stays NaN. No branches or float selects: the clamps are integer masks, which vectorise.
+// ---------------------------------------------------------------------------------------------
+TETRA_HD float exp_fast(float x) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  constexpr float kMin = -87.3f, kMax = 88.3f;  // round(88.3 log2 e) = 127: no overflow
+  const int32_t above_min = -static_cast<int32_t>(!(x < kMin));  // all ones (also for NaN), or 0
+  const int32_t below_max = -static_cast<int32_t>(!(x > kMax));
+  int32_t xi = static_cast<int32_t>(f32_bits(x));
+  xi = (xi & above_min) | (static_cast<int32_t>(f32_bits(kMin)) & ~above_min);
+  xi = (xi & below_max) | (static_cast<int32_t>(f32_bits(kMax)) & ~below_max);
+  const float xc = bits_f32(static_cast<uint32_t>(xi));
+  // n = round(x log2 e) by the 1.5 * 2^23 shifter; the integer n is the low bits of the sum.
+  constexpr float kShifter = 12582912.0f;
+  const float shifted = xc * kLog2e + kShifter;
+  const float n = shifted - kShifter;
+  const int32_t ni = static_cast<int32_t>(f32_bits(shifted)) - static_cast<int32_t>(f32_bits(kShifter));
+  const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t biased = (ni + 127) & above_min;  // exponent field 0: the result is 0
+  return p * bits_f32(static_cast<uint32_t>(biased) << 23);
+}
+
+// tanh(u) = 1 - 2 / (exp(2u) + 1): exact limits (+-1) at large |u|; near 0 the absolute error is
+// ~1e-7, which is what GELU and its gradient (both 0.5 (1 + tanh) ...) need.
+TETRA_HD float tanh_fast(float u) { return 1.0f - 2.0f / (exp_fast(2.0f * u) + 1.0f); }
+
+// ---------------------------------------------------------------------------------------------
 // Activations. GELU is the tanh approximation used by GPT-2 (PyTorch: gelu(approximate="tanh")).
 // ---------------------------------------------------------------------------------------------
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
@@ -62,19 +100,19 @@ constexpr float kGeluCube = 0.044715f;
 
 TETRA_HD float gelu(float x) {
   float u = kGeluScale * (x + kGeluCube * x * x * x);
-  return 0.5f * x * (1.0f + tanhf(u));
+  return 0.5f * x * (1.0f + tanh_fast(u));
 }
 
 // d gelu(x) / dx
 TETRA_HD float gelu_grad(float x) {
   float x2 = x * x;
   float u = kGeluScale * (x + kGeluCube * x2 * x);
-  float t = tanhf(u);
+  float t = tanh_fast(u);
   float sech2 = 1.0f - t * t;
   return 0.5f * (1.0f + t) + 0.5f * x * sech2 * kGeluScale * (1.0f + 3.0f * kGeluCube * x2);
 }
 
-TETRA_HD float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+TETRA_HD float sigmoid(float x) { return 1.0f / (1.0f + exp_fast(-x)); }
 
 TETRA_HD float silu(float x) { return x * sigmoid(x); }
 

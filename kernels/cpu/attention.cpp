@@ -166,7 +166,9 @@ struct AttnShape {
   float scale;    // 1 / sqrt(HS)
   // Offsets of head h's vector at token t of batch b.
   int64_t q_at(int64_t b, int64_t t, int64_t h) const { return (b * T + t) * row + h * HS; }
-  int64_t k_at(int64_t b, int64_t t, int64_t kvh) const { return (b * T + t) * row + (NH + kvh) * HS; }
+  int64_t k_at(int64_t b, int64_t t, int64_t kvh) const {
+    return (b * T + t) * row + (NH + kvh) * HS;
+  }
   int64_t v_at(int64_t b, int64_t t, int64_t kvh) const {
     return (b * T + t) * row + (NH + NKV + kvh) * HS;
   }

@@ -1,10 +1,10 @@
 // CpuBackend::gemm through oneDNN's matmul primitive, plus the backend's constructor/destructor
 // (they own the primitive cache, whose type is complete only here).
 //
-//   C(M,N) = alpha * op(A)(M,K) · op(B)(K,N) + beta * C + bias(N)      (row-major, fp32 accumulate)
+//   C(M,N) = alpha * op(A)(M,K) · op(B)(K,N) + beta * C + bias(N)   (row-major, fp32 accumulate)
 //
-// Row-major storage with leading dimensions and transposes is expressed purely through memory
-// descriptor strides, so no operand is ever copied by us:
+// Row-major storage with leading dimensions and transposes is expressed through memory
+// descriptor strides, so operands are used in place (two exceptions below):
 //   op(A) (M,K): strides {lda, 1}, or {1, lda} when A is stored (K,M)  (trans_a)
 //   op(B) (K,N): strides {ldb, 1}, or {1, ldb} when B is stored (N,K)  (trans_b)
 //   C     (M,N): strides {ldc, 1}
@@ -56,7 +56,9 @@ struct GemmKey {
 struct GemmKeyHash {
   size_t operator()(const GemmKey& k) const {
     size_t h = 0;
-    auto mix = [&h](uint64_t v) { h ^= std::hash<uint64_t>{}(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
+    auto mix = [&h](uint64_t v) {
+      h ^= std::hash<uint64_t>{}(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    };
     mix((uint64_t(k.trans_a) << 0) | (uint64_t(k.trans_b) << 1) | (uint64_t(k.has_bias) << 2) |
         (uint64_t(k.ab_type) << 8) | (uint64_t(k.c_type) << 16));
     for (int64_t v : {k.M, k.N, k.K, k.lda, k.ldb, k.ldc}) mix(static_cast<uint64_t>(v));
@@ -82,20 +84,14 @@ dnnl::memory::data_type dnnl_type(DType t) {
   return dnnl::memory::data_type::undef;
 }
 
-uint32_t float_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  return u;
-}
-
 }  // namespace
 
 struct CpuBackend::GemmCache {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
   std::unordered_map<GemmKey, GemmPlan, GemmKeyHash> plans;
-  std::vector<float> staging;       // (M, N) fp32 result of an f32 x f32 -> bf16 product
-  std::vector<char> b_staging;      // B (K, N) copied to padded rows
+  std::vector<float> staging;   // (M, N) fp32 result of an f32 x f32 -> bf16 product
+  std::vector<char> b_staging;  // B (K, N) copied to padded rows
 };
 
 CpuBackend::CpuBackend(int threads)
@@ -200,9 +196,8 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
     ldb = ldp;
   }
 
-  GemmKey key{trans_a, trans_b, bias != nullptr, ab_type, c_type, M,
-              N,       K,       lda,             ldb,     ldc,    float_bits(alpha),
-              float_bits(beta)};
+  const GemmKey key{trans_a, trans_b, bias != nullptr, ab_type, c_type, M, N, K, lda, ldb, ldc,
+                    math::f32_bits(alpha), math::f32_bits(beta)};
   auto it = gemm_cache_->plans.find(key);
   if (it == gemm_cache_->plans.end()) {
     it = gemm_cache_->plans.emplace(key, make_gemm_plan(gemm_cache_->engine, key, alpha, beta))

@@ -28,13 +28,25 @@ double chunked_sum(const float* x, int64_t n, int nt) {
   double partial[kMaxChunks];
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t end = std::min(n, (c + 1) * chunk);
-    double s = 0.0;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = c * chunk; i < end; ++i) {
-      double v = x[i];
-      s += kSquare ? v * v : v;
+    const int64_t begin = c * chunk, end = std::min(n, (c + 1) * chunk);
+    // kLanes independent accumulators (several vector registers), so the adds are not one
+    // latency-bound chain; they are combined in a fixed order.
+    constexpr int64_t kLanes = 32;
+    double acc[kLanes] = {};
+    int64_t i = begin;
+    for (; i + kLanes <= end; i += kLanes) {
+#pragma omp simd
+      for (int64_t k = 0; k < kLanes; ++k) {
+        double v = x[i + k];
+        acc[k] += kSquare ? v * v : v;
+      }
     }
+    for (int64_t k = 0; i < end; ++i, ++k) {
+      double v = x[i];
+      acc[k] += kSquare ? v * v : v;
+    }
+    double s = 0.0;
+    for (int64_t k = 0; k < kLanes; ++k) s += acc[k];
     partial[c] = s;
   }
   double total = 0.0;

@@ -48,8 +48,8 @@ import re, sys
 text = open(sys.argv[1]).read()
 matmul = 12 * (768 * 2304 + 768 * 768 + 2 * 768 * 3072) + 50257 * 768
 flops = 6 * matmul + 12 * 12 * 768 * 1024
-m = re.search(r"FLOPs per token:\s+([0-9.]+)([KMB]?)", text)
-scale = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9}[m.group(2)]
+m = re.search(r"FLOPs per token:\s+([0-9.]+)([KMBT]?)", text)
+scale = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}[m.group(2)]
 assert abs(float(m.group(1)) * scale - flops) / flops < 0.01, (m.group(0), flops)
 assert re.search(r"memory:\s+[0-9.]+ MiB", text)
 PY
