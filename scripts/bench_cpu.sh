@@ -35,18 +35,21 @@ PY=/usr/bin/python3
 LIBDIR=/usr/lib/$(uname -m)-linux-gnu
 export OMP_NUM_THREADS=$THREADS
 
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/tetra-bench.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+
 # ---- Tetra, Release ------------------------------------------------------------------------------
 if [ -z "${TETRA_BIN:-}" ]; then
-  if [ ! -f "$BUILD/build.ninja" ]; then
-    cmake -S "$REPO" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTETRA_CUDA=OFF >/dev/null
+  if ! { [ -f "$BUILD/build.ninja" ] || cmake -S "$REPO" -B "$BUILD" -G Ninja \
+           -DCMAKE_BUILD_TYPE=Release -DTETRA_CUDA=OFF; } >"$WORK/build.log" 2>&1 ||
+     ! cmake --build "$BUILD" -j2 --target tetra >>"$WORK/build.log" 2>&1; then
+    echo "bench_cpu: building tetra in $BUILD failed:" >&2
+    tail -20 "$WORK/build.log" >&2
+    exit 1
   fi
-  cmake --build "$BUILD" -j2 --target tetra >/dev/null
   TETRA_BIN=$BUILD/tetra
 fi
 [ -x "$TETRA_BIN" ] || { echo "bench_cpu: no tetra binary at $TETRA_BIN" >&2; exit 1; }
-
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/tetra-bench.XXXXXX")
-trap 'rm -rf "$WORK"' EXIT
 
 # ---- the FMA ceiling on this machine -------------------------------------------------------------
 cat >"$WORK/ceiling.c" <<'EOF'
@@ -127,6 +130,21 @@ else
 fi
 
 # ---- the torch peer's environment ----------------------------------------------------------------
+# The peer's allocator and BLAS come from Debian's packages; install them when missing (a
+# benchmark of a peer at less than its best would flatter Tetra).
+peer_missing=()
+for pkg in libopenblas0-pthread libtcmalloc-minimal4; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || peer_missing+=("$pkg")
+done
+if [ ${#peer_missing[@]} -gt 0 ] && [ -z "${TCMALLOC:-}${TORCH_BLAS_DIR:-}" ]; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  echo "bench_cpu: installing the torch peer's ${peer_missing[*]}"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+    "${peer_missing[@]}" >/dev/null 2>&1 ||
+    { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
+        --no-install-recommends "${peer_missing[@]}" >/dev/null; } ||
+    echo "bench_cpu: could not install ${peer_missing[*]}; the peer runs without them" >&2
+fi
 TCMALLOC_LIB=${TCMALLOC:-}
 if [ -z "$TCMALLOC_LIB" ]; then
   for lib in "$LIBDIR/libtcmalloc_minimal.so.4" "$LIBDIR/libtcmalloc.so.4"; do
@@ -214,6 +232,8 @@ ms = [r["ms"] for r in rows if "loss" in r and r["step"] > warmup]
 torch = json.loads(open(f"{case}/torch.json").read().strip().splitlines()[-1])
 rss = lambda f: int(open(f).read().split()[-1]) / 1024  # /usr/bin/time %M: KiB
 print(json.dumps({"T": t, "precision": p, "tetra_ms": statistics.median(ms),
+                  "tetra_spread": max(ms) / min(ms),
+                  "torch_spread": max(torch["ms_all"]) / min(torch["ms_all"]),
                   "tetra_rss": rss(f"{case}/tetra.rss"), "tetra_loss": rows[-1].get("loss"),
                   "torch_ms": torch["ms_per_step"], "torch_rss": rss(f"{case}/torch.rss"),
                   "torch_blas": torch["blas"], "torch_alloc": torch["allocator"], "batch": batch}))
@@ -247,6 +267,12 @@ for r in rows:
 print(f"\nms/step: median of the timed steps; ratio: Tetra tokens/s / torch tokens/s (> 1: Tetra "
       f"faster); FLOPs/token = 6*{n_matmul} + 12*L*T*C; % of the fp32 FMA ceiling "
       f"({ceil:.0f} GFLOP/s) in every row.")
+# A step time that varies by more than 25% within one run means the machine was busy (another
+# process took a core: with 2 threads, every OpenMP barrier then waits for the descheduled one).
+noisy = [f"T={r['T']} {r['precision']} {impl} (slowest/fastest step {r[impl + '_spread']:.2f})"
+         for r in rows for impl in ("tetra", "torch") if r[impl + "_spread"] > 1.25]
+if noisy:
+    print("NOISY (step times vary > 25%; rerun on a quiet machine): " + "; ".join(noisy))
 print(f"torch ran with BLAS {rows[0]['torch_blas']} and allocator "
       f"{rows[0]['torch_alloc'] or 'glibc malloc'}")
 EOF

@@ -355,10 +355,11 @@ void attention_forward_impl(T* out, float* lse, const T* qkv, const AttnShape& s
   {
     thread_local FwdScratch w;
     w.b = -1;  // K/V cached by an earlier call are stale
-    // Tasks ordered (b, h, qb), qb fastest, in contiguous static chunks: each thread walks the
-    // query blocks of a head in order and then the next head, reusing the converted K/V. Every
-    // (b, h) costs the same, so equal chunks balance.
-#pragma omp for schedule(static)
+    // Tasks ordered (b, h, qb), qb fastest, handed out a whole head at a time: a thread walks
+    // the query blocks of a head in order, reusing the converted K/V (and keeps them for the
+    // next head if it shares the kv head). Dynamic, so a thread that loses its core to another
+    // process does not hold the others up.
+#pragma omp for schedule(dynamic, s.n_qb)
     for (int64_t task = 0; task < n_tasks; ++task) {
       const int64_t qb = task % s.n_qb, bh = task / s.n_qb;
       attention_forward_block(out, lse, qkv, s, bh / s.NH, bh % s.NH, qb, w);

@@ -14,11 +14,12 @@
 // alpha != 1 the bias becomes a binary-add post-op placed after the sum, which keeps the contract's
 // order: alpha * A·B + beta * C + bias.
 //
-// oneDNN 2.6's brgemm matmul packs a non-transposed B (K, N) into its blocked layout on every
-// call, reading down columns; when B's rows lie a multiple of 1 KiB apart those reads collide in
-// the same L1 sets and the whole product runs up to 2.5x slower (1024x768 · 768x3072 fp32 on one
-// core: 70 ms with ldb = 3072, 27 ms with ldb = 3088). Such a B is first copied to rows padded by
-// one cache line: O(K N) of copying against O(M K N) of arithmetic, done only for M >= 64.
+// oneDNN 2.6's fp32 brgemm matmul packs a non-transposed B (K, N) into its blocked layout on
+// every call, reading down columns; when B's rows lie a multiple of 1 KiB apart those reads
+// collide in the same L1 sets and the whole product runs up to 2.5x slower (1024x768 · 768x3072
+// on one core: 70 ms with ldb = 3072, 27 ms with ldb = 3088). Such a B is first copied to rows
+// padded by one cache line: O(K N) of copying against O(M K N) of arithmetic, done only for
+// M >= 64. The bf16 (AMX / AVX512-BF16) kernels pack B differently and gain nothing from it.
 //
 // oneDNN 2.6 has no f32 x f32 -> bf16 matmul: that combination runs the f32 -> f32 primitive into
 // an fp32 staging buffer (sized on first sight of a shape, then reused), and a rounding pass adds
@@ -183,9 +184,8 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
     return;
   }
 
-  const int64_t es = static_cast<int64_t>(dtype_size(ab_type));
-  if (!trans_b && (ldb * es) % 1024 == 0 && M >= 64) {
-    const int64_t ldp = N + 64 / es;  // one cache line more per row
+  if (ab_type == DType::F32 && !trans_b && (ldb * 4) % 1024 == 0 && M >= 64) {
+    const int64_t es = 4, ldp = N + 16;  // one cache line more per row
     std::vector<char>& packed = gemm_cache_->b_staging;
     if (packed.size() < static_cast<size_t>(K * ldp * es)) packed.resize(K * ldp * es);
     const char* src = static_cast<const char*>(B);

@@ -177,8 +177,8 @@ void run_gemm_case(Backend& be, const GemmCase& g, DType ab_type, DType c_type, 
 
 std::vector<GemmCase> gemm_cases() {
   std::vector<GemmCase> cases;
-  // {M, N, K, ld padding}. The last size has rows exactly N wide (ldb of 2 KiB in fp32, 1 KiB
-  // in bf16): the layout the backend repacks before calling oneDNN.
+  // {M, N, K, ld padding}. The last size has rows exactly N wide (ldb of 2 KiB in fp32): the
+  // layout the backend repacks before calling oneDNN.
   const int64_t sizes[][4] = {{7, 13, 5, 1}, {33, 65, 17, 1}, {64, 48, 96, 1}, {80, 512, 40, 0}};
   const float ab[][2] = {{1.0f, 0.0f}, {1.0f, 1.0f}, {0.75f, 0.0f}, {-1.5f, 1.0f}, {1.0f, 0.5f}};
   for (auto& s : sizes)
