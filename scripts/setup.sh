@@ -6,7 +6,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build pkg-config
   nlohmann-json3-dev libspdlog-dev libfmt-dev libcli11-dev catch2
-  libdnnl-dev
+  libdnnl-dev ocl-icd-opencl-dev   # dnnl's CMake config requires the OpenCL headers
   openmpi-bin libopenmpi-dev
   python3 python3-numpy python3-torch
 )
