@@ -1,0 +1,257 @@
+// The Megatron indexed dataset format: files written by hand, by the C++ writer and by
+// tools/indexed_dataset.py, and every validation error.
+#include "tests/unit/data_testing.h"
+
+using namespace tetra;
+using namespace tetra::data_testing;
+using Catch::Matchers::Contains;
+// =============================================================================================
+// Format
+// =============================================================================================
+TEST_CASE("indexed dataset: C++ writer round trip, bytes on disk follow the format", "[data]") {
+  for (IndexedDType dtype : {IndexedDType::U16, IndexedDType::I32}) {
+    const std::string prefix = tmp_prefix(fmt::format("writer_{}", indexed_dtype_name(dtype)));
+    const int64_t vocab = dtype == IndexedDType::U16 ? 65536 : 1000000;
+    const auto docs = make_docs(vocab, static_cast<uint64_t>(dtype));
+    {
+      IndexedDatasetWriter w(prefix, dtype);
+      for (const auto& d : docs) {
+        std::vector<int32_t> d32(d.begin(), d.end());
+        w.add_document(d32);
+      }
+      w.finish();
+    }
+    CHECK_FALSE(std::filesystem::exists(prefix + ".bin.tmp"));
+    CHECK_FALSE(std::filesystem::exists(prefix + ".idx.tmp"));
+    // The files are byte for byte what the format description says.
+    const uint8_t code = static_cast<uint8_t>(dtype);
+    if (dtype == IndexedDType::U16) {
+      CHECK(read_file(prefix + ".bin") == bin_bytes<uint16_t>(docs));
+      CHECK(read_file(prefix + ".idx") == idx_bytes(docs, code, 2));
+    } else {
+      CHECK(read_file(prefix + ".bin") == bin_bytes<int32_t>(docs));
+      CHECK(read_file(prefix + ".idx") == idx_bytes(docs, code, 4));
+    }
+    const IndexedDataset ds = IndexedDataset::open(prefix);
+    CHECK(ds.dtype() == dtype);
+    CHECK(ds.num_sequences() == static_cast<int64_t>(docs.size()));
+    CHECK(ds.num_documents() == static_cast<int64_t>(docs.size()));
+    int64_t offset = 0;
+    for (size_t i = 0; i < docs.size(); ++i) {
+      CHECK(ds.sequence_length(static_cast<int64_t>(i)) == static_cast<int64_t>(docs[i].size()));
+      CHECK(ds.sequence_offset(static_cast<int64_t>(i)) == offset);
+      offset += static_cast<int64_t>(docs[i].size());
+    }
+    const auto all = concat(docs);
+    check_reads(ds, all);
+    CHECK(ds.max_token() == *std::max_element(all.begin(), all.end()));
+    CHECK(ds.min_token() == *std::min_element(all.begin(), all.end()));
+  }
+}
+
+TEST_CASE("indexed dataset: reads hand-written files of every integer type", "[data]") {
+  const std::vector<std::vector<int64_t>> docs = {{5, 0, 120}, {}, {7}, {1, 2, 3, 4, 126}};
+  const std::vector<std::vector<int64_t>> signed_docs = {{-5, 0, 120}, {7, -128}, {1, 2}};
+  const auto check = [](const std::string& prefix, const std::vector<std::vector<int64_t>>& d,
+                        IndexedDType expect) {
+    const IndexedDataset ds = IndexedDataset::open(prefix);
+    CHECK(ds.dtype() == expect);
+    const auto all = concat(d);
+    check_reads(ds, all);
+    CHECK(ds.max_token() == *std::max_element(all.begin(), all.end()));
+    CHECK(ds.min_token() == *std::min_element(all.begin(), all.end()));
+  };
+  std::string p = tmp_prefix("hand_u8");
+  write_by_hand<uint8_t>(p, docs, 1);
+  check(p, docs, IndexedDType::U8);
+  p = tmp_prefix("hand_i8");
+  write_by_hand<int8_t>(p, signed_docs, 2);
+  check(p, signed_docs, IndexedDType::I8);
+  p = tmp_prefix("hand_i16");
+  write_by_hand<int16_t>(p, signed_docs, 3);
+  check(p, signed_docs, IndexedDType::I16);
+  p = tmp_prefix("hand_i32");
+  write_by_hand<int32_t>(p, docs, 4);
+  check(p, docs, IndexedDType::I32);
+  p = tmp_prefix("hand_i64");
+  write_by_hand<int64_t>(p, docs, 5);
+  check(p, docs, IndexedDType::I64);
+  p = tmp_prefix("hand_u16");
+  write_by_hand<uint16_t>(p, {{65535, 0}, {40000}}, 8);
+  check(p, {{65535, 0}, {40000}}, IndexedDType::U16);
+}
+
+TEST_CASE("indexed dataset: interoperates with tools/indexed_dataset.py", "[data]") {
+  const std::string tool = tools_dir();
+  REQUIRE(std::filesystem::exists(tool + "/indexed_dataset.py"));
+  // Python writes, C++ reads.
+  const std::string py_prefix = tmp_prefix("python_written");
+  const auto docs = make_docs(65536, 3);
+  std::string lists;
+  for (const auto& d : docs) {
+    lists += "[";
+    for (int64_t v : d) lists += std::to_string(v) + ",";
+    lists += "],";
+  }
+  const std::string write_cmd = fmt::format(
+      "/usr/bin/python3 -B -c \"import sys; sys.path.insert(0, '{}'); import indexed_dataset as d; "
+      "d.write('{}', [{}], 'uint16')\"",
+      tool, py_prefix, lists);
+  REQUIRE(std::system(write_cmd.c_str()) == 0);
+  const IndexedDataset ds = IndexedDataset::open(py_prefix);
+  CHECK(ds.dtype() == IndexedDType::U16);
+  CHECK(ds.num_sequences() == static_cast<int64_t>(docs.size()));
+  check_reads(ds, concat(docs));
+
+  // C++ writes, Python reads and compares (exit code 0 only when every sequence matches).
+  const std::string cpp_prefix = tmp_prefix("cpp_written");
+  {
+    IndexedDatasetWriter w(cpp_prefix, IndexedDType::I32);
+    for (const auto& d : docs) {
+      std::vector<int32_t> d32(d.begin(), d.end());
+      w.add_document(d32);
+    }
+    w.finish();
+  }
+  const std::string read_cmd = fmt::format(
+      "/usr/bin/python3 -B -c \"import sys; sys.path.insert(0, '{}'); import indexed_dataset as d; "
+      "got = [x.tolist() for x in d.read('{}')]; sys.exit(0 if got == [{}] and "
+      "d.read_index('{}')[0] == 'int32' else 1)\"",
+      tool, cpp_prefix, lists, cpp_prefix);
+  CHECK(std::system(read_cmd.c_str()) == 0);
+}
+
+TEST_CASE("indexed dataset: writer is atomic and rejects what it cannot write", "[data]") {
+  const std::string prefix = tmp_prefix("atomic");
+  const std::vector<int32_t> old_doc = {1, 2, 3, 4};
+  {
+    IndexedDatasetWriter w(prefix, IndexedDType::U16);
+    w.add_document(old_doc);
+    w.finish();
+  }
+  {
+    // Abandoned half-way: the old dataset stays as it was, no temporaries remain.
+    IndexedDatasetWriter w(prefix, IndexedDType::U16);
+    const std::vector<int32_t> doc = {9, 9, 9};
+    w.add_document(doc);
+    CHECK(std::filesystem::exists(prefix + ".bin.tmp"));
+  }
+  CHECK_FALSE(std::filesystem::exists(prefix + ".bin.tmp"));
+  CHECK_FALSE(std::filesystem::exists(prefix + ".idx.tmp"));
+  const IndexedDataset ds = IndexedDataset::open(prefix);
+  REQUIRE(ds.num_tokens() == 4);
+  std::vector<int32_t> out(4);
+  ds.read(0, 4, out.data());
+  CHECK(out == old_doc);
+
+  const std::string unwritable = tmp_dir() + "/no_such_dir/x";
+  const std::string msg =
+      input_error([&] { IndexedDatasetWriter w(unwritable, IndexedDType::I32); });
+  CHECK_THAT(msg, Contains(unwritable + ".bin.tmp"));
+
+  IndexedDatasetWriter w(tmp_prefix("too_big"), IndexedDType::U16);
+  const std::vector<int32_t> big = {1, 70000};
+  CHECK_THAT(input_error([&] { w.add_document(big); }), Contains("70000") && Contains("uint16"));
+}
+
+TEST_CASE("indexed dataset: every malformed input is an InputError naming the file", "[data]") {
+  const std::vector<std::vector<int64_t>> docs = {{1, 2, 3}, {4, 5}};
+  const std::string p = tmp_prefix("bad");
+  const std::string idx = p + ".idx", bin = p + ".bin";
+  const auto good_idx = idx_bytes(docs, 4, 4);
+  const auto good_bin = bin_bytes<int32_t>(docs);
+  const auto open = [&] { IndexedDataset::open(p); };
+
+  SECTION("missing .idx") {
+    write_file(bin, good_bin);
+    CHECK_THAT(input_error(open), Contains(idx) && Contains("does not exist"));
+  }
+  SECTION("missing .bin") {
+    write_file(idx, good_idx);
+    CHECK_THAT(input_error(open), Contains(bin) && Contains("do not exist"));
+  }
+  SECTION("prefix given with an extension") {
+    write_file(idx, good_idx);
+    write_file(bin, good_bin);
+    CHECK_THAT(input_error([&] { IndexedDataset::open(bin); }),
+               Contains("did you mean '" + p + "'"));
+  }
+  SECTION("wrong magic") {
+    auto b = good_idx;
+    b[0] = 'X';
+    write_file(idx, b);
+    write_file(bin, good_bin);
+    CHECK_THAT(input_error(open), Contains(idx) && Contains("MMIDIDX"));
+  }
+  SECTION("wrong version") {
+    auto b = good_idx;
+    b[9] = 2;
+    write_file(idx, b);
+    write_file(bin, good_bin);
+    CHECK_THAT(input_error(open), Contains(idx) && Contains("version 2"));
+  }
+  SECTION("unknown dtype code") {
+    auto b = good_idx;
+    b[17] = 9;
+    write_file(idx, b);
+    write_file(bin, good_bin);
+    CHECK_THAT(input_error(open), Contains(idx) && Contains("code 9"));
+  }
+  SECTION("float dtype") {
+    auto b = good_idx;
+    b[17] = 7;
+    write_file(idx, b);
+    write_file(bin, good_bin);
+    CHECK_THAT(input_error(open), Contains(p) && Contains("float32"));
+  }
+  SECTION("idx shorter than its header") {
+    write_file(idx, std::vector<uint8_t>(good_idx.begin(), good_idx.begin() + 20));
+    write_file(bin, good_bin);
+    CHECK_THAT(input_error(open), Contains(idx) && Contains("truncated"));
+  }
+  SECTION("idx shorter than its arrays") {
+    write_file(idx, std::vector<uint8_t>(good_idx.begin(), good_idx.end() - 1));
+    write_file(bin, good_bin);
+    const std::string m = input_error(open);
+    CHECK_THAT(
+        m, Contains(idx) && Contains("truncated") && Contains(std::to_string(good_idx.size() - 1)));
+  }
+  SECTION("idx with an absurd sequence count") {
+    auto b = good_idx;
+    const uint64_t huge = ~uint64_t{0} / 2;
+    std::memcpy(&b[18], &huge, 8);
+    write_file(idx, b);
+    write_file(bin, good_bin);
+    CHECK_THAT(input_error(open), Contains(idx) && Contains("truncated"));
+  }
+  SECTION(".bin size does not match the index") {
+    write_file(idx, good_idx);
+    auto b = good_bin;
+    b.resize(b.size() + 4);  // one token too many
+    write_file(bin, b);
+    const std::string m = input_error(open);
+    CHECK_THAT(m, Contains(idx) && Contains(bin) && Contains("does not match") &&
+                      Contains("20 bytes") && Contains("24 bytes"));
+  }
+  SECTION("sequence pointer not at the running offset") {
+    auto b = good_idx;
+    const int64_t wrong = 16;  // sequence 1 should start at byte 12
+    std::memcpy(&b[34 + 2 * 4 + 8], &wrong, 8);
+    write_file(idx, b);
+    write_file(bin, good_bin);
+    CHECK_THAT(input_error(open),
+               Contains(idx) && Contains("sequence 1") && Contains("16") && Contains("12"));
+  }
+  SECTION("empty dataset: no documents") {
+    write_by_hand<int32_t>(p, {}, 4);
+    CHECK_THAT(input_error(open), Contains(p) && Contains("empty"));
+  }
+  SECTION("empty dataset: only empty documents") {
+    write_by_hand<int32_t>(p, {{}, {}}, 4);
+    CHECK_THAT(input_error(open), Contains(p) && Contains("empty"));
+  }
+}
+
+// =============================================================================================
+// Sample sources
+// =============================================================================================

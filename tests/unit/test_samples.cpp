@@ -1,0 +1,297 @@
+// Samples: windows over documents, the synthetic stream, the shuffle, the blend, and the per-DP-rank
+// loader order.
+#include "tests/unit/data_testing.h"
+
+using namespace tetra;
+using namespace tetra::data_testing;
+using Catch::Matchers::Contains;
+
+TEST_CASE("IndexedSamples: windows of T+1 tokens across document boundaries", "[data]") {
+  const auto docs = make_docs(500, 11);  // 58 tokens in 7 documents, one empty
+  const std::string p = tmp_prefix("windows");
+  write_by_hand<uint16_t>(p, docs, 8);
+  const auto all = concat(docs);
+  auto ds = std::make_shared<const IndexedDataset>(IndexedDataset::open(p));
+  for (int64_t T : {1, 4, 8, 57}) {
+    IndexedSamples s(ds, T, 500);
+    REQUIRE(s.num_samples() == (static_cast<int64_t>(all.size()) - 1) / T);
+    std::vector<int32_t> out(T + 1);
+    for (int64_t i = 0; i < s.num_samples(); ++i) {
+      s.sample(i, out.data());
+      for (int64_t t = 0; t <= T; ++t) REQUIRE(out[t] == all[i * T + t]);
+    }
+  }
+  // Too short for one sample: names the file, its token count and seq_len + 1.
+  CHECK_THAT(input_error([&] { IndexedSamples s(ds, 58, 500); }),
+             Contains(p) && Contains("58 tokens") && Contains("59"));
+  // A token id outside the vocabulary.
+  const int64_t max_id = *std::max_element(all.begin(), all.end());
+  CHECK_NOTHROW(IndexedSamples(ds, 4, max_id + 1));
+  CHECK_THAT(input_error([&] { IndexedSamples s(ds, 4, max_id); }),
+             Contains(p + ".bin") && Contains(std::to_string(max_id)) && Contains("vocab_size"));
+  // A negative id (signed storage).
+  const std::string neg = tmp_prefix("negative");
+  write_by_hand<int16_t>(neg, {{1, 2, -3, 4}}, 3);
+  auto nds = std::make_shared<const IndexedDataset>(IndexedDataset::open(neg));
+  CHECK_THAT(input_error([&] { IndexedSamples s(nds, 2, 10); }), Contains(neg) && Contains("-3"));
+}
+
+TEST_CASE("SyntheticSamples: deterministic, learnable to ln 4", "[data]") {
+  const int64_t V = 64, T = 256;
+  SyntheticSamples a(V, T, 42), b(V, T, 42), other_seed(V, T, 43), valid(V, T, 42, 1);
+  std::vector<int32_t> x(T + 1), y(T + 1);
+  for (int64_t i : {int64_t{0}, int64_t{1}, int64_t{12345}, (int64_t{1} << 40) - 1}) {
+    a.sample(i, x.data());
+    b.sample(i, y.data());
+    CHECK(x == y);  // a pure function of (seed, i)
+    other_seed.sample(i, y.data());
+    CHECK(x != y);
+    valid.sample(i, y.data());
+    CHECK(x != y);  // validation stream: other samples ...
+  }
+  // ... of the same language: identical successor table. Every token has 4 distinct successors.
+  for (int32_t t = 0; t < V; ++t) {
+    std::set<int32_t> s(a.successors(t), a.successors(t) + 4);
+    CHECK(s.size() == 4);
+    CHECK(std::equal(a.successors(t), a.successors(t) + 4, valid.successors(t)));
+    for (int32_t n : s) CHECK((n >= 0 && n < V));
+  }
+
+  // Empirical conditional entropy H(next | prev) over 2000 samples (512k transitions, ~8000 per
+  // context). The plug-in estimator is biased low by about (4-1)/(2*8000) = 2e-4 nats and its
+  // noise is ~1e-3, so 5e-3 is a tolerance that still catches any non-uniform choice (a 3-way or
+  // 0.3/0.3/0.2/0.2 split is off by >= 0.03).
+  std::map<std::pair<int32_t, int32_t>, int64_t> pair_count;
+  std::vector<int64_t> prev_count(V, 0);
+  int64_t total = 0;
+  for (int64_t i = 0; i < 2000; ++i) {
+    valid.sample(i, x.data());
+    for (int64_t t = 1; t <= T; ++t) {
+      const int32_t* succ = a.successors(x[t - 1]);
+      REQUIRE(std::find(succ, succ + 4, x[t]) != succ + 4);  // every step follows the table
+      ++pair_count[{x[t - 1], x[t]}];
+      ++prev_count[x[t - 1]];
+      ++total;
+    }
+  }
+  double h = 0.0;
+  for (const auto& [k, n] : pair_count) {
+    const double p_joint = static_cast<double>(n) / total;
+    const double p_cond = static_cast<double>(n) / prev_count[k.first];
+    h -= p_joint * std::log(p_cond);
+  }
+  CHECK(h == Approx(SyntheticSamples::kEntropyNats).margin(5e-3));
+  CHECK(SyntheticSamples::kEntropyNats == Approx(std::log(4.0)).epsilon(1e-15));
+}
+
+TEST_CASE("ShuffledSamples: a deterministic permutation per epoch, uniform", "[data]") {
+  const int64_t n = 1000;
+  auto src = std::make_shared<CountingSource>(n, 2, 0);
+  ShuffledSamples s(src, 7), same(src, 7), other(src, 8);
+  std::vector<int64_t> e0, e1, e0_same, e0_other;
+  for (int64_t g = 0; g < n; ++g) {
+    e0.push_back(s.source_index(g));
+    e0_other.push_back(other.source_index(g));
+  }
+  for (int64_t g = 0; g < n; ++g) e0_same.push_back(same.source_index(g));
+  for (int64_t g = n; g < 2 * n; ++g) e1.push_back(s.source_index(g));
+  std::vector<int64_t> sorted0 = e0, sorted1 = e1, iota(n);
+  std::iota(iota.begin(), iota.end(), 0);
+  std::sort(sorted0.begin(), sorted0.end());
+  std::sort(sorted1.begin(), sorted1.end());
+  CHECK(sorted0 == iota);  // a permutation
+  CHECK(sorted1 == iota);
+  CHECK(e0 == e0_same);   // deterministic per seed
+  CHECK(e0 != e0_other);  // other seed, other order
+  CHECK(e0 != e1);        // other epoch, other order
+  CHECK(e0 != iota);
+  // Going back to epoch 0 after epoch 1 gives epoch 0's order again (the cache is rebuilt).
+  for (int64_t g = 0; g < n; ++g) REQUIRE(s.source_index(g) == e0[g]);
+  // sample(g) is the source's sample source_index(g).
+  std::vector<int32_t> out(3);
+  s.sample(2 * n + 5, out.data());
+  CHECK(out[1] == s.source_index(2 * n + 5));
+
+  // Uniformity: n = 4 over 24000 epochs; each of the 24 permutations should appear ~1000 times.
+  // Chi-square with 23 degrees of freedom: 70 is far beyond p = 1e-6 (about 61), while a
+  // Fisher-Yates off-by-one (Sattolo's cycles only, or u in [0, n)) scores in the thousands.
+  auto small = std::make_shared<CountingSource>(4, 2, 0);
+  ShuffledSamples sh(small, 99);
+  std::map<std::vector<int64_t>, int64_t> seen;
+  const int64_t epochs = 24000;
+  for (int64_t e = 0; e < epochs; ++e) {
+    std::vector<int64_t> perm;
+    for (int64_t j = 0; j < 4; ++j) perm.push_back(sh.source_index(e * 4 + j));
+    ++seen[perm];
+  }
+  CHECK(seen.size() == 24);
+  double chi2 = 0.0;
+  for (const auto& [perm, count] : seen) chi2 += std::pow(count - 1000.0, 2) / 1000.0;
+  chi2 += (24 - static_cast<double>(seen.size())) * 1000.0;  // permutations never seen
+  CHECK(chi2 < 70.0);
+
+  // Across batches of the prefetching loop (n = 600 > 256): where do the first and last source
+  // samples land? 6 position buckets of 100, 3000 epochs: ~500 per bucket. Chi-square with 5
+  // degrees of freedom: 30 is beyond p = 2e-5; a shuffle that leaves the ends in place or moves
+  // them only within a batch scores in the hundreds.
+  auto mid = std::make_shared<CountingSource>(600, 2, 0);
+  ShuffledSamples sm(mid, 3);
+  for (int64_t tracked : {int64_t{0}, int64_t{599}}) {
+    std::vector<double> bucket(6, 0.0);
+    for (int64_t e = 0; e < 3000; ++e)
+      for (int64_t j = 0; j < 600; ++j)
+        if (sm.source_index(e * 600 + j) == tracked) bucket[j / 100] += 1.0;
+    double c2 = 0.0;
+    for (double b : bucket) c2 += (b - 500.0) * (b - 500.0) / 500.0;
+    CHECK(c2 < 30.0);
+  }
+}
+
+TEST_CASE("BlendedSamples: Megatron's greedy blend, exact to one sample at every prefix",
+          "[data]") {
+  // Equal weights tie at once: ties must go to the lowest source, as in Megatron.
+  const std::vector<std::vector<double>> weight_sets = {
+      {0.5, 0.3, 0.2}, {3.0, 1.0, 7.0, 0.5}, {1.0}, {1.0, 1.0, 2.0}};
+  for (const auto& raw : weight_sets) {
+    const size_t S = raw.size();
+    std::vector<std::shared_ptr<SampleSource>> sources;
+    for (size_t i = 0; i < S; ++i)
+      sources.push_back(std::make_shared<CountingSource>(100 + 37 * static_cast<int64_t>(i), 3,
+                                                         static_cast<int32_t>(i)));
+    const int64_t total = 5 * BlendedSamples::kChunk + 123;
+    BlendedSamples blend(sources, raw, total);
+    const double sum = std::accumulate(raw.begin(), raw.end(), 0.0);
+    for (size_t i = 0; i < S; ++i) CHECK(blend.weights()[i] == Approx(raw[i] / sum));
+
+    // Reference: the plain greedy, written out again.
+    std::vector<int64_t> counts(S, 0);
+    std::vector<std::pair<int32_t, int64_t>> expect;
+    for (int64_t k = 0; k < total; ++k) {
+      size_t best = 0;
+      double best_err = -1e300;
+      for (size_t i = 0; i < S; ++i) {
+        const double err = raw[i] / sum * (k + 1) - counts[i];
+        if (err > best_err) best_err = err, best = i;
+      }
+      expect.push_back({static_cast<int32_t>(best), counts[best] % sources[best]->num_samples()});
+      ++counts[best];
+      // Every prefix of k+1 samples: each source within one sample of its share.
+      for (size_t i = 0; i < S; ++i) REQUIRE(std::abs(counts[i] - raw[i] / sum * (k + 1)) <= 1.0);
+    }
+    // In order, then in a scattered order (chunks replayed out of order).
+    for (int64_t k = 0; k < total; ++k) REQUIRE(blend.locate(k) == expect[k]);
+    for (int64_t k = total - 1; k >= 0; k -= 97) REQUIRE(blend.locate(k) == expect[k]);
+    // sample() reads that source's sample.
+    std::vector<int32_t> out(4);
+    for (int64_t k : {int64_t{0}, int64_t{1500}, total - 1}) {
+      blend.sample(k, out.data());
+      CHECK(out[0] == expect[k].first);
+      CHECK(out[1] == expect[k].second);
+    }
+  }
+  // Weights must be positive.
+  std::vector<std::shared_ptr<SampleSource>> two = {std::make_shared<CountingSource>(5, 3, 0),
+                                                    std::make_shared<CountingSource>(5, 3, 1)};
+  CHECK_THAT(input_error([&] { BlendedSamples b(two, {1.0, 0.0}, 10); }), Contains("weight 0"));
+}
+
+// =============================================================================================
+// Loader and factory
+// =============================================================================================
+TEST_CASE("DataLoader: the samples of a step do not depend on dp; resume continues exactly",
+          "[data]") {
+  const int64_t T = 3, global = 8;
+  auto src = std::make_shared<CountingSource>(1000, T, 0);
+  std::vector<std::set<int64_t>> per_step_dp1;
+  for (int64_t dp : {1, 2, 4}) {
+    const int64_t mbs = global / dp;
+    std::vector<DataLoader> loaders;
+    for (int64_t r = 0; r < dp; ++r) loaders.emplace_back(src, T, mbs, r, dp);
+    std::vector<int32_t> tokens(mbs * (T + 1));
+    for (int64_t step = 0; step < 5; ++step) {
+      std::set<int64_t> step_samples;
+      for (int64_t r = 0; r < dp; ++r) {
+        loaders[r].next(tokens.data());
+        for (int64_t b = 0; b < mbs; ++b) {
+          const int64_t id = tokens[b * (T + 1) + 1];
+          REQUIRE(id == step * global + r * mbs + b);  // Megatron's order
+          step_samples.insert(id);
+        }
+        CHECK(loaders[r].consumed_samples() == (step + 1) * global);
+      }
+      CHECK(step_samples.size() == static_cast<size_t>(global));
+      if (dp == 1)
+        per_step_dp1.push_back(step_samples);
+      else
+        CHECK(step_samples == per_step_dp1[step]);
+    }
+  }
+  // Resume: a fresh loader set to the consumed count reads what the running one reads next.
+  DataLoader running(src, T, 2, 1, 2), resumed(src, T, 2, 1, 2);
+  std::vector<int32_t> a(2 * (T + 1)), b(2 * (T + 1));
+  for (int i = 0; i < 3; ++i) running.next(a.data());
+  resumed.set_consumed_samples(running.consumed_samples());
+  running.next(a.data());
+  resumed.next(b.data());
+  CHECK(a == b);
+}
+
+TEST_CASE("make_train_source / make_valid_source build the configured stack", "[data]") {
+  Config cfg;
+  cfg.model.vocab_size = 300;
+  cfg.model.seq_len = 4;
+  cfg.training.seed = 5;
+  std::vector<int32_t> x(5), y(5);
+
+  SECTION("synthetic: train and valid share the language, not the samples") {
+    cfg.data.synthetic = true;
+    auto train = make_train_source(cfg, 100), valid = make_valid_source(cfg, 100);
+    REQUIRE(train != nullptr);
+    REQUIRE(valid != nullptr);
+    CHECK(train->seq_len() == 4);
+    CHECK(train->num_samples() == int64_t{1} << 40);
+    auto* st = dynamic_cast<SyntheticSamples*>(train.get());
+    auto* sv = dynamic_cast<SyntheticSamples*>(valid.get());
+    REQUIRE(st != nullptr);
+    REQUIRE(sv != nullptr);
+    for (int32_t t = 0; t < 300; ++t)
+      REQUIRE(std::equal(st->successors(t), st->successors(t) + 4, sv->successors(t)));
+    int64_t same = 0;
+    for (int64_t i = 0; i < 50; ++i) {
+      train->sample(i, x.data());
+      valid->sample(i, y.data());
+      same += x == y;
+    }
+    CHECK(same == 0);
+  }
+  SECTION("datasets: blended, shuffled, every sample a window of one of them") {
+    std::vector<std::vector<int64_t>> windows_a, windows_b;
+    const auto docs_a = make_docs(300, 1), docs_b = make_docs(300, 2);
+    const std::string pa = tmp_prefix("factory_a"), pb = tmp_prefix("factory_b");
+    write_by_hand<uint16_t>(pa, docs_a, 8);
+    write_by_hand<uint16_t>(pb, docs_b, 8);
+    std::set<std::vector<int32_t>> windows;
+    for (const auto& all : {concat(docs_a), concat(docs_b)})
+      for (size_t i = 0; (i + 1) * 4 < all.size(); ++i)
+        windows.insert(std::vector<int32_t>(all.begin() + i * 4, all.begin() + i * 4 + 5));
+    cfg.data.train = {{pa, 1.0}, {pb, 3.0}};
+    auto train = make_train_source(cfg, 400);
+    REQUIRE(dynamic_cast<ShuffledSamples*>(train.get()) != nullptr);
+    CHECK(train->num_samples() == 400);
+    for (int64_t g = 0; g < 800; ++g) {  // two epochs of the blend
+      train->sample(g, x.data());
+      REQUIRE(windows.count(x) == 1);
+    }
+    CHECK(make_valid_source(cfg, 400) == nullptr);  // no data.valid
+    cfg.data.valid = {{pa, 1.0}};
+    auto valid = make_valid_source(cfg, 400);
+    REQUIRE(valid != nullptr);
+    CHECK(valid->num_samples() == 14);  // (58 - 1) / 4 windows of dataset a alone
+    // A bad entry names its place in the config.
+    cfg.data.train = {{pa, 1.0}, {tmp_dir() + "/missing", 1.0}};
+    CHECK_THAT(input_error([&] { make_train_source(cfg, 400); }),
+               Contains("data.train[1]") && Contains(tmp_dir() + "/missing.idx"));
+    cfg.data.train.clear();
+    CHECK_THAT(input_error([&] { make_train_source(cfg, 400); }), Contains("data.train is empty"));
+  }
+}
