@@ -343,7 +343,7 @@ TEST_CASE("gemm: unsupported types and bad leading dimensions are rejected", "[k
                   Error);
 }
 
-TEST_CASE("attention: forward matches a naive loop (MHA, GQA, MQA; one and several blocks)",
+TEST_CASE("attention: forward matches a naive loop (MHA, GQA, MQA, one and several blocks)",
           "[kernels]") {
   auto be = make_cpu_backend(0);
   // T = 19 fits in one tile; T = 150 spans three tiles with a partial last one, and HS = 24 is

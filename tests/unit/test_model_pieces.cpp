@@ -153,7 +153,7 @@ TEST_CASE("clip factor follows torch.nn.utils.clip_grad_norm_", "[optim]") {
   CHECK(clip_factor(4.0, 0.0) == 1.0f);  // clipping off
 }
 
-TEST_CASE("safetensors: write then read returns the same tensors; bad files are input errors", "[checkpoint]") {
+TEST_CASE("safetensors: write then read returns the same tensors, bad files are input errors", "[checkpoint]") {
   const std::string dir = (std::filesystem::path(TETRA_TEST_TMPDIR) / "safetensors").string();
   std::filesystem::create_directories(dir);
   std::vector<TensorRecord> in(2);

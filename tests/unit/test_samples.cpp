@@ -198,7 +198,7 @@ TEST_CASE("BlendedSamples: Megatron's greedy blend, exact to one sample at every
 // =============================================================================================
 // Loader and factory
 // =============================================================================================
-TEST_CASE("DataLoader: the samples of a step do not depend on dp; resume continues exactly",
+TEST_CASE("DataLoader: the samples of a step do not depend on dp, resume continues exactly",
           "[data]") {
   const int64_t T = 3, global = 8;
   auto src = std::make_shared<CountingSource>(1000, T, 0);
