@@ -13,23 +13,14 @@
 
 #include "kernels/common/math.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/dispatch.h"
 #include "trainer/core/check.h"
 
 namespace tetra {
 namespace {
 
-int team_size(int threads) { return threads > 0 ? threads : omp_get_max_threads(); }
-
-template <typename F>
-void with_float_type(DType t, const char* op, F&& f) {
-  if (t == DType::F32) {
-    f(float{});
-  } else if (t == DType::BF16) {
-    f(bf16{});
-  } else {
-    throw Error(fmt::format("{}: activation type must be F32 or BF16, got {}", op, dtype_name(t)));
-  }
-}
+using cpu::team_size;
+using cpu::with_float_type;
 
 template <typename T>
 void add_impl(T* out, const T* a, const T* b, int64_t n, int nt) {
@@ -111,7 +102,7 @@ void bias_backward_impl(float* dbias, const T* dout, int64_t N, int64_t OC, int 
 
 void CpuBackend::add(void* out, const void* a, const void* b, int64_t n, DType act) {
   const int nt = team_size(threads_);
-  with_float_type(act, "add", [&](auto tag) {
+  with_float_type(act, "add", "activation type", [&](auto tag) {
     using T = decltype(tag);
     add_impl<T>(static_cast<T*>(out), static_cast<const T*>(a), static_cast<const T*>(b), n, nt);
   });
@@ -119,7 +110,7 @@ void CpuBackend::add(void* out, const void* a, const void* b, int64_t n, DType a
 
 void CpuBackend::gelu_forward(void* y, const void* x, int64_t n, DType act) {
   const int nt = team_size(threads_);
-  with_float_type(act, "gelu_forward", [&](auto tag) {
+  with_float_type(act, "gelu_forward", "activation type", [&](auto tag) {
     using T = decltype(tag);
     gelu_forward_impl<T>(static_cast<T*>(y), static_cast<const T*>(x), n, nt);
   });
@@ -127,7 +118,7 @@ void CpuBackend::gelu_forward(void* y, const void* x, int64_t n, DType act) {
 
 void CpuBackend::gelu_backward(void* dx, const void* x, const void* dy, int64_t n, DType act) {
   const int nt = team_size(threads_);
-  with_float_type(act, "gelu_backward", [&](auto tag) {
+  with_float_type(act, "gelu_backward", "activation type", [&](auto tag) {
     using T = decltype(tag);
     gelu_backward_impl<T>(static_cast<T*>(dx), static_cast<const T*>(x),
                           static_cast<const T*>(dy), n, nt);
@@ -136,7 +127,7 @@ void CpuBackend::gelu_backward(void* dx, const void* x, const void* dy, int64_t 
 
 void CpuBackend::swiglu_forward(void* y, const void* x, int64_t N, int64_t F, DType act) {
   const int nt = team_size(threads_);
-  with_float_type(act, "swiglu_forward", [&](auto tag) {
+  with_float_type(act, "swiglu_forward", "activation type", [&](auto tag) {
     using T = decltype(tag);
     swiglu_forward_impl<T>(static_cast<T*>(y), static_cast<const T*>(x), N, F, nt);
   });
@@ -145,7 +136,7 @@ void CpuBackend::swiglu_forward(void* y, const void* x, int64_t N, int64_t F, DT
 void CpuBackend::swiglu_backward(void* dx, const void* x, const void* dy, int64_t N, int64_t F,
                                  DType act) {
   const int nt = team_size(threads_);
-  with_float_type(act, "swiglu_backward", [&](auto tag) {
+  with_float_type(act, "swiglu_backward", "activation type", [&](auto tag) {
     using T = decltype(tag);
     swiglu_backward_impl<T>(static_cast<T*>(dx), static_cast<const T*>(x),
                             static_cast<const T*>(dy), N, F, nt);
@@ -172,7 +163,7 @@ void CpuBackend::cast(void* dst, DType dst_type, const void* src, DType src_type
 void CpuBackend::bias_backward(float* dbias, const void* dout, int64_t N, int64_t OC, DType act) {
   TETRA_CHECK(N >= 0 && OC >= 0, "bias_backward: N ({}) and OC ({}) must be >= 0", N, OC);
   const int nt = team_size(threads_);
-  with_float_type(act, "bias_backward", [&](auto tag) {
+  with_float_type(act, "bias_backward", "activation type", [&](auto tag) {
     using T = decltype(tag);
     bias_backward_impl<T>(dbias, static_cast<const T*>(dout), N, OC, nt);
   });

@@ -11,23 +11,14 @@
 #include <algorithm>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/dispatch.h"
 #include "trainer/core/check.h"
 
 namespace tetra {
 namespace {
 
-int team_size(int threads) { return threads > 0 ? threads : omp_get_max_threads(); }
-
-template <typename F>
-void with_float_type(DType t, const char* what, F&& f) {
-  if (t == DType::F32) {
-    f(float{});
-  } else if (t == DType::BF16) {
-    f(bf16{});
-  } else {
-    throw Error(fmt::format("embedding: {} must be F32 or BF16, got {}", what, dtype_name(t)));
-  }
-}
+using cpu::team_size;
+using cpu::with_float_type;
 
 // out (B, T, C) = wte[tokens] (+ wpe[t]); wte (V, C), wpe (T, C).
 template <typename T, typename W>
@@ -85,9 +76,9 @@ void CpuBackend::embedding_forward(void* out, const int32_t* tokens, const void*
                                    DType w) {
   TETRA_CHECK(B >= 0 && T >= 0 && C > 0, "embedding_forward: bad shape B={} T={} C={}", B, T, C);
   const int nt = team_size(threads_);
-  with_float_type(act, "act", [&](auto a) {
+  with_float_type(act, "embedding", "activation type", [&](auto a) {
     using TA = decltype(a);
-    with_float_type(w, "weight type", [&](auto b) {
+    with_float_type(w, "embedding", "weight type", [&](auto b) {
       using TW = decltype(b);
       embedding_forward_impl<TA, TW>(static_cast<TA*>(out), tokens, static_cast<const TW*>(wte),
                                      static_cast<const TW*>(wpe), B, T, C, nt);
@@ -100,7 +91,7 @@ void CpuBackend::embedding_backward(float* dwte, float* dwpe, const void* dout,
                                     DType act) {
   TETRA_CHECK(B >= 0 && T >= 0 && C > 0, "embedding_backward: bad shape B={} T={} C={}", B, T, C);
   const int nt = team_size(threads_);
-  with_float_type(act, "act", [&](auto a) {
+  with_float_type(act, "embedding", "activation type", [&](auto a) {
     using TA = decltype(a);
     embedding_backward_impl<TA>(dwte, dwpe, static_cast<const TA*>(dout), tokens, B, T, C, nt);
   });

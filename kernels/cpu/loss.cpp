@@ -17,12 +17,13 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/dispatch.h"
 #include "trainer/core/check.h"
 
 namespace tetra {
 namespace {
 
-int team_size(int threads) { return threads > 0 ? threads : omp_get_max_threads(); }
+using cpu::team_size;
 
 // logits (N, V); losses (N); dlogits (N, V) of type G, may be null, may alias logits if G is
 // float (each element is read before it is written, and rows are disjoint).

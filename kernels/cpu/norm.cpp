@@ -19,24 +19,14 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/dispatch.h"
 #include "trainer/core/check.h"
 
 namespace tetra {
 namespace {
 
-int team_size(int threads) { return threads > 0 ? threads : omp_get_max_threads(); }
-
-// Calls f(float{}) or f(bf16{}) for a floating storage type.
-template <typename F>
-void with_float_type(DType t, const char* what, F&& f) {
-  if (t == DType::F32) {
-    f(float{});
-  } else if (t == DType::BF16) {
-    f(bf16{});
-  } else {
-    throw Error(fmt::format("norm: {} must be F32 or BF16, got {}", what, dtype_name(t)));
-  }
-}
+using cpu::team_size;
+using cpu::with_float_type;
 
 // x, out (N, C); weight, bias (C); mean (N) written if non-null; rstd (N).
 template <typename T, typename W>
@@ -171,9 +161,9 @@ void CpuBackend::norm_forward(NormKind kind, void* out, float* mean, float* rstd
   const bool layernorm = kind == NormKind::LAYERNORM;
   TETRA_CHECK(!layernorm || mean != nullptr, "norm_forward: LAYERNORM needs a mean buffer");
   const int nt = team_size(threads_);
-  with_float_type(act, "act", [&](auto a) {
+  with_float_type(act, "norm", "activation type", [&](auto a) {
     using T = decltype(a);
-    with_float_type(w, "weight type", [&](auto b) {
+    with_float_type(w, "norm", "weight type", [&](auto b) {
       using W = decltype(b);
       norm_forward_impl<T, W>(layernorm, static_cast<T*>(out), layernorm ? mean : nullptr, rstd,
                               static_cast<const T*>(x), static_cast<const W*>(weight),
@@ -191,9 +181,9 @@ void CpuBackend::norm_backward(NormKind kind, void* dx, float* dweight, float* d
   const bool layernorm = kind == NormKind::LAYERNORM;
   TETRA_CHECK(!layernorm || mean != nullptr, "norm_backward: LAYERNORM needs the saved mean");
   const int nt = team_size(threads_);
-  with_float_type(act, "act", [&](auto a) {
+  with_float_type(act, "norm", "activation type", [&](auto a) {
     using T = decltype(a);
-    with_float_type(w, "weight type", [&](auto b) {
+    with_float_type(w, "norm", "weight type", [&](auto b) {
       using W = decltype(b);
       norm_backward_impl<T, W>(layernorm, static_cast<T*>(dx), dweight, dbias,
                                static_cast<const T*>(dout), static_cast<const T*>(x),

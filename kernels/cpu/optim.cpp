@@ -12,12 +12,13 @@
 
 #include "kernels/common/math.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/dispatch.h"
 #include "trainer/core/check.h"
 
 namespace tetra {
 namespace {
 
-int team_size(int threads) { return threads > 0 ? threads : omp_get_max_threads(); }
+using cpu::team_size;
 
 // sum_i f(x[i]) in double, deterministic: at most kMaxChunks chunks of >= kMinChunk elements.
 template <bool kSquare>

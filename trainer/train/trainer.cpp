@@ -154,23 +154,28 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer) const {
   write_safetensors(file, records);
 }
 
-double Trainer::train_step(int64_t s) {
+void Trainer::load_micro_batch(DataLoader& loader) {
   const int64_t T = cfg_.model.seq_len, B = cfg_.training.micro_batch_size;
+  loader.next(host_batch_.data());
+  // A sample is T+1 tokens: the model reads the first T and predicts the last T.
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t* row = host_batch_.data() + b * (T + 1);
+    std::memcpy(host_inputs_.data() + b * T, row, static_cast<size_t>(T) * 4);
+    std::memcpy(host_targets_.data() + b * T, row + 1, static_cast<size_t>(T) * 4);
+  }
+  be_->copy_from_host(tokens_, host_inputs_.data(), static_cast<size_t>(rows_) * 4);
+  be_->copy_from_host(targets_, host_targets_.data(), static_cast<size_t>(rows_) * 4);
+}
+
+double Trainer::train_step(int64_t s) {
   be_->memset_zero(grads_, static_cast<size_t>(layout_.total) * 4);
   // The step's loss is the mean over its global batch; each micro-batch's gradient is scaled so
   // the accumulated gradient is that mean's gradient.
   const float dloss_scale = 1.0f / static_cast<float>(rows_ * accum_);
   for (int64_t j = 0; j < accum_; ++j) {
-    train_loader_->next(host_batch_.data());
+    load_micro_batch(*train_loader_);
     if (!dump_dir_.empty() && s < kMaxDumpedSteps)
       dumped_batches_.insert(dumped_batches_.end(), host_batch_.begin(), host_batch_.end());
-    for (int64_t b = 0; b < B; ++b) {
-      const int32_t* row = host_batch_.data() + b * (T + 1);
-      std::memcpy(host_inputs_.data() + b * T, row, static_cast<size_t>(T) * 4);
-      std::memcpy(host_targets_.data() + b * T, row + 1, static_cast<size_t>(T) * 4);
-    }
-    be_->copy_from_host(tokens_, host_inputs_.data(), static_cast<size_t>(rows_) * 4);
-    be_->copy_from_host(targets_, host_targets_.data(), static_cast<size_t>(rows_) * 4);
     model_->forward(compute_, tokens_, targets_, losses_ + j * rows_, dloss_scale);
     model_->backward(compute_, grads_, tokens_);
   }
@@ -181,18 +186,11 @@ double Trainer::train_step(int64_t s) {
 }
 
 double Trainer::evaluate() {
-  const int64_t T = cfg_.model.seq_len, B = cfg_.training.micro_batch_size;
-  DataLoader loader(valid_source_, T, B, /*dp_rank=*/0, cfg_.parallel.dp);
+  DataLoader loader(valid_source_, cfg_.model.seq_len, cfg_.training.micro_batch_size, /*dp_rank=*/0,
+                    cfg_.parallel.dp);
   double total = 0.0;
   for (int64_t j = 0; j < cfg_.training.eval_steps; ++j) {
-    loader.next(host_batch_.data());
-    for (int64_t b = 0; b < B; ++b) {
-      const int32_t* row = host_batch_.data() + b * (T + 1);
-      std::memcpy(host_inputs_.data() + b * T, row, static_cast<size_t>(T) * 4);
-      std::memcpy(host_targets_.data() + b * T, row + 1, static_cast<size_t>(T) * 4);
-    }
-    be_->copy_from_host(tokens_, host_inputs_.data(), static_cast<size_t>(rows_) * 4);
-    be_->copy_from_host(targets_, host_targets_.data(), static_cast<size_t>(rows_) * 4);
+    load_micro_batch(loader);
     model_->forward(compute_, tokens_, targets_, losses_, /*dloss_scale=*/0.0f);
     be_->sum(scalar_, losses_, rows_);
     float sum = 0.0f;

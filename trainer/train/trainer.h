@@ -45,6 +45,8 @@ class Trainer {
 
  private:
   double train_step(int64_t s);
+  // Next micro-batch of `loader` into tokens_ / targets_ (and host_batch_).
+  void load_micro_batch(DataLoader& loader);
   void dump_tensors(const std::string& file, const float* buffer) const;
 
   const Config& cfg_;
