@@ -55,6 +55,17 @@ assert re.search(r"memory:\s+[0-9.]+ MiB", text)
 PY
 [[ ! -e "$scratch/runs" ]] || fail "--dry-run wrote files"
 
+case=too_big
+# Activations alone: 100000 x 128 tokens x 50257 logits x 4 bytes = 2.6 TB, more than any machine
+# running this test has: refused before anything is allocated or written.
+"$tetra" --config "$src/configs/demo.json" --set training.micro_batch_size=100000 \
+  --set training.global_batch_size=100000 --set model.vocab_size=50257 \
+  --set logging.dir="$scratch/too_big" >/dev/null 2>"$scratch/too_big.err"
+rc=$?
+[[ $rc -eq 2 ]] || fail "exit code $rc, expected 2: $(cat "$scratch/too_big.err")"
+grep -q "training.micro_batch_size" "$scratch/too_big.err" || fail "message: $(cat "$scratch/too_big.err")"
+[[ ! -e "$scratch/too_big" ]] || fail "logging.dir was written"
+
 case=demo_run
 (cd "$scratch" && "$tetra" --config "$src/configs/demo.json" --set training.steps=40 \
   --set training.eval_every=20 --set logging.dir="$scratch/demo" >"$scratch/demo.out" 2>&1) ||

@@ -1,6 +1,7 @@
 #include "trainer/train/trainer.h"
 
 #include <omp.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -54,6 +55,16 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, std::string 
   const int64_t B = cfg.training.micro_batch_size, T = cfg.model.seq_len;
   rows_ = B * T;
 
+  // Linux overcommits: an allocation larger than the machine succeeds and the process is killed
+  // later. Refuse such a run now, with the numbers.
+  const MemoryPlan plan = plan_memory(cfg, layout_);
+  const double physical = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  if (physical > 0 && static_cast<double>(plan.total()) > 0.95 * physical)
+    throw InputError(fmt::format(
+        "the run needs {:.1f} GiB ({:.1f} GiB of activations for training.micro_batch_size {}) but this "
+        "machine has {:.1f} GiB of memory: lower training.micro_batch_size (use global_batch_size for "
+        "gradient accumulation), model.seq_len or the model size",
+        plan.total() / 1073741824.0, plan.activations / 1073741824.0, B, physical / 1073741824.0));
   // Data first: a missing or malformed dataset is reported before anything large is allocated.
   const int64_t total_train_samples = cfg.training.steps * cfg.training.global_batch_size;
   train_source_ = make_train_source(cfg, total_train_samples);
@@ -97,7 +108,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, std::string 
                     : measure_cpu_peak_gflops(threads, act_ == DType::BF16) * 1e9;
 
   const ModelStats stats = model_stats(cfg.model, layout_);
-  const MemoryPlan mem = plan_memory(cfg, layout_);
+  const MemoryPlan& mem = plan;
   spdlog::info("model: {} parameters ({} in matmuls), {} layers, hidden {}, heads {}/{} (q/kv), ffn {}, "
                "vocab {}, seq_len {}, {} + {} + {} positions",
                stats.params, stats.matmul_params, cfg.model.num_layers, cfg.model.hidden_size,
