@@ -5,10 +5,12 @@
 //
 // The constructor and destructor live in gemm.cpp: they create and destroy the oneDNN GEMM cache,
 // whose type is complete only there.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/dispatch.h"
 #include "trainer/core/check.h"
 
 namespace tetra {
@@ -29,8 +31,33 @@ void* CpuBackend::alloc(size_t bytes) {
 
 void CpuBackend::free(void* ptr) { std::free(ptr); }
 
+namespace {
+
+// Large fills and copies are split over the team: one core does not saturate memory bandwidth
+// (zeroing GPT-2's 0.5 GB gradient buffer: 55 ms on one thread, about half on two).
+constexpr size_t kParallelBytes = size_t{1} << 20;
+
+template <typename F>
+void for_each_chunk(size_t bytes, int threads, F&& f) {
+  if (bytes < kParallelBytes) {
+    f(size_t{0}, bytes);
+    return;
+  }
+  const int nt = cpu::team_size(threads);
+  const size_t chunk = (bytes / nt + kAlignment - 1) / kAlignment * kAlignment;
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int i = 0; i < nt; ++i) {
+    const size_t begin = std::min(bytes, static_cast<size_t>(i) * chunk);
+    const size_t end = std::min(bytes, begin + chunk);
+    if (end > begin) f(begin, end - begin);
+  }
+}
+
+}  // namespace
+
 void CpuBackend::memset_zero(void* ptr, size_t bytes) {
-  if (bytes > 0) std::memset(ptr, 0, bytes);
+  char* p = static_cast<char*>(ptr);
+  for_each_chunk(bytes, threads_, [&](size_t begin, size_t n) { std::memset(p + begin, 0, n); });
 }
 
 void CpuBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
@@ -42,7 +69,10 @@ void CpuBackend::copy_from_host(void* dst, const void* host_src, size_t bytes) {
 }
 
 void CpuBackend::copy(void* dst, const void* src, size_t bytes) {
-  if (bytes > 0 && dst != src) std::memcpy(dst, src, bytes);
+  if (dst == src) return;
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  for_each_chunk(bytes, threads_, [&](size_t begin, size_t n) { std::memcpy(d + begin, s + begin, n); });
 }
 
 std::unique_ptr<Backend> make_cpu_backend(int threads) {
