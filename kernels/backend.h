@@ -117,13 +117,15 @@ class Backend {
                                   int64_t NKV, int64_t HS, DType act) = 0;
 
   // ---- loss ----------------------------------------------------------------------------------
-  // Softmax cross-entropy over logits (N, V) F32 with targets (N) int32:
+  // Softmax cross-entropy over logits (N, V) of logits_type (F32 or BF16; the math is fp32
+  // whatever the storage) with targets (N) int32:
   //   losses[i] = logsumexp(logits[i]) - logits[i, targets[i]]            (F32, N)
   // If dlogits is non-null it is written with dloss_scale * (softmax(logits[i]) - onehot(t_i)),
-  // of type dlogits_type; dlogits may alias logits when dlogits_type is F32 (fused in place).
+  // of type dlogits_type; dlogits may alias logits when the two types are equal (fused in place).
   // A target < 0 is ignored: loss 0 and zero gradient for that row.
-  virtual void cross_entropy(float* losses, void* dlogits, DType dlogits_type, const float* logits,
-                             const int32_t* targets, int64_t N, int64_t V, float dloss_scale) = 0;
+  virtual void cross_entropy(float* losses, void* dlogits, DType dlogits_type, const void* logits,
+                             DType logits_type, const int32_t* targets, int64_t N, int64_t V,
+                             float dloss_scale) = 0;
 
   // ---- optimizer and reductions --------------------------------------------------------------
   // out[0] = sum_i x[i]^2 over n F32 elements, accumulated in double then stored as float.

@@ -59,8 +59,9 @@ class CpuBackend final : public Backend {
                           const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                           int64_t HS, DType act) override;
 
-  void cross_entropy(float* losses, void* dlogits, DType dlogits_type, const float* logits,
-                     const int32_t* targets, int64_t N, int64_t V, float dloss_scale) override;
+  void cross_entropy(float* losses, void* dlogits, DType dlogits_type, const void* logits,
+                     DType logits_type, const int32_t* targets, int64_t N, int64_t V,
+                     float dloss_scale) override;
 
   void sum_squares(float* out, const float* x, int64_t n) override;
   void sum(float* out, const float* x, int64_t n) override;

@@ -24,20 +24,21 @@ namespace tetra {
 namespace {
 
 using cpu::team_size;
+using cpu::with_float_type;
 
-// logits (N, V); losses (N); dlogits (N, V) of type G, may be null, may alias logits if G is
-// float (each element is read before it is written, and rows are disjoint).
-template <typename G>
-void cross_entropy_impl(float* losses, G* dlogits, const float* logits, const int32_t* targets,
+// logits (N, V) of type L; losses (N); dlogits (N, V) of type G, may be null, may alias logits
+// if L == G (each element is read before it is written, and rows are disjoint).
+template <typename L, typename G>
+void cross_entropy_impl(float* losses, G* dlogits, const L* logits, const int32_t* targets,
                         int64_t N, int64_t V, float scale, int nt) {
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int64_t i = 0; i < N; ++i) {
-    const float* l = logits + i * V;
+    const L* l = logits + i * V;
     const int32_t t = targets[i];
-    const float lt = t >= 0 ? l[t] : 0.0f;  // read before an in-place gradient overwrites it
+    const float lt = t >= 0 ? to_f32(l[t]) : 0.0f;  // read before an in-place gradient overwrites it
     float mx = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < V; ++j) mx = l[j] > mx ? l[j] : mx;
+    for (int64_t j = 0; j < V; ++j) mx = to_f32(l[j]) > mx ? to_f32(l[j]) : mx;
 
     // e = exp(l - max) is kept for the gradient pass (one exp per element, not two): in the F32
     // gradient row itself (in place over l too: l[j] is read before e[j] is written), else in a
@@ -45,7 +46,7 @@ void cross_entropy_impl(float* losses, G* dlogits, const float* logits, const in
     float* e = nullptr;
     if (dlogits != nullptr && t >= 0) {
       if constexpr (std::is_same_v<G, float>) {
-        e = dlogits + i * V;
+        e = dlogits + i * V;  // in place over float logits: l[j] is read before e[j] is written
       } else {
         thread_local std::vector<float> row;
         row.resize(static_cast<size_t>(V));
@@ -56,13 +57,13 @@ void cross_entropy_impl(float* losses, G* dlogits, const float* logits, const in
     if (e) {
 #pragma omp simd reduction(+ : s)
       for (int64_t j = 0; j < V; ++j) {
-        const float ej = math::exp_fast(l[j] - mx);
+        const float ej = math::exp_fast(to_f32(l[j]) - mx);
         e[j] = ej;
         s += ej;
       }
     } else {
 #pragma omp simd reduction(+ : s)
-      for (int64_t j = 0; j < V; ++j) s += math::exp_fast(l[j] - mx);
+      for (int64_t j = 0; j < V; ++j) s += math::exp_fast(to_f32(l[j]) - mx);
     }
     // loss = lse - l[t] = (max - l[t]) + log(s): no rounding of lse at the logits' magnitude.
     losses[i] = t >= 0 ? (mx - lt) + std::log(s) : 0.0f;
@@ -85,25 +86,28 @@ void cross_entropy_impl(float* losses, G* dlogits, const float* logits, const in
 }  // namespace
 
 void CpuBackend::cross_entropy(float* losses, void* dlogits, DType dlogits_type,
-                               const float* logits, const int32_t* targets, int64_t N, int64_t V,
-                               float dloss_scale) {
+                               const void* logits, DType logits_type, const int32_t* targets,
+                               int64_t N, int64_t V, float dloss_scale) {
   TETRA_CHECK(N >= 0 && V > 0, "cross_entropy: N ({}) must be >= 0 and V ({}) > 0", N, V);
   for (int64_t i = 0; i < N; ++i)
     TETRA_CHECK(targets[i] < V, "cross_entropy: target {} of row {} is >= V ({})", targets[i], i,
                 V);
+  TETRA_CHECK(dlogits != logits || dlogits_type == logits_type,
+              "cross_entropy: dlogits ({}) may alias logits ({}) only when both types are equal",
+              dtype_name(dlogits_type), dtype_name(logits_type));
   const int nt = team_size(threads_);
-  if (dlogits == nullptr || dlogits_type == DType::F32) {
-    cross_entropy_impl(losses, static_cast<float*>(dlogits), logits, targets, N, V, dloss_scale,
-                       nt);
-  } else if (dlogits_type == DType::BF16) {
-    TETRA_CHECK(dlogits != static_cast<const void*>(logits),
-                "cross_entropy: a BF16 dlogits cannot alias the F32 logits");
-    cross_entropy_impl(losses, static_cast<bf16*>(dlogits), logits, targets, N, V, dloss_scale,
-                       nt);
-  } else {
-    throw Error(fmt::format("cross_entropy: dlogits type must be F32 or BF16, got {}",
-                            dtype_name(dlogits_type)));
-  }
+  with_float_type(logits_type, "cross_entropy", "logits type", [&](auto ltag) {
+    using L = decltype(ltag);
+    const L* l = static_cast<const L*>(logits);
+    if (dlogits == nullptr) {
+      cross_entropy_impl(losses, static_cast<float*>(nullptr), l, targets, N, V, dloss_scale, nt);
+      return;
+    }
+    with_float_type(dlogits_type, "cross_entropy", "dlogits type", [&](auto gtag) {
+      using G = decltype(gtag);
+      cross_entropy_impl(losses, static_cast<G*>(dlogits), l, targets, N, V, dloss_scale, nt);
+    });
+  });
 }
 
 }  // namespace tetra

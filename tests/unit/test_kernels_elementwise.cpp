@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "trainer/core/check.h"
 
 namespace {
 
@@ -471,7 +472,7 @@ TEST_CASE("cross_entropy matches a double reference and finite differences of th
   targets[3] = 4;  // a target whose logit is 1e4 below the others: loss ~1e4, dlogit = -scale
 
   std::vector<float> losses(N), dl(N * V);
-  be->cross_entropy(losses.data(), dl.data(), DType::F32, logits.data(), targets.data(), N, V,
+  be->cross_entropy(losses.data(), dl.data(), DType::F32, logits.data(), DType::F32, targets.data(), N, V,
                     scale);
   auto ld = to_double(logits);
   std::vector<double> want_loss(N, 0.0), want_grad(N * V, 0.0);
@@ -492,11 +493,11 @@ TEST_CASE("cross_entropy matches a double reference and finite differences of th
   SECTION("in place over the logits, and without a gradient") {
     auto inplace = logits;
     std::vector<float> losses2(N), losses3(N);
-    be->cross_entropy(losses2.data(), inplace.data(), DType::F32, inplace.data(), targets.data(),
+    be->cross_entropy(losses2.data(), inplace.data(), DType::F32, inplace.data(), DType::F32, targets.data(),
                       N, V, scale);
     expect_bitwise_equal(losses2, losses, "losses in place");
     expect_bitwise_equal(inplace, dl, "dlogits in place");
-    be->cross_entropy(losses3.data(), nullptr, DType::F32, logits.data(), targets.data(), N, V,
+    be->cross_entropy(losses3.data(), nullptr, DType::F32, logits.data(), DType::F32, targets.data(), N, V,
                       scale);
     expect_bitwise_equal(losses3, losses, "losses without dlogits");
   }
@@ -504,17 +505,50 @@ TEST_CASE("cross_entropy matches a double reference and finite differences of th
     auto bad = logits;
     bad[4 * V + 17] = std::nanf("");
     std::vector<float> losses2(N);
-    be->cross_entropy(losses2.data(), dl.data(), DType::F32, bad.data(), targets.data(), N, V,
+    be->cross_entropy(losses2.data(), dl.data(), DType::F32, bad.data(), DType::F32, targets.data(), N, V,
                       scale);
     for (int64_t i = 0; i < N; ++i) CHECK(std::isnan(losses2[i]) == (i == 4));
   }
   SECTION("BF16 gradient") {
     std::vector<float> losses2(N);
     std::vector<uint16_t> dlb(N * V);
-    be->cross_entropy(losses2.data(), dlb.data(), DType::BF16, logits.data(), targets.data(), N,
+    be->cross_entropy(losses2.data(), dlb.data(), DType::BF16, logits.data(), DType::F32, targets.data(), N,
                       V, scale);
     expect_bitwise_equal(losses2, losses, "losses");
     expect_close(from_bf16(dlb), dl, {1e-12, 1.0 / 256 + 1e-5}, "dlogits BF16");
+  }
+  SECTION("BF16 logits, gradient in place") {
+    // Reference: the same math in double on the bf16-rounded logits. Loss and gradient are fp32
+    // computations on exactly those inputs (1e-5 relative as above, here against losses ~7 and
+    // ~1e4); the gradient is then rounded once to bf16 (2^-8 relative).
+    std::vector<uint16_t> lb(N * V);
+    std::vector<double> lr(N * V);
+    for (int64_t k = 0; k < N * V; ++k) {
+      lb[k] = tetra::math::f32_to_bf16_bits(logits[k]);
+      lr[k] = tetra::math::bf16_bits_to_f32(lb[k]);
+    }
+    std::vector<double> want_loss2(N, 0.0), want_grad2(N * V, 0.0);
+    for (int64_t i = 0; i < N; ++i) {
+      if (targets[i] < 0) continue;
+      const double* row = lr.data() + i * V;
+      want_loss2[i] = ref_ce_row(row, V, targets[i]);
+      double mx = row[0];
+      for (int64_t j = 1; j < V; ++j) mx = std::max(mx, row[j]);
+      double s = 0;
+      for (int64_t j = 0; j < V; ++j) s += std::exp(row[j] - mx);
+      for (int64_t j = 0; j < V; ++j)
+        want_grad2[i * V + j] = scale * (std::exp(row[j] - mx) / s - (j == targets[i] ? 1.0 : 0.0));
+    }
+    std::vector<float> losses2(N);
+    be->cross_entropy(losses2.data(), lb.data(), DType::BF16, lb.data(), DType::BF16,
+                      targets.data(), N, V, scale);
+    expect_close(losses2, want_loss2, {1e-5, 1e-5}, "losses from BF16 logits");
+    expect_close(from_bf16(lb), want_grad2, {1e-9, 1.0 / 256 + 1e-4}, "dlogits BF16 in place");
+    // Aliasing buffers of different types is refused.
+    std::vector<float> lf(logits);
+    CHECK_THROWS_AS(be->cross_entropy(losses2.data(), lf.data(), DType::BF16, lf.data(),
+                                      DType::F32, targets.data(), N, V, scale),
+                    tetra::Error);
   }
 }
 

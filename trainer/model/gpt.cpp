@@ -43,8 +43,7 @@ struct Gpt::Acts {
   void* lnf;                  // (N, C) t
   float* lnf_mean;
   float* lnf_rstd;
-  float* logits;              // (N, V) f; holds dlogits in place in fp32 mode
-  void* dlogits;              // (N, V) t; == logits in fp32 mode
+  void* logits;               // (N, V) t; the loss turns it into dlogits in place
   // Backward scratch.
   void* dres;                 // (N, C) t  gradient of the residual stream
   void* dc;                   // (N, C) t
@@ -97,8 +96,7 @@ static size_t layout_acts(Carver& c, const ModelDims& d, DType act, Gpt::Acts& a
   a.lnf = c.take(N * d.C, act);
   a.lnf_mean = c.take_f32(N);
   a.lnf_rstd = c.take_f32(N);
-  a.logits = c.take_f32(N * d.V);
-  a.dlogits = act == DType::F32 ? a.logits : c.take(N * d.V, act);
+  a.logits = c.take(N * d.V, act);
   a.dres = c.take(N * d.C, act);
   a.dc = c.take(N * d.C, act);
   a.dqkv = c.take(N * d.QKV, act);
@@ -175,11 +173,13 @@ void Gpt::forward(const void* weights, const int32_t* tokens, const int32_t* tar
   }
   be_.norm_forward(norm_, a.lnf, a.lnf_mean, a.lnf_rstd, a.res[d.L], w(weights, layout_.final_norm_w),
                    w(weights, layout_.final_norm_b), N, d.C, eps_, t, t);
-  // logits = lnf W_out^T in fp32                                          (N, V)
+  // logits = lnf W_out^T                                                 (N, V)
+  // Stored in the activation type (bf16 halves the largest tensor of the step, as in Megatron);
+  // the loss's softmax and log-sum-exp are fp32 whatever the storage.
   be_.gemm(false, true, N, d.V, d.C, 1.0f, a.lnf, d.C, w(weights, layout_.output_weight()), d.C, t,
-           0.0f, a.logits, d.V, DType::F32);
-  be_.cross_entropy(losses, dloss_scale != 0.0f ? a.dlogits : nullptr, t, a.logits, targets, N, d.V,
-                    dloss_scale);
+           0.0f, a.logits, d.V, t);
+  be_.cross_entropy(losses, dloss_scale != 0.0f ? a.logits : nullptr, t, a.logits, t, targets, N,
+                    d.V, dloss_scale);
 }
 
 void Gpt::backward(const void* weights, float* grads, const int32_t* tokens) {
@@ -191,9 +191,10 @@ void Gpt::backward(const void* weights, float* grads, const int32_t* tokens) {
   const size_t c_bytes = static_cast<size_t>(N * d.C) * dtype_size(t);
 
   // Output projection: dlnf = dlogits W_out (N, C); dW_out += dlogits^T lnf (V, C).
-  be_.gemm(false, false, N, d.C, d.V, 1.0f, a.dlogits, d.V, w(weights, layout_.output_weight()), d.C,
+  const void* dlogits = a.logits;  // the loss wrote the gradient over the logits
+  be_.gemm(false, false, N, d.C, d.V, 1.0f, dlogits, d.V, w(weights, layout_.output_weight()), d.C,
            t, 0.0f, a.dc, d.C, t);
-  be_.gemm(true, false, d.V, d.C, N, 1.0f, a.dlogits, d.V, a.lnf, d.C, t, 1.0f,
+  be_.gemm(true, false, d.V, d.C, N, 1.0f, dlogits, d.V, a.lnf, d.C, t, 1.0f,
            g(layout_.output_weight()), d.C, DType::F32);
   be_.memset_zero(a.dres, c_bytes);
   be_.norm_backward(norm_, a.dres, g(layout_.final_norm_w), g(layout_.final_norm_b), a.dc, a.res[d.L],

@@ -10,8 +10,8 @@
 //   u   = h W_fc^T + b             (N, F) gelu, or (N, 2F) = [gate | up] swiglu
 //   g   = gelu(u) | silu(gate)*up  (N, F)
 //   x   = x + g W_p^T + b
-// then logits = norm_f(x) W_out^T (N, V) in fp32 and a fused softmax-cross-entropy that writes the
-// logits' gradient in place while computing the loss, so the logits are written once.
+// then logits = norm_f(x) W_out^T (N, V) and a fused softmax-cross-entropy (fp32 math) that writes
+// the logits' gradient in place while computing the loss, so the logits are written once.
 //
 // Every activation the backward pass needs is kept in one arena allocated at construction; the
 // step loop allocates nothing. Parameter gradients accumulate (+=) into the fp32 gradient buffer,
