@@ -44,7 +44,8 @@ void for_each_chunk(size_t bytes, int threads, F&& f) {
     return;
   }
   const int nt = cpu::team_size(threads);
-  const size_t chunk = (bytes / nt + kAlignment - 1) / kAlignment * kAlignment;
+  const size_t share = (bytes + nt - 1) / nt;  // ceil: nt chunks always cover every byte
+  const size_t chunk = (share + kAlignment - 1) / kAlignment * kAlignment;
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int i = 0; i < nt; ++i) {
     const size_t begin = std::min(bytes, static_cast<size_t>(i) * chunk);

@@ -3,8 +3,9 @@
 
 namespace tetra {
 
-// GFLOP/s of a tight fused-multiply-add loop over independent accumulators on `threads` threads
-// (each FMA = 2 FLOPs), the best of several ~5 ms trials. With `bf16`: on CPUs with AMX-BF16 (where
+// GFLOP/s of `threads` cores: one core's best rate over several ~3 ms trials of a tight
+// fused-multiply-add loop over independent accumulators (each FMA = 2 FLOPs), times `threads`
+// (one thread per physical core is assumed: SMT siblings share the FMA units). With `bf16`: on CPUs with AMX-BF16 (where
 // oneDNN's bf16 matmuls run on the tile unit) the rate of a loop of AMX tile dot products; else
 // the rate of the AVX512-BF16 dot-product instruction (vdpbf16ps); else the fp32 rate.
 double measure_cpu_peak_gflops(int threads, bool bf16);

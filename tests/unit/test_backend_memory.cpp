@@ -10,10 +10,11 @@
 using namespace tetra;
 
 TEST_CASE("cpu backend: aligned alloc, zero-fill and copy of every size", "[backend]") {
-  for (int threads : {1, 2, 3}) {
+  for (int threads : {1, 2, 3, 6}) {
     auto be = make_cpu_backend(threads);
     for (size_t bytes : {size_t{0}, size_t{1}, size_t{63}, size_t{4097}, (size_t{1} << 20) - 1,
-                         (size_t{1} << 20) + 7, size_t{3} * (size_t{1} << 20) + 12345}) {
+                         (size_t{1} << 20) + 1, (size_t{1} << 20) + 7,
+                         size_t{3} * (size_t{1} << 20) + 12345, size_t{64} * (6 * 4096 + 1) + 64 * 6 + 1}) {
       INFO("threads " << threads << ", bytes " << bytes);
       auto* a = static_cast<uint8_t*>(be->alloc(bytes + 2));
       auto* b = static_cast<uint8_t*>(be->alloc(bytes + 2));

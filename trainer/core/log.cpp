@@ -1,5 +1,7 @@
 #include "trainer/core/log.h"
 
+#include "trainer/core/check.h"
+
 #include <filesystem>
 #include <vector>
 
@@ -14,7 +16,7 @@ std::string rank_prefix(const RankCoords& c) {
 }
 
 namespace {
-std::string g_pattern;
+std::string g_pattern = "%Y-%m-%d %H:%M:%S %L %v";  // until init_logging adds the rank prefix
 }
 
 void init_logging(const std::string& level, const RankCoords& coords) {
@@ -28,8 +30,14 @@ void init_logging(const std::string& level, const RankCoords& coords) {
 
 void log_to_file(const std::string& dir) {
   if (dir.empty()) return;
-  std::filesystem::create_directories(dir);
-  auto sink = std::make_shared<spdlog::sinks::basic_file_sink_mt>(dir + "/train.log");
+  std::shared_ptr<spdlog::sinks::basic_file_sink_mt> sink;
+  try {
+    std::filesystem::create_directories(dir);
+    sink = std::make_shared<spdlog::sinks::basic_file_sink_mt>(dir + "/train.log");
+  } catch (const std::exception& e) {
+    throw InputError(fmt::format("logging.dir: cannot write {}/train.log: {}; choose a writable "
+                                 "directory", dir, e.what()));
+  }
   sink->set_pattern(g_pattern);
   spdlog::default_logger()->sinks().push_back(sink);
 }

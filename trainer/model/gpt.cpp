@@ -115,15 +115,16 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
     : cfg_(cfg), layout_(layout), be_(be), act_(act), d_(ModelDims::from(cfg, micro_batch)) {
   norm_ = cfg.norm == "rmsnorm" ? NormKind::RMSNORM : NormKind::LAYERNORM;
   eps_ = static_cast<float>(cfg.norm_eps);
+  rope_ = cfg.position == "rope";
+  swiglu_ = cfg.activation == "swiglu";
   arena_bytes_ = activation_bytes_for(cfg, act, micro_batch);
   arena_ = be_.alloc(arena_bytes_);
-  a_ = new Acts();
+  a_ = std::make_unique<Acts>();
   Carver c(static_cast<char*>(arena_));
   layout_acts(c, d_, act_, *a_);
 }
 
 Gpt::~Gpt() {
-  delete a_;
   if (arena_) be_.free(arena_);
 }
 
@@ -150,7 +151,7 @@ void Gpt::forward(const void* weights, const int32_t* tokens, const int32_t* tar
     // qkv = ln1 W_qkv^T + b                                              (N, QKV)
     be_.gemm(false, true, N, d.QKV, d.C, 1.0f, s.ln1, d.C, w(weights, p.qkv_w), d.C, t, 0.0f,
              s.qkv, d.QKV, t, w(weights, p.qkv_b));
-    if (cfg_.position == "rope")
+    if (rope_)
       be_.rope_forward(s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, static_cast<float>(cfg_.rope_theta), t);
     be_.attention_forward(s.att, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, t);
     // res_mid = x + att W_o^T + b                                        (N, C)
@@ -162,7 +163,7 @@ void Gpt::forward(const void* weights, const int32_t* tokens, const int32_t* tar
     // fc = ln2 W_fc^T + b                                                (N, FC)
     be_.gemm(false, true, N, d.FC, d.C, 1.0f, s.ln2, d.C, w(weights, p.fc_w), d.C, t, 0.0f, s.fc,
              d.FC, t, w(weights, p.fc_b));
-    if (cfg_.activation == "swiglu")
+    if (swiglu_)
       be_.swiglu_forward(s.act, s.fc, N, d.F, t);
     else
       be_.gelu_forward(s.act, s.fc, N * d.F, t);
@@ -209,7 +210,7 @@ void Gpt::backward(const void* weights, float* grads, const int32_t* tokens) {
     be_.gemm(true, false, d.C, d.F, N, 1.0f, a.dres, d.C, s.act, d.F, t, 1.0f, g(p.mlp_proj_w), d.F,
              DType::F32);
     if (p.mlp_proj_b >= 0) be_.bias_backward(g(p.mlp_proj_b), a.dres, N, d.C, t);
-    if (cfg_.activation == "swiglu")
+    if (swiglu_)
       be_.swiglu_backward(a.dfc, s.fc, a.dact, N, d.F, t);
     else
       be_.gelu_backward(a.dfc, s.fc, a.dact, N * d.F, t);
@@ -229,7 +230,7 @@ void Gpt::backward(const void* weights, float* grads, const int32_t* tokens) {
              DType::F32);
     if (p.attn_proj_b >= 0) be_.bias_backward(g(p.attn_proj_b), a.dres, N, d.C, t);
     be_.attention_backward(a.dqkv, a.dc, s.qkv, s.att, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, t);
-    if (cfg_.position == "rope")
+    if (rope_)
       be_.rope_backward(a.dqkv, d.B, d.T, d.NH, d.NKV, d.HS, static_cast<float>(cfg_.rope_theta), t);
     be_.gemm(false, false, N, d.C, d.QKV, 1.0f, a.dqkv, d.QKV, w(weights, p.qkv_w), d.C, t, 0.0f,
              a.dc, d.C, t);

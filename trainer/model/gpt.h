@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "kernels/backend.h"
 #include "trainer/config/config.h"
@@ -66,9 +67,11 @@ class Gpt {
   ModelDims d_;
   NormKind norm_;
   float eps_;
+  bool rope_;    // position == "rope"
+  bool swiglu_;  // activation == "swiglu"
   size_t arena_bytes_ = 0;
   void* arena_ = nullptr;
-  Acts* a_ = nullptr;
+  std::unique_ptr<Acts> a_;
 };
 
 }  // namespace tetra

@@ -1,8 +1,8 @@
 // AdamW on fp32 master weights, with global-norm gradient clipping.
 //
 // The moments live in two parameter-sized fp32 buffers (same offsets as the parameter buffer).
-// Parameters are updated in runs of consecutive tensors that share a weight-decay setting, so a
-// GPT-2 step is a handful of kernel calls, not one per tensor. In bf16 mode the update also
+// Parameters are updated in runs of consecutive tensors that share a weight-decay setting (about
+// eight runs per transformer block), not one kernel call per tensor. In bf16 mode the update also
 // writes the rounded bf16 compute weights in the same pass.
 #pragma once
 

@@ -19,12 +19,19 @@ std::string format_duration(double seconds) {
   return fmt::format("{}h{:02}m", s / 3600, (s % 3600) / 60);
 }
 
-MetricsWriter::MetricsWriter(const std::string& dir, const std::string& run_info_json) {
+MetricsWriter::MetricsWriter(const std::string& dir) {
   if (dir.empty()) return;
-  std::filesystem::create_directories(dir);
   const std::string path = dir + "/metrics.jsonl";
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
   jsonl_.open(path, std::ios::app);
-  if (!jsonl_) throw InputError(fmt::format("logging.dir: cannot open {} for appending", path));
+  if (!jsonl_)
+    throw InputError(fmt::format("logging.dir: cannot open {} for appending{}; choose a writable "
+                                 "directory", path, ec ? ": " + ec.message() : std::string()));
+}
+
+void MetricsWriter::start(const std::string& run_info_json) {
+  if (!jsonl_.is_open()) return;
   jsonl_ << run_info_json << '\n';
   jsonl_.flush();
 }

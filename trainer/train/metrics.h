@@ -29,8 +29,11 @@ struct StepMetrics {
 
 class MetricsWriter {
  public:
-  // `dir` empty: console only.
-  MetricsWriter(const std::string& dir, const std::string& run_info_json);
+  // `dir` empty: console only. Opens (creates) dir/metrics.jsonl for appending; InputError if it
+  // cannot.
+  explicit MetricsWriter(const std::string& dir);
+  // The run's {"event": "start", ...} line.
+  void start(const std::string& run_info_json);
   void write(const StepMetrics& m);
   static std::string format_line(const StepMetrics& m);
 

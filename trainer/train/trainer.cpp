@@ -72,6 +72,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, std::string 
     valid_source_ = make_valid_source(cfg, cfg.training.eval_steps * B);
   train_loader_ = std::make_unique<DataLoader>(train_source_, T, B, /*dp_rank=*/0, cfg.parallel.dp);
   log_to_file(cfg.logging.dir);
+  metrics_ = std::make_unique<MetricsWriter>(cfg.logging.dir);
   spdlog::info("config {}: {}", config_path, config_to_json(cfg).dump());
   spdlog::info("data: train {}{}", train_source_->describe(),
                valid_source_ ? ", valid " + valid_source_->describe() : std::string());
@@ -130,7 +131,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, std::string 
   start["params"] = stats.params;
   start["flops_per_token"] = stats.train_flops_per_token;
   start["peak_flops"] = peak_flops_;
-  metrics_ = std::make_unique<MetricsWriter>(cfg.logging.dir, start.dump());
+  metrics_->start(start.dump());
 
   if (!dump_dir_.empty()) {
     std::filesystem::create_directories(dump_dir_);
@@ -197,6 +198,8 @@ double Trainer::train_step(int64_t s) {
 }
 
 double Trainer::evaluate() {
+  TETRA_CHECK(valid_source_ && cfg_.training.eval_steps > 0, "evaluate() needs validation data and "
+              "training.eval_steps > 0");
   DataLoader loader(valid_source_, cfg_.model.seq_len, cfg_.training.micro_batch_size, /*dp_rank=*/0,
                     cfg_.parallel.dp);
   double total = 0.0;
@@ -222,9 +225,13 @@ void Trainer::run() {
     const auto t0 = std::chrono::steady_clock::now();
     const double loss = train_step(s);
     if (!std::isfinite(loss))
-      throw Error(fmt::format("step {}: the training loss is {}; lower optimizer.lr or enable "
-                              "optimizer.grad_clip", s + 1, loss));
+      throw Error(fmt::format("step {}: the training loss is {}; lower optimizer.lr{}", s + 1, loss,
+                              cfg_.optimizer.grad_clip > 0 ? "" : " or set optimizer.grad_clip"));
     const double norm = grad_global_norm(*be_, grads_, layout_.total, scalar_);
+    if (!std::isfinite(norm))
+      throw Error(fmt::format("step {}: the gradient norm is {} (the loss, {:.4f}, is finite): some "
+                              "activation overflowed; lower optimizer.lr, or use precision fp32",
+                              s + 1, norm, loss));
     if (!dump_dir_.empty() && s == 0) dump_tensors(dump_dir_ + "/grads_step0.safetensors", grads_);
     const double lr = learning_rate(cfg_.optimizer, tc.steps, s);
     const float clip = clip_factor(norm, cfg_.optimizer.grad_clip);
