@@ -66,6 +66,13 @@ rc=$?
 grep -q "training.micro_batch_size" "$scratch/too_big.err" || fail "message: $(cat "$scratch/too_big.err")"
 [[ ! -e "$scratch/too_big" ]] || fail "logging.dir was written"
 
+case=unwritable_logging_dir
+"$tetra" --config "$src/configs/demo.json" --set logging.dir=/proc/tetra-cannot-write-here \
+  --set training.steps=1 >/dev/null 2>"$scratch/unwritable.err"
+rc=$?
+[[ $rc -eq 2 ]] || fail "exit code $rc, expected 2: $(cat "$scratch/unwritable.err")"
+grep -q "logging.dir" "$scratch/unwritable.err" || fail "message: $(cat "$scratch/unwritable.err")"
+
 case=demo_run
 (cd "$scratch" && "$tetra" --config "$src/configs/demo.json" --set training.steps=40 \
   --set training.eval_every=20 --set logging.dir="$scratch/demo" >"$scratch/demo.out" 2>&1) ||
