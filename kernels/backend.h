@@ -134,8 +134,10 @@ class Backend {
   virtual void sum(float* out, const float* x, int64_t n) = 0;
   // In place AdamW (math::adamw_update) on n elements of fp32 master params with fp32 grads and
   // moments. If compute_copy is non-null the updated params are also written to it, rounded to
-  // compute_type (the bf16 weights the next forward reads).
-  virtual void adamw(float* params, const float* grads, float* m, float* v, int64_t n,
+  // compute_type (the bf16 weights the next forward reads). The grads are zeroed as they are
+  // consumed, which leaves the buffer ready for the next step's accumulation without a separate
+  // pass over it.
+  virtual void adamw(float* params, float* grads, float* m, float* v, int64_t n,
                      const math::AdamParams& hp, void* compute_copy, DType compute_type) = 0;
   // dst = src converted between F32 and BF16 (or a copy if equal types), n elements.
   virtual void cast(void* dst, DType dst_type, const void* src, DType src_type, int64_t n) = 0;

@@ -65,7 +65,7 @@ class CpuBackend final : public Backend {
 
   void sum_squares(float* out, const float* x, int64_t n) override;
   void sum(float* out, const float* x, int64_t n) override;
-  void adamw(float* params, const float* grads, float* m, float* v, int64_t n,
+  void adamw(float* params, float* grads, float* m, float* v, int64_t n,
              const math::AdamParams& hp, void* compute_copy, DType compute_type) override;
   void cast(void* dst, DType dst_type, const void* src, DType src_type, int64_t n) override;
 

@@ -56,16 +56,21 @@ double chunked_sum(const float* x, int64_t n, int nt) {
 }
 
 template <typename T>
-void adamw_impl(float* params, const float* grads, float* m, float* v, int64_t n,
+void adamw_impl(float* params, float* grads, float* m, float* v, int64_t n,
                 const math::AdamParams& hp, T* compute_copy, int nt) {
   const math::AdamParams a = hp;
   if (compute_copy) {
 #pragma omp parallel for simd num_threads(nt) schedule(static)
-    for (int64_t i = 0; i < n; ++i)
+    for (int64_t i = 0; i < n; ++i) {
       compute_copy[i] = from_f32<T>(math::adamw_update(params[i], m[i], v[i], grads[i], a));
+      grads[i] = 0.0f;
+    }
   } else {
 #pragma omp parallel for simd num_threads(nt) schedule(static)
-    for (int64_t i = 0; i < n; ++i) math::adamw_update(params[i], m[i], v[i], grads[i], a);
+    for (int64_t i = 0; i < n; ++i) {
+      math::adamw_update(params[i], m[i], v[i], grads[i], a);
+      grads[i] = 0.0f;
+    }
   }
 }
 
@@ -81,7 +86,7 @@ void CpuBackend::sum(float* out, const float* x, int64_t n) {
   out[0] = static_cast<float>(chunked_sum<false>(x, n, team_size(threads_)));
 }
 
-void CpuBackend::adamw(float* params, const float* grads, float* m, float* v, int64_t n,
+void CpuBackend::adamw(float* params, float* grads, float* m, float* v, int64_t n,
                        const math::AdamParams& hp, void* compute_copy, DType compute_type) {
   TETRA_CHECK(n >= 0, "adamw: n ({}) must be >= 0", n);
   const int nt = team_size(threads_);

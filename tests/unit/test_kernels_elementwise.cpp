@@ -593,8 +593,10 @@ TEST_CASE("adamw reproduces a hand-computed sequence", "[kernels]") {
                              {-1.88, -1.7612, -1.643588},
                              {0.495, 0.49005, 0.4851495}};
   for (int step = 1; step <= 3; ++step) {
-    be->adamw(p.data(), grad.data(), m.data(), v.data(), 3,
+    std::vector<float> g = grad;  // consumed (zeroed) by the update
+    be->adamw(p.data(), g.data(), m.data(), v.data(), 3,
               adam_params(0.1f, 0.9f, 0.999f, 1e-8f, 0.1f, step, 2.0f), nullptr, DType::F32);
+    CHECK(g == std::vector<float>(3, 0.0f));
     for (int i = 0; i < 3; ++i) {
       INFO("step " << step << " element " << i);
       CHECK(p[i] == Approx(want[i][step - 1]).margin(1e-6));  // fp32 state: a few ulps of ~1
@@ -622,9 +624,12 @@ TEST_CASE("adamw follows torch.optim.AdamW over several steps, with compute copi
     const auto hp = adam_params(lr, b1, b2, eps, wd, step, gs);
     const DType ct = step % 2 ? DType::BF16 : DType::F32;  // both copy types, alternately
     void* copy = ct == DType::BF16 ? static_cast<void*>(copy16.data()) : copy32.data();
-    be->adamw(p.data(), grad.data(), m.data(), v.data(), n, hp, copy, ct);
-    be->adamw(p_nocopy.data(), grad.data(), m_nocopy.data(), v_nocopy.data(), n, hp, nullptr,
+    auto g1 = grad, g2 = grad;  // each update consumes (zeroes) its gradient buffer
+    be->adamw(p.data(), g1.data(), m.data(), v.data(), n, hp, copy, ct);
+    be->adamw(p_nocopy.data(), g2.data(), m_nocopy.data(), v_nocopy.data(), n, hp, nullptr,
               DType::F32);
+    CHECK(g1 == std::vector<float>(n, 0.0f));
+    CHECK(g2 == std::vector<float>(n, 0.0f));
     const double bc1 = 1.0 - std::pow(double(b1), step), bc2 = 1.0 - std::pow(double(b2), step);
     for (int64_t i = 0; i < n; ++i) {
       double g = double(grad[i]) * gs;

@@ -27,7 +27,7 @@ AdamW::~AdamW() {
   be_.free(v_);
 }
 
-void AdamW::step(float* master, const float* grads, double lr, float grad_scale, void* compute,
+void AdamW::step(float* master, float* grads, double lr, float grad_scale, void* compute,
                  DType compute_type) {
   ++t_;
   math::AdamParams hp{};

@@ -23,9 +23,10 @@ class AdamW {
   AdamW(const AdamW&) = delete;
   AdamW& operator=(const AdamW&) = delete;
 
-  // One update with learning rate `lr`; grads are multiplied by `grad_scale` first (clipping).
-  // `compute` (may be null) receives the updated weights as `compute_type`.
-  void step(float* master, const float* grads, double lr, float grad_scale, void* compute,
+  // One update with learning rate `lr`; grads are multiplied by `grad_scale` first (clipping), and
+  // left zeroed for the next step's accumulation. `compute` (may be null) receives the updated
+  // weights as `compute_type`.
+  void step(float* master, float* grads, double lr, float grad_scale, void* compute,
             DType compute_type);
 
   int64_t steps_taken() const { return t_; }

@@ -81,6 +81,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, std::string 
   const size_t n = static_cast<size_t>(layout_.total);
   master_ = static_cast<float*>(be_->alloc(n * 4));
   grads_ = static_cast<float*>(be_->alloc(n * 4));
+  be_->memset_zero(grads_, n * 4);
   {
     std::vector<float> host(n);
     init_params(layout_, cfg.model, cfg.training.seed, host.data());
@@ -180,7 +181,7 @@ void Trainer::load_micro_batch(DataLoader& loader) {
 }
 
 double Trainer::train_step(int64_t s) {
-  be_->memset_zero(grads_, static_cast<size_t>(layout_.total) * 4);
+  // grads_ is zero here: zeroed at start-up, then by each optimizer step as it consumes them.
   // The step's loss is the mean over its global batch; each micro-batch's gradient is scaled so
   // the accumulated gradient is that mean's gradient.
   const float dloss_scale = 1.0f / static_cast<float>(rows_ * accum_);
