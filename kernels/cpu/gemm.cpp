@@ -32,8 +32,10 @@
 // inside each call with OpenMP).
 #include <omp.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <unordered_map>
 #include <vector>
 
@@ -72,6 +74,8 @@ struct GemmKeyHash {
 struct GemmPlan {
   dnnl::matmul prim;
   dnnl::memory a, b, c, bias;
+  dnnl::memory scratch;  // user-managed scratchpad, bound to the cache's shared buffer per call
+  size_t scratch_bytes = 0;
   std::unordered_map<int, dnnl::memory> args;  // execution arguments, bound to the memories above
 };
 
@@ -93,6 +97,10 @@ struct CpuBackend::GemmCache {
   std::unordered_map<GemmKey, GemmPlan, GemmKeyHash> plans;
   std::vector<float> staging;   // (M, N) fp32 result of an f32 x f32 -> bf16 product
   std::vector<char> b_staging;  // B (K, N) copied to padded rows
+  // One scratchpad for every plan (they run one at a time), grown to the largest plan's need the
+  // first time that plan runs. oneDNN's default would allocate it inside every execution.
+  std::unique_ptr<char, decltype(&std::free)> scratch{nullptr, &std::free};
+  size_t scratch_bytes = 0;
 };
 
 CpuBackend::CpuBackend(int threads)
@@ -116,6 +124,7 @@ GemmPlan make_gemm_plan(const dnnl::engine& engine, const GemmKey& k, float alph
 
   bool bias_as_post_op = k.has_bias && alpha != 1.0f;
   dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
   dnnl::post_ops ops;
   if (beta != 0.0f) ops.append_sum(beta);
@@ -128,10 +137,13 @@ GemmPlan make_gemm_plan(const dnnl::engine& engine, const GemmKey& k, float alph
                           : dnnl::matmul::desc(a_md, b_md, c_md);
   dnnl::matmul::primitive_desc pd(desc, attr, engine);
   plan.prim = dnnl::matmul(pd);
+  plan.scratch_bytes = pd.scratchpad_desc().get_size();
+  plan.scratch = dnnl::memory(pd.scratchpad_desc(), engine, nullptr);
   plan.a = dnnl::memory(a_md, engine, nullptr);
   plan.b = dnnl::memory(b_md, engine, nullptr);
   plan.c = dnnl::memory(c_md, engine, nullptr);
-  plan.args = {{DNNL_ARG_SRC, plan.a}, {DNNL_ARG_WEIGHTS, plan.b}, {DNNL_ARG_DST, plan.c}};
+  plan.args = {{DNNL_ARG_SRC, plan.a}, {DNNL_ARG_WEIGHTS, plan.b}, {DNNL_ARG_DST, plan.c},
+               {DNNL_ARG_SCRATCHPAD, plan.scratch}};
   if (k.has_bias) {
     plan.bias = dnnl::memory(bias_md, engine, nullptr);
     // The binary post-op is the last one: index 1 after a sum, else 0.
@@ -208,6 +220,13 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
   plan.b.set_data_handle(const_cast<void*>(B));
   plan.c.set_data_handle(C);
   if (bias != nullptr) plan.bias.set_data_handle(const_cast<void*>(bias));
+  if (plan.scratch_bytes > gemm_cache_->scratch_bytes) {
+    const size_t bytes = (plan.scratch_bytes + 63) / 64 * 64;
+    gemm_cache_->scratch.reset(static_cast<char*>(std::aligned_alloc(64, bytes)));
+    TETRA_CHECK(gemm_cache_->scratch != nullptr, "gemm: scratchpad of {} bytes", bytes);
+    gemm_cache_->scratch_bytes = bytes;
+  }
+  plan.scratch.set_data_handle(gemm_cache_->scratch.get());
   plan.prim.execute(gemm_cache_->stream, plan.args);
   gemm_cache_->stream.wait();
 }
