@@ -19,14 +19,14 @@
 #
 # Usage: scripts/bench_cpu.sh
 # Environment: TETRA_BIN (skip the build), TETRA_BUILD_DIR (default build-release), BENCH_WARMUP
-# (2), BENCH_STEPS (3 timed steps), BENCH_SEQ_LENS ("64 256"), BENCH_PRECISIONS ("fp32 bf16"),
+# (2), BENCH_STEPS (5 timed steps), BENCH_SEQ_LENS ("64 256"), BENCH_PRECISIONS ("fp32 bf16"),
 # TCMALLOC (a libtcmalloc*.so to preload), TORCH_BLAS_DIR (a directory holding libblas.so.3).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${TETRA_BUILD_DIR:-$REPO/build-release}
 WARMUP=${BENCH_WARMUP:-2}
-STEPS=${BENCH_STEPS:-3}
+STEPS=${BENCH_STEPS:-5}
 SEQ_LENS=${BENCH_SEQ_LENS:-"64 256"}
 PRECISIONS=${BENCH_PRECISIONS:-"fp32 bf16"}
 THREADS=2
