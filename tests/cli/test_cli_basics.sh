@@ -4,14 +4,7 @@
 # complete.
 #
 # Usage: test_cli_basics.sh <tetra binary> <source dir> <scratch dir>
-set -u
-tetra="$(realpath "$1")"
-src="$(realpath "$2")"
-scratch="$(realpath -m "$3")"
-rm -rf "$scratch"
-mkdir -p "$scratch"
-failures=0
-fail() { echo "FAIL [$case]: $*"; failures=$((failures + 1)); }
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 case=help
 "$tetra" --help >"$scratch/help" 2>&1 || fail "--help exited non-zero"
@@ -93,5 +86,4 @@ assert [s["step"] for s in steps if "val_loss" in s] == [20, 40]
 assert steps[0]["loss"] > 6.0 and steps[-1]["loss"] < 3.5, (steps[0]["loss"], steps[-1]["loss"])
 PY
 
-if [[ $failures -ne 0 ]]; then echo "$failures failure(s)"; exit 1; fi
-echo "all command-line cases passed"
+finish "command-line cases"

@@ -3,18 +3,7 @@
 # on stderr that names the offending key (or file), and nothing written into the run's logging.dir.
 #
 # Usage: test_config_errors.sh <tetra binary> <source dir> <scratch dir>
-set -u
-
-tetra="$(realpath "$1")"
-scratch="$(realpath -m "$3")"
-rm -rf "$scratch"
-mkdir -p "$scratch"
-
-failures=0
-fail() {
-  echo "FAIL [$case]: $*"
-  failures=$((failures + 1))
-}
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # A small valid config whose logging.dir is $scratch/<case>/logs; extra JSON members for the
 # "model" section come as $2.
@@ -109,8 +98,4 @@ expect_stderr 'training.device: "cuda": the CUDA backend is not built yet'
 expect_stderr 'override "model.hidden_size": expected section.key=value'
 expect_no_output_files
 
-if [[ $failures -ne 0 ]]; then
-  echo "$failures check(s) failed"
-  exit 1
-fi
-echo "all config error checks passed"
+finish "config error checks"

@@ -3,14 +3,7 @@
 # written into logging.dir. A good dataset in the same place trains (the control).
 #
 # Usage: test_data_errors.sh <tetra binary> <source dir> <scratch dir>
-set -u
-tetra="$(realpath "$1")"
-src="$(realpath "$2")"
-scratch="$(realpath -m "$3")"
-rm -rf "$scratch"
-mkdir -p "$scratch"
-failures=0
-fail() { echo "FAIL [$case]: $*"; failures=$((failures + 1)); }
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # A dataset of 40 documents of 50 tokens (ids < 64), written by the numpy tool.
 /usr/bin/python3 - "$src/tools" "$scratch/good" <<'PY'
@@ -91,5 +84,4 @@ indexed_dataset.write(sys.argv[2], [np.arange(100) for _ in range(5)], "uint16")
 PY
 run_case token_out_of_range "$scratch/big_ids" 2 "vocab"
 
-if [[ $failures -ne 0 ]]; then echo "$failures failure(s)"; exit 1; fi
-echo "all data error cases passed"
+finish "data error cases"

@@ -110,7 +110,6 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, std::string 
                     : measure_cpu_peak_gflops(threads, act_ == DType::BF16) * 1e9;
 
   const ModelStats stats = model_stats(cfg.model, layout_);
-  const MemoryPlan& mem = plan;
   spdlog::info("model: {} parameters ({} in matmuls), {} layers, hidden {}, heads {}/{} (q/kv), ffn {}, "
                "vocab {}, seq_len {}, {} + {} + {} positions",
                stats.params, stats.matmul_params, cfg.model.num_layers, cfg.model.hidden_size,
@@ -123,8 +122,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, std::string 
                cfg.training.global_batch_size * T, cfg.training.steps, stats.train_flops_per_token / 1e9);
   spdlog::info("memory: {:.1f} MiB (weights {:.1f}, grads {:.1f}, optimizer {:.1f}, activations {:.1f}); "
                "peak {:.1f} GFLOP/s ({})",
-               mem.total() / 1048576.0, (mem.master + mem.compute) / 1048576.0, mem.grads / 1048576.0,
-               mem.optimizer / 1048576.0, mem.activations / 1048576.0, peak_flops_ / 1e9,
+               plan.total() / 1048576.0, (plan.master + plan.compute) / 1048576.0, plan.grads / 1048576.0,
+               plan.optimizer / 1048576.0, plan.activations / 1048576.0, peak_flops_ / 1e9,
                cfg.training.peak_gflops > 0 ? "training.peak_gflops" : "measured");
 
   nlohmann::ordered_json start;
