@@ -60,15 +60,19 @@ class Backend {
   virtual void bias_backward(float* dbias, const void* dout, int64_t N, int64_t OC, DType act) = 0;
 
   // ---- embeddings ----------------------------------------------------------------------------
-  // out[b,t,:] = wte[tokens[b,t], :] + (wpe ? wpe[t, :] : 0). out (B,T,C) act; wte (V,C) and
-  // wpe (T,C) of type w. Token ids outside [0, V) are a caller error (checked by the data layer).
+  // out[b,t,:] = wte[tokens[b,t] - v0, :] + (wpe ? wpe[t, :] : 0). out (B,T,C) act; wte (Vl,C)
+  // holds the vocabulary rows [v0, v0 + Vl) (all of it: v0 = 0, Vl = V); wpe (T,C) of type w.
+  // A token outside [v0, v0 + Vl) contributes a zero row (vocab-parallel embedding: the TP ranks'
+  // outputs are summed); ids outside [0, V) are a caller error (checked by the data layer).
   virtual void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
-                                 int64_t B, int64_t T, int64_t C, DType act, DType w) = 0;
-  // dwte[tokens[b,t], :] += dout[b,t,:]; dwpe[t,:] += dout[b,t,:] (if dwpe). Deterministic:
-  // the result must not depend on thread scheduling.
+                                 int64_t B, int64_t T, int64_t C, int64_t v0, int64_t Vl, DType act,
+                                 DType w) = 0;
+  // dwte[tokens[b,t] - v0, :] += dout[b,t,:] for tokens in [v0, v0 + Vl) (if dwte);
+  // dwpe[t,:] += dout[b,t,:] (if dwpe). Deterministic: the result must not depend on thread
+  // scheduling.
   virtual void embedding_backward(float* dwte, float* dwpe, const void* dout,
                                   const int32_t* tokens, int64_t B, int64_t T, int64_t C,
-                                  DType act) = 0;
+                                  int64_t v0, int64_t Vl, DType act) = 0;
 
   // ---- normalisation -------------------------------------------------------------------------
   // LAYERNORM: out = (x - mean) * rstd * weight + bias,   rstd = 1/sqrt(var + eps)
@@ -126,6 +130,28 @@ class Backend {
   virtual void cross_entropy(float* losses, void* dlogits, DType dlogits_type, const void* logits,
                              DType logits_type, const int32_t* targets, int64_t N, int64_t V,
                              float dloss_scale) = 0;
+
+  // Vocab-parallel cross-entropy (tensor parallel): each rank holds the logits (N, Vl) of the
+  // vocabulary slice [v0, v0 + Vl). The caller combines the three passes with all-reduces over
+  // the TP group (MAX after the first, SUM of sumexp and target_logit after the second), so the
+  // full (N, V) logits are never gathered. Math fp32 whatever the storage type.
+  //   1. row_max[i] = max_j logits[i, j]                                                (F32, N)
+  //   2. sumexp[i] = sum_j exp(logits[i, j] - row_max[i]) with the global row_max;
+  //      target_logit[i] = logits[i, targets[i] - v0] if v0 <= targets[i] < v0 + Vl, else 0.
+  //   3. losses[i] = log(sumexp[i]) + row_max[i] - target_logit[i] with the global sums, and if
+  //      dlogits is non-null: dlogits[i, j] = dloss_scale * (exp(logits[i,j] - row_max[i]) /
+  //      sumexp[i] - [v0 + j == targets[i]]) (dlogits may alias logits when the types match).
+  // A target < 0 marks an ignored row: loss 0, zero gradient, target_logit 0.
+  virtual void vocab_ce_max(float* row_max, const void* logits, DType logits_type, int64_t N,
+                            int64_t Vl) = 0;
+  virtual void vocab_ce_sums(float* sumexp, float* target_logit, const void* logits,
+                             DType logits_type, const float* row_max, const int32_t* targets,
+                             int64_t v0, int64_t N, int64_t Vl) = 0;
+  virtual void vocab_ce_finish(float* losses, void* dlogits, DType dlogits_type,
+                               const void* logits, DType logits_type, const float* row_max,
+                               const float* sumexp, const float* target_logit,
+                               const int32_t* targets, int64_t v0, int64_t N, int64_t Vl,
+                               float dloss_scale) = 0;
 
   // ---- optimizer and reductions --------------------------------------------------------------
   // out[0] = sum_i x[i]^2 over n F32 elements, accumulated in double then stored as float.

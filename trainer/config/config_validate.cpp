@@ -2,7 +2,7 @@
 //
 // Three passes, each skipping values that an earlier pass (or the type checks) already rejected:
 //   1. ranges of single values (sizes >= 1, 0 <= beta < 1, ...), and features this build cannot
-//      run yet (parallel degrees > 1, the CUDA device);
+//      run yet (pipeline and expert parallelism, the CUDA device);
 //   2. resolution of the "0 = derive it" defaults:
 //        model.num_kv_heads      0 -> model.num_heads (plain multi-head attention)
 //        model.ffn_hidden_size   0 -> 4 * hidden_size for gelu; for swiglu the Llama rule
@@ -89,12 +89,13 @@ void check_ranges(const Config& c, Rules& r) {
                  {"parallel.tp", c.parallel.tp, "tensor"},
                  {"parallel.pp", c.parallel.pp, "pipeline"},
                  {"parallel.ep", c.parallel.ep, "expert"}};
-  for (const auto& d : degrees) {
-    r.at_least(d.path, d.value, 1);
-    r.require(d.value <= 1, d.path, d.value,
-              fmt::format("{} parallelism is not available yet in this build; set {} to 1", d.what,
-                          d.path));
-  }
+  for (const auto& d : degrees) r.at_least(d.path, d.value, 1);
+  r.require(c.parallel.pp <= 1, "parallel.pp", c.parallel.pp,
+            "pipeline parallelism is not available yet in this build; set parallel.pp to 1");
+  r.require(c.parallel.ep <= 1, "parallel.ep", c.parallel.ep,
+            "expert parallelism needs a Mixture-of-Experts model, which this build cannot train "
+            "yet; set parallel.ep to 1");
+  r.at_least("parallel.bucket_size", c.parallel.bucket_size, 1);
 
   const TrainingConfig& t = c.training;
   r.require(t.device != "cuda", "training.device", t.device,
@@ -164,6 +165,33 @@ void check_cross_field(const Config& c, Rules& r) {
   if (r.ok({"model.num_heads", "model.num_kv_heads"}) && m.num_kv_heads > 0)
     r.require(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
               fmt::format("must divide model.num_heads ({})", m.num_heads));
+
+  // Tensor parallelism splits heads, kv heads, the MLP and the vocabulary over tp ranks.
+  if (r.ok({"parallel.tp"}) && c.parallel.tp > 1) {
+    const int64_t tp = c.parallel.tp;
+    const struct {
+      const char* path;
+      int64_t value;
+    } split[] = {{"model.num_heads", m.num_heads},
+                 {"model.num_kv_heads", m.num_kv_heads},
+                 {"model.ffn_hidden_size", m.ffn_hidden_size},
+                 {"model.vocab_size", m.vocab_size}};
+    for (const auto& s : split)
+      if (r.ok({s.path}))
+        r.require(s.value % tp == 0, s.path, s.value,
+                  fmt::format("{} ({}) must be a multiple of parallel.tp ({})", s.path, s.value, tp));
+  }
+  if (r.ok({"parallel.tp", "parallel.sequence_parallel"}) && c.parallel.sequence_parallel) {
+    r.require(c.parallel.tp > 1, "parallel.sequence_parallel", true,
+              "sequence parallelism shards the sequence over the tensor-parallel group: it needs "
+              "parallel.tp > 1");
+    const int64_t rows = c.training.micro_batch_size * m.seq_len;
+    if (r.ok({"training.micro_batch_size", "model.seq_len"}) && c.parallel.tp > 1)
+      r.require(rows % c.parallel.tp == 0, "parallel.sequence_parallel", true,
+                fmt::format("the tokens of a micro-batch, micro_batch_size * seq_len ({} * {} = {}), "
+                            "must be a multiple of parallel.tp ({})",
+                            c.training.micro_batch_size, m.seq_len, rows, c.parallel.tp));
+  }
 
   const TrainingConfig& t = c.training;
   if (r.ok({"training.global_batch_size", "training.micro_batch_size", "parallel.dp"})) {

@@ -3,34 +3,42 @@
 #include <vector>
 
 #include "trainer/core/check.h"
+#include "trainer/dist/communicator.h"
 
 namespace tetra {
 
-ModelDims ModelDims::from(const ModelConfig& m, int64_t micro_batch) {
+ModelDims ModelDims::from(const ModelConfig& m, int64_t micro_batch, int64_t tp, int64_t tp_rank,
+                          bool sequence_parallel) {
   ModelDims d{};
   d.B = micro_batch;
   d.T = m.seq_len;
   d.C = m.hidden_size;
-  d.NH = m.num_heads;
-  d.NKV = m.num_kv_heads;
   d.HS = m.head_size();
-  d.F = m.ffn_hidden_size;
+  d.NH = m.num_heads / tp;
+  d.NKV = m.num_kv_heads / tp;
+  d.F = m.ffn_hidden_size / tp;
   d.FC = m.activation == "swiglu" ? 2 * d.F : d.F;
-  d.V = m.vocab_size;
+  d.V = m.vocab_size / tp;
   d.L = m.num_layers;
   d.QKV = (d.NH + 2 * d.NKV) * d.HS;
+  d.tp = tp;
+  d.tp_rank = tp_rank;
+  d.v0 = tp_rank * d.V;
+  d.sp = sequence_parallel && tp > 1;
+  d.Ns = d.sp ? d.N() / tp : d.N();
   return d;
 }
 
-// Pointers into the arena. `t` marks tensors of the activation type, `f` fp32 ones.
+// Pointers into the arena. `t` marks tensors of the activation type, `f` fp32 ones. Ns rows are
+// this rank's part of the residual stream (all N rows without sequence parallelism).
 struct Gpt::Acts {
   struct Layer {
-    void* res_mid;            // (N, C)  t  residual after the attention branch
-    void* ln1;                // (N, C)  t
-    float* ln1_mean;          // (N)     f
-    float* ln1_rstd;          // (N)     f
+    void* res_mid;            // (Ns, C) t  residual after the attention branch
+    void* ln1;                // (N, C)  t  (gathered from the shards with sequence parallelism)
+    float* ln1_mean;          // (Ns)    f
+    float* ln1_rstd;          // (Ns)    f
     void* qkv;                // (N, QKV) t (after RoPE)
-    void* att;                // (N, C)  t
+    void* att;                // (N, NH HS) t
     float* lse;               // (B, NH, T) f
     void* ln2;                // (N, C)  t
     float* ln2_mean;
@@ -38,15 +46,19 @@ struct Gpt::Acts {
     void* fc;                 // (N, FC) t
     void* act;                // (N, F)  t
   };
-  std::vector<void*> res;     // L+1 of (N, C) t: res[0] embeddings, res[l+1] output of block l
+  std::vector<void*> res;     // L+1 of (Ns, C) t: res[0] embeddings, res[l+1] output of block l
   std::vector<Layer> layers;
   void* lnf;                  // (N, C) t
-  float* lnf_mean;
+  float* lnf_mean;            // (Ns) f
   float* lnf_rstd;
   void* logits;               // (N, V) t; the loss turns it into dlogits in place
+  float* ce_max;              // (N) f       vocab-parallel loss statistics (tp > 1)
+  float* ce_sums;             // (2, N) f    [sum exp | target logit]
   // Backward scratch.
-  void* dres;                 // (N, C) t  gradient of the residual stream
-  void* dc;                   // (N, C) t
+  void* dres;                 // (Ns, C) t  gradient of the residual stream
+  void* dc;                   // (Ns, C) t
+  void* dfull;                // (N, C) t   partial products and gathered gradients (tp > 1)
+  void* datt;                 // (N, NH HS) t  (== dc without sequence parallelism)
   void* dqkv;                 // (N, QKV) t
   void* dfc;                  // (N, FC) t
   void* dact;                 // (N, F) t
@@ -75,49 +87,64 @@ class Carver {
 }  // namespace
 
 static size_t layout_acts(Carver& c, const ModelDims& d, DType act, Gpt::Acts& a) {
-  const int64_t N = d.N();
+  const int64_t N = d.N(), Ns = d.Ns;
   a.res.resize(d.L + 1);
-  for (auto& r : a.res) r = c.take(N * d.C, act);
+  for (auto& r : a.res) r = c.take(Ns * d.C, act);
   a.layers.resize(d.L);
   for (auto& l : a.layers) {
-    l.res_mid = c.take(N * d.C, act);
+    l.res_mid = c.take(Ns * d.C, act);
     l.ln1 = c.take(N * d.C, act);
-    l.ln1_mean = c.take_f32(N);
-    l.ln1_rstd = c.take_f32(N);
+    l.ln1_mean = c.take_f32(Ns);
+    l.ln1_rstd = c.take_f32(Ns);
     l.qkv = c.take(N * d.QKV, act);
     l.att = c.take(N * d.NH * d.HS, act);
     l.lse = c.take_f32(d.B * d.NH * d.T);
     l.ln2 = c.take(N * d.C, act);
-    l.ln2_mean = c.take_f32(N);
-    l.ln2_rstd = c.take_f32(N);
+    l.ln2_mean = c.take_f32(Ns);
+    l.ln2_rstd = c.take_f32(Ns);
     l.fc = c.take(N * d.FC, act);
     l.act = c.take(N * d.F, act);
   }
   a.lnf = c.take(N * d.C, act);
-  a.lnf_mean = c.take_f32(N);
-  a.lnf_rstd = c.take_f32(N);
+  a.lnf_mean = c.take_f32(Ns);
+  a.lnf_rstd = c.take_f32(Ns);
   a.logits = c.take(N * d.V, act);
-  a.dres = c.take(N * d.C, act);
-  a.dc = c.take(N * d.C, act);
+  a.ce_max = d.tp > 1 ? c.take_f32(N) : nullptr;
+  a.ce_sums = d.tp > 1 ? c.take_f32(2 * N) : nullptr;
+  a.dres = c.take(Ns * d.C, act);
+  a.dc = c.take(Ns * d.C, act);
+  a.dfull = d.tp > 1 ? c.take(N * d.C, act) : nullptr;
+  // Without sequence parallelism dc is (N, C) and holds the attention output's gradient
+  // (N, NH HS), NH HS <= C; with it dc is a shard and this needs its own buffer.
+  a.datt = d.sp ? c.take(N * d.NH * d.HS, act) : a.dc;
   a.dqkv = c.take(N * d.QKV, act);
   a.dfc = c.take(N * d.FC, act);
   a.dact = c.take(N * d.F, act);
   return c.used();
 }
 
-size_t Gpt::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch) {
+size_t Gpt::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch, int64_t tp,
+                                 bool sequence_parallel) {
   Carver c(nullptr);
   Acts a;
-  return layout_acts(c, ModelDims::from(cfg, micro_batch), act, a);
+  return layout_acts(c, ModelDims::from(cfg, micro_batch, tp, 0, sequence_parallel), act, a);
 }
 
-Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch)
-    : cfg_(cfg), layout_(layout), be_(be), act_(act), d_(ModelDims::from(cfg, micro_batch)) {
+Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
+         Communicator* tp)
+    : cfg_(cfg), layout_(layout), be_(be), tp_(tp && tp->size() > 1 ? tp : nullptr), act_(act) {
+  const int64_t tp_size = tp_ ? tp_->size() : 1, tp_rank = tp_ ? tp_->rank() : 0;
+  TETRA_CHECK(layout.slicing.tp == tp_size && layout.slicing.tp_rank == tp_rank,
+              "the parameter layout is for TP rank {} of {}, the model for rank {} of {}",
+              layout.slicing.tp_rank, layout.slicing.tp, tp_rank, tp_size);
+  d_ = ModelDims::from(cfg, micro_batch, tp_size, tp_rank, layout.slicing.sequence_parallel);
+  TETRA_CHECK(!d_.sp || d_.N() % tp_size == 0, "sequence parallelism needs B*T ({}) divisible by tp ({})",
+              d_.N(), tp_size);
   norm_ = cfg.norm == "rmsnorm" ? NormKind::RMSNORM : NormKind::LAYERNORM;
   eps_ = static_cast<float>(cfg.norm_eps);
   rope_ = cfg.position == "rope";
   swiglu_ = cfg.activation == "swiglu";
-  arena_bytes_ = activation_bytes_for(cfg, act, micro_batch);
+  arena_bytes_ = activation_bytes_for(cfg, act, micro_batch, tp_size, d_.sp);
   arena_ = be_.alloc(arena_bytes_);
   a_ = std::make_unique<Acts>();
   Carver c(static_cast<char*>(arena_));
@@ -133,114 +160,196 @@ const void* Gpt::w(const void* weights, int64_t offset) const {
   return static_cast<const char*>(weights) + static_cast<size_t>(offset) * dtype_size(act_);
 }
 
+void Gpt::row_parallel_output(void* out, void* y, const void* residual) {
+  const int64_t C = d_.C;
+  if (!tp_) return;  // y == out, residual and bias already added
+  if (!d_.sp) {
+    tp_->all_reduce(out, d_.N() * C, act_);  // g: all-reduce forward
+    return;
+  }
+  tp_->reduce_scatter(out, y, d_.Ns * C, act_);  // g: reduce-scatter to the sequence shards
+  if (residual) be_.add(out, out, residual, d_.Ns * C, act_);
+}
+
+void Gpt::column_parallel_input_grad(void* dx_partial) {
+  if (!tp_) return;                                                  // dx_partial == a_->dc
+  if (!d_.sp)
+    tp_->all_reduce(dx_partial, d_.N() * d_.C, act_);               // f backward: all-reduce
+  else
+    tp_->reduce_scatter(a_->dc, dx_partial, d_.Ns * d_.C, act_);    // all-gather's conjugate
+}
+
+void Gpt::vocab_parallel_loss(float* losses, const int32_t* targets, float dloss_scale) {
+  const ModelDims& d = d_;
+  const int64_t N = d.N();
+  Acts& a = *a_;
+  void* dlogits = dloss_scale != 0.0f ? a.logits : nullptr;
+  if (!tp_) {
+    be_.cross_entropy(losses, dlogits, act_, a.logits, act_, targets, N, d.V, dloss_scale);
+    return;
+  }
+  be_.vocab_ce_max(a.ce_max, a.logits, act_, N, d.V);
+  tp_->all_reduce(a.ce_max, N, DType::F32, ReduceOp::MAX);
+  be_.vocab_ce_sums(a.ce_sums, a.ce_sums + N, a.logits, act_, a.ce_max, targets, d.v0, N, d.V);
+  tp_->all_reduce(a.ce_sums, 2 * N, DType::F32, ReduceOp::SUM);
+  be_.vocab_ce_finish(losses, dlogits, act_, a.logits, act_, a.ce_max, a.ce_sums, a.ce_sums + N,
+                      targets, d.v0, N, d.V, dloss_scale);
+}
+
 void Gpt::forward(const void* weights, const int32_t* tokens, const int32_t* targets, float* losses,
                   float dloss_scale) {
   const ModelDims& d = d_;
-  const int64_t N = d.N();
+  const int64_t N = d.N(), Ns = d.Ns;
   const DType t = act_;
   Acts& a = *a_;
+  const bool rank0 = d.tp_rank == 0;
+  const size_t shard_bytes = static_cast<size_t>(Ns * d.C) * dtype_size(t);
+  // With sequence parallelism a norm writes its rows of the gathered (N, C) buffer in place.
+  auto shard_of = [&](void* full) -> void* {
+    return d.sp ? static_cast<char*>(full) + static_cast<size_t>(d.tp_rank) * shard_bytes : full;
+  };
+  auto gather = [&](void* full) {  // f: identity, or all-gather of the sequence shards
+    if (d.sp) tp_->all_gather(full, shard_of(full), Ns * d.C, t);
+  };
+  // Row-parallel GEMM target: the output itself, or the (N, C) partial product to reduce-scatter.
+  auto row_target = [&](void* out) -> void* { return d.sp ? a.dfull : out; };
 
-  be_.embedding_forward(a.res[0], tokens, w(weights, layout_.wte), w(weights, layout_.wpe), d.B,
-                        d.T, d.C, t, t);
+  // Vocab-parallel embedding: each rank looks up its vocabulary rows (zero elsewhere); TP rank 0
+  // adds the position embedding; g sums the ranks' rows.
+  void* emb = row_target(a.res[0]);
+  be_.embedding_forward(emb, tokens, w(weights, layout_.wte), rank0 ? w(weights, layout_.wpe) : nullptr,
+                        d.B, d.T, d.C, d.v0, d.V, t, t);
+  row_parallel_output(a.res[0], emb, /*residual=*/nullptr);
   for (int64_t l = 0; l < d.L; ++l) {
     const BlockParams& p = layout_.blocks[l];
     Acts::Layer& s = a.layers[l];
     const void* x = a.res[l];
-    be_.norm_forward(norm_, s.ln1, s.ln1_mean, s.ln1_rstd, x, w(weights, p.norm1_w),
-                     w(weights, p.norm1_b), N, d.C, eps_, t, t);
-    // qkv = ln1 W_qkv^T + b                                              (N, QKV)
+    be_.norm_forward(norm_, shard_of(s.ln1), s.ln1_mean, s.ln1_rstd, x, w(weights, p.norm1_w),
+                     w(weights, p.norm1_b), Ns, d.C, eps_, t, t);
+    gather(s.ln1);
+    // qkv = ln1 W_qkv^T + b        column-parallel: this rank's heads          (N, QKV)
     be_.gemm(false, true, N, d.QKV, d.C, 1.0f, s.ln1, d.C, w(weights, p.qkv_w), d.C, t, 0.0f,
              s.qkv, d.QKV, t, w(weights, p.qkv_b));
     if (rope_)
       be_.rope_forward(s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, static_cast<float>(cfg_.rope_theta), t);
     be_.attention_forward(s.att, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, t);
-    // res_mid = x + att W_o^T + b                                        (N, C)
-    be_.copy(s.res_mid, x, static_cast<size_t>(N * d.C) * dtype_size(t));
-    be_.gemm(false, true, N, d.C, d.NH * d.HS, 1.0f, s.att, d.NH * d.HS, w(weights, p.attn_proj_w),
-             d.NH * d.HS, t, 1.0f, s.res_mid, d.C, t, w(weights, p.attn_proj_b));
-    be_.norm_forward(norm_, s.ln2, s.ln2_mean, s.ln2_rstd, s.res_mid, w(weights, p.norm2_w),
-                     w(weights, p.norm2_b), N, d.C, eps_, t, t);
-    // fc = ln2 W_fc^T + b                                                (N, FC)
+    // res_mid = x + att W_o^T + b  row-parallel                                 (Ns, C)
+    const int64_t A = d.NH * d.HS;
+    void* y = row_target(s.res_mid);
+    const bool fused_residual = !d.sp && rank0;
+    if (fused_residual) be_.copy(y, x, shard_bytes);
+    be_.gemm(false, true, N, d.C, A, 1.0f, s.att, A, w(weights, p.attn_proj_w), A, t,
+             fused_residual ? 1.0f : 0.0f, y, d.C, t, rank0 ? w(weights, p.attn_proj_b) : nullptr);
+    row_parallel_output(s.res_mid, y, x);
+    be_.norm_forward(norm_, shard_of(s.ln2), s.ln2_mean, s.ln2_rstd, s.res_mid, w(weights, p.norm2_w),
+                     w(weights, p.norm2_b), Ns, d.C, eps_, t, t);
+    gather(s.ln2);
+    // fc = ln2 W_fc^T + b          column-parallel                              (N, FC)
     be_.gemm(false, true, N, d.FC, d.C, 1.0f, s.ln2, d.C, w(weights, p.fc_w), d.C, t, 0.0f, s.fc,
              d.FC, t, w(weights, p.fc_b));
     if (swiglu_)
       be_.swiglu_forward(s.act, s.fc, N, d.F, t);
     else
       be_.gelu_forward(s.act, s.fc, N * d.F, t);
-    // res[l+1] = res_mid + act W_p^T + b                                 (N, C)
-    be_.copy(a.res[l + 1], s.res_mid, static_cast<size_t>(N * d.C) * dtype_size(t));
-    be_.gemm(false, true, N, d.C, d.F, 1.0f, s.act, d.F, w(weights, p.mlp_proj_w), d.F, t, 1.0f,
-             a.res[l + 1], d.C, t, w(weights, p.mlp_proj_b));
+    // res[l+1] = res_mid + act W_p^T + b   row-parallel                        (Ns, C)
+    y = row_target(a.res[l + 1]);
+    if (fused_residual) be_.copy(y, s.res_mid, shard_bytes);
+    be_.gemm(false, true, N, d.C, d.F, 1.0f, s.act, d.F, w(weights, p.mlp_proj_w), d.F, t,
+             fused_residual ? 1.0f : 0.0f, y, d.C, t, rank0 ? w(weights, p.mlp_proj_b) : nullptr);
+    row_parallel_output(a.res[l + 1], y, s.res_mid);
   }
-  be_.norm_forward(norm_, a.lnf, a.lnf_mean, a.lnf_rstd, a.res[d.L], w(weights, layout_.final_norm_w),
-                   w(weights, layout_.final_norm_b), N, d.C, eps_, t, t);
+  be_.norm_forward(norm_, shard_of(a.lnf), a.lnf_mean, a.lnf_rstd, a.res[d.L],
+                   w(weights, layout_.final_norm_w), w(weights, layout_.final_norm_b), Ns, d.C, eps_, t, t);
+  gather(a.lnf);
   // logits = lnf W_out^T                                                 (N, V)
   // Stored in the activation type (bf16 halves the largest tensor of the step, as in Megatron);
   // the loss's softmax and log-sum-exp are fp32 whatever the storage.
   be_.gemm(false, true, N, d.V, d.C, 1.0f, a.lnf, d.C, w(weights, layout_.output_weight()), d.C, t,
            0.0f, a.logits, d.V, t);
-  be_.cross_entropy(losses, dloss_scale != 0.0f ? a.logits : nullptr, t, a.logits, t, targets, N,
-                    d.V, dloss_scale);
+  vocab_parallel_loss(losses, targets, dloss_scale);
 }
 
-void Gpt::backward(const void* weights, float* grads, const int32_t* tokens) {
+void Gpt::backward(const void* weights, float* grads, const int32_t* tokens,
+                   const GroupDoneHook* on_group_done) {
   const ModelDims& d = d_;
-  const int64_t N = d.N();
+  const int64_t N = d.N(), Ns = d.Ns;
   const DType t = act_;
   Acts& a = *a_;
   auto g = [&](int64_t offset) -> float* { return offset < 0 ? nullptr : grads + offset; };
-  const size_t c_bytes = static_cast<size_t>(N * d.C) * dtype_size(t);
+  auto done = [&](int group) {
+    if (on_group_done) (*on_group_done)(group);
+  };
+  // Input gradients of column-parallel GEMMs go here, then column_parallel_input_grad sums them.
+  void* dx = d.sp ? a.dfull : a.dc;
+  // The full-row gradient of a row-parallel output: all-gathered from the shards (sequence
+  // parallelism), else the residual gradient itself (identical on every TP rank).
+  auto full_dres = [&]() -> const void* {
+    if (!d.sp) return a.dres;
+    tp_->all_gather(a.dfull, a.dres, Ns * d.C, t);
+    return a.dfull;
+  };
 
   // Output projection: dlnf = dlogits W_out (N, C); dW_out += dlogits^T lnf (V, C).
   const void* dlogits = a.logits;  // the loss wrote the gradient over the logits
   be_.gemm(false, false, N, d.C, d.V, 1.0f, dlogits, d.V, w(weights, layout_.output_weight()), d.C,
-           t, 0.0f, a.dc, d.C, t);
+           t, 0.0f, dx, d.C, t);
   be_.gemm(true, false, d.V, d.C, N, 1.0f, dlogits, d.V, a.lnf, d.C, t, 1.0f,
            g(layout_.output_weight()), d.C, DType::F32);
-  be_.memset_zero(a.dres, c_bytes);
+  column_parallel_input_grad(dx);
+  be_.memset_zero(a.dres, static_cast<size_t>(Ns * d.C) * dtype_size(t));
   be_.norm_backward(norm_, a.dres, g(layout_.final_norm_w), g(layout_.final_norm_b), a.dc, a.res[d.L],
-                    w(weights, layout_.final_norm_w), a.lnf_mean, a.lnf_rstd, N, d.C, t, t);
+                    w(weights, layout_.final_norm_w), a.lnf_mean, a.lnf_rstd, Ns, d.C, t, t);
+  done(static_cast<int>(d.L) + 1);
 
   for (int64_t l = d.L - 1; l >= 0; --l) {
     const BlockParams& p = layout_.blocks[l];
     Acts::Layer& s = a.layers[l];
     // MLP: res[l+1] = res_mid + act W_p^T + b.
-    be_.gemm(false, false, N, d.F, d.C, 1.0f, a.dres, d.C, w(weights, p.mlp_proj_w), d.F, t, 0.0f,
+    const void* dout = full_dres();
+    be_.gemm(false, false, N, d.F, d.C, 1.0f, dout, d.C, w(weights, p.mlp_proj_w), d.F, t, 0.0f,
              a.dact, d.F, t);
-    be_.gemm(true, false, d.C, d.F, N, 1.0f, a.dres, d.C, s.act, d.F, t, 1.0f, g(p.mlp_proj_w), d.F,
+    be_.gemm(true, false, d.C, d.F, N, 1.0f, dout, d.C, s.act, d.F, t, 1.0f, g(p.mlp_proj_w), d.F,
              DType::F32);
-    if (p.mlp_proj_b >= 0) be_.bias_backward(g(p.mlp_proj_b), a.dres, N, d.C, t);
+    if (p.mlp_proj_b >= 0) be_.bias_backward(g(p.mlp_proj_b), dout, N, d.C, t);
     if (swiglu_)
       be_.swiglu_backward(a.dfc, s.fc, a.dact, N, d.F, t);
     else
       be_.gelu_backward(a.dfc, s.fc, a.dact, N * d.F, t);
-    be_.gemm(false, false, N, d.C, d.FC, 1.0f, a.dfc, d.FC, w(weights, p.fc_w), d.C, t, 0.0f, a.dc,
+    be_.gemm(false, false, N, d.C, d.FC, 1.0f, a.dfc, d.FC, w(weights, p.fc_w), d.C, t, 0.0f, dx,
              d.C, t);
     be_.gemm(true, false, d.FC, d.C, N, 1.0f, a.dfc, d.FC, s.ln2, d.C, t, 1.0f, g(p.fc_w), d.C,
              DType::F32);
     if (p.fc_b >= 0) be_.bias_backward(g(p.fc_b), a.dfc, N, d.FC, t);
+    column_parallel_input_grad(dx);
     be_.norm_backward(norm_, a.dres, g(p.norm2_w), g(p.norm2_b), a.dc, s.res_mid, w(weights, p.norm2_w),
-                      s.ln2_mean, s.ln2_rstd, N, d.C, t, t);
+                      s.ln2_mean, s.ln2_rstd, Ns, d.C, t, t);
 
     // Attention: res_mid = res[l] + att W_o^T + b.
     const int64_t A = d.NH * d.HS;
-    be_.gemm(false, false, N, A, d.C, 1.0f, a.dres, d.C, w(weights, p.attn_proj_w), A, t, 0.0f, a.dc,
+    dout = full_dres();
+    void* datt = a.datt;
+    be_.gemm(false, false, N, A, d.C, 1.0f, dout, d.C, w(weights, p.attn_proj_w), A, t, 0.0f, datt,
              A, t);
-    be_.gemm(true, false, d.C, A, N, 1.0f, a.dres, d.C, s.att, A, t, 1.0f, g(p.attn_proj_w), A,
+    be_.gemm(true, false, d.C, A, N, 1.0f, dout, d.C, s.att, A, t, 1.0f, g(p.attn_proj_w), A,
              DType::F32);
-    if (p.attn_proj_b >= 0) be_.bias_backward(g(p.attn_proj_b), a.dres, N, d.C, t);
-    be_.attention_backward(a.dqkv, a.dc, s.qkv, s.att, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, t);
+    if (p.attn_proj_b >= 0) be_.bias_backward(g(p.attn_proj_b), dout, N, d.C, t);
+    void* dqkv = a.dqkv;
+    be_.attention_backward(dqkv, datt, s.qkv, s.att, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, t);
     if (rope_)
-      be_.rope_backward(a.dqkv, d.B, d.T, d.NH, d.NKV, d.HS, static_cast<float>(cfg_.rope_theta), t);
-    be_.gemm(false, false, N, d.C, d.QKV, 1.0f, a.dqkv, d.QKV, w(weights, p.qkv_w), d.C, t, 0.0f,
-             a.dc, d.C, t);
-    be_.gemm(true, false, d.QKV, d.C, N, 1.0f, a.dqkv, d.QKV, s.ln1, d.C, t, 1.0f, g(p.qkv_w), d.C,
+      be_.rope_backward(dqkv, d.B, d.T, d.NH, d.NKV, d.HS, static_cast<float>(cfg_.rope_theta), t);
+    be_.gemm(false, false, N, d.C, d.QKV, 1.0f, dqkv, d.QKV, w(weights, p.qkv_w), d.C, t, 0.0f, dx,
+             d.C, t);
+    be_.gemm(true, false, d.QKV, d.C, N, 1.0f, dqkv, d.QKV, s.ln1, d.C, t, 1.0f, g(p.qkv_w), d.C,
              DType::F32);
-    if (p.qkv_b >= 0) be_.bias_backward(g(p.qkv_b), a.dqkv, N, d.QKV, t);
+    if (p.qkv_b >= 0) be_.bias_backward(g(p.qkv_b), dqkv, N, d.QKV, t);
+    column_parallel_input_grad(dx);
     be_.norm_backward(norm_, a.dres, g(p.norm1_w), g(p.norm1_b), a.dc, a.res[l], w(weights, p.norm1_w),
-                      s.ln1_mean, s.ln1_rstd, N, d.C, t, t);
+                      s.ln1_mean, s.ln1_rstd, Ns, d.C, t, t);
+    done(static_cast<int>(l) + 1);
   }
-  be_.embedding_backward(g(layout_.wte), g(layout_.wpe), a.dres, tokens, d.B, d.T, d.C, t);
+  const void* demb = full_dres();
+  be_.embedding_backward(g(layout_.wte), g(layout_.wpe), demb, tokens, d.B, d.T, d.C, d.v0, d.V, t);
+  done(0);
 }
 
 }  // namespace tetra

@@ -1,5 +1,6 @@
 // The decoder-only Transformer (GPT-2 and Llama styles are both configs of it), forward and
-// backward written by hand against the Backend op interface.
+// backward written by hand against the Backend op interface, tensor- and sequence-parallel
+// (Megatron-LM) when given a TP communicator.
 //
 // Per block (pre-norm):            shapes, N = B*T rows
 //   h   = norm1(x)                 (N, C)
@@ -13,12 +14,25 @@
 // then logits = norm_f(x) W_out^T (N, V) and a fused softmax-cross-entropy (fp32 math) that writes
 // the logits' gradient in place while computing the loss, so the logits are written once.
 //
+// Tensor parallel over p ranks (param_layout.h says which slice each rank holds): W_qkv and W_fc
+// are column-parallel, W_o and W_p row-parallel, the embedding and W_out vocab-parallel. Every
+// rank computes its heads / MLP columns / vocabulary rows; the conjugate pairs of communication:
+//   before a column-parallel GEMM   f: identity forward, all-reduce of dX backward
+//   after a row-parallel GEMM       g: all-reduce forward, identity backward
+// (the residual and the row-parallel bias are added by TP rank 0 only, before the all-reduce).
+// The loss is the vocab-parallel cross-entropy: all-reduces of the row max and of the sums, never
+// the (N, V) logits. With sequence parallelism the residual stream, norms and their statistics
+// live on N/p-row shards; f becomes an all-gather (backward: reduce-scatter) and g a
+// reduce-scatter (backward: all-gather). Shards are blocks of the flattened B*T rows: every op on
+// the residual stream is row-wise, so any row partition is a valid "sequence" split.
+//
 // Every activation the backward pass needs is kept in one arena allocated at construction; the
 // step loop allocates nothing. Parameter gradients accumulate (+=) into the fp32 gradient buffer,
 // so micro-batches accumulate without extra passes and tied embeddings need no special case.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "kernels/backend.h"
@@ -27,22 +41,38 @@
 
 namespace tetra {
 
+class Communicator;
+
+// Sizes of what this rank computes. NH, NKV, F, FC, V, QKV are this rank's slice (the whole model
+// when tp = 1); FC = F (gelu) or 2F (swiglu); QKV = (NH + 2 NKV) HS. Its vocabulary slice starts
+// at v0. Ns = rows of the residual stream this rank holds (N / tp with sequence parallelism).
 struct ModelDims {
-  int64_t B, T, C, NH, NKV, HS, F, FC, V, L, QKV;  // FC = F (gelu) or 2F (swiglu); QKV = (NH+2NKV)HS
+  int64_t B, T, C, NH, NKV, HS, F, FC, V, L, QKV;
+  int64_t tp = 1, tp_rank = 0, v0 = 0, Ns = 0;
+  bool sp = false;
   int64_t N() const { return B * T; }
-  static ModelDims from(const ModelConfig& m, int64_t micro_batch);
+  static ModelDims from(const ModelConfig& m, int64_t micro_batch, int64_t tp = 1,
+                        int64_t tp_rank = 0, bool sequence_parallel = false);
 };
+
+// Called during backward when the gradients of a parameter group (ParamSpec::group) are final
+// for this micro-batch: the gradient buffer's reduction can start there.
+using GroupDoneHook = std::function<void(int group)>;
 
 class Gpt {
  public:
-  Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch);
+  // `tp`: the tensor-parallel group (null = no tensor parallelism); the layout must be this
+  // rank's slice of the model for that group.
+  Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
+      Communicator* tp = nullptr);
   ~Gpt();
   Gpt(const Gpt&) = delete;
   Gpt& operator=(const Gpt&) = delete;
 
   // Bytes of activation memory this model holds (the arena).
   size_t activation_bytes() const { return arena_bytes_; }
-  static size_t activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch);
+  static size_t activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch,
+                                     int64_t tp = 1, bool sequence_parallel = false);
 
   // tokens, targets: (B, T) int32 in backend memory. weights: the compute copy (type act) of the
   // parameter buffer. Writes per-token losses (N) F32. If `dloss_scale` != 0 the logits' gradient
@@ -50,8 +80,10 @@ class Gpt {
   void forward(const void* weights, const int32_t* tokens, const int32_t* targets, float* losses,
                float dloss_scale);
   // Accumulates every parameter's gradient into `grads` (fp32, layout offsets). Requires the
-  // immediately preceding forward() to have been run with dloss_scale != 0.
-  void backward(const void* weights, float* grads, const int32_t* tokens);
+  // immediately preceding forward() to have been run with dloss_scale != 0. `on_group_done`
+  // (may be null) is called as each parameter group's gradients become final.
+  void backward(const void* weights, float* grads, const int32_t* tokens,
+                const GroupDoneHook* on_group_done = nullptr);
 
   const ModelDims& dims() const { return d_; }
 
@@ -59,10 +91,19 @@ class Gpt {
 
  private:
   const void* w(const void* weights, int64_t offset) const;
+  // Row-parallel output: y (N, C) holds this rank's partial product (rank 0 added the bias, and
+  // without sequence parallelism the residual too, y == out); `out` (Ns, C) = the sum over the
+  // TP group (+ residual, if non-null, with sequence parallelism).
+  void row_parallel_output(void* out, void* y, const void* residual);
+  // Input gradient of a column-parallel GEMM: dx_partial (N, C) summed over the group, into
+  // a_->dc (Ns, C).
+  void column_parallel_input_grad(void* dx_partial);
+  void vocab_parallel_loss(float* losses, const int32_t* targets, float dloss_scale);
 
   const ModelConfig& cfg_;
   const ParamLayout& layout_;
   Backend& be_;
+  Communicator* tp_;  // null without tensor parallelism
   DType act_;
   ModelDims d_;
   NormKind norm_;

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "kernels/common/math.h"
+#include "trainer/core/check.h"
 
 namespace tetra {
 
@@ -12,66 +13,128 @@ namespace {
 
 constexpr int64_t kAlign = 16;
 
+int64_t round_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
+
 struct LayoutBuilder {
   ParamLayout& layout;
-  int64_t add(std::string name, std::vector<int64_t> shape, ParamInit init, bool decay, bool matmul) {
+  int group = 0;
+
+  int64_t add(std::string name, std::vector<int64_t> global_shape, ParamInit init, bool decay,
+              bool matmul, std::vector<RowBlock> row_blocks = {}, int64_t col_start = 0,
+              int64_t cols = -1) {
     ParamSpec p;
     p.name = std::move(name);
-    p.shape = std::move(shape);
+    p.global_shape = global_shape;
+    p.shape = std::move(global_shape);
+    p.row_blocks = std::move(row_blocks);
+    p.col_start = col_start;
+    if (!p.row_blocks.empty()) {
+      int64_t rows = 0;
+      for (const RowBlock& b : p.row_blocks) rows += b.rows;
+      p.shape[0] = rows;
+    }
+    if (cols >= 0) p.shape[1] = cols;
+    p.tp_split = p.shape != p.global_shape;
     p.numel = 1;
     for (int64_t d : p.shape) p.numel *= d;
     p.offset = layout.total;
+    p.group = group;
     p.init = init;
     p.weight_decay = decay;
     p.matmul = matmul;
-    layout.total += (p.numel + kAlign - 1) / kAlign * kAlign;
+    layout.total += round_up(p.numel, kAlign);
     layout.params.push_back(std::move(p));
     return layout.params.back().offset;
   }
-  int64_t weight(std::string name, std::vector<int64_t> shape, ParamInit init = ParamInit::NORMAL) {
-    return add(std::move(name), std::move(shape), init, /*decay=*/true, /*matmul=*/true);
+  // Replicated over TP; its gradient is a per-shard partial sum under sequence parallelism.
+  int64_t norm_param(std::string name, int64_t C, ParamInit init) {
+    const int64_t off = add(std::move(name), {C}, init, false, false);
+    layout.params.back().sp_partial = layout.slicing.sequence_parallel && layout.slicing.tp > 1;
+    return off;
   }
-  int64_t bias(std::string name, int64_t n) {
-    return add(std::move(name), {n}, ParamInit::ZEROS, false, false);
+  void end_group() {
+    const int64_t begin = layout.groups.empty() ? 0 : layout.groups.back().second;
+    layout.total = round_up(layout.total, layout.slicing.group_align);
+    layout.groups.emplace_back(begin, layout.total);
+    ++group;
   }
 };
 
 }  // namespace
 
-ParamLayout ParamLayout::build(const ModelConfig& m) {
-  ParamLayout layout;
-  LayoutBuilder b{layout};
+int64_t ParamSpec::global_index(int64_t i) const {
+  if (!tp_split) return i;
+  const int64_t cols = shape.size() > 1 ? shape[1] : 1;
+  const int64_t gcols = global_shape.size() > 1 ? global_shape[1] : 1;
+  int64_t row = i / cols;
+  const int64_t col = i % cols;
+  int64_t grow = row;
+  if (!row_blocks.empty()) {
+    for (const RowBlock& b : row_blocks) {
+      if (row < b.rows) {
+        grow = b.global_start + row;
+        break;
+      }
+      row -= b.rows;
+    }
+  }
+  return grow * gcols + col_start + col;
+}
+
+ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicing) {
+  const int64_t p = slicing.tp, r = slicing.tp_rank;
   const int64_t C = m.hidden_size, V = m.vocab_size, HS = m.head_size();
-  const int64_t qkv_rows = (m.num_heads + 2 * m.num_kv_heads) * HS;
-  const int64_t F = m.ffn_hidden_size;
-  const int64_t fc_rows = m.activation == "swiglu" ? 2 * F : F;
-  const bool layernorm = m.norm == "layernorm";
-  const bool norm_bias = layernorm && m.bias;
+  const int64_t NH = m.num_heads, NKV = m.num_kv_heads, F = m.ffn_hidden_size;
+  TETRA_CHECK(p >= 1 && r >= 0 && r < p, "bad tensor-parallel rank {} of {}", r, p);
+  // The config validation reports these to the user; here they are invariants.
+  TETRA_CHECK(NH % p == 0 && NKV % p == 0 && F % p == 0 && V % p == 0,
+              "tp {} must divide num_heads {}, num_kv_heads {}, ffn_hidden_size {}, vocab_size {}", p,
+              NH, NKV, F, V);
+  TETRA_CHECK(slicing.group_align >= kAlign && slicing.group_align % kAlign == 0,
+              "group_align {} must be a positive multiple of {}", slicing.group_align, kAlign);
+  const int64_t NHl = NH / p, NKVl = NKV / p, Fl = F / p, Vl = V / p;
+  const bool swiglu = m.activation == "swiglu";
+  const bool norm_bias = m.norm == "layernorm" && m.bias;
+
+  ParamLayout layout;
+  layout.slicing = slicing;
+  LayoutBuilder b{layout};
+  const std::vector<RowBlock> vocab_rows = {{r * Vl, Vl}};
+  const std::vector<RowBlock> qkv_rows = {
+      {r * NHl * HS, NHl * HS}, {NH * HS + r * NKVl * HS, NKVl * HS}, {(NH + NKV) * HS + r * NKVl * HS, NKVl * HS}};
+  std::vector<RowBlock> fc_rows = {{r * Fl, Fl}};
+  if (swiglu) fc_rows.push_back({F + r * Fl, Fl});
+  const int64_t fc_global = swiglu ? 2 * F : F;
 
   // The token embedding is a matmul parameter only when tied (it is then the output projection).
-  layout.wte = b.add("embedding.wte", {V, C}, ParamInit::NORMAL, true, m.tie_embeddings);
+  layout.wte = b.add("embedding.wte", {V, C}, ParamInit::NORMAL, true, m.tie_embeddings, vocab_rows);
   if (m.position == "learned")
     layout.wpe = b.add("embedding.wpe", {m.seq_len, C}, ParamInit::NORMAL, false, false);
+  b.end_group();
   for (int64_t i = 0; i < m.num_layers; ++i) {
     BlockParams bp;
-    const std::string p = fmt::format("layers.{}.", i);
-    bp.norm1_w = b.add(p + "norm1.weight", {C}, ParamInit::ONES, false, false);
-    if (norm_bias) bp.norm1_b = b.bias(p + "norm1.bias", C);
-    bp.qkv_w = b.weight(p + "attn.qkv.weight", {qkv_rows, C});
-    if (m.bias) bp.qkv_b = b.bias(p + "attn.qkv.bias", qkv_rows);
-    bp.attn_proj_w = b.weight(p + "attn.proj.weight", {C, m.num_heads * HS}, ParamInit::NORMAL_SCALED);
-    if (m.bias) bp.attn_proj_b = b.bias(p + "attn.proj.bias", C);
-    bp.norm2_w = b.add(p + "norm2.weight", {C}, ParamInit::ONES, false, false);
-    if (norm_bias) bp.norm2_b = b.bias(p + "norm2.bias", C);
-    bp.fc_w = b.weight(p + "mlp.fc.weight", {fc_rows, C});
-    if (m.bias) bp.fc_b = b.bias(p + "mlp.fc.bias", fc_rows);
-    bp.mlp_proj_w = b.weight(p + "mlp.proj.weight", {C, F}, ParamInit::NORMAL_SCALED);
-    if (m.bias) bp.mlp_proj_b = b.bias(p + "mlp.proj.bias", C);
+    const std::string n = fmt::format("layers.{}.", i);
+    bp.norm1_w = b.norm_param(n + "norm1.weight", C, ParamInit::ONES);
+    if (norm_bias) bp.norm1_b = b.norm_param(n + "norm1.bias", C, ParamInit::ZEROS);
+    bp.qkv_w = b.add(n + "attn.qkv.weight", {(NH + 2 * NKV) * HS, C}, ParamInit::NORMAL, true, true, qkv_rows);
+    if (m.bias) bp.qkv_b = b.add(n + "attn.qkv.bias", {(NH + 2 * NKV) * HS}, ParamInit::ZEROS, false, false, qkv_rows);
+    bp.attn_proj_w = b.add(n + "attn.proj.weight", {C, NH * HS}, ParamInit::NORMAL_SCALED, true, true, {},
+                           r * NHl * HS, NHl * HS);
+    if (m.bias) bp.attn_proj_b = b.add(n + "attn.proj.bias", {C}, ParamInit::ZEROS, false, false);
+    bp.norm2_w = b.norm_param(n + "norm2.weight", C, ParamInit::ONES);
+    if (norm_bias) bp.norm2_b = b.norm_param(n + "norm2.bias", C, ParamInit::ZEROS);
+    bp.fc_w = b.add(n + "mlp.fc.weight", {fc_global, C}, ParamInit::NORMAL, true, true, fc_rows);
+    if (m.bias) bp.fc_b = b.add(n + "mlp.fc.bias", {fc_global}, ParamInit::ZEROS, false, false, fc_rows);
+    bp.mlp_proj_w = b.add(n + "mlp.proj.weight", {C, F}, ParamInit::NORMAL_SCALED, true, true, {}, r * Fl, Fl);
+    if (m.bias) bp.mlp_proj_b = b.add(n + "mlp.proj.bias", {C}, ParamInit::ZEROS, false, false);
     layout.blocks.push_back(bp);
+    b.end_group();
   }
-  layout.final_norm_w = b.add("final_norm.weight", {C}, ParamInit::ONES, false, false);
-  if (norm_bias) layout.final_norm_b = b.bias("final_norm.bias", C);
-  if (!m.tie_embeddings) layout.lm_head = b.weight("lm_head.weight", {V, C});
+  layout.final_norm_w = b.norm_param("final_norm.weight", C, ParamInit::ONES);
+  if (norm_bias) layout.final_norm_b = b.norm_param("final_norm.bias", C, ParamInit::ZEROS);
+  if (!m.tie_embeddings)
+    layout.lm_head = b.add("lm_head.weight", {V, C}, ParamInit::NORMAL, true, true, vocab_rows);
+  b.end_group();
   return layout;
 }
 
@@ -86,6 +149,12 @@ int64_t ParamLayout::matmul_count() const {
   for (const ParamSpec& p : params)
     if (p.matmul) n += p.numel;
   return n;
+}
+
+const ParamSpec* ParamLayout::find(const std::string& name) const {
+  for (const ParamSpec& p : params)
+    if (p.name == name) return &p;
+  return nullptr;
 }
 
 void init_params(const ParamLayout& layout, const ModelConfig& m, uint64_t seed, float* master) {
@@ -106,7 +175,7 @@ void init_params(const ParamLayout& layout, const ModelConfig& m, uint64_t seed,
         const float s = p.init == ParamInit::NORMAL ? std : scaled_std;
 #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < p.numel; ++n)
-          w[n] = s * math::philox_normal(seed, stream, static_cast<uint64_t>(n));
+          w[n] = s * math::philox_normal(seed, stream, static_cast<uint64_t>(p.global_index(n)));
         break;
       }
     }

@@ -1,10 +1,26 @@
-// Where every parameter of the model lives in the one contiguous parameter buffer.
+// Where every parameter of the model lives in the one contiguous parameter buffer of a rank.
 //
 // Parameters are laid out back to back (each padded to 16 elements, 64 bytes in fp32) in a fixed
 // order derived from the config alone. The same offsets index the fp32 master weights, the
 // compute copy, the fp32 gradients and both Adam moments, which is what lets the optimizer and the
 // gradient norm run over single contiguous buffers. Names follow the PyTorch state-dict style
 // ("layers.3.attn.qkv.weight") and are the keys of exported weights and checkpoints.
+//
+// Tensor parallelism (Megatron-LM): with tp > 1 a rank's buffer holds its slice of each
+// parameter, and each ParamSpec says which part of the global tensor that slice is:
+//   column-parallel (Y = X A, A = [A_1 ... A_p], A stored as (out, in) so split by rows):
+//     qkv.weight/bias   rows of this rank's query heads, then of its key heads, then of its
+//                       value heads (three row blocks of the global (NH + 2 NKV) HS rows)
+//     fc.weight/bias    rows [r F/p, (r+1) F/p) (gelu); swiglu: that block of the gate rows and of
+//                       the up rows, so the local tensor is again [gate | up]
+//     wte, lm_head      vocabulary rows [r V/p, (r+1) V/p) (vocab-parallel embedding and loss)
+//   row-parallel (Y = X A, A = [A_1; ...; A_p], split by columns of the (out, in) storage):
+//     attn.proj.weight, mlp.proj.weight
+//   replicated: norms, position embeddings, the biases of row-parallel layers.
+//
+// Parameters are grouped (embedding, each block, the final norm + output layer) and each group
+// starts at a multiple of `group_align` elements: gradient buckets are unions of groups, so with
+// group_align = 16 dp every bucket splits into dp equal, aligned shards (distributed optimizer).
 #pragma once
 
 #include <cstdint>
@@ -17,14 +33,31 @@ namespace tetra {
 
 enum class ParamInit : uint8_t { NORMAL, NORMAL_SCALED, ZEROS, ONES };
 
+// Rows [global_start, global_start + rows) of the global tensor (dim 0).
+struct RowBlock {
+  int64_t global_start = 0, rows = 0;
+};
+
 struct ParamSpec {
   std::string name;
-  std::vector<int64_t> shape;
+  std::vector<int64_t> shape;         // this rank's slice
+  std::vector<int64_t> global_shape;  // the whole tensor
+  // The slice: the concatenation of `row_blocks` of the global rows (all rows when empty),
+  // restricted to columns [col_start, col_start + shape[1]) (2-D tensors; col_start 0 otherwise).
+  std::vector<RowBlock> row_blocks;
+  int64_t col_start = 0;
   int64_t offset = 0;  // in elements, into every parameter-sized buffer
   int64_t numel = 0;
+  int group = 0;       // 0 embedding, 1 + l block l, L + 1 final norm and output layer
   ParamInit init = ParamInit::NORMAL;
   bool weight_decay = false;  // 2-D weights except position embeddings
   bool matmul = false;        // counted in the 6N FLOPs of a training step
+  bool tp_split = false;      // each TP rank holds a different slice (else a replica)
+  bool sp_partial = false;    // with sequence parallelism: each TP rank's gradient is a partial
+                              // sum over its sequence shard (norm weights and biases)
+
+  // Flat index into the global tensor of local element `i` (row-major in both).
+  int64_t global_index(int64_t i) const;
 };
 
 // Offsets of one transformer block's parameters (-1 where the config has no such parameter).
@@ -37,22 +70,32 @@ struct BlockParams {
   int64_t mlp_proj_w = -1, mlp_proj_b = -1;
 };
 
+struct TensorSlicing {
+  int64_t tp = 1, tp_rank = 0;
+  bool sequence_parallel = false;
+  int64_t group_align = 16;  // elements; a multiple of 16
+};
+
 struct ParamLayout {
   std::vector<ParamSpec> params;
   int64_t total = 0;  // elements, including padding
   int64_t wte = -1, wpe = -1, final_norm_w = -1, final_norm_b = -1, lm_head = -1;
   std::vector<BlockParams> blocks;
+  // Element range [begin, end) of each group (size L + 2), multiples of group_align.
+  std::vector<std::pair<int64_t, int64_t>> groups;
+  TensorSlicing slicing;
 
-  static ParamLayout build(const ModelConfig& m);
-  int64_t count() const;          // parameters (without padding)
+  static ParamLayout build(const ModelConfig& m, const TensorSlicing& slicing = {});
+  int64_t count() const;          // parameters (without padding) in this rank's buffer
   int64_t matmul_count() const;   // parameters of matrix multiplies, lm_head / tied wte included
   // Offset of the output projection (lm_head, or wte when embeddings are tied).
   int64_t output_weight() const { return lm_head >= 0 ? lm_head : wte; }
+  const ParamSpec* find(const std::string& name) const;
 };
 
-// Fills `master` (fp32, layout.total elements, host memory) with the initial weights. Element n of
-// a parameter is a pure function of (seed, parameter name, n), so any slice of any parameter can
-// be generated alone: every parallel layout starts from the same model.
+// Fills `master` (fp32, layout.total elements, host memory) with this rank's initial weights.
+// Element n of a global parameter is a pure function of (seed, parameter name, n), and a rank
+// generates exactly the elements of its slice: every parallel layout starts from the same model.
 void init_params(const ParamLayout& layout, const ModelConfig& m, uint64_t seed, float* master);
 
 }  // namespace tetra

@@ -3,28 +3,74 @@
 #include <algorithm>
 #include <cmath>
 
+#include "trainer/core/check.h"
+#include "trainer/dist/communicator.h"
+
 namespace tetra {
 
-AdamW::AdamW(const OptimizerConfig& cfg, const ParamLayout& layout, Backend& be)
-    : cfg_(cfg), be_(be), total_(layout.total) {
+namespace {
+
+// Appends [offset, offset + numel) to `ranges`, merging with the last range when adjacent.
+void append_merged(std::vector<GradRange>& ranges, int64_t offset, int64_t numel) {
+  if (numel <= 0) return;
+  if (!ranges.empty() && ranges.back().offset + ranges.back().numel == offset)
+    ranges.back().numel += numel;
+  else
+    ranges.push_back(GradRange{offset, numel});
+}
+
+}  // namespace
+
+AdamW::AdamW(const OptimizerConfig& cfg, const ParamLayout& layout, Backend& be,
+             const std::vector<GradRange>& owned, bool own_master, const float* initial_master)
+    : cfg_(cfg), be_(be) {
+  // Weight-decay runs over the whole buffer (padding joins the run before it).
+  struct Span {
+    int64_t begin, end;
+    bool decay;
+  };
+  std::vector<Span> spans;
   for (size_t i = 0; i < layout.params.size(); ++i) {
     const ParamSpec& p = layout.params[i];
     const int64_t end = i + 1 < layout.params.size() ? layout.params[i + 1].offset : layout.total;
-    if (!runs_.empty() && runs_.back().decay == p.weight_decay)
-      runs_.back().numel = end - runs_.back().offset;
+    if (!spans.empty() && spans.back().decay == p.weight_decay)
+      spans.back().end = end;
     else
-      runs_.push_back(Run{p.offset, end - p.offset, p.weight_decay});
+      spans.push_back(Span{p.offset, end, p.weight_decay});
   }
-  const size_t bytes = static_cast<size_t>(total_) * sizeof(float);
+  if (!spans.empty()) spans.front().begin = 0;
+  // Intersect with the owned ranges (both sorted).
+  for (const GradRange& o : owned) {
+    for (const Span& s : spans) {
+      const int64_t b = std::max(s.begin, o.offset), e = std::min(s.end, o.offset + o.numel);
+      if (b >= e) continue;
+      runs_.push_back(Run{b, e - b, state_numel_ + (b - o.offset), s.decay});
+    }
+    state_numel_ += o.numel;
+  }
+  const size_t bytes = static_cast<size_t>(state_numel_) * sizeof(float);
   m_ = static_cast<float*>(be_.alloc(bytes));
   v_ = static_cast<float*>(be_.alloc(bytes));
   be_.memset_zero(m_, bytes);
   be_.memset_zero(v_, bytes);
+  if (own_master) {
+    master_ = static_cast<float*>(be_.alloc(bytes));
+    int64_t at = 0;
+    for (const GradRange& o : owned) {
+      be_.copy(master_ + at, initial_master + o.offset, static_cast<size_t>(o.numel) * 4);
+      at += o.numel;
+    }
+  }
 }
 
 AdamW::~AdamW() {
   be_.free(m_);
   be_.free(v_);
+  if (master_) be_.free(master_);
+}
+
+size_t AdamW::state_bytes() const {
+  return (master_ ? 3 : 2) * static_cast<size_t>(state_numel_) * sizeof(float);
 }
 
 void AdamW::step(float* master, float* grads, double lr, float grad_scale, void* compute,
@@ -42,16 +88,58 @@ void AdamW::step(float* master, float* grads, double lr, float grad_scale, void*
     hp.weight_decay = r.decay ? static_cast<float>(cfg_.weight_decay) : 0.0f;
     void* out = compute ? static_cast<char*>(compute) + static_cast<size_t>(r.offset) * dtype_size(compute_type)
                         : nullptr;
-    be_.adamw(master + r.offset, grads + r.offset, m_ + r.offset, v_ + r.offset, r.numel, hp, out,
+    float* params = master_ ? master_ + r.state_offset : master + r.offset;
+    be_.adamw(params, grads + r.offset, m_ + r.state_offset, v_ + r.state_offset, r.numel, hp, out,
               compute_type);
   }
 }
 
-double grad_global_norm(Backend& be, const float* grads, int64_t n, float* scratch) {
-  be.sum_squares(scratch, grads, n);
-  float host = 0.0f;
-  be.copy_to_host(&host, scratch, sizeof(float));
-  return std::sqrt(static_cast<double>(host));
+GradNorm::GradNorm(const ParamLayout& layout, const std::vector<GradRange>& owned, Backend& be,
+                   Communicator* tp, Communicator* dp_if_sharded)
+    : be_(be),
+      tp_(tp && tp->size() > 1 ? tp : nullptr),
+      dp_(dp_if_sharded && dp_if_sharded->size() > 1 ? dp_if_sharded : nullptr) {
+  const bool tp_rank0 = !tp_ || tp_->rank() == 0;
+  // The counted parameter spans (padding after a parameter joins it: it is zero).
+  std::vector<GradRange> counted;
+  for (size_t i = 0; i < layout.params.size(); ++i) {
+    const ParamSpec& p = layout.params[i];
+    if (!p.tp_split && !tp_rank0) continue;
+    const int64_t end = i + 1 < layout.params.size() ? layout.params[i + 1].offset : layout.total;
+    append_merged(counted, p.offset, end - p.offset);
+  }
+  for (const GradRange& o : owned)
+    for (const GradRange& c : counted) {
+      const int64_t b = std::max(c.offset, o.offset), e = std::min(c.offset + c.numel, o.offset + o.numel);
+      if (b < e) append_merged(ranges_, b, e - b);
+    }
+  scratch_ = static_cast<float*>(be_.alloc(64));
+}
+
+GradNorm::~GradNorm() { be_.free(scratch_); }
+
+double GradNorm::compute(const float* grads) {
+  float sum = 0.0f;
+  if (ranges_.size() == 1) {
+    be_.sum_squares(scratch_, grads + ranges_[0].offset, ranges_[0].numel);
+    be_.copy_to_host(&sum, scratch_, sizeof(float));
+  } else {
+    double total = 0.0;
+    for (const GradRange& r : ranges_) {
+      float part = 0.0f;
+      be_.sum_squares(scratch_, grads + r.offset, r.numel);
+      be_.copy_to_host(&part, scratch_, sizeof(float));
+      total += static_cast<double>(part);
+    }
+    sum = static_cast<float>(total);
+  }
+  if (tp_ || dp_) {
+    be_.copy_from_host(scratch_, &sum, sizeof(float));
+    if (tp_) tp_->all_reduce(scratch_, 1, DType::F32, ReduceOp::SUM);
+    if (dp_) dp_->all_reduce(scratch_, 1, DType::F32, ReduceOp::SUM);
+    be_.copy_to_host(&sum, scratch_, sizeof(float));
+  }
+  return std::sqrt(static_cast<double>(sum));
 }
 
 float clip_factor(double norm, double max_norm) {

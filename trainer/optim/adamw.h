@@ -1,6 +1,13 @@
-// AdamW on fp32 master weights, with global-norm gradient clipping.
+// AdamW on fp32 master weights, with global-norm gradient clipping; shardable over data
+// parallelism (the distributed optimizer, ZeRO-1).
 //
-// The moments live in two parameter-sized fp32 buffers (same offsets as the parameter buffer).
+// The optimizer updates the parameter ranges it owns (GradBuffer::owned(): everything, or this
+// rank's shard of every bucket). Its moments live in two fp32 buffers holding only those ranges,
+// back to back. The fp32 master weights are either the full parameter buffer the caller passes
+// to step() (fp32 training, where they are also the weights the model reads), or, with
+// `own_master`, a compact buffer of the owned ranges kept here (bf16 training: the model reads
+// the bf16 copy that step() writes, and the master weights are sharded with the moments).
+//
 // Parameters are updated in runs of consecutive tensors that share a weight-decay setting (about
 // eight runs per transformer block), not one kernel call per tensor. In bf16 mode the update also
 // writes the rounded bf16 compute weights in the same pass.
@@ -13,41 +20,64 @@
 #include "kernels/backend.h"
 #include "trainer/config/config.h"
 #include "trainer/model/param_layout.h"
+#include "trainer/optim/grad_buffer.h"
 
 namespace tetra {
 
+class Communicator;
+
 class AdamW {
  public:
-  AdamW(const OptimizerConfig& cfg, const ParamLayout& layout, Backend& be);
+  // `initial_master`: the full fp32 parameter buffer (backend memory) to copy the owned ranges
+  // from when `own_master`.
+  AdamW(const OptimizerConfig& cfg, const ParamLayout& layout, Backend& be,
+        const std::vector<GradRange>& owned, bool own_master, const float* initial_master);
   ~AdamW();
   AdamW(const AdamW&) = delete;
   AdamW& operator=(const AdamW&) = delete;
 
-  // One update with learning rate `lr`; grads are multiplied by `grad_scale` first (clipping), and
-  // left zeroed for the next step's accumulation. `compute` (may be null) receives the updated
-  // weights as `compute_type`.
+  // One update with learning rate `lr` of the owned ranges; grads are multiplied by `grad_scale`
+  // first (clipping), and left zeroed (in the owned ranges) for the next step's accumulation.
+  // `master`: the full fp32 parameter buffer (ignored with own_master). `compute` (may be null)
+  // receives the updated weights as `compute_type`, at the layout's offsets.
   void step(float* master, float* grads, double lr, float grad_scale, void* compute,
             DType compute_type);
 
   int64_t steps_taken() const { return t_; }
-  size_t state_bytes() const { return 2 * static_cast<size_t>(total_) * sizeof(float); }
+  size_t state_bytes() const;
 
  private:
   struct Run {
-    int64_t offset, numel;
+    int64_t offset, numel, state_offset;
     bool decay;
   };
   const OptimizerConfig& cfg_;
   Backend& be_;
-  int64_t total_;
+  int64_t state_numel_ = 0;
   std::vector<Run> runs_;
   float* m_ = nullptr;
   float* v_ = nullptr;
+  float* master_ = nullptr;  // own_master: the owned ranges' fp32 weights
   int64_t t_ = 0;
 };
 
-// Global L2 norm of the gradient buffer (padding is zero and does not contribute).
-double grad_global_norm(Backend& be, const float* grads, int64_t n, float* scratch);
+// Global L2 norm of the model's gradient. Each rank sums the squares of the ranges it owns,
+// counting a parameter replicated over TP on TP rank 0 only; the sums are added over `tp` and,
+// when the gradient is sharded (distributed optimizer), over `dp` (either may be null).
+class GradNorm {
+ public:
+  GradNorm(const ParamLayout& layout, const std::vector<GradRange>& owned, Backend& be,
+           Communicator* tp, Communicator* dp_if_sharded);
+  ~GradNorm();
+  double compute(const float* grads);
+
+ private:
+  Backend& be_;
+  Communicator* tp_;
+  Communicator* dp_;
+  std::vector<GradRange> ranges_;  // merged
+  float* scratch_ = nullptr;
+};
 
 // torch.nn.utils.clip_grad_norm_'s factor: min(1, max_norm / (norm + 1e-6)); 1 when clip <= 0.
 float clip_factor(double norm, double max_norm);

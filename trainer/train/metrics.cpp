@@ -43,6 +43,9 @@ std::string MetricsWriter::format_line(const StepMetrics& m) {
       m.step, std::to_string(m.total_steps).size(), m.total_steps, m.loss, m.lr, m.grad_norm,
       m.clip < 1.0 ? " (clipped)" : "", m.ms, m.tokens_per_s, 100.0 * m.mfu, format_duration(m.eta_s));
   if (m.val_loss) line += fmt::format(" | val loss {:.4f}", *m.val_loss);
+  for (const CommRecord& c : m.comm)
+    line += fmt::format(" | {} {:.2f} MB sent{}", c.group, c.sent_bytes / 1e6,
+                        c.measured == c.predicted ? "" : " (UNEXPECTED VOLUME)");
   return line;
 }
 
@@ -59,6 +62,22 @@ void MetricsWriter::write(const StepMetrics& m) {
   j["mfu"] = m.mfu;
   j["consumed_samples"] = m.consumed_samples;
   if (m.val_loss) j["val_loss"] = *m.val_loss;
+  if (!m.comm.empty()) {
+    auto volume = [](const GroupVolume& v) {
+      nlohmann::ordered_json o;
+      for (int i = 0; i < kCommOps; ++i)
+        if (v.calls[i] != 0 || v.payload_bytes[i] != 0)
+          o[comm_op_name(static_cast<CommOp>(i))] = {{"calls", v.calls[i]}, {"payload_bytes", v.payload_bytes[i]}};
+      return o;
+    };
+    nlohmann::ordered_json comm;
+    for (const CommRecord& c : m.comm)
+      comm[c.group] = {{"sent_bytes", c.sent_bytes},
+                       {"measured", volume(c.measured)},
+                       {"predicted", volume(c.predicted)},
+                       {"match", c.measured == c.predicted}};
+    j["comm"] = comm;
+  }
   jsonl_ << j.dump() << '\n';
   jsonl_.flush();
 }

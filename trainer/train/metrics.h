@@ -9,8 +9,18 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <vector>
+
+#include "trainer/parallel/comm_volume.h"
 
 namespace tetra {
+
+// One group's communication in a step: measured by its communicator, and predicted.
+struct CommRecord {
+  std::string group;        // "tp", "dp"
+  GroupVolume measured, predicted;
+  double sent_bytes = 0.0;  // what this rank put on the wire (communicator.h's model)
+};
 
 struct StepMetrics {
   int64_t step = 0;            // 1-based, the step just completed
@@ -25,6 +35,7 @@ struct StepMetrics {
   double eta_s = 0.0;
   int64_t consumed_samples = 0;
   std::optional<double> val_loss;
+  std::vector<CommRecord> comm;  // groups of size > 1 (global rank 0's view)
 };
 
 class MetricsWriter {

@@ -1,10 +1,12 @@
 #include "trainer/train/trainer.h"
 
 #include <omp.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
@@ -17,6 +19,7 @@
 #include "trainer/core/log.h"
 #include "trainer/data/data_loader.h"
 #include "trainer/data/sample_source.h"
+#include "trainer/dist/process_groups.h"
 #include "trainer/model/flops.h"
 #include "trainer/optim/lr_schedule.h"
 #include "trainer/train/metrics.h"
@@ -29,50 +32,84 @@ constexpr int64_t kMaxDumpedSteps = 100;
 
 DType activation_type(const Config& cfg) { return cfg.training.precision == "bf16" ? DType::BF16 : DType::F32; }
 
+// Processes of this job on this machine (they share its memory).
+int64_t local_ranks() {
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"}) {
+    const char* v = std::getenv(var);
+    if (v && std::atoll(v) > 0) return std::atoll(v);  // Slurm's "4(x2)" reads as 4
+  }
+  return 1;
+}
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 }  // namespace
 
+ParamLayout rank_layout(const Config& cfg, int64_t tp_rank) {
+  TensorSlicing slicing;
+  slicing.tp = cfg.parallel.tp;
+  slicing.tp_rank = tp_rank;
+  slicing.sequence_parallel = cfg.parallel.sequence_parallel;
+  slicing.group_align = cfg.parallel.distributed_optimizer ? 16 * cfg.parallel.dp : 16;
+  return ParamLayout::build(cfg.model, slicing);
+}
+
 MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout) {
   const DType act = activation_type(cfg);
   const int64_t B = cfg.training.micro_batch_size, T = cfg.model.seq_len;
+  const size_t n = static_cast<size_t>(layout.total);
+  // The distributed optimizer keeps Adam's moments (and, in bf16, the fp32 master weights) for
+  // this rank's 1/dp of the buffer only.
+  const size_t shard = cfg.parallel.distributed_optimizer ? n / static_cast<size_t>(cfg.parallel.dp) : n;
   MemoryPlan m;
-  m.master = static_cast<size_t>(layout.total) * 4;
-  m.compute = act == DType::F32 ? 0 : static_cast<size_t>(layout.total) * dtype_size(act);
-  m.grads = static_cast<size_t>(layout.total) * 4;
-  m.optimizer = static_cast<size_t>(layout.total) * 8;
-  m.activations = Gpt::activation_bytes_for(cfg.model, act, B);
+  m.master = act == DType::F32 ? n * 4 : shard * 4;
+  m.compute = act == DType::F32 ? 0 : n * dtype_size(act);
+  m.grads = n * 4;
+  m.optimizer = shard * 8;
+  m.activations = Gpt::activation_bytes_for(cfg.model, act, B, cfg.parallel.tp, cfg.parallel.sequence_parallel);
   m.batch = static_cast<size_t>(B * T) * 8 + static_cast<size_t>(cfg.grad_accum_steps() * B * T) * 4;
   return m;
 }
 
-Trainer::Trainer(const Config& cfg, const std::string& config_path, std::string dump_dir)
-    : cfg_(cfg), dump_dir_(std::move(dump_dir)), layout_(ParamLayout::build(cfg.model)) {
+Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroups& groups, std::string dump_dir)
+    : cfg_(cfg),
+      groups_(groups),
+      writer_(groups.rank == 0),
+      dump_dir_(std::move(dump_dir)),
+      layout_(rank_layout(cfg, groups.coord.tp)) {
   act_ = activation_type(cfg);
   accum_ = cfg.grad_accum_steps();
   const int64_t B = cfg.training.micro_batch_size, T = cfg.model.seq_len;
   rows_ = B * T;
+  const bool shard_optimizer = cfg.parallel.distributed_optimizer && cfg.parallel.dp > 1;
 
   // Linux overcommits: an allocation larger than the machine succeeds and the process is killed
-  // later. Refuse such a run now, with the numbers.
+  // later. Refuse such a run now, with the numbers (all ranks of a node share its memory).
   const MemoryPlan plan = plan_memory(cfg, layout_);
   const double physical = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
-  if (physical > 0 && static_cast<double>(plan.total()) > 0.95 * physical)
+  const double ranks_here = static_cast<double>(std::min<int64_t>(groups.grid.world(), local_ranks()));
+  if (physical > 0 && static_cast<double>(plan.total()) * ranks_here > 0.95 * physical)
     throw InputError(fmt::format(
-        "the run needs {:.1f} GiB ({:.1f} GiB of activations for training.micro_batch_size {}) but this "
-        "machine has {:.1f} GiB of memory: lower training.micro_batch_size (use global_batch_size for "
-        "gradient accumulation), model.seq_len or the model size",
-        plan.total() / 1073741824.0, plan.activations / 1073741824.0, B, physical / 1073741824.0));
+        "the run needs {:.1f} GiB per rank x {} ranks on this machine ({:.1f} GiB of activations for "
+        "training.micro_batch_size {}) but it has {:.1f} GiB of memory: lower "
+        "training.micro_batch_size (use global_batch_size for gradient accumulation), model.seq_len "
+        "or the model size, or use more tensor parallelism / the distributed optimizer",
+        plan.total() / 1073741824.0, ranks_here, plan.activations / 1073741824.0, B,
+        physical / 1073741824.0));
   // Data first: a missing or malformed dataset is reported before anything large is allocated.
   const int64_t total_train_samples = cfg.training.steps * cfg.training.global_batch_size;
   train_source_ = make_train_source(cfg, total_train_samples);
   if (cfg.training.eval_steps > 0)
-    valid_source_ = make_valid_source(cfg, cfg.training.eval_steps * B);
-  train_loader_ = std::make_unique<DataLoader>(train_source_, T, B, /*dp_rank=*/0, cfg.parallel.dp);
-  log_to_file(cfg.logging.dir);
-  metrics_ = std::make_unique<MetricsWriter>(cfg.logging.dir);
+    valid_source_ = make_valid_source(cfg, cfg.training.eval_steps * cfg.training.global_batch_size);
+  train_loader_ = std::make_unique<DataLoader>(train_source_, T, B, groups.coord.dp, cfg.parallel.dp);
+  if (writer_) {
+    log_to_file(cfg.logging.dir);
+    metrics_ = std::make_unique<MetricsWriter>(cfg.logging.dir);
+  } else {
+    metrics_ = std::make_unique<MetricsWriter>("");
+  }
   spdlog::info("config {}: {}", config_path, config_to_json(cfg).dump());
   spdlog::info("data: train {}{}", train_source_->describe(),
                valid_source_ ? ", valid " + valid_source_->describe() : std::string());
@@ -93,6 +130,10 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, std::string 
     compute_ = be_->alloc(n * dtype_size(act_));
     be_->cast(compute_, act_, master_, DType::F32, layout_.total);
   }
+  if (!dump_dir_.empty()) {
+    if (writer_) std::filesystem::create_directories(dump_dir_);
+    dump_tensors(dump_dir_ + "/params_init.safetensors", master_);
+  }
   tokens_ = static_cast<int32_t*>(be_->alloc(static_cast<size_t>(rows_) * 4));
   targets_ = static_cast<int32_t*>(be_->alloc(static_cast<size_t>(rows_) * 4));
   losses_ = static_cast<float*>(be_->alloc(static_cast<size_t>(accum_ * rows_) * 4));
@@ -101,46 +142,68 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, std::string 
   host_inputs_.resize(static_cast<size_t>(rows_));
   host_targets_.resize(static_cast<size_t>(rows_));
 
-  model_ = std::make_unique<Gpt>(cfg.model, layout_, *be_, act_, B);
-  optimizer_ = std::make_unique<AdamW>(cfg.optimizer, layout_, *be_);
+  model_ = std::make_unique<Gpt>(cfg.model, layout_, *be_, act_, B, groups.tp.get());
+  grad_buffer_ = std::make_unique<GradBuffer>(layout_, *be_, grads_, groups.dp.get(), groups.tp.get(),
+                                              cfg.parallel.distributed_optimizer, cfg.parallel.bucket_size);
+  grad_norm_ = std::make_unique<GradNorm>(layout_, grad_buffer_->owned(), *be_, groups.tp.get(),
+                                          shard_optimizer ? groups.dp.get() : nullptr);
+  // bf16 with the distributed optimizer: the fp32 master weights live sharded in the optimizer.
+  const bool optimizer_owns_master = shard_optimizer && act_ != DType::F32;
+  optimizer_ = std::make_unique<AdamW>(cfg.optimizer, layout_, *be_, grad_buffer_->owned(),
+                                       optimizer_owns_master, master_);
+  if (optimizer_owns_master) {
+    be_->free(master_);
+    master_ = nullptr;
+  }
+  group_done_ = [this](int group) { grad_buffer_->group_done(group); };
+  predicted_ = predict_step_volume(cfg, layout_);
 
   const int threads = omp_get_max_threads();
-  peak_flops_ = cfg.training.peak_gflops > 0
-                    ? cfg.training.peak_gflops * 1e9
-                    : measure_cpu_peak_gflops(threads, act_ == DType::BF16) * 1e9;
+  const double rank_peak = cfg.training.peak_gflops > 0
+                               ? cfg.training.peak_gflops * 1e9
+                               : measure_cpu_peak_gflops(threads, act_ == DType::BF16) * 1e9;
+  peak_flops_ = rank_peak * static_cast<double>(groups.grid.world());
 
-  const ModelStats stats = model_stats(cfg.model, layout_);
+  const ParamLayout whole = ParamLayout::build(cfg.model);
+  const ModelStats stats = model_stats(cfg.model, whole);
   spdlog::info("model: {} parameters ({} in matmuls), {} layers, hidden {}, heads {}/{} (q/kv), ffn {}, "
                "vocab {}, seq_len {}, {} + {} + {} positions",
                stats.params, stats.matmul_params, cfg.model.num_layers, cfg.model.hidden_size,
                cfg.model.num_heads, cfg.model.num_kv_heads, cfg.model.ffn_hidden_size,
                cfg.model.vocab_size, cfg.model.seq_len, cfg.model.norm, cfg.model.activation,
                cfg.model.position);
-  spdlog::info("run: backend {} with {} threads, precision {}, micro-batch {} x {} accumulation = "
-               "global batch {} ({} tokens/step), {} steps, {:.2f} GFLOP/token",
-               be_->name(), threads, cfg.training.precision, B, accum_, cfg.training.global_batch_size,
-               cfg.training.global_batch_size * T, cfg.training.steps, stats.train_flops_per_token / 1e9);
-  spdlog::info("memory: {:.1f} MiB (weights {:.1f}, grads {:.1f}, optimizer {:.1f}, activations {:.1f}); "
-               "peak {:.1f} GFLOP/s ({})",
+  spdlog::info("layout: {} ranks = tp {} x pp {} x dp {} (order {}){}{}; {} gradient bucket(s)",
+               groups.grid.world(), cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.order,
+               cfg.parallel.sequence_parallel ? ", sequence parallel" : "",
+               cfg.parallel.distributed_optimizer ? ", distributed optimizer" : "",
+               grad_buffer_->num_buckets());
+  spdlog::info("run: backend {} with {} threads per rank, precision {}, micro-batch {} x {} accumulation "
+               "x dp {} = global batch {} ({} tokens/step), {} steps, {:.2f} GFLOP/token",
+               be_->name(), threads, cfg.training.precision, B, accum_, cfg.parallel.dp,
+               cfg.training.global_batch_size, cfg.training.global_batch_size * T, cfg.training.steps,
+               stats.train_flops_per_token / 1e9);
+  spdlog::info("memory per rank: {:.1f} MiB (weights {:.1f}, grads {:.1f}, optimizer {:.1f}, activations "
+               "{:.1f}); peak {:.1f} GFLOP/s per rank ({})",
                plan.total() / 1048576.0, (plan.master + plan.compute) / 1048576.0, plan.grads / 1048576.0,
-               plan.optimizer / 1048576.0, plan.activations / 1048576.0, peak_flops_ / 1e9,
+               plan.optimizer / 1048576.0, plan.activations / 1048576.0, rank_peak / 1e9,
                cfg.training.peak_gflops > 0 ? "training.peak_gflops" : "measured");
+  if (groups.grid.world() > 1)
+    spdlog::info("communication per step (predicted): tp: {}; dp: {}", predicted_.tp.describe(),
+                 predicted_.dp.describe());
 
   nlohmann::ordered_json start;
   start["event"] = "start";
   start["params"] = stats.params;
   start["flops_per_token"] = stats.train_flops_per_token;
   start["peak_flops"] = peak_flops_;
+  start["world"] = groups.grid.world();
   metrics_->start(start.dump());
-
-  if (!dump_dir_.empty()) {
-    std::filesystem::create_directories(dump_dir_);
-    dump_tensors(dump_dir_ + "/params_init.safetensors", master_);
-  }
 }
 
 Trainer::~Trainer() {
   optimizer_.reset();
+  grad_norm_.reset();
+  grad_buffer_.reset();
   model_.reset();
   if (be_) {
     for (void* p : {static_cast<void*>(master_), static_cast<void*>(grads_), static_cast<void*>(tokens_),
@@ -150,20 +213,38 @@ Trainer::~Trainer() {
   }
 }
 
-void Trainer::dump_tensors(const std::string& file, const float* buffer) const {
+void Trainer::dump_tensors(const std::string& file, const float* buffer) {
   std::vector<float> host(static_cast<size_t>(layout_.total));
   be_->copy_to_host(host.data(), buffer, host.size() * 4);
+  Communicator& tp = *groups_.tp;
+  const int p = tp.size();
+  std::vector<ParamLayout> layouts;  // every TP rank's layout: where its slices sit
+  for (int r = 0; r < p; ++r) layouts.push_back(r == tp.rank() ? layout_ : rank_layout(cfg_, r));
   std::vector<TensorRecord> records;
-  for (const ParamSpec& p : layout_.params) {
+  for (size_t i = 0; i < layout_.params.size(); ++i) {
+    const ParamSpec& spec = layout_.params[i];
+    int64_t global = 1;
+    for (int64_t d : spec.global_shape) global *= d;
+    std::vector<float> slices(static_cast<size_t>(spec.numel) * (spec.tp_split ? p : 1));
+    if (spec.tp_split && p > 1)
+      tp.all_gather(slices.data(), host.data() + spec.offset, spec.numel, DType::F32);
+    else
+      std::memcpy(slices.data(), host.data() + spec.offset, static_cast<size_t>(spec.numel) * 4);
+    if (!writer_) continue;
     TensorRecord r;
-    r.name = p.name;
+    r.name = spec.name;
     r.dtype = DType::F32;
-    r.shape = p.shape;
-    r.data.resize(static_cast<size_t>(p.numel) * 4);
-    std::memcpy(r.data.data(), host.data() + p.offset, r.data.size());
+    r.shape = spec.global_shape;
+    r.data.resize(static_cast<size_t>(global) * 4);
+    float* out = reinterpret_cast<float*>(r.data.data());
+    for (int q = 0; q < (spec.tp_split ? p : 1); ++q) {
+      const ParamSpec& qs = layouts[q].params[i];
+      const float* src = slices.data() + static_cast<size_t>(q) * spec.numel;
+      for (int64_t e = 0; e < qs.numel; ++e) out[qs.global_index(e)] = src[e];
+    }
     records.push_back(std::move(r));
   }
-  write_safetensors(file, records);
+  if (writer_) write_safetensors(file, records);
 }
 
 void Trainer::load_micro_batch(DataLoader& loader) {
@@ -180,30 +261,35 @@ void Trainer::load_micro_batch(DataLoader& loader) {
 }
 
 double Trainer::train_step(int64_t s) {
-  // grads_ is zero here: zeroed at start-up, then by each optimizer step as it consumes them.
+  // grads_ is zero here: zeroed at start-up, then after each optimizer step.
   // The step's loss is the mean over its global batch; each micro-batch's gradient is scaled so
-  // the accumulated gradient is that mean's gradient.
-  const float dloss_scale = 1.0f / static_cast<float>(rows_ * accum_);
+  // the accumulated gradient, summed over the DP ranks, is that mean's gradient.
+  const int64_t tokens = rows_ * accum_ * cfg_.parallel.dp;
+  const float dloss_scale = 1.0f / static_cast<float>(tokens);
   for (int64_t j = 0; j < accum_; ++j) {
     load_micro_batch(*train_loader_);
-    if (!dump_dir_.empty() && s < kMaxDumpedSteps)
+    if (!dump_dir_.empty() && s < kMaxDumpedSteps && cfg_.parallel.dp == 1)
       dumped_batches_.insert(dumped_batches_.end(), host_batch_.begin(), host_batch_.end());
     model_->forward(compute_, tokens_, targets_, losses_ + j * rows_, dloss_scale);
-    model_->backward(compute_, grads_, tokens_);
+    // The last micro-batch finalises the gradients: their reduction overlaps its backward.
+    model_->backward(compute_, grads_, tokens_, j + 1 == accum_ ? &group_done_ : nullptr);
   }
+  grad_buffer_->finish();
   be_->sum(scalar_, losses_, accum_ * rows_);
+  groups_.dp->all_reduce(scalar_, 1, DType::F32, ReduceOp::SUM);
   float loss_sum = 0.0f;
   be_->copy_to_host(&loss_sum, scalar_, sizeof(float));
-  return static_cast<double>(loss_sum) / static_cast<double>(rows_ * accum_);
+  return static_cast<double>(loss_sum) / static_cast<double>(tokens);
 }
 
 double Trainer::evaluate() {
   TETRA_CHECK(valid_source_ && cfg_.training.eval_steps > 0, "evaluate() needs validation data and "
               "training.eval_steps > 0");
-  DataLoader loader(valid_source_, cfg_.model.seq_len, cfg_.training.micro_batch_size, /*dp_rank=*/0,
+  DataLoader loader(valid_source_, cfg_.model.seq_len, cfg_.training.micro_batch_size, groups_.coord.dp,
                     cfg_.parallel.dp);
+  const int64_t micro_batches = cfg_.training.eval_steps * accum_;
   double total = 0.0;
-  for (int64_t j = 0; j < cfg_.training.eval_steps; ++j) {
+  for (int64_t j = 0; j < micro_batches; ++j) {
     load_micro_batch(loader);
     model_->forward(compute_, tokens_, targets_, losses_, /*dloss_scale=*/0.0f);
     be_->sum(scalar_, losses_, rows_);
@@ -211,31 +297,74 @@ double Trainer::evaluate() {
     be_->copy_to_host(&sum, scalar_, sizeof(float));
     total += sum;
   }
-  return total / static_cast<double>(rows_ * cfg_.training.eval_steps);
+  float local = static_cast<float>(total);
+  be_->copy_from_host(scalar_, &local, sizeof(float));
+  groups_.dp->all_reduce(scalar_, 1, DType::F32, ReduceOp::SUM);
+  be_->copy_to_host(&local, scalar_, sizeof(float));
+  return static_cast<double>(local) / static_cast<double>(rows_ * micro_batches * cfg_.parallel.dp);
+}
+
+std::vector<CommRecord> Trainer::comm_records(const CommStats& tp_before, const CommStats& dp_before) const {
+  std::vector<CommRecord> out;
+  const std::pair<const char*, std::pair<const Communicator*, const CommStats*>> groups[] = {
+      {"tp", {groups_.tp.get(), &tp_before}}, {"dp", {groups_.dp.get(), &dp_before}}};
+  for (const auto& [name, g] : groups) {
+    const auto& [comm, before] = g;
+    if (comm->size() <= 1) continue;
+    CommRecord r;
+    r.group = name;
+    r.measured = measured_volume(comm->stats(), *before);
+    r.predicted = std::string(name) == "tp" ? predicted_.tp : predicted_.dp;
+    r.sent_bytes = comm->stats().total_sent() - before->total_sent();
+    out.push_back(std::move(r));
+  }
+  return out;
 }
 
 void Trainer::run() {
   const TrainingConfig& tc = cfg_.training;
-  const ModelStats stats = model_stats(cfg_.model, layout_);
+  const ModelStats stats = model_stats(cfg_.model, ParamLayout::build(cfg_.model));
   const double tokens_per_step = static_cast<double>(tc.global_batch_size * cfg_.model.seq_len);
+  const bool shard_optimizer = grad_buffer_->sharded();
   double avg_step_s = 0.0;  // mean over steps after the first (which pays one-off set-up costs)
   const auto run_t0 = std::chrono::steady_clock::now();
 
   for (int64_t s = 0; s < tc.steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
+    const CommStats tp_before = groups_.tp->stats(), dp_before = groups_.dp->stats();
     const double loss = train_step(s);
     if (!std::isfinite(loss))
       throw Error(fmt::format("step {}: the training loss is {}; lower optimizer.lr{}", s + 1, loss,
                               cfg_.optimizer.grad_clip > 0 ? "" : " or set optimizer.grad_clip"));
-    const double norm = grad_global_norm(*be_, grads_, layout_.total, scalar_);
+    const double norm = grad_norm_->compute(grads_);
     if (!std::isfinite(norm))
       throw Error(fmt::format("step {}: the gradient norm is {} (the loss, {:.4f}, is finite): some "
                               "activation overflowed; lower optimizer.lr, or use precision fp32",
                               s + 1, norm, loss));
-    if (!dump_dir_.empty() && s == 0) dump_tensors(dump_dir_ + "/grads_step0.safetensors", grads_);
+    if (!dump_dir_.empty() && s == 0) {
+      // Debugging output, not part of the step: its communication is not accounted.
+      const CommStats tp_saved = groups_.tp->stats(), dp_saved = groups_.dp->stats();
+      if (shard_optimizer) {  // each DP rank holds its shards of the reduced gradient: gather them
+        float* whole = static_cast<float*>(be_->alloc(static_cast<size_t>(layout_.total) * 4));
+        be_->copy(whole, grads_, static_cast<size_t>(layout_.total) * 4);
+        grad_buffer_->gather_params(whole, DType::F32);
+        dump_tensors(dump_dir_ + "/grads_step0.safetensors", whole);
+        be_->free(whole);
+      } else {
+        dump_tensors(dump_dir_ + "/grads_step0.safetensors", grads_);
+      }
+      groups_.tp->stats() = tp_saved;
+      groups_.dp->stats() = dp_saved;
+    }
     const double lr = learning_rate(cfg_.optimizer, tc.steps, s);
     const float clip = clip_factor(norm, cfg_.optimizer.grad_clip);
     optimizer_->step(master_, grads_, lr, clip, act_ == DType::F32 ? nullptr : compute_, act_);
+    if (shard_optimizer) {
+      // The optimizer zeroed the shards it consumed; the rest of the buffer holds this rank's
+      // unreduced gradients. Then every rank gets the updated weights of every shard.
+      be_->memset_zero(grads_, static_cast<size_t>(layout_.total) * 4);
+      grad_buffer_->gather_params(compute_, act_);
+    }
     be_->synchronize();
     const double step_s = seconds_since(t0);
     if (s > 0) avg_step_s += (step_s - avg_step_s) / static_cast<double>(s);
@@ -252,13 +381,18 @@ void Trainer::run() {
     m.mfu = stats.train_flops_per_token * m.tokens_per_s / peak_flops_;
     m.eta_s = (s > 0 ? avg_step_s : step_s) * static_cast<double>(tc.steps - s - 1);
     m.consumed_samples = train_loader_->consumed_samples();
+    m.comm = comm_records(tp_before, dp_before);
+    for (const CommRecord& c : m.comm)
+      if (!(c.measured == c.predicted))
+        spdlog::warn("step {}: group {} moved {} but the layout predicts {}", s + 1, c.group,
+                     c.measured.describe(), c.predicted.describe());
     const bool last = s + 1 == tc.steps;
     if (valid_source_ && ((tc.eval_every > 0 && (s + 1) % tc.eval_every == 0) || last))
       m.val_loss = evaluate();
     metrics_->write(m);
     if ((s + 1) % tc.log_every == 0 || last || m.val_loss) spdlog::info("{}", MetricsWriter::format_line(m));
   }
-  if (!dump_dir_.empty()) {
+  if (!dump_dir_.empty() && writer_ && cfg_.parallel.dp == 1) {
     const int64_t dumped = std::min<int64_t>(tc.steps, kMaxDumpedSteps);
     std::vector<TensorRecord> records;
     const size_t per_step = static_cast<size_t>(tc.global_batch_size * (cfg_.model.seq_len + 1));
@@ -273,7 +407,11 @@ void Trainer::run() {
     }
     write_safetensors(dump_dir_ + "/batches.safetensors", records);
   }
-  spdlog::info("done: {} steps in {}", tc.steps, format_duration(seconds_since(run_t0)));
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  spdlog::info("done: {} steps in {}; peak memory of this rank {:.1f} MiB (optimizer state {:.1f} MiB)",
+               tc.steps, format_duration(seconds_since(run_t0)), static_cast<double>(usage.ru_maxrss) / 1024.0,
+               static_cast<double>(optimizer_->state_bytes()) / 1048576.0);
 }
 
 }  // namespace tetra

@@ -1,8 +1,11 @@
-// The training loop: micro-batches × gradient accumulation, AdamW step, LR schedule, clipping,
-// periodic evaluation, metrics.
+// The training loop: micro-batches × gradient accumulation, gradient reduction over data
+// parallelism, AdamW step (sharded with the distributed optimizer), LR schedule, clipping,
+// periodic evaluation, metrics and communication accounting.
 //
 // Everything is allocated in the constructor (parameters, gradients, optimizer state, the model's
-// activation arena, batch buffers); run() allocates nothing per step.
+// activation arena, batch buffers); run() allocates nothing per step. Each rank holds its
+// tensor-parallel slice of the model and reads its data-parallel slice of every global batch;
+// global rank 0 writes the log file and metrics.jsonl.
 #pragma once
 
 #include <cstdint>
@@ -15,10 +18,13 @@
 #include "trainer/model/gpt.h"
 #include "trainer/model/param_layout.h"
 #include "trainer/optim/adamw.h"
+#include "trainer/optim/grad_buffer.h"
+#include "trainer/train/metrics.h"
 
 namespace tetra {
 
 class SampleSource;
+struct ProcessGroups;
 class DataLoader;
 class MetricsWriter;
 
@@ -27,18 +33,25 @@ struct MemoryPlan {
   size_t total() const { return master + compute + grads + optimizer + activations + batch; }
 };
 
-// What the run will take, computed from the config alone (for --dry-run and the start-up log).
+// The layout of this rank's parameter buffer: its TP slice, groups aligned for the distributed
+// optimizer's shards.
+ParamLayout rank_layout(const Config& cfg, int64_t tp_rank);
+
+// What one rank will take, computed from the config alone (for --dry-run and the start-up log).
+// `layout`: rank_layout(cfg, ...).
 MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout);
 
 class Trainer {
  public:
   // `dump_dir` non-empty: write initial weights, step-0 gradients and the batches (debugging and
   // the PyTorch reference tests).
-  Trainer(const Config& cfg, const std::string& config_path, std::string dump_dir = "");
+  Trainer(const Config& cfg, const std::string& config_path, ProcessGroups& groups,
+          std::string dump_dir = "");
   ~Trainer();
 
   void run();
-  // Mean loss over `eval_steps` micro-batches of the validation set, from its start.
+  // Mean loss over `eval_steps` global batches of the validation set, from its start (each DP
+  // rank evaluates its slice of each).
   double evaluate();
 
   const ParamLayout& layout() const { return layout_; }
@@ -47,9 +60,14 @@ class Trainer {
   double train_step(int64_t s);
   // Next micro-batch of `loader` into tokens_ / targets_ (and host_batch_).
   void load_micro_batch(DataLoader& loader);
-  void dump_tensors(const std::string& file, const float* buffer) const;
+  // Writes `buffer` (this rank's fp32 parameter-sized buffer, whole on every DP rank) as global
+  // tensors: the TP slices are gathered to the writing rank (TP rank 0 of DP rank 0).
+  void dump_tensors(const std::string& file, const float* buffer);
+  std::vector<CommRecord> comm_records(const CommStats& tp_before, const CommStats& dp_before) const;
 
   const Config& cfg_;
+  ProcessGroups& groups_;
+  bool writer_;  // global rank 0: log file, metrics, dumps
   std::string dump_dir_;
   ParamLayout layout_;
   std::unique_ptr<Backend> be_;
@@ -57,7 +75,7 @@ class Trainer {
   int64_t accum_;
   int64_t rows_;  // B * T of a micro-batch
 
-  float* master_ = nullptr;   // fp32 master weights
+  float* master_ = nullptr;   // fp32 master weights (whole; null when the optimizer shards them)
   void* compute_ = nullptr;   // weights the model reads (== master_ in fp32)
   float* grads_ = nullptr;    // fp32 gradients
   int32_t* tokens_ = nullptr; // (B, T) inputs, backend memory
@@ -69,7 +87,11 @@ class Trainer {
   std::vector<int32_t> dumped_batches_;       // samples of the steps dumped so far
 
   std::unique_ptr<Gpt> model_;
+  std::unique_ptr<GradBuffer> grad_buffer_;
+  std::unique_ptr<GradNorm> grad_norm_;
   std::unique_ptr<AdamW> optimizer_;
+  GroupDoneHook group_done_;
+  StepVolume predicted_;
   std::shared_ptr<SampleSource> train_source_, valid_source_;
   std::unique_ptr<DataLoader> train_loader_;
   std::unique_ptr<MetricsWriter> metrics_;
