@@ -31,9 +31,11 @@ class CpuBackend final : public Backend {
   void bias_backward(float* dbias, const void* dout, int64_t N, int64_t OC, DType act) override;
 
   void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
-                         int64_t B, int64_t T, int64_t C, DType act, DType w) override;
+                         int64_t B, int64_t T, int64_t C, int64_t v0, int64_t Vl, DType act,
+                         DType w) override;
   void embedding_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens,
-                          int64_t B, int64_t T, int64_t C, DType act) override;
+                          int64_t B, int64_t T, int64_t C, int64_t v0, int64_t Vl,
+                          DType act) override;
 
   void norm_forward(NormKind kind, void* out, float* mean, float* rstd, const void* x,
                     const void* weight, const void* bias, int64_t N, int64_t C, float eps,
@@ -62,6 +64,15 @@ class CpuBackend final : public Backend {
   void cross_entropy(float* losses, void* dlogits, DType dlogits_type, const void* logits,
                      DType logits_type, const int32_t* targets, int64_t N, int64_t V,
                      float dloss_scale) override;
+  void vocab_ce_max(float* row_max, const void* logits, DType logits_type, int64_t N,
+                    int64_t Vl) override;
+  void vocab_ce_sums(float* sumexp, float* target_logit, const void* logits, DType logits_type,
+                     const float* row_max, const int32_t* targets, int64_t v0, int64_t N,
+                     int64_t Vl) override;
+  void vocab_ce_finish(float* losses, void* dlogits, DType dlogits_type, const void* logits,
+                       DType logits_type, const float* row_max, const float* sumexp,
+                       const float* target_logit, const int32_t* targets, int64_t v0, int64_t N,
+                       int64_t Vl, float dloss_scale) override;
 
   void sum_squares(float* out, const float* x, int64_t n) override;
   void sum(float* out, const float* x, int64_t n) override;

@@ -44,7 +44,34 @@ flops = 6 * matmul + 12 * 12 * 768 * 1024
 m = re.search(r"FLOPs per token:\s+([0-9.]+)([KMBT]?)", text)
 scale = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}[m.group(2)]
 assert abs(float(m.group(1)) * scale - flops) / flops < 0.01, (m.group(0), flops)
-assert re.search(r"memory:\s+[0-9.]+ MiB", text)
+assert re.search(r"memory per rank:\s+[0-9.]+ MiB", text)
+PY
+
+case=dry_run_distributed
+# A layout's dry run: per-rank memory (TP slices, distributed optimizer shards) and the analytic
+# communication per step. Plain DP vs the distributed optimizer: the moments shrink by dp.
+for opt in false true; do
+  "$tetra" --config "$scratch/gpt2.json" --set model.vocab_size=50304 --set parallel.tp=2 \
+    --set parallel.dp=4 --set parallel.sequence_parallel=true --set parallel.distributed_optimizer=$opt \
+    --dry-run >"$scratch/dry_$opt" 2>&1 || fail "--dry-run (distributed_optimizer $opt) exited non-zero"
+done
+/usr/bin/python3 - "$scratch/dry_false" "$scratch/dry_true" <<'PY' || fail "distributed dry-run figures"
+import re, sys
+plain, dist = (open(p).read() for p in sys.argv[1:3])
+def mib(text, what):
+    return float(re.search(what + r"\s+([0-9.]+) MiB", text).group(1))
+assert "8 ranks = tp 2 x pp 1 x dp 4" in dist, dist
+# Adam moments: 8 bytes per parameter of this rank's TP slice, a quarter of them when sharded.
+ratio = mib(plain, "optimizer") / mib(dist, "optimizer")
+assert abs(ratio - 4) < 0.01, ratio
+saved = float(re.search(r"distributed optimizer saves ([0-9.]+) MiB", dist).group(1))
+assert abs(saved - (mib(plain, "memory per rank:") - mib(dist, "memory per rank:"))) < 0.2, saved
+assert "distributed optimizer saves" not in plain
+# Sequence parallel: reduce-scatters and all-gathers of (N, C) = 4 * 1024 * 768 fp32 values.
+m = re.search(r"tp \(2 ranks\)\s+(.*)", dist).group(1)
+assert "reduce_scatter 50 x" in m and "all_gather 50 x" in m, m
+assert "all_reduce" in re.search(r"dp \(4 ranks\)\s+(.*)", plain).group(1)
+assert "reduce_scatter" in re.search(r"dp \(4 ranks\)\s+(.*)", dist).group(1)
 PY
 [[ ! -e "$scratch/runs" ]] || fail "--dry-run wrote files"
 

@@ -99,6 +99,10 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.parallel.tp == b.parallel.tp);
   CHECK(a.parallel.pp == b.parallel.pp);
   CHECK(a.parallel.ep == b.parallel.ep);
+  CHECK(a.parallel.order == b.parallel.order);
+  CHECK(a.parallel.sequence_parallel == b.parallel.sequence_parallel);
+  CHECK(a.parallel.distributed_optimizer == b.parallel.distributed_optimizer);
+  CHECK(a.parallel.bucket_size == b.parallel.bucket_size);
   CHECK(a.training.device == b.training.device);
   CHECK(a.training.precision == b.training.precision);
   CHECK(a.training.micro_batch_size == b.training.micro_batch_size);
@@ -140,7 +144,8 @@ json every_key() {
               "num_heads": 8, "num_kv_heads": 2, "ffn_hidden_size": 1376, "norm": "rmsnorm",
               "norm_eps": 1e-6, "activation": "swiglu", "position": "rope",
               "rope_theta": 500000.0, "tie_embeddings": false, "bias": false, "init_std": 0.01},
-    "parallel": {"dp": 1, "tp": 1, "pp": 1, "ep": 1},
+    "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "order": "tp-pp-dp",
+                 "sequence_parallel": true, "distributed_optimizer": true, "bucket_size": 1000},
     "training": {"device": "cpu", "precision": "bf16", "micro_batch_size": 2,
                  "global_batch_size": 8, "steps": 500, "seed": 18446744073709551615,
                  "eval_every": 50, "eval_steps": 5, "log_every": 10, "threads": 2,
@@ -318,14 +323,9 @@ TEST_CASE("config: single-value ranges", "[config]") {
       {"model.init_std", 0.0, "must be > 0"},
       {"parallel.dp", 0, "must be >= 1"},
       {"parallel.tp", -1, "must be >= 1"},
-      {"parallel.dp", 2,
-       "data parallelism is not available yet in this build; set parallel.dp to 1"},
-      {"parallel.tp", 2,
-       "tensor parallelism is not available yet in this build; set parallel.tp to 1"},
       {"parallel.pp", 4,
        "pipeline parallelism is not available yet in this build; set parallel.pp to 1"},
-      {"parallel.ep", 2,
-       "expert parallelism is not available yet in this build; set parallel.ep to 1"},
+      {"parallel.bucket_size", 0, "must be >= 1"},
       {"training.device", "cuda", "the CUDA backend is not built yet"},
       {"training.micro_batch_size", 0, "must be >= 1"},
       {"training.global_batch_size", -4, "must be >= 0"},
@@ -383,6 +383,36 @@ TEST_CASE("config: cross-field rules", "[config]") {
               "must be a multiple of training.micro_batch_size * parallel.dp (4 * 1 = 4)");
   require_one(with(base(), "optimizer.min_lr", 1.0),
               "optimizer.min_lr: 1.0: ", "must be <= optimizer.lr (0.0006)");
+}
+
+TEST_CASE("config: parallel layout rules", "[config]") {
+  // Tensor parallelism splits heads, kv heads, the MLP and the vocabulary: each is named with
+  // both values.
+  json j = with(with(with(base(), "parallel.tp", 8), "model.num_kv_heads", 4), "model.vocab_size", 1000);
+  const std::string all = joined(problems_of(j));
+  INFO(all);
+  CHECK(all.find("model.num_heads (12) must be a multiple of parallel.tp (8)") != std::string::npos);
+  CHECK(all.find("model.num_kv_heads (4) must be a multiple of parallel.tp (8)") != std::string::npos);
+  CHECK(all.find("model.vocab_size (1000) must be a multiple of parallel.tp (8)") == std::string::npos);
+  CHECK(all.find("ffn_hidden_size") == std::string::npos);  // 3072 = 8 * 384
+  const json vb = with(base(), "model.vocab_size", 50304);  // GPT-2's vocabulary padded to 128s
+  require_one(with(with(vb, "parallel.tp", 4), "model.ffn_hidden_size", 1000 + 2),
+              "model.ffn_hidden_size: 1002: ", "model.ffn_hidden_size (1002) must be a multiple of parallel.tp (4)");
+  CHECK(problems_of(with(vb, "parallel.tp", 4)).empty());
+  require_one(with(base(), "parallel.tp", 4), "model.vocab_size: 50257: ",
+              "model.vocab_size (50257) must be a multiple of parallel.tp (4)");
+  require_one(with(base(), "parallel.sequence_parallel", true), "parallel.sequence_parallel: true: ",
+              "needs parallel.tp > 1");
+  require_one(with(with(with(with(vb, "parallel.tp", 4), "parallel.sequence_parallel", true),
+                        "model.seq_len", 6), "training.micro_batch_size", 1),
+              "parallel.sequence_parallel: true: ",
+              "micro_batch_size * seq_len (1 * 6 = 6), must be a multiple of parallel.tp (4)");
+  require_one(with(with(base(), "parallel.dp", 4), "parallel.ep", 3), "parallel.ep: 3: ",
+              "parallel.ep (3) must divide parallel.dp (4)");
+  require_one(with(with(base(), "parallel.dp", 4), "parallel.ep", 2), "parallel.ep: 2: ",
+              "needs a Mixture-of-Experts model");
+  require_one(with(base(), "parallel.order", "tp-ep-dp"), "parallel.order: ", "tp-dp-pp");
+  CHECK(problems_of(with(with(base(), "parallel.dp", 2), "parallel.order", "dp-tp-pp")).empty());
 }
 
 TEST_CASE("config: data and evaluation rules", "[config]") {

@@ -387,7 +387,8 @@ TEST_CASE("bias_backward accumulates column sums", "[kernels]") {
 }
 
 // ---- embeddings ----------------------------------------------------------------------------------
-TEST_CASE("embedding forward and backward, with repeated tokens", "[kernels]") {
+TEST_CASE("embedding forward and backward, with repeated tokens, whole vocabulary or a slice",
+          "[kernels]") {
   auto be = tetra::make_cpu_backend(2);
   const int64_t B = 3, T = 5, C = 37, V = 11;
   // Ids from a small range so that many tokens repeat (and some ids never appear).
@@ -395,50 +396,71 @@ TEST_CASE("embedding forward and backward, with repeated tokens", "[kernels]") {
   auto wte = bf16_exact(randn(V * C, 61)), wpe = bf16_exact(randn(T * C, 62));
   auto R = bf16_exact(randn(B * T * C, 63));
   auto wd = to_double(wte), pd = to_double(wpe);
-  auto ref = [&](bool pos) {
-    std::vector<double> out(B * T * C);
-    for (int64_t bt = 0; bt < B * T; ++bt)
-      for (int64_t c = 0; c < C; ++c)
-        out[bt * C + c] = wd[tokens[bt] * C + c] + (pos ? pd[(bt % T) * C + c] : 0.0);
-    return out;
+  const auto Rd = to_double(R);
+  struct Slice {
+    int64_t v0, Vl;
   };
-  for (bool pos : {true, false}) {
-    for (DType act : {DType::F32, DType::BF16}) {
-      for (DType w : {DType::F32, DType::BF16}) {
-        INFO("wpe=" << pos << " act=" << tetra::dtype_name(act) << " w=" << tetra::dtype_name(w));
-        auto wteb = to_bf16(wte), wpeb = to_bf16(wpe);
-        const void* te = w == DType::F32 ? static_cast<const void*>(wte.data()) : wteb.data();
-        const void* pe = !pos ? nullptr
-                         : w == DType::F32 ? static_cast<const void*>(wpe.data()) : wpeb.data();
-        std::vector<float> out(B * T * C);
-        std::vector<uint16_t> outb(B * T * C);
-        void* o = act == DType::F32 ? static_cast<void*>(out.data()) : outb.data();
-        be->embedding_forward(o, tokens.data(), te, pe, B, T, C, act, w);
-        if (act == DType::BF16) out = from_bf16(outb);
-        // F32: one rounding of an exact sum (2^-24 relative); BF16: one rounding to bf16.
-        expect_close(out, ref(pos), act == DType::F32 ? Tol{0.0, 1.2e-7} : kBf16, "forward");
+  // The whole table; rows 2..5 (tokens 2 and 3 inside, 0, 1 and 10 outside, 4 and 5 unused);
+  // the last row alone.
+  for (Slice sl : {Slice{0, V}, Slice{2, 4}, Slice{10, 1}}) {
+    const int64_t v0 = sl.v0, Vl = sl.Vl;
+    // out = (token in the slice ? wte[token] : 0) + wpe[t], from the full table wd.
+    auto ref = [&](bool pos) {
+      std::vector<double> out(B * T * C);
+      for (int64_t bt = 0; bt < B * T; ++bt) {
+        const bool in = tokens[bt] >= v0 && tokens[bt] < v0 + Vl;
+        for (int64_t c = 0; c < C; ++c) {
+          const double e = in ? wd[tokens[bt] * C + c] : 0.0;
+          out[bt * C + c] = e + (pos ? pd[(bt % T) * C + c] : 0.0);
+        }
       }
-    }
-    // Backward: accumulate into known values; J = sum(out * R) is linear in wte and wpe.
-    for (DType act : {DType::F32, DType::BF16}) {
-      INFO("wpe=" << pos << " act=" << tetra::dtype_name(act));
-      auto dwte = randn(V * C, 64), dwpe = randn(T * C, 65);
-      const auto dwte0 = dwte, dwpe0 = dwpe;
-      auto Rb = to_bf16(R);
-      const void* dout = act == DType::F32 ? static_cast<const void*>(R.data()) : Rb.data();
-      be->embedding_backward(dwte.data(), pos ? dwpe.data() : nullptr, dout, tokens.data(), B, T,
-                             C, act);
-      const auto Rd = to_double(R);
+      return out;
+    };
+    for (bool pos : {true, false}) {
+      for (DType act : {DType::F32, DType::BF16}) {
+        for (DType w : {DType::F32, DType::BF16}) {
+          INFO("slice [" << v0 << ", " << v0 + Vl << ") wpe=" << pos
+                         << " act=" << tetra::dtype_name(act) << " w=" << tetra::dtype_name(w));
+          auto wteb = to_bf16(wte), wpeb = to_bf16(wpe);
+          // The slice's table: rows [v0, v0 + Vl) of the full one.
+          const void* te = w == DType::F32 ? static_cast<const void*>(wte.data() + v0 * C)
+                                           : wteb.data() + v0 * C;
+          const void* pe = !pos ? nullptr
+                           : w == DType::F32 ? static_cast<const void*>(wpe.data()) : wpeb.data();
+          std::vector<float> out(B * T * C, 7.0f);  // garbage: the zero rows must be written
+          std::vector<uint16_t> outb(B * T * C, 0x40e0);
+          void* o = act == DType::F32 ? static_cast<void*>(out.data()) : outb.data();
+          be->embedding_forward(o, tokens.data(), te, pe, B, T, C, v0, Vl, act, w);
+          if (act == DType::BF16) out = from_bf16(outb);
+          // F32: one rounding of an exact sum (2^-24 relative); BF16: one rounding to bf16.
+          expect_close(out, ref(pos), act == DType::F32 ? Tol{0.0, 1.2e-7} : kBf16, "forward");
+        }
+      }
+      // Backward: accumulate into known values; J = sum(out * R) is linear in wte and wpe.
       auto J = [&] { return dot(ref(pos), Rd); };
       auto gte = finite_diff(wd, J), gpe = finite_diff(pd, J);
-      std::vector<double> want_te(V * C), want_pe(T * C);
-      for (int64_t i = 0; i < V * C; ++i) want_te[i] = dwte0[i] + gte[i];
-      for (int64_t i = 0; i < T * C; ++i) want_pe[i] = dwpe0[i] + gpe[i];
-      expect_close(dwte, want_te, kF32, "dwte (accumulated)");
-      if (pos) {
-        expect_close(dwpe, want_pe, kF32, "dwpe (accumulated)");
-      } else {
-        expect_bitwise_equal(dwpe, dwpe0, "dwpe untouched");
+      for (DType act : {DType::F32, DType::BF16}) {
+        INFO("slice [" << v0 << ", " << v0 + Vl << ") wpe=" << pos
+                       << " act=" << tetra::dtype_name(act));
+        auto dwte = randn(Vl * C, 64), dwpe = randn(T * C, 65);
+        const auto dwte0 = dwte, dwpe0 = dwpe;
+        auto Rb = to_bf16(R);
+        const void* dout = act == DType::F32 ? static_cast<const void*>(R.data()) : Rb.data();
+        be->embedding_backward(dwte.data(), pos ? dwpe.data() : nullptr, dout, tokens.data(), B,
+                               T, C, v0, Vl, act);
+        std::vector<double> want_te(Vl * C), want_pe(T * C);
+        for (int64_t i = 0; i < Vl * C; ++i) want_te[i] = dwte0[i] + gte[v0 * C + i];
+        for (int64_t i = 0; i < T * C; ++i) want_pe[i] = dwpe0[i] + gpe[i];
+        expect_close(dwte, want_te, kF32, "dwte (accumulated)");
+        if (pos) {
+          expect_close(dwpe, want_pe, kF32, "dwpe (accumulated)");
+          // Only the position gradient wanted: dwte null, dwpe still gets every position.
+          auto dwpe2 = dwpe0;
+          be->embedding_backward(nullptr, dwpe2.data(), dout, tokens.data(), B, T, C, v0, Vl, act);
+          expect_close(dwpe2, want_pe, kF32, "dwpe with dwte null");
+        } else {
+          expect_bitwise_equal(dwpe, dwpe0, "dwpe untouched");
+        }
       }
     }
   }
@@ -671,16 +693,18 @@ TEST_CASE("reductions give the same bits for any thread count", "[kernels]") {
   std::vector<std::vector<float>> results(3);
   for (int k = 0; k < 3; ++k) {
     std::vector<float> dx(N * C, 0.0f), dw(C, 0.0f), db(C, 0.0f), bias_grad(C, 0.0f),
-        dwte(V * C, 0.0f), dwpe(T * C, 0.0f), sums(2);
+        dwte(V * C, 0.0f), dwpe(T * C, 0.0f), dwte_slice(3 * C, 0.0f), sums(2);
     bes[k]->norm_backward(NormKind::LAYERNORM, dx.data(), dw.data(), db.data(), dout.data(),
                           x.data(), w.data(), mean.data(), rstd.data(), N, C, DType::F32,
                           DType::F32);
     bes[k]->bias_backward(bias_grad.data(), dout.data(), N, C, DType::F32);
-    bes[k]->embedding_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, T, C,
-                               DType::F32);
+    bes[k]->embedding_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, T, C, 0,
+                               V, DType::F32);
+    bes[k]->embedding_backward(dwte_slice.data(), nullptr, dout.data(), tokens.data(), B, T, C, 2,
+                               3, DType::F32);
     bes[k]->sum(&sums[0], big.data(), static_cast<int64_t>(big.size()));
     bes[k]->sum_squares(&sums[1], big.data(), static_cast<int64_t>(big.size()));
-    for (const auto* r : {&dx, &dw, &db, &bias_grad, &dwte, &dwpe, &sums})
+    for (const auto* r : {&dx, &dw, &db, &bias_grad, &dwte, &dwpe, &dwte_slice, &sums})
       results[k].insert(results[k].end(), r->begin(), r->end());
   }
   expect_bitwise_equal(results[1], results[0], "2 threads vs 1");

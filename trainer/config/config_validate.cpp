@@ -92,9 +92,6 @@ void check_ranges(const Config& c, Rules& r) {
   for (const auto& d : degrees) r.at_least(d.path, d.value, 1);
   r.require(c.parallel.pp <= 1, "parallel.pp", c.parallel.pp,
             "pipeline parallelism is not available yet in this build; set parallel.pp to 1");
-  r.require(c.parallel.ep <= 1, "parallel.ep", c.parallel.ep,
-            "expert parallelism needs a Mixture-of-Experts model, which this build cannot train "
-            "yet; set parallel.ep to 1");
   r.at_least("parallel.bucket_size", c.parallel.bucket_size, 1);
 
   const TrainingConfig& t = c.training;
@@ -180,6 +177,17 @@ void check_cross_field(const Config& c, Rules& r) {
       if (r.ok({s.path}))
         r.require(s.value % tp == 0, s.path, s.value,
                   fmt::format("{} ({}) must be a multiple of parallel.tp ({})", s.path, s.value, tp));
+  }
+  // Expert parallelism is carved out of data parallelism.
+  if (r.ok({"parallel.ep", "parallel.dp"}) && c.parallel.ep > 1) {
+    if (c.parallel.dp % c.parallel.ep != 0)
+      r.require(false, "parallel.ep", c.parallel.ep,
+                fmt::format("parallel.ep ({}) must divide parallel.dp ({}): expert parallelism is carved "
+                            "out of data parallelism", c.parallel.ep, c.parallel.dp));
+    else
+      r.require(false, "parallel.ep", c.parallel.ep,
+                "expert parallelism needs a Mixture-of-Experts model, which this build cannot train "
+                "yet; set parallel.ep to 1");
   }
   if (r.ok({"parallel.tp", "parallel.sequence_parallel"}) && c.parallel.sequence_parallel) {
     r.require(c.parallel.tp > 1, "parallel.sequence_parallel", true,

@@ -1,0 +1,203 @@
+#!/usr/bin/env bash
+# tetra_data end to end: a SentencePiece model trained on the fly, text and JSONL corpora
+# tokenized with it (same tokens both ways, same files for every thread count, a train/valid
+# split), an llm.c shard converted, and bad input refused with exit code 2, a message naming the
+# file and line, and no dataset left behind.
+#
+# Usage: test_tetra_data.sh <tetra binary> <source dir> <scratch dir>
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+data="$(dirname "$tetra")/tetra_data"
+py=/usr/bin/python3
+[[ -x "$data" ]] || { echo "FAIL: no tetra_data next to $tetra"; exit 1; }
+
+# A corpus of 12 files: lines of words drawn from a small list, some of them not ASCII.
+$py - "$scratch/corpus" <<'PY'
+import os, random, sys
+out = sys.argv[1]
+os.makedirs(out)
+words = ("the of and to in a is that for it as was with be by on not he this are or his from "
+         "at which but have an they you were her she there one all we their been has when who "
+         "will more no if out so said what up its about into than them can only other new some "
+         "could time these two may then do first any my now such like our over man me even most "
+         "café naïve über señor coöperate 東京 ☃").split()
+for i in range(12):
+    rng = random.Random(i)
+    lines = []
+    for _ in range(40):
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(5, 15))) + ".")
+    with open(os.path.join(out, f"doc{i:02d}.txt"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+PY
+
+# read_docs <prefix>: prints the documents of a dataset, one line of ids each.
+read_docs() {
+  $py - "$src/tools" "$1" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[1])
+import indexed_dataset
+for d in indexed_dataset.read(sys.argv[2]):
+    print(" ".join(str(int(t)) for t in d))
+PY
+}
+
+# no_dataset <prefix>: fails the case if anything was written at the prefix.
+no_dataset() {
+  local f
+  for f in "$1".bin "$1".idx "$1".bin.tmp "$1".idx.tmp; do
+    [[ ! -e "$f" ]] || fail "$f was left behind"
+  done
+}
+
+# ---- train-tokenizer -------------------------------------------------------------------------
+case=train_tokenizer
+"$data" train-tokenizer --input "$scratch/corpus" --vocab-size 300 --output "$scratch/spm" \
+  >"$scratch/train.out" 2>"$scratch/train.err" || fail "exit $?: $(cat "$scratch/train.err")"
+[[ -s "$scratch/spm.model" && -s "$scratch/spm.vocab" ]] || fail "no spm.model / spm.vocab"
+grep -q "vocabulary 300" "$scratch/train.out" || fail "summary: $(cat "$scratch/train.out")"
+spm="sentencepiece:$scratch/spm.model"
+
+# ---- tokenize text files ---------------------------------------------------------------------
+case=tokenize_text
+"$data" tokenize --tokenizer "$spm" --input "$scratch/corpus" --output "$scratch/text" \
+  --threads 1 >"$scratch/text.out" 2>"$scratch/text.err" ||
+  fail "exit $?: $(cat "$scratch/text.err")"
+grep -q "^documents: *12$" "$scratch/text.out" || fail "summary: $(cat "$scratch/text.out")"
+grep -q "^tokens per byte: " "$scratch/text.out" ||
+  fail "no tokens per byte: $(cat "$scratch/text.out")"
+read_docs "$scratch/text" >"$scratch/text.docs" || fail "the dataset does not read back"
+tokens=$(sed -n 's/^tokens: *\([0-9,]*\) .*/\1/p' "$scratch/text.out" | tr -d ,)
+$py - "$scratch/text.docs" "$tokens" <<'PY' || fail "documents do not end in the end-of-document id"
+import sys
+docs = [list(map(int, l.split())) for l in open(sys.argv[1])]
+assert len(docs) == 12, len(docs)
+assert sum(len(d) for d in docs) == int(sys.argv[2]), "summary token count"
+eod = docs[0][-1]
+# Every document ends in the same id and it occurs nowhere else: the tokenizer's EOD, appended.
+assert all(d[-1] == eod for d in docs)
+assert all(eod not in d[:-1] for d in docs)
+assert all(len(d) > 100 for d in docs)  # 40 lines of words each, a 300-piece vocabulary
+PY
+
+case=threads
+"$data" tokenize --tokenizer "$spm" --input "$scratch/corpus" --output "$scratch/text2" \
+  --threads 2 >/dev/null 2>&1 || fail "exit $?"
+cmp -s "$scratch/text.bin" "$scratch/text2.bin" || fail ".bin differs between 1 and 2 threads"
+cmp -s "$scratch/text.idx" "$scratch/text2.idx" || fail ".idx differs between 1 and 2 threads"
+
+# ---- the same texts as JSON lines, split 3,1 ---------------------------------------------------
+case=jsonl_split
+$py - "$scratch/corpus" "$scratch/corpus.jsonl" <<'PY'
+import json, os, sys
+d = sys.argv[1]
+with open(sys.argv[2], "w", encoding="utf-8") as f:
+    for name in sorted(os.listdir(d)):
+        text = open(os.path.join(d, name), encoding="utf-8").read()
+        f.write(json.dumps({"id": name, "content": text}) + "\n")
+PY
+"$data" tokenize --tokenizer "$spm" --input "$scratch/corpus.jsonl" --jsonl --json-key content \
+  --output "$scratch/js" --split 3,1 >"$scratch/js.out" 2>"$scratch/js.err" ||
+  fail "exit $?: $(cat "$scratch/js.err")"
+no_dataset "$scratch/js"
+read_docs "$scratch/js_train" >"$scratch/js_train.docs" || fail "no js_train"
+read_docs "$scratch/js_valid" >"$scratch/js_valid.docs" || fail "no js_valid"
+# Weights 3,1 deal train, train, valid, train, ...: valid gets documents 2, 6, 10 (0-based), and
+# each is tokenized exactly as from its text file.
+$py - "$scratch/text.docs" "$scratch/js_train.docs" "$scratch/js_valid.docs" <<'PY' || fail "split"
+import sys
+text, train, valid = (open(p).read().splitlines() for p in sys.argv[1:])
+assert valid == [text[i] for i in (2, 6, 10)], "valid part"
+assert train == [text[i] for i in range(12) if i not in (2, 6, 10)], "train part"
+PY
+
+# ---- from-llmc -------------------------------------------------------------------------------
+case=from_llmc
+# Two gpt-2 shards by llm.c's dev/data/data_common.py rules, a document continuing across them.
+$py - "$scratch" <<'PY'
+import sys
+import numpy as np
+def write_datafile(filename, toks):
+    header = np.zeros(256, dtype=np.int32)
+    header[0], header[1], header[2] = 20240520, 1, len(toks)
+    with open(filename, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.array(toks, dtype=np.uint16).tobytes())
+E = 50256
+write_datafile(sys.argv[1] + "/shard_000000.bin", [E, 10, 11, 12, E, 20, 21])
+write_datafile(sys.argv[1] + "/shard_000001.bin", [22, E, 30])
+PY
+"$data" from-llmc --input "$scratch/shard_000000.bin" "$scratch/shard_000001.bin" \
+  --output "$scratch/llmc" >"$scratch/llmc.out" 2>"$scratch/llmc.err" ||
+  fail "exit $?: $(cat "$scratch/llmc.err")"
+printf '10 11 12 50256\n20 21 22 50256\n30 50256\n' >"$scratch/llmc.want"
+read_docs "$scratch/llmc" | cmp -s - "$scratch/llmc.want" ||
+  fail "documents: $(read_docs "$scratch/llmc" | tr '\n' '|')"
+
+# ---- bad input: exit 2, the file (and line) named, nothing written ------------------------------
+# bad <case> <expected text on stderr> <output prefix> -- <tetra_data args...>
+bad() {
+  case="$1"
+  local text="$2" prefix="$3"
+  shift 4
+  "$data" "$@" >"$scratch/$case.out" 2>"$scratch/$case.err"
+  local rc=$?
+  [[ $rc -eq 2 ]] || fail "exit code $rc, expected 2; stderr: $(cat "$scratch/$case.err")"
+  grep -qF -- "$text" "$scratch/$case.err" ||
+    fail "stderr lacks '$text': $(cat "$scratch/$case.err")"
+  no_dataset "$prefix"
+}
+out="$scratch/bad_out"
+mkdir -p "$scratch/bad"
+printf 'fine\nalso fine\nthis is \xff not UTF-8\n' >"$scratch/bad/latin1.txt"
+bad bad_utf8 "latin1.txt:3: invalid UTF-8 at byte 23" "$out" -- \
+  tokenize --tokenizer "$spm" --input "$scratch/corpus" "$scratch/bad/latin1.txt" --output "$out"
+
+: >"$scratch/bad/empty.txt"
+bad empty_file "empty.txt: the file is empty" "$out" -- \
+  tokenize --tokenizer "$spm" --input "$scratch/bad/empty.txt" --output "$out"
+
+printf '{"text": "ok"}\n{"body": "no text"}\n' >"$scratch/bad/nokey.jsonl"
+bad jsonl_no_key 'nokey.jsonl:2: the object has no "text" field' "$out" -- \
+  tokenize --tokenizer "$spm" --input "$scratch/bad/nokey.jsonl" --jsonl --output "$out"
+
+printf '{"text": "ok"}\n{"text": "ok"}\n{"text": \n' >"$scratch/bad/broken.jsonl"
+bad jsonl_not_json "broken.jsonl:3: the line is not JSON" "$out" -- \
+  tokenize --tokenizer "$spm" --input "$scratch/bad/broken.jsonl" --jsonl --output "$out"
+
+printf '{"text": ["a", "list"]}\n' >"$scratch/bad/list.jsonl"
+bad jsonl_not_string 'list.jsonl:1: field "text" is a JSON array, not a string' "$out" -- \
+  tokenize --tokenizer "$spm" --input "$scratch/bad/list.jsonl" --jsonl --output "$out"
+
+bad unwritable_output "does not exist" "$scratch/no/such/dir/out" -- \
+  tokenize --tokenizer "$spm" --input "$scratch/corpus" --output "$scratch/no/such/dir/out"
+
+bad missing_input "nowhere.txt does not exist" "$out" -- \
+  tokenize --tokenizer "$spm" --input "$scratch/nowhere.txt" --output "$out"
+
+bad bad_tokenizer "nowhere.model" "$out" -- \
+  tokenize --tokenizer "sentencepiece:$scratch/nowhere.model" --input "$scratch/corpus" \
+  --output "$out"
+
+bad too_small_split "valid part got none" "$scratch/small" -- \
+  tokenize --tokenizer "$spm" --input "$scratch/corpus/doc00.txt" --split 98,2 \
+  --output "$scratch/small"
+no_dataset "$scratch/small_train"
+no_dataset "$scratch/small_valid"
+
+bad bad_split "--split 98:" "$out" -- \
+  tokenize --tokenizer "$spm" --input "$scratch/corpus" --split 98 --output "$out"
+
+head -c 2048 /dev/zero >"$scratch/bad/zeros.bin"
+bad llmc_bad_magic "zeros.bin: byte 0: bad magic 0" "$out" -- \
+  from-llmc --input "$scratch/bad/zeros.bin" --output "$out"
+
+head -c 1030 "$scratch/shard_000000.bin" >"$scratch/bad/cut.bin"
+bad llmc_cut "cut.bin: byte 8: the header promises 7 tokens" "$out" -- \
+  from-llmc --input "$scratch/bad/cut.bin" --output "$out"
+
+bad no_subcommand "subcommand" "$out" --
+bad missing_output "--output" "$out" -- tokenize --tokenizer "$spm" --input "$scratch/corpus"
+bad json_key_needs_jsonl "--jsonl" "$out" -- \
+  tokenize --tokenizer "$spm" --input "$scratch/corpus" --json-key body --output "$out"
+
+finish "tetra_data cases"

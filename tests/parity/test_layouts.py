@@ -1,0 +1,195 @@
+"""Parallelism is invisible: every layout reproduces the single-rank run.
+
+For a GPT-2-style and a Llama-style (GQA, RoPE, SwiGLU, untied) tiny config, Tetra trains 20
+steps single-rank, then under `mpirun` on layouts over dp in {1,2,4} and tp in {1,2,4}, with and
+without sequence parallelism and the distributed optimizer, with gradient accumulation (global
+batch 8 of micro-batches of 2: 4, 2 or 1 micro-batches per DP rank) and small gradient buckets (so
+several buckets overlap backward). Checks, per layout:
+  - the loss of every step matches the single-rank run (LOSS_RTOL), and so do the gradient norms;
+  - every parameter's step-0 gradient (dumped as the global tensor, the TP slices gathered)
+    matches the single-rank gradient (GRAD_RTOL, per tensor);
+  - in every step, each group's measured communication equals the layout's prediction exactly
+    (metrics.jsonl "comm": calls and payload bytes per operation), and a group of size > 1 did
+    communicate;
+  - in bf16, a few layouts against the single-rank bf16 run (BF16_RTOL).
+Guard against a vacuous pass: the single-rank loss must fall, and the layouts must really be
+parallel (metrics report communication for tp and dp groups of size > 1).
+
+Usage: /usr/bin/python3 test_layouts.py --tetra BIN --workdir DIR [--quick]
+"""
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "reference"))
+from safetensors_io import read_safetensors  # noqa: E402
+
+# ---- tolerances ---------------------------------------------------------------------------------
+# A parallel layout computes the same sums in a different order: the vocab-parallel softmax adds
+# per-slice partial sums, row-parallel GEMMs add per-rank partial products, data parallelism adds
+# per-rank partial gradients. Each reordering changes a result by a few fp32 roundings
+# (u = 6e-8) relative to its magnitude; through ~30 ops of two blocks the loss moves by ~1e-7 and
+# a gradient tensor by ~1e-6 relative (measured: ~1e-7 and ~3e-7). Over 20 Adam steps a relative
+# gradient difference e changes each update by ~e * lr, and the losses stay within ~1e-6
+# (measured). 1e-5 leaves a margin of 10x; real mistakes sit far above it: a bias added on every
+# TP rank instead of one, a missing all-reduce of sequence-parallel norm gradients, or a DP shard
+# updated twice each move the loss by >1e-3 within a few steps.
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-5
+# bf16: activations and weights are rounded to 8 bits of mantissa (u = 2^-9 = 2e-3), and the
+# layouts round at different points (a row-parallel all-reduce sums bf16 partial products), so
+# the curves may separate by a few units of bf16 rounding of the loss: 2e-2 relative over 20
+# steps (measured: < 5e-3).
+BF16_RTOL = 2e-2
+
+STEPS = 20
+MODELS = {
+    "gpt2": {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 64, "num_heads": 8,
+             "ffn_hidden_size": 128},
+    "llama": {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 64, "num_heads": 8,
+              "num_kv_heads": 4, "ffn_hidden_size": 96, "norm": "rmsnorm", "activation": "swiglu",
+              "position": "rope", "tie_embeddings": False, "bias": False},
+}
+# (dp, tp, sequence_parallel, distributed_optimizer)
+LAYOUTS = [
+    (1, 2, False, False), (1, 4, False, False), (1, 2, True, False), (1, 4, True, False),
+    (2, 1, False, False), (4, 1, False, False), (2, 1, False, True), (4, 1, False, True),
+    (2, 2, False, False), (2, 2, True, True), (4, 2, False, True), (2, 4, True, True),
+]
+QUICK_LAYOUTS = [(1, 2, True, False), (2, 1, False, True), (2, 2, True, True)]
+BF16_LAYOUTS = [(1, 2, True, False), (2, 1, False, True), (2, 2, True, True)]
+
+failures = []
+
+
+def check(ok, what):
+    print(("PASS " if ok else "FAIL ") + what, flush=True)
+    if not ok:
+        failures.append(what)
+
+
+def config(model, precision):
+    return {
+        "model": MODELS[model],
+        "training": {"micro_batch_size": 2, "global_batch_size": 8, "steps": STEPS, "threads": 1,
+                     "peak_gflops": 100, "precision": precision, "seed": 7},
+        "optimizer": {"lr": 1e-2, "warmup_steps": 3, "grad_clip": 1.0, "weight_decay": 0.1},
+        "parallel": {"bucket_size": 3000},
+        "data": {"synthetic": True},
+        "logging": {"level": "warn"},
+    }
+
+
+def run(args, name, cfg, layout):
+    dp, tp, sp, dist_opt = layout
+    out = os.path.join(args.workdir, name)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    path = os.path.join(out, "config.json")
+    cfg = json.loads(json.dumps(cfg))
+    cfg["parallel"].update({"dp": dp, "tp": tp, "sequence_parallel": sp, "distributed_optimizer": dist_opt})
+    cfg["logging"]["dir"] = out
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    cmd = [args.tetra, "--config", path, "--dump-dir", os.path.join(out, "dump")]
+    world = dp * tp
+    if world > 1:
+        cmd = [args.mpirun, "--oversubscribe", "-np", str(world)] + cmd
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    if r.returncode != 0:
+        print(r.stdout[-3000:], r.stderr[-3000:])
+        check(False, f"{name}: exit code {r.returncode}")
+        return None
+    steps = []
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        for line in f:
+            j = json.loads(line)
+            if "step" in j:
+                steps.append(j)
+    grads = read_safetensors(os.path.join(out, "dump", "grads_step0.safetensors"))[0]
+    return steps, grads
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def compare(name, ref, got, layout, rtol, grads=True):
+    ref_steps, ref_grads = ref
+    steps, g = got
+    check(len(steps) == STEPS, f"{name}: {len(steps)} steps logged")
+    worst = max(rel(s["loss"], r["loss"]) for s, r in zip(steps, ref_steps))
+    check(worst <= rtol, f"{name}: losses of {STEPS} steps within {rtol:g} (worst {worst:.2e})")
+    worst_norm = max(rel(s["grad_norm"], r["grad_norm"]) for s, r in zip(steps, ref_steps))
+    check(worst_norm <= 10 * rtol, f"{name}: gradient norms within {10 * rtol:g} (worst {worst_norm:.2e})")
+    if grads:
+        check(sorted(g) == sorted(ref_grads), f"{name}: the same {len(ref_grads)} gradient tensors")
+        worst_t, worst_name = 0.0, ""
+        for k, r in ref_grads.items():
+            if k not in g or g[k].shape != r.shape:
+                check(False, f"{name}: gradient {k} missing or of another shape")
+                continue
+            e = float(np.linalg.norm(g[k] - r) / max(np.linalg.norm(r), 1e-30))
+            if e > worst_t:
+                worst_t, worst_name = e, k
+        check(worst_t <= rtol, f"{name}: step-0 gradient of every tensor within {rtol:g} "
+                               f"(worst {worst_t:.2e}, {worst_name})")
+    dp, tp = layout[0], layout[1]
+    ok, seen = True, set()
+    for s in steps:
+        for group, c in s.get("comm", {}).items():
+            seen.add(group)
+            if not c["match"] or c["measured"] != c["predicted"]:
+                ok = False
+                print(f"  step {s['step']} {group}: measured {c['measured']} predicted {c['predicted']}")
+    expected = {g for g, n in (("tp", tp), ("dp", dp)) if n > 1}
+    check(ok and seen == expected, f"{name}: measured communication equals the prediction in every "
+                                   f"step (groups {sorted(seen)})")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tetra", required=True)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--mpirun", default=shutil.which("mpirun") or "mpirun")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    layouts = QUICK_LAYOUTS if args.quick else LAYOUTS
+    for model in MODELS:
+        ref = run(args, f"{model}_single", config(model, "fp32"), (1, 1, False, False))
+        if ref is None:
+            continue
+        losses = [s["loss"] for s in ref[0]]
+        check(losses[-1] < losses[0] - 0.1, f"{model}: single-rank loss falls ({losses[0]:.4f} -> {losses[-1]:.4f})")
+        for layout in layouts:
+            dp, tp, sp, dist_opt = layout
+            name = f"{model}_dp{dp}_tp{tp}{'_sp' if sp else ''}{'_distopt' if dist_opt else ''}"
+            got = run(args, name, config(model, "fp32"), layout)
+            if got is not None:
+                compare(name, ref, got, layout, LOSS_RTOL)
+        ref16 = run(args, f"{model}_single_bf16", config(model, "bf16"), (1, 1, False, False))
+        if ref16 is None:
+            continue
+        gap = max(rel(a["loss"], b["loss"]) for a, b in zip(ref16[0], ref[0]))
+        check(gap > 0, f"{model}: the bf16 run differs from fp32 (max {gap:.2e}): it really is bf16")
+        for layout in BF16_LAYOUTS:
+            dp, tp, sp, dist_opt = layout
+            name = f"{model}_bf16_dp{dp}_tp{tp}{'_sp' if sp else ''}{'_distopt' if dist_opt else ''}"
+            got = run(args, name, config(model, "bf16"), layout)
+            if got is not None:
+                compare(name, ref16, got, layout, BF16_RTOL, grads=False)
+    print(f"{len(failures)} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

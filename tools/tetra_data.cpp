@@ -1,0 +1,242 @@
+// tetra_data: prepares the token datasets tetra trains on.
+//
+//   tetra_data tokenize --tokenizer gpt2:<dir>|sentencepiece:<model> --input <files/dirs...>
+//                       [--jsonl [--json-key text]] --output <prefix> [--threads N] [--split 98,2]
+//   tetra_data train-tokenizer --input <files/dirs...> [--vocab-size 4096] --output <prefix>
+//   tetra_data from-llmc --input <shard.bin/dirs...> --output <prefix> [--eot ID]
+//
+// The work is done by the library (trainer/data/prepare*.h); this file parses the command line,
+// draws progress on stderr (a bar on a terminal, a line every few seconds otherwise) and prints
+// the summary on stdout.
+//
+// Exit codes: 0 success; 2 bad input (command line, input files, output path), the message naming
+// the file and line; 1 any other failure.
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "trainer/core/check.h"
+#include "trainer/data/prepare.h"
+#include "trainer/data/prepare_input.h"
+#include "trainer/data/prepare_llmc.h"
+#include "trainer/data/tokenizer.h"
+
+namespace {
+
+std::string grouped(int64_t n) {  // 1234567 -> "1,234,567"
+  std::string digits = std::to_string(n < 0 ? -n : n), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return n < 0 ? "-" + out : out;
+}
+
+std::string human(double n) {  // 1234567 -> "1.23M"
+  if (n >= 1e9) return fmt::format("{:.2f}G", n / 1e9);
+  if (n >= 1e6) return fmt::format("{:.2f}M", n / 1e6);
+  if (n >= 1e3) return fmt::format("{:.1f}K", n / 1e3);
+  return fmt::format("{:.0f}", n);
+}
+
+std::string clock_time(double seconds) {  // 3725 -> "1:02:05"
+  const auto s = static_cast<int64_t>(std::llround(std::max(0.0, seconds)));
+  return fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60);
+}
+
+// Progress on stderr: on a terminal a bar redrawn in place; otherwise (a log file, a pipe) a
+// plain line at most every kLineInterval seconds.
+class ProgressDisplay {
+ public:
+  static constexpr double kBarInterval = 0.2, kLineInterval = 10.0;
+
+  explicit ProgressDisplay(std::string what)
+      : what_(std::move(what)), tty_(::isatty(::fileno(stderr)) == 1) {}
+  double interval() const { return tty_ ? kBarInterval : kLineInterval; }
+
+  void operator()(const tetra::PrepareProgress& p) {
+    const double frac = p.bytes_total > 0
+                            ? static_cast<double>(p.bytes_done) / static_cast<double>(p.bytes_total)
+                            : 1.0;
+    const double secs = std::max(p.seconds, 1e-9);
+    const double mbps = static_cast<double>(p.bytes_done) / 1e6 / secs;
+    const double tps = static_cast<double>(p.tokens) / secs;
+    const double bytes_per_s = static_cast<double>(p.bytes_done) / secs;
+    const std::string eta =
+        p.done ? "done in " + clock_time(p.seconds)
+               : (bytes_per_s > 0
+                      ? "ETA " + clock_time(static_cast<double>(p.bytes_total - p.bytes_done) /
+                                            bytes_per_s)
+                      : std::string("ETA ?"));
+    if (tty_) {
+      constexpr int kWidth = 30;
+      const int filled = static_cast<int>(frac * kWidth);
+      std::fprintf(stderr, "\r%s [%s%s] %5.1f%%  %.1f MB/s  %s tokens/s  %s   ", what_.c_str(),
+                   std::string(filled, '#').c_str(), std::string(kWidth - filled, '.').c_str(),
+                   100.0 * frac, mbps, human(tps).c_str(), eta.c_str());
+      if (p.done) std::fputc('\n', stderr);
+      drawn_ = !p.done;
+    } else if (!p.done) {
+      std::fprintf(stderr, "%s: %.1f%% of %.1f MB, %.1f MB/s, %s tokens/s, %s\n", what_.c_str(),
+                   100.0 * frac, static_cast<double>(p.bytes_total) / 1e6, mbps, human(tps).c_str(),
+                   eta.c_str());
+    }
+    std::fflush(stderr);
+  }
+
+  // Ends the bar's line should the run stop before its last progress call (an error).
+  ~ProgressDisplay() {
+    if (drawn_) std::fputc('\n', stderr);
+  }
+
+ private:
+  std::string what_;
+  bool tty_;
+  bool drawn_ = false;
+};
+
+void print_summary(const tetra::PrepareSummary& s) {
+  for (const tetra::PreparedDataset& d : s.datasets)
+    fmt::print("wrote {}.bin and {}.idx: {} documents, {} tokens\n", d.prefix, d.prefix,
+               grouped(d.documents), grouped(d.tokens));
+  const double secs = std::max(s.seconds, 1e-9);
+  fmt::print("files:            {}\n", grouped(s.files));
+  fmt::print("documents:        {}\n", grouped(s.documents));
+  fmt::print("tokens:           {} ({}, one end-of-document token per document)\n",
+             grouped(s.tokens), s.dtype);
+  if (s.text_bytes > 0) {
+    fmt::print("bytes:            {} of text ({:.2f} MB)\n", grouped(s.text_bytes),
+               static_cast<double>(s.text_bytes) / 1e6);
+    fmt::print("tokens per byte:  {:.4f} ({:.2f} bytes per token)\n", s.tokens_per_byte(),
+               1.0 / std::max(s.tokens_per_byte(), 1e-12));
+  } else {
+    fmt::print("bytes:            {} read ({:.2f} MB)\n", grouped(s.input_bytes),
+               static_cast<double>(s.input_bytes) / 1e6);
+  }
+  fmt::print("time:             {:.2f} s ({:.1f} MB/s, {} tokens/s)\n", s.seconds,
+             static_cast<double>(s.input_bytes) / 1e6 / secs,
+             human(static_cast<double>(s.tokens) / secs));
+}
+
+std::vector<std::string> paths_of(const std::vector<tetra::InputFile>& files) {
+  std::vector<std::string> out;
+  for (const tetra::InputFile& f : files) out.push_back(f.path);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "tetra_data: tokenizes text into the Megatron indexed datasets (PREFIX.bin + "
+      "PREFIX.idx) that tetra trains on"};
+  app.require_subcommand(1);
+
+  // ---- tokenize --------------------------------------------------------------------------------
+  tetra::TokenizeOptions tok;
+  std::string tokenizer_spec, split_spec;
+  bool jsonl = false;
+  CLI::App* tokenize = app.add_subcommand(
+      "tokenize", "tokenize documents (a file each, or a JSON line each) into a dataset");
+  tokenize->add_option("--tokenizer", tokenizer_spec, "gpt2:<dir> or sentencepiece:<model file>")
+      ->required();
+  tokenize->add_option("--input", tok.inputs, "text files, JSONL files or directories of them")
+      ->required();
+  CLI::Option* jsonl_flag =
+      tokenize->add_flag("--jsonl", jsonl, "inputs hold one JSON object per line");
+  tokenize->add_option("--json-key", tok.json_key, "JSONL: the field that holds the text")
+      ->capture_default_str()
+      ->needs(jsonl_flag);
+  tokenize->add_option("--output", tok.output_prefix, "output prefix: writes PREFIX.bin, .idx")
+      ->required();
+  tokenize->add_option("--threads", tok.threads, "tokenizer threads (0: all hardware threads)")
+      ->capture_default_str();
+  tokenize->add_option("--split", split_spec,
+                       "weights train,valid[,test], e.g. 98,2: writes PREFIX_train, "
+                       "PREFIX_valid[, PREFIX_test], dealing documents in a fixed pattern");
+
+  // ---- train-tokenizer -------------------------------------------------------------------------
+  std::vector<std::string> spm_inputs;
+  std::string spm_output;
+  tetra::SentencePieceTrainOptions spm;
+  CLI::App* train =
+      app.add_subcommand("train-tokenizer", "train a SentencePiece (BPE) tokenizer on text files");
+  train->add_option("--input", spm_inputs, "UTF-8 text files or directories of them")->required();
+  train->add_option("--vocab-size", spm.vocab_size, "vocabulary size")->capture_default_str();
+  train->add_option("--output", spm_output, "model prefix: writes PREFIX.model and PREFIX.vocab")
+      ->required();
+  train->add_option("--threads", spm.threads, "trainer threads (0: all hardware threads)")
+      ->capture_default_str();
+  train
+      ->add_option("--character-coverage", spm.character_coverage,
+                   "share of characters the vocabulary covers")
+      ->capture_default_str();
+  train
+      ->add_option("--max-sentences", spm.max_sentences,
+                   "train on at most this many lines (0: all)")
+      ->capture_default_str();
+
+  // ---- from-llmc -------------------------------------------------------------------------------
+  tetra::LlmcOptions llmc;
+  CLI::App* from_llmc = app.add_subcommand(
+      "from-llmc", "convert llm.c token shards (.bin with a 256-int32 header) into a dataset");
+  from_llmc->add_option("--input", llmc.inputs, "shard files, or directories of *.bin shards")
+      ->required();
+  from_llmc->add_option("--output", llmc.output_prefix, "output prefix: writes PREFIX.bin, .idx")
+      ->required();
+  from_llmc->add_option("--eot", llmc.eot,
+                        "the token that starts every document (default: 50256 for gpt-2 shards, "
+                        "128000 for llama-3 shards)");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+
+  try {
+    if (*tokenize) {
+      if (!split_spec.empty()) tok.split = tetra::parse_split(split_spec);
+      tok.format = jsonl ? tetra::DocumentFormat::JSONL : tetra::DocumentFormat::TEXT;
+      const std::unique_ptr<tetra::Tokenizer> tokenizer = tetra::load_tokenizer(tokenizer_spec);
+      ProgressDisplay display("tokenize");
+      tok.progress = [&](const tetra::PrepareProgress& p) { display(p); };
+      tok.progress_interval_s = display.interval();
+      print_summary(tetra::tokenize_to_dataset(*tokenizer, tok));
+    } else if (*train) {
+      for (std::string_view ext : {".model", ".vocab"}) {
+        TETRA_INPUT_CHECK(!spm_output.ends_with(ext),
+                          "--output {} ends in {}: it is a prefix (PREFIX.model and PREFIX.vocab "
+                          "are written); did you mean {}?",
+                          spm_output, ext, spm_output.substr(0, spm_output.size() - ext.size()));
+      }
+      tetra::check_output_prefix(spm_output, "--output");
+      const std::vector<tetra::InputFile> files = tetra::list_input_files(spm_inputs);
+      tetra::check_text_files(files);
+      tetra::train_sentencepiece(paths_of(files), spm_output, spm);
+      const std::string model = spm_output + ".model";
+      const std::unique_ptr<tetra::Tokenizer> t = tetra::load_tokenizer("sentencepiece:" + model);
+      fmt::print("wrote {} and {}.vocab: {}, vocabulary {}, end-of-document id {}\n", model,
+                 spm_output, t->name(), grouped(t->vocab_size()), t->eod_id());
+    } else if (*from_llmc) {
+      ProgressDisplay display("from-llmc");
+      llmc.progress = [&](const tetra::PrepareProgress& p) { display(p); };
+      llmc.progress_interval_s = display.interval();
+      print_summary(tetra::convert_llmc_shards(llmc));
+    }
+    return 0;
+  } catch (const tetra::InputError& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}

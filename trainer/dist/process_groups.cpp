@@ -1,0 +1,52 @@
+// ProcessGroups::create: one make_mpi_communicator call per group kind, in a fixed order.
+#include "trainer/dist/process_groups.h"
+
+#include <mpi.h>
+
+#include "trainer/core/check.h"
+#include "trainer/dist/bootstrap.h"
+#include "trainer/dist/mpi_communicator.h"
+
+namespace tetra {
+
+ProcessGroups ProcessGroups::create(const RankGrid& grid, int rank) {
+  int world = 1, mpi_rank = 0;
+  if (dist_initialized()) {
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    MPI_Comm_rank(MPI_COMM_WORLD, &mpi_rank);
+  }
+  TETRA_CHECK(grid.world() == world, "the rank grid has {} ranks but MPI runs {} processes", grid.world(), world);
+  TETRA_CHECK(rank == mpi_rank, "ProcessGroups::create for rank {} on MPI rank {}", rank, mpi_rank);
+  ProcessGroups g;
+  g.grid = grid;
+  g.coord = grid.coord(rank);
+  g.rank = rank;
+  const auto make = [&](GroupKind kind) {
+    return make_mpi_communicator(group_kind_name(kind), grid.group(kind, rank));
+  };
+  g.tp = make(GroupKind::TP);
+  g.pp = make(GroupKind::PP);
+  g.dp = make(GroupKind::DP);
+  g.ep = make(GroupKind::EP);
+  g.edp = make(GroupKind::EDP);
+  g.mp = make(GroupKind::MP);
+  g.embedding = make(GroupKind::EMBEDDING);
+  g.world = make(GroupKind::WORLD);
+  return g;
+}
+
+Communicator& ProcessGroups::get(GroupKind kind) const {
+  switch (kind) {
+    case GroupKind::TP: return *tp;
+    case GroupKind::PP: return *pp;
+    case GroupKind::DP: return *dp;
+    case GroupKind::EP: return *ep;
+    case GroupKind::EDP: return *edp;
+    case GroupKind::MP: return *mp;
+    case GroupKind::EMBEDDING: return *embedding;
+    case GroupKind::WORLD: return *world;
+  }
+  throw Error("ProcessGroups::get: unknown group kind");
+}
+
+}  // namespace tetra

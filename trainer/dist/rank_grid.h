@@ -1,0 +1,70 @@
+// The rank grid: which global rank holds which (tp, pp, dp) coordinate, and which ranks form each
+// process group. A pure function of the sizes and an order string — no communication — so every
+// rank computes the same grid and every group the code uses is derived from it.
+//
+// Megatron's convention. world = tp x pp x dp. The order string names the three axes joined by
+// '-', fastest-varying first. With the default "tp-dp-pp":
+//
+//   rank = tp + TP * (dp + DP * pp)
+//
+// so tensor-parallel neighbours are adjacent ranks (they share a node). In general, for order
+// "a-b-c": rank = a + A * (b + B * c).
+//
+// Expert parallelism is carved out of data parallelism: ep divides dp and the data-parallel
+// coordinate splits into an inner expert-parallel part and an outer expert-data-parallel part,
+//
+//   ep = dp % EP,  edp = dp / EP          (dp = edp * EP + ep)
+//
+// Groups (members listed in group-rank order):
+//   TP  vary tp            (same dp, pp)        PP  vary pp   (same tp, dp)
+//   DP  vary dp            (same tp, pp)        EP  vary ep   (same tp, pp, edp)
+//   EDP vary edp           (same tp, pp, ep)    WORLD every rank, 0 .. world-1
+//   MP  model parallel: vary tp and pp (same dp), tp fastest then pp
+//   EMBEDDING  the first and last pipeline stage of the rank's (tp, dp): the ranks holding the
+//       input embedding and the output projection, whose tied weights' grads are summed. One
+//       member when pp == 1. A middle stage holds no embedding: its group is itself alone, so
+//       every rank is in exactly one group of each kind and its communicator is a no-op.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tetra {
+
+struct GridSizes {
+  int64_t world = 1, tp = 1, pp = 1, dp = 1, ep = 1;
+  std::string order = "tp-dp-pp";
+};
+
+struct GridCoord {
+  int tp = 0, pp = 0, dp = 0, ep = 0, edp = 0;  // ep = dp % ep_size, edp = dp / ep_size
+};
+
+enum class GroupKind : uint8_t { TP, PP, DP, EP, EDP, MP, EMBEDDING, WORLD };
+constexpr int kGroupKinds = 8;
+const char* group_kind_name(GroupKind kind);  // "tp", "pp", "dp", "ep", "edp", "mp", "embedding", "world"
+
+class RankGrid {
+ public:
+  // Validates the sizes and the order string; throws tetra::InputError naming the values.
+  static RankGrid build(const GridSizes& s);
+
+  const GridSizes& sizes() const { return sizes_; }
+  int world() const { return static_cast<int>(sizes_.world); }
+
+  GridCoord coord(int rank) const;
+  int rank_of(int tp, int dp, int pp) const;
+
+  // Members (global ranks) of `rank`'s group of this kind, in group-rank order.
+  std::vector<int> group(GroupKind kind, int rank) const;
+  // Every group of this kind, each once, ordered by their smallest member.
+  std::vector<std::vector<int>> groups(GroupKind kind) const;
+
+ private:
+  enum Axis { AXIS_TP = 0, AXIS_DP = 1, AXIS_PP = 2 };
+  GridSizes sizes_;
+  int64_t stride_[3] = {1, 1, 1};  // rank stride of each axis, indexed by Axis
+};
+
+}  // namespace tetra
