@@ -315,7 +315,7 @@ TEST_CASE("vocab-parallel cross-entropy reproduces cross_entropy and a double re
   }
 }
 
-TEST_CASE("vocab-parallel cross-entropy: a NaN logit poisons its row only; bad arguments throw",
+TEST_CASE("vocab-parallel cross-entropy: a NaN logit poisons its row only, bad arguments throw",
           "[kernels][vocab_parallel]") {
   auto be = tetra::make_cpu_backend(2);
   const CeCase c;

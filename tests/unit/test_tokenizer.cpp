@@ -311,6 +311,10 @@ TEST_CASE("gpt2: fixed vectors from an independent implementation", "[tokenizer]
         20688, 13, 785,   14,   64,    30,  65,    28,    66,   5,    67,   28,    68}},
       {"Fellow-Citizens of the Senate and House of Representatives:",
        {37, 5037, 12, 34, 34100, 286, 262, 3845, 290, 2097, 286, 17132, 25}},
+      // Unicode spaces: no-break, ideographic; U+180E is no longer one (PCRE2's \s says it is).
+      {"a\u00a0\u00a0b \u00a0x", {64, 1849, 1849, 65, 220, 1849, 87}},
+      {"a\u3000\u3000b \u3000x", {64, 5099, 222, 5099, 222, 65, 220, 5099, 222, 87}},
+      {"a\u180e\u180eb \u180ex", {64, 157, 254, 236, 157, 254, 236, 65, 28053, 254, 236, 87}},
   };
   for (const auto& [text, expected] : cases) {
     INFO("text: " << text);

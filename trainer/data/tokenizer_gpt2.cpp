@@ -4,8 +4,10 @@
 // encode(text):
 //   1. Pre-tokenisation: the text is cut into pieces by OpenAI's regex
 //        's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
-//      compiled with PCRE2 in UTF + UCP mode (\s, \p{L}, \p{N} by Unicode properties) and JIT.
-//      Every character matches some alternative, so the pieces tile the text.
+//      compiled with PCRE2 in UTF + UCP mode (\p{L}, \p{N} by Unicode properties) and JIT.
+//      Every character matches some alternative, so the pieces tile the text. \s is spelled out
+//      as Unicode's White_Space set, what \s means to tiktoken (OpenAI's Rust implementation);
+//      PCRE2's own \s also takes U+180E MONGOLIAN VOWEL SEPARATOR, a space only before Unicode 6.3.
 //   2. Each piece's UTF-8 bytes go through BPE: start from one symbol per byte; repeatedly take the
 //      adjacent pair with the lowest merge rank (its line in vocab.bpe) and merge every occurrence
 //      of it, left to right, without overlap; stop when no adjacent pair has a rank.
@@ -27,13 +29,12 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
-#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cerrno>
-#include <climits>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <queue>
 #include <sstream>
 #include <unordered_map>
@@ -46,8 +47,13 @@
 namespace tetra {
 namespace {
 
+// OpenAI's pattern with \s as [WS] and \S as [^WS], WS = Unicode's White_Space characters.
+#define TETRA_WS \
+  R"(\t\n\x0B\f\r\x20\x85\xA0\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000})"
 constexpr const char* kPretokenizePattern =
-    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^)" TETRA_WS R"(\p{L}\p{N}]+|[)" TETRA_WS
+    R"(]+(?![^)" TETRA_WS R"(])|[)" TETRA_WS R"(]+)";
+#undef TETRA_WS
 constexpr size_t kShortPiece = 64;         // longest piece for the literal BPE loop (bytes)
 constexpr size_t kCacheMaxPiece = 64;      // longest piece kept in the cache (bytes)
 constexpr size_t kCacheMaxEntries = 1 << 16;

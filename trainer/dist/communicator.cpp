@@ -26,6 +26,12 @@ double CommStats::total_sent() const {
   return total;
 }
 
+double CommStats::total_blocked_s() const {
+  double total = 0.0;
+  for (double t : blocked_s) total += t;
+  return total;
+}
+
 void CommStats::reset() { *this = CommStats{}; }
 
 void account_call(CommStats& stats, CommOp op, int group_size, int64_t payload_bytes) {

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -55,11 +56,15 @@ const char* comm_op_name(CommOp op);
 //     all_to_all (p-1)/p of its send buffer (the part for other ranks; exact for all_to_all_v:
 //     the bytes addressed to other ranks), broadcast payload on every rank but the ring's last
 //     (counted as payload on each rank, the pipelined-ring bound), send payload, recv 0.
+//   blocked_s: seconds the calling thread spent waiting for results (blocking calls, and waits on
+//     asynchronous ones through Communicator::wait): the communication time compute did not hide.
 struct CommStats {
   std::array<int64_t, kCommOps> calls{};
   std::array<int64_t, kCommOps> payload_bytes{};
   std::array<double, kCommOps> sent_bytes{};
+  std::array<double, kCommOps> blocked_s{};
   double total_sent() const;
+  double total_blocked_s() const;
   void reset();
 };
 
@@ -106,28 +111,42 @@ class Communicator {
   virtual void group_end() = 0;
   virtual void barrier() = 0;
 
+  // Waits for `work`, an operation of kind `op` issued on this communicator, and counts the time
+  // blocked in stats().blocked_s.
+  void wait(Work& work, CommOp op) {
+    const auto t0 = std::chrono::steady_clock::now();
+    work.wait();
+    stats_.blocked_s[static_cast<int>(op)] +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
   // Blocking forms.
   void all_reduce(void* buf, int64_t count, DType type, ReduceOp op = ReduceOp::SUM) {
-    all_reduce_async(buf, count, type, op)->wait();
+    wait(*all_reduce_async(buf, count, type, op), CommOp::ALL_REDUCE);
   }
   void reduce_scatter(void* recv, const void* send, int64_t recv_count, DType type,
                       ReduceOp op = ReduceOp::SUM) {
-    reduce_scatter_async(recv, send, recv_count, type, op)->wait();
+    wait(*reduce_scatter_async(recv, send, recv_count, type, op), CommOp::REDUCE_SCATTER);
   }
   void all_gather(void* recv, const void* send, int64_t send_count, DType type) {
-    all_gather_async(recv, send, send_count, type)->wait();
+    wait(*all_gather_async(recv, send, send_count, type), CommOp::ALL_GATHER);
   }
   void all_to_all_v(const void* send, const std::vector<int64_t>& send_counts,
                     const std::vector<int64_t>& send_offsets, void* recv,
                     const std::vector<int64_t>& recv_counts,
                     const std::vector<int64_t>& recv_offsets, DType type) {
-    all_to_all_v_async(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, type)->wait();
+    wait(*all_to_all_v_async(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, type),
+         CommOp::ALL_TO_ALL);
   }
   void broadcast(void* buf, int64_t count, DType type, int root) {
-    broadcast_async(buf, count, type, root)->wait();
+    wait(*broadcast_async(buf, count, type, root), CommOp::BROADCAST);
   }
-  void send(const void* buf, int64_t count, DType type, int peer) { send_async(buf, count, type, peer)->wait(); }
-  void recv(void* buf, int64_t count, DType type, int peer) { recv_async(buf, count, type, peer)->wait(); }
+  void send(const void* buf, int64_t count, DType type, int peer) {
+    wait(*send_async(buf, count, type, peer), CommOp::SEND);
+  }
+  void recv(void* buf, int64_t count, DType type, int peer) {
+    wait(*recv_async(buf, count, type, peer), CommOp::RECV);
+  }
 
   const CommStats& stats() const { return stats_; }
   CommStats& stats() { return stats_; }

@@ -10,6 +10,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <mutex>
 
 #include <fmt/format.h>
@@ -93,6 +94,24 @@ struct MpiGroup {
 
   int size() const { return static_cast<int>(members.size()); }
 
+  // Completes non-blocking requests without holding a core: MPI_Test in a short spin (latency of
+  // small collectives), then with sleeps growing to 100 us. A blocking MPI call would busy-poll
+  // for the whole operation, and with one rank per core that takes half the core from the
+  // compute it is meant to overlap (measured: 2x slower steps under data parallelism on 2 cores).
+  void complete(MPI_Request* requests, int n, const char* op) const {
+    int done = 0;
+    long sleep_ns = 1000;
+    for (int spin = 0;; ++spin) {
+      check(MPI_Testall(n, requests, &done, MPI_STATUSES_IGNORE), op);
+      if (done) return;
+      if (spin < 200) continue;
+      const timespec ts{0, sleep_ns};
+      nanosleep(&ts, nullptr);
+      sleep_ns = std::min(sleep_ns * 2, 100000L);
+    }
+  }
+  void complete(MPI_Request request, const char* op) const { complete(&request, 1, op); }
+
   void check(int rc, const char* op) const {
     if (rc == MPI_SUCCESS) return;
     throw Error(fmt::format("{} on group '{}' (rank {} of {}, global rank {}) failed: {}", op, name, rank, size(),
@@ -142,7 +161,9 @@ class MpiCommunicator final : public Communicator {
     const int n = to_int(count, "count", "all_reduce");
     account_call(stats_, CommOp::ALL_REDUCE, size(), count * bytes(type));
     return enqueue("all_reduce", [=](MpiGroup& g) {
-      g.check(MPI_Allreduce(MPI_IN_PLACE, buf, n, mpi_type(type), mpi_op(op, type), g.comm), "all_reduce");
+      MPI_Request r;
+      g.check(MPI_Iallreduce(MPI_IN_PLACE, buf, n, mpi_type(type), mpi_op(op, type), g.comm, &r), "all_reduce");
+      g.complete(r, "all_reduce");
     });
   }
 
@@ -159,7 +180,10 @@ class MpiCommunicator final : public Communicator {
     return enqueue("reduce_scatter", [=](MpiGroup& g) {
       if (in_place && g.scratch.size() < block) g.scratch.resize(block);
       void* out = in_place ? g.scratch.data() : recv;
-      g.check(MPI_Reduce_scatter_block(send, out, n, mpi_type(type), mpi_op(op, type), g.comm), "reduce_scatter");
+      MPI_Request r;
+      g.check(MPI_Ireduce_scatter_block(send, out, n, mpi_type(type), mpi_op(op, type), g.comm, &r),
+              "reduce_scatter");
+      g.complete(r, "reduce_scatter");
       if (in_place && block > 0) std::memcpy(recv, out, block);
     });
   }
@@ -175,10 +199,12 @@ class MpiCommunicator final : public Communicator {
     account_call(stats_, CommOp::ALL_GATHER, size(), size() * send_count * bytes(type));
     return enqueue("all_gather", [=](MpiGroup& g) {
       const MPI_Datatype t = mpi_type(type);
+      MPI_Request r;
       if (in_place)
-        g.check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, n, t, g.comm), "all_gather");
+        g.check(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, n, t, g.comm, &r), "all_gather");
       else
-        g.check(MPI_Allgather(send, n, t, recv, n, t, g.comm), "all_gather");
+        g.check(MPI_Iallgather(send, n, t, recv, n, t, g.comm, &r), "all_gather");
+      g.complete(r, "all_gather");
     });
   }
 
@@ -204,7 +230,10 @@ class MpiCommunicator final : public Communicator {
     account_all_to_all(stats_, size(), total * bytes(type), (total - send_counts[rank()]) * bytes(type));
     return enqueue("all_to_all_v", [=](MpiGroup& g) {
       const MPI_Datatype t = mpi_type(type);
-      g.check(MPI_Alltoallv(send, sc.data(), so.data(), t, recv, rc.data(), ro.data(), t, g.comm), "all_to_all_v");
+      MPI_Request r;
+      g.check(MPI_Ialltoallv(send, sc.data(), so.data(), t, recv, rc.data(), ro.data(), t, g.comm, &r),
+              "all_to_all_v");
+      g.complete(r, "all_to_all_v");
     });
   }
 
@@ -214,7 +243,11 @@ class MpiCommunicator final : public Communicator {
     const int n = to_int(count, "count", "broadcast");
     account_call(stats_, CommOp::BROADCAST, size(), count * bytes(type));
     return enqueue("broadcast",
-                   [=](MpiGroup& g) { g.check(MPI_Bcast(buf, n, mpi_type(type), root, g.comm), "broadcast"); });
+                   [=](MpiGroup& g) {
+                     MPI_Request r;
+                     g.check(MPI_Ibcast(buf, n, mpi_type(type), root, g.comm, &r), "broadcast");
+                     g.complete(r, "broadcast");
+                   });
   }
 
   WorkHandle send_async(const void* buf, int64_t count, DType type, int peer) override {

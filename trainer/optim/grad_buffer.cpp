@@ -119,7 +119,7 @@ void GradBuffer::finish() {
   for (Bucket& b : buckets_) {
     TETRA_CHECK(b.pending == 0, "gradient bucket of groups {}..{} was never completed by backward",
                 b.first_group, b.last_group);
-    if (b.work) b.work->wait();
+    if (b.work) dp_->wait(*b.work, sharded_ ? CommOp::REDUCE_SCATTER : CommOp::ALL_REDUCE);
     b.work.reset();
     b.pending = b.last_group - b.first_group + 1;
   }
@@ -136,7 +136,7 @@ void GradBuffer::gather_params(void* params, DType type) {
     works.push_back(dp_->all_gather_async(bucket, bucket + static_cast<size_t>(dp_->rank() * shard) * es,
                                           shard, type));
   }
-  for (auto& w : works) w->wait();
+  for (auto& w : works) dp_->wait(*w, CommOp::ALL_GATHER);
 }
 
 }  // namespace tetra

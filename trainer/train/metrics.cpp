@@ -44,7 +44,7 @@ std::string MetricsWriter::format_line(const StepMetrics& m) {
       m.clip < 1.0 ? " (clipped)" : "", m.ms, m.tokens_per_s, 100.0 * m.mfu, format_duration(m.eta_s));
   if (m.val_loss) line += fmt::format(" | val loss {:.4f}", *m.val_loss);
   for (const CommRecord& c : m.comm)
-    line += fmt::format(" | {} {:.2f} MB sent{}", c.group, c.sent_bytes / 1e6,
+    line += fmt::format(" | {} {:.2f} MB, {:.1f} ms{}", c.group, c.sent_bytes / 1e6, c.blocked_ms,
                         c.measured == c.predicted ? "" : " (UNEXPECTED VOLUME)");
   return line;
 }
@@ -73,6 +73,7 @@ void MetricsWriter::write(const StepMetrics& m) {
     nlohmann::ordered_json comm;
     for (const CommRecord& c : m.comm)
       comm[c.group] = {{"sent_bytes", c.sent_bytes},
+                       {"blocked_ms", c.blocked_ms},
                        {"measured", volume(c.measured)},
                        {"predicted", volume(c.predicted)},
                        {"match", c.measured == c.predicted}};

@@ -20,6 +20,7 @@ struct CommRecord {
   std::string group;        // "tp", "dp"
   GroupVolume measured, predicted;
   double sent_bytes = 0.0;  // what this rank put on the wire (communicator.h's model)
+  double blocked_ms = 0.0;  // time the step waited for this group (communication not hidden)
 };
 
 struct StepMetrics {

@@ -316,6 +316,7 @@ std::vector<CommRecord> Trainer::comm_records(const CommStats& tp_before, const 
     r.measured = measured_volume(comm->stats(), *before);
     r.predicted = std::string(name) == "tp" ? predicted_.tp : predicted_.dp;
     r.sent_bytes = comm->stats().total_sent() - before->total_sent();
+    r.blocked_ms = 1e3 * (comm->stats().total_blocked_s() - before->total_blocked_s());
     out.push_back(std::move(r));
   }
   return out;
