@@ -133,11 +133,19 @@ void require_equal(const Config& a, const Config& b) {
       CHECK((*x)[i].weight == (*y)[i].weight);
     }
   }
+  CHECK(a.data.split == b.data.split);
+  CHECK(a.data.tokenizer == b.data.tokenizer);
+  CHECK(a.sample.prompt == b.sample.prompt);
+  CHECK(a.sample.max_tokens == b.sample.max_tokens);
+  CHECK(a.sample.temperature == b.sample.temperature);
+  CHECK(a.sample.top_k == b.sample.top_k);
+  CHECK(a.sample.seed == b.sample.seed);
   CHECK(a.logging.dir == b.logging.dir);
   CHECK(a.logging.level == b.logging.level);
 }
 
-// A config that sets every key to a value other than its default (and no 0 = derive markers).
+// A config that sets every key to a value other than its default (and no 0 = derive markers),
+// except data.split, which excludes data.valid.
 json every_key() {
   return json::parse(R"({
     "model": {"vocab_size": 32000, "seq_len": 256, "num_layers": 4, "hidden_size": 512,
@@ -155,7 +163,9 @@ json every_key() {
                   "eps": 1e-6, "grad_clip": 0.5},
     "data": {"synthetic": false,
              "train": [{"path": "data/a", "weight": 0.7}, {"path": "data/b", "weight": 0.3}],
-             "valid": [{"path": "data/v", "weight": 1.0}]},
+             "valid": [{"path": "data/v", "weight": 1.0}],
+             "split": "", "tokenizer": "sentencepiece:tok.model"},
+    "sample": {"prompt": "The", "max_tokens": 16, "temperature": 1.5, "top_k": 7, "seed": 9},
     "logging": {"dir": "runs/x", "level": "debug"}
   })");
 }
@@ -413,6 +423,34 @@ TEST_CASE("config: parallel layout rules", "[config]") {
               "needs a Mixture-of-Experts model");
   require_one(with(base(), "parallel.order", "tp-ep-dp"), "parallel.order: ", "tp-dp-pp");
   CHECK(problems_of(with(with(base(), "parallel.dp", 2), "parallel.order", "dp-tp-pp")).empty());
+}
+
+TEST_CASE("config: data split, tokenizer, samples and paths", "[config]") {
+  const json ds = with(with(base(), "data.synthetic", false), "data.train", json::array({"a"}));
+  CHECK(problems_of(with(ds, "data.split", "98,2")).empty());
+  CHECK(problems_of(with(ds, "data.split", "949,50,1")).empty());
+  for (const char* bad : {"98", "98,2,0,0", "-1,2", "0,5", "98,x", "98,,2", ""})
+    if (std::string(bad).size() > 0)
+      require_one(with(ds, "data.split", bad), std::string("data.split: \"") + bad + "\": ",
+                  "2 or 3 non-negative numbers");
+  require_one(with(with(ds, "data.split", "98,2"), "data.valid", json::array({"v"})),
+              "data.split: \"98,2\": ", "leave data.valid empty");
+  require_one(with(base(), "data.tokenizer", "bpe:x"), "data.tokenizer: \"bpe:x\": ",
+              "sentencepiece:<model file>");
+  require_one(with(base(), "sample.prompt", "Hello"), "sample.prompt: \"Hello\": ", "set data.tokenizer");
+  CHECK(problems_of(with(with(base(), "sample.prompt", "Hello"), "data.tokenizer", "gpt2:dir")).empty());
+  CHECK(parse_data_split("98,2") == std::vector<double>{98, 2, 0});
+  CHECK(parse_data_split("1,0.5,0.25") == std::vector<double>{1, 0.5, 0.25});
+  CHECK(parse_data_split("0,1").empty());
+  // Paths: ~ and ${VAR} are expanded; an unset variable is an error naming it.
+  setenv("TETRA_TEST_DATA_ROOT", "/srv/corpus", 1);
+  unsetenv("TETRA_TEST_UNSET_VAR");
+  const Config c = config_from_json(with(ds, "data.train", json::array({"${TETRA_TEST_DATA_ROOT}/sotu_train"})));
+  CHECK(c.data.train[0].path == "/srv/corpus/sotu_train");
+  const Config h = config_from_json(with(base(), "logging.dir", "~/runs/a"));
+  CHECK(h.logging.dir == std::string(std::getenv("HOME")) + "/runs/a");
+  require_one(with(ds, "data.train", json::array({"${TETRA_TEST_UNSET_VAR}/x"})), "data.train[0].path: ",
+              "the environment variable TETRA_TEST_UNSET_VAR is not set");
 }
 
 TEST_CASE("config: data and evaluation rules", "[config]") {

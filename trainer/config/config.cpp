@@ -11,6 +11,8 @@
 // taken as a string, so `logging.dir=runs/a` needs no quotes.
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -210,6 +212,58 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   json j = parse_text(path, text, problems);
   for (const std::string& o : overrides) apply_override(j, o, problems);
   return build(j, problems);
+}
+
+std::vector<double> parse_data_split(const std::string& split) {
+  std::vector<double> parts;
+  size_t start = 0;
+  while (start <= split.size()) {
+    const size_t comma = std::min(split.find(',', start), split.size());
+    const std::string item = split.substr(start, comma - start);
+    char* end = nullptr;
+    const double v = std::strtod(item.c_str(), &end);
+    if (item.empty() || end != item.c_str() + item.size() || !std::isfinite(v) || v < 0) return {};
+    parts.push_back(v);
+    start = comma + 1;
+  }
+  if (parts.size() < 2 || parts.size() > 3 || parts[0] <= 0) return {};
+  parts.resize(3, 0.0);
+  return parts;
+}
+
+bool expand_path(const std::string& path, std::string& out, std::string& why) {
+  std::string r;
+  size_t i = 0;
+  if (path == "~" || path.rfind("~/", 0) == 0) {
+    const char* home = std::getenv("HOME");
+    if (!home) {
+      why = "it starts with ~ but HOME is not set";
+      return false;
+    }
+    r = home;
+    i = 1;
+  }
+  while (i < path.size()) {
+    if (path.compare(i, 2, "${") == 0) {
+      const size_t close = path.find('}', i + 2);
+      if (close == std::string::npos) {
+        why = "\"${\" without a closing \"}\"";
+        return false;
+      }
+      const std::string name = path.substr(i + 2, close - i - 2);
+      const char* value = std::getenv(name.c_str());
+      if (!value) {
+        why = fmt::format("the environment variable {} is not set", name);
+        return false;
+      }
+      r += value;
+      i = close + 1;
+    } else {
+      r += path[i++];
+    }
+  }
+  out = r;
+  return true;
 }
 
 }  // namespace tetra

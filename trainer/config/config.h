@@ -85,6 +85,23 @@ struct DataConfig {
   bool synthetic = false;
   std::vector<DataSource> train;
   std::vector<DataSource> valid;
+  // "98,2" or "949,50,1": each dataset of `train` is split by documents into train / valid /
+  // test parts in these proportions (Megatron's --split); the valid parts form the validation
+  // set. Empty: no split (validation from `valid`).
+  std::string split;
+  // "gpt2:<dir with encoder.json, vocab.bpe>" or "sentencepiece:<file.model>": the tokenizer the
+  // datasets were made with (for samples and `tetra generate`). Empty: none.
+  std::string tokenizer;
+};
+
+// Text sampled from the model: at each evaluation during training (when `prompt` is set and
+// data.tokenizer names the tokenizer), and the defaults of `tetra generate`.
+struct SampleConfig {
+  std::string prompt;
+  int64_t max_tokens = 64;
+  double temperature = 0.8;         // 0 = greedy
+  int64_t top_k = 40;               // 0 = the whole vocabulary
+  uint64_t seed = 1;
 };
 
 struct LoggingConfig {
@@ -98,6 +115,7 @@ struct Config {
   TrainingConfig training;
   OptimizerConfig optimizer;
   DataConfig data;
+  SampleConfig sample;
   LoggingConfig logging;
 
   int64_t grad_accum_steps() const {
@@ -123,6 +141,13 @@ Config config_from_json(const nlohmann::json& j);
 // apply `overrides` ("section.key=value"; value parsed as JSON, else taken as a string), then
 // config_from_json.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides);
+
+// data.split's parts as {train, valid, test} (test 0 when given two); empty if malformed.
+std::vector<double> parse_data_split(const std::string& split);
+
+// A path as users write it in configs: a leading "~/" is $HOME, and "${NAME}" is the environment
+// variable NAME. Returns false (and leaves `out` alone) naming the undefined variable in `why`.
+bool expand_path(const std::string& path, std::string& out, std::string& why);
 
 // The fully resolved config (every key, defaults filled in), as written to logs and checkpoints.
 nlohmann::json config_to_json(const Config& c);

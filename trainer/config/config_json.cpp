@@ -101,6 +101,17 @@ void visit_data(D& d, V& v) {
   v.boolean("synthetic", d.synthetic);
   v.sources("train", d.train);
   v.sources("valid", d.valid);
+  v.text("split", d.split);
+  v.text("tokenizer", d.tokenizer);
+}
+
+template <class S, class V>
+void visit_sample(S& s, V& v) {
+  v.text("prompt", s.prompt);
+  v.integer("max_tokens", s.max_tokens);
+  v.number("temperature", s.temperature);
+  v.integer("top_k", s.top_k);
+  v.integer("seed", s.seed);
 }
 
 template <class L, class V>
@@ -117,6 +128,7 @@ void for_each_section(C& c, F&& f) {
   f("training", c.training, [](auto& s, auto& v) { visit_training(s, v); });
   f("optimizer", c.optimizer, [](auto& s, auto& v) { visit_optimizer(s, v); });
   f("data", c.data, [](auto& s, auto& v) { visit_data(s, v); });
+  f("sample", c.sample, [](auto& s, auto& v) { visit_sample(s, v); });
   f("logging", c.logging, [](auto& s, auto& v) { visit_logging(s, v); });
 }
 

@@ -117,6 +117,21 @@ void check_ranges(const Config& c, Rules& r) {
   r.positive("optimizer.eps", o.eps);
   r.non_negative("optimizer.grad_clip", o.grad_clip);
 
+  r.at_least("sample.max_tokens", c.sample.max_tokens, 1);
+  r.non_negative("sample.temperature", c.sample.temperature);
+  r.at_least("sample.top_k", c.sample.top_k, 0);
+  if (!c.data.tokenizer.empty())
+    r.require(c.data.tokenizer.rfind("gpt2:", 0) == 0 || c.data.tokenizer.rfind("sentencepiece:", 0) == 0,
+              "data.tokenizer", c.data.tokenizer,
+              "must be \"gpt2:<directory with encoder.json and vocab.bpe>\" or "
+              "\"sentencepiece:<model file>\"");
+  if (!c.data.split.empty()) {
+    const std::vector<double> parts = parse_data_split(c.data.split);
+    r.require(!parts.empty(), "data.split", c.data.split,
+              "must be 2 or 3 non-negative numbers separated by commas, with a positive train part "
+              "and a positive sum, e.g. \"98,2\" (train, valid[, test])");
+  }
+
   const std::pair<const char*, const std::vector<DataSource>*> lists[] = {
       {"data.train", &c.data.train}, {"data.valid", &c.data.valid}};
   for (const auto& [name, list] : lists)
@@ -132,7 +147,19 @@ void check_ranges(const Config& c, Rules& r) {
     }
 }
 
+void expand(const std::string& key, std::string& path, Rules& r) {
+  std::string out, why;
+  if (expand_path(path, out, why))
+    path = out;
+  else
+    r.require(false, key, path, why);
+}
+
 void resolve(Config& c, Rules& r) {
+  for (size_t i = 0; i < c.data.train.size(); ++i) expand(fmt::format("data.train[{}].path", i), c.data.train[i].path, r);
+  for (size_t i = 0; i < c.data.valid.size(); ++i) expand(fmt::format("data.valid[{}].path", i), c.data.valid[i].path, r);
+  expand("data.tokenizer", c.data.tokenizer, r);
+  expand("logging.dir", c.logging.dir, r);
   ModelConfig& m = c.model;
   if (m.num_kv_heads == 0 && r.ok({"model.num_kv_heads", "model.num_heads"}))
     m.num_kv_heads = m.num_heads;
@@ -229,7 +256,16 @@ void check_cross_field(const Config& c, Rules& r) {
     r.require(d.valid.empty(), "data.valid", config_to_json(c)["data"]["valid"],
               "must be empty when data.synthetic is true (synthetic data replaces the datasets)");
 
-  const bool have_valid = d.synthetic || !d.valid.empty();
+  if (r.ok({"data.split", "data.valid", "data.synthetic"}) && !d.split.empty()) {
+    r.require(d.valid.empty(), "data.split", d.split,
+              "data.split carves the validation set out of data.train: leave data.valid empty, or "
+              "remove data.split");
+    r.require(!d.synthetic, "data.split", d.split, "synthetic data has nothing to split: remove data.split");
+  }
+  if (r.ok({"sample.prompt", "data.tokenizer"}))
+    r.require(c.sample.prompt.empty() || !d.tokenizer.empty(), "sample.prompt", c.sample.prompt,
+              "sampling text needs the tokenizer: set data.tokenizer");
+  const bool have_valid = d.synthetic || !d.valid.empty() || !d.split.empty();
   if (r.ok({"training.eval_every", "training.eval_steps", "data.synthetic", "data.valid"})) {
     r.require(t.eval_every == 0 || t.eval_steps > 0, "training.eval_every", t.eval_every,
               "evaluating needs training.eval_steps > 0 (it is 0)");

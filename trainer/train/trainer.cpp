@@ -197,6 +197,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   start["flops_per_token"] = stats.train_flops_per_token;
   start["peak_flops"] = peak_flops_;
   start["world"] = groups.grid.world();
+  start["memory_plan_bytes"] = plan.total();
+  start["optimizer_state_bytes"] = optimizer_->state_bytes();
   metrics_->start(start.dump());
 }
 
