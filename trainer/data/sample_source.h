@@ -1,7 +1,8 @@
 // Where training samples come from. A sample is a window of T+1 tokens (T = seq_len): the model
 // reads tokens [0, T) and predicts tokens [1, T+1). Sources stack:
 //
-//   IndexedSamples     consecutive windows of one Megatron indexed dataset
+//   IndexedSamples     consecutive windows of one Megatron indexed dataset, or of a range of its
+//                      documents (data.split's train / valid / test parts)
 //   SyntheticSamples   a learnable random stream, for runs without data (tests, benchmarks)
 //   BlendedSamples     several sources mixed by weight, Megatron's deterministic blend
 //   ShuffledSamples    an epoch-wise permutation of any source of modest size
@@ -10,6 +11,7 @@
 // config gives the same data on any parallel layout and after a resume.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -33,23 +35,60 @@ class SampleSource {
   virtual std::string describe() const = 0;
 };
 
+// data.split (Megatron's --split) over a dataset of n documents: the {train, valid, test} weights
+// w (parse_data_split) cut the documents into the contiguous ranges [0, a), [a, b), [b, n) with
+//   a = round(n * w0 / S),  b = round(n * (w0 / S + w1 / S)),  S = w0 + w1 + w2,
+// computed in Megatron's order (weights normalised first, then summed) and with Python's round
+// (ties to even), so a dataset splits at the same documents here and in Megatron.
+// Returns {0, a, b, n}: part p (0 train, 1 valid, 2 test) is documents [bounds[p], bounds[p+1]).
+std::array<int64_t, 4> split_document_bounds(const std::vector<double>& weights,
+                                             int64_t num_documents);
+
+// "train", "valid", "test": part p of a split, for messages.
+const char* split_part_name(int part);
+
+// Documents [begin, end) of a dataset: one part of data.split, named in messages and describe().
+struct DocumentRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+  std::string split;  // data.split as written, e.g. "98,2"
+  int part = 0;       // 0 train, 1 valid, 2 test
+};
+
 // Sample i = tokens [i*T, i*T + T + 1) of the concatenation of all documents (windows overlap by
 // one token and run across document boundaries, as in llm.c and nanoGPT);
 // num_samples = (num_tokens - 1) / T. InputError (naming the file) if the dataset has fewer than
 // T + 1 tokens, or holds a token id outside [0, vocab_size).
+//
+// With a DocumentRange, the same over the concatenation of documents [begin, end) only: no window
+// reaches a token outside the range, so the parts of a split never share a document. A document is
+// one sequence of the dataset (as tetra_data and Megatron's preprocess_data.py write them); a
+// sentence-split dataset (more sequences than documents) is an InputError, as is a range too short
+// for one sample (naming the dataset, the split, the part and its document and token counts).
 class IndexedSamples : public SampleSource {
  public:
   IndexedSamples(std::shared_ptr<const IndexedDataset> dataset, int64_t seq_len,
                  int64_t vocab_size);
+  IndexedSamples(std::shared_ptr<const IndexedDataset> dataset, int64_t seq_len,
+                 int64_t vocab_size, DocumentRange range);
   int64_t num_samples() const override { return num_samples_; }
   int64_t seq_len() const override { return seq_len_; }
   void sample(int64_t i, int32_t* out) override;
   std::string describe() const override;
+  // Tokens [token_begin, token_end) of the dataset are the ones samples read.
+  int64_t token_begin() const { return token_begin_; }
+  int64_t token_end() const { return token_end_; }
 
  private:
+  void check_vocab(int64_t vocab_size) const;
+
   std::shared_ptr<const IndexedDataset> dataset_;
   int64_t seq_len_;
-  int64_t num_samples_;
+  bool has_range_ = false;
+  DocumentRange range_;
+  int64_t token_begin_ = 0;
+  int64_t token_end_ = 0;
+  int64_t num_samples_ = 0;
 };
 
 // A stationary first-order Markov chain over the vocabulary, with a fixed sparse transition table:
