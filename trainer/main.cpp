@@ -2,6 +2,9 @@
 // its process groups, run. Nothing else lives here.
 //
 // Launch: `tetra --config run.json` (one process), `mpirun -np N tetra ...`, `srun tetra ...`.
+// Training is the command without a subcommand (its options are the top-level ones);
+// `tetra generate --config run.json [...]` writes text with the weights training exported
+// (one process).
 // Exit codes: 0 success; 1 a runtime failure; 2 bad input (command line, config, layout, data
 // files) — reported before anything is allocated or written. Every rank reads and checks the
 // same config, so a config or layout error is printed once (by rank 0) and every rank exits 2
@@ -24,6 +27,7 @@
 #include "trainer/parallel/comm_volume.h"
 #include "trainer/model/flops.h"
 #include "trainer/model/param_layout.h"
+#include "trainer/train/generate.h"
 #include "trainer/train/trainer.h"
 
 namespace {
@@ -72,6 +76,7 @@ void print_dry_run(const tetra::Config& cfg) {
   fmt::print("  activations      {} (micro-batch {}, logits included)\n", mib(mem.activations),
              cfg.training.micro_batch_size);
   fmt::print("  batch buffers    {}\n", mib(mem.batch));
+  if (mem.sampling) fmt::print("  sampling         {} (micro-batch 1 model for the text samples)\n", mib(mem.sampling));
   const tetra::StepVolume v = tetra::predict_step_volume(cfg, layout);
   fmt::print("communication per step and rank (payload; sent under ring algorithms ~ 2(p-1)/p of an "
              "all-reduce's, (p-1)/p of the others'):\n");
@@ -85,25 +90,91 @@ std::string rank_log_level(const std::string& level, int rank) {
   return "warn";
 }
 
+// `tetra generate`'s command line: sampling settings override the config's sample section.
+struct GenerateArgs {
+  CLI::App* cmd = nullptr;
+  std::string config_path, weights, prompt;
+  std::vector<std::string> overrides;
+  int64_t max_tokens = 0, top_k = 0;
+  double temperature = 0.0;
+  uint64_t seed = 0;
+  CLI::Option *prompt_opt, *max_tokens_opt, *temperature_opt, *top_k_opt, *seed_opt;
+
+  void add_to(CLI::App& app) {
+    cmd = app.add_subcommand("generate", "write text with trained weights (one process, tp 1); prints the "
+                                         "prompt and its continuation");
+    cmd->add_option("-c,--config", config_path, "run configuration (JSON): model, data.tokenizer, sample")
+        ->required();
+    cmd->add_option("--set", overrides, "override a config key: section.key=value (repeatable)");
+    cmd->add_option("--weights", weights, "safetensors of the global tensors (default: "
+                                          "<logging.dir>/model.safetensors, written by training)");
+    prompt_opt = cmd->add_option("--prompt", prompt, "text to continue (default: sample.prompt)");
+    max_tokens_opt = cmd->add_option("--max-tokens", max_tokens, "most tokens to generate (default: "
+                                     "sample.max_tokens)")->check(CLI::PositiveNumber);
+    temperature_opt = cmd->add_option("--temperature", temperature, "0 = greedy (default: "
+                                      "sample.temperature)")->check(CLI::NonNegativeNumber);
+    top_k_opt = cmd->add_option("--top-k", top_k, "sample among the k likeliest tokens, 0 = all (default: "
+                                "sample.top_k)")->check(CLI::NonNegativeNumber);
+    seed_opt = cmd->add_option("--seed", seed, "sampling seed (default: sample.seed)");
+  }
+  void apply(tetra::SampleConfig& s) const {
+    if (prompt_opt->count()) s.prompt = prompt;
+    if (max_tokens_opt->count()) s.max_tokens = max_tokens;
+    if (temperature_opt->count()) s.temperature = temperature;
+    if (top_k_opt->count()) s.top_k = top_k;
+    if (seed_opt->count()) s.seed = seed;
+  }
+};
+
+// `tetra generate`: one process; exit 0, 1 (runtime failure) or 2 (bad input).
+int run_generate(const GenerateArgs& args, const tetra::ProcessInfo& proc) {
+  if (proc.size > 1) {
+    if (proc.rank == 0)
+      std::fprintf(stderr, "error: tetra generate runs as one process (launched with %d); run it without mpirun/srun\n",
+                   proc.size);
+    return 2;
+  }
+  try {
+    tetra::Config cfg = tetra::load_config(args.config_path, args.overrides);
+    args.apply(cfg.sample);
+    const tetra::GeneratedText text = tetra::generate_command(cfg, args.weights);
+    fmt::print("{}{}\n", text.prompt, text.continuation);
+    std::fflush(stdout);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return dynamic_cast<const tetra::InputError*>(&e) ? 2 : 1;
+  }
+}
+
 int run(int argc, char** argv, const tetra::ProcessInfo& proc) {
   CLI::App app{"tetra: trains decoder-only Transformers from a JSON config"};
+  // Training: the top-level options, no subcommand.
   std::string config_path, dump_dir;
   std::vector<std::string> overrides;
   bool print_config = false, dry_run = false;
-  app.add_option("-c,--config", config_path, "run configuration (JSON)")->required();
-  app.add_option("--set", overrides, "override a config key: section.key=value (repeatable)");
-  app.add_flag("--print-config", print_config, "print the resolved config (every key) and exit");
-  app.add_flag("--dry-run", dry_run,
-               "validate, print parameters, FLOPs, memory and communication per rank, and exit");
-  app.add_option("--dump-dir", dump_dir,
-                 "write initial weights, step-0 gradients and the batches of the run here");
+  CLI::Option* config_opt = app.add_option("-c,--config", config_path, "run configuration (JSON)");
+  CLI::Option* set_opt =
+      app.add_option("--set", overrides, "override a config key: section.key=value (repeatable)");
+  CLI::Option* print_opt =
+      app.add_flag("--print-config", print_config, "print the resolved config (every key) and exit");
+  CLI::Option* dry_opt = app.add_flag(
+      "--dry-run", dry_run, "validate, print parameters, FLOPs, memory and communication per rank, and exit");
+  CLI::Option* dump_opt = app.add_option("--dump-dir", dump_dir,
+                                         "write initial weights, step-0 gradients and the batches of the run here");
+  GenerateArgs generate;
+  generate.add_to(app);
+  for (CLI::Option* o : {config_opt, set_opt, print_opt, dry_opt, dump_opt}) generate.cmd->excludes(o);
   const bool rank0 = proc.rank == 0;
   try {
     app.parse(argc, argv);
+    // --config is required of training alone (a subcommand has its own).
+    if (!generate.cmd->parsed() && config_opt->count() == 0) throw CLI::RequiredError(config_opt->get_name());
   } catch (const CLI::ParseError& e) {
     const int code = rank0 ? app.exit(e) : e.get_exit_code();
     return code == 0 ? 0 : 2;
   }
+  if (generate.cmd->parsed()) return run_generate(generate, proc);
 
   // Phase 1: identical on every rank (config, layout): report once, exit 2 everywhere.
   tetra::Config cfg;

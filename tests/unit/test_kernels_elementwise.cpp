@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "tests/unit/kernel_testing.h"
 #include "trainer/core/check.h"
 
 namespace {
@@ -35,9 +36,11 @@ using tetra::Backend;
 using tetra::DType;
 using tetra::NormKind;
 
-struct Tol {
-  double atol, rtol;
-};
+using tetra_test::expect_bitwise_equal;
+using tetra_test::expect_close;
+using tetra_test::randn;
+using tetra_test::Tol;
+
 constexpr Tol kF32{1e-5, 1e-4};
 constexpr Tol kBf16{1e-5, 1.0 / 256 + 1e-5};
 
@@ -68,38 +71,7 @@ std::vector<float> from_bf16(const std::vector<uint16_t>& x) {
 // x rounded to bf16-representable values, kept as float.
 std::vector<float> bf16_exact(const std::vector<float>& x) { return from_bf16(to_bf16(x)); }
 
-std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f, float offset = 0.0f) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::vector<float> r(n);
-  for (auto& v : r) v = offset + scale * dist(gen);
-  return r;
-}
 std::vector<double> to_double(const std::vector<float>& x) { return {x.begin(), x.end()}; }
-
-template <typename A, typename B>
-void expect_close(const A& got, const B& want, Tol tol, const std::string& what) {
-  REQUIRE(got.size() == want.size());
-  size_t bad = 0, first = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    double g = got[i], w = want[i];
-    if (!(std::fabs(g - w) <= tol.atol + tol.rtol * std::fabs(w))) {
-      if (bad++ == 0) first = i;
-    }
-  }
-  std::ostringstream msg;
-  msg << what << ": " << bad << " of " << got.size() << " elements outside tolerance";
-  if (bad) msg << "; first [" << first << "] got " << got[first] << " want " << want[first];
-  INFO(msg.str());
-  CHECK(bad == 0);
-}
-
-template <typename T>
-void expect_bitwise_equal(const std::vector<T>& a, const std::vector<T>& b, const std::string& what) {
-  INFO(what);
-  REQUIRE(a.size() == b.size());
-  CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
-}
 
 // Central finite differences of J with respect to every element of p (p is restored).
 template <typename F>

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "tests/unit/kernel_testing.h"
 #include "trainer/core/check.h"
 
 namespace {
@@ -30,9 +31,10 @@ namespace {
 using tetra::Backend;
 using tetra::DType;
 
-struct Tol {
-  double atol, rtol;
-};
+using tetra_test::expect_bitwise_equal;
+using tetra_test::expect_close;
+using tetra_test::randn;
+using tetra_test::Tol;
 
 // Slice boundaries 0 = b[0] < b[1] < ... < b[k] = V: slice r holds columns [b[r], b[r+1]).
 using Split = std::vector<int64_t>;
@@ -44,14 +46,6 @@ const std::vector<Split> kSplits = {
     {0, 29, 36, 37},  // unequal, the last a single column
     {0, 37},          // one slice: the whole vocabulary
 };
-
-std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::vector<float> r(n);
-  for (auto& v : r) v = scale * dist(gen);
-  return r;
-}
 
 // x rounded to bf16-representable values, kept as float.
 std::vector<float> bf16_exact(std::vector<float> x) {
@@ -88,33 +82,6 @@ std::vector<float> columns(const std::vector<float>& x, int64_t rows, int64_t V,
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < Vl; ++j) r[i * Vl + j] = x[i * V + v0 + j];
   return r;
-}
-
-// |got - want| <= atol + rtol |want| element-wise; a NaN matches only a NaN.
-template <typename A, typename B>
-void expect_close(const A& got, const B& want, Tol tol, const std::string& what) {
-  REQUIRE(got.size() == want.size());
-  size_t bad = 0, first = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double g = got[i], w = want[i];
-    if (std::isnan(g) && std::isnan(w)) continue;
-    if (!(std::fabs(g - w) <= tol.atol + tol.rtol * std::fabs(w))) {
-      if (bad++ == 0) first = i;
-    }
-  }
-  std::ostringstream msg;
-  msg << what << ": " << bad << " of " << got.size() << " elements outside tolerance";
-  if (bad) msg << "; first [" << first << "] got " << got[first] << " want " << want[first];
-  INFO(msg.str());
-  CHECK(bad == 0);
-}
-
-template <typename T>
-void expect_bitwise_equal(const std::vector<T>& a, const std::vector<T>& b,
-                          const std::string& what) {
-  INFO(what);
-  REQUIRE(a.size() == b.size());
-  CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
 // ---- cross-entropy -------------------------------------------------------------------------------

@@ -22,9 +22,11 @@
 
 #include "trainer/core/check.h"
 #include "trainer/data/tokenizer.h"
+#include "tests/unit/data_testing.h"
 
 using namespace tetra;
 using Catch::Matchers::Contains;
+using tetra::data_testing::input_error;
 
 namespace {
 
@@ -46,19 +48,6 @@ void write_file(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);
   f << text;
   REQUIRE(f.good());
-}
-
-// The message of the InputError `f` throws; fails the test if it throws nothing or another type.
-std::string input_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    FAIL("expected an InputError, got another exception: " << e.what());
-  }
-  FAIL("expected an InputError, nothing was thrown");
-  return "";
 }
 
 // ---- the downloaded data --------------------------------------------------------------------

@@ -40,17 +40,32 @@ namespace {
 // Validation must never read training's shuffle order: its seed is derived, not shared.
 constexpr uint64_t kValidSeedSalt = 0x56414C4944415445ull;  // "VALIDATE"
 
+// One IndexedSamples per entry of `list` (the whole dataset, or its data.split part `part` when
+// part >= 0), blended by the entries' weights when there are several, shuffled with shuffle_seed.
 std::shared_ptr<SampleSource> make_indexed_stack(const Config& cfg,
                                                  const std::vector<DataSource>& list,
-                                                 const char* key, uint64_t shuffle_seed,
+                                                 const char* key, int part, uint64_t shuffle_seed,
                                                  int64_t total_samples) {
+  std::vector<double> split_weights;
+  if (part >= 0) {
+    split_weights = parse_data_split(cfg.data.split);
+    TETRA_CHECK(split_weights.size() == 3, "data.split \"{}\" passed validation but does not parse",
+                cfg.data.split);
+  }
   std::vector<std::shared_ptr<SampleSource>> sources;
   std::vector<double> weights;
   for (size_t i = 0; i < list.size(); ++i) {
     try {
       auto ds = std::make_shared<const IndexedDataset>(IndexedDataset::open(list[i].path));
-      sources.push_back(
-          std::make_shared<IndexedSamples>(std::move(ds), cfg.model.seq_len, cfg.model.vocab_size));
+      if (part < 0) {
+        sources.push_back(std::make_shared<IndexedSamples>(std::move(ds), cfg.model.seq_len,
+                                                           cfg.model.vocab_size));
+      } else {
+        const auto bounds = split_document_bounds(split_weights, ds->num_documents());
+        DocumentRange range{bounds[part], bounds[part + 1], cfg.data.split, part};
+        sources.push_back(std::make_shared<IndexedSamples>(std::move(ds), cfg.model.seq_len,
+                                                           cfg.model.vocab_size, std::move(range)));
+      }
     } catch (const InputError& e) {
       // Say which config entry it was: the same file may be listed under train and valid.
       throw InputError(fmt::format("{}[{}] (path '{}'): {}", key, i, list[i].path, e.what()));
@@ -73,16 +88,20 @@ std::shared_ptr<SampleSource> make_train_source(const Config& cfg, int64_t total
   TETRA_INPUT_CHECK(!cfg.data.train.empty(),
                     "data.train is empty and data.synthetic is false: list at least one dataset "
                     "prefix (PREFIX.bin + PREFIX.idx) or set data.synthetic to true");
-  return make_indexed_stack(cfg, cfg.data.train, "data.train", cfg.training.seed, total_samples);
+  const int part = cfg.data.split.empty() ? -1 : 0;
+  return make_indexed_stack(cfg, cfg.data.train, "data.train", part, cfg.training.seed,
+                            total_samples);
 }
 
 std::shared_ptr<SampleSource> make_valid_source(const Config& cfg, int64_t total_samples) {
   if (cfg.data.synthetic)
     return std::make_shared<SyntheticSamples>(cfg.model.vocab_size, cfg.model.seq_len,
                                               cfg.training.seed, /*stream=*/1);
+  const uint64_t seed = cfg.training.seed ^ kValidSeedSalt;
+  if (!cfg.data.split.empty())  // validation guarantees data.valid is empty
+    return make_indexed_stack(cfg, cfg.data.train, "data.train", /*part=*/1, seed, total_samples);
   if (cfg.data.valid.empty()) return nullptr;
-  return make_indexed_stack(cfg, cfg.data.valid, "data.valid", cfg.training.seed ^ kValidSeedSalt,
-                            total_samples);
+  return make_indexed_stack(cfg, cfg.data.valid, "data.valid", /*part=*/-1, seed, total_samples);
 }
 
 }  // namespace tetra

@@ -42,12 +42,15 @@ class DataLoader {
 // data.synthetic: SyntheticSamples(vocab, seq_len, training.seed, stream 0).
 // Otherwise data.train: one IndexedSamples per entry, a BlendedSamples over them (with their
 // weights, for total_samples) when there are several, and a ShuffledSamples on top seeded with
-// training.seed. InputError when the list is empty or a dataset is bad.
+// training.seed. With data.split, each entry contributes only its train part (documents
+// [0, a) of split_document_bounds). InputError when the list is empty or a dataset (or its
+// part) is bad.
 std::shared_ptr<SampleSource> make_train_source(const Config& cfg, int64_t total_samples);
 
-// The same for validation: synthetic stream 1 (same Markov table as training, other samples),
-// or data.valid shuffled with a seed derived from training.seed. nullptr when there is no
-// validation data (data.valid empty and not synthetic).
+// The same for validation: synthetic stream 1 (same Markov table as training, other samples);
+// with data.split, the valid part (documents [a, b)) of every data.train entry, blended with the
+// same weights; otherwise data.valid. Shuffled with a seed derived from training.seed. nullptr
+// when there is no validation data (data.valid empty, no data.split, not synthetic).
 std::shared_ptr<SampleSource> make_valid_source(const Config& cfg, int64_t total_samples);
 
 }  // namespace tetra

@@ -34,6 +34,36 @@ constexpr uint64_t kShuffleSalt = 0x53485546464C4521ull;  // "SHUFFLE!"
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
+// data.split
+// ---------------------------------------------------------------------------------------------
+std::array<int64_t, 4> split_document_bounds(const std::vector<double>& weights,
+                                             int64_t num_documents) {
+  TETRA_CHECK(weights.size() == 3 && num_documents >= 0, "{} split weights, {} documents",
+              weights.size(), num_documents);
+  const double sum = weights[0] + weights[1] + weights[2];
+  TETRA_CHECK(sum > 0 && weights[0] >= 0 && weights[1] >= 0 && weights[2] >= 0,
+              "split weights {}, {}, {}", weights[0], weights[1], weights[2]);
+  // Megatron (blended_megatron_dataset_builder): bookends = cumulative sums of the normalised
+  // weights, boundary = int(round(bookend * n)). std::nearbyint in the default rounding mode
+  // rounds ties to even, as Python's round does (2.5 -> 2, 3.5 -> 4).
+  const double n = static_cast<double>(num_documents);
+  double cum = 0.0;
+  std::array<int64_t, 4> bounds{0, 0, 0, num_documents};
+  for (int p = 0; p < 2; ++p) {
+    cum += weights[p] / sum;
+    bounds[p + 1] = std::clamp(static_cast<int64_t>(std::nearbyint(cum * n)), bounds[p],
+                               num_documents);
+  }
+  return bounds;
+}
+
+const char* split_part_name(int part) {
+  static const char* const kNames[] = {"train", "valid", "test"};
+  TETRA_CHECK(part >= 0 && part < 3, "split part {}", part);
+  return kNames[part];
+}
+
+// ---------------------------------------------------------------------------------------------
 // IndexedSamples
 // ---------------------------------------------------------------------------------------------
 IndexedSamples::IndexedSamples(std::shared_ptr<const IndexedDataset> dataset, int64_t seq_len,
@@ -46,7 +76,47 @@ IndexedSamples::IndexedSamples(std::shared_ptr<const IndexedDataset> dataset, in
                     "dataset {} has {} tokens, fewer than one sample of model.seq_len + 1 = {} "
                     "tokens; use more data or a shorter model.seq_len",
                     dataset_->prefix(), n, seq_len_ + 1);
+  token_end_ = n;
   num_samples_ = (n - 1) / seq_len_;
+  check_vocab(vocab_size);
+}
+
+IndexedSamples::IndexedSamples(std::shared_ptr<const IndexedDataset> dataset, int64_t seq_len,
+                               int64_t vocab_size, DocumentRange range)
+    : dataset_(std::move(dataset)), seq_len_(seq_len), has_range_(true), range_(std::move(range)) {
+  TETRA_CHECK(dataset_ != nullptr && seq_len_ >= 1 && vocab_size >= 1, "seq_len {} vocab_size {}",
+              seq_len_, vocab_size);
+  const int64_t docs = dataset_->num_documents(), seqs = dataset_->num_sequences();
+  const std::string part = fmt::format("the {} part of data.split \"{}\"",
+                                       split_part_name(range_.part), range_.split);
+  TETRA_INPUT_CHECK(docs == seqs,
+                    "dataset {} has {} documents in {} sequences (sentence-split), but {} is cut "
+                    "at document boundaries with one sequence per document; prepare the dataset "
+                    "without sentence splitting, or split it when preparing (tetra_data --split) "
+                    "and list the parts in data.train and data.valid instead of data.split",
+                    dataset_->prefix(), docs, seqs, part);
+  TETRA_CHECK(range_.begin >= 0 && range_.begin <= range_.end && range_.end <= docs,
+              "documents [{}, {}) of {} in {}", range_.begin, range_.end, docs,
+              dataset_->prefix());
+  // Document d is sequence d: its first token sits at sequence_offset(d).
+  auto doc_start = [&](int64_t d) {
+    return d < seqs ? dataset_->sequence_offset(d) : dataset_->num_tokens();
+  };
+  token_begin_ = doc_start(range_.begin);
+  token_end_ = doc_start(range_.end);
+  const int64_t n = token_end_ - token_begin_;
+  TETRA_INPUT_CHECK(
+      n >= seq_len_ + 1,
+      "dataset {}: {} is documents [{}, {}) of its {}, {} documents holding {} tokens, fewer than "
+      "one sample of model.seq_len + 1 = {} tokens; give the {} part a larger share in data.split, "
+      "use a dataset with more documents, or a shorter model.seq_len",
+      dataset_->prefix(), part, range_.begin, range_.end, docs, range_.end - range_.begin, n,
+      seq_len_ + 1, split_part_name(range_.part));
+  num_samples_ = (n - 1) / seq_len_;
+  check_vocab(vocab_size);
+}
+
+void IndexedSamples::check_vocab(int64_t vocab_size) const {
   const int64_t lo = dataset_->min_token(), hi = dataset_->max_token();
   TETRA_INPUT_CHECK(hi < vocab_size,
                     "dataset {} holds token id {} but model.vocab_size is {}: the data was "
@@ -60,12 +130,18 @@ IndexedSamples::IndexedSamples(std::shared_ptr<const IndexedDataset> dataset, in
 void IndexedSamples::sample(int64_t i, int32_t* out) {
   TETRA_CHECK(i >= 0 && i < num_samples_, "sample {} of {} in {}", i, num_samples_,
               dataset_->prefix());
-  dataset_->read(i * seq_len_, seq_len_ + 1, out);
+  dataset_->read(token_begin_ + i * seq_len_, seq_len_ + 1, out);
 }
 
 std::string IndexedSamples::describe() const {
-  return fmt::format("{} ({} documents, {} tokens of {}, {} samples of {}+1)", dataset_->prefix(),
-                     dataset_->num_documents(), dataset_->num_tokens(),
+  if (!has_range_)
+    return fmt::format("{} ({} documents, {} tokens of {}, {} samples of {}+1)",
+                       dataset_->prefix(), dataset_->num_documents(), dataset_->num_tokens(),
+                       indexed_dtype_name(dataset_->dtype()), num_samples_, seq_len_);
+  return fmt::format("{} docs [{}, {}) of {} (split {}, {} part: {} tokens of {}, {} samples of "
+                     "{}+1)",
+                     dataset_->prefix(), range_.begin, range_.end, dataset_->num_documents(),
+                     range_.split, split_part_name(range_.part), token_end_ - token_begin_,
                      indexed_dtype_name(dataset_->dtype()), num_samples_, seq_len_);
 }
 

@@ -198,6 +198,13 @@ void Gpt::vocab_parallel_loss(float* losses, const int32_t* targets, float dloss
 
 void Gpt::forward(const void* weights, const int32_t* tokens, const int32_t* targets, float* losses,
                   float dloss_scale) {
+  forward_logits(weights, tokens);
+  vocab_parallel_loss(losses, targets, dloss_scale);
+}
+
+const void* Gpt::logits() const { return a_->logits; }
+
+void Gpt::forward_logits(const void* weights, const int32_t* tokens) {
   const ModelDims& d = d_;
   const int64_t N = d.N(), Ns = d.Ns;
   const DType t = act_;
@@ -266,7 +273,6 @@ void Gpt::forward(const void* weights, const int32_t* tokens, const int32_t* tar
   // the loss's softmax and log-sum-exp are fp32 whatever the storage.
   be_.gemm(false, true, N, d.V, d.C, 1.0f, a.lnf, d.C, w(weights, layout_.output_weight()), d.C, t,
            0.0f, a.logits, d.V, t);
-  vocab_parallel_loss(losses, targets, dloss_scale);
 }
 
 void Gpt::backward(const void* weights, float* grads, const int32_t* tokens,

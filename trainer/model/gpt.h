@@ -85,6 +85,14 @@ class Gpt {
   void backward(const void* weights, float* grads, const int32_t* tokens,
                 const GroupDoneHook* on_group_done = nullptr);
 
+  // Inference: the forward pass up to the logits, without loss or gradient. Afterwards logits()
+  // holds this rank's vocabulary slice [v0, v0 + V) of every row, (N, V) of type act(), until the
+  // next forward. With tensor parallelism every rank of the group calls it (its collectives), and
+  // a caller that needs whole rows all-gathers the slices of those rows over the group.
+  void forward_logits(const void* weights, const int32_t* tokens);
+  const void* logits() const;
+  DType act() const { return act_; }
+
   const ModelDims& dims() const { return d_; }
 
   struct Acts;  // activation pointers into the arena (gpt.cpp)

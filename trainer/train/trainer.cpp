@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -19,9 +20,12 @@
 #include "trainer/core/log.h"
 #include "trainer/data/data_loader.h"
 #include "trainer/data/sample_source.h"
+#include "trainer/data/tokenizer.h"
 #include "trainer/dist/process_groups.h"
 #include "trainer/model/flops.h"
+#include "trainer/model/sampler.h"
 #include "trainer/optim/lr_schedule.h"
+#include "trainer/train/generate.h"
 #include "trainer/train/metrics.h"
 
 namespace tetra {
@@ -47,6 +51,10 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
+bool samples_enabled(const Config& cfg) {
+  return !cfg.sample.prompt.empty() && !cfg.data.tokenizer.empty() && cfg.training.eval_steps > 0;
+}
+
 ParamLayout rank_layout(const Config& cfg, int64_t tp_rank) {
   TensorSlicing slicing;
   slicing.tp = cfg.parallel.tp;
@@ -70,6 +78,9 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout) {
   m.optimizer = shard * 8;
   m.activations = Gpt::activation_bytes_for(cfg.model, act, B, cfg.parallel.tp, cfg.parallel.sequence_parallel);
   m.batch = static_cast<size_t>(B * T) * 8 + static_cast<size_t>(cfg.grad_accum_steps() * B * T) * 4;
+  if (samples_enabled(cfg))  // the sampling model's arena and its (T) ids and two logit rows
+    m.sampling = Gpt::activation_bytes_for(cfg.model, act, 1, cfg.parallel.tp) +
+                 static_cast<size_t>(T) * 4 + static_cast<size_t>(cfg.model.vocab_size) * 8;
   return m;
 }
 
@@ -103,6 +114,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   train_source_ = make_train_source(cfg, total_train_samples);
   if (cfg.training.eval_steps > 0)
     valid_source_ = make_valid_source(cfg, cfg.training.eval_steps * cfg.training.global_batch_size);
+  if (samples_enabled(cfg)) tokenizer_ = load_sampling_tokenizer(cfg);
   train_loader_ = std::make_unique<DataLoader>(train_source_, T, B, groups.coord.dp, cfg.parallel.dp);
   if (writer_) {
     log_to_file(cfg.logging.dir);
@@ -156,6 +168,14 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     master_ = nullptr;
   }
   group_done_ = [this](int group) { grad_buffer_->group_done(group); };
+  if (tokenizer_) {
+    // Without sequence parallelism: for one row of T tokens it would save little, and it would
+    // need T divisible by tp. The parameter offsets do not depend on it.
+    sample_layout_ = layout_;
+    sample_layout_.slicing.sequence_parallel = false;
+    sample_model_ = std::make_unique<Gpt>(cfg.model, sample_layout_, *be_, act_, 1, groups.tp.get());
+    sampler_ = std::make_unique<Sampler>(*sample_model_, *be_, groups.tp.get());
+  }
   predicted_ = predict_step_volume(cfg, layout_);
 
   const int threads = omp_get_max_threads();
@@ -187,6 +207,13 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                plan.total() / 1048576.0, (plan.master + plan.compute) / 1048576.0, plan.grads / 1048576.0,
                plan.optimizer / 1048576.0, plan.activations / 1048576.0, rank_peak / 1e9,
                cfg.training.peak_gflops > 0 ? "training.peak_gflops" : "measured");
+  if (sampler_)
+    spdlog::info("samples: at each evaluation, up to {} tokens after \"{}\" (temperature {}, top-k {}, "
+                 "seed {}, tokenizer {})",
+                 cfg.sample.max_tokens, escape_text(cfg.sample.prompt), cfg.sample.temperature,
+                 cfg.sample.top_k, cfg.sample.seed, cfg.data.tokenizer);
+  else if (!cfg.sample.prompt.empty() && cfg.training.eval_steps == 0)
+    spdlog::info("samples: none during training (sample.prompt is set but training.eval_steps is 0)");
   if (groups.grid.world() > 1)
     spdlog::info("communication per step (predicted): tp: {}; dp: {}", predicted_.tp.describe(),
                  predicted_.dp.describe());
@@ -203,6 +230,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
 }
 
 Trainer::~Trainer() {
+  sampler_.reset();
+  sample_model_.reset();
   optimizer_.reset();
   grad_norm_.reset();
   grad_buffer_.reset();
@@ -247,6 +276,34 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer) {
     records.push_back(std::move(r));
   }
   if (writer_) write_safetensors(file, records);
+}
+
+void Trainer::save_final_weights() {
+  const std::string path = final_weights_path(cfg_);
+  if (path.empty()) return;
+  // Global rank 0 writes, gathering the TP slices of its TP group; the other DP replicas hold the
+  // same weights and take no part.
+  if (groups_.coord.dp != 0) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  const char* source = "fp32 master weights";
+  if (master_) {
+    dump_tensors(path, master_);
+  } else {
+    // bf16 with the distributed optimizer: the fp32 master weights live sharded inside the
+    // optimizer; the bf16 weights the model computes with are exported (exactly, as fp32).
+    source = "the bf16 compute weights";
+    float* whole = static_cast<float*>(be_->alloc(static_cast<size_t>(layout_.total) * 4));
+    be_->cast(whole, DType::F32, compute_, act_, layout_.total);
+    dump_tensors(path, whole);
+    be_->free(whole);
+  }
+  spdlog::info("final weights: {} ({} tensors, fp32, from {}) in {:.1f} s", path, layout_.params.size(),
+               source, seconds_since(t0));
+}
+
+std::string Trainer::sample() {
+  TETRA_CHECK(sampler_, "sample() without sample.prompt, data.tokenizer and training.eval_steps");
+  return generate_text(*sampler_, compute_, *tokenizer_, cfg_.sample.prompt, cfg_.sample);
 }
 
 void Trainer::load_micro_batch(DataLoader& loader) {
@@ -390,11 +447,17 @@ void Trainer::run() {
         spdlog::warn("step {}: group {} moved {} but the layout predicts {}", s + 1, c.group,
                      c.measured.describe(), c.predicted.describe());
     const bool last = s + 1 == tc.steps;
-    if (valid_source_ && ((tc.eval_every > 0 && (s + 1) % tc.eval_every == 0) || last))
+    std::optional<std::string> sample_text;
+    if (valid_source_ && ((tc.eval_every > 0 && (s + 1) % tc.eval_every == 0) || last)) {
       m.val_loss = evaluate();
+      if (sampler_) sample_text = sample();
+    }
     metrics_->write(m);
     if ((s + 1) % tc.log_every == 0 || last || m.val_loss) spdlog::info("{}", MetricsWriter::format_line(m));
+    if (sample_text)
+      spdlog::info("sample: \"{}\" -> \"{}\"", escape_text(cfg_.sample.prompt), escape_text(*sample_text));
   }
+  save_final_weights();
   if (!dump_dir_.empty() && writer_ && cfg_.parallel.dp == 1) {
     const int64_t dumped = std::min<int64_t>(tc.steps, kMaxDumpedSteps);
     std::vector<TensorRecord> records;

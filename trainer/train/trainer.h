@@ -1,6 +1,7 @@
 // The training loop: micro-batches × gradient accumulation, gradient reduction over data
 // parallelism, AdamW step (sharded with the distributed optimizer), LR schedule, clipping,
-// periodic evaluation, metrics and communication accounting.
+// periodic evaluation with a text sample, metrics and communication accounting; the final weights
+// exported at the end.
 //
 // Everything is allocated in the constructor (parameters, gradients, optimizer state, the model's
 // activation arena, batch buffers); run() allocates nothing per step. Each rank holds its
@@ -24,14 +25,20 @@
 namespace tetra {
 
 class SampleSource;
+class Sampler;
+class Tokenizer;
 struct ProcessGroups;
 class DataLoader;
 class MetricsWriter;
 
 struct MemoryPlan {
   size_t master = 0, compute = 0, grads = 0, optimizer = 0, activations = 0, batch = 0;
-  size_t total() const { return master + compute + grads + optimizer + activations + batch; }
+  size_t sampling = 0;  // the micro-batch-1 model of the text samples (when they are on)
+  size_t total() const { return master + compute + grads + optimizer + activations + batch + sampling; }
 };
+
+// Text samples at evaluations: sample.prompt and data.tokenizer both set.
+bool samples_enabled(const Config& cfg);
 
 // The layout of this rank's parameter buffer: its TP slice, groups aligned for the distributed
 // optimizer's shards.
@@ -53,6 +60,9 @@ class Trainer {
   // Mean loss over `eval_steps` global batches of the validation set, from its start (each DP
   // rank evaluates its slice of each).
   double evaluate();
+  // The continuation of sample.prompt by the current weights (every rank calls it; each TP group
+  // samples together). Requires samples_enabled().
+  std::string sample();
 
   const ParamLayout& layout() const { return layout_; }
 
@@ -63,6 +73,8 @@ class Trainer {
   // Writes `buffer` (this rank's fp32 parameter-sized buffer, whole on every DP rank) as global
   // tensors: the TP slices are gathered to the writing rank (TP rank 0 of DP rank 0).
   void dump_tensors(const std::string& file, const float* buffer);
+  // The final weights (fp32) as global tensors to final_weights_path() (every rank calls it).
+  void save_final_weights();
   std::vector<CommRecord> comm_records(const CommStats& tp_before, const CommStats& dp_before) const;
 
   const Config& cfg_;
@@ -95,6 +107,11 @@ class Trainer {
   std::shared_ptr<SampleSource> train_source_, valid_source_;
   std::unique_ptr<DataLoader> train_loader_;
   std::unique_ptr<MetricsWriter> metrics_;
+  // Text samples (null when off): a micro-batch-1 model reading the same weights.
+  std::unique_ptr<Tokenizer> tokenizer_;
+  ParamLayout sample_layout_;
+  std::unique_ptr<Gpt> sample_model_;
+  std::unique_ptr<Sampler> sampler_;
   double peak_flops_ = 0.0;
 };
 

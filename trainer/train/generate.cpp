@@ -1,0 +1,146 @@
+#include "trainer/train/generate.h"
+
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <map>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "kernels/backend.h"
+#include "trainer/checkpoint/safetensors.h"
+#include "trainer/core/check.h"
+#include "trainer/data/tokenizer.h"
+#include "trainer/model/gpt.h"
+#include "trainer/model/sampler.h"
+
+namespace tetra {
+
+std::string final_weights_path(const Config& cfg) {
+  return cfg.logging.dir.empty() ? std::string() : cfg.logging.dir + "/model.safetensors";
+}
+
+std::unique_ptr<Tokenizer> load_sampling_tokenizer(const Config& cfg) {
+  if (cfg.data.tokenizer.empty())
+    throw InputError("sampling text needs the tokenizer the data was made with: set data.tokenizer "
+                     "(gpt2:<dir> or sentencepiece:<file.model>)");
+  std::unique_ptr<Tokenizer> tok = load_tokenizer(cfg.data.tokenizer);
+  if (tok->vocab_size() > cfg.model.vocab_size)
+    throw InputError(fmt::format("data.tokenizer {} has {} tokens but model.vocab_size is {}: the model "
+                                 "cannot have been trained on its ids",
+                                 cfg.data.tokenizer, tok->vocab_size(), cfg.model.vocab_size));
+  return tok;
+}
+
+std::string generate_text(Sampler& sampler, const void* weights, const Tokenizer& tokenizer,
+                          const std::string& prompt, const SampleConfig& s) {
+  std::vector<int32_t> context{tokenizer.eod_id()};
+  tokenizer.encode(prompt, context);
+  const std::vector<int32_t> ids = sampler.generate(weights, context, s, tokenizer.eod_id(), tokenizer.vocab_size());
+  return tokenizer.decode(ids);
+}
+
+std::string escape_text(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (char c : text) {
+    switch (c) {
+      case '\\': out += "\\\\"; break;
+      case '"': out += "\\\""; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f)
+          out += fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
+        else
+          out += c;
+    }
+  }
+  return out;
+}
+
+std::vector<float> load_weights(const std::string& path, const ParamLayout& layout) {
+  std::vector<TensorRecord> records = read_safetensors(path);
+  std::map<std::string, const TensorRecord*> by_name;
+  for (const TensorRecord& r : records) by_name[r.name] = &r;
+  for (const TensorRecord& r : records)
+    if (!layout.find(r.name))
+      throw InputError(fmt::format("{}: tensor \"{}\" is not a parameter of the config's model (other "
+                                   "model settings than the run that wrote it?)",
+                                   path, r.name));
+  std::vector<float> params(static_cast<size_t>(layout.total), 0.0f);
+  std::vector<float> global;
+  for (const ParamSpec& spec : layout.params) {
+    auto it = by_name.find(spec.name);
+    if (it == by_name.end())
+      throw InputError(fmt::format("{}: no tensor \"{}\" (shape [{}]), which the config's model has", path,
+                                   spec.name, fmt::join(spec.global_shape, ", ")));
+    const TensorRecord& r = *it->second;
+    if (r.shape != spec.global_shape)
+      throw InputError(fmt::format("{}: tensor \"{}\" has shape [{}] but the config's model needs [{}]", path,
+                                   spec.name, fmt::join(r.shape, ", "), fmt::join(spec.global_shape, ", ")));
+    const size_t n = static_cast<size_t>(r.numel());
+    global.resize(n);
+    if (r.dtype == DType::F32) {
+      std::memcpy(global.data(), r.data.data(), n * 4);
+    } else if (r.dtype == DType::BF16) {
+      for (size_t i = 0; i < n; ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, r.data.data() + 2 * i, 2);
+        global[i] = math::bf16_bits_to_f32(bits);
+      }
+    } else {
+      throw InputError(fmt::format("{}: tensor \"{}\" is {}, not a floating-point type", path, spec.name,
+                                   dtype_name(r.dtype)));
+    }
+    float* dst = params.data() + spec.offset;
+    if (!spec.tp_split)
+      std::memcpy(dst, global.data(), n * 4);
+    else
+      for (int64_t e = 0; e < spec.numel; ++e) dst[e] = global[static_cast<size_t>(spec.global_index(e))];
+  }
+  return params;
+}
+
+GeneratedText generate_command(const Config& config, const std::string& weights_path) {
+  Config cfg = config;
+  cfg.parallel.tp = 1;  // one process: the global tensors load whole
+  cfg.parallel.sequence_parallel = false;
+  std::string path = weights_path.empty() ? final_weights_path(cfg) : weights_path;
+  if (path.empty())
+    throw InputError("no weights to generate with: the config has no logging.dir (where training writes "
+                     "model.safetensors); pass --weights FILE");
+  if (!std::filesystem::exists(path))
+    throw InputError(fmt::format("{}: no such file: train first (tetra --config <run.json> writes it at the end "
+                                 "of training when logging.dir is set) or pass --weights FILE",
+                                 path));
+  std::unique_ptr<Tokenizer> tokenizer = load_sampling_tokenizer(cfg);
+  const ParamLayout layout = ParamLayout::build(cfg.model);
+  const std::vector<float> host = load_weights(path, layout);
+
+  const DType act = cfg.training.precision == "bf16" ? DType::BF16 : DType::F32;
+  std::unique_ptr<Backend> be = make_cpu_backend(static_cast<int>(cfg.training.threads));
+  // Backend buffers, freed before the backend goes.
+  auto buffer = [&](size_t bytes) {
+    return std::unique_ptr<void, std::function<void(void*)>>(be->alloc(bytes),
+                                                             [b = be.get()](void* p) { b->free(p); });
+  };
+  auto weights = buffer(static_cast<size_t>(layout.total) * dtype_size(act));
+  if (act == DType::F32) {
+    be->copy_from_host(weights.get(), host.data(), host.size() * 4);
+  } else {
+    auto master = buffer(host.size() * 4);
+    be->copy_from_host(master.get(), host.data(), host.size() * 4);
+    be->cast(weights.get(), act, master.get(), DType::F32, layout.total);
+  }
+  Gpt model(cfg.model, layout, *be, act, /*micro_batch=*/1);
+  Sampler sampler(model, *be, /*tp=*/nullptr);
+  GeneratedText out;
+  out.prompt = cfg.sample.prompt;
+  out.continuation = generate_text(sampler, weights.get(), *tokenizer, cfg.sample.prompt, cfg.sample);
+  return out;
+}
+
+}  // namespace tetra

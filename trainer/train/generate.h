@@ -1,0 +1,58 @@
+// Text from a trained model: prompt text -> continuation text with the run's tokenizer (the
+// trainer's samples at evaluations), exported weights loaded back by name into a parameter
+// layout, and the `tetra generate` command built from both.
+//
+// Exported weights are global tensors in safetensors, keyed by parameter name (the trainer writes
+// <logging.dir>/model.safetensors at the end of training, the TP slices gathered), so a model
+// trained on any layout loads into any other; `tetra generate` runs one process with tp = 1.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "trainer/config/config.h"
+#include "trainer/model/param_layout.h"
+
+namespace tetra {
+
+class Sampler;
+class Tokenizer;
+
+// Where the trainer writes the final weights: <logging.dir>/model.safetensors ("" without a
+// logging.dir).
+std::string final_weights_path(const Config& cfg);
+
+// data.tokenizer, checked against the model: its vocabulary must fit in model.vocab_size (which
+// may be padded beyond it). InputError otherwise.
+std::unique_ptr<Tokenizer> load_sampling_tokenizer(const Config& cfg);
+
+// The continuation of `prompt`: its ids follow the end-of-document id, so the text is sampled as
+// the start of a new document, the way documents follow one another in the packed training data.
+// Sampling stops at s.max_tokens or the end-of-document id. Every rank of the sampler's TP group
+// calls it together.
+std::string generate_text(Sampler& sampler, const void* weights, const Tokenizer& tokenizer,
+                          const std::string& prompt, const SampleConfig& s);
+
+// `text` for a one-line log: backslash, double quote, newline, carriage return and tab escaped
+// as \\ \" \n \r \t, other control bytes as \xNN; everything else (UTF-8 included) unchanged.
+std::string escape_text(std::string_view text);
+
+// This layout's slice of every parameter, from a safetensors file of global tensors (F32 or BF16),
+// as fp32 host values at the layout's offsets (layout.total elements, padding zero). Every
+// parameter must be in the file with its global shape, and the file must hold nothing else:
+// InputError naming the file and the tensor otherwise.
+std::vector<float> load_weights(const std::string& path, const ParamLayout& layout);
+
+struct GeneratedText {
+  std::string prompt, continuation;
+};
+
+// `tetra generate`: one process and tp = 1 whatever cfg.parallel says, weights from
+// `weights_path` (empty: final_weights_path(cfg)), sampling as cfg.sample says, compute in
+// cfg.training.precision with cfg.training.threads. InputError for a missing or mismatched
+// weights file, or a config without data.tokenizer.
+GeneratedText generate_command(const Config& cfg, const std::string& weights_path);
+
+}  // namespace tetra
