@@ -32,6 +32,7 @@ GradBuffer::GradBuffer(const ParamLayout& layout, Backend& be, float* grads, Com
       tp_(tp && tp->size() > 1 ? tp : nullptr),
       sharded_(distributed_optimizer && dp_ != nullptr) {
   bucket_of_group_.assign(layout.groups.size(), -1);
+  group_reported_.assign(layout.groups.size(), 0);
   for (const BucketPlan& p : plan_buckets(layout, bucket_size)) {
     Bucket b;
     b.begin = p.begin;
@@ -98,8 +99,9 @@ void GradBuffer::reduce_sp_partial(int group) {
 void GradBuffer::group_done(int group) {
   TETRA_CHECK(group >= 0 && group < static_cast<int>(bucket_of_group_.size()), "bad group {}", group);
   if (tp_) reduce_sp_partial(group);
+  TETRA_CHECK(!group_reported_[group], "parameter group {} reported twice in one step", group);
+  group_reported_[group] = 1;
   Bucket& b = buckets_[bucket_of_group_[group]];
-  TETRA_CHECK(b.pending > 0, "parameter group {} reported twice in one step", group);
   if (--b.pending == 0) launch(b);
 }
 
@@ -123,6 +125,7 @@ void GradBuffer::finish() {
     b.work.reset();
     b.pending = b.last_group - b.first_group + 1;
   }
+  std::fill(group_reported_.begin(), group_reported_.end(), 0);
 }
 
 void GradBuffer::gather_params(void* params, DType type) {

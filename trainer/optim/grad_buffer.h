@@ -89,6 +89,7 @@ class GradBuffer {
   bool sharded_;
   std::vector<Bucket> buckets_;
   std::vector<int> bucket_of_group_;
+  std::vector<char> group_reported_;  // this step
   std::vector<GradRange> owned_;
   // Sequence parallelism: the partial-gradient parameters of each group, and a scratch buffer
   // that holds one group's of them contiguously for one all-reduce.
