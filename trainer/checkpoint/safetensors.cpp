@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -87,50 +88,92 @@ void write_safetensors(const std::string& path, const std::vector<TensorRecord>&
   }
 }
 
-std::vector<TensorRecord> read_safetensors(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError(fmt::format("{}: cannot open", path));
-  in.seekg(0, std::ios::end);
-  const uint64_t file_size = static_cast<uint64_t>(in.tellg());
-  in.seekg(0);
+SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) throw InputError(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
+  const off_t size = ::lseek(fd_, 0, SEEK_END);
+  const uint64_t file_size = size < 0 ? 0 : static_cast<uint64_t>(size);
   uint64_t n = 0;
-  if (file_size < 8 || !in.read(reinterpret_cast<char*>(&n), 8) || n > file_size - 8)
+  if (file_size < 8 || ::pread(fd_, &n, 8, 0) != 8 || n > file_size - 8) {
+    ::close(fd_);
     throw InputError(fmt::format("{}: not a safetensors file (bad header length)", path));
-  std::string text(n, '\0');
-  if (!in.read(text.data(), static_cast<std::streamsize>(n)))
-    throw InputError(fmt::format("{}: truncated safetensors header", path));
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw InputError(fmt::format("{}: malformed safetensors header: {}", path, e.what()));
   }
-  if (!header.is_object())
-    throw InputError(fmt::format("{}: malformed safetensors header: not a JSON object", path));
-  const uint64_t data_begin = 8 + n;
-  std::vector<TensorRecord> out;
-  for (auto it = header.begin(); it != header.end(); ++it) {
-    if (it.key() == "__metadata__") continue;
-    TensorRecord t;
-    t.name = it.key();
-    try {
-      t.dtype = dtype_from_name(it.value().at("dtype").get<std::string>(), path);
-      t.shape = it.value().at("shape").get<std::vector<int64_t>>();
-      for (int64_t d : t.shape)
-        if (d < 0 || d > (int64_t{1} << 40))
-          throw InputError(fmt::format("{}: tensor {}: invalid dimension {}", path, t.name, d));
-      auto offs = it.value().at("data_offsets").get<std::vector<uint64_t>>();
-      if (offs.size() != 2 || offs[1] < offs[0] || offs[1] > file_size - data_begin ||
-          offs[1] - offs[0] != static_cast<uint64_t>(t.numel()) * dtype_size(t.dtype))
-        throw InputError(fmt::format("{}: tensor {}: data_offsets do not match its shape or the file size",
-                                     path, t.name));
-      t.data.resize(offs[1] - offs[0]);
-      in.seekg(static_cast<std::streamoff>(data_begin + offs[0]));
-      if (!in.read(reinterpret_cast<char*>(t.data.data()), static_cast<std::streamsize>(t.data.size())))
-        throw InputError(fmt::format("{}: tensor {}: file truncated", path, t.name));
-    } catch (const nlohmann::json::exception& e) {
-      throw InputError(fmt::format("{}: tensor {}: malformed entry: {}", path, t.name, e.what()));
+  std::string text(n, '\0');
+  if (::pread(fd_, text.data(), n, 8) != static_cast<ssize_t>(n)) {
+    ::close(fd_);
+    throw InputError(fmt::format("{}: truncated safetensors header", path));
+  }
+  try {
+    const nlohmann::json header = nlohmann::json::parse(text);
+    if (!header.is_object()) throw InputError(fmt::format("{}: malformed safetensors header: not a JSON object", path));
+    const uint64_t data_begin = 8 + n;
+    for (auto it = header.begin(); it != header.end(); ++it) {
+      if (it.key() == "__metadata__") continue;
+      Entry e;
+      try {
+        e.dtype = dtype_from_name(it.value().at("dtype").get<std::string>(), path);
+        e.shape = it.value().at("shape").get<std::vector<int64_t>>();
+        int64_t numel = 1;
+        for (int64_t d : e.shape) {
+          if (d < 0 || d > (int64_t{1} << 40))
+            throw InputError(fmt::format("{}: tensor {}: invalid dimension {}", path, it.key(), d));
+          numel *= d;
+        }
+        auto offs = it.value().at("data_offsets").get<std::vector<uint64_t>>();
+        if (offs.size() != 2 || offs[1] < offs[0] || offs[1] > file_size - data_begin ||
+            offs[1] - offs[0] != static_cast<uint64_t>(numel) * dtype_size(e.dtype))
+          throw InputError(fmt::format("{}: tensor {}: data_offsets do not match its shape or the file size",
+                                       path, it.key()));
+        e.begin = data_begin + offs[0];
+        e.end = data_begin + offs[1];
+      } catch (const nlohmann::json::exception& ex) {
+        throw InputError(fmt::format("{}: tensor {}: malformed entry: {}", path, it.key(), ex.what()));
+      }
+      entries_.emplace(it.key(), std::move(e));
     }
+  } catch (const nlohmann::json::exception& e) {
+    ::close(fd_);
+    throw InputError(fmt::format("{}: malformed safetensors header: {}", path, e.what()));
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
+}
+
+SafetensorsReader::~SafetensorsReader() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+const SafetensorsReader::Entry* SafetensorsReader::find(const std::string& name) const {
+  auto it = entries_.find(name);
+  return it == entries_.end() ? nullptr : &it->second;
+}
+
+void SafetensorsReader::read(const Entry& e, void* out) const {
+  char* p = static_cast<char*>(out);
+  uint64_t at = e.begin;
+  while (at < e.end) {
+    const ssize_t n = ::pread(fd_, p, e.end - at, static_cast<off_t>(at));
+    if (n <= 0) throw InputError(fmt::format("{}: file truncated", path_));
+    p += n;
+    at += static_cast<uint64_t>(n);
+  }
+}
+
+std::vector<TensorRecord> read_safetensors(const std::string& path) {
+  const SafetensorsReader reader(path);
+  // In file order, as the header lists them (std::map orders by name: sort by offset).
+  std::vector<std::pair<std::string, const SafetensorsReader::Entry*>> order;
+  for (const auto& [name, e] : reader.entries()) order.emplace_back(name, &e);
+  std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) { return a.second->begin < b.second->begin; });
+  std::vector<TensorRecord> out;
+  for (const auto& [name, e] : order) {
+    TensorRecord t;
+    t.name = name;
+    t.dtype = e->dtype;
+    t.shape = e->shape;
+    t.data.resize(e->end - e->begin);
+    reader.read(*e, t.data.data());
     out.push_back(std::move(t));
   }
   return out;

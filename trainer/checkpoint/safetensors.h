@@ -28,4 +28,30 @@ void write_safetensors(const std::string& path, const std::vector<TensorRecord>&
 // Reads every tensor; InputError naming the file on any malformed content.
 std::vector<TensorRecord> read_safetensors(const std::string& path);
 
+// Reads tensors one at a time, each with one positioned read: the header is parsed and checked at
+// open (every entry's offsets against its shape and the file size), the data is read on demand.
+class SafetensorsReader {
+ public:
+  struct Entry {
+    DType dtype = DType::F32;
+    std::vector<int64_t> shape;
+    uint64_t begin = 0, end = 0;  // byte offsets in the file
+  };
+  explicit SafetensorsReader(const std::string& path);  // InputError naming the file
+  ~SafetensorsReader();
+  SafetensorsReader(const SafetensorsReader&) = delete;
+  SafetensorsReader& operator=(const SafetensorsReader&) = delete;
+
+  const std::string& path() const { return path_; }
+  const std::map<std::string, Entry>& entries() const { return entries_; }
+  const Entry* find(const std::string& name) const;
+  // Reads entry `e`'s end - begin bytes into `out`. InputError if the file is shorter.
+  void read(const Entry& e, void* out) const;
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  std::map<std::string, Entry> entries_;
+};
+
 }  // namespace tetra

@@ -104,6 +104,15 @@ struct SampleConfig {
   uint64_t seed = 1;
 };
 
+// Checkpoints (a directory per step under `dir`, see trainer/checkpoint/checkpoint.h).
+struct CheckpointConfig {
+  std::string dir;                  // empty = no checkpoints
+  int64_t every = 0;                // save every N steps; 0 = only at the end / on a signal
+  int64_t keep = 2;                 // complete checkpoints kept (older ones deleted); 0 = all
+  std::string resume = "auto";      // auto: from dir/latest if present | none | a checkpoint path
+  bool save_on_exit = true;         // save when training ends or on SIGTERM / SIGUSR1
+};
+
 struct LoggingConfig {
   std::string dir;                  // empty = no files, console only
   std::string level = "info";       // trace | debug | info | warn | error
@@ -116,6 +125,7 @@ struct Config {
   OptimizerConfig optimizer;
   DataConfig data;
   SampleConfig sample;
+  CheckpointConfig checkpoint;
   LoggingConfig logging;
 
   int64_t grad_accum_steps() const {

@@ -20,8 +20,8 @@ using nlohmann::json;
 
 // The sections of a config file, in the order they are read and reported.
 inline const std::vector<std::string>& section_names() {
-  static const std::vector<std::string> names = {"model", "parallel", "training", "optimizer",
-                                                 "data",  "sample",   "logging"};
+  static const std::vector<std::string> names = {"model", "parallel", "training",   "optimizer",
+                                                 "data",  "sample",   "checkpoint", "logging"};
   return names;
 }
 

@@ -114,6 +114,15 @@ void visit_sample(S& s, V& v) {
   v.integer("seed", s.seed);
 }
 
+template <class K, class V>
+void visit_checkpoint(K& k, V& v) {
+  v.text("dir", k.dir);
+  v.integer("every", k.every);
+  v.integer("keep", k.keep);
+  v.text("resume", k.resume);
+  v.boolean("save_on_exit", k.save_on_exit);
+}
+
 template <class L, class V>
 void visit_logging(L& l, V& v) {
   v.text("dir", l.dir);
@@ -129,6 +138,7 @@ void for_each_section(C& c, F&& f) {
   f("optimizer", c.optimizer, [](auto& s, auto& v) { visit_optimizer(s, v); });
   f("data", c.data, [](auto& s, auto& v) { visit_data(s, v); });
   f("sample", c.sample, [](auto& s, auto& v) { visit_sample(s, v); });
+  f("checkpoint", c.checkpoint, [](auto& s, auto& v) { visit_checkpoint(s, v); });
   f("logging", c.logging, [](auto& s, auto& v) { visit_logging(s, v); });
 }
 
@@ -174,6 +184,9 @@ const std::map<std::string, std::string>& foreign_names() {
       {"sequence_parallel", "parallel.sequence_parallel"},
       {"use_distributed_optimizer", "parallel.distributed_optimizer"},
       {"ddp_bucket_size", "parallel.bucket_size"},
+      {"save", "checkpoint.dir"},
+      {"load", "checkpoint.resume"},
+      {"save_interval", "checkpoint.every"},
       {"train_iters", "training.steps"},
       {"max_steps", "training.steps"},
       {"num_iterations", "training.steps"},

@@ -117,6 +117,10 @@ void check_ranges(const Config& c, Rules& r) {
   r.positive("optimizer.eps", o.eps);
   r.non_negative("optimizer.grad_clip", o.grad_clip);
 
+  r.at_least("checkpoint.every", c.checkpoint.every, 0);
+  r.at_least("checkpoint.keep", c.checkpoint.keep, 0);
+  r.require(!c.checkpoint.resume.empty(), "checkpoint.resume", c.checkpoint.resume,
+            "must be \"auto\", \"none\" or the path of a checkpoint directory");
   r.at_least("sample.max_tokens", c.sample.max_tokens, 1);
   r.non_negative("sample.temperature", c.sample.temperature);
   r.at_least("sample.top_k", c.sample.top_k, 0);
@@ -160,6 +164,9 @@ void resolve(Config& c, Rules& r) {
   for (size_t i = 0; i < c.data.valid.size(); ++i) expand(fmt::format("data.valid[{}].path", i), c.data.valid[i].path, r);
   expand("data.tokenizer", c.data.tokenizer, r);
   expand("logging.dir", c.logging.dir, r);
+  expand("checkpoint.dir", c.checkpoint.dir, r);
+  if (c.checkpoint.resume != "auto" && c.checkpoint.resume != "none")
+    expand("checkpoint.resume", c.checkpoint.resume, r);
   ModelConfig& m = c.model;
   if (m.num_kv_heads == 0 && r.ok({"model.num_kv_heads", "model.num_heads"}))
     m.num_kv_heads = m.num_heads;
@@ -262,6 +269,9 @@ void check_cross_field(const Config& c, Rules& r) {
               "remove data.split");
     r.require(!d.synthetic, "data.split", d.split, "synthetic data has nothing to split: remove data.split");
   }
+  if (r.ok({"checkpoint.every", "checkpoint.dir"}))
+    r.require(c.checkpoint.every == 0 || !c.checkpoint.dir.empty(), "checkpoint.every", c.checkpoint.every,
+              "saving checkpoints needs checkpoint.dir");
   if (r.ok({"sample.prompt", "data.tokenizer"}))
     r.require(c.sample.prompt.empty() || !d.tokenizer.empty(), "sample.prompt", c.sample.prompt,
               "sampling text needs the tokenizer: set data.tokenizer");

@@ -46,6 +46,14 @@ class AdamW {
   int64_t steps_taken() const { return t_; }
   size_t state_bytes() const;
 
+  // The state of the owned ranges, back to back in owned-range order (checkpoints): Adam's
+  // moments, and the fp32 master weights when the optimizer owns them (else null).
+  float* exp_avg() { return m_; }
+  float* exp_avg_sq() { return v_; }
+  float* master_shard() { return master_; }
+  int64_t state_numel() const { return state_numel_; }
+  void set_steps_taken(int64_t t) { t_ = t; }
+
  private:
   struct Run {
     int64_t offset, numel, state_offset;

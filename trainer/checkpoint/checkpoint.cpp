@@ -1,0 +1,397 @@
+#include "trainer/checkpoint/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "trainer/checkpoint/safetensors.h"
+#include "trainer/checkpoint/sharding.h"
+#include "trainer/core/check.h"
+#include "trainer/dist/process_groups.h"
+
+namespace tetra {
+
+namespace fs = std::filesystem;
+using json = nlohmann::ordered_json;
+
+namespace {
+
+constexpr const char* kFormat = "tetra-checkpoint";
+constexpr int kVersion = 1;
+const char* const kKinds[] = {"model", "optim/exp_avg", "optim/exp_avg_sq"};
+
+void fsync_path(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+  if (fd < 0) throw Error(fmt::format("{}: cannot open to sync: {}", path, std::strerror(errno)));
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) throw Error(fmt::format("{}: fsync failed: {}", path, std::strerror(errno)));
+}
+
+// Writes `text` to `path` atomically (temp file, fsync, rename, fsync of the directory).
+void write_file_atomic(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f << text;
+    f.flush();
+    if (!f) throw Error(fmt::format("{}: cannot write", tmp));
+  }
+  fsync_path(tmp, false);
+  fs::rename(tmp, path);
+  fsync_path(fs::path(path).parent_path().string(), true);
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw InputError(fmt::format("{}: cannot read", path));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Every rank's string, on every rank (world communicator): lengths, then padded bytes.
+std::vector<std::string> all_gather_strings(Communicator& world, const std::string& mine, Backend& be) {
+  const int p = world.size();
+  std::vector<int32_t> lengths(static_cast<size_t>(p));
+  int32_t len = static_cast<int32_t>(mine.size());
+  int32_t* dev = static_cast<int32_t*>(be.alloc(static_cast<size_t>(p) * 4));
+  be.copy_from_host(dev + world.rank(), &len, 4);
+  world.all_gather(dev, dev + world.rank(), 1, DType::I32);
+  be.copy_to_host(lengths.data(), dev, static_cast<size_t>(p) * 4);
+  be.free(dev);
+  const int32_t words = (*std::max_element(lengths.begin(), lengths.end()) + 3) / 4;
+  std::vector<std::string> out(static_cast<size_t>(p));
+  if (words == 0) return out;
+  std::vector<char> host(static_cast<size_t>(p) * words * 4, 0);
+  std::memcpy(host.data() + static_cast<size_t>(world.rank()) * words * 4, mine.data(), mine.size());
+  char* buf = static_cast<char*>(be.alloc(host.size()));
+  be.copy_from_host(buf, host.data(), host.size());
+  world.all_gather(buf, buf + static_cast<size_t>(world.rank()) * words * 4, words, DType::I32);
+  be.copy_to_host(host.data(), buf, host.size());
+  be.free(buf);
+  for (int r = 0; r < p; ++r)
+    out[r].assign(host.data() + static_cast<size_t>(r) * words * 4, static_cast<size_t>(lengths[r]));
+  return out;
+}
+
+// Index of each owned range's first element in the compact optimizer state.
+std::vector<int64_t> compact_starts(const std::vector<GradRange>& owned) {
+  std::vector<int64_t> starts;
+  int64_t at = 0;
+  for (const GradRange& r : owned) {
+    starts.push_back(at);
+    at += r.numel;
+  }
+  return starts;
+}
+
+std::string rank_file(int rank) { return fmt::format("rank_{:05d}.safetensors", rank); }
+
+json layout_json(const Config& cfg, int world) {
+  return json{{"world", world},
+              {"tp", cfg.parallel.tp},
+              {"pp", cfg.parallel.pp},
+              {"dp", cfg.parallel.dp},
+              {"ep", cfg.parallel.ep},
+              {"order", cfg.parallel.order},
+              {"sequence_parallel", cfg.parallel.sequence_parallel},
+              {"distributed_optimizer", cfg.parallel.distributed_optimizer}};
+}
+
+// Complete checkpoints under `dir`, oldest first.
+std::vector<std::string> complete_checkpoints(const std::string& dir) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind("step_", 0) == 0 && fs::exists(e.path() / "manifest.json")) names.push_back(n);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+}  // namespace
+
+std::string checkpoint_name(int64_t step) { return fmt::format("step_{:08d}", step); }
+
+uint32_t crc32(const void* data, size_t bytes) {
+  static const std::array<uint32_t, 256> table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  uint32_t c = 0xFFFFFFFFu;
+  const auto* p = static_cast<const uint8_t*>(data);
+  for (size_t i = 0; i < bytes; ++i) c = table[(c ^ p[i]) & 0xFF] ^ (c >> 8);
+  return c ^ 0xFFFFFFFFu;
+}
+
+std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGroups& groups, Backend& be,
+                            const CheckpointBuffers& b, const CheckpointState& state) {
+  const ParamLayout& layout = *b.layout;
+  Communicator& world = *groups.world;
+  const bool rank0 = groups.rank == 0;
+  const std::string name = checkpoint_name(state.step);
+  const std::string final_dir = (fs::path(dir) / name).string();
+  const std::string tmp_dir = (fs::path(dir) / ("." + name + ".tmp")).string();
+  if (rank0) {
+    fs::create_directories(dir);
+    fs::remove_all(tmp_dir);  // a save of this step that a crash interrupted
+    fs::create_directories(tmp_dir);
+  }
+  world.barrier();
+
+  // This rank's values: the master weights (whole buffer, or the owned ranges) and the moments.
+  const size_t total = static_cast<size_t>(layout.total);
+  const int64_t state_numel = b.owned->empty() ? 0 : compact_starts(*b.owned).back() + b.owned->back().numel;
+  std::vector<float> master, m(static_cast<size_t>(state_numel)), v(static_cast<size_t>(state_numel));
+  if (b.master_shard) {
+    master.resize(static_cast<size_t>(state_numel));
+    be.copy_to_host(master.data(), b.master_shard, master.size() * 4);
+  } else {
+    master.resize(total);
+    be.copy_to_host(master.data(), b.master_full, total * 4);
+  }
+  be.copy_to_host(m.data(), b.exp_avg, m.size() * 4);
+  be.copy_to_host(v.data(), b.exp_avg_sq, v.size() * 4);
+  const std::vector<int64_t> starts = compact_starts(*b.owned);
+
+  const bool dp_writer = b.sharded || groups.coord.dp == 0;
+  const bool tp0 = groups.coord.tp == 0;
+  std::vector<TensorRecord> records;
+  json slices = json::array();
+  for (const ParamSpec& p : layout.params) {
+    if (!dp_writer || (!p.tp_split && !tp0)) continue;
+    for (size_t o = 0; o < b.owned->size(); ++o) {
+      const GradRange& r = (*b.owned)[o];
+      const int64_t lo = std::max(r.offset, p.offset) - p.offset;
+      const int64_t hi = std::min(r.offset + r.numel, p.offset + p.numel) - p.offset;
+      if (lo >= hi) continue;
+      int64_t local = lo;  // local element of the slice's first value
+      for (const SliceRegion& s : slices_of(p, lo, hi)) {
+        for (const char* kind : kKinds) {
+          const float* src;
+          const std::string k(kind);
+          const int64_t compact = starts[o] + (p.offset + local - r.offset);
+          if (k == "model")
+            src = b.master_shard ? master.data() + compact : master.data() + p.offset + local;
+          else
+            src = (k == "optim/exp_avg" ? m.data() : v.data()) + compact;
+          TensorRecord t;
+          t.name = fmt::format("{}/{}#{}", k, p.name, records.size());
+          t.dtype = DType::F32;
+          t.shape = {s.numel()};
+          t.data.resize(static_cast<size_t>(s.numel()) * 4);
+          std::memcpy(t.data.data(), src, t.data.size());
+          slices.push_back(json{{"key", k + "/" + p.name},
+                                {"file", rank_file(groups.rank)},
+                                {"tensor", t.name},
+                                {"region", {s.row0, s.rows, s.col0, s.cols}},
+                                {"range", {s.begin, s.end}},
+                                {"crc32", crc32(t.data.data(), t.data.size())}});
+          records.push_back(std::move(t));
+        }
+        local += s.numel();
+      }
+    }
+  }
+  if (!records.empty()) {
+    const std::string file = (fs::path(tmp_dir) / rank_file(groups.rank)).string();
+    write_safetensors(file, records);  // temp name, fsync, rename
+  }
+  const std::vector<std::string> all = all_gather_strings(world, slices.dump(), be);
+
+  if (rank0) {
+    json manifest;
+    manifest["format"] = kFormat;
+    manifest["version"] = kVersion;
+    manifest["step"] = state.step;
+    manifest["consumed_samples"] = state.consumed_samples;
+    manifest["seed"] = cfg.training.seed;
+    manifest["layout"] = layout_json(cfg, world.size());
+    manifest["config"] = json::parse(config_to_json(cfg).dump());
+    json tensors = json::object();
+    const ParamLayout whole = ParamLayout::build(cfg.model);
+    for (const ParamSpec& p : whole.params)
+      for (const char* kind : kKinds)
+        tensors[std::string(kind) + "/" + p.name] = json{{"shape", p.global_shape}, {"dtype", "F32"}, {"slices", json::array()}};
+    for (const std::string& s : all)
+      for (auto& slice : json::parse(s)) {
+        const std::string key = slice["key"].get<std::string>();
+        slice.erase("key");
+        tensors[key]["slices"].push_back(slice);
+      }
+    manifest["tensors"] = tensors;
+    write_file_atomic((fs::path(tmp_dir) / "manifest.json").string(), manifest.dump(1));
+    fsync_path(tmp_dir, true);
+    if (fs::exists(final_dir)) fs::remove_all(final_dir);  // this step saved before: replace it
+    fs::rename(tmp_dir, final_dir);
+    fsync_path(dir, true);
+    write_file_atomic((fs::path(dir) / "latest").string(), name + "\n");
+    if (cfg.checkpoint.keep > 0) {
+      std::vector<std::string> done = complete_checkpoints(dir);
+      for (size_t i = 0; i + static_cast<size_t>(cfg.checkpoint.keep) < done.size(); ++i)
+        if (done[i] != name) fs::remove_all(fs::path(dir) / done[i]);
+    }
+  }
+  world.barrier();
+  return final_dir;
+}
+
+std::string checkpoint_to_resume(const CheckpointConfig& cfg) {
+  if (cfg.resume == "none") return "";
+  if (cfg.resume != "auto") {
+    if (!fs::exists(fs::path(cfg.resume) / "manifest.json"))
+      throw InputError(fmt::format("checkpoint.resume: {} is not a checkpoint (no manifest.json); give a "
+                                   "step_* directory, \"auto\" or \"none\"", cfg.resume));
+    return cfg.resume;
+  }
+  if (cfg.dir.empty()) return "";
+  const fs::path latest = fs::path(cfg.dir) / "latest";
+  if (!fs::exists(latest)) return "";
+  std::string name = read_text(latest.string());
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  const fs::path path = fs::path(cfg.dir) / name;
+  if (name.empty() || !fs::exists(path / "manifest.json"))
+    throw InputError(fmt::format("{} names \"{}\", which is not a complete checkpoint; set checkpoint.resume "
+                                 "to another step_* directory or \"none\"", latest.string(), name));
+  return path.string();
+}
+
+CheckpointState load_checkpoint(const std::string& path, const Config& cfg, ProcessGroups& groups, Backend& be,
+                                const CheckpointBuffers& b) {
+  const ParamLayout& layout = *b.layout;
+  const std::string manifest_path = (fs::path(path) / "manifest.json").string();
+  json manifest;
+  try {
+    manifest = json::parse(read_text(manifest_path));
+  } catch (const json::exception& e) {
+    throw InputError(fmt::format("{}: malformed manifest: {}", manifest_path, e.what()));
+  }
+  if (manifest.value("format", "") != kFormat || manifest.value("version", 0) != kVersion)
+    throw InputError(fmt::format("{}: not a {} version {} manifest", manifest_path, kFormat, kVersion));
+  const json want_model = json::parse(config_to_json(cfg).dump())["model"];
+  const json have_model = manifest["config"]["model"];
+  if (have_model != want_model) {
+    std::string diff;
+    for (auto it = want_model.begin(); it != want_model.end(); ++it)
+      if (!have_model.contains(it.key()) || have_model[it.key()] != it.value())
+        diff += fmt::format("{}model.{}: checkpoint {}, config {}", diff.empty() ? "" : "; ", it.key(),
+                            have_model.contains(it.key()) ? have_model[it.key()].dump() : "absent", it.value().dump());
+    throw InputError(fmt::format("{}: the checkpoint holds another model ({}); resume with its model "
+                                 "config or set checkpoint.resume to \"none\"", manifest_path, diff));
+  }
+
+  std::map<std::string, std::unique_ptr<SafetensorsReader>> files;
+  auto reader = [&](const std::string& file) -> SafetensorsReader& {
+    auto& r = files[file];
+    if (!r) r = std::make_unique<SafetensorsReader>((fs::path(path) / file).string());
+    return *r;
+  };
+  // What this rank needs: every local element of the weights, the owned ranges of the moments.
+  const size_t total = static_cast<size_t>(layout.total);
+  std::vector<float> weights(total, 0.0f);
+  const std::vector<int64_t> starts = compact_starts(*b.owned);
+  const int64_t state_numel = b.owned->empty() ? 0 : starts.back() + b.owned->back().numel;
+  std::vector<float> m(static_cast<size_t>(state_numel)), v(static_cast<size_t>(state_numel));
+  std::vector<float> values;
+  const json& tensors = manifest["tensors"];
+  for (const ParamSpec& p : layout.params) {
+    for (const char* kind : kKinds) {
+      const std::string key = std::string(kind) + "/" + p.name;
+      if (!tensors.contains(key))
+        throw InputError(fmt::format("{}: tensor {} is missing", manifest_path, key));
+      const json& t = tensors[key];
+      if (t["shape"].get<std::vector<int64_t>>() != p.global_shape)
+        throw InputError(fmt::format("{}: tensor {} has shape {}, the model's is {}", manifest_path, key,
+                                     t["shape"].dump(), json(p.global_shape).dump()));
+      const bool model = std::string(kind) == "model";
+      // Local ranges needed, and where each goes.
+      std::vector<std::pair<int64_t, int64_t>> ranges;
+      if (model) {
+        ranges.emplace_back(0, p.numel);
+      } else {
+        for (const GradRange& r : *b.owned) {
+          const int64_t lo = std::max(r.offset, p.offset) - p.offset;
+          const int64_t hi = std::min(r.offset + r.numel, p.offset + p.numel) - p.offset;
+          if (lo < hi) ranges.emplace_back(lo, hi);
+        }
+      }
+      if (ranges.empty()) continue;
+      std::vector<float> local(static_cast<size_t>(p.numel));
+      std::vector<uint8_t> filled(static_cast<size_t>(p.numel), 0);
+      for (const json& s : t["slices"]) {
+        const auto reg = s["region"].get<std::vector<int64_t>>();
+        const auto rng = s["range"].get<std::vector<int64_t>>();
+        const SliceRegion region{reg[0], reg[1], reg[2], reg[3], rng[0], rng[1]};
+        if (!may_intersect(p, region)) continue;  // only slices holding elements of this rank's
+        const std::string file = s["file"].get<std::string>();
+        SafetensorsReader& f = reader(file);
+        const SafetensorsReader::Entry* e = f.find(s["tensor"].get<std::string>());
+        if (!e || e->dtype != DType::F32 || e->end - e->begin != static_cast<uint64_t>(region.numel()) * 4)
+          throw InputError(fmt::format("{}: slice {} of tensor {} is missing or of the wrong size", f.path(),
+                                       s["tensor"].get<std::string>(), key));
+        values.resize(static_cast<size_t>(region.numel()));
+        f.read(*e, values.data());
+        if (crc32(values.data(), values.size() * 4) != s["crc32"].get<uint32_t>())
+          throw InputError(fmt::format("{}: slice {} of tensor {} fails its checksum: the file is corrupt",
+                                       f.path(), s["tensor"].get<std::string>(), key));
+        for (const auto& [lo, hi] : ranges) scatter_slice(p, lo, hi, region, values.data(), local.data(), filled);
+      }
+      for (const auto& [lo, hi] : ranges)
+        for (int64_t i = lo; i < hi; ++i)
+          if (!filled[static_cast<size_t>(i)])
+            throw InputError(fmt::format("{}: tensor {} lacks element {} of this rank's slice: the checkpoint "
+                                         "is incomplete (a missing rank file?)", manifest_path, key, p.global_index(i)));
+      if (model) {
+        std::memcpy(weights.data() + p.offset, local.data(), static_cast<size_t>(p.numel) * 4);
+      } else {
+        std::vector<float>& dst = std::string(kind) == "optim/exp_avg" ? m : v;
+        for (size_t o = 0; o < b.owned->size(); ++o) {
+          const GradRange& r = (*b.owned)[o];
+          const int64_t lo = std::max(r.offset, p.offset), hi = std::min(r.offset + r.numel, p.offset + p.numel);
+          for (int64_t g = lo; g < hi; ++g)
+            dst[static_cast<size_t>(starts[o] + g - r.offset)] = local[static_cast<size_t>(g - p.offset)];
+        }
+      }
+    }
+  }
+  // Into backend memory: master weights (whole or shard), compute weights, moments.
+  float* staging = b.master_full;
+  if (!staging) staging = static_cast<float*>(be.alloc(total * 4));
+  be.copy_from_host(staging, weights.data(), total * 4);
+  if (b.compute && b.compute != staging) be.cast(b.compute, b.compute_type, staging, DType::F32, layout.total);
+  if (b.master_shard)
+    for (size_t o = 0; o < b.owned->size(); ++o)
+      be.copy(b.master_shard + starts[o], staging + (*b.owned)[o].offset, static_cast<size_t>((*b.owned)[o].numel) * 4);
+  if (staging != b.master_full) be.free(staging);
+  be.copy_from_host(b.exp_avg, m.data(), m.size() * 4);
+  be.copy_from_host(b.exp_avg_sq, v.data(), v.size() * 4);
+  groups.world->barrier();
+
+  CheckpointState st;
+  st.step = manifest["step"].get<int64_t>();
+  st.consumed_samples = manifest["consumed_samples"].get<int64_t>();
+  spdlog::info("resumed from {} (step {}, {} samples consumed; saved under layout {})", path, st.step,
+               st.consumed_samples, manifest["layout"].dump());
+  return st;
+}
+
+}  // namespace tetra

@@ -1,0 +1,78 @@
+// Checkpoints: sharded, atomic, and loadable under any parallel layout.
+//
+// A checkpoint is a directory `<checkpoint.dir>/step_00001000/`:
+//   manifest.json       format and version, the resolved config, the layout it was written
+//                       under, the step, the data position (consumed samples), the seed, and the
+//                       tensor index: key -> global shape, dtype and slices, each slice naming the
+//                       file and tensor that hold it, its place in the global tensor
+//                       (sharding.h's SliceRegion) and a CRC-32 of its bytes;
+//   rank_00003.safetensors   the slices rank 3 wrote.
+// Keys: "model/<param>" (the fp32 master weights), "optim/exp_avg/<param>" and
+// "optim/exp_avg_sq/<param>" (Adam's moments), every one a global tensor whatever the sharding.
+// Each element is written once: by TP rank 0 for parameters replicated over TP, and by DP rank 0
+// unless the distributed optimizer shards the state over DP (then each DP rank writes its shard).
+//
+// Commit protocol (a crash at any moment leaves the previous checkpoint loadable and `latest`
+// naming a complete one): rank 0 creates `.step_00001000.tmp/`; every rank writes and fsyncs its
+// file there (barrier); rank 0 writes manifest.json, fsyncs, renames the directory to
+// `step_00001000`, fsyncs the parent, then replaces `latest` (a one-line file) by rename, and only
+// then deletes checkpoints beyond `checkpoint.keep`.
+//
+// Loading reads the manifest, checks that it holds this model (the `model` config section must be
+// equal), and has each rank read only the slices that intersect what its layout holds, verifying
+// each slice's checksum; every element the rank needs must be found. The same layout resumes
+// bitwise exactly; another layout continues the same training.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "trainer/config/config.h"
+#include "trainer/model/param_layout.h"
+#include "trainer/optim/grad_buffer.h"
+
+namespace tetra {
+
+struct ProcessGroups;
+
+// Training progress a checkpoint restores besides tensors.
+struct CheckpointState {
+  int64_t step = 0;              // optimizer steps completed (also the LR schedule's position)
+  int64_t consumed_samples = 0;  // the data loader's position
+};
+
+// One rank's buffers (backend memory) that a checkpoint saves and restores.
+struct CheckpointBuffers {
+  const ParamLayout* layout = nullptr;
+  const std::vector<GradRange>* owned = nullptr;  // the optimizer's ranges, in buffer order
+  bool sharded = false;           // owned is this rank's DP shard (distributed optimizer)
+  float* master_full = nullptr;   // the whole fp32 parameter buffer, or null when...
+  float* master_shard = nullptr;  // ...the optimizer holds the owned ranges' master weights
+  float* exp_avg = nullptr;       // owned ranges, back to back
+  float* exp_avg_sq = nullptr;
+  void* compute = nullptr;        // weights the model reads (restored from the master weights);
+  DType compute_type = DType::F32;  // may equal master_full in fp32
+};
+
+// Saves step `state.step` under `dir` (collective: every rank calls it). Returns the path.
+std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGroups& groups, Backend& be,
+                            const CheckpointBuffers& buffers, const CheckpointState& state);
+
+// The checkpoint checkpoint.resume asks for: "" when there is none (resume "none", or "auto"
+// without `dir/latest`). InputError when an explicit path or `latest` names no checkpoint.
+std::string checkpoint_to_resume(const CheckpointConfig& cfg);
+
+// Loads `path` into the buffers (collective). InputError naming the file (and tensor) when the
+// checkpoint is of another model, incomplete or corrupt.
+CheckpointState load_checkpoint(const std::string& path, const Config& cfg, ProcessGroups& groups, Backend& be,
+                                const CheckpointBuffers& buffers);
+
+// "step_00001000"
+std::string checkpoint_name(int64_t step);
+
+// CRC-32 (IEEE, as zlib's crc32) of `bytes`.
+uint32_t crc32(const void* data, size_t bytes);
+
+}  // namespace tetra
