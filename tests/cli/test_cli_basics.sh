@@ -25,7 +25,7 @@ assert c["model"]["num_layers"] == 3, c["model"]["num_layers"]          # --set 
 assert c["optimizer"]["lr"] == 0.01
 assert c["model"]["num_kv_heads"] == c["model"]["num_heads"]            # derived value filled in
 assert c["model"]["ffn_hidden_size"] == 4 * c["model"]["hidden_size"]
-assert set(c) == {"model", "parallel", "training", "optimizer", "data", "sample", "logging"}, set(c)
+assert set(c) == {"model", "parallel", "training", "optimizer", "data", "sample", "checkpoint", "logging"}, set(c)
 PY
 
 case=dry_run_gpt2

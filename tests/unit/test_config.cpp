@@ -140,6 +140,11 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.sample.temperature == b.sample.temperature);
   CHECK(a.sample.top_k == b.sample.top_k);
   CHECK(a.sample.seed == b.sample.seed);
+  CHECK(a.checkpoint.dir == b.checkpoint.dir);
+  CHECK(a.checkpoint.every == b.checkpoint.every);
+  CHECK(a.checkpoint.keep == b.checkpoint.keep);
+  CHECK(a.checkpoint.resume == b.checkpoint.resume);
+  CHECK(a.checkpoint.save_on_exit == b.checkpoint.save_on_exit);
   CHECK(a.logging.dir == b.logging.dir);
   CHECK(a.logging.level == b.logging.level);
 }
@@ -166,6 +171,7 @@ json every_key() {
              "valid": [{"path": "data/v", "weight": 1.0}],
              "split": "", "tokenizer": "sentencepiece:tok.model"},
     "sample": {"prompt": "The", "max_tokens": 16, "temperature": 1.5, "top_k": 7, "seed": 9},
+    "checkpoint": {"dir": "ckpt/x", "every": 100, "keep": 3, "resume": "none", "save_on_exit": false},
     "logging": {"dir": "runs/x", "level": "debug"}
   })");
 }
