@@ -11,6 +11,7 @@
 // without a collective. A failure after that may hit one rank only: it prints the error with its
 // coordinates and ends the whole job (MPI_Abort), so no rank waits forever in a collective.
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -76,7 +77,8 @@ void print_dry_run(const tetra::Config& cfg) {
   fmt::print("  activations      {} (micro-batch {}, logits included)\n", mib(mem.activations),
              cfg.training.micro_batch_size);
   fmt::print("  batch buffers    {}\n", mib(mem.batch));
-  if (mem.sampling) fmt::print("  sampling         {} (micro-batch 1 model for the text samples)\n", mib(mem.sampling));
+  if (mem.sampling)
+    fmt::print("  sampling         {} (micro-batch 1 model for the text samples)\n", mib(mem.sampling));
   const tetra::StepVolume v = tetra::predict_step_volume(cfg, layout);
   fmt::print("communication per step and rank (payload; sent under ring algorithms ~ 2(p-1)/p of an "
              "all-reduce's, (p-1)/p of the others'):\n");
@@ -90,6 +92,18 @@ std::string rank_log_level(const std::string& level, int rank) {
   return "warn";
 }
 
+// A check for a numeric option: "--top-k: -1: must be at least 0".
+CLI::Validator at_least(double lo) {
+  return CLI::Validator(
+      [lo](std::string& v) {
+        char* end = nullptr;
+        const double x = std::strtod(v.c_str(), &end);
+        if (end == v.c_str() || *end != '\0') return fmt::format("{}: not a number", v);
+        return x >= lo ? std::string() : fmt::format("{}: must be at least {}", v, lo);
+      },
+      fmt::format(">= {}", lo));
+}
+
 // `tetra generate`'s command line: sampling settings override the config's sample section.
 struct GenerateArgs {
   CLI::App* cmd = nullptr;
@@ -98,7 +112,8 @@ struct GenerateArgs {
   int64_t max_tokens = 0, top_k = 0;
   double temperature = 0.0;
   uint64_t seed = 0;
-  CLI::Option *prompt_opt, *max_tokens_opt, *temperature_opt, *top_k_opt, *seed_opt;
+  CLI::Option *prompt_opt = nullptr, *max_tokens_opt = nullptr, *temperature_opt = nullptr, *top_k_opt = nullptr,
+              *seed_opt = nullptr;
 
   void add_to(CLI::App& app) {
     cmd = app.add_subcommand("generate", "write text with trained weights (one process, tp 1); prints the "
@@ -110,11 +125,11 @@ struct GenerateArgs {
                                           "<logging.dir>/model.safetensors, written by training)");
     prompt_opt = cmd->add_option("--prompt", prompt, "text to continue (default: sample.prompt)");
     max_tokens_opt = cmd->add_option("--max-tokens", max_tokens, "most tokens to generate (default: "
-                                     "sample.max_tokens)")->check(CLI::PositiveNumber);
+                                     "sample.max_tokens)")->check(at_least(1));
     temperature_opt = cmd->add_option("--temperature", temperature, "0 = greedy (default: "
-                                      "sample.temperature)")->check(CLI::NonNegativeNumber);
+                                      "sample.temperature)")->check(at_least(0));
     top_k_opt = cmd->add_option("--top-k", top_k, "sample among the k likeliest tokens, 0 = all (default: "
-                                "sample.top_k)")->check(CLI::NonNegativeNumber);
+                                "sample.top_k)")->check(at_least(0));
     seed_opt = cmd->add_option("--seed", seed, "sampling seed (default: sample.seed)");
   }
   void apply(tetra::SampleConfig& s) const {
@@ -130,8 +145,8 @@ struct GenerateArgs {
 int run_generate(const GenerateArgs& args, const tetra::ProcessInfo& proc) {
   if (proc.size > 1) {
     if (proc.rank == 0)
-      std::fprintf(stderr, "error: tetra generate runs as one process (launched with %d); run it without mpirun/srun\n",
-                   proc.size);
+      std::fprintf(stderr, "error: tetra generate runs as one process (launched with %d); run it without "
+                   "mpirun/srun\n", proc.size);
     return 2;
   }
   try {
@@ -153,15 +168,16 @@ int run(int argc, char** argv, const tetra::ProcessInfo& proc) {
   std::string config_path, dump_dir;
   std::vector<std::string> overrides;
   bool print_config = false, dry_run = false;
-  CLI::Option* config_opt = app.add_option("-c,--config", config_path, "run configuration (JSON)");
+  CLI::Option* config_opt =
+      app.add_option("-c,--config", config_path, "run configuration (JSON), required to train");
   CLI::Option* set_opt =
       app.add_option("--set", overrides, "override a config key: section.key=value (repeatable)");
   CLI::Option* print_opt =
       app.add_flag("--print-config", print_config, "print the resolved config (every key) and exit");
   CLI::Option* dry_opt = app.add_flag(
       "--dry-run", dry_run, "validate, print parameters, FLOPs, memory and communication per rank, and exit");
-  CLI::Option* dump_opt = app.add_option("--dump-dir", dump_dir,
-                                         "write initial weights, step-0 gradients and the batches of the run here");
+  CLI::Option* dump_opt = app.add_option(
+      "--dump-dir", dump_dir, "write initial weights, step-0 gradients and the batches of the run here");
   GenerateArgs generate;
   generate.add_to(app);
   for (CLI::Option* o : {config_opt, set_opt, print_opt, dry_opt, dump_opt}) generate.cmd->excludes(o);

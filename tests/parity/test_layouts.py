@@ -128,14 +128,15 @@ def compare(name, ref, got, layout, rtol, grads=True):
     ref_steps, ref_grads, ref_start = ref
     steps, g, start = got
     # Memory: each rank holds 1/tp of the parameters, and with the distributed optimizer 1/dp of
-    # the optimizer state (up to the padding of groups to 16 dp elements: < 5% on these tiny
-    # models, 0.1% on GPT-2 124M). In bf16 the sharded optimizer also holds the fp32 master
+    # the optimizer state, plus padding: every tensor slice is padded to 16 elements and every
+    # group to 16 dp, which on these tiny models (norms of 64 elements split 4 ways) adds up to
+    # 8% at tp 4, 0.1% on GPT-2 124M. In bf16 the sharded optimizer also holds the fp32 master
     # weights' shard (3 fp32 values per owned parameter instead of Adam's 2).
     expect = ref_start["optimizer_state_bytes"] / layout[1] / (layout[0] if layout[3] else 1)
     if layout[3] and layout[0] > 1 and "bf16" in name:
         expect *= 1.5
     got_bytes = start["optimizer_state_bytes"]
-    check(abs(got_bytes - expect) <= 0.05 * expect,
+    check(expect <= got_bytes <= 1.10 * expect,
           f"{name}: optimizer state {got_bytes} bytes per rank, expected ~{expect:.0f}")
     check(len(steps) == STEPS, f"{name}: {len(steps)} steps logged")
     worst = max(rel(s["loss"], r["loss"]) for s, r in zip(steps, ref_steps))

@@ -140,6 +140,7 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.sample.temperature == b.sample.temperature);
   CHECK(a.sample.top_k == b.sample.top_k);
   CHECK(a.sample.seed == b.sample.seed);
+  CHECK(a.training.exit_interval == b.training.exit_interval);
   CHECK(a.checkpoint.dir == b.checkpoint.dir);
   CHECK(a.checkpoint.every == b.checkpoint.every);
   CHECK(a.checkpoint.keep == b.checkpoint.keep);
@@ -162,7 +163,7 @@ json every_key() {
     "training": {"device": "cpu", "precision": "bf16", "micro_batch_size": 2,
                  "global_batch_size": 8, "steps": 500, "seed": 18446744073709551615,
                  "eval_every": 50, "eval_steps": 5, "log_every": 10, "threads": 2,
-                 "peak_gflops": 123.5},
+                 "peak_gflops": 123.5, "exit_interval": 250},
     "optimizer": {"lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 20, "decay": "linear",
                   "decay_steps": 400, "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.99,
                   "eps": 1e-6, "grad_clip": 0.5},

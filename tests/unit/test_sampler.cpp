@@ -211,7 +211,7 @@ TEST_CASE("Sampler: greedy generation slides a T-token window and stops at the e
       const size_t n = std::min<size_t>(ids.size(), static_cast<size_t>(cfg.seq_len));
       const std::vector<int32_t> window(ids.end() - static_cast<std::ptrdiff_t>(n), ids.end());
       const std::vector<float> row = logits_row(model, params, window, static_cast<int32_t>(cfg.vocab_size - 1));
-      const int32_t best = static_cast<int32_t>(std::max_element(row.begin(), row.begin() + vocab_limit) - row.begin());
+      const auto best = static_cast<int32_t>(std::max_element(row.begin(), row.begin() + vocab_limit) - row.begin());
       out.push_back(best);
       ids.push_back(best);
     }

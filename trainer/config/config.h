@@ -61,6 +61,8 @@ struct TrainingConfig {
   int64_t log_every = 1;
   int64_t threads = 0;              // CPU threads; 0 = all cores
   double peak_gflops = 0.0;         // for MFU; 0 = measured at start-up
+  int64_t exit_interval = 0;        // stop after a step that is a multiple of it, as if interrupted
+                                    // (checkpoint saved; Megatron's --exit-interval); 0 = never
 };
 
 struct OptimizerConfig {

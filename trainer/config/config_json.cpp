@@ -80,6 +80,7 @@ void visit_training(T& t, V& v) {
   v.integer("log_every", t.log_every);
   v.integer("threads", t.threads);
   v.number("peak_gflops", t.peak_gflops);
+  v.integer("exit_interval", t.exit_interval);
 }
 
 template <class O, class V>
@@ -187,6 +188,7 @@ const std::map<std::string, std::string>& foreign_names() {
       {"save", "checkpoint.dir"},
       {"load", "checkpoint.resume"},
       {"save_interval", "checkpoint.every"},
+      {"exit_interval", "training.exit_interval"},
       {"train_iters", "training.steps"},
       {"max_steps", "training.steps"},
       {"num_iterations", "training.steps"},

@@ -105,6 +105,7 @@ void check_ranges(const Config& c, Rules& r) {
   r.at_least("training.log_every", t.log_every, 1);
   r.at_least("training.threads", t.threads, 0);
   r.non_negative("training.peak_gflops", t.peak_gflops);
+  r.at_least("training.exit_interval", t.exit_interval, 0);
 
   const OptimizerConfig& o = c.optimizer;
   r.positive("optimizer.lr", o.lr);

@@ -37,7 +37,8 @@ std::string generate_text(Sampler& sampler, const void* weights, const Tokenizer
                           const std::string& prompt, const SampleConfig& s) {
   std::vector<int32_t> context{tokenizer.eod_id()};
   tokenizer.encode(prompt, context);
-  const std::vector<int32_t> ids = sampler.generate(weights, context, s, tokenizer.eod_id(), tokenizer.vocab_size());
+  const std::vector<int32_t> ids =
+      sampler.generate(weights, context, s, tokenizer.eod_id(), tokenizer.vocab_size());
   return tokenizer.decode(ids);
 }
 

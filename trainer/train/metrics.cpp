@@ -62,6 +62,7 @@ void MetricsWriter::write(const StepMetrics& m) {
   j["mfu"] = m.mfu;
   j["consumed_samples"] = m.consumed_samples;
   if (m.val_loss) j["val_loss"] = *m.val_loss;
+  if (m.sample) j["sample"] = *m.sample;
   if (!m.comm.empty()) {
     auto volume = [](const GroupVolume& v) {
       nlohmann::ordered_json o;
@@ -79,7 +80,8 @@ void MetricsWriter::write(const StepMetrics& m) {
                        {"match", c.measured == c.predicted}};
     j["comm"] = comm;
   }
-  jsonl_ << j.dump() << '\n';
+  // A sample may end inside a UTF-8 character (a byte-level BPE decodes bytes): replace, not throw.
+  jsonl_ << j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << '\n';
   jsonl_.flush();
 }
 

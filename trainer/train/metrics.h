@@ -37,6 +37,7 @@ struct StepMetrics {
   int64_t consumed_samples = 0;
   std::optional<double> val_loss;
   std::vector<CommRecord> comm;  // groups of size > 1 (global rank 0's view)
+  std::optional<std::string> sample;  // text sampled at an evaluation
 };
 
 class MetricsWriter {

@@ -1,10 +1,12 @@
 #include "trainer/train/trainer.h"
 
 #include <omp.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -15,6 +17,7 @@
 #include <spdlog/spdlog.h>
 
 #include "kernels/cpu/peak.h"
+#include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/core/check.h"
 #include "trainer/core/log.h"
@@ -116,6 +119,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     valid_source_ = make_valid_source(cfg, cfg.training.eval_steps * cfg.training.global_batch_size);
   if (samples_enabled(cfg)) tokenizer_ = load_sampling_tokenizer(cfg);
   train_loader_ = std::make_unique<DataLoader>(train_source_, T, B, groups.coord.dp, cfg.parallel.dp);
+  // The checkpoint to resume from is found (or refused) before any file is written.
+  const std::string resume = checkpoint_to_resume(cfg.checkpoint);
   if (writer_) {
     log_to_file(cfg.logging.dir);
     metrics_ = std::make_unique<MetricsWriter>(cfg.logging.dir);
@@ -168,6 +173,15 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     master_ = nullptr;
   }
   group_done_ = [this](int group) { grad_buffer_->group_done(group); };
+  if (!resume.empty()) {
+    const CheckpointState st = load_checkpoint(resume, cfg, groups, *be_, checkpoint_buffers());
+    TETRA_INPUT_CHECK(st.step <= cfg.training.steps,
+                      "{} is at step {}, beyond training.steps ({}): raise training.steps to train on", resume,
+                      st.step, cfg.training.steps);
+    start_step_ = st.step;
+    train_loader_->set_consumed_samples(st.consumed_samples);
+    optimizer_->set_steps_taken(st.step);
+  }
   if (tokenizer_) {
     // Without sequence parallelism: for one row of T tokens it would save little, and it would
     // need T divisible by tp. The parameter offsets do not depend on it.
@@ -244,6 +258,45 @@ Trainer::~Trainer() {
   }
 }
 
+CheckpointBuffers Trainer::checkpoint_buffers() {
+  CheckpointBuffers b;
+  b.layout = &layout_;
+  b.owned = &grad_buffer_->owned();
+  b.sharded = grad_buffer_->sharded();
+  b.master_full = master_;
+  b.master_shard = optimizer_->master_shard();
+  b.exp_avg = optimizer_->exp_avg();
+  b.exp_avg_sq = optimizer_->exp_avg_sq();
+  b.compute = compute_;
+  b.compute_type = act_;
+  return b;
+}
+
+namespace {
+volatile std::sig_atomic_t g_stop_signal = 0;
+extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+}  // namespace
+
+void Trainer::install_stop_signals() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGUSR1, &sa, nullptr);
+}
+
+bool Trainer::stop_requested() {
+  // Every rank must stop after the same step: agree on whether any rank got a signal.
+  int32_t flag = g_stop_signal != 0 ? 1 : 0;
+  if (groups_.world->size() > 1) {
+    int32_t* dev = reinterpret_cast<int32_t*>(scalar_);
+    be_->copy_from_host(dev, &flag, 4);
+    groups_.world->all_reduce(dev, 1, DType::I32, ReduceOp::MAX);
+    be_->copy_to_host(&flag, dev, 4);
+  }
+  return flag != 0;
+}
+
 void Trainer::dump_tensors(const std::string& file, const float* buffer) {
   std::vector<float> host(static_cast<size_t>(layout_.total));
   be_->copy_to_host(host.data(), buffer, host.size() * 4);
@@ -281,24 +334,28 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer) {
 void Trainer::save_final_weights() {
   const std::string path = final_weights_path(cfg_);
   if (path.empty()) return;
-  // Global rank 0 writes, gathering the TP slices of its TP group; the other DP replicas hold the
-  // same weights and take no part.
-  if (groups_.coord.dp != 0) return;
   const auto t0 = std::chrono::steady_clock::now();
-  const char* source = "fp32 master weights";
-  if (master_) {
-    dump_tensors(path, master_);
-  } else {
-    // bf16 with the distributed optimizer: the fp32 master weights live sharded inside the
-    // optimizer; the bf16 weights the model computes with are exported (exactly, as fp32).
-    source = "the bf16 compute weights";
-    float* whole = static_cast<float*>(be_->alloc(static_cast<size_t>(layout_.total) * 4));
-    be_->cast(whole, DType::F32, compute_, act_, layout_.total);
-    dump_tensors(path, whole);
-    be_->free(whole);
+  const float* weights = master_;
+  float* whole = nullptr;
+  if (!master_) {
+    // bf16 with the distributed optimizer: each DP rank's optimizer holds the fp32 master weights
+    // of its shards, back to back; every DP rank takes part in gathering them.
+    whole = static_cast<float*>(be_->alloc(static_cast<size_t>(layout_.total) * 4));
+    const float* shard = optimizer_->master_shard();
+    int64_t at = 0;
+    for (const GradRange& o : grad_buffer_->owned()) {
+      be_->copy(whole + o.offset, shard + at, static_cast<size_t>(o.numel) * 4);
+      at += o.numel;
+    }
+    grad_buffer_->gather_params(whole, DType::F32);
+    weights = whole;
   }
-  spdlog::info("final weights: {} ({} tensors, fp32, from {}) in {:.1f} s", path, layout_.params.size(),
-               source, seconds_since(t0));
+  // Global rank 0 writes, gathering the TP slices of its TP group; the other DP replicas hold the
+  // same weights and need not gather theirs.
+  if (groups_.coord.dp == 0) dump_tensors(path, weights);
+  if (whole) be_->free(whole);
+  spdlog::info("final weights: {} ({} tensors, fp32 master weights) in {:.1f} s", path, layout_.params.size(),
+               seconds_since(t0));
 }
 
 std::string Trainer::sample() {
@@ -389,7 +446,8 @@ void Trainer::run() {
   double avg_step_s = 0.0;  // mean over steps after the first (which pays one-off set-up costs)
   const auto run_t0 = std::chrono::steady_clock::now();
 
-  for (int64_t s = 0; s < tc.steps; ++s) {
+  install_stop_signals();
+  for (int64_t s = start_step_; s < tc.steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
     const CommStats tp_before = groups_.tp->stats(), dp_before = groups_.dp->stats();
     const double loss = train_step(s);
@@ -427,7 +485,7 @@ void Trainer::run() {
     }
     be_->synchronize();
     const double step_s = seconds_since(t0);
-    if (s > 0) avg_step_s += (step_s - avg_step_s) / static_cast<double>(s);
+    if (s > start_step_) avg_step_s += (step_s - avg_step_s) / static_cast<double>(s - start_step_);
 
     StepMetrics m;
     m.step = s + 1;
@@ -439,7 +497,7 @@ void Trainer::run() {
     m.ms = step_s * 1e3;
     m.tokens_per_s = tokens_per_step / step_s;
     m.mfu = stats.train_flops_per_token * m.tokens_per_s / peak_flops_;
-    m.eta_s = (s > 0 ? avg_step_s : step_s) * static_cast<double>(tc.steps - s - 1);
+    m.eta_s = (s > start_step_ ? avg_step_s : step_s) * static_cast<double>(tc.steps - s - 1);
     m.consumed_samples = train_loader_->consumed_samples();
     m.comm = comm_records(tp_before, dp_before);
     for (const CommRecord& c : m.comm)
@@ -447,15 +505,32 @@ void Trainer::run() {
         spdlog::warn("step {}: group {} moved {} but the layout predicts {}", s + 1, c.group,
                      c.measured.describe(), c.predicted.describe());
     const bool last = s + 1 == tc.steps;
-    std::optional<std::string> sample_text;
     if (valid_source_ && ((tc.eval_every > 0 && (s + 1) % tc.eval_every == 0) || last)) {
       m.val_loss = evaluate();
-      if (sampler_) sample_text = sample();
+      if (sampler_) m.sample = sample();
     }
     metrics_->write(m);
     if ((s + 1) % tc.log_every == 0 || last || m.val_loss) spdlog::info("{}", MetricsWriter::format_line(m));
-    if (sample_text)
-      spdlog::info("sample: \"{}\" -> \"{}\"", escape_text(cfg_.sample.prompt), escape_text(*sample_text));
+    if (m.sample)
+      spdlog::info("sample: \"{}\" -> \"{}\"", escape_text(cfg_.sample.prompt), escape_text(*m.sample));
+
+    // Checkpoints: every checkpoint.every steps, at the end, and when a signal asked to stop.
+    const bool stop = stop_requested() ||
+                      (tc.exit_interval > 0 && (s + 1) % tc.exit_interval == 0 && !last);
+    const bool periodic = cfg_.checkpoint.every > 0 && (s + 1) % cfg_.checkpoint.every == 0;
+    const bool at_exit = cfg_.checkpoint.save_on_exit && (last || stop);
+    if (!cfg_.checkpoint.dir.empty() && (periodic || at_exit)) {
+      const auto c0 = std::chrono::steady_clock::now();
+      const std::string path = save_checkpoint(cfg_.checkpoint.dir, cfg_, groups_, *be_, checkpoint_buffers(),
+                                               CheckpointState{s + 1, train_loader_->consumed_samples()});
+      spdlog::info("checkpoint {} saved in {:.2f} s", path, seconds_since(c0));
+    }
+    if (stop) {
+      spdlog::warn("stopping after step {} ({}){}", s + 1,
+                   tc.exit_interval > 0 && (s + 1) % tc.exit_interval == 0 ? "training.exit_interval" : "a signal",
+                   cfg_.checkpoint.save_on_exit && !cfg_.checkpoint.dir.empty() ? " (checkpoint saved)" : "");
+      break;
+    }
   }
   save_final_weights();
   if (!dump_dir_.empty() && writer_ && cfg_.parallel.dp == 1) {

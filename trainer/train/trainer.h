@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "trainer/checkpoint/checkpoint.h"
 #include "trainer/config/config.h"
 #include "trainer/model/gpt.h"
 #include "trainer/model/param_layout.h"
@@ -37,7 +38,7 @@ struct MemoryPlan {
   size_t total() const { return master + compute + grads + optimizer + activations + batch + sampling; }
 };
 
-// Text samples at evaluations: sample.prompt and data.tokenizer both set.
+// Text samples at evaluations: sample.prompt and data.tokenizer set, and training.eval_steps > 0.
 bool samples_enabled(const Config& cfg);
 
 // The layout of this rank's parameter buffer: its TP slice, groups aligned for the distributed
@@ -67,6 +68,9 @@ class Trainer {
   const ParamLayout& layout() const { return layout_; }
 
  private:
+  CheckpointBuffers checkpoint_buffers();
+  void install_stop_signals();
+  bool stop_requested();  // collective: true on every rank when any rank got SIGTERM / SIGUSR1
   double train_step(int64_t s);
   // Next micro-batch of `loader` into tokens_ / targets_ (and host_batch_).
   void load_micro_batch(DataLoader& loader);
@@ -113,6 +117,7 @@ class Trainer {
   std::unique_ptr<Gpt> sample_model_;
   std::unique_ptr<Sampler> sampler_;
   double peak_flops_ = 0.0;
+  int64_t start_step_ = 0;  // steps already done (resumed from a checkpoint)
 };
 
 }  // namespace tetra

@@ -1,0 +1,204 @@
+#!/usr/bin/env bash
+# Text generation end to end: a SentencePiece tokenizer trained by tetra_data, a small corpus
+# tokenized with it and split into train / valid datasets by tools/indexed_dataset.py, a tiny
+# model trained a few steps with a sample at each evaluation; then model.safetensors is there,
+# `tetra generate` reproduces the last sample and is deterministic per seed, bad weights exit 2
+# with a message, and under mpirun with tp = 2 (with and without sequence parallelism) training
+# writes the same greedy samples as tp = 1 and exports weights that generate the same text.
+#
+# Usage: test_generate.sh <tetra binary> <source dir> <scratch dir>
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+mpirun="${MPIRUN:-mpirun}"
+data="$(dirname "$tetra")/tetra_data"
+py=/usr/bin/python3
+[[ -x "$data" ]] || { echo "FAIL: no tetra_data next to $tetra"; exit 1; }
+
+# ---- data: 12 documents of simple sentences, a 400-piece tokenizer, train (10) / valid (2) ----
+$py - "$scratch/corpus" <<'PY'
+import os, random, sys
+out = sys.argv[1]
+os.makedirs(out)
+subjects = "the cat|the dog|a bird|my friend|the old man|a child".split("|")
+verbs = "sat on|looked at|ran to|walked past|jumped over|slept by".split("|")
+objects = "the mat|the door|a tree|the river|the house|a red box".split("|")
+for i in range(12):
+    rng = random.Random(i)
+    lines = [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}." for _ in range(60)]
+    with open(os.path.join(out, f"doc{i:02d}.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+PY
+case=prepare_data
+"$data" train-tokenizer --input "$scratch/corpus" --vocab-size 400 --output "$scratch/spm" \
+  >"$scratch/spm.out" 2>&1 || fail "train-tokenizer: $(cat "$scratch/spm.out")"
+"$data" tokenize --tokenizer "sentencepiece:$scratch/spm.model" --input "$scratch/corpus" \
+  --output "$scratch/all" --threads 1 >"$scratch/tok.out" 2>&1 || fail "tokenize: $(cat "$scratch/tok.out")"
+$py - "$src/tools" "$scratch" <<'PY' || fail "indexed_dataset.py split"
+import sys
+sys.path.insert(0, sys.argv[1])
+import indexed_dataset
+d = sys.argv[2]
+docs = indexed_dataset.read(d + "/all")
+assert len(docs) == 12, len(docs)
+indexed_dataset.write(d + "/train", docs[:10], "uint16")
+indexed_dataset.write(d + "/valid", docs[10:], "uint16")
+assert [list(x) for x in indexed_dataset.read(d + "/valid")] == [list(x) for x in docs[10:]]
+PY
+
+# The model's vocabulary (448) is padded beyond the tokenizer's (400): ids >= 400 are never sampled.
+write_config() {  # write_config <path> <logging dir> <parallel members> [precision]
+  cat >"$1" <<JSON
+{
+  "model": {"vocab_size": 448, "seq_len": 32, "num_layers": 2, "hidden_size": 64, "num_heads": 4,
+            "ffn_hidden_size": 128},
+  "parallel": {$3},
+  "training": {"precision": "${4:-fp32}", "micro_batch_size": 4, "steps": 100, "eval_every": 50, "eval_steps": 1, "threads": 1,
+               "peak_gflops": 10, "seed": 5},
+  "optimizer": {"lr": 3e-3, "warmup_steps": 2},
+  "data": {"train": ["$scratch/train"], "valid": ["$scratch/valid"],
+           "tokenizer": "sentencepiece:$scratch/spm.model"},
+  "sample": {"prompt": "the cat", "max_tokens": 24, "temperature": 0, "seed": 3},
+  "logging": {"dir": "$2"}
+}
+JSON
+}
+
+# samples <train.log>: the continuations of its sample lines, one per line (still escaped).
+samples() { sed -n 's/.*sample: "the cat" -> "\(.*\)"$/\1/p' "$1"; }
+
+# ---- training with samples at each evaluation, tp = 1 --------------------------------------------
+case=train_tp1
+run1="$scratch/run_tp1"
+write_config "$scratch/tp1.json" "$run1" '"tp": 1'
+"$tetra" --config "$scratch/tp1.json" >"$scratch/tp1.out" 2>&1 || fail "exit $?: $(tail -5 "$scratch/tp1.out")"
+[[ -s "$run1/model.safetensors" ]] || fail "no model.safetensors"
+[[ ! -e "$run1/model.safetensors.tmp" ]] || fail "model.safetensors.tmp left behind"
+grep -q "final weights: $run1/model.safetensors" "$run1/train.log" || fail "the log does not name the weights file"
+samples "$run1/train.log" >"$scratch/tp1.samples"
+[[ $(wc -l <"$scratch/tp1.samples") -eq 2 ]] ||
+  fail "expected a sample at each of the 2 evaluations: $(grep sample "$run1/train.log")"
+grep -q "val loss" "$run1/train.log" || fail "no evaluation"
+[[ -n "$(tail -1 "$scratch/tp1.samples")" ]] || fail "the last sample is empty"
+$py - "$run1/model.safetensors" <<'PY' || fail "model.safetensors contents"
+import json, struct, sys
+raw = open(sys.argv[1], "rb").read()
+(n,) = struct.unpack_from("<Q", raw, 0)
+h = json.loads(raw[8:8 + n])
+h.pop("__metadata__", None)
+assert h["embedding.wte"]["shape"] == [448, 64], h["embedding.wte"]
+assert h["layers.1.mlp.fc.weight"]["shape"] == [128, 64], h["layers.1.mlp.fc.weight"]
+assert all(v["dtype"] == "F32" for v in h.values())
+assert "lm_head.weight" not in h  # tied embeddings
+PY
+
+# ---- tetra generate -----------------------------------------------------------------------------
+case=generate_reproduces_last_sample
+# Same weights, same config (greedy), same threads: the text of the last evaluation.
+"$tetra" generate --config "$scratch/tp1.json" >"$scratch/gen_greedy.out" 2>"$scratch/gen_greedy.err" ||
+  fail "exit $?: $(cat "$scratch/gen_greedy.err")"
+$py - "$scratch/gen_greedy.out" "$scratch/tp1.samples" <<'PY' || fail "generate does not print the last sample"
+import sys
+out = open(sys.argv[1], encoding="utf-8").read()
+assert out.startswith("the cat") and out.endswith("\n"), repr(out)
+continuation = out[len("the cat"):-1]  # stdout: prompt, continuation, newline
+escaped = "".join({"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c)
+                  or (c if ord(c) >= 32 and ord(c) != 127 else "\\x%02x" % ord(c)) for c in continuation)
+last = open(sys.argv[2], encoding="utf-8").read().splitlines()[-1]
+assert escaped == last, (escaped, last)
+PY
+
+case=generate_deterministic
+gen() {  # gen <output> <args...>
+  local out="$1"
+  shift
+  "$tetra" generate --config "$scratch/tp1.json" --prompt "the dog" --temperature 1.0 --top-k 50 \
+    --max-tokens 32 "$@" >"$out" 2>"$out.err" || fail "exit $? ($*): $(cat "$out.err")"
+}
+gen "$scratch/seed7a" --seed 7
+gen "$scratch/seed7b" --seed 7
+gen "$scratch/seed8" --seed 8
+[[ "$(head -c 7 "$scratch/seed7a")" == "the dog" ]] || fail "stdout: $(cat "$scratch/seed7a")"
+[[ $(wc -c <"$scratch/seed7a") -gt 9 ]] || fail "nothing generated: $(cat "$scratch/seed7a")"
+cmp -s "$scratch/seed7a" "$scratch/seed7b" ||
+  fail "same seed, different text: '$(cat "$scratch/seed7a")' vs '$(cat "$scratch/seed7b")'"
+! cmp -s "$scratch/seed7a" "$scratch/seed8" || fail "seeds 7 and 8 gave the same text: $(cat "$scratch/seed8")"
+[[ ! -s "$scratch/seed7a.err" ]] || fail "stderr: $(cat "$scratch/seed7a.err")"
+
+case=generate_weights_option
+cp "$run1/model.safetensors" "$scratch/copy.safetensors"
+"$tetra" generate --config "$scratch/tp1.json" --set logging.dir="$scratch/nowhere" \
+  --weights "$scratch/copy.safetensors" >"$scratch/gen_copy.out" 2>&1 || fail "exit $?: $(cat "$scratch/gen_copy.out")"
+cmp -s "$scratch/gen_copy.out" "$scratch/gen_greedy.out" || fail "--weights: $(cat "$scratch/gen_copy.out")"
+
+# ---- bad weights: exit 2, a message, nothing on stdout ------------------------------------------
+bad() {  # bad <case> <expected text on stderr> <generate args...>
+  case="$1"
+  local text="$2"
+  shift 2
+  "$tetra" generate --config "$scratch/tp1.json" "$@" >"$scratch/$case.out" 2>"$scratch/$case.err"
+  local rc=$?
+  [[ $rc -eq 2 ]] || fail "exit code $rc, expected 2; stderr: $(cat "$scratch/$case.err")"
+  grep -qF -- "$text" "$scratch/$case.err" || fail "stderr lacks '$text': $(cat "$scratch/$case.err")"
+  [[ ! -s "$scratch/$case.out" ]] || fail "stdout: $(cat "$scratch/$case.out")"
+}
+bad missing_default "train first" --set logging.dir="$scratch/untrained"
+grep -qF -- "--weights" "$scratch/missing_default.err" || fail "no mention of --weights: $(cat "$scratch/missing_default.err")"
+bad missing_file "$scratch/nothing.safetensors: no such file" --weights "$scratch/nothing.safetensors"
+head -c 100 /dev/urandom >"$scratch/garbage.safetensors"
+bad garbage "garbage.safetensors: not a safetensors file" --weights "$scratch/garbage.safetensors"
+bad other_shape 'tensor "embedding.wte" has shape [448, 64] but the config'"'"'s model needs [448, 32]' \
+  --set model.hidden_size=32
+bad untied 'no tensor "lm_head.weight"' --set model.tie_embeddings=false
+bad extra_tensor "is not a parameter of the config's model" --set model.num_layers=1
+grep -qF 'tensor "layers.1.' "$scratch/extra_tensor.err" || fail "no layers.1 tensor named: $(cat "$scratch/extra_tensor.err")"
+bad no_tokenizer "data.tokenizer" --set data.tokenizer= --set sample.prompt=
+bad bad_option "--max-tokens" --max-tokens 0
+
+case=generate_under_mpirun
+timeout 120 "$mpirun" --oversubscribe -np 2 "$tetra" generate --config "$scratch/tp1.json" \
+  >"$scratch/mpi_gen.out" 2>"$scratch/mpi_gen.err"
+rc=$?
+[[ $rc -ne 0 && $rc -ne 124 ]] || fail "exit code $rc, expected a refusal"
+[[ $(grep -c "runs as one process" "$scratch/mpi_gen.err") -eq 1 ]] ||
+  fail "expected the message once: $(cat "$scratch/mpi_gen.err")"
+
+# ---- tp = 2: the same greedy samples, and weights that generate them with tp = 1 ----------------
+for sp in false true; do
+  case=train_tp2_sp_$sp
+  run2="$scratch/run_tp2_$sp"
+  write_config "$scratch/tp2_$sp.json" "$run2" "\"tp\": 2, \"sequence_parallel\": $sp"
+  timeout 300 "$mpirun" --oversubscribe -np 2 "$tetra" --config "$scratch/tp2_$sp.json" \
+    >"$scratch/tp2_$sp.out" 2>&1 || fail "exit $?: $(tail -5 "$scratch/tp2_$sp.out")"
+  samples "$run2/train.log" >"$scratch/tp2_$sp.samples"
+  # The layouts' logits differ by rounding only (summation order of the split GEMMs); greedy
+  # choices agree unless two logits tie within it, which this run does not have.
+  cmp -s "$scratch/tp1.samples" "$scratch/tp2_$sp.samples" ||
+    fail "tp 2 samples differ: $(cat "$scratch/tp2_$sp.samples") vs tp 1: $(cat "$scratch/tp1.samples")"
+  [[ $(grep -c "sample: " "$scratch/tp2_$sp.out") -eq 2 ]] ||
+    fail "sample lines are not printed once each (rank 0): $(grep "sample: " "$scratch/tp2_$sp.out")"
+  # The exported global tensors, loaded with tp = 1 whatever the config says.
+  "$tetra" generate --config "$scratch/tp2_$sp.json" >"$scratch/gen_tp2_$sp.out" 2>&1 ||
+    fail "generate from tp 2 weights: exit $?: $(cat "$scratch/gen_tp2_$sp.out")"
+  cmp -s "$scratch/gen_tp2_$sp.out" "$scratch/gen_greedy.out" ||
+    fail "generate from tp 2 weights: $(cat "$scratch/gen_tp2_$sp.out") vs $(cat "$scratch/gen_greedy.out")"
+done
+
+# ---- bf16 with the distributed optimizer: the fp32 master weights live in 2 DP shards ------------
+case=train_dp2_bf16_distributed_optimizer
+run3="$scratch/run_dp2"
+write_config "$scratch/dp2.json" "$run3" '"dp": 2, "distributed_optimizer": true' bf16
+timeout 300 "$mpirun" --oversubscribe -np 2 "$tetra" --config "$scratch/dp2.json" \
+  >"$scratch/dp2.out" 2>&1 || fail "exit $?: $(tail -5 "$scratch/dp2.out")"
+samples "$run3/train.log" >"$scratch/dp2.samples"
+[[ $(wc -l <"$scratch/dp2.samples") -eq 2 ]] || fail "samples: $(cat "$scratch/dp2.samples")"
+# generate rounds the exported fp32 master weights to bf16: exactly the weights the last sample was
+# computed with, if both shards were gathered into the file.
+"$tetra" generate --config "$scratch/dp2.json" >"$scratch/gen_dp2.out" 2>&1 || fail "exit $?: $(cat "$scratch/gen_dp2.out")"
+$py - "$scratch/gen_dp2.out" "$scratch/dp2.samples" <<'PY' || fail "generate does not print the last sample"
+import sys
+out = open(sys.argv[1], encoding="utf-8").read()
+last = open(sys.argv[2], encoding="utf-8").read().splitlines()[-1]
+assert out.startswith("the cat") and out[len("the cat"):-1].replace("\n", "\\n") == last, (out, last)
+PY
+
+finish "generation cases"

@@ -1,0 +1,211 @@
+#include "trainer/checkpoint/hf_export.h"
+
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "trainer/core/check.h"
+#include "trainer/model/param_layout.h"
+
+namespace tetra {
+
+namespace {
+
+using json = nlohmann::ordered_json;
+
+// Builds the records of one state dict, converting fp32 values to the output type.
+struct RecordWriter {
+  DType dtype;
+  std::vector<TensorRecord> out;
+
+  void add(std::string name, std::vector<int64_t> shape, const float* values) {
+    TensorRecord r;
+    r.name = std::move(name);
+    r.dtype = dtype;
+    r.shape = std::move(shape);
+    const size_t n = static_cast<size_t>(r.numel());
+    r.data.resize(n * dtype_size(dtype));
+    if (dtype == DType::F32) {
+      std::memcpy(r.data.data(), values, n * 4);
+    } else {
+      auto* dst = reinterpret_cast<uint16_t*>(r.data.data());
+      for (size_t i = 0; i < n; ++i) dst[i] = math::f32_to_bf16_bits(values[i]);
+    }
+    out.push_back(std::move(r));
+  }
+  void add(std::string name, std::vector<int64_t> shape, const std::vector<float>& values) {
+    add(std::move(name), std::move(shape), values.data());
+  }
+};
+
+// (R, C) row-major -> (C, R) row-major.
+std::vector<float> transposed(const std::vector<float>& w, int64_t R, int64_t C) {
+  std::vector<float> t(w.size());
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) t[static_cast<size_t>(c * R + r)] = w[static_cast<size_t>(r * C + c)];
+  return t;
+}
+
+// A parameter's global tensor, checked against the size its layout gives.
+std::vector<float> fetch(const HfWeightSource& weights, const ParamLayout& layout, const std::string& name) {
+  const ParamSpec* p = layout.find(name);
+  TETRA_CHECK(p != nullptr, "the model has no parameter {}", name);
+  std::vector<float> w = weights(name);
+  TETRA_CHECK(static_cast<int64_t>(w.size()) == p->numel, "{}: {} values, its global shape holds {}", name,
+              w.size(), p->numel);
+  return w;
+}
+
+void llama_tensors(const ModelConfig& m, const ParamLayout& layout, const HfWeightSource& weights, RecordWriter& w) {
+  const int64_t C = m.hidden_size, HS = m.head_size(), NH = m.num_heads, NKV = m.num_kv_heads;
+  const int64_t F = m.ffn_hidden_size, V = m.vocab_size;
+  w.add("model.embed_tokens.weight", {V, C}, fetch(weights, layout, "embedding.wte"));
+  for (int64_t l = 0; l < m.num_layers; ++l) {
+    const std::string t = fmt::format("layers.{}.", l), h = fmt::format("model.layers.{}.", l);
+    w.add(h + "input_layernorm.weight", {C}, fetch(weights, layout, t + "norm1.weight"));
+    // qkv (NH + 2 NKV) HS rows of C: [q heads | k heads | v heads]
+    const std::vector<float> qkv = fetch(weights, layout, t + "attn.qkv.weight");
+    w.add(h + "self_attn.q_proj.weight", {NH * HS, C}, qkv.data());
+    w.add(h + "self_attn.k_proj.weight", {NKV * HS, C}, qkv.data() + NH * HS * C);
+    w.add(h + "self_attn.v_proj.weight", {NKV * HS, C}, qkv.data() + (NH + NKV) * HS * C);
+    w.add(h + "self_attn.o_proj.weight", {C, NH * HS}, fetch(weights, layout, t + "attn.proj.weight"));
+    w.add(h + "post_attention_layernorm.weight", {C}, fetch(weights, layout, t + "norm2.weight"));
+    // fc 2F rows of C: [gate | up]
+    const std::vector<float> fc = fetch(weights, layout, t + "mlp.fc.weight");
+    w.add(h + "mlp.gate_proj.weight", {F, C}, fc.data());
+    w.add(h + "mlp.up_proj.weight", {F, C}, fc.data() + F * C);
+    w.add(h + "mlp.down_proj.weight", {C, F}, fetch(weights, layout, t + "mlp.proj.weight"));
+  }
+  w.add("model.norm.weight", {C}, fetch(weights, layout, "final_norm.weight"));
+  if (!m.tie_embeddings) w.add("lm_head.weight", {V, C}, fetch(weights, layout, "lm_head.weight"));
+}
+
+void gpt2_tensors(const ModelConfig& m, const ParamLayout& layout, const HfWeightSource& weights, RecordWriter& w) {
+  const int64_t C = m.hidden_size, F = m.ffn_hidden_size, V = m.vocab_size, T = m.seq_len;
+  const int64_t QKV = 3 * C;  // multi-head attention: (NH + 2 NH) HS
+  w.add("transformer.wte.weight", {V, C}, fetch(weights, layout, "embedding.wte"));
+  w.add("transformer.wpe.weight", {T, C}, fetch(weights, layout, "embedding.wpe"));
+  for (int64_t l = 0; l < m.num_layers; ++l) {
+    const std::string t = fmt::format("layers.{}.", l), h = fmt::format("transformer.h.{}.", l);
+    w.add(h + "ln_1.weight", {C}, fetch(weights, layout, t + "norm1.weight"));
+    w.add(h + "ln_1.bias", {C}, fetch(weights, layout, t + "norm1.bias"));
+    // Conv1D weights are (in, out): the transposes of Tetra's (out, in).
+    w.add(h + "attn.c_attn.weight", {C, QKV}, transposed(fetch(weights, layout, t + "attn.qkv.weight"), QKV, C));
+    w.add(h + "attn.c_attn.bias", {QKV}, fetch(weights, layout, t + "attn.qkv.bias"));
+    w.add(h + "attn.c_proj.weight", {C, C}, transposed(fetch(weights, layout, t + "attn.proj.weight"), C, C));
+    w.add(h + "attn.c_proj.bias", {C}, fetch(weights, layout, t + "attn.proj.bias"));
+    w.add(h + "ln_2.weight", {C}, fetch(weights, layout, t + "norm2.weight"));
+    w.add(h + "ln_2.bias", {C}, fetch(weights, layout, t + "norm2.bias"));
+    w.add(h + "mlp.c_fc.weight", {C, F}, transposed(fetch(weights, layout, t + "mlp.fc.weight"), F, C));
+    w.add(h + "mlp.c_fc.bias", {F}, fetch(weights, layout, t + "mlp.fc.bias"));
+    w.add(h + "mlp.c_proj.weight", {F, C}, transposed(fetch(weights, layout, t + "mlp.proj.weight"), C, F));
+    w.add(h + "mlp.c_proj.bias", {C}, fetch(weights, layout, t + "mlp.proj.bias"));
+  }
+  w.add("transformer.ln_f.weight", {C}, fetch(weights, layout, "final_norm.weight"));
+  w.add("transformer.ln_f.bias", {C}, fetch(weights, layout, "final_norm.bias"));
+  if (!m.tie_embeddings) w.add("lm_head.weight", {V, C}, fetch(weights, layout, "lm_head.weight"));
+}
+
+json token_id(int64_t id) { return id < 0 ? json(nullptr) : json(id); }
+
+}  // namespace
+
+const char* hf_model_type(HfArch arch) { return arch == HfArch::LLAMA ? "llama" : "gpt2"; }
+
+HfArch hf_architecture(const ModelConfig& m) {
+  std::vector<std::string> bad;
+  const bool rope = m.position == "rope";
+  if (rope) {
+    if (m.norm != "rmsnorm") bad.push_back(fmt::format("model.norm \"{}\" (Llama has rmsnorm only)", m.norm));
+    if (m.activation != "swiglu")
+      bad.push_back(fmt::format("model.activation \"{}\" (Llama's MLP is swiglu)", m.activation));
+    if (m.bias) bad.push_back("model.bias true (Llama has no biases)");
+  } else {
+    if (m.norm != "layernorm")
+      bad.push_back(fmt::format("model.norm \"{}\" (GPT-2 has layernorm only)", m.norm));
+    if (m.activation != "gelu")
+      bad.push_back(fmt::format("model.activation \"{}\" (GPT-2's MLP is gelu)", m.activation));
+    if (!m.bias) bad.push_back("model.bias false (GPT-2 has biases in every layer)");
+    if (m.num_kv_heads != m.num_heads)
+      bad.push_back(fmt::format("model.num_kv_heads {} (GPT-2 has multi-head attention only: num_kv_heads "
+                                "= num_heads = {})", m.num_kv_heads, m.num_heads));
+  }
+  if (!bad.empty()) {
+    std::string list;
+    for (const std::string& b : bad) list += (list.empty() ? "" : "; ") + b;
+    throw InputError(fmt::format(
+        "no Hugging Face architecture holds this model: with model.position \"{}\" it would be {}, but {}. "
+        "Llama is norm rmsnorm, activation swiglu, position rope, bias false; GPT-2 is norm layernorm, "
+        "activation gelu, position learned, bias true, num_kv_heads = num_heads",
+        m.position, rope ? "Llama" : "GPT-2", list));
+  }
+  return rope ? HfArch::LLAMA : HfArch::GPT2;
+}
+
+json hf_config(const ModelConfig& m, HfArch arch, DType dtype, int64_t eos_token_id) {
+  TETRA_CHECK(dtype == DType::F32 || dtype == DType::BF16, "export dtype {}", dtype_name(dtype));
+  const char* torch_dtype = dtype == DType::F32 ? "float32" : "bfloat16";
+  if (arch == HfArch::LLAMA)
+    return json{{"architectures", {"LlamaForCausalLM"}},
+                {"model_type", "llama"},
+                {"vocab_size", m.vocab_size},
+                {"hidden_size", m.hidden_size},
+                {"intermediate_size", m.ffn_hidden_size},
+                {"num_hidden_layers", m.num_layers},
+                {"num_attention_heads", m.num_heads},
+                {"num_key_value_heads", m.num_kv_heads},
+                {"head_dim", m.head_size()},
+                {"hidden_act", "silu"},
+                {"max_position_embeddings", m.seq_len},
+                {"rms_norm_eps", m.norm_eps},
+                {"rope_theta", m.rope_theta},
+                {"rope_scaling", nullptr},
+                {"attention_bias", false},
+                {"mlp_bias", false},
+                {"attention_dropout", 0.0},
+                {"pretraining_tp", 1},
+                {"initializer_range", m.init_std},
+                {"tie_word_embeddings", m.tie_embeddings},
+                {"bos_token_id", token_id(eos_token_id)},
+                {"eos_token_id", token_id(eos_token_id)},
+                {"use_cache", true},
+                {"torch_dtype", torch_dtype}};
+  return json{{"architectures", {"GPT2LMHeadModel"}},
+              {"model_type", "gpt2"},
+              {"vocab_size", m.vocab_size},
+              {"n_positions", m.seq_len},
+              {"n_ctx", m.seq_len},
+              {"n_embd", m.hidden_size},
+              {"n_layer", m.num_layers},
+              {"n_head", m.num_heads},
+              {"n_inner", m.ffn_hidden_size},
+              {"activation_function", "gelu_new"},
+              {"layer_norm_epsilon", m.norm_eps},
+              {"resid_pdrop", 0.0},
+              {"embd_pdrop", 0.0},
+              {"attn_pdrop", 0.0},
+              {"scale_attn_weights", true},
+              {"scale_attn_by_inverse_layer_idx", false},
+              {"reorder_and_upcast_attn", false},
+              {"initializer_range", m.init_std},
+              {"tie_word_embeddings", m.tie_embeddings},
+              {"bos_token_id", token_id(eos_token_id)},
+              {"eos_token_id", token_id(eos_token_id)},
+              {"use_cache", true},
+              {"torch_dtype", torch_dtype}};
+}
+
+std::vector<TensorRecord> hf_tensors(const ModelConfig& m, HfArch arch, DType dtype, const HfWeightSource& weights) {
+  TETRA_CHECK(dtype == DType::F32 || dtype == DType::BF16, "export dtype {}", dtype_name(dtype));
+  const ParamLayout layout = ParamLayout::build(m);
+  RecordWriter w{dtype, {}};
+  if (arch == HfArch::LLAMA)
+    llama_tensors(m, layout, weights, w);
+  else
+    gpt2_tensors(m, layout, weights, w);
+  return std::move(w.out);
+}
+
+std::map<std::string, std::string> hf_metadata() { return {{"format", "pt"}}; }
+
+}  // namespace tetra
