@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
-# The command line as a user meets it: --help, --print-config, --dry-run, --set, a bad flag, and a
-# short training run of the demo config whose loss must fall and whose metrics file must be
-# complete.
+# The command line as a user meets it: --help, --print-config, --dry-run, --set, a bad flag, the
+# demo config's validity, and a short training run (a small model on the synthetic, learnable
+# stream) whose loss must fall and whose metrics file must be complete.
 #
 # Usage: test_cli_basics.sh <tetra binary> <source dir> <scratch dir>
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+# A small GPT-2-style config on synthetic data (needs no prepared dataset).
+cat >"$scratch/small.json" <<'JSON'
+{"model": {"vocab_size": 512, "seq_len": 128, "num_layers": 4, "hidden_size": 256, "num_heads": 4},
+ "training": {"micro_batch_size": 8, "global_batch_size": 16, "steps": 200, "eval_every": 50,
+              "eval_steps": 4, "log_every": 10},
+ "optimizer": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 20},
+ "data": {"synthetic": true}, "logging": {"dir": "runs/small"}}
+JSON
+small="$scratch/small.json"
+
+case=demo_config_valid
+"$tetra" --config "$src/configs/demo.json" --dry-run >"$scratch/demo_dry" 2>&1 ||
+  fail "configs/demo.json does not validate: $(cat "$scratch/demo_dry")"
 
 case=help
 "$tetra" --help >"$scratch/help" 2>&1 || fail "--help exited non-zero"
 grep -q -- "--dry-run" "$scratch/help" || fail "--help does not list --dry-run"
 
 case=bad_flag
-"$tetra" --config "$src/configs/demo.json" --no-such-flag >/dev/null 2>&1
+"$tetra" --config "$small" --no-such-flag >/dev/null 2>&1
 rc=$?
 [[ $rc -eq 2 ]] || fail "unknown flag: exit code $rc, expected 2"
 
 case=print_config
-"$tetra" --config "$src/configs/demo.json" --set model.num_layers=3 --set optimizer.lr=0.01 \
+"$tetra" --config "$small" --set model.num_layers=3 --set optimizer.lr=0.01 \
   --print-config >"$scratch/resolved.json" || fail "--print-config exited non-zero"
 /usr/bin/python3 - "$scratch/resolved.json" <<'PY' || fail "resolved config is wrong"
 import json, sys
@@ -78,7 +92,7 @@ PY
 case=too_big
 # Activations alone: 100000 x 128 tokens x 50257 logits x 4 bytes = 2.6 TB, more than any machine
 # running this test has: refused before anything is allocated or written.
-"$tetra" --config "$src/configs/demo.json" --set training.micro_batch_size=100000 \
+"$tetra" --config "$small" --set training.micro_batch_size=100000 \
   --set training.global_batch_size=100000 --set model.vocab_size=50257 \
   --set logging.dir="$scratch/too_big" >/dev/null 2>"$scratch/too_big.err"
 rc=$?
@@ -87,14 +101,14 @@ grep -q "training.micro_batch_size" "$scratch/too_big.err" || fail "message: $(c
 [[ ! -e "$scratch/too_big" ]] || fail "logging.dir was written"
 
 case=unwritable_logging_dir
-"$tetra" --config "$src/configs/demo.json" --set logging.dir=/proc/tetra-cannot-write-here \
+"$tetra" --config "$small" --set logging.dir=/proc/tetra-cannot-write-here \
   --set training.steps=1 >/dev/null 2>"$scratch/unwritable.err"
 rc=$?
 [[ $rc -eq 2 ]] || fail "exit code $rc, expected 2: $(cat "$scratch/unwritable.err")"
 grep -q "logging.dir" "$scratch/unwritable.err" || fail "message: $(cat "$scratch/unwritable.err")"
 
 case=demo_run
-(cd "$scratch" && "$tetra" --config "$src/configs/demo.json" --set training.steps=40 \
+(cd "$scratch" && "$tetra" --config "$small" --set training.steps=40 \
   --set training.eval_every=20 --set logging.dir="$scratch/demo" >"$scratch/demo.out" 2>&1) ||
   fail "demo run failed: $(tail -5 "$scratch/demo.out")"
 grep -q "step 40/40 | loss" "$scratch/demo.out" || fail "no final step line"
