@@ -202,6 +202,28 @@ def main():
         check(ok, f"kill -9 #{attempt}: resumed from {latest} (complete) and trained step {step + 1}")
     check(survived >= 3, f"{survived} kill -9 rounds survived")
 
+    # A signal (Slurm's --signal=USR1@..., or SIGTERM) stops every rank after the same step, with
+    # a checkpoint, and exit code 0; the resumed run continues from there.
+    for signame in ("SIGUSR1", "SIGTERM"):
+        ck = os.path.join(w, f"ck_{signame}")
+        p, o = config(w, f"signal_{signame}", 100000, LAYOUTS["dp2"], ck)
+        cmd, env = launch(args, p, LAYOUTS["dp2"])
+        if signame == "SIGTERM":  # mpirun turns SIGTERM into a kill of its ranks: signal them directly
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            time.sleep(2.5)
+            subprocess.run(["pkill", "-TERM", "-f", f"^{args.tetra} --config {p}"], check=False)
+        else:  # mpirun forwards SIGUSR1 to every rank
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            time.sleep(2.5)
+            proc.send_signal(signal.SIGUSR1)
+        out_text, _ = proc.communicate(timeout=120)
+        done = losses(o)
+        latest = os.path.join(ck, "latest")
+        saved = open(latest).read().strip() if os.path.exists(latest) else ""
+        last = max(done) if done else 0
+        check(proc.returncode == 0 and saved == f"step_{last:08d}" and 0 < last < 100000,
+              f"{signame}: exit {proc.returncode} after step {last}, checkpoint {saved or 'missing'}")
+
     # Corruption: each refused with the file named, nothing changed on disk.
     base = os.path.join(w, "ck_from_dp2tp2")
     step_dir = os.path.join(base, open(os.path.join(base, "latest")).read().strip())
