@@ -33,6 +33,9 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  // True when backend memory is ordinary host memory (the CPU backend): the host may read it
+  // directly, without copy_to_host.
+  virtual bool host_memory() const { return false; }
 
   // ---- memory ------------------------------------------------------------------------------
   // Allocations happen while the run is planned, never inside the step loop.

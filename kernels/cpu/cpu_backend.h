@@ -15,6 +15,7 @@ class CpuBackend final : public Backend {
   explicit CpuBackend(int threads);
   ~CpuBackend() override;
   std::string name() const override { return "cpu"; }
+  bool host_memory() const override { return true; }
   int threads() const { return threads_; }
 
   void* alloc(size_t bytes) override;

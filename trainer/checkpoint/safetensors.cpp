@@ -43,19 +43,20 @@ void write_all(int fd, const void* data, size_t bytes, const std::string& path) 
 
 }  // namespace
 
-void write_safetensors(const std::string& path, const std::vector<TensorRecord>& tensors,
+void write_safetensors(const std::string& path, const std::vector<TensorView>& tensors,
                        const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   uint64_t offset = 0;
-  for (const TensorRecord& t : tensors) {
-    TETRA_CHECK(static_cast<int64_t>(t.data.size()) == t.numel() * static_cast<int64_t>(dtype_size(t.dtype)),
-                "tensor {}: {} bytes for {} elements of {}", t.name, t.data.size(), t.numel(),
-                dtype_name(t.dtype));
+  std::vector<size_t> sizes;
+  for (const TensorView& t : tensors) {
+    int64_t numel = 1;
+    for (int64_t d : t.shape) numel *= d;
+    sizes.push_back(static_cast<size_t>(numel) * dtype_size(t.dtype));
     header[t.name] = {{"dtype", std::string(dtype_name(t.dtype))},
                       {"shape", t.shape},
-                      {"data_offsets", {offset, offset + t.data.size()}}};
-    offset += t.data.size();
+                      {"data_offsets", {offset, offset + sizes.back()}}};
+    offset += sizes.back();
   }
   std::string text = header.dump();
   while ((text.size() + 8) % 8 != 0) text.push_back(' ');  // align the data section to 8 bytes
@@ -70,7 +71,7 @@ void write_safetensors(const std::string& path, const std::vector<TensorRecord>&
   try {
     write_all(fd, length_le, 8, tmp);
     write_all(fd, text.data(), text.size(), tmp);
-    for (const TensorRecord& t : tensors) write_all(fd, t.data.data(), t.data.size(), tmp);
+    for (size_t i = 0; i < tensors.size(); ++i) write_all(fd, tensors[i].data, sizes[i], tmp);
     if (::fsync(fd) != 0) throw Error(fmt::format("{}: fsync failed: {}", tmp, std::strerror(errno)));
   } catch (...) {
     ::close(fd);
@@ -86,6 +87,18 @@ void write_safetensors(const std::string& path, const std::vector<TensorRecord>&
     ::fsync(dir);
     ::close(dir);
   }
+}
+
+void write_safetensors(const std::string& path, const std::vector<TensorRecord>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorView> views;
+  for (const TensorRecord& t : tensors) {
+    TETRA_CHECK(static_cast<int64_t>(t.data.size()) == t.numel() * static_cast<int64_t>(dtype_size(t.dtype)),
+                "tensor {}: {} bytes for {} elements of {}", t.name, t.data.size(), t.numel(),
+                dtype_name(t.dtype));
+    views.push_back(TensorView{t.name, t.dtype, t.shape, t.data.data()});
+  }
+  write_safetensors(path, views, metadata);
 }
 
 SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {

@@ -25,6 +25,16 @@ struct TensorRecord {
 void write_safetensors(const std::string& path, const std::vector<TensorRecord>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 
+// A tensor whose bytes live elsewhere (written without a copy).
+struct TensorView {
+  std::string name;
+  DType dtype = DType::F32;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;  // numel * dtype_size bytes
+};
+void write_safetensors(const std::string& path, const std::vector<TensorView>& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+
 // Reads every tensor; InputError naming the file on any malformed content.
 std::vector<TensorRecord> read_safetensors(const std::string& path);
 

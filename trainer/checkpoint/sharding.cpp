@@ -1,6 +1,7 @@
 #include "trainer/checkpoint/sharding.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "trainer/core/check.h"
 
@@ -59,12 +60,34 @@ bool may_intersect(const ParamSpec& spec, const SliceRegion& s) {
 
 void scatter_slice(const ParamSpec& spec, int64_t lo, int64_t hi, const SliceRegion& s, const float* values,
                    float* local, std::vector<uint8_t>& filled) {
-  const int64_t gcols = global_cols(spec);
-  for (int64_t e = s.begin; e < s.end; ++e) {
-    const int64_t li = local_index(spec, s.global_index(e, gcols));
-    if (li < lo || li >= hi) continue;
-    local[li] = values[e - s.begin];
-    filled[static_cast<size_t>(li)] = 1;
+  // Row by row: the part of each rectangle row that this rank holds is one contiguous run of its
+  // local tensor, copied at once.
+  const int64_t cols = local_cols(spec);
+  const std::vector<RowBlock> blocks = blocks_of(spec);
+  for (int64_t e = s.begin; e < s.end;) {
+    const int64_t c0 = e % s.cols;
+    const int64_t run = std::min(s.cols - c0, s.end - e);
+    const int64_t grow = s.row0 + e / s.cols, gcol = s.col0 + c0;
+    int64_t lrow = -1, acc = 0;
+    for (const RowBlock& b : blocks) {
+      if (grow >= b.global_start && grow < b.global_start + b.rows) {
+        lrow = acc + grow - b.global_start;
+        break;
+      }
+      acc += b.rows;
+    }
+    const int64_t a = std::max(gcol, spec.col_start), z = std::min(gcol + run, spec.col_start + cols);
+    if (lrow >= 0 && a < z) {
+      int64_t first = lrow * cols + (a - spec.col_start), last = first + (z - a);  // local [first, last)
+      const int64_t skip = std::max<int64_t>(0, lo - first);
+      first += skip;
+      last = std::min(last, hi);
+      if (first < last) {
+        std::memcpy(local + first, values + (e - s.begin) + (a - gcol) + skip, static_cast<size_t>(last - first) * 4);
+        std::memset(filled.data() + first, 1, static_cast<size_t>(last - first));
+      }
+    }
+    e += run;
   }
 }
 

@@ -174,7 +174,9 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   }
   group_done_ = [this](int group) { grad_buffer_->group_done(group); };
   if (!resume.empty()) {
+    const auto l0 = std::chrono::steady_clock::now();
     const CheckpointState st = load_checkpoint(resume, cfg, groups, *be_, checkpoint_buffers());
+    spdlog::info("checkpoint {} loaded in {:.2f} s", resume, seconds_since(l0));
     TETRA_INPUT_CHECK(st.step <= cfg.training.steps,
                       "{} is at step {}, beyond training.steps ({}): raise training.steps to train on", resume,
                       st.step, cfg.training.steps);
