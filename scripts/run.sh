@@ -60,7 +60,9 @@ fi
 
 "$BUILD_DIR/tetra" --config configs/demo.json "${ARGS[@]}" "$@"
 
-same=""
-if [ $(( ${#ARGS[@]} + $# )) -gt 0 ]; then same=" (and the --set options training had)"; fi
-echo "run.sh: more text from the trained model:" \
-     "$BUILD_DIR/tetra generate --config configs/demo.json --prompt 'Our nation'$same"
+# How to write more text with the weights just trained (after a plain run: extra arguments may
+# change the model, or train nothing).
+if [ $# -eq 0 ]; then
+  GENERATE=("$BUILD_DIR/tetra" generate --config configs/demo.json "${ARGS[@]}")
+  echo "run.sh: more text from the trained model: $(printf '%q ' "${GENERATE[@]}")--prompt 'Our nation'"
+fi

@@ -454,6 +454,8 @@ TEST_CASE("config: data split, tokenizer, samples and paths", "[config]") {
   unsetenv("TETRA_TEST_UNSET_VAR");
   const Config c = config_from_json(with(ds, "data.train", json::array({"${TETRA_TEST_DATA_ROOT}/sotu_train"})));
   CHECK(c.data.train[0].path == "/srv/corpus/sotu_train");
+  const Config t = config_from_json(with(base(), "data.tokenizer", "sentencepiece:~/tok/a.model"));
+  CHECK(t.data.tokenizer == "sentencepiece:" + std::string(std::getenv("HOME")) + "/tok/a.model");
   const Config h = config_from_json(with(base(), "logging.dir", "~/runs/a"));
   CHECK(h.logging.dir == std::string(std::getenv("HOME")) + "/runs/a");
   require_one(with(ds, "data.train", json::array({"${TETRA_TEST_UNSET_VAR}/x"})), "data.train[0].path: ",

@@ -163,7 +163,12 @@ void expand(const std::string& key, std::string& path, Rules& r) {
 void resolve(Config& c, Rules& r) {
   for (size_t i = 0; i < c.data.train.size(); ++i) expand(fmt::format("data.train[{}].path", i), c.data.train[i].path, r);
   for (size_t i = 0; i < c.data.valid.size(); ++i) expand(fmt::format("data.valid[{}].path", i), c.data.valid[i].path, r);
-  expand("data.tokenizer", c.data.tokenizer, r);
+  // data.tokenizer is "kind:path": expand the path part.
+  if (const size_t colon = c.data.tokenizer.find(':'); colon != std::string::npos) {
+    std::string path = c.data.tokenizer.substr(colon + 1);
+    expand("data.tokenizer", path, r);
+    c.data.tokenizer = c.data.tokenizer.substr(0, colon + 1) + path;
+  }
   expand("logging.dir", c.logging.dir, r);
   expand("checkpoint.dir", c.checkpoint.dir, r);
   if (c.checkpoint.resume != "auto" && c.checkpoint.resume != "none")
