@@ -36,6 +36,7 @@
 #include "trainer/checkpoint/sharding.h"
 #include "trainer/config/config.h"
 #include "trainer/core/check.h"
+#include "trainer/core/format.h"
 #include "trainer/model/param_layout.h"
 
 namespace {
@@ -46,14 +47,7 @@ using tetra::InputError;
 
 const char* const kKinds[] = {"model", "optim/exp_avg", "optim/exp_avg_sq"};
 
-std::string grouped(int64_t n) {  // 1234567 -> "1,234,567"
-  std::string digits = std::to_string(n < 0 ? -n : n), out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return n < 0 ? "-" + out : out;
-}
+using tetra::grouped;
 
 std::string shape_text(const std::vector<int64_t>& shape) {
   std::string s = "[";

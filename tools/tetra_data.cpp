@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 
 #include "trainer/core/check.h"
+#include "trainer/core/format.h"
 #include "trainer/data/prepare.h"
 #include "trainer/data/prepare_input.h"
 #include "trainer/data/prepare_llmc.h"
@@ -29,14 +30,7 @@
 
 namespace {
 
-std::string grouped(int64_t n) {  // 1234567 -> "1,234,567"
-  std::string digits = std::to_string(n < 0 ? -n : n), out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return n < 0 ? "-" + out : out;
-}
+using tetra::grouped;
 
 std::string human(double n) {  // 1234567 -> "1.23M"
   if (n >= 1e9) return fmt::format("{:.2f}G", n / 1e9);

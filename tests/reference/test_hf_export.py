@@ -43,6 +43,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from safetensors_io import read_safetensors  # noqa: E402
+from checks import Checks, rel  # noqa: E402
 import torch_model as tm  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -67,25 +68,6 @@ TETRA_LOSS_RTOL = 1e-4
 # (f) transformers computes in float32 (u = 6e-8) over the same ~30 ops: 1e-5 relative to the
 # largest logit is ~100x the expected error and far below a real mistake.
 TRANSFORMERS_LOGITS_RTOL = 1e-5
-
-
-class Checks:
-    """Collects pass/fail lines; the test fails if any check failed."""
-
-    def __init__(self):
-        self.failed, self.passed = [], 0
-
-    def check(self, ok, what):
-        print(f"  [{'ok' if ok else 'FAIL'}] {what}")
-        if ok:
-            self.passed += 1
-        else:
-            self.failed.append(what)
-        return ok
-
-
-def rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-30)
 
 
 def run(cmd, log_path):

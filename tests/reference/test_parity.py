@@ -33,6 +33,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from safetensors_io import read_safetensors  # noqa: E402
+from checks import Checks, rel  # noqa: E402
 import torch_model as tm  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -81,25 +82,6 @@ BF16_LOSS_RTOL = 2e-2
 # 7e-3 at worst); 5e-2 is still far below the order-1 errors of a real bug.
 BF16_GRAD_RTOL = 5e-2
 STEPS = 10
-
-
-class Checks:
-    """Collects pass/fail lines; the test fails if any check failed."""
-
-    def __init__(self):
-        self.failed, self.passed = [], 0
-
-    def check(self, ok, what):
-        print(f"  [{'ok' if ok else 'FAIL'}] {what}")
-        if ok:
-            self.passed += 1
-        else:
-            self.failed.append(what)
-        return ok
-
-
-def rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-30)
 
 
 def run_tetra(tetra, config_path, out_dir, dump_dir=None, overrides=()):
