@@ -3,6 +3,7 @@
 // Each global element's value is its global index, so any misplaced element is caught.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <vector>
 
 #include "trainer/checkpoint/checkpoint.h"
@@ -102,9 +103,19 @@ TEST_CASE("checkpoint slices: every layout reassembles its part from every other
               const ParamSpec& p = *layout.find(spec.name);
               std::vector<float> local(static_cast<size_t>(p.numel), -1.0f);
               std::vector<uint8_t> filled(static_cast<size_t>(p.numel), 0);
+              int64_t overlaps = 0;
               for (const Saved& s : saved)
                 if (may_intersect(p, s.region))
-                  scatter_slice(p, 0, p.numel, s.region, s.values.data(), local.data(), filled);
+                  overlaps += scatter_slice(p, 0, p.numel, s.region, s.values.data(), local.data(), filled);
+              CHECK(overlaps == 0);
+              // A slice given twice overlaps itself: every element it holds is counted.
+              for (const Saved& s : saved) {
+                std::vector<uint8_t> once(static_cast<size_t>(p.numel), 0);
+                std::vector<float> scratch(static_cast<size_t>(p.numel));
+                CHECK(scatter_slice(p, 0, p.numel, s.region, s.values.data(), scratch.data(), once) == 0);
+                const int64_t held = static_cast<int64_t>(std::count(once.begin(), once.end(), 1));
+                CHECK(scatter_slice(p, 0, p.numel, s.region, s.values.data(), scratch.data(), once) == held);
+              }
               int64_t wrong = 0, missing = 0;
               for (int64_t i = 0; i < p.numel; ++i) {
                 missing += !filled[static_cast<size_t>(i)];

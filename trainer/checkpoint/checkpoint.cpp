@@ -367,7 +367,13 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
         if (crc32(values.data(), values.size() * 4) != s["crc32"].get<uint32_t>())
           throw InputError(fmt::format("{}: slice {} of tensor {} fails its checksum: the file is corrupt",
                                        f.path(), s["tensor"].get<std::string>(), key));
-        for (const auto& [lo, hi] : ranges) scatter_slice(p, lo, hi, region, values.data(), local.data(), filled);
+        int64_t overlaps = 0;
+        for (const auto& [lo, hi] : ranges)
+          overlaps += scatter_slice(p, lo, hi, region, values.data(), local.data(), filled);
+        if (overlaps > 0)
+          throw InputError(fmt::format("{}: slice {} of tensor {} overlaps another slice ({} elements): the "
+                                       "manifest is corrupt", manifest_path, s["tensor"].get<std::string>(), key,
+                                       overlaps));
       }
       for (const auto& [lo, hi] : ranges)
         for (int64_t i = lo; i < hi; ++i)

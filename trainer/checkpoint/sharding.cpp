@@ -58,8 +58,9 @@ bool may_intersect(const ParamSpec& spec, const SliceRegion& s) {
   return false;
 }
 
-void scatter_slice(const ParamSpec& spec, int64_t lo, int64_t hi, const SliceRegion& s, const float* values,
-                   float* local, std::vector<uint8_t>& filled) {
+int64_t scatter_slice(const ParamSpec& spec, int64_t lo, int64_t hi, const SliceRegion& s, const float* values,
+                      float* local, std::vector<uint8_t>& filled) {
+  int64_t overlaps = 0;
   // Row by row: the part of each rectangle row that this rank holds is one contiguous run of its
   // local tensor, copied at once.
   const int64_t cols = local_cols(spec);
@@ -83,12 +84,14 @@ void scatter_slice(const ParamSpec& spec, int64_t lo, int64_t hi, const SliceReg
       first += skip;
       last = std::min(last, hi);
       if (first < last) {
+        for (int64_t i = first; i < last; ++i) overlaps += filled[static_cast<size_t>(i)];
         std::memcpy(local + first, values + (e - s.begin) + (a - gcol) + skip, static_cast<size_t>(last - first) * 4);
         std::memset(filled.data() + first, 1, static_cast<size_t>(last - first));
       }
     }
     e += run;
   }
+  return overlaps;
 }
 
 }  // namespace tetra

@@ -41,8 +41,10 @@ int64_t local_index(const ParamSpec& spec, int64_t g);
 bool may_intersect(const ParamSpec& spec, const SliceRegion& slice);
 
 // Copies the elements of `slice` (`values`: its numel() values in order) that fall in local range
-// [lo, hi) of `spec` into `local` (indexed by local index); `filled` counts each element written.
-void scatter_slice(const ParamSpec& spec, int64_t lo, int64_t hi, const SliceRegion& slice,
+// [lo, hi) of `spec` into `local` (indexed by local index) and marks them in `filled`. Returns how
+// many of them were already marked: slices of one tensor must not overlap, so a non-zero count
+// means a corrupt index.
+int64_t scatter_slice(const ParamSpec& spec, int64_t lo, int64_t hi, const SliceRegion& slice,
                    const float* values, float* local, std::vector<uint8_t>& filled);
 
 }  // namespace tetra
