@@ -15,6 +15,13 @@ class Checks:
             self.failed.append(what)
         return ok
 
+    def report(self):
+        """Prints the summary; returns the exit status (1 if any check failed)."""
+        print(f"\n{self.passed} checks passed, {len(self.failed)} failed")
+        for f in self.failed:
+            print(f"  FAILED: {f}")
+        return 1 if self.failed else 0
+
 
 def rel(a, b):
     """Relative difference of a from the reference b."""

@@ -440,10 +440,7 @@ def main():
             except (RuntimeError, ValueError, OSError, KeyError, AssertionError,
                     subprocess.TimeoutExpired) as e:
                 checks.check(False, f"{kind}: {type(e).__name__}: {e}")
-    print(f"\n{checks.passed} checks passed, {len(checks.failed)} failed")
-    for f in checks.failed:
-        print(f"  FAILED: {f}")
-    return 1 if checks.failed else 0
+    return checks.report()
 
 
 if __name__ == "__main__":

@@ -119,20 +119,14 @@ GradNorm::GradNorm(const ParamLayout& layout, const std::vector<GradRange>& owne
 GradNorm::~GradNorm() { be_.free(scratch_); }
 
 double GradNorm::compute(const float* grads) {
-  float sum = 0.0f;
-  if (ranges_.size() == 1) {
-    be_.sum_squares(scratch_, grads + ranges_[0].offset, ranges_[0].numel);
-    be_.copy_to_host(&sum, scratch_, sizeof(float));
-  } else {
-    double total = 0.0;
-    for (const GradRange& r : ranges_) {
-      float part = 0.0f;
-      be_.sum_squares(scratch_, grads + r.offset, r.numel);
-      be_.copy_to_host(&part, scratch_, sizeof(float));
-      total += static_cast<double>(part);
-    }
-    sum = static_cast<float>(total);
+  double total = 0.0;
+  for (const GradRange& r : ranges_) {
+    float part = 0.0f;
+    be_.sum_squares(scratch_, grads + r.offset, r.numel);
+    be_.copy_to_host(&part, scratch_, sizeof(float));
+    total += static_cast<double>(part);
   }
+  float sum = static_cast<float>(total);
   if (tp_ || dp_) {
     be_.copy_from_host(scratch_, &sum, sizeof(float));
     if (tp_) tp_->all_reduce(scratch_, 1, DType::F32, ReduceOp::SUM);

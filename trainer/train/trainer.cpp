@@ -423,18 +423,23 @@ double Trainer::evaluate() {
 }
 
 std::vector<CommRecord> Trainer::comm_records(const CommStats& tp_before, const CommStats& dp_before) const {
+  struct Group {
+    const char* name;
+    const Communicator* comm;
+    const CommStats* before;
+    const GroupVolume* predicted;
+  };
+  const Group groups[] = {{"tp", groups_.tp.get(), &tp_before, &predicted_.tp},
+                          {"dp", groups_.dp.get(), &dp_before, &predicted_.dp}};
   std::vector<CommRecord> out;
-  const std::pair<const char*, std::pair<const Communicator*, const CommStats*>> groups[] = {
-      {"tp", {groups_.tp.get(), &tp_before}}, {"dp", {groups_.dp.get(), &dp_before}}};
-  for (const auto& [name, g] : groups) {
-    const auto& [comm, before] = g;
-    if (comm->size() <= 1) continue;
+  for (const Group& g : groups) {
+    if (g.comm->size() <= 1) continue;
     CommRecord r;
-    r.group = name;
-    r.measured = measured_volume(comm->stats(), *before);
-    r.predicted = std::string(name) == "tp" ? predicted_.tp : predicted_.dp;
-    r.sent_bytes = comm->stats().total_sent() - before->total_sent();
-    r.blocked_ms = 1e3 * (comm->stats().total_blocked_s() - before->total_blocked_s());
+    r.group = g.name;
+    r.measured = measured_volume(g.comm->stats(), *g.before);
+    r.predicted = *g.predicted;
+    r.sent_bytes = g.comm->stats().total_sent() - g.before->total_sent();
+    r.blocked_ms = 1e3 * (g.comm->stats().total_blocked_s() - g.before->total_blocked_s());
     out.push_back(std::move(r));
   }
   return out;
