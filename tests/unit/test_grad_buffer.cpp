@@ -47,8 +47,8 @@ class RecordingComm : public Communicator {
     return record("all_to_all", nullptr, 0);
   }
   WorkHandle broadcast_async(void* buf, int64_t count, DType, int) override { return record("broadcast", buf, count); }
-  WorkHandle send_async(const void* buf, int64_t count, DType, int) override { return record("send", buf, count); }
-  WorkHandle recv_async(void* buf, int64_t count, DType, int) override { return record("recv", buf, count); }
+  WorkHandle send_async(const void* buf, int64_t count, DType, int, int) override { return record("send", buf, count); }
+  WorkHandle recv_async(void* buf, int64_t count, DType, int, int) override { return record("recv", buf, count); }
   void group_start() override {}
   void group_end() override {}
   void barrier() override {}

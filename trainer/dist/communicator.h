@@ -104,9 +104,13 @@ class Communicator {
                                         const std::vector<int64_t>& recv_counts,
                                         const std::vector<int64_t>& recv_offsets, DType type) = 0;
   virtual WorkHandle broadcast_async(void* buf, int64_t count, DType type, int root) = 0;
-  // Point to point, `peer` a group rank.
-  virtual WorkHandle send_async(const void* buf, int64_t count, DType type, int peer) = 0;
-  virtual WorkHandle recv_async(void* buf, int64_t count, DType type, int peer) = 0;
+  // Point to point, `peer` a group rank. A receive matches the sends of its peer with the same
+  // `tag` in the order they were issued (MPI's and NCCL's rule); tags keep streams apart (a
+  // pipeline's activations and gradients between the same two stages). Outside a group, each is
+  // posted at once and completes independently of other operations, so one rank may have several
+  // in flight in any order without deadlock.
+  virtual WorkHandle send_async(const void* buf, int64_t count, DType type, int peer, int tag = 0) = 0;
+  virtual WorkHandle recv_async(void* buf, int64_t count, DType type, int peer, int tag = 0) = 0;
   virtual void group_start() = 0;
   virtual void group_end() = 0;
   virtual void barrier() = 0;
@@ -141,11 +145,11 @@ class Communicator {
   void broadcast(void* buf, int64_t count, DType type, int root) {
     wait(*broadcast_async(buf, count, type, root), CommOp::BROADCAST);
   }
-  void send(const void* buf, int64_t count, DType type, int peer) {
-    wait(*send_async(buf, count, type, peer), CommOp::SEND);
+  void send(const void* buf, int64_t count, DType type, int peer, int tag = 0) {
+    wait(*send_async(buf, count, type, peer, tag), CommOp::SEND);
   }
-  void recv(void* buf, int64_t count, DType type, int peer) {
-    wait(*recv_async(buf, count, type, peer), CommOp::RECV);
+  void recv(void* buf, int64_t count, DType type, int peer, int tag = 0) {
+    wait(*recv_async(buf, count, type, peer, tag), CommOp::RECV);
   }
 
   const CommStats& stats() const { return stats_; }

@@ -125,6 +125,7 @@ struct Transfer {
   int count;
   DType type;
   int peer;
+  int tag;
 };
 
 // A receive must get exactly the count it asked for (NCCL's rule; MPI would accept fewer).
@@ -250,11 +251,11 @@ class MpiCommunicator final : public Communicator {
                    });
   }
 
-  WorkHandle send_async(const void* buf, int64_t count, DType type, int peer) override {
-    return p2p(true, const_cast<void*>(buf), count, type, peer);
+  WorkHandle send_async(const void* buf, int64_t count, DType type, int peer, int tag) override {
+    return p2p(true, const_cast<void*>(buf), count, type, peer, tag);
   }
-  WorkHandle recv_async(void* buf, int64_t count, DType type, int peer) override {
-    return p2p(false, buf, count, type, peer);
+  WorkHandle recv_async(void* buf, int64_t count, DType type, int peer, int tag) override {
+    return p2p(false, buf, count, type, peer, tag);
   }
 
   void group_start() override {
@@ -277,8 +278,8 @@ class MpiCommunicator final : public Communicator {
                      for (size_t i = 0; i < batch.size(); ++i) {
                        const Transfer& t = batch[i];
                        const MPI_Datatype type = mpi_type(t.type);
-                       g.check(t.is_send ? MPI_Isend(t.buf, t.count, type, t.peer, 0, g.comm, &requests[i])
-                                         : MPI_Irecv(t.buf, t.count, type, t.peer, 0, g.comm, &requests[i]),
+                       g.check(t.is_send ? MPI_Isend(t.buf, t.count, type, t.peer, t.tag, g.comm, &requests[i])
+                                         : MPI_Irecv(t.buf, t.count, type, t.peer, t.tag, g.comm, &requests[i]),
                                t.is_send ? "send (grouped)" : "recv (grouped)");
                      }
                      std::vector<MPI_Status> statuses(batch.size());
@@ -300,25 +301,71 @@ class MpiCommunicator final : public Communicator {
 
   static int64_t bytes(DType t) { return static_cast<int64_t>(dtype_size(t)); }
 
-  WorkHandle p2p(bool is_send, void* buf, int64_t count, DType type, int peer) {
+  WorkHandle p2p(bool is_send, void* buf, int64_t count, DType type, int peer, int tag) {
     const char* op = is_send ? "send" : "recv";
     TETRA_CHECK(peer >= 0 && peer < size(), "{} on group '{}' of size {} with peer {}", op, name(), size(), peer);
-    const Transfer t{is_send, buf, to_int(count, "count", op), type, peer};
+    TETRA_CHECK(tag >= 0 && tag <= 32767, "{} on group '{}' with tag {}: tags are 0 .. 32767 (MPI's guaranteed "
+                "range)", op, name(), tag);
+    const Transfer t{is_send, buf, to_int(count, "count", op), type, peer, tag};
     account_call(stats_, is_send ? CommOp::SEND : CommOp::RECV, size(), count * bytes(type));
     if (depth_ > 0) {
       batch_.push_back(t);
       return make_work(batch_done_);
     }
-    return enqueue(op, [t](MpiGroup& g) {
-      if (t.is_send) {
-        g.check(MPI_Send(t.buf, t.count, mpi_type(t.type), t.peer, 0, g.comm), "send");
-      } else {
-        MPI_Status status;
-        g.check(MPI_Recv(t.buf, t.count, mpi_type(t.type), t.peer, 0, g.comm, &status), "recv");
-        check_received(g, status, t);
-      }
-    });
+    // Posted from the calling thread (MPI_THREAD_MULTIPLE), not queued behind this group's
+    // collectives on the worker: a queued blocking send would hold back a receive queued after
+    // it, and two pipeline stages sending to each other would deadlock.
+    return std::make_unique<P2pWork>(g_, t);
   }
+
+  // One posted MPI_Isend / MPI_Irecv; wait() polls it like the worker polls collectives (MPI
+  // progresses only while some thread is inside it).
+  class P2pWork final : public Work {
+   public:
+    P2pWork(std::shared_ptr<MpiGroup> g, Transfer t) : g_(std::move(g)), t_(t) {
+      const MPI_Datatype type = mpi_type(t.type);
+      g_->check(t.is_send ? MPI_Isend(t.buf, t.count, type, t.peer, t.tag, g_->comm, &request_)
+                          : MPI_Irecv(t.buf, t.count, type, t.peer, t.tag, g_->comm, &request_),
+                t.is_send ? "send" : "recv");
+    }
+    ~P2pWork() override {
+      // A posted buffer must not be released while MPI may still touch it.
+      if (!done_) {
+        try {
+          wait();
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "%s\n", e.what());
+        }
+      }
+    }
+    bool test() override {
+      if (done_) return true;
+      int flag = 0;
+      MPI_Status status;
+      g_->check(MPI_Test(&request_, &flag, &status), t_.is_send ? "send" : "recv");
+      if (flag) finish(status);
+      return done_;
+    }
+    void wait() override {
+      long sleep_ns = 1000;
+      for (int spin = 0; !test(); ++spin) {
+        if (spin < 200) continue;
+        const timespec ts{0, sleep_ns};
+        nanosleep(&ts, nullptr);
+        sleep_ns = std::min(sleep_ns * 2, 100000L);
+      }
+    }
+
+   private:
+    void finish(const MPI_Status& status) {
+      done_ = true;
+      if (!t_.is_send) check_received(*g_, status, t_);
+    }
+    std::shared_ptr<MpiGroup> g_;
+    Transfer t_;
+    MPI_Request request_ = MPI_REQUEST_NULL;
+    bool done_ = false;
+  };
 
   // `body` bound to the shared group state, and guarded: once an operation has failed, the ones
   // queued after it fail at once with the first error instead of entering MPI on a communicator

@@ -60,12 +60,12 @@ class SelfCommunicator final : public Communicator {
     return make_done_work();
   }
 
-  WorkHandle send_async(const void* buf, int64_t count, DType type, int peer) override {
+  WorkHandle send_async(const void* buf, int64_t count, DType type, int peer, int /*tag*/) override {
     check_p2p("send", count, peer);
     sends_.push_back({const_cast<void*>(buf), count, type});
     return make_work(batch_);
   }
-  WorkHandle recv_async(void* buf, int64_t count, DType type, int peer) override {
+  WorkHandle recv_async(void* buf, int64_t count, DType type, int peer, int /*tag*/) override {
     check_p2p("recv", count, peer);
     recvs_.push_back({buf, count, type});
     return make_work(batch_);
