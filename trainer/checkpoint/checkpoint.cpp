@@ -193,7 +193,8 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
   std::vector<TensorView> views;
   json slices = json::array();
   for (const ParamSpec& p : layout.params) {
-    if (!dp_writer || (!p.tp_split && !tp0)) continue;
+    // Replicas are written once: TP replicas by TP rank 0, a tied embedding by the first stage.
+    if (!dp_writer || (!p.tp_split && !tp0) || p.stage_copy) continue;
     for (size_t o = 0; o < b.owned->size(); ++o) {
       const GradRange& r = (*b.owned)[o];
       const int64_t lo = std::max(r.offset, p.offset) - p.offset;

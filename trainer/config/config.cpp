@@ -198,6 +198,12 @@ void apply_override(json& j, const std::string& text, Problems& problems) {
 
 }  // namespace
 
+std::vector<int64_t> Config::pipeline_stage_layers() const {
+  const int64_t stages = parallel.pp * parallel.virtual_stages;
+  if (!parallel.stage_layers.empty()) return parallel.stage_layers;
+  return std::vector<int64_t>(static_cast<size_t>(stages), model.num_layers / stages);
+}
+
 ConfigError::ConfigError(std::vector<std::string> problems)
     : InputError(join_lines(problems)), problems_(std::move(problems)) {}
 

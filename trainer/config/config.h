@@ -47,6 +47,10 @@ struct ParallelConfig {
   bool distributed_optimizer = false;  // shard fp32 master weights and Adam moments over dp
   int64_t bucket_size = 40000000;      // parameters per gradient bucket (Megatron's
                                        // --ddp-bucket-size): reduced as soon as backward fills it
+  std::string schedule = "1f1b";       // pipeline schedule: 1f1b | interleaved | gpipe
+  int64_t virtual_stages = 1;          // model chunks per pipeline rank (interleaved: >= 2)
+  std::vector<int64_t> stage_layers;   // layers of each of the pp * virtual_stages stages, in
+                                       // stage order; empty = an even split
 };
 
 struct TrainingConfig {
@@ -133,6 +137,9 @@ struct Config {
   int64_t grad_accum_steps() const {
     return training.global_batch_size / (training.micro_batch_size * parallel.dp);
   }
+  // Layers of each pipeline stage (pp * virtual_stages entries, stage s = chunk * pp + rank):
+  // parallel.stage_layers, or the even split. Valid after validation.
+  std::vector<int64_t> pipeline_stage_layers() const;
 };
 
 // Bad configuration: every problem found, one per line. main() turns it into exit code 2.

@@ -31,6 +31,7 @@ const Choices kPositions = {"learned", "rope"};
 const Choices kDevices = {"cpu", "cuda"};  // cuda: known, but rejected until the backend exists
 const Choices kPrecisions = {"fp32", "bf16"};
 const Choices kOrders = {"tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp"};
+const Choices kSchedules = {"1f1b", "interleaved", "gpipe"};
 const Choices kDecays = {"cosine", "linear", "constant"};
 const Choices kLevels = {"trace", "debug", "info", "warn", "error"};
 
@@ -65,6 +66,9 @@ void visit_parallel(P& p, V& v) {
   v.boolean("sequence_parallel", p.sequence_parallel);
   v.boolean("distributed_optimizer", p.distributed_optimizer);
   v.integer("bucket_size", p.bucket_size);
+  v.choice("schedule", p.schedule, kSchedules);
+  v.integer("virtual_stages", p.virtual_stages);
+  v.integers("stage_layers", p.stage_layers);
 }
 
 template <class T, class V>
@@ -180,6 +184,10 @@ const std::map<std::string, std::string>& foreign_names() {
       {"swiglu", "model.activation"},
       {"tensor_model_parallel_size", "parallel.tp"},
       {"pipeline_model_parallel_size", "parallel.pp"},
+      {"virtual_pipeline_model_parallel_size", "parallel.virtual_stages"},
+      {"num_layers_per_virtual_pipeline_stage", "parallel.virtual_stages"},
+      {"decoder_first_pipeline_num_layers", "parallel.stage_layers"},
+      {"pipeline_model_parallel_layout", "parallel.stage_layers"},
       {"expert_model_parallel_size", "parallel.ep"},
       {"data_parallel_size", "parallel.dp"},
       {"sequence_parallel", "parallel.sequence_parallel"},
@@ -351,6 +359,26 @@ class SectionReader {
                   "must be one of " + list + did_you_mean(closest(s, choices)));
   }
 
+  // A list of integers, e.g. [5, 4, 4, 3].
+  void integers(const char* key, std::vector<int64_t>& out) {
+    const json* v = find(key);
+    if (!v) return;
+    if (!v->is_array()) {
+      problems_.add(path(key), show(*v), "expected a list of integers, e.g. [5, 4, 4, 3], got " + type_phrase(*v));
+      return;
+    }
+    std::vector<int64_t> got;
+    for (size_t i = 0; i < v->size(); ++i) {
+      const json& e = (*v)[i];
+      if (!e.is_number_integer()) {
+        problems_.add(path(key) + "[" + std::to_string(i) + "]", show(e), "expected an integer, got " + type_phrase(e));
+        return;
+      }
+      got.push_back(e.get<int64_t>());
+    }
+    out = std::move(got);
+  }
+
   // A list of datasets: each entry "prefix" (weight 1) or {"path": "prefix", "weight": w}.
   void sources(const char* key, std::vector<DataSource>& out) {
     const json* v = find(key);
@@ -423,6 +451,7 @@ class SectionWriter {
   void number(const char* key, const double& v) { out_[key] = v; }
   void boolean(const char* key, const bool& v) { out_[key] = v; }
   void text(const char* key, const std::string& v) { out_[key] = v; }
+  void integers(const char* key, const std::vector<int64_t>& v) { out_[key] = v; }
   void choice(const char* key, const std::string& v, const Choices&) { out_[key] = v; }
   void sources(const char* key, const std::vector<DataSource>& v) {
     json list = json::array();

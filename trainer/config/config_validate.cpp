@@ -68,6 +68,56 @@ bool ends_with(const std::string& s, const std::string& suffix) {
          s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+// Pipeline layout: the stages must build exactly the model the config describes; uneven splits
+// are given explicitly, never implied.
+void check_pipeline(const Config& c, Rules& r) {
+  const ParallelConfig& p = c.parallel;
+  if (!r.ok({"parallel.pp", "parallel.virtual_stages", "parallel.schedule", "parallel.stage_layers",
+             "model.num_layers"}))
+    return;
+  const int64_t pp = p.pp, vp = p.virtual_stages, L = c.model.num_layers, stages = pp * vp;
+  if (p.schedule == "interleaved")
+    r.require(vp >= 2, "parallel.virtual_stages", vp,
+              "the interleaved schedule needs parallel.virtual_stages >= 2 model chunks per pipeline rank "
+              "(with 1 it is the 1f1b schedule)");
+  else
+    r.require(vp == 1, "parallel.virtual_stages", vp,
+              fmt::format("virtual stages need parallel.schedule \"interleaved\" (it is \"{}\")", p.schedule));
+  if (!p.stage_layers.empty()) {
+    int64_t sum = 0;
+    for (int64_t n : p.stage_layers) sum += n;
+    if (static_cast<int64_t>(p.stage_layers.size()) != stages)
+      r.require(false, "parallel.stage_layers", p.stage_layers,
+                fmt::format("has {} entries, but parallel.pp ({}) x parallel.virtual_stages ({}) = {} stages "
+                            "need one each", p.stage_layers.size(), pp, vp, stages));
+    else
+      r.require(sum == L, "parallel.stage_layers", p.stage_layers,
+                fmt::format("adds up to {} layers, but model.num_layers is {}: the stages must hold every "
+                            "layer exactly once", sum, L));
+  } else if (stages > 1) {
+    std::string hint;  // the nearest explicit split: the remainder on the first stages
+    for (int64_t s = 0; s < stages; ++s)
+      hint += fmt::format("{}{}", s ? ", " : "", L / stages + (s < L % stages ? 1 : 0));
+    r.require(L % stages == 0, "model.num_layers", L,
+              fmt::format("does not split evenly over parallel.pp ({}) x parallel.virtual_stages ({}) = {} "
+                          "stages ({} / {} = {:.2f} layers each): give the split explicitly, e.g. "
+                          "parallel.stage_layers = [{}]", pp, vp, stages, L, stages,
+                          static_cast<double>(L) / static_cast<double>(stages), hint));
+  }
+  if (p.schedule == "interleaved" && vp >= 2 &&
+      r.ok({"training.global_batch_size", "training.micro_batch_size", "parallel.dp"})) {
+    const int64_t m = c.grad_accum_steps();
+    r.require(m % pp == 0, "training.global_batch_size", c.training.global_batch_size,
+              fmt::format("gives {} micro-batches per step (global_batch_size / (micro_batch_size * dp) = "
+                          "{} / ({} * {})); the interleaved schedule needs a multiple of parallel.pp ({})",
+                          m, c.training.global_batch_size, c.training.micro_batch_size, p.dp, pp));
+  }
+  if (pp > 1 && r.ok({"sample.prompt"}))
+    r.require(c.sample.prompt.empty(), "sample.prompt", c.sample.prompt,
+              "text samples during training need the whole model on one rank: leave sample.prompt empty "
+              "with parallel.pp > 1 (sample afterwards with `tetra generate` on the final weights)");
+}
+
 void check_ranges(const Config& c, Rules& r) {
   const ModelConfig& m = c.model;
   r.size("model.vocab_size", m.vocab_size, 1);
@@ -90,8 +140,9 @@ void check_ranges(const Config& c, Rules& r) {
                  {"parallel.pp", c.parallel.pp, "pipeline"},
                  {"parallel.ep", c.parallel.ep, "expert"}};
   for (const auto& d : degrees) r.at_least(d.path, d.value, 1);
-  r.require(c.parallel.pp <= 1, "parallel.pp", c.parallel.pp,
-            "pipeline parallelism is not available yet in this build; set parallel.pp to 1");
+  r.at_least("parallel.virtual_stages", c.parallel.virtual_stages, 1);
+  for (size_t i = 0; i < c.parallel.stage_layers.size(); ++i)
+    r.at_least(fmt::format("parallel.stage_layers[{}]", i), c.parallel.stage_layers[i], 0);
   r.at_least("parallel.bucket_size", c.parallel.bucket_size, 1);
 
   const TrainingConfig& t = c.training;
@@ -250,6 +301,7 @@ void check_cross_field(const Config& c, Rules& r) {
                           "({} * {} = {})",
                           t.micro_batch_size, c.parallel.dp, per_step));
   }
+  check_pipeline(c, r);
 
   const OptimizerConfig& o = c.optimizer;
   if (r.ok({"optimizer.lr", "optimizer.min_lr"}))

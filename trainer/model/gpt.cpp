@@ -46,12 +46,18 @@ struct Gpt::Acts {
     void* fc;                 // (N, FC) t
     void* act;                // (N, F)  t
   };
-  std::vector<void*> res;     // L+1 of (Ns, C) t: res[0] embeddings, res[l+1] output of block l
-  std::vector<Layer> layers;
-  void* lnf;                  // (N, C) t
-  float* lnf_mean;            // (Ns) f
-  float* lnf_rstd;
-  void* logits;               // (N, V) t; the loss turns it into dlogits in place
+  // What one micro-batch keeps from its forward to its backward.
+  struct Slot {
+    std::vector<void*> res;   // L+1 of (Ns, C) t: res[0] the chunk's input (the embeddings on the
+                              // first stage), res[l+1] output of block l; backward leaves the
+                              // input's gradient in res[0]
+    std::vector<Layer> layers;
+    void* lnf = nullptr;      // (N, C) t      last stage only
+    float* lnf_mean = nullptr;  // (Ns) f
+    float* lnf_rstd = nullptr;
+    void* logits = nullptr;   // (N, V) t; the loss turns it into dlogits in place
+  };
+  std::vector<Slot> slots;
   float* ce_max;              // (N) f       vocab-parallel loss statistics (tp > 1)
   float* ce_sums;             // (2, N) f    [sum exp | target logit]
   // Backward scratch.
@@ -86,7 +92,20 @@ class Carver {
 
 }  // namespace
 
-static size_t layout_acts(Carver& c, const ModelDims& d, DType act, Gpt::Acts& a) {
+ChunkShape ChunkShape::of(const ParamLayout& layout, int chunk, int64_t slots) {
+  const auto& chunks = layout.stage.chunks;
+  TETRA_CHECK(chunk >= 0 && chunk < static_cast<int>(chunks.size()), "model chunk {} of a stage with {}", chunk,
+              chunks.size());
+  ChunkShape s;
+  s.l0 = chunks[static_cast<size_t>(chunk)].first;
+  s.layers = chunks[static_cast<size_t>(chunk)].second - s.l0;
+  s.first = layout.stage.first && chunk == 0;
+  s.last = layout.stage.last && chunk + 1 == static_cast<int>(chunks.size());
+  s.slots = slots;
+  return s;
+}
+
+static void layout_slot(Carver& c, const ModelDims& d, DType act, Gpt::Acts::Slot& a) {
   const int64_t N = d.N(), Ns = d.Ns;
   a.res.resize(d.L + 1);
   for (auto& r : a.res) r = c.take(Ns * d.C, act);
@@ -105,10 +124,24 @@ static size_t layout_acts(Carver& c, const ModelDims& d, DType act, Gpt::Acts& a
     l.fc = c.take(N * d.FC, act);
     l.act = c.take(N * d.F, act);
   }
-  a.lnf = c.take(N * d.C, act);
-  a.lnf_mean = c.take_f32(Ns);
-  a.lnf_rstd = c.take_f32(Ns);
-  a.logits = c.take(N * d.V, act);
+  if (d.last) {
+    a.lnf = c.take(N * d.C, act);
+    a.lnf_mean = c.take_f32(Ns);
+    a.lnf_rstd = c.take_f32(Ns);
+    a.logits = c.take(N * d.V, act);
+  }
+}
+
+// `slots` copies of a Slot, then the scratch; returns the bytes, and one slot's in *slot_bytes.
+static size_t layout_acts(Carver& c, const ModelDims& d, DType act, int64_t slots, Gpt::Acts& a,
+                          size_t* slot_bytes = nullptr) {
+  const int64_t N = d.N(), Ns = d.Ns;
+  a.slots.resize(static_cast<size_t>(slots));
+  for (size_t i = 0; i < a.slots.size(); ++i) {
+    const size_t before = c.used();
+    layout_slot(c, d, act, a.slots[i]);
+    if (i == 0 && slot_bytes) *slot_bytes = c.used() - before;
+  }
   a.ce_max = d.tp > 1 ? c.take_f32(N) : nullptr;
   a.ce_sums = d.tp > 1 ? c.take_f32(2 * N) : nullptr;
   a.dres = c.take(Ns * d.C, act);
@@ -123,32 +156,44 @@ static size_t layout_acts(Carver& c, const ModelDims& d, DType act, Gpt::Acts& a
   return c.used();
 }
 
+static void apply_shape(ModelDims& d, const ChunkShape& shape) {
+  d.l0 = shape.l0;
+  if (shape.layers >= 0) d.L = shape.layers;
+  d.first = shape.first;
+  d.last = shape.last;
+}
+
 size_t Gpt::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch, int64_t tp,
-                                 bool sequence_parallel) {
+                                 bool sequence_parallel, const ChunkShape& shape, size_t* slot_bytes) {
   Carver c(nullptr);
   Acts a;
-  return layout_acts(c, ModelDims::from(cfg, micro_batch, tp, 0, sequence_parallel), act, a);
+  ModelDims d = ModelDims::from(cfg, micro_batch, tp, 0, sequence_parallel);
+  apply_shape(d, shape);
+  return layout_acts(c, d, act, shape.slots, a, slot_bytes);
 }
 
 Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
-         Communicator* tp)
+         Communicator* tp, int chunk, int64_t slots)
     : cfg_(cfg), layout_(layout), be_(be), tp_(tp && tp->size() > 1 ? tp : nullptr), act_(act) {
   const int64_t tp_size = tp_ ? tp_->size() : 1, tp_rank = tp_ ? tp_->rank() : 0;
   TETRA_CHECK(layout.slicing.tp == tp_size && layout.slicing.tp_rank == tp_rank,
               "the parameter layout is for TP rank {} of {}, the model for rank {} of {}",
               layout.slicing.tp_rank, layout.slicing.tp, tp_rank, tp_size);
   d_ = ModelDims::from(cfg, micro_batch, tp_size, tp_rank, layout.slicing.sequence_parallel);
+  const ChunkShape shape = ChunkShape::of(layout, chunk, slots);
+  TETRA_CHECK(slots >= 1, "a model chunk needs at least one activation slot, not {}", slots);
+  apply_shape(d_, shape);
   TETRA_CHECK(!d_.sp || d_.N() % tp_size == 0, "sequence parallelism needs B*T ({}) divisible by tp ({})",
               d_.N(), tp_size);
   norm_ = cfg.norm == "rmsnorm" ? NormKind::RMSNORM : NormKind::LAYERNORM;
   eps_ = static_cast<float>(cfg.norm_eps);
   rope_ = cfg.position == "rope";
   swiglu_ = cfg.activation == "swiglu";
-  arena_bytes_ = activation_bytes_for(cfg, act, micro_batch, tp_size, d_.sp);
+  arena_bytes_ = activation_bytes_for(cfg, act, micro_batch, tp_size, d_.sp, shape);
   arena_ = be_.alloc(arena_bytes_);
   a_ = std::make_unique<Acts>();
   Carver c(static_cast<char*>(arena_));
-  layout_acts(c, d_, act_, *a_);
+  layout_acts(c, d_, act_, slots, *a_, &slot_bytes_);
 }
 
 Gpt::~Gpt() {
@@ -179,36 +224,50 @@ void Gpt::column_parallel_input_grad(void* dx_partial) {
     tp_->reduce_scatter(a_->dc, dx_partial, d_.Ns * d_.C, act_);    // all-gather's conjugate
 }
 
-void Gpt::vocab_parallel_loss(float* losses, const int32_t* targets, float dloss_scale) {
+void Gpt::vocab_parallel_loss(float* losses, void* logits, const int32_t* targets, float dloss_scale) {
   const ModelDims& d = d_;
   const int64_t N = d.N();
   Acts& a = *a_;
-  void* dlogits = dloss_scale != 0.0f ? a.logits : nullptr;
+  void* dlogits = dloss_scale != 0.0f ? logits : nullptr;
   if (!tp_) {
-    be_.cross_entropy(losses, dlogits, act_, a.logits, act_, targets, N, d.V, dloss_scale);
+    be_.cross_entropy(losses, dlogits, act_, logits, act_, targets, N, d.V, dloss_scale);
     return;
   }
-  be_.vocab_ce_max(a.ce_max, a.logits, act_, N, d.V);
+  be_.vocab_ce_max(a.ce_max, logits, act_, N, d.V);
   tp_->all_reduce(a.ce_max, N, DType::F32, ReduceOp::MAX);
-  be_.vocab_ce_sums(a.ce_sums, a.ce_sums + N, a.logits, act_, a.ce_max, targets, d.v0, N, d.V);
+  be_.vocab_ce_sums(a.ce_sums, a.ce_sums + N, logits, act_, a.ce_max, targets, d.v0, N, d.V);
   tp_->all_reduce(a.ce_sums, 2 * N, DType::F32, ReduceOp::SUM);
-  be_.vocab_ce_finish(losses, dlogits, act_, a.logits, act_, a.ce_max, a.ce_sums, a.ce_sums + N,
+  be_.vocab_ce_finish(losses, dlogits, act_, logits, act_, a.ce_max, a.ce_sums, a.ce_sums + N,
                       targets, d.v0, N, d.V, dloss_scale);
 }
 
-void Gpt::forward(const void* weights, const int32_t* tokens, const int32_t* targets, float* losses,
-                  float dloss_scale) {
-  forward_logits(weights, tokens);
-  vocab_parallel_loss(losses, targets, dloss_scale);
+void Gpt::forward(const void* weights, int64_t slot, const int32_t* tokens, const int32_t* targets,
+                  float* losses, float dloss_scale) {
+  forward_blocks(weights, slot, tokens);
+  if (!d_.last) return;
+  forward_head(weights, slot);
+  vocab_parallel_loss(losses, a_->slots[static_cast<size_t>(slot)].logits, targets, dloss_scale);
 }
 
-const void* Gpt::logits() const { return a_->logits; }
+const void* Gpt::logits() const { return a_->slots[0].logits; }
+
+void* Gpt::input(int64_t slot) { return a_->slots.at(static_cast<size_t>(slot)).res[0]; }
+const void* Gpt::output(int64_t slot) const { return a_->slots.at(static_cast<size_t>(slot)).res[d_.L]; }
+void* Gpt::output_grad() { return a_->dres; }
 
 void Gpt::forward_logits(const void* weights, const int32_t* tokens) {
+  TETRA_CHECK(d_.first && d_.last, "forward_logits() needs the whole model, not layers {} .. {} of a pipeline stage",
+              d_.l0, d_.l0 + d_.L - 1);
+  forward_blocks(weights, 0, tokens);
+  forward_head(weights, 0);
+}
+
+void Gpt::forward_blocks(const void* weights, int64_t slot, const int32_t* tokens) {
   const ModelDims& d = d_;
   const int64_t N = d.N(), Ns = d.Ns;
   const DType t = act_;
   Acts& a = *a_;
+  Acts::Slot& sl = a.slots.at(static_cast<size_t>(slot));
   const bool rank0 = d.tp_rank == 0;
   const size_t shard_bytes = static_cast<size_t>(Ns * d.C) * dtype_size(t);
   // With sequence parallelism a norm writes its rows of the gathered (N, C) buffer in place.
@@ -223,14 +282,16 @@ void Gpt::forward_logits(const void* weights, const int32_t* tokens) {
 
   // Vocab-parallel embedding: each rank looks up its vocabulary rows (zero elsewhere); TP rank 0
   // adds the position embedding; g sums the ranks' rows.
-  void* emb = row_target(a.res[0]);
-  be_.embedding_forward(emb, tokens, w(weights, layout_.wte), rank0 ? w(weights, layout_.wpe) : nullptr,
-                        d.B, d.T, d.C, d.v0, d.V, t, t);
-  row_parallel_output(a.res[0], emb, /*residual=*/nullptr);
+  if (d.first) {
+    void* emb = row_target(sl.res[0]);
+    be_.embedding_forward(emb, tokens, w(weights, layout_.wte), rank0 ? w(weights, layout_.wpe) : nullptr,
+                          d.B, d.T, d.C, d.v0, d.V, t, t);
+    row_parallel_output(sl.res[0], emb, /*residual=*/nullptr);
+  }
   for (int64_t l = 0; l < d.L; ++l) {
-    const BlockParams& p = layout_.blocks[l];
-    Acts::Layer& s = a.layers[l];
-    const void* x = a.res[l];
+    const BlockParams& p = layout_.blocks[static_cast<size_t>(d.l0 + l)];
+    Acts::Layer& s = sl.layers[l];
+    const void* x = sl.res[l];
     be_.norm_forward(norm_, shard_of(s.ln1), s.ln1_mean, s.ln1_rstd, x, w(weights, p.norm1_w),
                      w(weights, p.norm1_b), Ns, d.C, eps_, t, t);
     gather(s.ln1);
@@ -259,28 +320,38 @@ void Gpt::forward_logits(const void* weights, const int32_t* tokens) {
     else
       be_.gelu_forward(s.act, s.fc, N * d.F, t);
     // res[l+1] = res_mid + act W_p^T + b   row-parallel                        (Ns, C)
-    y = row_target(a.res[l + 1]);
+    y = row_target(sl.res[l + 1]);
     if (fused_residual) be_.copy(y, s.res_mid, shard_bytes);
     be_.gemm(false, true, N, d.C, d.F, 1.0f, s.act, d.F, w(weights, p.mlp_proj_w), d.F, t,
              fused_residual ? 1.0f : 0.0f, y, d.C, t, rank0 ? w(weights, p.mlp_proj_b) : nullptr);
-    row_parallel_output(a.res[l + 1], y, s.res_mid);
+    row_parallel_output(sl.res[l + 1], y, s.res_mid);
   }
-  be_.norm_forward(norm_, shard_of(a.lnf), a.lnf_mean, a.lnf_rstd, a.res[d.L],
-                   w(weights, layout_.final_norm_w), w(weights, layout_.final_norm_b), Ns, d.C, eps_, t, t);
-  gather(a.lnf);
+}
+
+void Gpt::forward_head(const void* weights, int64_t slot) {
+  const ModelDims& d = d_;
+  const int64_t N = d.N(), Ns = d.Ns;
+  const DType t = act_;
+  Acts::Slot& sl = a_->slots.at(static_cast<size_t>(slot));
+  const size_t shard_bytes = static_cast<size_t>(Ns * d.C) * dtype_size(t);
+  void* lnf_shard = d.sp ? static_cast<char*>(sl.lnf) + static_cast<size_t>(d.tp_rank) * shard_bytes : sl.lnf;
+  be_.norm_forward(norm_, lnf_shard, sl.lnf_mean, sl.lnf_rstd, sl.res[d.L], w(weights, layout_.final_norm_w),
+                   w(weights, layout_.final_norm_b), Ns, d.C, eps_, t, t);
+  if (d.sp) tp_->all_gather(sl.lnf, lnf_shard, Ns * d.C, t);
   // logits = lnf W_out^T                                                 (N, V)
   // Stored in the activation type (bf16 halves the largest tensor of the step, as in Megatron);
   // the loss's softmax and log-sum-exp are fp32 whatever the storage.
-  be_.gemm(false, true, N, d.V, d.C, 1.0f, a.lnf, d.C, w(weights, layout_.output_weight()), d.C, t,
-           0.0f, a.logits, d.V, t);
+  be_.gemm(false, true, N, d.V, d.C, 1.0f, sl.lnf, d.C, w(weights, layout_.output_weight()), d.C, t,
+           0.0f, sl.logits, d.V, t);
 }
 
-void Gpt::backward(const void* weights, float* grads, const int32_t* tokens,
-                   const GroupDoneHook* on_group_done) {
+void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_t* tokens,
+                   const GroupDoneHook* on_group_done, void* input_grad) {
   const ModelDims& d = d_;
   const int64_t N = d.N(), Ns = d.Ns;
   const DType t = act_;
   Acts& a = *a_;
+  Acts::Slot& sl = a.slots.at(static_cast<size_t>(slot));
   auto g = [&](int64_t offset) -> float* { return offset < 0 ? nullptr : grads + offset; };
   auto done = [&](int group) {
     if (on_group_done) (*on_group_done)(group);
@@ -295,21 +366,23 @@ void Gpt::backward(const void* weights, float* grads, const int32_t* tokens,
     return a.dfull;
   };
 
-  // Output projection: dlnf = dlogits W_out (N, C); dW_out += dlogits^T lnf (V, C).
-  const void* dlogits = a.logits;  // the loss wrote the gradient over the logits
-  be_.gemm(false, false, N, d.C, d.V, 1.0f, dlogits, d.V, w(weights, layout_.output_weight()), d.C,
-           t, 0.0f, dx, d.C, t);
-  be_.gemm(true, false, d.V, d.C, N, 1.0f, dlogits, d.V, a.lnf, d.C, t, 1.0f,
-           g(layout_.output_weight()), d.C, DType::F32);
-  column_parallel_input_grad(dx);
-  be_.memset_zero(a.dres, static_cast<size_t>(Ns * d.C) * dtype_size(t));
-  be_.norm_backward(norm_, a.dres, g(layout_.final_norm_w), g(layout_.final_norm_b), a.dc, a.res[d.L],
-                    w(weights, layout_.final_norm_w), a.lnf_mean, a.lnf_rstd, Ns, d.C, t, t);
-  done(static_cast<int>(d.L) + 1);
+  if (d.last) {
+    // Output projection: dlnf = dlogits W_out (N, C); dW_out += dlogits^T lnf (V, C).
+    const void* dlogits = sl.logits;  // the loss wrote the gradient over the logits
+    be_.gemm(false, false, N, d.C, d.V, 1.0f, dlogits, d.V, w(weights, layout_.output_weight()), d.C,
+             t, 0.0f, dx, d.C, t);
+    be_.gemm(true, false, d.V, d.C, N, 1.0f, dlogits, d.V, sl.lnf, d.C, t, 1.0f,
+             g(layout_.output_weight()), d.C, DType::F32);
+    column_parallel_input_grad(dx);
+    be_.memset_zero(a.dres, static_cast<size_t>(Ns * d.C) * dtype_size(t));
+    be_.norm_backward(norm_, a.dres, g(layout_.final_norm_w), g(layout_.final_norm_b), a.dc, sl.res[d.L],
+                      w(weights, layout_.final_norm_w), sl.lnf_mean, sl.lnf_rstd, Ns, d.C, t, t);
+    done(layout_.head_group);
+  }  // else the next stage's gradient of this chunk's output is in a.dres (output_grad())
 
   for (int64_t l = d.L - 1; l >= 0; --l) {
-    const BlockParams& p = layout_.blocks[l];
-    Acts::Layer& s = a.layers[l];
+    const BlockParams& p = layout_.blocks[static_cast<size_t>(d.l0 + l)];
+    Acts::Layer& s = sl.layers[l];
     // MLP: res[l+1] = res_mid + act W_p^T + b.
     const void* dout = full_dres();
     be_.gemm(false, false, N, d.F, d.C, 1.0f, dout, d.C, w(weights, p.mlp_proj_w), d.F, t, 0.0f,
@@ -349,13 +422,18 @@ void Gpt::backward(const void* weights, float* grads, const int32_t* tokens,
              DType::F32);
     if (p.qkv_b >= 0) be_.bias_backward(g(p.qkv_b), dqkv, N, d.QKV, t);
     column_parallel_input_grad(dx);
-    be_.norm_backward(norm_, a.dres, g(p.norm1_w), g(p.norm1_b), a.dc, a.res[l], w(weights, p.norm1_w),
+    be_.norm_backward(norm_, a.dres, g(p.norm1_w), g(p.norm1_b), a.dc, sl.res[l], w(weights, p.norm1_w),
                       s.ln1_mean, s.ln1_rstd, Ns, d.C, t, t);
-    done(static_cast<int>(l) + 1);
+    done(layout_.layer_group[static_cast<size_t>(d.l0 + l)]);
+  }
+  if (!d.first) {  // the gradient of this chunk's input, for the previous stage
+    TETRA_CHECK(input_grad, "backward of a non-first pipeline stage needs a buffer for its input gradient");
+    be_.copy(input_grad, a.dres, static_cast<size_t>(Ns * d.C) * dtype_size(t));
+    return;
   }
   const void* demb = full_dres();
   be_.embedding_backward(g(layout_.wte), g(layout_.wpe), demb, tokens, d.B, d.T, d.C, d.v0, d.V, t);
-  done(0);
+  done(layout_.embedding_group);
 }
 
 }  // namespace tetra

@@ -26,6 +26,14 @@
 // reduce-scatter (backward: all-gather). Shards are blocks of the flattened B*T rows: every op on
 // the residual stream is row-wise, so any row partition is a valid "sequence" split.
 //
+// Pipeline parallelism: a Gpt is one model chunk of a pipeline rank (layers [l0, l0 + L) of the
+// model, ParamLayout::stage), with the embedding only on the first stage and the final norm,
+// output layer and loss only on the last. A non-first chunk reads its input activation (Ns, C)
+// from input(slot), a non-last one leaves its output in output(slot) and takes the gradient of
+// it in output_grad() before backward, which writes the gradient of its input to a buffer the
+// caller gives. Several micro-batches can be in flight between their forward and backward: each
+// has its activation slot (the schedule says how many a chunk needs).
+//
 // Every activation the backward pass needs is kept in one arena allocated at construction; the
 // step loop allocates nothing. Parameter gradients accumulate (+=) into the fp32 gradient buffer,
 // so micro-batches accumulate without extra passes and tied embeddings need no special case.
@@ -50,6 +58,8 @@ struct ModelDims {
   int64_t B, T, C, NH, NKV, HS, F, FC, V, L, QKV;
   int64_t tp = 1, tp_rank = 0, v0 = 0, Ns = 0;
   bool sp = false;
+  int64_t l0 = 0;                   // first layer of this chunk (L is its layer count)
+  bool first = true, last = true;   // holds the embedding / the head and loss
   int64_t N() const { return B * T; }
   static ModelDims from(const ModelConfig& m, int64_t micro_batch, int64_t tp = 1,
                         int64_t tp_rank = 0, bool sequence_parallel = false);
@@ -59,37 +69,70 @@ struct ModelDims {
 // for this micro-batch: the gradient buffer's reduction can start there.
 using GroupDoneHook = std::function<void(int group)>;
 
+// Which part of the model a Gpt runs, and how many micro-batches it keeps activations for.
+struct ChunkShape {
+  int64_t l0 = 0, layers = -1;  // -1: every layer
+  bool first = true, last = true;
+  int64_t slots = 1;
+  // Chunk `chunk` of the stage `layout` holds.
+  static ChunkShape of(const ParamLayout& layout, int chunk, int64_t slots);
+};
+
 class Gpt {
  public:
   // `tp`: the tensor-parallel group (null = no tensor parallelism); the layout must be this
   // rank's slice of the model for that group.
+  // `chunk`: which of the layout's model chunks this is (ParamLayout::stage); `slots`: micro-batches
+  // in flight between forward and backward.
   Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
-      Communicator* tp = nullptr);
+      Communicator* tp = nullptr, int chunk = 0, int64_t slots = 1);
   ~Gpt();
   Gpt(const Gpt&) = delete;
   Gpt& operator=(const Gpt&) = delete;
 
   // Bytes of activation memory this model holds (the arena).
   size_t activation_bytes() const { return arena_bytes_; }
+  // Of which each slot takes `slot_bytes` (the rest is backward scratch).
+  size_t slot_bytes() const { return slot_bytes_; }
   static size_t activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch,
-                                     int64_t tp = 1, bool sequence_parallel = false);
+                                     int64_t tp = 1, bool sequence_parallel = false,
+                                     const ChunkShape& shape = {}, size_t* slot_bytes = nullptr);
 
   // tokens, targets: (B, T) int32 in backend memory. weights: the compute copy (type act) of the
   // parameter buffer. Writes per-token losses (N) F32. If `dloss_scale` != 0 the logits' gradient
   // (scaled by it) is kept for backward().
   void forward(const void* weights, const int32_t* tokens, const int32_t* targets, float* losses,
+               float dloss_scale) {
+    forward(weights, 0, tokens, targets, losses, dloss_scale);
+  }
+  // Pipeline form: micro-batch activations in `slot`; `tokens` read by the first stage only,
+  // `targets` / `losses` by the last only; a non-first stage's input must be in input(slot).
+  void forward(const void* weights, int64_t slot, const int32_t* tokens, const int32_t* targets, float* losses,
                float dloss_scale);
   // Accumulates every parameter's gradient into `grads` (fp32, layout offsets). Requires the
   // immediately preceding forward() to have been run with dloss_scale != 0. `on_group_done`
   // (may be null) is called as each parameter group's gradients become final.
   void backward(const void* weights, float* grads, const int32_t* tokens,
-                const GroupDoneHook* on_group_done = nullptr);
+                const GroupDoneHook* on_group_done = nullptr) {
+    backward(weights, grads, 0, tokens, on_group_done, nullptr);
+  }
+  // Pipeline form: the forward of `slot` must have run (with dloss_scale != 0 on the last stage);
+  // a non-last stage's output gradient must be in output_grad().
+  // A non-first stage writes the gradient of its input (Ns, C) to `input_grad`.
+  void backward(const void* weights, float* grads, int64_t slot, const int32_t* tokens,
+                const GroupDoneHook* on_group_done, void* input_grad = nullptr);
+
+  // Stage boundary activations, (Ns, C) of type act(): boundary_numel() elements each.
+  int64_t boundary_numel() const { return d_.Ns * d_.C; }
+  void* input(int64_t slot);              // where a non-first stage's input goes
+  const void* output(int64_t slot) const; // a non-last stage's output after forward
+  void* output_grad();                    // where a non-last stage's output gradient goes
 
   // Inference: the forward pass up to the logits, without loss or gradient. Afterwards logits()
   // holds this rank's vocabulary slice [v0, v0 + V) of every row, (N, V) of type act(), until the
   // next forward. With tensor parallelism every rank of the group calls it (its collectives), and
   // a caller that needs whole rows all-gathers the slices of those rows over the group.
-  void forward_logits(const void* weights, const int32_t* tokens);
+  void forward_logits(const void* weights, const int32_t* tokens);  // needs the whole model
   const void* logits() const;
   DType act() const { return act_; }
 
@@ -99,6 +142,11 @@ class Gpt {
 
  private:
   const void* w(const void* weights, int64_t offset) const;
+  // Embedding (first stage) and the chunk's blocks, into slot `slot`.
+  void forward_blocks(const void* weights, int64_t slot, const int32_t* tokens);
+  // Final norm and output layer (last stage): the logits of slot `slot`.
+  void forward_head(const void* weights, int64_t slot);
+  void vocab_parallel_loss(float* losses, void* logits, const int32_t* targets, float dloss_scale);
   // Row-parallel output: y (N, C) holds this rank's partial product (rank 0 added the bias, and
   // without sequence parallelism the residual too, y == out); `out` (Ns, C) = the sum over the
   // TP group (+ residual, if non-null, with sequence parallelism).
@@ -106,7 +154,6 @@ class Gpt {
   // Input gradient of a column-parallel GEMM: dx_partial (N, C) summed over the group, into
   // a_->dc (Ns, C).
   void column_parallel_input_grad(void* dx_partial);
-  void vocab_parallel_loss(float* losses, const int32_t* targets, float dloss_scale);
 
   const ModelConfig& cfg_;
   const ParamLayout& layout_;
@@ -118,7 +165,7 @@ class Gpt {
   float eps_;
   bool rope_;    // position == "rope"
   bool swiglu_;  // activation == "swiglu"
-  size_t arena_bytes_ = 0;
+  size_t arena_bytes_ = 0, slot_bytes_ = 0;
   void* arena_ = nullptr;
   std::unique_ptr<Acts> a_;
 };

@@ -81,7 +81,7 @@ int64_t ParamSpec::global_index(int64_t i) const {
   return grow * gcols + col_start + col;
 }
 
-ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicing) {
+ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicing, const StageSlice& stage_in) {
   const int64_t p = slicing.tp, r = slicing.tp_rank;
   const int64_t C = m.hidden_size, V = m.vocab_size, HS = m.head_size();
   const int64_t NH = m.num_heads, NKV = m.num_kv_heads, F = m.ffn_hidden_size;
@@ -96,8 +96,17 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
   const bool swiglu = m.activation == "swiglu";
   const bool norm_bias = m.norm == "layernorm" && m.bias;
 
+  StageSlice stage = stage_in;
+  if (stage.chunks.empty()) stage.chunks = {{0, m.num_layers}};
+  for (const auto& [begin, end] : stage.chunks)
+    TETRA_CHECK(0 <= begin && begin <= end && end <= m.num_layers, "stage layer range [{}, {}) outside 0 .. {}",
+                begin, end, m.num_layers);
+
   ParamLayout layout;
   layout.slicing = slicing;
+  layout.stage = stage;
+  layout.blocks.resize(static_cast<size_t>(m.num_layers));
+  layout.layer_group.assign(static_cast<size_t>(m.num_layers), -1);
   LayoutBuilder b{layout};
   const std::vector<RowBlock> vocab_rows = {{r * Vl, Vl}};
   const std::vector<RowBlock> qkv_rows = {
@@ -107,34 +116,47 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
   const int64_t fc_global = swiglu ? 2 * F : F;
 
   // The token embedding is a matmul parameter only when tied (it is then the output projection).
-  layout.wte = b.add("embedding.wte", {V, C}, ParamInit::NORMAL, true, m.tie_embeddings, vocab_rows);
-  if (m.position == "learned")
-    layout.wpe = b.add("embedding.wpe", {m.seq_len, C}, ParamInit::NORMAL, false, false);
-  b.end_group();
-  for (int64_t i = 0; i < m.num_layers; ++i) {
-    BlockParams bp;
-    const std::string n = fmt::format("layers.{}.", i);
-    bp.norm1_w = b.norm_param(n + "norm1.weight", C, ParamInit::ONES);
-    if (norm_bias) bp.norm1_b = b.norm_param(n + "norm1.bias", C, ParamInit::ZEROS);
-    bp.qkv_w = b.add(n + "attn.qkv.weight", {(NH + 2 * NKV) * HS, C}, ParamInit::NORMAL, true, true, qkv_rows);
-    if (m.bias) bp.qkv_b = b.add(n + "attn.qkv.bias", {(NH + 2 * NKV) * HS}, ParamInit::ZEROS, false, false, qkv_rows);
-    bp.attn_proj_w = b.add(n + "attn.proj.weight", {C, NH * HS}, ParamInit::NORMAL_SCALED, true, true, {},
-                           r * NHl * HS, NHl * HS);
-    if (m.bias) bp.attn_proj_b = b.add(n + "attn.proj.bias", {C}, ParamInit::ZEROS, false, false);
-    bp.norm2_w = b.norm_param(n + "norm2.weight", C, ParamInit::ONES);
-    if (norm_bias) bp.norm2_b = b.norm_param(n + "norm2.bias", C, ParamInit::ZEROS);
-    bp.fc_w = b.add(n + "mlp.fc.weight", {fc_global, C}, ParamInit::NORMAL, true, true, fc_rows);
-    if (m.bias) bp.fc_b = b.add(n + "mlp.fc.bias", {fc_global}, ParamInit::ZEROS, false, false, fc_rows);
-    bp.mlp_proj_w = b.add(n + "mlp.proj.weight", {C, F}, ParamInit::NORMAL_SCALED, true, true, {}, r * Fl, Fl);
-    if (m.bias) bp.mlp_proj_b = b.add(n + "mlp.proj.bias", {C}, ParamInit::ZEROS, false, false);
-    layout.blocks.push_back(bp);
+  if (stage.first) {
+    layout.embedding_group = b.group;
+    layout.wte = b.add("embedding.wte", {V, C}, ParamInit::NORMAL, true, m.tie_embeddings, vocab_rows);
+    if (m.position == "learned")
+      layout.wpe = b.add("embedding.wpe", {m.seq_len, C}, ParamInit::NORMAL, false, false);
     b.end_group();
   }
-  layout.final_norm_w = b.norm_param("final_norm.weight", C, ParamInit::ONES);
-  if (norm_bias) layout.final_norm_b = b.norm_param("final_norm.bias", C, ParamInit::ZEROS);
-  if (!m.tie_embeddings)
-    layout.lm_head = b.add("lm_head.weight", {V, C}, ParamInit::NORMAL, true, true, vocab_rows);
-  b.end_group();
+  for (const auto& [first_layer, end_layer] : stage.chunks)
+    for (int64_t i = first_layer; i < end_layer; ++i) {
+      BlockParams bp;
+      const std::string n = fmt::format("layers.{}.", i);
+      bp.norm1_w = b.norm_param(n + "norm1.weight", C, ParamInit::ONES);
+      if (norm_bias) bp.norm1_b = b.norm_param(n + "norm1.bias", C, ParamInit::ZEROS);
+      bp.qkv_w = b.add(n + "attn.qkv.weight", {(NH + 2 * NKV) * HS, C}, ParamInit::NORMAL, true, true, qkv_rows);
+      if (m.bias) bp.qkv_b = b.add(n + "attn.qkv.bias", {(NH + 2 * NKV) * HS}, ParamInit::ZEROS, false, false, qkv_rows);
+      bp.attn_proj_w = b.add(n + "attn.proj.weight", {C, NH * HS}, ParamInit::NORMAL_SCALED, true, true, {},
+                             r * NHl * HS, NHl * HS);
+      if (m.bias) bp.attn_proj_b = b.add(n + "attn.proj.bias", {C}, ParamInit::ZEROS, false, false);
+      bp.norm2_w = b.norm_param(n + "norm2.weight", C, ParamInit::ONES);
+      if (norm_bias) bp.norm2_b = b.norm_param(n + "norm2.bias", C, ParamInit::ZEROS);
+      bp.fc_w = b.add(n + "mlp.fc.weight", {fc_global, C}, ParamInit::NORMAL, true, true, fc_rows);
+      if (m.bias) bp.fc_b = b.add(n + "mlp.fc.bias", {fc_global}, ParamInit::ZEROS, false, false, fc_rows);
+      bp.mlp_proj_w = b.add(n + "mlp.proj.weight", {C, F}, ParamInit::NORMAL_SCALED, true, true, {}, r * Fl, Fl);
+      if (m.bias) bp.mlp_proj_b = b.add(n + "mlp.proj.bias", {C}, ParamInit::ZEROS, false, false);
+      TETRA_CHECK(layout.layer_group[static_cast<size_t>(i)] < 0, "layer {} in two stage ranges", i);
+      layout.blocks[static_cast<size_t>(i)] = bp;
+      layout.layer_group[static_cast<size_t>(i)] = b.group;
+      b.end_group();
+    }
+  if (stage.last) {
+    layout.head_group = b.group;
+    layout.final_norm_w = b.norm_param("final_norm.weight", C, ParamInit::ONES);
+    if (norm_bias) layout.final_norm_b = b.norm_param("final_norm.bias", C, ParamInit::ZEROS);
+    if (!m.tie_embeddings) {
+      layout.lm_head = b.add("lm_head.weight", {V, C}, ParamInit::NORMAL, true, true, vocab_rows);
+    } else if (!stage.first) {
+      layout.wte = b.add("embedding.wte", {V, C}, ParamInit::NORMAL, true, true, vocab_rows);
+      layout.params.back().stage_copy = true;
+    }
+    b.end_group();
+  }
   return layout;
 }
 

@@ -21,6 +21,14 @@
 // Parameters are grouped (embedding, each block, the final norm + output layer) and each group
 // starts at a multiple of `group_align` elements: gradient buckets are unions of groups, so with
 // group_align = 16 dp every bucket splits into dp equal, aligned shards (distributed optimizer).
+//
+// Pipeline parallelism: a rank's buffer holds only its stage's parameters (StageSlice): the
+// blocks of its model chunks, the embedding on the first stage, the final norm and output layer
+// on the last. Groups are numbered in buffer order over what the rank holds. With tied
+// embeddings and more than one stage, the last stage holds its own copy of embedding.wte for the
+// output layer (Megatron's word_embeddings_for_head): initialised like the original, its gradient
+// summed with the first stage's over the embedding group, so the two stay identical; checkpoints
+// and gradient norms count only the first stage's (ParamSpec::stage_copy).
 #pragma once
 
 #include <cstdint>
@@ -55,6 +63,7 @@ struct ParamSpec {
   bool tp_split = false;      // each TP rank holds a different slice (else a replica)
   bool sp_partial = false;    // with sequence parallelism: each TP rank's gradient is a partial
                               // sum over its sequence shard (norm weights and biases)
+  bool stage_copy = false;    // the last pipeline stage's copy of a tied embedding
 
   // Flat index into the global tensor of local element `i` (row-major in both).
   int64_t global_index(int64_t i) const;
@@ -76,16 +85,28 @@ struct TensorSlicing {
   int64_t group_align = 16;  // elements; a multiple of 16
 };
 
+// The layers a pipeline rank holds: one [begin, end) range per model chunk, in chunk order
+// (empty: every layer, one chunk); `first` / `last`: it holds the embedding / the final norm and
+// output layer.
+struct StageSlice {
+  std::vector<std::pair<int64_t, int64_t>> chunks;
+  bool first = true, last = true;
+};
+
 struct ParamLayout {
   std::vector<ParamSpec> params;
   int64_t total = 0;  // elements, including padding
   int64_t wte = -1, wpe = -1, final_norm_w = -1, final_norm_b = -1, lm_head = -1;
-  std::vector<BlockParams> blocks;
-  // Element range [begin, end) of each group (size L + 2), multiples of group_align.
+  std::vector<BlockParams> blocks;  // every layer of the model; offsets -1 where not held
+  // Element range [begin, end) of each group this rank holds, in buffer order, multiples of
+  // group_align; and which group holds the embedding, each layer, the head (-1: not held).
   std::vector<std::pair<int64_t, int64_t>> groups;
+  int embedding_group = -1, head_group = -1;
+  std::vector<int> layer_group;
   TensorSlicing slicing;
+  StageSlice stage;
 
-  static ParamLayout build(const ModelConfig& m, const TensorSlicing& slicing = {});
+  static ParamLayout build(const ModelConfig& m, const TensorSlicing& slicing = {}, const StageSlice& stage = {});
   int64_t count() const;          // parameters (without padding) in this rank's buffer
   int64_t matmul_count() const;   // parameters of matrix multiplies, lm_head / tied wte included
   // Offset of the output projection (lm_head, or wte when embeddings are tied).

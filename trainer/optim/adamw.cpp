@@ -95,16 +95,17 @@ void AdamW::step(float* master, float* grads, double lr, float grad_scale, void*
 }
 
 GradNorm::GradNorm(const ParamLayout& layout, const std::vector<GradRange>& owned, Backend& be,
-                   Communicator* tp, Communicator* dp_if_sharded)
+                   Communicator* tp, Communicator* pp, Communicator* dp_if_sharded)
     : be_(be),
       tp_(tp && tp->size() > 1 ? tp : nullptr),
+      pp_(pp && pp->size() > 1 ? pp : nullptr),
       dp_(dp_if_sharded && dp_if_sharded->size() > 1 ? dp_if_sharded : nullptr) {
   const bool tp_rank0 = !tp_ || tp_->rank() == 0;
   // The counted parameter spans (padding after a parameter joins it: it is zero).
   std::vector<GradRange> counted;
   for (size_t i = 0; i < layout.params.size(); ++i) {
     const ParamSpec& p = layout.params[i];
-    if (!p.tp_split && !tp_rank0) continue;
+    if ((!p.tp_split && !tp_rank0) || p.stage_copy) continue;
     const int64_t end = i + 1 < layout.params.size() ? layout.params[i + 1].offset : layout.total;
     append_merged(counted, p.offset, end - p.offset);
   }
@@ -127,9 +128,10 @@ double GradNorm::compute(const float* grads) {
     total += static_cast<double>(part);
   }
   float sum = static_cast<float>(total);
-  if (tp_ || dp_) {
+  if (tp_ || pp_ || dp_) {
     be_.copy_from_host(scratch_, &sum, sizeof(float));
     if (tp_) tp_->all_reduce(scratch_, 1, DType::F32, ReduceOp::SUM);
+    if (pp_) pp_->all_reduce(scratch_, 1, DType::F32, ReduceOp::SUM);
     if (dp_) dp_->all_reduce(scratch_, 1, DType::F32, ReduceOp::SUM);
     be_.copy_to_host(&sum, scratch_, sizeof(float));
   }

@@ -74,14 +74,18 @@ class AdamW {
 // when the gradient is sharded (distributed optimizer), over `dp` (either may be null).
 class GradNorm {
  public:
+  // Sums the squares over this rank's counted gradients, then over `tp`, `pp` (each stage holds
+  // different parameters) and, when the optimizer shards them, `dp_if_sharded`. TP replicas count
+  // on TP rank 0 only, a tied embedding's last-stage copy not at all.
   GradNorm(const ParamLayout& layout, const std::vector<GradRange>& owned, Backend& be,
-           Communicator* tp, Communicator* dp_if_sharded);
+           Communicator* tp, Communicator* pp, Communicator* dp_if_sharded);
   ~GradNorm();
   double compute(const float* grads);
 
  private:
   Backend& be_;
   Communicator* tp_;
+  Communicator* pp_;
   Communicator* dp_;
   std::vector<GradRange> ranges_;  // merged
   float* scratch_ = nullptr;

@@ -33,16 +33,23 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout) {
   const ParallelConfig& par = cfg.parallel;
   const int64_t act_bytes = cfg.training.precision == "bf16" ? 2 : 4;
   const int64_t N = cfg.training.micro_batch_size * cfg.model.seq_len, C = cfg.model.hidden_size;
-  const int64_t L = cfg.model.num_layers, accum = cfg.grad_accum_steps();
+  const int64_t accum = cfg.grad_accum_steps();
   const int64_t rows = N * C * act_bytes;
+  const bool first = layout.stage.first, last = layout.stage.last;
+  int64_t L = 0;  // layers this rank holds
+  for (const auto& [begin, end] : layout.stage.chunks) L += end - begin;
 
   if (par.tp > 1) {
-    const int64_t per_micro = 2 * L + 1;  // (N, C) exchanges in each direction
+    // (N, C) exchanges per micro-batch: forward after the embedding and each row-parallel layer,
+    // backward for each column-parallel input (the output layer's included); with sequence
+    // parallelism also the gathers before each column-parallel layer (the output layer's
+    // included) and before each row-parallel backward (the embedding's included).
+    const int64_t fwd = 2 * L + (first ? 1 : 0), bwd = 2 * L + (last ? 1 : 0);
     if (!par.sequence_parallel) {
-      v.tp.add(CommOp::ALL_REDUCE, 2 * per_micro * accum, rows);
+      v.tp.add(CommOp::ALL_REDUCE, (fwd + bwd) * accum, rows);
     } else {
-      v.tp.add(CommOp::REDUCE_SCATTER, 2 * per_micro * accum, rows);
-      v.tp.add(CommOp::ALL_GATHER, 2 * per_micro * accum, rows);
+      v.tp.add(CommOp::REDUCE_SCATTER, (fwd + bwd) * accum, rows);
+      v.tp.add(CommOp::ALL_GATHER, (2 * L + (last ? 1 : 0) + 2 * L + (first ? 1 : 0)) * accum, rows);
       // Norm gradients (partial over sequence shards), once per step per group that has any.
       std::vector<int64_t> per_group(layout.groups.size(), 0);
       for (const ParamSpec& p : layout.params)
@@ -50,9 +57,25 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout) {
       for (int64_t n : per_group)
         if (n > 0) v.tp.add(CommOp::ALL_REDUCE, 1, n * 4);
     }
-    v.tp.add(CommOp::ALL_REDUCE, accum, N * 4);      // loss: row maxima
-    v.tp.add(CommOp::ALL_REDUCE, accum, 2 * N * 4);  // loss: sum of exponentials, target logits
+    if (last) {
+      v.tp.add(CommOp::ALL_REDUCE, accum, N * 4);      // loss: row maxima
+      v.tp.add(CommOp::ALL_REDUCE, accum, 2 * N * 4);  // loss: sum of exponentials, target logits
+    }
     v.tp.add(CommOp::ALL_REDUCE, 1, 4);              // gradient norm
+  }
+  if (par.pp > 1) {
+    const int64_t boundary = (par.sequence_parallel && par.tp > 1 ? N / par.tp : N) * C * act_bytes;
+    const int64_t chunks = static_cast<int64_t>(layout.stage.chunks.size());
+    // Chunk c of this rank is stage c pp + r: every chunk but the model's last sends forward, and
+    // every chunk but the model's first sends its input gradient back; receives mirror them.
+    const int64_t sends_fwd = chunks - (last ? 1 : 0), sends_bwd = chunks - (first ? 1 : 0);
+    v.pp.add(CommOp::SEND, (sends_fwd + sends_bwd) * accum, boundary);
+    v.pp.add(CommOp::RECV, (sends_fwd + sends_bwd) * accum, boundary);
+    v.pp.add(CommOp::ALL_REDUCE, 2, 4);  // the loss (from the last stage) and the gradient norm
+    if (cfg.model.tie_embeddings && (first || last)) {
+      const ParamSpec* wte = layout.find("embedding.wte");
+      if (wte) v.embedding.add(CommOp::ALL_REDUCE, 1, wte->numel * 4);
+    }
   }
   if (par.dp > 1) {
     const int64_t buckets = static_cast<int64_t>(plan_buckets(layout, par.bucket_size).size());

@@ -15,6 +15,12 @@
 //     all-gather (forward: the norms' outputs before column-parallel layers, 2L + 1; backward:
 //     the residual gradient before row-parallel layers and the embedding, 2L + 1), each with the
 //     (N, C) payload; plus, once per step, one all-reduce of the norm gradients per group.
+// With pipeline parallelism the TP counts are those of this rank's chunks (the embedding's
+// exchange on the first stage, the output layer's and the loss's on the last), and:
+//   pp: per micro-batch and chunk, a send of the (Ns, C) activation to the next stage (not from
+//     the last) and of its gradient to the previous one (not from the first), and the matching
+//     receives; per step the loss and the gradient norm (one float each).
+//   embedding (tied embeddings, first and last stage): one all-reduce of embedding.wte's gradient.
 // Per step: the DP reduction of the gradient buffer (all-reduce of each bucket, or with the
 // distributed optimizer reduce-scatter of each bucket then all-gather of the updated weights),
 // the global gradient norm (one float over tp; over dp when sharded) and the loss (one float
@@ -41,10 +47,10 @@ struct GroupVolume {
 };
 
 struct StepVolume {
-  GroupVolume tp, dp;
+  GroupVolume tp, dp, pp, embedding;
 };
 
-// `layout`: this rank's (its TP slice, with the run's group alignment).
+// `layout`: this rank's (its TP slice of its pipeline stage, with the run's group alignment).
 StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout);
 
 // The measured counterpart from a communicator's stats (difference of two snapshots).

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <deque>
 #include <map>
+#include <set>
 
 #include <fmt/format.h>
 
@@ -82,6 +83,10 @@ PipelineSchedule PipelineSchedule::build(ScheduleKind kind, int pp, int vp, int 
       }
     }
   }
+  // The fewest gradient send buffers per chunk with which the runner cannot deadlock (each
+  // micro-batch its own buffer always works: nothing is then reused within a step).
+  for (s.grad_buffers = 1; s.grad_buffers < m; ++s.grad_buffers)
+    if (check_schedule(s).empty()) break;
   return s;
 }
 
@@ -108,11 +113,11 @@ double PipelineSchedule::ideal_bubble() const {
   return static_cast<double>(pp - 1) / static_cast<double>(m * vp + pp - 1);
 }
 
-std::string check_schedule(const PipelineSchedule& s) {
+std::string check_schedule(const PipelineSchedule& s, bool forward_only) {
   const int pp = s.pp, S = s.stages();
   if (static_cast<int>(s.ranks.size()) != pp) return fmt::format("{} rank lists for pp = {}", s.ranks.size(), pp);
   // Each rank does forward and backward of every (micro-batch, chunk) exactly once, backward last.
-  for (int r = 0; r < pp; ++r) {
+  for (int r = 0; r < pp && !forward_only; ++r) {
     std::map<std::pair<int, int>, int> state;  // (m, chunk) -> 1 after forward, 2 after backward
     for (const PipeAction& a : s.ranks[static_cast<size_t>(r)]) {
       if (a.micro_batch < 0 || a.micro_batch >= s.m || a.chunk < 0 || a.chunk >= s.vp)
@@ -129,8 +134,16 @@ std::string check_schedule(const PipelineSchedule& s) {
     for (const auto& [key, st] : state)
       if (st != 2) return fmt::format("rank {}: micro-batch {} chunk {} has no backward", r, key.first, key.second);
   }
-  // Execution: channels[(from, to, kind)] hold (micro-batch, sending stage) in send order.
+  // Execution as the runner does it. channels[(from, to, kind)] hold (micro-batch, sending stage)
+  // in send order. A send is posted at once, but completes only when its receiver has run the
+  // action that receives it (the worst case: a large message, which MPI and NCCL deliver only
+  // into a posted receive), and its buffer is reused later: micro-batch m's activation leaves
+  // from slot m % slots (training; the only slot when forward-only) and its input gradient from
+  // buffer m % grad_buffers, so the forward of m + slots and the backward of m + grad_buffers
+  // wait until m's message has been received.
   std::map<std::tuple<int, int, int>, std::deque<std::pair<int, int>>> channels;
+  std::set<std::tuple<int, int, int, int>> received;  // (kind, stage, micro-batch) of received messages
+  auto was_received = [&](int kind, int stage, int m) { return m < 0 || received.count({kind, stage, m, 0}) > 0; };
   std::vector<size_t> next(static_cast<size_t>(pp), 0);
   for (bool progress = true; progress;) {
     progress = false;
@@ -139,7 +152,16 @@ std::string check_schedule(const PipelineSchedule& s) {
       size_t& i = next[static_cast<size_t>(r)];
       while (i < list.size()) {
         const PipeAction& a = list[i];
+        if (forward_only && !a.forward) {
+          ++i;
+          continue;
+        }
         const int stage = s.stage_of(r, a.chunk);
+        const bool sends = a.forward ? stage < S - 1 : stage > 0;
+        if (sends) {  // the buffer this action sends from must be free
+          const int reuse = a.forward ? (forward_only ? 1 : std::max(1, s.max_in_flight(r, a.chunk))) : s.grad_buffers;
+          if (!was_received(a.forward ? 0 : 1, stage, a.micro_batch - reuse)) break;
+        }
         const bool needs_recv = a.forward ? stage > 0 : stage < S - 1;
         if (needs_recv) {
           const int from = a.forward ? (r - 1 + pp) % pp : (r + 1) % pp;
@@ -150,9 +172,9 @@ std::string check_schedule(const PipelineSchedule& s) {
             return fmt::format("rank {} {} of micro-batch {} (stage {}) would receive micro-batch {} of stage {}", r,
                                a.forward ? "forward" : "backward", a.micro_batch, stage, q.front().first,
                                q.front().second);
+          received.insert({a.forward ? 0 : 1, want_stage, a.micro_batch, 0});
           q.pop_front();
         }
-        const bool sends = a.forward ? stage < S - 1 : stage > 0;
         if (sends) {
           const int to = a.forward ? (r + 1) % pp : (r - 1 + pp) % pp;
           channels[{r, to, a.forward ? 0 : 1}].push_back({a.micro_batch, stage});

@@ -41,6 +41,9 @@ struct PipelineSchedule {
   ScheduleKind kind = ScheduleKind::ONE_F_ONE_B;
   int pp = 1, vp = 1, m = 1;
   std::vector<std::vector<PipeAction>> ranks;  // [rank] -> actions in execution order
+  // Buffers per chunk that input gradients are sent from (micro-batch m uses m % grad_buffers):
+  // the fewest with which the execution cannot deadlock when a send completes only once received.
+  int grad_buffers = 1;
 
   // Requires: pp >= 1, m >= 1; vp == 1 unless interleaved; interleaved: vp >= 2 and m % pp == 0.
   static PipelineSchedule build(ScheduleKind kind, int pp, int vp, int m);
@@ -56,12 +59,15 @@ struct PipelineSchedule {
 };
 
 // Simulates the table the way the runner executes it: each rank runs its actions in order;
-// sends never block; a forward on stage s > 0 waits for stage s - 1's activation and a backward
+// sends are posted without blocking, but a send buffer is reused only after its message was
+// received (activations leave from slot m % max_in_flight(rank, chunk), gradients from buffer
+// m % grad_buffers); a forward on stage s > 0 waits for stage s - 1's activation and a backward
 // on stage s < S - 1 for stage s + 1's gradient, each taken from a FIFO channel per (sender,
 // receiver, kind) — the matching MPI and NCCL give one tag. Returns an empty string when every
 // action runs and every message is received by the action it was sent for, else what went wrong
 // (a deadlock, a message matched to the wrong micro-batch, an action missing or repeated, a
 // backward before its forward).
-std::string check_schedule(const PipelineSchedule& schedule);
+// forward_only: the forward actions alone, in table order (evaluation).
+std::string check_schedule(const PipelineSchedule& schedule, bool forward_only = false);
 
 }  // namespace tetra

@@ -43,6 +43,8 @@ std::string MetricsWriter::format_line(const StepMetrics& m) {
       m.step, std::to_string(m.total_steps).size(), m.total_steps, m.loss, m.lr, m.grad_norm,
       m.clip < 1.0 ? " (clipped)" : "", m.ms, m.tokens_per_s, 100.0 * m.mfu, format_duration(m.eta_s));
   if (m.val_loss) line += fmt::format(" | val loss {:.4f}", *m.val_loss);
+  if (m.pipeline)
+    line += fmt::format(" | bubble {:.0f}% (ideal {:.0f}%)", 100.0 * m.pipeline->bubble, 100.0 * m.pipeline->ideal_bubble);
   for (const CommRecord& c : m.comm)
     line += fmt::format(" | {} {:.2f} MB, {:.1f} ms{}", c.group, c.sent_bytes / 1e6, c.blocked_ms,
                         c.measured == c.predicted ? "" : " (UNEXPECTED VOLUME)");
@@ -63,6 +65,12 @@ void MetricsWriter::write(const StepMetrics& m) {
   j["consumed_samples"] = m.consumed_samples;
   if (m.val_loss) j["val_loss"] = *m.val_loss;
   if (m.sample) j["sample"] = *m.sample;
+  if (m.pipeline)
+    j["pipeline"] = {{"schedule", m.pipeline->schedule},
+                     {"bubble", m.pipeline->bubble},
+                     {"ideal_bubble", m.pipeline->ideal_bubble},
+                     {"bubble_per_rank", m.pipeline->bubble_per_rank},
+                     {"peak_in_flight", m.pipeline->peak_in_flight}};
   if (!m.comm.empty()) {
     auto volume = [](const GroupVolume& v) {
       nlohmann::ordered_json o;

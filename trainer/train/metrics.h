@@ -23,6 +23,17 @@ struct CommRecord {
   double blocked_ms = 0.0;  // time the step waited for this group (communication not hidden)
 };
 
+// Pipeline parallelism, per step: each pipeline rank's idle fraction of the schedule's time
+// (1 - compute / total) beside the analytic bubble, and the most micro-batches it held between
+// forward and backward.
+struct PipelineMetrics {
+  std::string schedule;
+  double bubble = 0.0;        // mean over the pipeline ranks
+  double ideal_bubble = 0.0;  // (pp - 1) / (m v + pp - 1)
+  std::vector<double> bubble_per_rank;
+  std::vector<int> peak_in_flight;  // per pipeline rank
+};
+
 struct StepMetrics {
   int64_t step = 0;            // 1-based, the step just completed
   int64_t total_steps = 0;
@@ -37,6 +48,7 @@ struct StepMetrics {
   int64_t consumed_samples = 0;
   std::optional<double> val_loss;
   std::vector<CommRecord> comm;  // groups of size > 1 (global rank 0's view)
+  std::optional<PipelineMetrics> pipeline;  // pp > 1
   std::optional<std::string> sample;  // text sampled at an evaluation
 };
 

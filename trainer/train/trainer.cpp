@@ -1,5 +1,7 @@
 #include "trainer/train/trainer.h"
 
+#include "trainer/train/pipeline_model.h"
+
 #include <omp.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -58,16 +60,16 @@ bool samples_enabled(const Config& cfg) {
   return !cfg.sample.prompt.empty() && !cfg.data.tokenizer.empty() && cfg.training.eval_steps > 0;
 }
 
-ParamLayout rank_layout(const Config& cfg, int64_t tp_rank) {
+ParamLayout rank_layout(const Config& cfg, int64_t tp_rank, int64_t pp_rank) {
   TensorSlicing slicing;
   slicing.tp = cfg.parallel.tp;
   slicing.tp_rank = tp_rank;
   slicing.sequence_parallel = cfg.parallel.sequence_parallel;
   slicing.group_align = cfg.parallel.distributed_optimizer ? 16 * cfg.parallel.dp : 16;
-  return ParamLayout::build(cfg.model, slicing);
+  return ParamLayout::build(cfg.model, slicing, stage_slice(cfg, pp_rank));
 }
 
-MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout) {
+MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_rank) {
   const DType act = activation_type(cfg);
   const int64_t B = cfg.training.micro_batch_size, T = cfg.model.seq_len;
   const size_t n = static_cast<size_t>(layout.total);
@@ -79,8 +81,8 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout) {
   m.compute = act == DType::F32 ? 0 : n * dtype_size(act);
   m.grads = n * 4;
   m.optimizer = shard * 8;
-  m.activations = Gpt::activation_bytes_for(cfg.model, act, B, cfg.parallel.tp, cfg.parallel.sequence_parallel);
-  m.batch = static_cast<size_t>(B * T) * 8 + static_cast<size_t>(cfg.grad_accum_steps() * B * T) * 4;
+  m.activations = PipelineModel::activation_bytes_for(cfg, pp_rank);
+  m.batch = static_cast<size_t>(cfg.grad_accum_steps() * B * T) * 12;  // tokens, targets, losses
   if (samples_enabled(cfg))  // the sampling model's arena and its (T) ids and two logit rows
     m.sampling = Gpt::activation_bytes_for(cfg.model, act, 1, cfg.parallel.tp) +
                  static_cast<size_t>(T) * 4 + static_cast<size_t>(cfg.model.vocab_size) * 8;
@@ -92,7 +94,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
       groups_(groups),
       writer_(groups.rank == 0),
       dump_dir_(std::move(dump_dir)),
-      layout_(rank_layout(cfg, groups.coord.tp)) {
+      layout_(rank_layout(cfg, groups.coord.tp, groups.coord.pp)) {
   act_ = activation_type(cfg);
   accum_ = cfg.grad_accum_steps();
   const int64_t B = cfg.training.micro_batch_size, T = cfg.model.seq_len;
@@ -101,7 +103,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
 
   // Linux overcommits: an allocation larger than the machine succeeds and the process is killed
   // later. Refuse such a run now, with the numbers (all ranks of a node share its memory).
-  const MemoryPlan plan = plan_memory(cfg, layout_);
+  const MemoryPlan plan = plan_memory(cfg, layout_, groups.coord.pp);
   const double physical = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
   const double ranks_here = static_cast<double>(std::min<int64_t>(groups.grid.world(), local_ranks()));
   if (physical > 0 && static_cast<double>(plan.total()) * ranks_here > 0.95 * physical)
@@ -151,18 +153,19 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     if (writer_) std::filesystem::create_directories(dump_dir_);
     dump_tensors(dump_dir_ + "/params_init.safetensors", master_);
   }
-  tokens_ = static_cast<int32_t*>(be_->alloc(static_cast<size_t>(rows_) * 4));
-  targets_ = static_cast<int32_t*>(be_->alloc(static_cast<size_t>(rows_) * 4));
+  tokens_ = static_cast<int32_t*>(be_->alloc(static_cast<size_t>(accum_ * rows_) * 4));
+  targets_ = static_cast<int32_t*>(be_->alloc(static_cast<size_t>(accum_ * rows_) * 4));
   losses_ = static_cast<float*>(be_->alloc(static_cast<size_t>(accum_ * rows_) * 4));
   scalar_ = static_cast<float*>(be_->alloc(64));
+  pipe_scratch_ = static_cast<float*>(be_->alloc(static_cast<size_t>(2 * cfg.parallel.pp + 2) * 4));
   host_batch_.resize(static_cast<size_t>(B * (T + 1)));
   host_inputs_.resize(static_cast<size_t>(rows_));
   host_targets_.resize(static_cast<size_t>(rows_));
 
-  model_ = std::make_unique<Gpt>(cfg.model, layout_, *be_, act_, B, groups.tp.get());
+  model_ = std::make_unique<PipelineModel>(cfg, layout_, *be_, act_, groups, accum_, tokens_, targets_, losses_);
   grad_buffer_ = std::make_unique<GradBuffer>(layout_, *be_, grads_, groups.dp.get(), groups.tp.get(),
                                               cfg.parallel.distributed_optimizer, cfg.parallel.bucket_size);
-  grad_norm_ = std::make_unique<GradNorm>(layout_, grad_buffer_->owned(), *be_, groups.tp.get(),
+  grad_norm_ = std::make_unique<GradNorm>(layout_, grad_buffer_->owned(), *be_, groups.tp.get(), groups.pp.get(),
                                           shard_optimizer ? groups.dp.get() : nullptr);
   // bf16 with the distributed optimizer: the fp32 master weights live sharded in the optimizer.
   const bool optimizer_owns_master = shard_optimizer && act_ != DType::F32;
@@ -254,7 +257,8 @@ Trainer::~Trainer() {
   model_.reset();
   if (be_) {
     for (void* p : {static_cast<void*>(master_), static_cast<void*>(grads_), static_cast<void*>(tokens_),
-                    static_cast<void*>(targets_), static_cast<void*>(losses_), static_cast<void*>(scalar_)})
+                    static_cast<void*>(targets_), static_cast<void*>(losses_), static_cast<void*>(scalar_),
+                    static_cast<void*>(pipe_scratch_)})
       if (p) be_->free(p);
     if (compute_ && compute_ != master_) be_->free(compute_);
   }
@@ -305,10 +309,11 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer) {
   Communicator& tp = *groups_.tp;
   const int p = tp.size();
   std::vector<ParamLayout> layouts;  // every TP rank's layout: where its slices sit
-  for (int r = 0; r < p; ++r) layouts.push_back(r == tp.rank() ? layout_ : rank_layout(cfg_, r));
+  for (int r = 0; r < p; ++r) layouts.push_back(r == tp.rank() ? layout_ : rank_layout(cfg_, r, groups_.coord.pp));
   std::vector<TensorRecord> records;
   for (size_t i = 0; i < layout_.params.size(); ++i) {
     const ParamSpec& spec = layout_.params[i];
+    if (spec.stage_copy) continue;  // the first stage's original is written
     int64_t global = 1;
     for (int64_t d : spec.global_shape) global *= d;
     std::vector<float> slices(static_cast<size_t>(spec.numel) * (spec.tp_split ? p : 1));
@@ -316,7 +321,7 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer) {
       tp.all_gather(slices.data(), host.data() + spec.offset, spec.numel, DType::F32);
     else
       std::memcpy(slices.data(), host.data() + spec.offset, static_cast<size_t>(spec.numel) * 4);
-    if (!writer_) continue;
+    if (tp.rank() != 0) continue;
     TensorRecord r;
     r.name = spec.name;
     r.dtype = DType::F32;
@@ -329,6 +334,28 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer) {
       for (int64_t e = 0; e < qs.numel; ++e) out[qs.global_index(e)] = src[e];
     }
     records.push_back(std::move(r));
+  }
+  // Pipeline: TP rank 0 of every later stage sends its stage's tensors to the first stage.
+  Communicator& pp = *groups_.pp;
+  if (pp.size() > 1 && tp.rank() == 0) {
+    if (pp.rank() > 0) {
+      for (const TensorRecord& r : records)
+        pp.send(r.data.data(), static_cast<int64_t>(r.data.size() / 4), DType::F32, 0);
+    } else {
+      for (int s = 1; s < pp.size(); ++s)
+        for (const ParamSpec& spec : rank_layout(cfg_, 0, s).params) {
+          if (spec.stage_copy) continue;
+          TensorRecord r;
+          r.name = spec.name;
+          r.dtype = DType::F32;
+          r.shape = spec.global_shape;
+          int64_t global = 1;
+          for (int64_t d : spec.global_shape) global *= d;
+          r.data.resize(static_cast<size_t>(global) * 4);
+          pp.recv(r.data.data(), global, DType::F32, s);
+          records.push_back(std::move(r));
+        }
+    }
   }
   if (writer_) write_safetensors(file, records);
 }
@@ -365,7 +392,7 @@ std::string Trainer::sample() {
   return generate_text(*sampler_, compute_, *tokenizer_, cfg_.sample.prompt, cfg_.sample);
 }
 
-void Trainer::load_micro_batch(DataLoader& loader) {
+void Trainer::load_micro_batch(DataLoader& loader, int64_t j) {
   const int64_t T = cfg_.model.seq_len, B = cfg_.training.micro_batch_size;
   loader.next(host_batch_.data());
   // A sample is T+1 tokens: the model reads the first T and predicts the last T.
@@ -374,8 +401,8 @@ void Trainer::load_micro_batch(DataLoader& loader) {
     std::memcpy(host_inputs_.data() + b * T, row, static_cast<size_t>(T) * 4);
     std::memcpy(host_targets_.data() + b * T, row + 1, static_cast<size_t>(T) * 4);
   }
-  be_->copy_from_host(tokens_, host_inputs_.data(), static_cast<size_t>(rows_) * 4);
-  be_->copy_from_host(targets_, host_targets_.data(), static_cast<size_t>(rows_) * 4);
+  be_->copy_from_host(tokens_ + j * rows_, host_inputs_.data(), static_cast<size_t>(rows_) * 4);
+  be_->copy_from_host(targets_ + j * rows_, host_targets_.data(), static_cast<size_t>(rows_) * 4);
 }
 
 double Trainer::train_step(int64_t s) {
@@ -385,19 +412,28 @@ double Trainer::train_step(int64_t s) {
   const int64_t tokens = rows_ * accum_ * cfg_.parallel.dp;
   const float dloss_scale = 1.0f / static_cast<float>(tokens);
   for (int64_t j = 0; j < accum_; ++j) {
-    load_micro_batch(*train_loader_);
+    load_micro_batch(*train_loader_, j);
     if (!dump_dir_.empty() && s < kMaxDumpedSteps && cfg_.parallel.dp == 1)
       dumped_batches_.insert(dumped_batches_.end(), host_batch_.begin(), host_batch_.end());
-    model_->forward(compute_, tokens_, targets_, losses_ + j * rows_, dloss_scale);
-    // The last micro-batch finalises the gradients: their reduction overlaps its backward.
-    model_->backward(compute_, grads_, tokens_, j + 1 == accum_ ? &group_done_ : nullptr);
   }
+  // Forwards and backwards in the schedule's order; each chunk's last backward finalises its
+  // gradients, and their reduction overlaps the backward of earlier layers.
+  pipe_stats_ = model_->train(compute_, grads_, dloss_scale, group_done_);
   grad_buffer_->finish();
-  be_->sum(scalar_, losses_, accum_ * rows_);
+  float local = 0.0f;
+  if (model_->has_loss()) {
+    be_->sum(scalar_, losses_, accum_ * rows_);
+    be_->copy_to_host(&local, scalar_, sizeof(float));
+  }
+  return reduce_loss(local) / static_cast<double>(tokens);
+}
+
+double Trainer::reduce_loss(float local) {
+  be_->copy_from_host(scalar_, &local, sizeof(float));
+  if (groups_.pp->size() > 1) groups_.pp->all_reduce(scalar_, 1, DType::F32, ReduceOp::SUM);
   groups_.dp->all_reduce(scalar_, 1, DType::F32, ReduceOp::SUM);
-  float loss_sum = 0.0f;
-  be_->copy_to_host(&loss_sum, scalar_, sizeof(float));
-  return static_cast<double>(loss_sum) / static_cast<double>(tokens);
+  be_->copy_to_host(&local, scalar_, sizeof(float));
+  return static_cast<double>(local);
 }
 
 double Trainer::evaluate() {
@@ -407,42 +443,76 @@ double Trainer::evaluate() {
                     cfg_.parallel.dp);
   const int64_t micro_batches = cfg_.training.eval_steps * accum_;
   double total = 0.0;
-  for (int64_t j = 0; j < micro_batches; ++j) {
-    load_micro_batch(loader);
-    model_->forward(compute_, tokens_, targets_, losses_, /*dloss_scale=*/0.0f);
-    be_->sum(scalar_, losses_, rows_);
+  for (int64_t step = 0; step < cfg_.training.eval_steps; ++step) {  // a step's micro-batches at a time
+    for (int64_t j = 0; j < accum_; ++j) load_micro_batch(loader, j);
+    model_->forward(compute_);
+    if (!model_->has_loss()) continue;
+    be_->sum(scalar_, losses_, accum_ * rows_);
     float sum = 0.0f;
     be_->copy_to_host(&sum, scalar_, sizeof(float));
     total += sum;
   }
-  float local = static_cast<float>(total);
-  be_->copy_from_host(scalar_, &local, sizeof(float));
-  groups_.dp->all_reduce(scalar_, 1, DType::F32, ReduceOp::SUM);
-  be_->copy_to_host(&local, scalar_, sizeof(float));
-  return static_cast<double>(local) / static_cast<double>(rows_ * micro_batches * cfg_.parallel.dp);
+  return reduce_loss(static_cast<float>(total)) / static_cast<double>(rows_ * micro_batches * cfg_.parallel.dp);
 }
 
-std::vector<CommRecord> Trainer::comm_records(const CommStats& tp_before, const CommStats& dp_before) const {
-  struct Group {
-    const char* name;
-    const Communicator* comm;
-    const CommStats* before;
-    const GroupVolume* predicted;
-  };
-  const Group groups[] = {{"tp", groups_.tp.get(), &tp_before, &predicted_.tp},
-                          {"dp", groups_.dp.get(), &dp_before, &predicted_.dp}};
+namespace {
+
+struct AccountedGroup {
+  const char* name;
+  Communicator* comm;
+  const GroupVolume* predicted;
+};
+
+std::vector<AccountedGroup> accounted_groups(const ProcessGroups& g, const StepVolume& predicted) {
+  return {{"tp", g.tp.get(), &predicted.tp},
+          {"dp", g.dp.get(), &predicted.dp},
+          {"pp", g.pp.get(), &predicted.pp},
+          {"embedding", g.embedding.get(), &predicted.embedding}};
+}
+
+}  // namespace
+
+std::vector<CommStats> Trainer::comm_snapshot() const {
+  std::vector<CommStats> out;
+  for (const AccountedGroup& g : accounted_groups(groups_, predicted_)) out.push_back(g.comm->stats());
+  return out;
+}
+
+std::vector<CommRecord> Trainer::comm_records(const std::vector<CommStats>& before) const {
   std::vector<CommRecord> out;
-  for (const Group& g : groups) {
+  const std::vector<AccountedGroup> groups = accounted_groups(groups_, predicted_);
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const AccountedGroup& g = groups[i];
     if (g.comm->size() <= 1) continue;
     CommRecord r;
     r.group = g.name;
-    r.measured = measured_volume(g.comm->stats(), *g.before);
+    r.measured = measured_volume(g.comm->stats(), before[i]);
     r.predicted = *g.predicted;
-    r.sent_bytes = g.comm->stats().total_sent() - g.before->total_sent();
-    r.blocked_ms = 1e3 * (g.comm->stats().total_blocked_s() - g.before->total_blocked_s());
+    r.sent_bytes = g.comm->stats().total_sent() - before[i].total_sent();
+    r.blocked_ms = 1e3 * (g.comm->stats().total_blocked_s() - before[i].total_blocked_s());
     out.push_back(std::move(r));
   }
   return out;
+}
+
+PipelineMetrics Trainer::pipeline_metrics() {
+  Communicator& pp = *groups_.pp;
+  const int n = pp.size();
+  float mine[2] = {static_cast<float>(pipe_stats_.bubble()), static_cast<float>(pipe_stats_.peak_in_flight)};
+  float* dev = pipe_scratch_;
+  be_->copy_from_host(dev, mine, sizeof(mine));
+  pp.all_gather(dev + 2, dev, 2, DType::F32);
+  std::vector<float> all(static_cast<size_t>(2 * n));
+  be_->copy_to_host(all.data(), dev + 2, all.size() * 4);
+  PipelineMetrics p;
+  p.schedule = cfg_.parallel.schedule;
+  p.ideal_bubble = model_->schedule().ideal_bubble();
+  for (int r = 0; r < n; ++r) {
+    p.bubble_per_rank.push_back(all[static_cast<size_t>(2 * r)]);
+    p.peak_in_flight.push_back(static_cast<int>(all[static_cast<size_t>(2 * r + 1)]));
+    p.bubble += all[static_cast<size_t>(2 * r)] / n;
+  }
+  return p;
 }
 
 void Trainer::run() {
@@ -456,7 +526,7 @@ void Trainer::run() {
   install_stop_signals();
   for (int64_t s = start_step_; s < tc.steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
-    const CommStats tp_before = groups_.tp->stats(), dp_before = groups_.dp->stats();
+    const std::vector<CommStats> comm_before = comm_snapshot();
     const double loss = train_step(s);
     if (!std::isfinite(loss))
       throw Error(fmt::format("step {}: the training loss is {}; lower optimizer.lr{}", s + 1, loss,
@@ -468,7 +538,7 @@ void Trainer::run() {
                               s + 1, norm, loss));
     if (!dump_dir_.empty() && s == 0) {
       // Debugging output, not part of the step: its communication is not accounted.
-      const CommStats tp_saved = groups_.tp->stats(), dp_saved = groups_.dp->stats();
+      const std::vector<CommStats> saved = comm_snapshot();
       if (shard_optimizer) {  // each DP rank holds its shards of the reduced gradient: gather them
         float* whole = static_cast<float*>(be_->alloc(static_cast<size_t>(layout_.total) * 4));
         be_->copy(whole, grads_, static_cast<size_t>(layout_.total) * 4);
@@ -478,8 +548,8 @@ void Trainer::run() {
       } else {
         dump_tensors(dump_dir_ + "/grads_step0.safetensors", grads_);
       }
-      groups_.tp->stats() = tp_saved;
-      groups_.dp->stats() = dp_saved;
+      const std::vector<AccountedGroup> accounted = accounted_groups(groups_, predicted_);
+      for (size_t i = 0; i < accounted.size(); ++i) accounted[i].comm->stats() = saved[i];
     }
     const double lr = learning_rate(cfg_.optimizer, tc.steps, s);
     const float clip = clip_factor(norm, cfg_.optimizer.grad_clip);
@@ -506,7 +576,8 @@ void Trainer::run() {
     m.mfu = stats.train_flops_per_token * m.tokens_per_s / peak_flops_;
     m.eta_s = (s > start_step_ ? avg_step_s : step_s) * static_cast<double>(tc.steps - s - 1);
     m.consumed_samples = train_loader_->consumed_samples();
-    m.comm = comm_records(tp_before, dp_before);
+    m.comm = comm_records(comm_before);
+    if (groups_.pp->size() > 1) m.pipeline = pipeline_metrics();
     for (const CommRecord& c : m.comm)
       if (!(c.measured == c.predicted))
         spdlog::warn("step {}: group {} moved {} but the layout predicts {}", s + 1, c.group,

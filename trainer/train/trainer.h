@@ -21,6 +21,7 @@
 #include "trainer/model/param_layout.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/optim/grad_buffer.h"
+#include "trainer/parallel/pipeline_runner.h"
 #include "trainer/train/metrics.h"
 
 namespace tetra {
@@ -31,6 +32,7 @@ class Tokenizer;
 struct ProcessGroups;
 class DataLoader;
 class MetricsWriter;
+class PipelineModel;
 
 struct MemoryPlan {
   size_t master = 0, compute = 0, grads = 0, optimizer = 0, activations = 0, batch = 0;
@@ -41,13 +43,13 @@ struct MemoryPlan {
 // Text samples at evaluations: sample.prompt and data.tokenizer set, and training.eval_steps > 0.
 bool samples_enabled(const Config& cfg);
 
-// The layout of this rank's parameter buffer: its TP slice, groups aligned for the distributed
-// optimizer's shards.
-ParamLayout rank_layout(const Config& cfg, int64_t tp_rank);
+// The layout of this rank's parameter buffer: its TP slice of its pipeline stage, groups aligned
+// for the distributed optimizer's shards.
+ParamLayout rank_layout(const Config& cfg, int64_t tp_rank, int64_t pp_rank = 0);
 
 // What one rank will take, computed from the config alone (for --dry-run and the start-up log).
-// `layout`: rank_layout(cfg, ...).
-MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout);
+// `layout`: rank_layout(cfg, ..., pp_rank).
+MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_rank = 0);
 
 class Trainer {
  public:
@@ -72,14 +74,20 @@ class Trainer {
   void install_stop_signals();
   bool stop_requested();  // collective: true on every rank when any rank got SIGTERM / SIGUSR1
   double train_step(int64_t s);
-  // Next micro-batch of `loader` into tokens_ / targets_ (and host_batch_).
-  void load_micro_batch(DataLoader& loader);
+  // Next micro-batch of `loader` into micro-batch slot `j` of tokens_ / targets_ (and host_batch_).
+  void load_micro_batch(DataLoader& loader, int64_t j);
   // Writes `buffer` (this rank's fp32 parameter-sized buffer, whole on every DP rank) as global
   // tensors: the TP slices are gathered to the writing rank (TP rank 0 of DP rank 0).
   void dump_tensors(const std::string& file, const float* buffer);
   // The final weights (fp32) as global tensors to final_weights_path() (every rank calls it).
   void save_final_weights();
-  std::vector<CommRecord> comm_records(const CommStats& tp_before, const CommStats& dp_before) const;
+  // Snapshots of every group's communication counters (tp, dp, pp, embedding).
+  std::vector<CommStats> comm_snapshot() const;
+  std::vector<CommRecord> comm_records(const std::vector<CommStats>& before) const;
+  // Sum over the pipeline (the last stage holds it) and data-parallel groups of `local`.
+  double reduce_loss(float local);
+  // The last step's pipeline figures of every pipeline rank (collective over the pipeline group).
+  PipelineMetrics pipeline_metrics();
 
   const Config& cfg_;
   ProcessGroups& groups_;
@@ -94,15 +102,17 @@ class Trainer {
   float* master_ = nullptr;   // fp32 master weights (whole; null when the optimizer shards them)
   void* compute_ = nullptr;   // weights the model reads (== master_ in fp32)
   float* grads_ = nullptr;    // fp32 gradients
-  int32_t* tokens_ = nullptr; // (B, T) inputs, backend memory
+  int32_t* tokens_ = nullptr; // (accum, B*T) inputs of the step's micro-batches, backend memory
   int32_t* targets_ = nullptr;
-  float* losses_ = nullptr;   // (accum, B*T) per-token losses of one step
+  float* losses_ = nullptr;   // (accum, B*T) per-token losses of one step (last pipeline stage)
+  PipelineStepStats pipe_stats_;  // of the last training step
   float* scalar_ = nullptr;   // one float of backend scratch
+  float* pipe_scratch_ = nullptr;  // (2 pp + 2) floats: pipeline figures gathered over the group
   std::vector<int32_t> host_batch_;           // (B, T+1)
   std::vector<int32_t> host_inputs_, host_targets_;
   std::vector<int32_t> dumped_batches_;       // samples of the steps dumped so far
 
-  std::unique_ptr<Gpt> model_;
+  std::unique_ptr<PipelineModel> model_;  // this rank's model chunks and pipeline schedule
   std::unique_ptr<GradBuffer> grad_buffer_;
   std::unique_ptr<GradNorm> grad_norm_;
   std::unique_ptr<AdamW> optimizer_;

@@ -1,0 +1,156 @@
+#include "trainer/train/pipeline_model.h"
+
+#include "trainer/core/check.h"
+#include "trainer/dist/communicator.h"
+#include "trainer/dist/process_groups.h"
+
+namespace tetra {
+
+StageSlice stage_slice(const Config& cfg, int64_t pp_rank) {
+  const int64_t pp = cfg.parallel.pp, vp = cfg.parallel.virtual_stages;
+  const std::vector<int64_t> layers = cfg.pipeline_stage_layers();
+  TETRA_CHECK(static_cast<int64_t>(layers.size()) == pp * vp, "{} stage layer counts for {} stages", layers.size(),
+              pp * vp);
+  std::vector<int64_t> start(layers.size() + 1, 0);
+  for (size_t s = 0; s < layers.size(); ++s) start[s + 1] = start[s] + layers[s];
+  TETRA_CHECK(start.back() == cfg.model.num_layers, "stages hold {} layers, the model has {}", start.back(),
+              cfg.model.num_layers);
+  StageSlice slice;
+  for (int64_t c = 0; c < vp; ++c) {
+    const size_t s = static_cast<size_t>(c * pp + pp_rank);
+    slice.chunks.emplace_back(start[s], start[s + 1]);
+  }
+  slice.first = pp_rank == 0;
+  slice.last = pp_rank == pp - 1;
+  return slice;
+}
+
+PipelineSchedule make_schedule(const Config& cfg, int64_t micro_batches) {
+  return PipelineSchedule::build(schedule_kind(cfg.parallel.schedule), static_cast<int>(cfg.parallel.pp),
+                                 static_cast<int>(cfg.parallel.virtual_stages), static_cast<int>(micro_batches));
+}
+
+// One model chunk as the runner sees it.
+class PipelineModel::Chunk final : public PipelineChunk {
+ public:
+  Chunk(PipelineModel& owner, std::unique_ptr<Gpt> model, int64_t slots, int64_t rows, const int32_t* tokens,
+        const int32_t* targets, float* losses, Backend& be, int64_t grad_buffers)
+      : owner_(owner), model_(std::move(model)), be_(be), slots_(slots), rows_(rows), tokens_(tokens),
+        targets_(targets), losses_(losses) {
+    if (!model_->dims().first) {  // input gradients for the previous stage
+      const size_t bytes = static_cast<size_t>(model_->boundary_numel()) * dtype_size(model_->act());
+      for (int64_t i = 0; i < grad_buffers; ++i) grad_buffers_.push_back(be_.alloc(bytes));
+    }
+  }
+  ~Chunk() override {
+    for (void* p : grad_buffers_) be_.free(p);
+  }
+
+  void forward(int64_t slot, int m) override {
+    model_->forward(owner_.weights_, slot, tokens_ + m * rows_, targets_ + m * rows_, losses_ + m * rows_,
+                    owner_.dloss_scale_);
+  }
+  void backward(int64_t slot, int m, bool last, int64_t grad_buffer) override {
+    model_->backward(owner_.weights_, owner_.grads_, slot, tokens_ + m * rows_, last ? &owner_.hook_ : nullptr,
+                     grad_buffers_.empty() ? nullptr : grad_buffers_.at(static_cast<size_t>(grad_buffer)));
+  }
+  void* input(int64_t slot) override { return model_->input(slot); }
+  const void* output(int64_t slot) override { return model_->output(slot); }
+  void* output_grad() override { return model_->output_grad(); }
+  const void* input_grad(int64_t grad_buffer) override { return grad_buffers_.at(static_cast<size_t>(grad_buffer)); }
+  int64_t slots() const override { return slots_; }
+  Gpt& model() { return *model_; }
+
+ private:
+  PipelineModel& owner_;
+  std::unique_ptr<Gpt> model_;
+  Backend& be_;
+  std::vector<void*> grad_buffers_;  // schedule.grad_buffers of (Ns, C), non-first stages
+  int64_t slots_, rows_;
+  const int32_t* tokens_;
+  const int32_t* targets_;
+  float* losses_;
+};
+
+PipelineModel::PipelineModel(const Config& cfg, const ParamLayout& layout, Backend& be, DType act,
+                             ProcessGroups& groups, int64_t micro_batches, const int32_t* tokens,
+                             const int32_t* targets, float* losses)
+    : cfg_(cfg), layout_(layout), be_(be), groups_(groups), schedule_(make_schedule(cfg, micro_batches)) {
+  const int pp_rank = groups.coord.pp;
+  TETRA_CHECK(groups.pp->size() == schedule_.pp, "pipeline group of {} ranks, parallel.pp {}", groups.pp->size(),
+              schedule_.pp);
+  const int64_t rows = cfg.training.micro_batch_size * cfg.model.seq_len;
+  for (int c = 0; c < schedule_.vp; ++c) {
+    const int64_t slots = std::max(1, schedule_.max_in_flight(pp_rank, c));
+    auto model = std::make_unique<Gpt>(cfg.model, layout, be, act, cfg.training.micro_batch_size, groups.tp.get(), c,
+                                       slots);
+    chunks_.push_back(std::make_unique<Chunk>(*this, std::move(model), slots, rows, tokens, targets, losses, be,
+                                              schedule_.grad_buffers));
+  }
+  runner_ = std::make_unique<PipelineRunner>(schedule_, *groups.pp, chunks_.front()->model().boundary_numel(), act);
+  last_ = layout.stage.last;
+  tied_across_stages_ = cfg.model.tie_embeddings && cfg.parallel.pp > 1;
+  if (tied_across_stages_ && (layout.stage.first || layout.stage.last)) {
+    for (const ParamSpec& p : layout.params)
+      if (p.name == "embedding.wte") wte_numel_ = p.numel;
+    TETRA_CHECK(wte_numel_ > 0, "pipeline rank {} holds no embedding.wte for the tied output layer", pp_rank);
+  }
+}
+
+PipelineModel::~PipelineModel() = default;
+
+size_t PipelineModel::activation_bytes() const {
+  size_t n = 0;
+  for (const auto& c : chunks_) n += c->model().activation_bytes();
+  return n;
+}
+
+size_t PipelineModel::activation_bytes_for(const Config& cfg, int64_t pp_rank) {
+  const PipelineSchedule s = make_schedule(cfg, cfg.grad_accum_steps());
+  const ParamLayout layout = ParamLayout::build(cfg.model, {}, stage_slice(cfg, pp_rank));
+  size_t n = 0;
+  for (int c = 0; c < s.vp; ++c) {
+    ChunkShape shape = ChunkShape::of(layout, c, std::max(1, s.max_in_flight(static_cast<int>(pp_rank), c)));
+    n += Gpt::activation_bytes_for(cfg.model, cfg.training.precision == "bf16" ? DType::BF16 : DType::F32,
+                                   cfg.training.micro_batch_size, cfg.parallel.tp, cfg.parallel.sequence_parallel,
+                                   shape);
+  }
+  return n;
+}
+
+PipelineStepStats PipelineModel::run(bool forward_only) {
+  std::vector<PipelineChunk*> chunks;
+  for (const auto& c : chunks_) chunks.push_back(c.get());
+  return runner_->run(chunks, forward_only);
+}
+
+PipelineStepStats PipelineModel::train(const void* weights, float* grads, float dloss_scale,
+                                       const GroupDoneHook& done) {
+  weights_ = weights;
+  grads_ = grads;
+  dloss_scale_ = dloss_scale;
+  deferred_.clear();
+  hook_ = [&](int group) {
+    if (tied_across_stages_ && (group == layout_.embedding_group || group == layout_.head_group))
+      deferred_.push_back(group);
+    else
+      done(group);
+  };
+  PipelineStepStats st = run(false);
+  if (wte_numel_ > 0) {
+    // Sum of the first stage's and the last stage's embedding.wte gradients, on both.
+    groups_.embedding->all_reduce(grads + layout_.wte, wte_numel_, DType::F32, ReduceOp::SUM);
+  }
+  for (int g : deferred_) done(g);
+  hook_ = nullptr;
+  return st;
+}
+
+PipelineStepStats PipelineModel::forward(const void* weights) {
+  weights_ = weights;
+  grads_ = nullptr;
+  dloss_scale_ = 0.0f;
+  return run(true);
+}
+
+}  // namespace tetra

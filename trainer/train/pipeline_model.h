@@ -1,0 +1,79 @@
+// The model as a pipeline rank runs it: its model chunks (one Gpt per chunk, each with the
+// activation slots the schedule needs), the schedule table and its runner, and the glue that
+// turns the runner's callbacks into forward / backward of micro-batch m.
+//
+// With one pipeline rank this is the plain loop (forward and backward of each micro-batch in
+// turn), so every layout runs through the same code.
+//
+// Tied embeddings across stages: the first stage's embedding.wte and the last stage's copy get
+// gradients from their own uses; before the data-parallel reduction of their groups both are
+// replaced by the sum over the embedding group (first + last stage). The two groups' "done"
+// reports are held back until then; every other group is reported as backward finishes it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "trainer/config/config.h"
+#include "trainer/model/gpt.h"
+#include "trainer/model/param_layout.h"
+#include "trainer/parallel/pipeline_runner.h"
+#include "trainer/parallel/pipeline_schedule.h"
+
+namespace tetra {
+
+struct ProcessGroups;
+
+// The layout of this rank's stage: its chunks' layers (Config::pipeline_stage_layers), the
+// embedding on pipeline rank 0, the head on the last.
+StageSlice stage_slice(const Config& cfg, int64_t pp_rank);
+
+// The schedule a config asks for, with `micro_batches` per step.
+PipelineSchedule make_schedule(const Config& cfg, int64_t micro_batches);
+
+class PipelineModel {
+ public:
+  // tokens / targets: (micro_batches, B*T) int32, losses (micro_batches, B*T) fp32, in backend
+  // memory, owned by the caller (the trainer loads the step's micro-batches into them).
+  PipelineModel(const Config& cfg, const ParamLayout& layout, Backend& be, DType act, ProcessGroups& groups,
+                int64_t micro_batches, const int32_t* tokens, const int32_t* targets, float* losses);
+  ~PipelineModel();
+
+  // One training step's forwards and backwards; gradients accumulate into `grads`, and `done` is
+  // told about each parameter group once its gradient is final (and summed over the embedding
+  // group for tied embeddings). Losses land in losses() on the last stage.
+  PipelineStepStats train(const void* weights, float* grads, float dloss_scale, const GroupDoneHook& done);
+  // Forwards only (evaluation): losses of every micro-batch on the last stage.
+  PipelineStepStats forward(const void* weights);
+
+  bool has_loss() const { return last_; }  // this rank holds the loss
+  const PipelineSchedule& schedule() const { return schedule_; }
+  size_t activation_bytes() const;
+  // Activation memory of pipeline rank `pp_rank`'s chunks under `cfg`'s schedule.
+  static size_t activation_bytes_for(const Config& cfg, int64_t pp_rank);
+
+ private:
+  class Chunk;
+  PipelineStepStats run(bool forward_only);
+
+  const Config& cfg_;
+  const ParamLayout& layout_;
+  Backend& be_;
+  ProcessGroups& groups_;
+  PipelineSchedule schedule_;
+  std::unique_ptr<PipelineRunner> runner_;
+  std::vector<std::unique_ptr<Chunk>> chunks_;
+  bool last_;
+  bool tied_across_stages_;  // tied embeddings with pp > 1
+  int64_t wte_numel_ = 0;
+  // This step's arguments, read by the chunks' callbacks.
+  const void* weights_ = nullptr;
+  float* grads_ = nullptr;
+  float dloss_scale_ = 0.0f;
+  GroupDoneHook hook_;
+  std::vector<int> deferred_;
+};
+
+}  // namespace tetra
