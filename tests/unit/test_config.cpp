@@ -103,6 +103,9 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.parallel.sequence_parallel == b.parallel.sequence_parallel);
   CHECK(a.parallel.distributed_optimizer == b.parallel.distributed_optimizer);
   CHECK(a.parallel.bucket_size == b.parallel.bucket_size);
+  CHECK(a.parallel.schedule == b.parallel.schedule);
+  CHECK(a.parallel.virtual_stages == b.parallel.virtual_stages);
+  CHECK(a.parallel.stage_layers == b.parallel.stage_layers);
   CHECK(a.training.device == b.training.device);
   CHECK(a.training.precision == b.training.precision);
   CHECK(a.training.micro_batch_size == b.training.micro_batch_size);
@@ -159,7 +162,8 @@ json every_key() {
               "norm_eps": 1e-6, "activation": "swiglu", "position": "rope",
               "rope_theta": 500000.0, "tie_embeddings": false, "bias": false, "init_std": 0.01},
     "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "order": "tp-pp-dp",
-                 "sequence_parallel": true, "distributed_optimizer": true, "bucket_size": 1000},
+                 "sequence_parallel": true, "distributed_optimizer": true, "bucket_size": 1000,
+                 "schedule": "gpipe", "virtual_stages": 1, "stage_layers": [4]},
     "training": {"device": "cpu", "precision": "bf16", "micro_batch_size": 2,
                  "global_batch_size": 8, "steps": 500, "seed": 18446744073709551615,
                  "eval_every": 50, "eval_steps": 5, "log_every": 10, "threads": 2,
@@ -320,6 +324,42 @@ TEST_CASE("config: type checks", "[config]") {
       "data.train[0].path: ", "missing");
 }
 
+TEST_CASE("config: pipeline layouts must build the configured model", "[config]") {
+  // 12 layers (the default model) over pp stages.
+  const json pp4 = with(base(), "parallel.pp", 4);
+  CHECK(problems_of(pp4).empty());  // 3 layers per stage
+  CHECK(problems_of(with(with(pp4, "parallel.schedule", "gpipe"), "parallel.stage_layers", json{4, 3, 3, 2})).empty());
+  // 30 layers on pp=4: no silent 28-layer model; the message has the arithmetic and a split to use.
+  require_one(with(pp4, "model.num_layers", 30), "model.num_layers: 30: ",
+              "does not split evenly over parallel.pp (4) x parallel.virtual_stages (1) = 4 stages (30 / 4 = "
+              "7.50 layers each): give the split explicitly, e.g. parallel.stage_layers = [8, 8, 7, 7]");
+  require_one(with(pp4, "parallel.stage_layers", json{4, 4, 4}), "parallel.stage_layers: [4,4,4]: ",
+              "has 3 entries, but parallel.pp (4) x parallel.virtual_stages (1) = 4 stages need one each");
+  require_one(with(pp4, "parallel.stage_layers", json{4, 4, 4, 4}), "parallel.stage_layers: [4,4,4,4]: ",
+              "adds up to 16 layers, but model.num_layers is 12");
+  require_one(with(pp4, "parallel.stage_layers", json{4, -1, 5, 4}), "parallel.stage_layers[1]: -1: ",
+              "must be >= 0");
+  require_one(with(pp4, "parallel.stage_layers", json{4, "x", 5, 3}), "parallel.stage_layers[1]: ",
+              "expected an integer");
+  // Interleaved: virtual stages >= 2 dividing the layers, micro-batches a multiple of pp.
+  const json inter = with(with(pp4, "parallel.schedule", "interleaved"), "parallel.virtual_stages", 3);
+  CHECK(problems_of(with(with(inter, "training.micro_batch_size", 1), "training.global_batch_size", 8)).empty());
+  require_one(with(with(inter, "training.micro_batch_size", 1), "training.global_batch_size", 6),
+              "training.global_batch_size: 6: ", "gives 6 micro-batches per step (global_batch_size / "
+              "(micro_batch_size * dp) = 6 / (1 * 1)); the interleaved schedule needs a multiple of parallel.pp (4)");
+  require_one(with(with(with(inter, "parallel.virtual_stages", 2), "training.micro_batch_size", 1),
+                   "training.global_batch_size", 8),
+              "model.num_layers: 12: ", "does not split evenly over parallel.pp (4) x parallel.virtual_stages (2) = 8");
+  require_one(with(pp4, "parallel.virtual_stages", 2), "parallel.virtual_stages: 2: ",
+              "virtual stages need parallel.schedule \"interleaved\"");
+  require_one(with(inter, "parallel.virtual_stages", 1), "parallel.virtual_stages: 1: ",
+              "the interleaved schedule needs parallel.virtual_stages >= 2");
+  require_one(with(pp4, "parallel.schedule", "zb"), "parallel.schedule: \"zb\": ", "must be one of");
+  // Samples during training need the whole model on a rank.
+  require_one(with(with(pp4, "sample.prompt", "Hi"), "data.tokenizer", "gpt2:/x"), "sample.prompt: \"Hi\": ",
+              "leave sample.prompt empty with parallel.pp > 1");
+}
+
 TEST_CASE("config: single-value ranges", "[config]") {
   struct Case {
     std::string path;
@@ -340,8 +380,8 @@ TEST_CASE("config: single-value ranges", "[config]") {
       {"model.init_std", 0.0, "must be > 0"},
       {"parallel.dp", 0, "must be >= 1"},
       {"parallel.tp", -1, "must be >= 1"},
-      {"parallel.pp", 4,
-       "pipeline parallelism is not available yet in this build; set parallel.pp to 1"},
+      {"parallel.pp", 0, "must be >= 1"},
+      {"parallel.virtual_stages", 0, "must be >= 1"},
       {"parallel.bucket_size", 0, "must be >= 1"},
       {"training.device", "cuda", "the CUDA backend is not built yet"},
       {"training.micro_batch_size", 0, "must be >= 1"},

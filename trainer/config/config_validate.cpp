@@ -83,6 +83,7 @@ void check_pipeline(const Config& c, Rules& r) {
   else
     r.require(vp == 1, "parallel.virtual_stages", vp,
               fmt::format("virtual stages need parallel.schedule \"interleaved\" (it is \"{}\")", p.schedule));
+  if (!r.ok({"parallel.virtual_stages"})) return;
   if (!p.stage_layers.empty()) {
     int64_t sum = 0;
     for (int64_t n : p.stage_layers) sum += n;

@@ -1,0 +1,272 @@
+"""Pipeline parallelism is invisible: every pipeline layout reproduces the single-rank run.
+
+For a GPT-2-style (tied embeddings) and a Llama-style (untied) tiny config of 8 layers, Tetra trains
+20 steps single-rank, then under `mpirun` with pp in {2, 4} and each schedule (gpipe, 1f1b,
+interleaved with 2 virtual stages), combined with data and tensor parallelism (up to 8 ranks), and
+with an explicit uneven split. Checks, per layout:
+  - the loss and gradient norm of every step match the single-rank run (LOSS_RTOL, the tolerance
+    of tests/parity/test_layouts.py, which explains it);
+  - every parameter's step-0 gradient (dumped as the global tensor, gathered over stages and TP
+    slices) matches the single-rank one (per tensor); the final weights too (tied embeddings: the
+    first stage's and the last stage's copies were updated alike);
+  - the most micro-batches each pipeline rank held between forward and backward equals the
+    schedule's bound: gpipe m, 1f1b min(pp - r, m), interleaved Megatron's warm-up + 1;
+  - each group's measured communication equals the prediction in every step, and the pp group
+    (and, tied, the embedding group) did communicate;
+  - the measured bubble is reported beside the analytic one.
+Then checkpoints across pipeline layouts: saved at step N on pp=2, resumed on pp=1 and pp=4; saved
+on pp=1 (and pp=4), resumed on pp=2: the next steps match the uninterrupted single-rank run.
+Guard against a vacuous pass: the single-rank loss must fall.
+
+Usage: /usr/bin/python3 test_pipeline.py --tetra BIN --workdir DIR [--mpirun MPIRUN]
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "reference"))
+from safetensors_io import read_safetensors  # noqa: E402
+
+LOSS_RTOL = 1e-5   # as tests/parity/test_layouts.py
+GRAD_RTOL = 1e-5
+WEIGHT_RTOL = 1e-4  # 20 Adam steps of updates whose gradients differ by ~1e-7 relative
+BF16_RTOL = 2e-2    # as tests/parity/test_layouts.py
+
+STEPS = 20
+N = 10  # checkpoint step for the resume checks
+MODELS = {
+    "gpt2": {"vocab_size": 64, "seq_len": 16, "num_layers": 8, "hidden_size": 64, "num_heads": 8,
+             "ffn_hidden_size": 128},
+    "llama": {"vocab_size": 64, "seq_len": 16, "num_layers": 8, "hidden_size": 64, "num_heads": 8,
+              "num_kv_heads": 4, "ffn_hidden_size": 96, "norm": "rmsnorm", "activation": "swiglu",
+              "position": "rope", "tie_embeddings": False, "bias": False},
+}
+GLOBAL_BATCH, MICRO = 8, 2
+
+
+def layout(pp, schedule="1f1b", vp=1, dp=1, tp=1, sp=False, dist_opt=False, stage_layers=None):
+    return {"pp": pp, "schedule": schedule, "virtual_stages": vp, "dp": dp, "tp": tp,
+            "sequence_parallel": sp, "distributed_optimizer": dist_opt,
+            **({"stage_layers": stage_layers} if stage_layers else {})}
+
+
+LAYOUTS = {
+    "gpt2": [layout(2, "gpipe"), layout(2), layout(4), layout(2, "interleaved", 2), layout(4, "interleaved", 2),
+             layout(2, dp=2, tp=2, sp=True, dist_opt=True), layout(4, "gpipe", dp=2),
+             layout(2, stage_layers=[3, 5]), layout(2, "interleaved", 2, tp=2)],
+    "llama": [layout(2), layout(4, "gpipe"), layout(2, "interleaved", 2, dp=2, dist_opt=True),
+              layout(4, tp=2, sp=True), layout(2, "interleaved", 2, stage_layers=[1, 3, 2, 2])],
+}
+BF16_LAYOUTS = {"gpt2": [layout(2)], "llama": [layout(2, "interleaved", 2)]}
+
+failures = []
+
+
+def check(ok, what):
+    print(("PASS " if ok else "FAIL ") + what, flush=True)
+    if not ok:
+        failures.append(what)
+
+
+def name_of(model, par, precision="fp32"):
+    n = f"{model}{'_bf16' if precision == 'bf16' else ''}_pp{par['pp']}_{par['schedule']}"
+    if par["virtual_stages"] > 1:
+        n += f"_v{par['virtual_stages']}"
+    for k in ("dp", "tp"):
+        if par[k] > 1:
+            n += f"_{k}{par[k]}"
+    if par["sequence_parallel"]:
+        n += "_sp"
+    if par["distributed_optimizer"]:
+        n += "_distopt"
+    if "stage_layers" in par:
+        n += "_layers" + "-".join(map(str, par["stage_layers"]))
+    return n
+
+
+def config(model, par, precision, out, exit_at=0, ckpt=None):
+    cfg = {
+        "model": MODELS[model],
+        "training": {"micro_batch_size": MICRO, "global_batch_size": GLOBAL_BATCH, "steps": STEPS, "threads": 1,
+                     "peak_gflops": 100, "precision": precision, "seed": 7, "exit_interval": exit_at},
+        "optimizer": {"lr": 1e-2, "warmup_steps": 3, "grad_clip": 1.0, "weight_decay": 0.1},
+        "parallel": dict(par, bucket_size=3000),
+        "data": {"synthetic": True},
+        "logging": {"level": "warn", "dir": out},
+    }
+    if ckpt:
+        cfg["checkpoint"] = ckpt
+    return cfg
+
+
+def launch(args, out, cfg, dump=True):
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    path = os.path.join(out, "config.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    cmd = [args.tetra, "--config", path] + (["--dump-dir", os.path.join(out, "dump")] if dump else [])
+    p = cfg["parallel"]
+    world = p.get("pp", 1) * p.get("dp", 1) * p.get("tp", 1)
+    if world > 1:
+        cmd = [args.mpirun, "--oversubscribe", "-np", str(world)] + cmd
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def steps_of(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [j for j in map(json.loads, f) if "step" in j]
+
+
+def run(args, name, cfg):
+    out = os.path.join(args.workdir, name)
+    r = launch(args, out, cfg)
+    if r.returncode != 0:
+        print(r.stdout[-3000:], r.stderr[-3000:])
+        check(False, f"{name}: exit code {r.returncode}")
+        return None
+    grads = read_safetensors(os.path.join(out, "dump", "grads_step0.safetensors"))[0]
+    weights = read_safetensors(os.path.join(out, "model.safetensors"))[0]
+    return steps_of(out), grads, weights
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def in_flight_bound(schedule, pp, vp, m, r):
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(pp - r, m)
+    total = m * vp
+    warmup = total if m == pp else min((pp - r - 1) * 2 + (vp - 1) * pp, total)
+    return min(warmup + 1, total)
+
+
+def tensor_worst(ref, got):
+    worst, worst_name = 0.0, ""
+    for k, r in ref.items():
+        if k not in got or got[k].shape != r.shape:
+            return float("inf"), k
+        e = float(np.linalg.norm(got[k] - r) / max(np.linalg.norm(r), 1e-30))
+        if e > worst:
+            worst, worst_name = e, k
+    return worst, worst_name
+
+
+def compare(name, model, par, ref, got, rtol):
+    ref_steps, ref_grads, ref_weights = ref
+    steps, grads, weights = got
+    check(len(steps) == STEPS, f"{name}: {len(steps)} steps logged")
+    worst = max(rel(s["loss"], r["loss"]) for s, r in zip(steps, ref_steps))
+    check(worst <= rtol, f"{name}: losses of {STEPS} steps within {rtol:g} (worst {worst:.2e})")
+    worst_norm = max(rel(s["grad_norm"], r["grad_norm"]) for s, r in zip(steps, ref_steps))
+    check(worst_norm <= 10 * rtol, f"{name}: gradient norms within {10 * rtol:g} (worst {worst_norm:.2e})")
+    if rtol == LOSS_RTOL:
+        check(sorted(grads) == sorted(ref_grads), f"{name}: the same {len(ref_grads)} gradient tensors")
+        w, k = tensor_worst(ref_grads, grads)
+        check(w <= GRAD_RTOL, f"{name}: step-0 gradient of every tensor within {GRAD_RTOL:g} (worst {w:.2e}, {k})")
+        check(sorted(weights) == sorted(ref_weights), f"{name}: the same {len(ref_weights)} final weight tensors")
+        w, k = tensor_worst(ref_weights, weights)
+        check(w <= WEIGHT_RTOL, f"{name}: final weights within {WEIGHT_RTOL:g} (worst {w:.2e}, {k})")
+    pp, vp = par["pp"], par["virtual_stages"]
+    m = GLOBAL_BATCH // (MICRO * par["dp"])
+    pipe = [s.get("pipeline") for s in steps]
+    check(all(pipe), f"{name}: every step reports pipeline figures")
+    if all(pipe):
+        want = [in_flight_bound(par["schedule"], pp, vp, m, r) for r in range(pp)]
+        got_peak = pipe[-1]["peak_in_flight"]
+        check(all(p["peak_in_flight"] == want for p in pipe),
+              f"{name}: micro-batches in flight per pipeline rank {got_peak} == the schedule's bound {want}")
+        ideal = (pp - 1) / (m * vp + pp - 1)
+        check(all(abs(p["ideal_bubble"] - ideal) < 1e-9 and 0.0 <= p["bubble"] < 1.0 for p in pipe),
+              f"{name}: bubble measured {pipe[-1]['bubble']:.2f} beside the analytic {ideal:.2f}")
+    ok, seen = True, set()
+    for s in steps:
+        for group, c in s.get("comm", {}).items():
+            seen.add(group)
+            if not c["match"] or c["measured"] != c["predicted"]:
+                ok = False
+                print(f"  step {s['step']} {group}: measured {c['measured']} predicted {c['predicted']}")
+    expected = {g for g, n in (("tp", par["tp"]), ("dp", par["dp"]), ("pp", pp)) if n > 1}
+    if MODELS[model].get("tie_embeddings", True):
+        expected.add("embedding")
+    check(ok and seen == expected, f"{name}: measured communication equals the prediction in every step "
+                                   f"(groups {sorted(seen)})")
+
+
+def resume_checks(args, ref_steps):
+    """Checkpoints move between pipeline layouts: save at step N on one, resume on another."""
+    model = "gpt2"
+    ref = {s["step"]: s["loss"] for s in ref_steps}
+    for src, dsts in ((layout(2), [layout(1), layout(4)]), (layout(1), [layout(2)]),
+                      (layout(4, "interleaved", 2), [layout(2)])):
+        ck = os.path.join(args.workdir, f"ckpt_{name_of(model, src)}")
+        shutil.rmtree(ck, ignore_errors=True)
+        out = os.path.join(args.workdir, f"save_{name_of(model, src)}")
+        # Stopped after step N as if interrupted (the LR schedule is the 20-step run's).
+        r = launch(args, out, config(model, src, "fp32", out, exit_at=N,
+                                     ckpt={"dir": ck, "save_on_exit": True, "resume": "none"}), dump=False)
+        check(r.returncode == 0 and os.path.exists(os.path.join(ck, "latest")),
+              f"checkpoint saved at step {N} on {name_of(model, src)}")
+        if r.returncode != 0:
+            print(r.stdout[-2000:], r.stderr[-2000:])
+            continue
+        for dst in dsts:
+            ck2 = ck + "_copy"
+            shutil.rmtree(ck2, ignore_errors=True)
+            shutil.copytree(ck, ck2)
+            out2 = os.path.join(args.workdir, f"resume_{name_of(model, src)}_to_{name_of(model, dst)}")
+            r2 = launch(args, out2, config(model, dst, "fp32", out2, ckpt={"dir": ck2, "resume": "auto"}), dump=False)
+            if r2.returncode != 0:
+                print(r2.stdout[-2000:], r2.stderr[-2000:])
+            steps = {s["step"]: s["loss"] for s in steps_of(out2)} if r2.returncode == 0 else {}
+            worst = max((rel(steps[s], ref[s]) for s in steps), default=float("inf"))
+            check(r2.returncode == 0 and sorted(steps) == list(range(N + 1, STEPS + 1)) and worst <= LOSS_RTOL,
+                  f"saved on {name_of(model, src)}, resumed on {name_of(model, dst)}: steps "
+                  f"{N + 1}..{STEPS} within {LOSS_RTOL:g} of the single-rank run (worst {worst:.2e})")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tetra", required=True)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--mpirun", default=shutil.which("mpirun") or "mpirun")
+    args = ap.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    single = layout(1)
+    for model in MODELS:
+        ref = run(args, f"{model}_single", config(model, single, "fp32", os.path.join(args.workdir, f"{model}_single")))
+        if ref is None:
+            continue
+        losses = [s["loss"] for s in ref[0]]
+        check(losses[-1] < losses[0] - 0.1, f"{model}: single-rank loss falls ({losses[0]:.4f} -> {losses[-1]:.4f})")
+        for par in LAYOUTS[model]:
+            name = name_of(model, par)
+            got = run(args, name, config(model, par, "fp32", os.path.join(args.workdir, name)))
+            if got is not None:
+                compare(name, model, par, ref, got, LOSS_RTOL)
+        ref16 = run(args, f"{model}_single_bf16",
+                    config(model, single, "bf16", os.path.join(args.workdir, f"{model}_single_bf16")))
+        if ref16 is not None:
+            for par in BF16_LAYOUTS[model]:
+                name = name_of(model, par, "bf16")
+                got = run(args, name, config(model, par, "bf16", os.path.join(args.workdir, name)))
+                if got is not None:
+                    compare(name, model, par, ref16, got, BF16_RTOL)
+        if model == "gpt2":
+            resume_checks(args, ref[0])
+    print(f"{len(failures)} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
