@@ -29,6 +29,7 @@
 #include "trainer/model/flops.h"
 #include "trainer/model/param_layout.h"
 #include "trainer/train/generate.h"
+#include "trainer/train/pipeline_model.h"
 #include "trainer/train/trainer.h"
 
 namespace {
@@ -60,7 +61,23 @@ void print_dry_run(const tetra::Config& cfg) {
   fmt::print("layout:            {} ranks = tp {} x pp {} x dp {}, order {}{}{}\n", par.tp * par.pp * par.dp,
              par.tp, par.pp, par.dp, par.order, par.sequence_parallel ? ", sequence parallel" : "",
              par.distributed_optimizer ? ", distributed optimizer" : "");
-  fmt::print("memory per rank:   {}\n", mib(mem.total()));
+  if (par.pp > 1) {
+    const tetra::PipelineSchedule schedule = tetra::make_schedule(cfg, cfg.grad_accum_steps());
+    fmt::print("pipeline:          schedule {}, {} stages ({} x {} chunk(s)), {} micro-batches per step, "
+               "ideal bubble {:.1f}%\n", par.schedule, par.pp * par.virtual_stages, par.pp, par.virtual_stages,
+               cfg.grad_accum_steps(), 100.0 * schedule.ideal_bubble());
+    for (int64_t r = 0; r < par.pp; ++r) {
+      const tetra::StageSlice st = tetra::stage_slice(cfg, r);
+      std::string layers;
+      for (const auto& [b, e] : st.chunks)
+        layers += (layers.empty() ? "" : ", ") + (e > b ? fmt::format("{}-{}", b, e - 1) : std::string("none"));
+      fmt::print("  rank {:<3}         layers {}{}{}; {} micro-batch(es) in flight; {}\n", r, layers,
+                 st.first ? " + embedding" : "", st.last ? " + output layer and loss" : "",
+                 schedule.max_in_flight(static_cast<int>(r)),
+                 mib(tetra::plan_memory(cfg, tetra::rank_layout(cfg, 0, r), r).total()));
+    }
+  }
+  fmt::print("memory per rank:   {}{}\n", mib(mem.total()), par.pp > 1 ? " (pipeline rank 0)" : "");
   fmt::print("  master weights   {} (fp32{})\n", mib(mem.master),
              par.distributed_optimizer && cfg.training.precision != "fp32" ? ", 1/dp shard" : "");
   if (mem.compute) fmt::print("  compute weights  {} ({})\n", mib(mem.compute), cfg.training.precision);
@@ -84,6 +101,10 @@ void print_dry_run(const tetra::Config& cfg) {
              "all-reduce's, (p-1)/p of the others'):\n");
   fmt::print("  tp ({} ranks)      {}\n", par.tp, v.tp.describe());
   fmt::print("  dp ({} ranks)      {}\n", par.dp, v.dp.describe());
+  if (par.pp > 1) {
+    fmt::print("  pp ({} ranks)      {}\n", par.pp, v.pp.describe());
+    fmt::print("  embedding         {}\n", v.embedding.describe());
+  }
 }
 
 // The log level of a rank: rank 0 logs at the configured level, the others warnings and errors.

@@ -98,4 +98,21 @@ expect_stderr 'training.device: "cuda": the CUDA backend is not built yet'
 expect_stderr 'override "model.hidden_size": expected section.key=value'
 expect_no_output_files
 
+# A pipeline layout that would build another model than the config says: refused with the
+# arithmetic (30 layers on pp=4 is not 28 or 32 layers), and an uneven split given explicitly works.
+start_case pipeline_layout
+write_config "$scratch/pipeline_layout/config.json" ""
+run_case 2 "$scratch/pipeline_layout/config.json" --set model.num_layers=30 --set parallel.pp=4 \
+  --set parallel.virtual_stages=2
+expect_stderr 'parallel.virtual_stages: 2: virtual stages need parallel.schedule "interleaved"'
+run_case 2 "$scratch/pipeline_layout/config.json" --set model.num_layers=30 --set parallel.pp=4
+expect_stderr 'model.num_layers: 30: does not split evenly over parallel.pp (4) x parallel.virtual_stages (1) = 4 stages'
+expect_stderr 'parallel.stage_layers = [8, 8, 7, 7]'
+run_case 2 "$scratch/pipeline_layout/config.json" --set model.num_layers=30 --set parallel.pp=4 \
+  --set 'parallel.stage_layers=[8, 8, 7, 6]'
+expect_stderr 'parallel.stage_layers: [8,8,7,6]: adds up to 29 layers, but model.num_layers is 30'
+expect_no_output_files
+run_case 0 "$scratch/pipeline_layout/config.json" --set model.num_layers=30 --set parallel.pp=4 \
+  --set 'parallel.stage_layers=[8, 8, 7, 7]' --dry-run
+
 finish "config error checks"

@@ -35,7 +35,12 @@ from safetensors_io import read_safetensors  # noqa: E402
 
 LOSS_RTOL = 1e-5   # as tests/parity/test_layouts.py
 GRAD_RTOL = 1e-5
-WEIGHT_RTOL = 1e-4  # 20 Adam steps of updates whose gradients differ by ~1e-7 relative
+# Final weights, per tensor: the difference from the single-rank run's, relative to how far that
+# run moved the tensor from its initial value. Most differ by ~1e-6 of it; Adam turns rounding
+# noise into full-size updates where the exact gradient is zero (the key bias: softmax ignores a
+# constant added to every score), which brings GPT-2's qkv.bias to ~5e-4 (measured). A tensor
+# written stale (never updated, or the tied copy not kept in step) is off by ~1 of its movement.
+WEIGHT_MOVE_RTOL = 5e-2
 BF16_RTOL = 2e-2    # as tests/parity/test_layouts.py
 
 STEPS = 20
@@ -95,7 +100,7 @@ def config(model, par, precision, out, exit_at=0, ckpt=None):
         "model": MODELS[model],
         "training": {"micro_batch_size": MICRO, "global_batch_size": GLOBAL_BATCH, "steps": STEPS, "threads": 1,
                      "peak_gflops": 100, "precision": precision, "seed": 7, "exit_interval": exit_at},
-        "optimizer": {"lr": 1e-2, "warmup_steps": 3, "grad_clip": 1.0, "weight_decay": 0.1},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 3, "grad_clip": 1.0, "weight_decay": 0.1},
         "parallel": dict(par, bucket_size=3000),
         "data": {"synthetic": True},
         "logging": {"level": "warn", "dir": out},
@@ -134,7 +139,8 @@ def run(args, name, cfg):
         return None
     grads = read_safetensors(os.path.join(out, "dump", "grads_step0.safetensors"))[0]
     weights = read_safetensors(os.path.join(out, "model.safetensors"))[0]
-    return steps_of(out), grads, weights
+    init = read_safetensors(os.path.join(out, "dump", "params_init.safetensors"))[0]
+    return steps_of(out), grads, weights, init
 
 
 def rel(a, b):
@@ -163,20 +169,33 @@ def tensor_worst(ref, got):
 
 
 def compare(name, model, par, ref, got, rtol):
-    ref_steps, ref_grads, ref_weights = ref
-    steps, grads, weights = got
+    ref_steps, ref_grads, ref_weights, ref_init = ref
+    steps, grads, weights, _ = got
     check(len(steps) == STEPS, f"{name}: {len(steps)} steps logged")
     worst = max(rel(s["loss"], r["loss"]) for s, r in zip(steps, ref_steps))
     check(worst <= rtol, f"{name}: losses of {STEPS} steps within {rtol:g} (worst {worst:.2e})")
+    # The first step's gradient norm sums the same gradients (each stage's parameters counted once,
+    # a tied embedding's copy not at all): 10x the loss tolerance, as test_layouts.py. Later steps
+    # start from weights that drift apart by rounding (8 layers, 20 Adam steps: ~3e-5 relative in
+    # the final weights, measured), and the gradient norm, a derivative, follows to ~1e-4: 100x.
+    # Counting a stage's or the embedding's gradients twice moves the norm by > 1e-2 at step 1.
+    first = rel(steps[0]["grad_norm"], ref_steps[0]["grad_norm"])
+    check(first <= 10 * rtol, f"{name}: step-1 gradient norm within {10 * rtol:g} ({first:.2e})")
     worst_norm = max(rel(s["grad_norm"], r["grad_norm"]) for s, r in zip(steps, ref_steps))
-    check(worst_norm <= 10 * rtol, f"{name}: gradient norms within {10 * rtol:g} (worst {worst_norm:.2e})")
+    check(worst_norm <= 100 * rtol, f"{name}: gradient norms within {100 * rtol:g} (worst {worst_norm:.2e})")
     if rtol == LOSS_RTOL:
         check(sorted(grads) == sorted(ref_grads), f"{name}: the same {len(ref_grads)} gradient tensors")
         w, k = tensor_worst(ref_grads, grads)
         check(w <= GRAD_RTOL, f"{name}: step-0 gradient of every tensor within {GRAD_RTOL:g} (worst {w:.2e}, {k})")
         check(sorted(weights) == sorted(ref_weights), f"{name}: the same {len(ref_weights)} final weight tensors")
-        w, k = tensor_worst(ref_weights, weights)
-        check(w <= WEIGHT_RTOL, f"{name}: final weights within {WEIGHT_RTOL:g} (worst {w:.2e}, {k})")
+        worst_w, worst_k = 0.0, ""
+        for k, r in ref_weights.items():
+            moved = float(np.linalg.norm(r - ref_init[k]))
+            e = float(np.linalg.norm(weights[k] - r)) / max(moved, 1e-30) if k in weights else float("inf")
+            if e > worst_w:
+                worst_w, worst_k = e, k
+        check(worst_w <= WEIGHT_MOVE_RTOL, f"{name}: final weights within {WEIGHT_MOVE_RTOL:g} of the single-rank "
+                                           f"run's movement, every tensor (worst {worst_w:.2e}, {worst_k})")
     pp, vp = par["pp"], par["virtual_stages"]
     m = GLOBAL_BATCH // (MICRO * par["dp"])
     pipe = [s.get("pipeline") for s in steps]
@@ -196,11 +215,16 @@ def compare(name, model, par, ref, got, rtol):
             if not c["match"] or c["measured"] != c["predicted"]:
                 ok = False
                 print(f"  step {s['step']} {group}: measured {c['measured']} predicted {c['predicted']}")
-    expected = {g for g, n in (("tp", par["tp"]), ("dp", par["dp"]), ("pp", pp)) if n > 1}
-    if MODELS[model].get("tie_embeddings", True):
-        expected.add("embedding")
+    # Global rank 0 (first stage) reports its groups of size > 1: with pp > 1 that includes the
+    # embedding group (first + last stage), which moves the tied embedding's gradient, or nothing.
+    expected = {g for g, n in (("tp", par["tp"]), ("dp", par["dp"]), ("pp", pp), ("embedding", pp)) if n > 1}
     check(ok and seen == expected, f"{name}: measured communication equals the prediction in every step "
                                    f"(groups {sorted(seen)})")
+    tied = MODELS[model].get("tie_embeddings", True)
+    moved = [(s["comm"]["embedding"]["measured"] or {}).get("all_reduce", {}).get("calls", 0) for s in steps]
+    check(all(n == (1 if tied else 0) for n in moved),
+          f"{name}: the embedding group all-reduces the tied embedding's gradient once a step "
+          f"({'tied' if tied else 'untied'}: {moved[0]} call(s))")
 
 
 def resume_checks(args, ref_steps):
