@@ -13,7 +13,8 @@ with an explicit uneven split. Checks, per layout:
     schedule's bound: gpipe m, 1f1b min(pp - r, m), interleaved Megatron's warm-up + 1;
   - each group's measured communication equals the prediction in every step, and the pp group
     (and, tied, the embedding group) did communicate;
-  - the measured bubble is reported beside the analytic one.
+  - the measured bubble is reported beside the analytic one;
+  - the validation losses (forward-only pass through the stages) match too.
 Then checkpoints across pipeline layouts: saved at step N on pp=2, resumed on pp=1 and pp=4; saved
 on pp=1 (and pp=4), resumed on pp=2: the next steps match the uninterrupted single-rank run.
 Guard against a vacuous pass: the single-rank loss must fall.
@@ -99,7 +100,8 @@ def config(model, par, precision, out, exit_at=0, ckpt=None):
     cfg = {
         "model": MODELS[model],
         "training": {"micro_batch_size": MICRO, "global_batch_size": GLOBAL_BATCH, "steps": STEPS, "threads": 1,
-                     "peak_gflops": 100, "precision": precision, "seed": 7, "exit_interval": exit_at},
+                     "peak_gflops": 100, "precision": precision, "seed": 7, "exit_interval": exit_at,
+                     "eval_every": 10, "eval_steps": 2},
         "optimizer": {"lr": 3e-3, "warmup_steps": 3, "grad_clip": 1.0, "weight_decay": 0.1},
         "parallel": dict(par, bucket_size=3000),
         "data": {"synthetic": True},
@@ -179,6 +181,10 @@ def compare(name, model, par, ref, got, rtol):
     # start from weights that drift apart by rounding (8 layers, 20 Adam steps: ~3e-5 relative in
     # the final weights, measured), and the gradient norm, a derivative, follows to ~1e-4: 100x.
     # Counting a stage's or the embedding's gradients twice moves the norm by > 1e-2 at step 1.
+    vals = [(s["val_loss"], r.get("val_loss")) for s, r in zip(steps, ref_steps) if "val_loss" in s]
+    worst_val = max((rel(a, b) for a, b in vals if b is not None), default=float("inf"))
+    check(len(vals) == 2 and worst_val <= rtol,
+          f"{name}: validation losses (forward-only schedule) within {rtol:g} ({len(vals)} evaluations, worst {worst_val:.2e})")
     first = rel(steps[0]["grad_norm"], ref_steps[0]["grad_norm"])
     check(first <= 10 * rtol, f"{name}: step-1 gradient norm within {10 * rtol:g} ({first:.2e})")
     worst_norm = max(rel(s["grad_norm"], r["grad_norm"]) for s, r in zip(steps, ref_steps))
