@@ -324,6 +324,36 @@ void check_communicator(Communicator& c, const std::vector<int>& grid_members) {
     want.recv(28);
     for (int64_t i = 0; i < 7; ++i) expect(in.get(i) == 1000 * m[peer] + i, fmt::format("element {}", i));
   }
+  // Pipeline-style exchange: every pair sends each other a large message (beyond any eager limit,
+  // so a send completes only when matched) on two tags, posts the receives in the other tag order
+  // and only then waits. A send queued behind the rank's own blocking work would deadlock here;
+  // tags must keep the two streams apart although both messages have the same size.
+  if (p >= 2 && !(p % 2 == 1 && r == p - 1)) {
+    g_where = where + " crossed sends with tags";
+    const int peer = r ^ 1;
+    const int64_t k = 1 << 20;  // 4 MiB each
+    Buf a(DType::F32, k), b(DType::F32, k), got_a(DType::F32, k, -1), got_b(DType::F32, k, -1);
+    for (int64_t i = 0; i < k; i += 4099) {
+      a.set(i, val(g_rank, i, 6));
+      b.set(i, val(g_rank, i, 7));
+    }
+    WorkHandle sa = c.send_async(a.data(), k, DType::F32, peer, /*tag=*/0);
+    WorkHandle sb = c.send_async(b.data(), k, DType::F32, peer, /*tag=*/1);
+    WorkHandle rb = c.recv_async(got_b.data(), k, DType::F32, peer, /*tag=*/1);
+    WorkHandle ra = c.recv_async(got_a.data(), k, DType::F32, peer, /*tag=*/0);
+    c.wait(*rb, CommOp::RECV);
+    c.wait(*ra, CommOp::RECV);
+    c.wait(*sa, CommOp::SEND);
+    c.wait(*sb, CommOp::SEND);
+    for (int j = 0; j < 2; ++j) {
+      want.send(k * 4);
+      want.recv(k * 4);
+    }
+    for (int64_t i = 0; i < k; i += 4099) {
+      expect(got_a.get(i) == val(m[peer], i, 6), fmt::format("tag 0 element {}", i));
+      expect(got_b.get(i) == val(m[peer], i, 7), fmt::format("tag 1 element {}", i));
+    }
+  }
   if (p == 1) {
     g_where = where + " misuse";
     Buf b(DType::F32, 1);
