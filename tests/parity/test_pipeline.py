@@ -69,7 +69,7 @@ LAYOUTS = {
     "llama": [layout(2), layout(4, "gpipe"), layout(2, "interleaved", 2, dp=2, dist_opt=True),
               layout(4, tp=2, sp=True), layout(2, "interleaved", 2, stage_layers=[1, 3, 2, 2])],
 }
-BF16_LAYOUTS = {"gpt2": [layout(2)], "llama": [layout(2, "interleaved", 2)]}
+BF16_LAYOUTS = {"gpt2": [layout(2), layout(2, dp=2, dist_opt=True)], "llama": [layout(2, "interleaved", 2)]}
 
 failures = []
 
