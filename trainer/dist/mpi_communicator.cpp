@@ -22,6 +22,7 @@
 #include "trainer/dist/comm_accounting.h"
 #include "trainer/dist/comm_worker.h"
 #include "trainer/dist/self_communicator.h"
+#include "trainer/dist/watchdog.h"
 
 namespace tetra {
 
@@ -271,6 +272,7 @@ class MpiCommunicator final : public Communicator {
     std::vector<Transfer> batch = std::move(batch_);
     batch_.clear();
     done->release();
+    const WatchedWait watched(name(), members(), "send/recv group");
     worker_.submit(done, guarded("send/recv group", [batch = std::move(batch)](MpiGroup& g) {
                      // Every transfer posted at once, so they may match in any order; then all waited for.
                      std::vector<MPI_Request> requests(batch.size(), MPI_REQUEST_NULL);
@@ -292,6 +294,7 @@ class MpiCommunicator final : public Communicator {
 
   void barrier() override {
     check_collective("barrier");
+    const WatchedWait watched(name(), members(), "barrier");
     enqueue("barrier", [](MpiGroup& g) { g.check(MPI_Barrier(g.comm), "barrier"); })->wait();
   }
 

@@ -43,6 +43,7 @@ std::string MetricsWriter::format_line(const StepMetrics& m) {
       m.step, std::to_string(m.total_steps).size(), m.total_steps, m.loss, m.lr, m.grad_norm,
       m.clip < 1.0 ? " (clipped)" : "", m.ms, m.tokens_per_s, 100.0 * m.mfu, format_duration(m.eta_s));
   if (m.val_loss) line += fmt::format(" | val loss {:.4f}", *m.val_loss);
+  if (m.skipped) line += fmt::format(" | SKIPPED ({})", *m.skipped);
   for (const CommRecord& c : m.comm)
     line += fmt::format(" | {} {:.2f} MB, {:.1f} ms{}", c.group, c.sent_bytes / 1e6, c.blocked_ms,
                         c.measured == c.predicted ? "" : " (UNEXPECTED VOLUME)");
@@ -63,6 +64,7 @@ void MetricsWriter::write(const StepMetrics& m) {
   j["consumed_samples"] = m.consumed_samples;
   if (m.val_loss) j["val_loss"] = *m.val_loss;
   if (m.sample) j["sample"] = *m.sample;
+  if (m.skipped) j["skipped"] = *m.skipped;
   if (!m.comm.empty()) {
     auto volume = [](const GroupVolume& v) {
       nlohmann::ordered_json o;
