@@ -2,6 +2,8 @@
 # A real Slurm: slurmctld + slurmd on localhost (scripts/slurm/local_cluster.sh, stopped at the
 # end), then
 #  - srun: `srun -n 4 --mpi=pmix tetra` trains a dp 2 x tp 2 config to completion;
+#  - rendezvous: `srun -n 4 --mpi=none` with TETRA_RENDEZVOUS (the bootstrap for Slurm without
+#    PMIx) gives the same losses;
 #  - sbatch: scripts/slurm/train.sbatch is sent USR1 mid-run (scancel --signal=USR1 --batch, what
 #    --signal=B:USR1@120 does before the time limit); the ranks save a checkpoint and exit 0, the
 #    script requeues the job, the requeued run resumes from that checkpoint and finishes, and its
@@ -49,6 +51,22 @@ grep -q "layout: 4 ranks = tp 2 x pp 1 x dp 2" "$dir/stdout" || fail "not a 4-ra
 grep -q "done: 200 steps" "$dir/stdout" || fail "the run did not finish: $(tail -3 "$dir/stdout")"
 [[ $(losses "$dir/logs/metrics.jsonl" | wc -l) -eq 200 ]] || fail "metrics.jsonl does not hold 200 steps"
 reference="$dir/logs/metrics.jsonl"
+
+# The fallback bootstrap for a Slurm without PMIx (trainer/dist/rendezvous.h): srun --mpi=none
+# and a rendezvous directory; the same 4-rank run, loss for loss.
+case=rendezvous
+dir="$scratch/$case"
+write_config "$dir" 200
+mkdir -p "$dir/rendezvous"
+TETRA_RENDEZVOUS="$dir/rendezvous" timeout 60 srun -n 4 --mpi=none --kill-on-bad-exit=1 "$tetra" \
+  --config "$dir/config.json" >"$dir/stdout" 2>"$dir/stderr"
+rc=$?
+[[ $rc -eq 0 ]] || fail "srun --mpi=none with TETRA_RENDEZVOUS exited $rc; stderr: $(cat "$dir/stderr")"
+grep -q "layout: 4 ranks = tp 2 x pp 1 x dp 2" "$dir/stdout" || fail "not a 4-rank run: $(head -5 "$dir/stdout")"
+if ! diff <(losses "$reference") <(losses "$dir/logs/metrics.jsonl") >"$dir/loss.diff"; then
+  fail "the losses differ from the srun --mpi=pmix run: $(head -5 "$dir/loss.diff")"
+fi
+pgrep -f "ompi-server --no-daemonize -r $dir/" >/dev/null && fail "rank 0 left its ompi-server running"
 
 case=sbatch
 dir="$scratch/$case"

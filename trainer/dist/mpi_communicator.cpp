@@ -21,6 +21,7 @@
 #include "trainer/dist/bootstrap.h"
 #include "trainer/dist/comm_accounting.h"
 #include "trainer/dist/comm_worker.h"
+#include "trainer/dist/mpi_world.h"
 #include "trainer/dist/self_communicator.h"
 #include "trainer/dist/watchdog.h"
 
@@ -372,8 +373,8 @@ std::unique_ptr<Communicator> make_mpi_communicator(std::string name, std::vecto
     return make_self_communicator(std::move(name), 0);
   }
   int world_rank = 0, world_size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+  MPI_Comm_rank(dist_world(), &world_rank);
+  MPI_Comm_size(dist_world(), &world_size);
 
   // A bad list is reported only after taking part in the split, which every rank must call.
   std::string problem;
@@ -396,7 +397,7 @@ std::unique_ptr<Communicator> make_mpi_communicator(std::string name, std::vecto
   const bool joins = problem.empty() && members.size() > 1;
   const int color = joins ? *std::min_element(members.begin(), members.end()) : MPI_UNDEFINED;
   MPI_Comm comm = MPI_COMM_NULL;
-  int rc = MPI_Comm_split(MPI_COMM_WORLD, color, std::max(index, 0), &comm);
+  int rc = MPI_Comm_split(dist_world(), color, std::max(index, 0), &comm);
   if (rc != MPI_SUCCESS) throw fail("MPI_Comm_split failed: " + mpi_error_text(rc));
   if (!problem.empty()) throw fail(problem);
   if (comm == MPI_COMM_NULL) return make_self_communicator(std::move(name), world_rank);
