@@ -67,6 +67,7 @@ if ! diff <(losses "$reference") <(losses "$dir/logs/metrics.jsonl") >"$dir/loss
   fail "the losses differ from the srun --mpi=pmix run: $(head -5 "$dir/loss.diff")"
 fi
 pgrep -f "ompi-server --no-daemonize -r $dir/" >/dev/null && fail "rank 0 left its ompi-server running"
+[[ -z "$(ls -A "$dir/rendezvous")" ]] || fail "rank 0 left files in the rendezvous directory: $(ls -R "$dir/rendezvous")"
 
 case=sbatch
 dir="$scratch/$case"

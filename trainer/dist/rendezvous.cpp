@@ -36,6 +36,7 @@ constexpr double kWaitS = 300.0;
 
 std::vector<std::pair<std::string, std::string>> g_hidden;  // Slurm/PMI variables, restored later
 pid_t g_server = -1;                                          // rank 0: the ompi-server child
+std::string g_dir;                                            // rank 0: the files to remove at the end
 
 void write_atomically(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp";
@@ -133,6 +134,7 @@ Rendezvous rendezvous_prepare() {
     std::filesystem::create_directories(r.dir, ec);
     TETRA_CHECK(!ec, "rendezvous: cannot create {}: {}", r.dir, ec.message());
     start_server(uri_file);
+    g_dir = r.dir;
   } else {
     wait_for_line(uri_file, "ompi-server's address from rank 0", [](const std::string& s) { return !s.empty(); });
   }
@@ -185,6 +187,9 @@ void rendezvous_finish() {
   int status = 0;
   waitpid(g_server, &status, 0);
   g_server = -1;
+  // Every rank has joined (MPI_Finalize is collective over them): nobody reads the files any more.
+  std::error_code ec;
+  std::filesystem::remove_all(g_dir, ec);
 }
 
 }  // namespace tetra

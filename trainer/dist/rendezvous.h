@@ -38,7 +38,7 @@ Rendezvous rendezvous_prepare();
 // After MPI_Init (each process a singleton): joins every rank into one communicator, ordered by
 // SLURM_PROCID, and restores the Slurm variables hidden by rendezvous_prepare(). Collective.
 MPI_Comm rendezvous_join(const Rendezvous& r);
-// After MPI_Finalize: rank 0 stops its ompi-server.
+// After MPI_Finalize: rank 0 stops its ompi-server and removes this job step's subdirectory.
 void rendezvous_finish();
 
 }  // namespace tetra
