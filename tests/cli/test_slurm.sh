@@ -103,6 +103,7 @@ else
   grep -q "stopping after step 50 (a signal) (checkpoint saved)" "$out" || fail "no checkpoint at the signal: $(grep -v ' I ' "$out")"
   grep -q "requeued to resume" "$out" || fail "the script did not requeue the job"
   grep -q "checkpoint $dir/ckpt/step_00000050 loaded" "$out" || fail "the requeued run did not resume from step 50"
+  grep -q "done: 50 steps" "$out" || fail "the first run did not stop at step 50"
   grep -q "done: 200 steps" "$out" || fail "the requeued run did not finish"
   # Step by step: the interrupted and resumed run against the uninterrupted one.
   if ! diff <(losses "$reference") <(losses "$dir/logs/metrics.jsonl") >"$dir/loss.diff"; then

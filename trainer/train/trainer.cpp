@@ -466,6 +466,7 @@ void Trainer::run() {
 
   install_stop_signals();
   StepGuard guard(tc, *groups_.world, *be_);
+  int64_t reached = start_step_;  // the last step done (a stop may come before tc.steps)
   for (int64_t s = start_step_; s < tc.steps; ++s) {
     watchdog_step_begin(s + 1);
     const auto t0 = std::chrono::steady_clock::now();
@@ -506,6 +507,7 @@ void Trainer::run() {
     }
     be_->synchronize();
     watchdog_step_end();
+    reached = s + 1;
     const double step_s = seconds_since(t0);
     if (s > start_step_) avg_step_s += (step_s - avg_step_s) / static_cast<double>(s - start_step_);
 
@@ -576,7 +578,7 @@ void Trainer::run() {
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
   spdlog::info("done: {} steps in {}; peak memory of this rank {:.1f} MiB (optimizer state {:.1f} MiB)",
-               tc.steps, format_duration(seconds_since(run_t0)), static_cast<double>(usage.ru_maxrss) / 1024.0,
+               reached, format_duration(seconds_since(run_t0)), static_cast<double>(usage.ru_maxrss) / 1024.0,
                static_cast<double>(optimizer_->state_bytes()) / 1048576.0);
 }
 
