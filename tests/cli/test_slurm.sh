@@ -4,6 +4,7 @@
 #  - srun: `srun -n 4 --mpi=pmix tetra` trains a dp 2 x tp 2 config to completion;
 #  - rendezvous: `srun -n 4 --mpi=none` with TETRA_RENDEZVOUS (the bootstrap for Slurm without
 #    PMIx) gives the same losses;
+#  - hang_pmix, hang_rendezvous: a rank that hangs is reported by the watchdog, and srun exits 3;
 #  - sbatch: scripts/slurm/train.sbatch is sent USR1 mid-run (scancel --signal=USR1 --batch, what
 #    --signal=B:USR1@120 does before the time limit); the ranks save a checkpoint and exit 0, the
 #    script requeues the job, the requeued run resumes from that checkpoint and finishes, and its
@@ -68,6 +69,34 @@ if ! diff <(losses "$reference") <(losses "$dir/logs/metrics.jsonl") >"$dir/loss
 fi
 pgrep -f "ompi-server --no-daemonize -r $dir/" >/dev/null && fail "rank 0 left its ompi-server running"
 [[ -z "$(ls -A "$dir/rendezvous")" ]] || fail "rank 0 left files in the rendezvous directory: $(ls -R "$dir/rendezvous")"
+
+# No silent hangs under srun either: rank 2 hangs at the start of step 3 (test-only, see
+# trainer/dist/watchdog.h); the watchdog (4 s) ends the step with exit 3 and srun reports it,
+# with pmix and with the rendezvous bootstrap (whose singletons need --kill-on-bad-exit).
+# Margin: start-up (~1 s) + timeout + the watchdog's grace (1 s) + srun's teardown.
+for mode in pmix rendezvous; do
+  case=hang_$mode
+  dir="$scratch/$case"
+  write_config "$dir" 50
+  mkdir -p "$dir/rendezvous"
+  rdv=()
+  [[ $mode == rendezvous ]] && rdv=(TETRA_RENDEZVOUS="$dir/rendezvous")
+  mpi=pmix
+  [[ $mode == rendezvous ]] && mpi=none
+  t0=$(date +%s)
+  env "${rdv[@]}" TETRA_TEST_HANG_RANK=2 TETRA_TEST_HANG_STEP=3 timeout 60 srun -n 4 --mpi=$mpi \
+    --kill-on-bad-exit=1 "$tetra" --config "$dir/config.json" --set training.collective_timeout_s=4 \
+    >"$dir/stdout" 2>"$dir/stderr"
+  rc=$?
+  took=$(($(date +%s) - t0))
+  echo "[$case] srun ended after $took s with exit code $rc"
+  [[ $rc -ne 0 && $rc -ne 124 ]] || fail "srun exited $rc (124: it hung)"
+  [[ $took -le 20 ]] || fail "srun took $took s, more than 20 s"
+  grep -q "watchdog: rank 2 \[tp0 pp0 dp1 ep0 | r2\] has been in step 3 .*not waiting in any collective" "$dir/stderr" ||
+    fail "no watchdog report naming rank 2; stderr: $(cat "$dir/stderr")"
+  grep -q "Exited with exit code 3" "$dir/stderr" || fail "srun does not report the watchdog's exit code 3"
+  pgrep -f "ompi-server --no-daemonize -r $dir/" >/dev/null && fail "an ompi-server outlived the job"
+done
 
 case=sbatch
 dir="$scratch/$case"

@@ -3,6 +3,7 @@
 #include "trainer/dist/rendezvous.h"
 
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -83,9 +84,14 @@ void hide_launcher_variables() {
 
 void start_server(const std::string& uri_file) {
   const std::string raw = uri_file + ".raw";
+  const pid_t parent = getpid();
   g_server = fork();
   TETRA_CHECK(g_server >= 0, "rendezvous: fork() for ompi-server failed: {}", std::strerror(errno));
   if (g_server == 0) {
+    // The server ends with rank 0, however rank 0 ends (MPI_Abort, a crash): a server left behind
+    // would keep the job step, and srun, waiting.
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != parent) std::_Exit(0);  // rank 0 ended before prctl took effect
     if (geteuid() == 0) {
       setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
       setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
