@@ -8,6 +8,9 @@ PACKAGES=(
   nlohmann-json3-dev libspdlog-dev libfmt-dev libcli11-dev catch2
   libdnnl-dev ocl-icd-opencl-dev   # dnnl's CMake config requires the OpenCL headers
   openmpi-bin libopenmpi-dev
+  # Slurm for tests/cli/test_slurm.sh (a single-node cluster on localhost, scripts/slurm/). Its
+  # pmix plugin loads the unversioned libpmix.so, which only libpmix-dev provides.
+  slurmctld slurmd slurm-client libpmix-dev libpmix2
   libsentencepiece-dev sentencepiece libpcre2-dev   # tokenizers
   python3 python3-numpy python3-torch
 )

@@ -10,6 +10,8 @@
 // same config, so a config or layout error is printed once (by rank 0) and every rank exits 2
 // without a collective. A failure after that may hit one rank only: it prints the error with its
 // coordinates and ends the whole job (MPI_Abort), so no rank waits forever in a collective.
+// Exit code 3: the watchdog (trainer/dist/watchdog.h) ended a job in which a step or a collective
+// lasted longer than training.collective_timeout_s.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -25,6 +27,7 @@
 #include "trainer/dist/bootstrap.h"
 #include "trainer/dist/process_groups.h"
 #include "trainer/dist/rank_grid.h"
+#include "trainer/dist/watchdog.h"
 #include "trainer/parallel/comm_volume.h"
 #include "trainer/model/flops.h"
 #include "trainer/model/param_layout.h"
@@ -242,6 +245,11 @@ int run(int argc, char** argv, const tetra::ProcessInfo& proc) {
   const tetra::GridCoord c = grid.coord(proc.rank);
   tetra::init_logging(rank_log_level(cfg.logging.level, proc.rank),
                       tetra::RankCoords{c.tp, c.pp, c.dp, c.ep, proc.rank});
+  tetra::watchdog_start(cfg.training.collective_timeout_s, proc.rank,
+                        tetra::rank_prefix({c.tp, c.pp, c.dp, c.ep, proc.rank}));
+  struct StopWatchdog {
+    ~StopWatchdog() { tetra::watchdog_stop(); }
+  } stop_watchdog;
   try {
     tetra::ProcessGroups groups = tetra::ProcessGroups::create(grid, proc.rank);
     tetra::Trainer trainer(cfg, config_path, groups, dump_dir);

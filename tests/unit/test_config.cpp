@@ -144,6 +144,11 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.sample.top_k == b.sample.top_k);
   CHECK(a.sample.seed == b.sample.seed);
   CHECK(a.training.exit_interval == b.training.exit_interval);
+  CHECK(a.training.exit_after_min == b.training.exit_after_min);
+  CHECK(a.training.collective_timeout_s == b.training.collective_timeout_s);
+  CHECK(a.training.max_skipped_steps == b.training.max_skipped_steps);
+  CHECK(a.training.spike_zscore == b.training.spike_zscore);
+  CHECK(a.training.spike_window == b.training.spike_window);
   CHECK(a.checkpoint.dir == b.checkpoint.dir);
   CHECK(a.checkpoint.every == b.checkpoint.every);
   CHECK(a.checkpoint.keep == b.checkpoint.keep);
@@ -167,7 +172,9 @@ json every_key() {
     "training": {"device": "cpu", "precision": "bf16", "micro_batch_size": 2,
                  "global_batch_size": 8, "steps": 500, "seed": 18446744073709551615,
                  "eval_every": 50, "eval_steps": 5, "log_every": 10, "threads": 2,
-                 "peak_gflops": 123.5, "exit_interval": 250},
+                 "peak_gflops": 123.5, "exit_interval": 250, "exit_after_min": 90.5,
+                 "collective_timeout_s": 120.0, "max_skipped_steps": 3, "spike_zscore": 6.0,
+                 "spike_window": 20},
     "optimizer": {"lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 20, "decay": "linear",
                   "decay_steps": 400, "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.99,
                   "eps": 1e-6, "grad_clip": 0.5},
@@ -392,6 +399,11 @@ TEST_CASE("config: single-value ranges", "[config]") {
       {"training.log_every", 0, "must be >= 1"},
       {"training.threads", -1, "must be >= 0"},
       {"training.peak_gflops", -1.0, "must be >= 0"},
+      {"training.exit_after_min", -1.0, "must be >= 0"},
+      {"training.collective_timeout_s", -5.0, "must be >= 0"},
+      {"training.max_skipped_steps", -1, "must be >= 0"},
+      {"training.spike_zscore", -0.5, "must be >= 0"},
+      {"training.spike_window", 1, "must be >= 2"},
       {"optimizer.lr", 0.0, "must be > 0"},
       {"optimizer.lr", -1e-3, "must be > 0"},
       {"optimizer.min_lr", -1e-5, "must be >= 0"},

@@ -67,6 +67,15 @@ struct TrainingConfig {
   double peak_gflops = 0.0;         // for MFU; 0 = measured at start-up
   int64_t exit_interval = 0;        // stop after a step that is a multiple of it, as if interrupted
                                     // (checkpoint saved; Megatron's --exit-interval); 0 = never
+  double exit_after_min = 0.0;      // stop (with a checkpoint) after the first step that ends this
+                                    // many minutes after start-up; 0 = never
+  double collective_timeout_s = 300.0;  // watchdog: a step or a blocking collective wait longer
+                                        // than this ends the job (exit 3); 0 = off
+  int64_t max_skipped_steps = 5;    // consecutive skipped steps (non-finite or spiking loss or
+                                    // grad norm) tolerated; one more fails the run
+  double spike_zscore = 0.0;        // skip a step whose loss or grad norm lies more than this many
+                                    // standard deviations above the recent mean; 0 = off
+  int64_t spike_window = 50;        // steps in that mean (a full window is needed to judge)
 };
 
 struct OptimizerConfig {

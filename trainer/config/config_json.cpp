@@ -85,6 +85,11 @@ void visit_training(T& t, V& v) {
   v.integer("threads", t.threads);
   v.number("peak_gflops", t.peak_gflops);
   v.integer("exit_interval", t.exit_interval);
+  v.number("exit_after_min", t.exit_after_min);
+  v.number("collective_timeout_s", t.collective_timeout_s);
+  v.integer("max_skipped_steps", t.max_skipped_steps);
+  v.number("spike_zscore", t.spike_zscore);
+  v.integer("spike_window", t.spike_window);
 }
 
 template <class O, class V>

@@ -158,6 +158,11 @@ void check_ranges(const Config& c, Rules& r) {
   r.at_least("training.threads", t.threads, 0);
   r.non_negative("training.peak_gflops", t.peak_gflops);
   r.at_least("training.exit_interval", t.exit_interval, 0);
+  r.non_negative("training.exit_after_min", t.exit_after_min);
+  r.non_negative("training.collective_timeout_s", t.collective_timeout_s);
+  r.at_least("training.max_skipped_steps", t.max_skipped_steps, 0);
+  r.non_negative("training.spike_zscore", t.spike_zscore);
+  r.at_least("training.spike_window", t.spike_window, 2);
 
   const OptimizerConfig& o = c.optimizer;
   r.positive("optimizer.lr", o.lr);

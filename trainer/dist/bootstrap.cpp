@@ -1,4 +1,5 @@
-// MPI start-up: yield-when-idle default, MPI_THREAD_MULTIPLE, launcher and node-local rank.
+// MPI start-up: yield-when-idle default, MPI_THREAD_MULTIPLE, launcher and node-local rank, and
+// the rendezvous fallback (rendezvous.h) when srun cannot start MPI programs.
 #include "trainer/dist/bootstrap.h"
 
 #include <cstdio>
@@ -8,6 +9,8 @@
 #include <mpi.h>
 
 #include "trainer/core/check.h"
+#include "trainer/dist/mpi_world.h"
+#include "trainer/dist/rendezvous.h"
 
 namespace tetra {
 
@@ -40,8 +43,11 @@ void check_mpi(int rc, const char* what) {
 // What the first dist_init found; a second call returns it.
 ProcessInfo g_info;
 bool g_have_info = false;
+MPI_Comm g_world = MPI_COMM_WORLD;  // the rendezvous' joined communicator when it is used
 
 }  // namespace
+
+MPI_Comm dist_world() { return g_world; }
 
 bool dist_initialized() {
   int initialized = 0, finalized = 0;
@@ -55,9 +61,11 @@ ProcessInfo dist_init(int* argc, char*** argv) {
   MPI_Finalized(&finalized);
   TETRA_CHECK(finalized == 0, "dist_init after dist_finalize: MPI cannot be started twice");
   if (g_have_info) return g_info;
-  const std::string launcher = detect_launcher();
+  std::string launcher = detect_launcher();
   int initialized = 0;
   MPI_Initialized(&initialized);
+  const Rendezvous rendezvous = initialized == 0 ? rendezvous_prepare() : Rendezvous{};
+  if (rendezvous.active) launcher = "srun-rendezvous";
   if (initialized == 0) {
     setenv("OMPI_MCA_mpi_yield_when_idle", "1", /*overwrite=*/0);
     int provided = MPI_THREAD_SINGLE;
@@ -77,20 +85,21 @@ ProcessInfo dist_init(int* argc, char*** argv) {
                 provided);
   }
 
+  if (rendezvous.active) g_world = rendezvous_join(rendezvous);
   ProcessInfo info;
-  check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &info.rank), "MPI_Comm_rank");
-  check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &info.size), "MPI_Comm_size");
+  check_mpi(MPI_Comm_rank(g_world, &info.rank), "MPI_Comm_rank");
+  check_mpi(MPI_Comm_size(g_world, &info.size), "MPI_Comm_size");
   info.launcher = launcher;
 
   const char* local = nullptr;
   if (info.launcher == "mpirun") local = env("OMPI_COMM_WORLD_LOCAL_RANK");
-  if (info.launcher == "srun") local = env("SLURM_LOCALID");
+  if (info.launcher == "srun" || info.launcher == "srun-rendezvous") local = env("SLURM_LOCALID");
   if (local != nullptr) {
     info.local_rank = std::atoi(local);
   } else {
     // The rank among the processes that share this node's memory (collective over the world).
     MPI_Comm node = MPI_COMM_NULL;
-    check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, info.rank, MPI_INFO_NULL, &node),
+    check_mpi(MPI_Comm_split_type(g_world, MPI_COMM_TYPE_SHARED, info.rank, MPI_INFO_NULL, &node),
               "MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)");
     check_mpi(MPI_Comm_rank(node, &info.local_rank), "MPI_Comm_rank(node)");
     MPI_Comm_free(&node);
@@ -101,12 +110,17 @@ ProcessInfo dist_init(int* argc, char*** argv) {
 }
 
 void dist_finalize() {
-  if (dist_initialized()) MPI_Finalize();
+  if (dist_initialized()) {
+    if (g_world != MPI_COMM_WORLD) MPI_Comm_free(&g_world);
+    g_world = MPI_COMM_WORLD;
+    MPI_Finalize();
+  }
+  rendezvous_finish();
 }
 
 void dist_abort(int exit_code) {
   std::fflush(nullptr);
-  if (dist_initialized()) MPI_Abort(MPI_COMM_WORLD, exit_code);
+  if (dist_initialized()) MPI_Abort(g_world, exit_code);
   std::_Exit(exit_code);
 }
 

@@ -1,7 +1,9 @@
 // Process bootstrap: MPI start-up and shutdown, and what the launcher told this process.
 //
 // The same binary runs three ways: `mpirun -np N tetra`, `srun tetra` (Slurm with --mpi=pmix) and
-// a plain `tetra`, which OpenMPI starts as a singleton (world size 1, no launcher needed).
+// a plain `tetra`, which OpenMPI starts as a singleton (world size 1, no launcher needed). A
+// fourth, for Slurm without PMIx: `srun --mpi=none tetra` with TETRA_RENDEZVOUS set
+// (rendezvous.h).
 // MPI_THREAD_MULTIPLE is required: each communicator drives its operations from its own thread.
 //
 // Before MPI_Init, OMPI_MCA_mpi_yield_when_idle=1 is set unless the user set it. A rank waiting in
@@ -16,7 +18,7 @@ namespace tetra {
 
 struct ProcessInfo {
   int rank = 0, size = 1, local_rank = 0;  // local_rank: index among this node's processes
-  std::string launcher;                    // "mpirun", "srun" or "single"
+  std::string launcher;                    // "mpirun", "srun", "srun-rendezvous" or "single"
 };
 
 // Initialises MPI (once; a second call returns the same information). Throws tetra::Error if

@@ -117,6 +117,12 @@ void CommWorker::loop(std::shared_ptr<State> state) {
     } catch (...) {
       error = std::current_exception();
     }
+    // Idle before the waiter wakes: a shutdown() right after the last wait() then joins instead of
+    // taking the finished operation for one in flight.
+    {
+      std::lock_guard<std::mutex> lock(state->mutex);
+      state->running = false;
+    }
     task.done->finish(std::move(error));
   }
 }

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "trainer/core/dtype.h"
+#include "trainer/dist/watchdog.h"
 
 namespace tetra {
 
@@ -116,8 +117,9 @@ class Communicator {
   virtual void barrier() = 0;
 
   // Waits for `work`, an operation of kind `op` issued on this communicator, and counts the time
-  // blocked in stats().blocked_s.
+  // blocked in stats().blocked_s. The wait is registered with the watchdog (watchdog.h).
   void wait(Work& work, CommOp op) {
+    const WatchedWait watched(name(), members(), comm_op_name(op));
     const auto t0 = std::chrono::steady_clock::now();
     work.wait();
     stats_.blocked_s[static_cast<int>(op)] +=

@@ -21,7 +21,9 @@
 #include "trainer/dist/bootstrap.h"
 #include "trainer/dist/comm_accounting.h"
 #include "trainer/dist/comm_worker.h"
+#include "trainer/dist/mpi_world.h"
 #include "trainer/dist/self_communicator.h"
+#include "trainer/dist/watchdog.h"
 
 namespace tetra {
 
@@ -272,6 +274,7 @@ class MpiCommunicator final : public Communicator {
     std::vector<Transfer> batch = std::move(batch_);
     batch_.clear();
     done->release();
+    const WatchedWait watched(name(), members(), "send/recv group");
     worker_.submit(done, guarded("send/recv group", [batch = std::move(batch)](MpiGroup& g) {
                      // Every transfer posted at once, so they may match in any order; then all waited for.
                      std::vector<MPI_Request> requests(batch.size(), MPI_REQUEST_NULL);
@@ -293,6 +296,7 @@ class MpiCommunicator final : public Communicator {
 
   void barrier() override {
     check_collective("barrier");
+    const WatchedWait watched(name(), members(), "barrier");
     enqueue("barrier", [](MpiGroup& g) { g.check(MPI_Barrier(g.comm), "barrier"); })->wait();
   }
 
@@ -416,8 +420,8 @@ std::unique_ptr<Communicator> make_mpi_communicator(std::string name, std::vecto
     return make_self_communicator(std::move(name), 0);
   }
   int world_rank = 0, world_size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+  MPI_Comm_rank(dist_world(), &world_rank);
+  MPI_Comm_size(dist_world(), &world_size);
 
   // A bad list is reported only after taking part in the split, which every rank must call.
   std::string problem;
@@ -440,7 +444,7 @@ std::unique_ptr<Communicator> make_mpi_communicator(std::string name, std::vecto
   const bool joins = problem.empty() && members.size() > 1;
   const int color = joins ? *std::min_element(members.begin(), members.end()) : MPI_UNDEFINED;
   MPI_Comm comm = MPI_COMM_NULL;
-  int rc = MPI_Comm_split(MPI_COMM_WORLD, color, std::max(index, 0), &comm);
+  int rc = MPI_Comm_split(dist_world(), color, std::max(index, 0), &comm);
   if (rc != MPI_SUCCESS) throw fail("MPI_Comm_split failed: " + mpi_error_text(rc));
   if (!problem.empty()) throw fail(problem);
   if (comm == MPI_COMM_NULL) return make_self_communicator(std::move(name), world_rank);

@@ -6,14 +6,15 @@
 #include "trainer/core/check.h"
 #include "trainer/dist/bootstrap.h"
 #include "trainer/dist/mpi_communicator.h"
+#include "trainer/dist/mpi_world.h"
 
 namespace tetra {
 
 ProcessGroups ProcessGroups::create(const RankGrid& grid, int rank) {
   int world = 1, mpi_rank = 0;
   if (dist_initialized()) {
-    MPI_Comm_size(MPI_COMM_WORLD, &world);
-    MPI_Comm_rank(MPI_COMM_WORLD, &mpi_rank);
+    MPI_Comm_size(dist_world(), &world);
+    MPI_Comm_rank(dist_world(), &mpi_rank);
   }
   TETRA_CHECK(grid.world() == world, "the rank grid has {} ranks but MPI runs {} processes", grid.world(), world);
   TETRA_CHECK(rank == mpi_rank, "ProcessGroups::create for rank {} on MPI rank {}", rank, mpi_rank);

@@ -45,6 +45,7 @@ std::string MetricsWriter::format_line(const StepMetrics& m) {
   if (m.val_loss) line += fmt::format(" | val loss {:.4f}", *m.val_loss);
   if (m.pipeline)
     line += fmt::format(" | bubble {:.0f}% (ideal {:.0f}%)", 100.0 * m.pipeline->bubble, 100.0 * m.pipeline->ideal_bubble);
+  if (m.skipped) line += fmt::format(" | SKIPPED ({})", *m.skipped);
   for (const CommRecord& c : m.comm)
     line += fmt::format(" | {} {:.2f} MB, {:.1f} ms{}", c.group, c.sent_bytes / 1e6, c.blocked_ms,
                         c.measured == c.predicted ? "" : " (UNEXPECTED VOLUME)");
@@ -71,6 +72,7 @@ void MetricsWriter::write(const StepMetrics& m) {
                      {"ideal_bubble", m.pipeline->ideal_bubble},
                      {"bubble_per_rank", m.pipeline->bubble_per_rank},
                      {"peak_in_flight", m.pipeline->peak_in_flight}};
+  if (m.skipped) j["skipped"] = *m.skipped;
   if (!m.comm.empty()) {
     auto volume = [](const GroupVolume& v) {
       nlohmann::ordered_json o;

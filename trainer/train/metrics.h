@@ -50,6 +50,7 @@ struct StepMetrics {
   std::vector<CommRecord> comm;  // groups of size > 1 (global rank 0's view)
   std::optional<PipelineMetrics> pipeline;  // pp > 1
   std::optional<std::string> sample;  // text sampled at an evaluation
+  std::optional<std::string> skipped;  // why the update was skipped (step_guard.h); unset: applied
 };
 
 class MetricsWriter {

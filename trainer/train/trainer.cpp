@@ -27,11 +27,14 @@
 #include "trainer/data/sample_source.h"
 #include "trainer/data/tokenizer.h"
 #include "trainer/dist/process_groups.h"
+#include "trainer/dist/watchdog.h"
 #include "trainer/model/flops.h"
 #include "trainer/model/sampler.h"
 #include "trainer/optim/lr_schedule.h"
+#include "trainer/train/fault_injection.h"
 #include "trainer/train/generate.h"
 #include "trainer/train/metrics.h"
+#include "trainer/train/step_guard.h"
 
 namespace tetra {
 
@@ -281,6 +284,9 @@ CheckpointBuffers Trainer::checkpoint_buffers() {
 namespace {
 volatile std::sig_atomic_t g_stop_signal = 0;
 extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+// training.exit_after_min counts from the process's start (as a scheduler's time limit does).
+const auto g_process_start = std::chrono::steady_clock::now();
+int32_t g_stop_cause = 0;  // what stop_requested() agreed on: 1 a signal, 2 training.exit_after_min
 }  // namespace
 
 void Trainer::install_stop_signals() {
@@ -294,12 +300,15 @@ void Trainer::install_stop_signals() {
 bool Trainer::stop_requested() {
   // Every rank must stop after the same step: agree on whether any rank got a signal.
   int32_t flag = g_stop_signal != 0 ? 1 : 0;
+  if (cfg_.training.exit_after_min > 0 && seconds_since(g_process_start) >= 60.0 * cfg_.training.exit_after_min)
+    flag = 2;
   if (groups_.world->size() > 1) {
     int32_t* dev = reinterpret_cast<int32_t*>(scalar_);
     be_->copy_from_host(dev, &flag, 4);
     groups_.world->all_reduce(dev, 1, DType::I32, ReduceOp::MAX);
     be_->copy_to_host(&flag, dev, 4);
   }
+  g_stop_cause = flag;
   return flag != 0;
 }
 
@@ -420,8 +429,10 @@ double Trainer::train_step(int64_t s) {
   // gradients, and their reduction overlaps the backward of earlier layers.
   pipe_stats_ = model_->train(compute_, grads_, dloss_scale, group_done_);
   grad_buffer_->finish();
+  inject_grad_fault(groups_.rank, s + 1, *be_, grads_ + grad_buffer_->owned().front().offset);  // test-only
   float local = 0.0f;
   if (model_->has_loss()) {
+    inject_loss_fault(groups_.rank, s + 1, 0, *be_, losses_, rows_);  // test-only
     be_->sum(scalar_, losses_, accum_ * rows_);
     be_->copy_to_host(&local, scalar_, sizeof(float));
   }
@@ -524,18 +535,16 @@ void Trainer::run() {
   const auto run_t0 = std::chrono::steady_clock::now();
 
   install_stop_signals();
+  StepGuard guard(tc, *groups_.world, *be_);
+  int64_t reached = start_step_;  // the last step done (a stop may come before tc.steps)
   for (int64_t s = start_step_; s < tc.steps; ++s) {
+    watchdog_step_begin(s + 1);
     const auto t0 = std::chrono::steady_clock::now();
     const std::vector<CommStats> comm_before = comm_snapshot();
     const double loss = train_step(s);
-    if (!std::isfinite(loss))
-      throw Error(fmt::format("step {}: the training loss is {}; lower optimizer.lr{}", s + 1, loss,
-                              cfg_.optimizer.grad_clip > 0 ? "" : " or set optimizer.grad_clip"));
     const double norm = grad_norm_->compute(grads_);
-    if (!std::isfinite(norm))
-      throw Error(fmt::format("step {}: the gradient norm is {} (the loss, {:.4f}, is finite): some "
-                              "activation overflowed; lower optimizer.lr, or use precision fp32",
-                              s + 1, norm, loss));
+    // A non-finite or spiking loss or norm: the update is skipped, the gradients dropped.
+    const StepVerdict verdict = guard.check(s + 1, loss, norm);
     if (!dump_dir_.empty() && s == 0) {
       // Debugging output, not part of the step: its communication is not accounted.
       const std::vector<CommStats> saved = comm_snapshot();
@@ -552,15 +561,23 @@ void Trainer::run() {
       for (size_t i = 0; i < accounted.size(); ++i) accounted[i].comm->stats() = saved[i];
     }
     const double lr = learning_rate(cfg_.optimizer, tc.steps, s);
-    const float clip = clip_factor(norm, cfg_.optimizer.grad_clip);
-    optimizer_->step(master_, grads_, lr, clip, act_ == DType::F32 ? nullptr : compute_, act_);
-    if (shard_optimizer) {
+    const float clip = verdict.skip ? 1.0f : clip_factor(norm, cfg_.optimizer.grad_clip);
+    if (verdict.skip) {
+      be_->memset_zero(grads_, static_cast<size_t>(layout_.total) * 4);
+      optimizer_->set_steps_taken(optimizer_->steps_taken() + 1);  // the step counts (step_guard.h)
+      if (writer_) spdlog::warn("step {}: update skipped: {}", s + 1, verdict.reason);
+    } else {
+      optimizer_->step(master_, grads_, lr, clip, act_ == DType::F32 ? nullptr : compute_, act_);
+    }
+    if (shard_optimizer && !verdict.skip) {
       // The optimizer zeroed the shards it consumed; the rest of the buffer holds this rank's
       // unreduced gradients. Then every rank gets the updated weights of every shard.
       be_->memset_zero(grads_, static_cast<size_t>(layout_.total) * 4);
       grad_buffer_->gather_params(compute_, act_);
     }
     be_->synchronize();
+    watchdog_step_end();
+    reached = s + 1;
     const double step_s = seconds_since(t0);
     if (s > start_step_) avg_step_s += (step_s - avg_step_s) / static_cast<double>(s - start_step_);
 
@@ -571,6 +588,7 @@ void Trainer::run() {
     m.lr = lr;
     m.grad_norm = norm;
     m.clip = clip;
+    if (verdict.skip) m.skipped = verdict.reason;
     m.ms = step_s * 1e3;
     m.tokens_per_s = tokens_per_step / step_s;
     m.mfu = stats.train_flops_per_token * m.tokens_per_s / peak_flops_;
@@ -605,7 +623,9 @@ void Trainer::run() {
     }
     if (stop) {
       spdlog::warn("stopping after step {} ({}){}", s + 1,
-                   tc.exit_interval > 0 && (s + 1) % tc.exit_interval == 0 ? "training.exit_interval" : "a signal",
+                   g_stop_cause == 2   ? "training.exit_after_min"
+                   : g_stop_cause == 1 ? "a signal"
+                                       : "training.exit_interval",
                    cfg_.checkpoint.save_on_exit && !cfg_.checkpoint.dir.empty() ? " (checkpoint saved)" : "");
       break;
     }
@@ -629,7 +649,7 @@ void Trainer::run() {
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
   spdlog::info("done: {} steps in {}; peak memory of this rank {:.1f} MiB (optimizer state {:.1f} MiB)",
-               tc.steps, format_duration(seconds_since(run_t0)), static_cast<double>(usage.ru_maxrss) / 1024.0,
+               reached, format_duration(seconds_since(run_t0)), static_cast<double>(usage.ru_maxrss) / 1024.0,
                static_cast<double>(optimizer_->state_bytes()) / 1048576.0);
 }
 
