@@ -4,6 +4,7 @@
 
 #include "trainer/core/check.h"
 #include "trainer/dist/communicator.h"
+#include "trainer/model/moe.h"
 
 namespace tetra {
 
@@ -124,14 +125,15 @@ static size_t layout_acts(Carver& c, const ModelDims& d, DType act, Gpt::Acts& a
 }
 
 size_t Gpt::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch, int64_t tp,
-                                 bool sequence_parallel) {
+                                 bool sequence_parallel, int64_t ep) {
   Carver c(nullptr);
   Acts a;
-  return layout_acts(c, ModelDims::from(cfg, micro_batch, tp, 0, sequence_parallel), act, a);
+  return layout_acts(c, ModelDims::from(cfg, micro_batch, tp, 0, sequence_parallel), act, a) +
+         MoeLayers::activation_bytes_for(cfg, act, micro_batch * cfg.seq_len, ep);
 }
 
 Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
-         Communicator* tp)
+         Communicator* tp, Communicator* ep)
     : cfg_(cfg), layout_(layout), be_(be), tp_(tp && tp->size() > 1 ? tp : nullptr), act_(act) {
   const int64_t tp_size = tp_ ? tp_->size() : 1, tp_rank = tp_ ? tp_->rank() : 0;
   TETRA_CHECK(layout.slicing.tp == tp_size && layout.slicing.tp_rank == tp_rank,
@@ -149,6 +151,11 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   a_ = std::make_unique<Acts>();
   Carver c(static_cast<char*>(arena_));
   layout_acts(c, d_, act_, *a_);
+  if (cfg.moe.enabled()) {
+    TETRA_CHECK(!tp_, "MoE blocks need tp 1 (got {})", tp_size);
+    moe_ = std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep);
+    arena_bytes_ += moe_->activation_bytes();
+  }
 }
 
 Gpt::~Gpt() {
@@ -198,7 +205,9 @@ void Gpt::vocab_parallel_loss(float* losses, const int32_t* targets, float dloss
 
 void Gpt::forward(const void* weights, const int32_t* tokens, const int32_t* targets, float* losses,
                   float dloss_scale) {
+  moe_loss_weight_ = dloss_scale * static_cast<float>(d_.N());
   forward_logits(weights, tokens);
+  moe_loss_weight_ = 0.0f;
   vocab_parallel_loss(losses, targets, dloss_scale);
 }
 
@@ -251,6 +260,10 @@ void Gpt::forward_logits(const void* weights, const int32_t* tokens) {
     be_.norm_forward(norm_, shard_of(s.ln2), s.ln2_mean, s.ln2_rstd, s.res_mid, w(weights, p.norm2_w),
                      w(weights, p.norm2_b), Ns, d.C, eps_, t, t);
     gather(s.ln2);
+    if (p.moe) {  // res[l+1] = res_mid + MoE(ln2)
+      moe_->forward(l, weights, s.ln2, s.res_mid, a.res[l + 1], moe_loss_weight_);
+      continue;
+    }
     // fc = ln2 W_fc^T + b          column-parallel                              (N, FC)
     be_.gemm(false, true, N, d.FC, d.C, 1.0f, s.ln2, d.C, w(weights, p.fc_w), d.C, t, 0.0f, s.fc,
              d.FC, t, w(weights, p.fc_b));
@@ -312,20 +325,25 @@ void Gpt::backward(const void* weights, float* grads, const int32_t* tokens,
     Acts::Layer& s = a.layers[l];
     // MLP: res[l+1] = res_mid + act W_p^T + b.
     const void* dout = full_dres();
-    be_.gemm(false, false, N, d.F, d.C, 1.0f, dout, d.C, w(weights, p.mlp_proj_w), d.F, t, 0.0f,
-             a.dact, d.F, t);
-    be_.gemm(true, false, d.C, d.F, N, 1.0f, dout, d.C, s.act, d.F, t, 1.0f, g(p.mlp_proj_w), d.F,
-             DType::F32);
-    if (p.mlp_proj_b >= 0) be_.bias_backward(g(p.mlp_proj_b), dout, N, d.C, t);
-    if (swiglu_)
-      be_.swiglu_backward(a.dfc, s.fc, a.dact, N, d.F, t);
-    else
-      be_.gelu_backward(a.dfc, s.fc, a.dact, N * d.F, t);
-    be_.gemm(false, false, N, d.C, d.FC, 1.0f, a.dfc, d.FC, w(weights, p.fc_w), d.C, t, 0.0f, dx,
-             d.C, t);
-    be_.gemm(true, false, d.FC, d.C, N, 1.0f, a.dfc, d.FC, s.ln2, d.C, t, 1.0f, g(p.fc_w), d.C,
-             DType::F32);
-    if (p.fc_b >= 0) be_.bias_backward(g(p.fc_b), a.dfc, N, d.FC, t);
+    if (p.moe) {
+      moe_->backward(l, weights, grads, s.ln2, dout, dx);
+      done(p.expert_group);
+    } else {
+      be_.gemm(false, false, N, d.F, d.C, 1.0f, dout, d.C, w(weights, p.mlp_proj_w), d.F, t, 0.0f,
+               a.dact, d.F, t);
+      be_.gemm(true, false, d.C, d.F, N, 1.0f, dout, d.C, s.act, d.F, t, 1.0f, g(p.mlp_proj_w), d.F,
+               DType::F32);
+      if (p.mlp_proj_b >= 0) be_.bias_backward(g(p.mlp_proj_b), dout, N, d.C, t);
+      if (swiglu_)
+        be_.swiglu_backward(a.dfc, s.fc, a.dact, N, d.F, t);
+      else
+        be_.gelu_backward(a.dfc, s.fc, a.dact, N * d.F, t);
+      be_.gemm(false, false, N, d.C, d.FC, 1.0f, a.dfc, d.FC, w(weights, p.fc_w), d.C, t, 0.0f, dx,
+               d.C, t);
+      be_.gemm(true, false, d.FC, d.C, N, 1.0f, a.dfc, d.FC, s.ln2, d.C, t, 1.0f, g(p.fc_w), d.C,
+               DType::F32);
+      if (p.fc_b >= 0) be_.bias_backward(g(p.fc_b), a.dfc, N, d.FC, t);
+    }
     column_parallel_input_grad(dx);
     be_.norm_backward(norm_, a.dres, g(p.norm2_w), g(p.norm2_b), a.dc, s.res_mid, w(weights, p.norm2_w),
                       s.ln2_mean, s.ln2_rstd, Ns, d.C, t, t);

@@ -31,7 +31,9 @@ struct LayoutBuilder {
     if (!p.row_blocks.empty()) {
       int64_t rows = 0;
       for (const RowBlock& b : p.row_blocks) rows += b.rows;
-      p.shape[0] = rows;
+      int64_t middle = 1;  // rows of the 2-D view per index of dim 0 (3-D expert tensors)
+      for (size_t d = 1; d + 1 < p.shape.size(); ++d) middle *= p.shape[d];
+      p.shape[0] = rows / middle;
     }
     if (cols >= 0) p.shape[1] = cols;
     p.tp_split = p.shape != p.global_shape;
@@ -52,6 +54,22 @@ struct LayoutBuilder {
     layout.params.back().sp_partial = layout.slicing.sequence_parallel && layout.slicing.tp > 1;
     return off;
   }
+  // An expert tensor of global shape (E, rest...): this rank's experts [e0, e0 + El) are one row
+  // block of the 2-D view.
+  int64_t expert(std::string name, std::vector<int64_t> global_shape, ParamInit init, bool decay, bool matmul) {
+    const TensorSlicing& s = layout.slicing;
+    const int64_t E = global_shape[0], El = E / s.ep, e0 = s.ep_rank * El;
+    int64_t rows_per_expert = 1;
+    for (size_t d = 1; d + 1 < global_shape.size(); ++d) rows_per_expert *= global_shape[d];
+    const int64_t off = add(std::move(name), global_shape, init, decay, matmul,
+                            s.ep > 1 ? std::vector<RowBlock>{{e0 * rows_per_expert, El * rows_per_expert}}
+                                     : std::vector<RowBlock>{});
+    ParamSpec& p = layout.params.back();
+    p.tp_split = false;
+    p.ep_split = s.ep > 1;
+    p.expert = true;
+    return off;
+  }
   void end_group() {
     const int64_t begin = layout.groups.empty() ? 0 : layout.groups.back().second;
     layout.total = round_up(layout.total, layout.slicing.group_align);
@@ -63,9 +81,9 @@ struct LayoutBuilder {
 }  // namespace
 
 int64_t ParamSpec::global_index(int64_t i) const {
-  if (!tp_split) return i;
-  const int64_t cols = shape.size() > 1 ? shape[1] : 1;
-  const int64_t gcols = global_shape.size() > 1 ? global_shape[1] : 1;
+  if (!tp_split && !ep_split) return i;
+  const int64_t cols = shape.size() > 1 ? shape.back() : 1;
+  const int64_t gcols = global_shape.size() > 1 ? global_shape.back() : 1;
   int64_t row = i / cols;
   const int64_t col = i % cols;
   int64_t grow = row;
@@ -123,10 +141,15 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
     if (m.bias) bp.attn_proj_b = b.add(n + "attn.proj.bias", {C}, ParamInit::ZEROS, false, false);
     bp.norm2_w = b.norm_param(n + "norm2.weight", C, ParamInit::ONES);
     if (norm_bias) bp.norm2_b = b.norm_param(n + "norm2.bias", C, ParamInit::ZEROS);
-    bp.fc_w = b.add(n + "mlp.fc.weight", {fc_global, C}, ParamInit::NORMAL, true, true, fc_rows);
-    if (m.bias) bp.fc_b = b.add(n + "mlp.fc.bias", {fc_global}, ParamInit::ZEROS, false, false, fc_rows);
-    bp.mlp_proj_w = b.add(n + "mlp.proj.weight", {C, F}, ParamInit::NORMAL_SCALED, true, true, {}, r * Fl, Fl);
-    if (m.bias) bp.mlp_proj_b = b.add(n + "mlp.proj.bias", {C}, ParamInit::ZEROS, false, false);
+    if (m.moe.is_moe_layer(i)) {
+      bp.moe = true;
+      bp.router_w = b.add(n + "mlp.router.weight", {m.moe.num_experts, C}, ParamInit::NORMAL, false, true);
+    } else {
+      bp.fc_w = b.add(n + "mlp.fc.weight", {fc_global, C}, ParamInit::NORMAL, true, true, fc_rows);
+      if (m.bias) bp.fc_b = b.add(n + "mlp.fc.bias", {fc_global}, ParamInit::ZEROS, false, false, fc_rows);
+      bp.mlp_proj_w = b.add(n + "mlp.proj.weight", {C, F}, ParamInit::NORMAL_SCALED, true, true, {}, r * Fl, Fl);
+      if (m.bias) bp.mlp_proj_b = b.add(n + "mlp.proj.bias", {C}, ParamInit::ZEROS, false, false);
+    }
     layout.blocks.push_back(bp);
     b.end_group();
   }
@@ -135,6 +158,25 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
   if (!m.tie_embeddings)
     layout.lm_head = b.add("lm_head.weight", {V, C}, ParamInit::NORMAL, true, true, vocab_rows);
   b.end_group();
+  layout.dense_groups = static_cast<int>(layout.groups.size());
+  layout.expert_begin = layout.total;
+  // The experts of every MoE block, after all dense parameters (one group per block).
+  if (m.moe.enabled()) {
+    const int64_t E = m.moe.num_experts, FE = m.moe.ffn_hidden_size, FCE = swiglu ? 2 * FE : FE;
+    TETRA_CHECK(FE > 0 && E % slicing.ep == 0 && slicing.ep_rank >= 0 && slicing.ep_rank < slicing.ep,
+                "expert layout: {} experts of ffn {} over ep rank {} of {}", E, FE, slicing.ep_rank, slicing.ep);
+    for (int64_t i = 0; i < m.num_layers; ++i) {
+      if (!m.moe.is_moe_layer(i)) continue;
+      BlockParams& bp = layout.blocks[i];
+      const std::string n = fmt::format("layers.{}.mlp.experts.", i);
+      bp.experts_fc_w = b.expert(n + "fc.weight", {E, FCE, C}, ParamInit::NORMAL, true, true);
+      if (m.bias) bp.experts_fc_b = b.expert(n + "fc.bias", {E, FCE}, ParamInit::ZEROS, false, false);
+      bp.experts_proj_w = b.expert(n + "proj.weight", {E, C, FE}, ParamInit::NORMAL_SCALED, true, true);
+      if (m.bias) bp.experts_proj_b = b.expert(n + "proj.bias", {E, C}, ParamInit::ZEROS, false, false);
+      bp.expert_group = b.group;
+      b.end_group();
+    }
+  }
   return layout;
 }
 
@@ -148,6 +190,21 @@ int64_t ParamLayout::matmul_count() const {
   int64_t n = 0;
   for (const ParamSpec& p : params)
     if (p.matmul) n += p.numel;
+  return n;
+}
+
+double ParamLayout::active_matmul_count(const ModelConfig& m) const {
+  double n = 0;
+  for (const ParamSpec& p : params)
+    if (p.matmul)
+      n += p.expert ? static_cast<double>(p.numel) * m.moe.top_k / m.moe.num_experts : static_cast<double>(p.numel);
+  return n;
+}
+
+double ParamLayout::active_count(const ModelConfig& m) const {
+  double n = 0;
+  for (const ParamSpec& p : params)
+    n += p.expert ? static_cast<double>(p.numel) * m.moe.top_k / m.moe.num_experts : static_cast<double>(p.numel);
   return n;
 }
 
