@@ -252,6 +252,11 @@ void check_cross_field(const Config& c, Rules& r) {
       r.require(moe.num_experts % ep == 0, "parallel.ep", ep,
                 fmt::format("parallel.ep ({}) must divide model.moe.num_experts ({}): each expert-"
                             "parallel rank holds num_experts / ep experts", ep, moe.num_experts));
+    if (r.ok({"sample.prompt"}))
+      r.require(c.sample.prompt.empty(), "sample.prompt", c.sample.prompt,
+                fmt::format("text samples during training are not available with expert parallelism yet "
+                            "(parallel.ep {}): remove sample.prompt (tetra generate works on the saved weights)",
+                            ep));
     if (r.ok({"parallel.distributed_optimizer"}))
       r.require(!c.parallel.distributed_optimizer, "parallel.distributed_optimizer", true,
                 fmt::format("the distributed optimizer is not available with expert parallelism yet "

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "trainer/optim/grad_buffer.h"
+#include "trainer/optim/grad_buffers.h"
 
 namespace tetra {
 
@@ -54,20 +55,33 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout) {
     v.tp.add(CommOp::ALL_REDUCE, accum, 2 * N * 4);  // loss: sum of exponentials, target logits
     v.tp.add(CommOp::ALL_REDUCE, 1, 4);              // gradient norm
   }
-  if (par.dp > 1) {
-    const int64_t buckets = static_cast<int64_t>(plan_buckets(layout, par.bucket_size).size());
-    const int64_t grad_bytes = layout.total * 4;
+  // The reduction of a part of the gradient buffer over a group of `size` ranks.
+  auto reduction = [&](GroupVolume& g, const ParamLayout& part, int64_t size) {
+    if (size <= 1 || part.groups.empty()) return;
+    const int64_t buckets = static_cast<int64_t>(plan_buckets(part, par.bucket_size).size());
+    const int64_t numel = part.groups.back().second - part.groups.front().first;
     if (par.distributed_optimizer) {
-      v.dp.add(CommOp::REDUCE_SCATTER, buckets, 0);
-      v.dp.payload_bytes[static_cast<int>(CommOp::REDUCE_SCATTER)] += grad_bytes;
-      v.dp.add(CommOp::ALL_GATHER, buckets, 0);
-      v.dp.payload_bytes[static_cast<int>(CommOp::ALL_GATHER)] += layout.total * act_bytes;
-      v.dp.add(CommOp::ALL_REDUCE, 1, 4);  // gradient norm over the shards
+      g.add(CommOp::REDUCE_SCATTER, buckets, 0);
+      g.payload_bytes[static_cast<int>(CommOp::REDUCE_SCATTER)] += numel * 4;
+      g.add(CommOp::ALL_GATHER, buckets, 0);
+      g.payload_bytes[static_cast<int>(CommOp::ALL_GATHER)] += numel * act_bytes;
+      g.add(CommOp::ALL_REDUCE, 1, 4);  // gradient norm over the shards
     } else {
-      v.dp.add(CommOp::ALL_REDUCE, buckets, 0);
-      v.dp.payload_bytes[static_cast<int>(CommOp::ALL_REDUCE)] += grad_bytes;
+      g.add(CommOp::ALL_REDUCE, buckets, 0);
+      g.payload_bytes[static_cast<int>(CommOp::ALL_REDUCE)] += numel * 4;
     }
-    v.dp.add(CommOp::ALL_REDUCE, 1, 4);  // the step's loss
+  };
+  reduction(v.dp, layout_part(layout, false), par.dp);
+  if (par.dp > 1) v.dp.add(CommOp::ALL_REDUCE, 1, 4);  // the step's loss
+  const MoeConfig& moe = cfg.model.moe;
+  if (moe.enabled()) {
+    reduction(v.edp, layout_part(layout, true), par.dp / par.ep);
+    if (par.ep > 1) {
+      int64_t blocks = 0;
+      for (int64_t l = 0; l < L; ++l) blocks += moe.is_moe_layer(l) ? 1 : 0;
+      v.ep.add(CommOp::ALL_TO_ALL, 5 * blocks * accum, 0);
+      if (!par.distributed_optimizer) v.ep.add(CommOp::ALL_REDUCE, 1, 4);  // the experts' gradient norm
+    }
   }
   return v;
 }

@@ -58,10 +58,12 @@ bool samples_enabled(const Config& cfg) {
   return !cfg.sample.prompt.empty() && !cfg.data.tokenizer.empty() && cfg.training.eval_steps > 0;
 }
 
-ParamLayout rank_layout(const Config& cfg, int64_t tp_rank) {
+ParamLayout rank_layout(const Config& cfg, int64_t tp_rank, int64_t ep_rank) {
   TensorSlicing slicing;
   slicing.tp = cfg.parallel.tp;
   slicing.tp_rank = tp_rank;
+  slicing.ep = cfg.parallel.ep;
+  slicing.ep_rank = ep_rank;
   slicing.sequence_parallel = cfg.parallel.sequence_parallel;
   slicing.group_align = cfg.parallel.distributed_optimizer ? 16 * cfg.parallel.dp : 16;
   return ParamLayout::build(cfg.model, slicing);
@@ -79,7 +81,8 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout) {
   m.compute = act == DType::F32 ? 0 : n * dtype_size(act);
   m.grads = n * 4;
   m.optimizer = shard * 8;
-  m.activations = Gpt::activation_bytes_for(cfg.model, act, B, cfg.parallel.tp, cfg.parallel.sequence_parallel);
+  m.activations = Gpt::activation_bytes_for(cfg.model, act, B, cfg.parallel.tp, cfg.parallel.sequence_parallel,
+                                            cfg.parallel.ep);
   m.batch = static_cast<size_t>(B * T) * 8 + static_cast<size_t>(cfg.grad_accum_steps() * B * T) * 4;
   if (samples_enabled(cfg))  // the sampling model's arena and its (T) ids and two logit rows
     m.sampling = Gpt::activation_bytes_for(cfg.model, act, 1, cfg.parallel.tp) +
@@ -92,7 +95,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
       groups_(groups),
       writer_(groups.rank == 0),
       dump_dir_(std::move(dump_dir)),
-      layout_(rank_layout(cfg, groups.coord.tp)) {
+      layout_(rank_layout(cfg, groups.coord.tp, groups.coord.ep)) {
   act_ = activation_type(cfg);
   accum_ = cfg.grad_accum_steps();
   const int64_t B = cfg.training.micro_batch_size, T = cfg.model.seq_len;
@@ -159,11 +162,9 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   host_inputs_.resize(static_cast<size_t>(rows_));
   host_targets_.resize(static_cast<size_t>(rows_));
 
-  model_ = std::make_unique<Gpt>(cfg.model, layout_, *be_, act_, B, groups.tp.get());
-  grad_buffer_ = std::make_unique<GradBuffer>(layout_, *be_, grads_, groups.dp.get(), groups.tp.get(),
-                                              cfg.parallel.distributed_optimizer, cfg.parallel.bucket_size);
-  grad_norm_ = std::make_unique<GradNorm>(layout_, grad_buffer_->owned(), *be_, groups.tp.get(),
-                                          shard_optimizer ? groups.dp.get() : nullptr);
+  model_ = std::make_unique<Gpt>(cfg.model, layout_, *be_, act_, B, groups.tp.get(), groups.ep.get());
+  grad_buffer_ = std::make_unique<GradBuffers>(layout_, *be_, grads_, groups, cfg.parallel.distributed_optimizer,
+                                               cfg.parallel.bucket_size);
   // bf16 with the distributed optimizer: the fp32 master weights live sharded in the optimizer.
   const bool optimizer_owns_master = shard_optimizer && act_ != DType::F32;
   optimizer_ = std::make_unique<AdamW>(cfg.optimizer, layout_, *be_, grad_buffer_->owned(),
@@ -208,6 +209,12 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                cfg.model.num_heads, cfg.model.num_kv_heads, cfg.model.ffn_hidden_size,
                cfg.model.vocab_size, cfg.model.seq_len, cfg.model.norm, cfg.model.activation,
                cfg.model.position);
+  if (cfg.model.moe.enabled())
+    spdlog::info("moe: {} experts (ffn {}), top-{}, every {} blocks, {}; {} active parameters per token; ep {}",
+                 cfg.model.moe.num_experts, cfg.model.moe.ffn_hidden_size, cfg.model.moe.top_k, cfg.model.moe.every,
+                 cfg.model.moe.capacity_factor ? fmt::format("capacity factor {}", *cfg.model.moe.capacity_factor)
+                                               : std::string("dropless"),
+                 stats.active_params, cfg.parallel.ep);
   spdlog::info("layout: {} ranks = tp {} x pp {} x dp {} (order {}){}{}; {} gradient bucket(s)",
                groups.grid.world(), cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.order,
                cfg.parallel.sequence_parallel ? ", sequence parallel" : "",
@@ -231,8 +238,11 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   else if (!cfg.sample.prompt.empty() && cfg.training.eval_steps == 0)
     spdlog::info("samples: none during training (sample.prompt is set but training.eval_steps is 0)");
   if (groups.grid.world() > 1)
-    spdlog::info("communication per step (predicted): tp: {}; dp: {}", predicted_.tp.describe(),
-                 predicted_.dp.describe());
+    spdlog::info("communication per step (predicted): tp: {}; dp: {}{}", predicted_.tp.describe(),
+                 predicted_.dp.describe(),
+                 cfg.model.moe.enabled() ? fmt::format("; edp: {}; ep: {} + the routed tokens", predicted_.edp.describe(),
+                                                       predicted_.ep.describe())
+                                         : std::string());
 
   nlohmann::ordered_json start;
   start["event"] = "start";
@@ -249,7 +259,6 @@ Trainer::~Trainer() {
   sampler_.reset();
   sample_model_.reset();
   optimizer_.reset();
-  grad_norm_.reset();
   grad_buffer_.reset();
   model_.reset();
   if (be_) {
@@ -303,17 +312,25 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer) {
   std::vector<float> host(static_cast<size_t>(layout_.total));
   be_->copy_to_host(host.data(), buffer, host.size() * 4);
   Communicator& tp = *groups_.tp;
+  Communicator& ep = *groups_.ep;
   const int p = tp.size();
   std::vector<ParamLayout> layouts;  // every TP rank's layout: where its slices sit
-  for (int r = 0; r < p; ++r) layouts.push_back(r == tp.rank() ? layout_ : rank_layout(cfg_, r));
+  for (int r = 0; r < p; ++r) layouts.push_back(r == tp.rank() ? layout_ : rank_layout(cfg_, r, groups_.coord.ep));
+  std::vector<ParamLayout> ep_layouts;  // every EP rank's layout: where its experts sit
+  for (int r = 0; r < ep.size(); ++r) ep_layouts.push_back(rank_layout(cfg_, groups_.coord.tp, r));
   std::vector<TensorRecord> records;
   for (size_t i = 0; i < layout_.params.size(); ++i) {
     const ParamSpec& spec = layout_.params[i];
     int64_t global = 1;
     for (int64_t d : spec.global_shape) global *= d;
-    std::vector<float> slices(static_cast<size_t>(spec.numel) * (spec.tp_split ? p : 1));
+    // Slices held by other ranks: TP slices over the TP group, experts over the EP group.
+    const int parts = spec.tp_split ? p : spec.ep_split ? ep.size() : 1;
+    const std::vector<ParamLayout>& where = spec.ep_split ? ep_layouts : layouts;
+    std::vector<float> slices(static_cast<size_t>(spec.numel) * parts);
     if (spec.tp_split && p > 1)
       tp.all_gather(slices.data(), host.data() + spec.offset, spec.numel, DType::F32);
+    else if (spec.ep_split)
+      ep.all_gather(slices.data(), host.data() + spec.offset, spec.numel, DType::F32);
     else
       std::memcpy(slices.data(), host.data() + spec.offset, static_cast<size_t>(spec.numel) * 4);
     if (!writer_) continue;
@@ -323,8 +340,8 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer) {
     r.shape = spec.global_shape;
     r.data.resize(static_cast<size_t>(global) * 4);
     float* out = reinterpret_cast<float*>(r.data.data());
-    for (int q = 0; q < (spec.tp_split ? p : 1); ++q) {
-      const ParamSpec& qs = layouts[q].params[i];
+    for (int q = 0; q < parts; ++q) {
+      const ParamSpec& qs = where[q].params[i];
       const float* src = slices.data() + static_cast<size_t>(q) * spec.numel;
       for (int64_t e = 0; e < qs.numel; ++e) out[qs.global_index(e)] = src[e];
     }
@@ -352,9 +369,9 @@ void Trainer::save_final_weights() {
     grad_buffer_->gather_params(whole, DType::F32);
     weights = whole;
   }
-  // Global rank 0 writes, gathering the TP slices of its TP group; the other DP replicas hold the
-  // same weights and need not gather theirs.
-  if (groups_.coord.dp == 0) dump_tensors(path, weights);
+  // Global rank 0 writes, gathering the TP slices of its TP group (and the experts of its EP
+  // group); the other (expert-)DP replicas hold the same weights and need not gather theirs.
+  if (groups_.coord.edp == 0) dump_tensors(path, weights);
   if (whole) be_->free(whole);
   spdlog::info("final weights: {} ({} tensors, fp32 master weights) in {:.1f} s", path, layout_.params.size(),
                seconds_since(t0));
@@ -422,24 +439,38 @@ double Trainer::evaluate() {
   return static_cast<double>(local) / static_cast<double>(rows_ * micro_batches * cfg_.parallel.dp);
 }
 
-std::vector<CommRecord> Trainer::comm_records(const CommStats& tp_before, const CommStats& dp_before) const {
+std::vector<CommStats> Trainer::comm_snapshot() const {
+  return {groups_.tp->stats(), groups_.dp->stats(), groups_.edp->stats(), groups_.ep->stats()};
+}
+
+std::vector<CommRecord> Trainer::comm_records(const std::vector<CommStats>& before) const {
   struct Group {
     const char* name;
     const Communicator* comm;
-    const CommStats* before;
     const GroupVolume* predicted;
   };
-  const Group groups[] = {{"tp", groups_.tp.get(), &tp_before, &predicted_.tp},
-                          {"dp", groups_.dp.get(), &dp_before, &predicted_.dp}};
+  // The expert groups communicate only in MoE models (edp: expert gradients; ep: the tokens).
+  const bool moe = cfg_.model.moe.enabled();
+  const Group groups[] = {{"tp", groups_.tp.get(), &predicted_.tp},
+                          {"dp", groups_.dp.get(), &predicted_.dp},
+                          {"edp", moe ? groups_.edp.get() : nullptr, &predicted_.edp},
+                          {"ep", moe ? groups_.ep.get() : nullptr, &predicted_.ep}};
   std::vector<CommRecord> out;
-  for (const Group& g : groups) {
-    if (g.comm->size() <= 1) continue;
+  for (size_t i = 0; i < std::size(groups); ++i) {
+    const Group& g = groups[i];
+    if (!g.comm || g.comm->size() <= 1) continue;
     CommRecord r;
     r.group = g.name;
-    r.measured = measured_volume(g.comm->stats(), *g.before);
+    r.measured = measured_volume(g.comm->stats(), before[i]);
     r.predicted = *g.predicted;
-    r.sent_bytes = g.comm->stats().total_sent() - g.before->total_sent();
-    r.blocked_ms = 1e3 * (g.comm->stats().total_blocked_s() - g.before->total_blocked_s());
+    // The tokens an expert-parallel rank sends depend on the routing: its all-to-all payload is
+    // measured, not predicted (the number of calls is).
+    if (std::string(g.name) == "ep") {
+      const int a2a = static_cast<int>(CommOp::ALL_TO_ALL);
+      r.predicted.payload_bytes[a2a] = r.measured.payload_bytes[a2a];
+    }
+    r.sent_bytes = g.comm->stats().total_sent() - before[i].total_sent();
+    r.blocked_ms = 1e3 * (g.comm->stats().total_blocked_s() - before[i].total_blocked_s());
     out.push_back(std::move(r));
   }
   return out;
@@ -448,6 +479,7 @@ std::vector<CommRecord> Trainer::comm_records(const CommStats& tp_before, const 
 void Trainer::run() {
   const TrainingConfig& tc = cfg_.training;
   const ModelStats stats = model_stats(cfg_.model, ParamLayout::build(cfg_.model));
+  if (model_->moe()) model_->moe()->take_stats();  // start the step statistics afresh
   const double tokens_per_step = static_cast<double>(tc.global_batch_size * cfg_.model.seq_len);
   const bool shard_optimizer = grad_buffer_->sharded();
   double avg_step_s = 0.0;  // mean over steps after the first (which pays one-off set-up costs)
@@ -456,19 +488,19 @@ void Trainer::run() {
   install_stop_signals();
   for (int64_t s = start_step_; s < tc.steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
-    const CommStats tp_before = groups_.tp->stats(), dp_before = groups_.dp->stats();
+    const std::vector<CommStats> comm_before = comm_snapshot();
     const double loss = train_step(s);
     if (!std::isfinite(loss))
       throw Error(fmt::format("step {}: the training loss is {}; lower optimizer.lr{}", s + 1, loss,
                               cfg_.optimizer.grad_clip > 0 ? "" : " or set optimizer.grad_clip"));
-    const double norm = grad_norm_->compute(grads_);
+    const double norm = grad_buffer_->norm(grads_);
     if (!std::isfinite(norm))
       throw Error(fmt::format("step {}: the gradient norm is {} (the loss, {:.4f}, is finite): some "
                               "activation overflowed; lower optimizer.lr, or use precision fp32",
                               s + 1, norm, loss));
     if (!dump_dir_.empty() && s == 0) {
       // Debugging output, not part of the step: its communication is not accounted.
-      const CommStats tp_saved = groups_.tp->stats(), dp_saved = groups_.dp->stats();
+      const std::vector<CommStats> saved = comm_snapshot();
       if (shard_optimizer) {  // each DP rank holds its shards of the reduced gradient: gather them
         float* whole = static_cast<float*>(be_->alloc(static_cast<size_t>(layout_.total) * 4));
         be_->copy(whole, grads_, static_cast<size_t>(layout_.total) * 4);
@@ -478,8 +510,10 @@ void Trainer::run() {
       } else {
         dump_tensors(dump_dir_ + "/grads_step0.safetensors", grads_);
       }
-      groups_.tp->stats() = tp_saved;
-      groups_.dp->stats() = dp_saved;
+      groups_.tp->stats() = saved[0];
+      groups_.dp->stats() = saved[1];
+      groups_.edp->stats() = saved[2];
+      groups_.ep->stats() = saved[3];
     }
     const double lr = learning_rate(cfg_.optimizer, tc.steps, s);
     const float clip = clip_factor(norm, cfg_.optimizer.grad_clip);
@@ -506,7 +540,8 @@ void Trainer::run() {
     m.mfu = stats.train_flops_per_token * m.tokens_per_s / peak_flops_;
     m.eta_s = (s > start_step_ ? avg_step_s : step_s) * static_cast<double>(tc.steps - s - 1);
     m.consumed_samples = train_loader_->consumed_samples();
-    m.comm = comm_records(tp_before, dp_before);
+    m.comm = comm_records(comm_before);
+    if (model_->moe()) m.moe = model_->moe()->take_stats();
     for (const CommRecord& c : m.comm)
       if (!(c.measured == c.predicted))
         spdlog::warn("step {}: group {} moved {} but the layout predicts {}", s + 1, c.group,

@@ -21,6 +21,7 @@
 #include "trainer/model/param_layout.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/optim/grad_buffer.h"
+#include "trainer/optim/grad_buffers.h"
 #include "trainer/train/metrics.h"
 
 namespace tetra {
@@ -41,9 +42,9 @@ struct MemoryPlan {
 // Text samples at evaluations: sample.prompt and data.tokenizer set, and training.eval_steps > 0.
 bool samples_enabled(const Config& cfg);
 
-// The layout of this rank's parameter buffer: its TP slice, groups aligned for the distributed
-// optimizer's shards.
-ParamLayout rank_layout(const Config& cfg, int64_t tp_rank);
+// The layout of this rank's parameter buffer: its TP slice (and EP rank's experts), groups aligned
+// for the distributed optimizer's shards.
+ParamLayout rank_layout(const Config& cfg, int64_t tp_rank, int64_t ep_rank = 0);
 
 // What one rank will take, computed from the config alone (for --dry-run and the start-up log).
 // `layout`: rank_layout(cfg, ...).
@@ -79,7 +80,9 @@ class Trainer {
   void dump_tensors(const std::string& file, const float* buffer);
   // The final weights (fp32) as global tensors to final_weights_path() (every rank calls it).
   void save_final_weights();
-  std::vector<CommRecord> comm_records(const CommStats& tp_before, const CommStats& dp_before) const;
+  // Communication of the step, per group (tp, dp, edp, ep), from snapshots taken at its start.
+  std::vector<CommRecord> comm_records(const std::vector<CommStats>& before) const;
+  std::vector<CommStats> comm_snapshot() const;
 
   const Config& cfg_;
   ProcessGroups& groups_;
@@ -103,8 +106,7 @@ class Trainer {
   std::vector<int32_t> dumped_batches_;       // samples of the steps dumped so far
 
   std::unique_ptr<Gpt> model_;
-  std::unique_ptr<GradBuffer> grad_buffer_;
-  std::unique_ptr<GradNorm> grad_norm_;
+  std::unique_ptr<GradBuffers> grad_buffer_;
   std::unique_ptr<AdamW> optimizer_;
   GroupDoneHook group_done_;
   StepVolume predicted_;
