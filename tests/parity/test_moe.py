@@ -1,0 +1,201 @@
+"""Mixture of Experts under expert parallelism reproduces the single-rank run.
+
+Two tiny MoE configs (GPT-2 style, top-2 over 4 experts in every block; Llama style, SwiGLU,
+top-1 over 4 experts in every other block, no biases), dropless, train 20 steps single-rank, then
+under `mpirun` with dp = 4 and ep in {1, 2, 4} (expert parallelism carved out of data
+parallelism), and one run with a capacity factor (drops are decided on each rank's own tokens,
+so they do not depend on ep either). Checks, per layout:
+  - the loss of every step matches the single-rank run (LOSS_RTOL, test_layouts.py's tolerance and
+    argument: the layouts only reorder fp32 sums), and so do the gradient norms;
+  - every parameter's step-0 gradient, the experts gathered from their EP ranks into the global
+    (E, ., .) tensors, matches the single-rank gradient (GRAD_RTOL, per tensor);
+  - the groups that must communicate did (dp, edp when dp / ep > 1, ep when ep > 1) and each
+    group's measured volume equals the prediction (the routed tokens' all-to-all payload is
+    data-dependent: its calls are predicted, its bytes measured);
+  - the routing statistics are logged (tokens per expert, dropped, aux and z losses).
+Checkpoints: a run saved at ep = 2 resumes at ep = 1, at ep = 4 and on a single rank, and the
+resumed steps' losses match the uninterrupted ep = 2 run's (experts are stored as global tensors).
+Guard against a vacuous pass: the single-rank loss falls, the capacity run really drops tokens.
+
+Usage: /usr/bin/python3 test_moe.py --tetra BIN --workdir DIR
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "reference"))
+from safetensors_io import read_safetensors  # noqa: E402
+
+# See test_layouts.py: reordered fp32 sums move the loss by ~1e-7 over 20 steps; real mistakes
+# (an expert's gradient reduced over the wrong group, a token combined with the wrong gate or
+# sent to the wrong rank) move it by > 1e-3 within a few steps.
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-5
+
+STEPS = 20
+MODELS = {
+    "gpt2_moe": {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 32, "num_heads": 4,
+                 "ffn_hidden_size": 64,
+                 "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32, "aux_loss_coeff": 0.01,
+                         "z_loss_coeff": 0.001}},
+    "llama_moe": {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 32, "num_heads": 4,
+                  "num_kv_heads": 2, "ffn_hidden_size": 48, "norm": "rmsnorm", "activation": "swiglu",
+                  "position": "rope", "tie_embeddings": False, "bias": False,
+                  "moe": {"num_experts": 4, "top_k": 1, "every": 2, "ffn_hidden_size": 24,
+                          "aux_loss_coeff": 0.01}},
+}
+EPS = [1, 2, 4]  # with dp = 4
+
+failures = []
+
+
+def check(ok, what):
+    print(("PASS " if ok else "FAIL ") + what, flush=True)
+    if not ok:
+        failures.append(what)
+
+
+def config(model, capacity=None):
+    m = json.loads(json.dumps(MODELS[model]))
+    if capacity is not None:
+        m["moe"]["capacity_factor"] = capacity
+    return {
+        "model": m,
+        "training": {"micro_batch_size": 2, "global_batch_size": 8, "steps": STEPS, "threads": 1,
+                     "peak_gflops": 100, "seed": 7},
+        "optimizer": {"lr": 1e-2, "warmup_steps": 3, "grad_clip": 1.0, "weight_decay": 0.1},
+        "parallel": {"bucket_size": 2000},
+        "data": {"synthetic": True},
+        "logging": {"level": "warn"},
+    }
+
+
+def run(args, name, cfg, dp, ep, checkpoint=None, dump=True):
+    out = os.path.join(args.workdir, name)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    cfg = json.loads(json.dumps(cfg))
+    cfg["parallel"].update({"dp": dp, "ep": ep})
+    cfg["logging"]["dir"] = out
+    if checkpoint:
+        cfg["checkpoint"] = checkpoint
+    path = os.path.join(out, "config.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    cmd = [args.tetra, "--config", path] + (["--dump-dir", os.path.join(out, "dump")] if dump else [])
+    if dp > 1:
+        cmd = [args.mpirun, "--oversubscribe", "-np", str(dp)] + cmd
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    if r.returncode != 0:
+        print(r.stdout[-3000:], r.stderr[-3000:])
+        check(False, f"{name}: exit code {r.returncode}")
+        return None
+    steps = []
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        for line in f:
+            j = json.loads(line)
+            if "step" in j:
+                steps.append(j)
+    grads = read_safetensors(os.path.join(out, "dump", "grads_step0.safetensors"))[0] if dump else None
+    return steps, grads
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def compare(name, ref, got, dp, ep):
+    ref_steps, ref_grads = ref
+    steps, g = got
+    check(len(steps) == STEPS, f"{name}: {len(steps)} steps logged")
+    worst = max(rel(s["loss"], r["loss"]) for s, r in zip(steps, ref_steps))
+    check(worst <= LOSS_RTOL, f"{name}: losses of {STEPS} steps within {LOSS_RTOL:g} (worst {worst:.2e})")
+    worst_norm = max(rel(s["grad_norm"], r["grad_norm"]) for s, r in zip(steps, ref_steps))
+    check(worst_norm <= 10 * LOSS_RTOL, f"{name}: gradient norms within {10 * LOSS_RTOL:g} (worst {worst_norm:.2e})")
+    check(sorted(g) == sorted(ref_grads), f"{name}: the same {len(ref_grads)} gradient tensors")
+    worst_t, worst_name = 0.0, ""
+    for k, r in ref_grads.items():
+        if k not in g or g[k].shape != r.shape:
+            check(False, f"{name}: gradient {k} missing or of shape {g.get(k, np.zeros(0)).shape} not {r.shape}")
+            continue
+        e = float(np.linalg.norm(g[k] - r) / max(np.linalg.norm(r), 1e-30))
+        if e > worst_t:
+            worst_t, worst_name = e, k
+    check(worst_t <= GRAD_RTOL, f"{name}: step-0 gradient of every tensor within {GRAD_RTOL:g} "
+                                f"(worst {worst_t:.2e}, {worst_name})")
+    ok, seen = True, set()
+    for s in steps:
+        for group, c in s.get("comm", {}).items():
+            seen.add(group)
+            if not c["match"]:
+                ok = False
+                print(f"  step {s['step']} {group}: measured {c['measured']} predicted {c['predicted']}")
+    expected = {grp for grp, n in (("dp", dp), ("edp", dp // ep), ("ep", ep)) if n > 1}
+    check(ok and seen == expected, f"{name}: communication as predicted in every step (groups {sorted(seen)}, "
+                                   f"expected {sorted(expected)})")
+    if ep > 1:
+        moved = sum(s["moe"]["dispatch_bytes"] + s["moe"]["combine_bytes"] for s in steps)
+        check(moved > 0, f"{name}: tokens crossed EP ranks ({moved} bytes over {STEPS} steps)")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tetra", required=True)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--mpirun", default=shutil.which("mpirun") or "mpirun")
+    args = ap.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    for model in MODELS:
+        ref = run(args, f"{model}_single", config(model), 1, 1)
+        if ref is None:
+            continue
+        losses = [s["loss"] for s in ref[0]]
+        check(losses[-1] < losses[0] - 0.1, f"{model}: single-rank loss falls ({losses[0]:.4f} -> {losses[-1]:.4f})")
+        layers = ref[0][0].get("moe", {}).get("layers", [])
+        blocks = [b for b in range(MODELS[model]["num_layers"]) if b % MODELS[model]["moe"].get("every", 1) == 0]
+        check([l["layer"] for l in layers] == blocks and all(l["aux_loss"] > 0 and l["tokens_per_expert"]["max"] > 0
+                                                             for l in layers),
+              f"{model}: routing statistics of MoE blocks {blocks} logged ({layers})")
+        for ep in EPS:
+            got = run(args, f"{model}_dp4_ep{ep}", config(model), 4, ep)
+            if got is not None:
+                compare(f"{model}_dp4_ep{ep}", ref, got, 4, ep)
+    # A capacity factor: drops are per rank and micro-batch, the same under any ep.
+    ref = run(args, "capacity_single", config("gpt2_moe", 1.0), 1, 1)
+    got = run(args, "capacity_dp4_ep2", config("gpt2_moe", 1.0), 4, 2)
+    if ref and got:
+        dropped = sum(l["dropped"] for s in ref[0] for l in s["moe"]["layers"])
+        check(dropped > 0, f"capacity factor 1.0: the single-rank run drops tokens ({dropped} over {STEPS} steps)")
+        compare("capacity_dp4_ep2", ref, got, 4, 2)
+
+    # Checkpoints: saved at ep = 2 (step 10), resumed at ep = 1, ep = 4 and on one rank.
+    ck = os.path.join(args.workdir, "ckpt_ep2")
+    shutil.rmtree(ck, ignore_errors=True)
+    base = run(args, "ckpt_save_ep2", config("gpt2_moe"), 4, 2, checkpoint={"dir": ck, "every": 10}, dump=False)
+    step10 = os.path.join(ck, "step_00000010")
+    check(os.path.isdir(step10), "ep=2 run saved step_00000010")
+    if base and os.path.isdir(step10):
+        ref_losses = {s["step"]: s["loss"] for s in base[0]}
+        for dp, ep in [(4, 1), (4, 4), (1, 1)]:
+            name = f"ckpt_resume_dp{dp}_ep{ep}"
+            got = run(args, name, config("gpt2_moe"), dp, ep, checkpoint={"resume": step10}, dump=False)
+            if got is None:
+                continue
+            resumed = {s["step"]: s["loss"] for s in got[0]}
+            check(sorted(resumed) == list(range(11, STEPS + 1)), f"{name}: continues at step 11 ({sorted(resumed)})")
+            worst = max((rel(resumed[s], ref_losses[s]) for s in resumed), default=1.0)
+            check(worst <= LOSS_RTOL, f"{name}: steps 11..{STEPS} match the uninterrupted ep=2 run within "
+                                      f"{LOSS_RTOL:g} (worst {worst:.2e})")
+    print(f"{len(failures)} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
