@@ -3,7 +3,7 @@
 Two tiny MoE configs (GPT-2 style, top-2 over 4 experts in every block; Llama style, SwiGLU,
 top-1 over 4 experts in every other block, no biases), dropless, train 20 steps single-rank, then
 under `mpirun` with dp = 4 and ep in {1, 2, 4} (expert parallelism carved out of data
-parallelism), and one run with a capacity factor (drops are decided on each rank's own tokens,
+parallelism; also with the distributed optimizer), and one run with a capacity factor (drops are decided on each rank's own tokens,
 so they do not depend on ep either). Checks, per layout:
   - the loss of every step matches the single-rank run (LOSS_RTOL, test_layouts.py's tolerance and
     argument: the layouts only reorder fp32 sums), and so do the gradient norms;
@@ -51,6 +51,9 @@ MODELS = {
                           "aux_loss_coeff": 0.01}},
 }
 EPS = [1, 2, 4]  # with dp = 4
+# (ep, distributed optimizer) runs of the GPT-2 style model besides: the optimizer sharded over
+# expert-DP for the experts and over DP for the rest.
+DISTOPT_EPS = [1, 2, 4]
 
 failures = []
 
@@ -76,12 +79,12 @@ def config(model, capacity=None):
     }
 
 
-def run(args, name, cfg, dp, ep, checkpoint=None, dump=True):
+def run(args, name, cfg, dp, ep, checkpoint=None, dump=True, dist_opt=False):
     out = os.path.join(args.workdir, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     cfg = json.loads(json.dumps(cfg))
-    cfg["parallel"].update({"dp": dp, "ep": ep})
+    cfg["parallel"].update({"dp": dp, "ep": ep, "distributed_optimizer": dist_opt})
     cfg["logging"]["dir"] = out
     if checkpoint:
         cfg["checkpoint"] = checkpoint
@@ -167,6 +170,10 @@ def main():
             got = run(args, f"{model}_dp4_ep{ep}", config(model), 4, ep)
             if got is not None:
                 compare(f"{model}_dp4_ep{ep}", ref, got, 4, ep)
+        for ep in DISTOPT_EPS if model == "gpt2_moe" else []:
+            got = run(args, f"{model}_dp4_ep{ep}_distopt", config(model), 4, ep, dist_opt=True)
+            if got is not None:
+                compare(f"{model}_dp4_ep{ep}_distopt", ref, got, 4, ep)
     # A capacity factor: drops are per rank and micro-batch, the same under any ep.
     ref = run(args, "capacity_single", config("gpt2_moe", 1.0), 1, 1)
     got = run(args, "capacity_dp4_ep2", config("gpt2_moe", 1.0), 4, 2)
@@ -175,7 +182,8 @@ def main():
         check(dropped > 0, f"capacity factor 1.0: the single-rank run drops tokens ({dropped} over {STEPS} steps)")
         compare("capacity_dp4_ep2", ref, got, 4, 2)
 
-    # Checkpoints: saved at ep = 2 (step 10), resumed at ep = 1, ep = 4 and on one rank.
+    # Checkpoints: saved at ep = 2 (step 10), resumed at ep = 1, ep = 4 (with the distributed
+    # optimizer: its moments resharded too) and on one rank.
     ck = os.path.join(args.workdir, "ckpt_ep2")
     shutil.rmtree(ck, ignore_errors=True)
     base = run(args, "ckpt_save_ep2", config("gpt2_moe"), 4, 2, checkpoint={"dir": ck, "every": 10}, dump=False)
@@ -183,9 +191,10 @@ def main():
     check(os.path.isdir(step10), "ep=2 run saved step_00000010")
     if base and os.path.isdir(step10):
         ref_losses = {s["step"]: s["loss"] for s in base[0]}
-        for dp, ep in [(4, 1), (4, 4), (1, 1)]:
-            name = f"ckpt_resume_dp{dp}_ep{ep}"
-            got = run(args, name, config("gpt2_moe"), dp, ep, checkpoint={"resume": step10}, dump=False)
+        for dp, ep, dist_opt in [(4, 1, False), (4, 4, False), (4, 4, True), (1, 1, False)]:
+            name = f"ckpt_resume_dp{dp}_ep{ep}{'_distopt' if dist_opt else ''}"
+            got = run(args, name, config("gpt2_moe"), dp, ep, checkpoint={"resume": step10}, dump=False,
+                      dist_opt=dist_opt)
             if got is None:
                 continue
             resumed = {s["step"]: s["loss"] for s in got[0]}

@@ -257,11 +257,6 @@ void check_cross_field(const Config& c, Rules& r) {
                 fmt::format("text samples during training are not available with expert parallelism yet "
                             "(parallel.ep {}): remove sample.prompt (tetra generate works on the saved weights)",
                             ep));
-    if (r.ok({"parallel.distributed_optimizer"}))
-      r.require(!c.parallel.distributed_optimizer, "parallel.distributed_optimizer", true,
-                fmt::format("the distributed optimizer is not available with expert parallelism yet "
-                            "(parallel.ep {}): set parallel.distributed_optimizer to false or "
-                            "parallel.ep to 1", ep));
   }
   if (r.ok({"parallel.tp", "parallel.sequence_parallel"}) && c.parallel.sequence_parallel) {
     r.require(c.parallel.tp > 1, "parallel.sequence_parallel", true,

@@ -36,10 +36,10 @@ GradBuffers::GradBuffers(const ParamLayout& layout, Backend& be, float* grads, P
     experts_ = std::make_unique<GradBuffer>(expert_layout_, be, grads, groups.edp.get(), groups.tp.get(),
                                             distributed_optimizer, bucket_size);
     owned_.insert(owned_.end(), experts_->owned().begin(), experts_->owned().end());
-    // Each EP rank holds other experts; with the distributed optimizer each expert-DP rank other
-    // shards (the configuration never has both: ep > 1 refuses the distributed optimizer).
+    // Each EP rank holds other experts, and with the distributed optimizer each expert-DP rank
+    // other shards of them: the DP group (ep x edp ranks) then holds every expert shard once.
     expert_norm_ = std::make_unique<GradNorm>(layout, experts_->owned(), be, groups.tp.get(),
-                                              experts_->sharded() ? groups.edp.get() : groups.ep.get());
+                                              experts_->sharded() ? groups.dp.get() : groups.ep.get());
   }
 }
 

@@ -7,7 +7,8 @@
 // Backward's group reports are routed by group number (the expert groups come last); the owned
 // ranges the optimizer updates are the two buffers' ranges, dense first (buffer order); the global
 // gradient norm is sqrt(dense^2 + experts^2), the expert part summed over the EP group (each EP
-// rank holds different experts) or, with the distributed optimizer, over the expert-DP shards.
+// rank holds different experts) or, with the distributed optimizer, over the DP group (each rank
+// holds its expert-DP shard of its EP rank's experts).
 #pragma once
 
 #include <memory>

@@ -56,7 +56,7 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout) {
     v.tp.add(CommOp::ALL_REDUCE, 1, 4);              // gradient norm
   }
   // The reduction of a part of the gradient buffer over a group of `size` ranks.
-  auto reduction = [&](GroupVolume& g, const ParamLayout& part, int64_t size) {
+  auto reduction = [&](GroupVolume& g, const ParamLayout& part, int64_t size, GroupVolume& norm_group) {
     if (size <= 1 || part.groups.empty()) return;
     const int64_t buckets = static_cast<int64_t>(plan_buckets(part, par.bucket_size).size());
     const int64_t numel = part.groups.back().second - part.groups.front().first;
@@ -65,22 +65,23 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout) {
       g.payload_bytes[static_cast<int>(CommOp::REDUCE_SCATTER)] += numel * 4;
       g.add(CommOp::ALL_GATHER, buckets, 0);
       g.payload_bytes[static_cast<int>(CommOp::ALL_GATHER)] += numel * act_bytes;
-      g.add(CommOp::ALL_REDUCE, 1, 4);  // gradient norm over the shards
+      norm_group.add(CommOp::ALL_REDUCE, 1, 4);  // gradient norm over the shards
     } else {
       g.add(CommOp::ALL_REDUCE, buckets, 0);
       g.payload_bytes[static_cast<int>(CommOp::ALL_REDUCE)] += numel * 4;
     }
   };
-  reduction(v.dp, layout_part(layout, false), par.dp);
+  reduction(v.dp, layout_part(layout, false), par.dp, v.dp);
   if (par.dp > 1) v.dp.add(CommOp::ALL_REDUCE, 1, 4);  // the step's loss
   const MoeConfig& moe = cfg.model.moe;
   if (moe.enabled()) {
-    reduction(v.edp, layout_part(layout, true), par.dp / par.ep);
+    reduction(v.edp, layout_part(layout, true), par.dp / par.ep, v.dp);
     if (par.ep > 1) {
       int64_t blocks = 0;
       for (int64_t l = 0; l < L; ++l) blocks += moe.is_moe_layer(l) ? 1 : 0;
       v.ep.add(CommOp::ALL_TO_ALL, 5 * blocks * accum, 0);
-      if (!par.distributed_optimizer) v.ep.add(CommOp::ALL_REDUCE, 1, 4);  // the experts' gradient norm
+      const bool sharded = par.distributed_optimizer && par.dp / par.ep > 1;
+      if (!sharded) v.ep.add(CommOp::ALL_REDUCE, 1, 4);  // the experts' gradient norm
     }
   }
   return v;
