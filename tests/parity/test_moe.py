@@ -3,13 +3,14 @@
 Two tiny MoE configs (GPT-2 style, top-2 over 4 experts in every block; Llama style, SwiGLU,
 top-1 over 4 experts in every other block, no biases), dropless, train 20 steps single-rank, then
 under `mpirun` with dp = 4 and ep in {1, 2, 4} (expert parallelism carved out of data
-parallelism; also with the distributed optimizer), and one run with a capacity factor (drops are decided on each rank's own tokens,
+parallelism; also with the distributed optimizer), with the experts split over tp = 2 (with
+and without sequence parallelism, combined with ep = 2), and one run with a capacity factor (drops are decided on each rank's own tokens,
 so they do not depend on ep either). Checks, per layout:
   - the loss of every step matches the single-rank run (LOSS_RTOL, test_layouts.py's tolerance and
     argument: the layouts only reorder fp32 sums), and so do the gradient norms;
   - every parameter's step-0 gradient, the experts gathered from their EP ranks into the global
     (E, ., .) tensors, matches the single-rank gradient (GRAD_RTOL, per tensor);
-  - the groups that must communicate did (dp, edp when dp / ep > 1, ep when ep > 1) and each
+  - the groups that must communicate did (tp, dp, edp when dp / ep > 1, ep when ep > 1) and each
     group's measured volume equals the prediction (the routed tokens' all-to-all payload is
     data-dependent: its calls are predicted, its bytes measured);
   - the routing statistics are logged (tokens per expert, dropped, aux and z losses).
@@ -50,10 +51,21 @@ MODELS = {
                   "moe": {"num_experts": 4, "top_k": 1, "every": 2, "ffn_hidden_size": 24,
                           "aux_loss_coeff": 0.01}},
 }
-EPS = [1, 2, 4]  # with dp = 4
-# (ep, distributed optimizer) runs of the GPT-2 style model besides: the optimizer sharded over
-# expert-DP for the experts and over DP for the rest.
-DISTOPT_EPS = [1, 2, 4]
+# (dp, tp, ep, sequence_parallel, distributed_optimizer). With tp > 1 the experts are split over
+# TP like the dense MLP; the distributed optimizer shards the experts over expert-DP and the rest
+# over DP.
+LAYOUTS = {
+    "gpt2_moe": [(4, 1, 1, False, False), (4, 1, 2, False, False), (4, 1, 4, False, False),
+                 (4, 1, 1, False, True), (4, 1, 2, False, True), (4, 1, 4, False, True),
+                 (1, 2, 1, False, False), (1, 2, 1, True, False), (2, 2, 2, False, False),
+                 (2, 2, 2, True, True)],
+    "llama_moe": [(4, 1, 1, False, False), (4, 1, 2, False, False), (4, 1, 4, False, False),
+                  (2, 2, 2, True, False)],
+}
+
+
+def layout_name(dp, tp, ep, sp, dist_opt):
+    return f"dp{dp}_tp{tp}_ep{ep}{'_sp' if sp else ''}{'_distopt' if dist_opt else ''}"
 
 failures = []
 
@@ -79,12 +91,12 @@ def config(model, capacity=None):
     }
 
 
-def run(args, name, cfg, dp, ep, checkpoint=None, dump=True, dist_opt=False):
+def run(args, name, cfg, dp, ep, checkpoint=None, dump=True, dist_opt=False, tp=1, sp=False):
     out = os.path.join(args.workdir, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     cfg = json.loads(json.dumps(cfg))
-    cfg["parallel"].update({"dp": dp, "ep": ep, "distributed_optimizer": dist_opt})
+    cfg["parallel"].update({"dp": dp, "ep": ep, "tp": tp, "sequence_parallel": sp, "distributed_optimizer": dist_opt})
     cfg["logging"]["dir"] = out
     if checkpoint:
         cfg["checkpoint"] = checkpoint
@@ -92,8 +104,8 @@ def run(args, name, cfg, dp, ep, checkpoint=None, dump=True, dist_opt=False):
     with open(path, "w") as f:
         json.dump(cfg, f)
     cmd = [args.tetra, "--config", path] + (["--dump-dir", os.path.join(out, "dump")] if dump else [])
-    if dp > 1:
-        cmd = [args.mpirun, "--oversubscribe", "-np", str(dp)] + cmd
+    if dp * tp > 1:
+        cmd = [args.mpirun, "--oversubscribe", "-np", str(dp * tp)] + cmd
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     if r.returncode != 0:
@@ -114,7 +126,7 @@ def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def compare(name, ref, got, dp, ep):
+def compare(name, ref, got, dp, ep, tp=1):
     ref_steps, ref_grads = ref
     steps, g = got
     check(len(steps) == STEPS, f"{name}: {len(steps)} steps logged")
@@ -140,7 +152,7 @@ def compare(name, ref, got, dp, ep):
             if not c["match"]:
                 ok = False
                 print(f"  step {s['step']} {group}: measured {c['measured']} predicted {c['predicted']}")
-    expected = {grp for grp, n in (("dp", dp), ("edp", dp // ep), ("ep", ep)) if n > 1}
+    expected = {grp for grp, n in (("tp", tp), ("dp", dp), ("edp", dp // ep), ("ep", ep)) if n > 1}
     check(ok and seen == expected, f"{name}: communication as predicted in every step (groups {sorted(seen)}, "
                                    f"expected {sorted(expected)})")
     if ep > 1:
@@ -166,14 +178,11 @@ def main():
         check([l["layer"] for l in layers] == blocks and all(l["aux_loss"] > 0 and l["tokens_per_expert"]["max"] > 0
                                                              for l in layers),
               f"{model}: routing statistics of MoE blocks {blocks} logged ({layers})")
-        for ep in EPS:
-            got = run(args, f"{model}_dp4_ep{ep}", config(model), 4, ep)
+        for dp, tp, ep, sp, dist_opt in LAYOUTS[model]:
+            name = f"{model}_{layout_name(dp, tp, ep, sp, dist_opt)}"
+            got = run(args, name, config(model), dp, ep, dist_opt=dist_opt, tp=tp, sp=sp)
             if got is not None:
-                compare(f"{model}_dp4_ep{ep}", ref, got, 4, ep)
-        for ep in DISTOPT_EPS if model == "gpt2_moe" else []:
-            got = run(args, f"{model}_dp4_ep{ep}_distopt", config(model), 4, ep, dist_opt=True)
-            if got is not None:
-                compare(f"{model}_dp4_ep{ep}_distopt", ref, got, 4, ep)
+                compare(name, ref, got, dp, ep, tp)
     # A capacity factor: drops are per rank and micro-batch, the same under any ep.
     ref = run(args, "capacity_single", config("gpt2_moe", 1.0), 1, 1)
     got = run(args, "capacity_dp4_ep2", config("gpt2_moe", 1.0), 4, 2)
@@ -183,7 +192,7 @@ def main():
         compare("capacity_dp4_ep2", ref, got, 4, 2)
 
     # Checkpoints: saved at ep = 2 (step 10), resumed at ep = 1, ep = 4 (with the distributed
-    # optimizer: its moments resharded too) and on one rank.
+    # optimizer: its moments resharded too), at tp = 2 x ep = 2 and on one rank.
     ck = os.path.join(args.workdir, "ckpt_ep2")
     shutil.rmtree(ck, ignore_errors=True)
     base = run(args, "ckpt_save_ep2", config("gpt2_moe"), 4, 2, checkpoint={"dir": ck, "every": 10}, dump=False)
@@ -191,10 +200,11 @@ def main():
     check(os.path.isdir(step10), "ep=2 run saved step_00000010")
     if base and os.path.isdir(step10):
         ref_losses = {s["step"]: s["loss"] for s in base[0]}
-        for dp, ep, dist_opt in [(4, 1, False), (4, 4, False), (4, 4, True), (1, 1, False)]:
-            name = f"ckpt_resume_dp{dp}_ep{ep}{'_distopt' if dist_opt else ''}"
+        for dp, tp, ep, dist_opt in [(4, 1, 1, False), (4, 1, 4, False), (4, 1, 4, True), (2, 2, 2, False),
+                                     (1, 1, 1, False)]:
+            name = f"ckpt_resume_{layout_name(dp, tp, ep, False, dist_opt)}"
             got = run(args, name, config("gpt2_moe"), dp, ep, checkpoint={"resume": step10}, dump=False,
-                      dist_opt=dist_opt)
+                      dist_opt=dist_opt, tp=tp)
             if got is None:
                 continue
             resumed = {s["step"]: s["loss"] for s in got[0]}

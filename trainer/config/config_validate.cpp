@@ -235,10 +235,18 @@ void check_cross_field(const Config& c, Rules& r) {
     r.require(moe.top_k <= moe.num_experts, "model.moe.top_k", moe.top_k,
               fmt::format("model.moe.top_k ({}) must be <= model.moe.num_experts ({})", moe.top_k,
                           moe.num_experts));
-  if (r.ok({"model.moe.num_experts", "parallel.tp"}) && moe.enabled())
-    r.require(c.parallel.tp == 1, "parallel.tp", c.parallel.tp,
-              "tensor parallelism of the experts is not available yet: a Mixture-of-Experts model "
-              "(model.moe.num_experts > 0) needs parallel.tp 1 (use parallel.ep and parallel.dp)");
+  // Experts are split over TP like the dense MLP.
+  if (r.ok({"model.moe.num_experts", "model.moe.ffn_hidden_size", "parallel.tp"}) && moe.enabled() &&
+      c.parallel.tp > 1) {
+    r.require(moe.ffn_hidden_size % c.parallel.tp == 0, "model.moe.ffn_hidden_size", moe.ffn_hidden_size,
+              fmt::format("model.moe.ffn_hidden_size ({}) must be a multiple of parallel.tp ({})",
+                          moe.ffn_hidden_size, c.parallel.tp));
+    if (r.ok({"model.activation", "model.bias"}))
+      r.require(!(m.activation == "swiglu" && m.bias), "model.bias", true,
+                fmt::format("the experts' swiglu fc biases cannot be split over parallel.tp ({}) yet: set "
+                            "model.bias to false (as Llama-style models have it) or parallel.tp to 1",
+                            c.parallel.tp));
+  }
   if (r.ok({"parallel.ep", "parallel.dp", "model.moe.num_experts"}) && c.parallel.ep > 1) {
     const int64_t ep = c.parallel.ep;
     r.require(c.parallel.dp % ep == 0, "parallel.ep", ep,

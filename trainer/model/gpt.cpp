@@ -129,7 +129,7 @@ size_t Gpt::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micr
   Carver c(nullptr);
   Acts a;
   return layout_acts(c, ModelDims::from(cfg, micro_batch, tp, 0, sequence_parallel), act, a) +
-         MoeLayers::activation_bytes_for(cfg, act, micro_batch * cfg.seq_len, ep);
+         MoeLayers::activation_bytes_for(cfg, act, micro_batch * cfg.seq_len, ep, tp);
 }
 
 Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
@@ -152,8 +152,7 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   Carver c(static_cast<char*>(arena_));
   layout_acts(c, d_, act_, *a_);
   if (cfg.moe.enabled()) {
-    TETRA_CHECK(!tp_, "MoE blocks need tp 1 (got {})", tp_size);
-    moe_ = std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep);
+    moe_ = std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep, tp_);
     arena_bytes_ += moe_->activation_bytes();
   }
 }
@@ -260,8 +259,10 @@ void Gpt::forward_logits(const void* weights, const int32_t* tokens) {
     be_.norm_forward(norm_, shard_of(s.ln2), s.ln2_mean, s.ln2_rstd, s.res_mid, w(weights, p.norm2_w),
                      w(weights, p.norm2_b), Ns, d.C, eps_, t, t);
     gather(s.ln2);
-    if (p.moe) {  // res[l+1] = res_mid + MoE(ln2)
-      moe_->forward(l, weights, s.ln2, s.res_mid, a.res[l + 1], moe_loss_weight_);
+    if (p.moe) {  // res[l+1] = res_mid + MoE(ln2); the experts' TP slices reduced like a row-parallel output
+      y = row_target(a.res[l + 1]);
+      moe_->forward(l, weights, s.ln2, fused_residual ? s.res_mid : nullptr, y, moe_loss_weight_);
+      row_parallel_output(a.res[l + 1], y, s.res_mid);
       continue;
     }
     // fc = ln2 W_fc^T + b          column-parallel                              (N, FC)

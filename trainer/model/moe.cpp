@@ -125,7 +125,7 @@ struct Sizes {
   int64_t N, C, E, K, El, F, FC, cap, M_max, R_max, ep;
 };
 
-Sizes sizes_of(const ModelConfig& cfg, int64_t N, int64_t ep) {
+Sizes sizes_of(const ModelConfig& cfg, int64_t N, int64_t ep, int64_t tp) {
   Sizes s{};
   const MoeConfig& m = cfg.moe;
   s.N = N;
@@ -134,7 +134,7 @@ Sizes sizes_of(const ModelConfig& cfg, int64_t N, int64_t ep) {
   s.K = m.top_k;
   s.ep = ep;
   s.El = s.E / ep;
-  s.F = m.ffn_hidden_size;
+  s.F = m.ffn_hidden_size / tp;
   s.FC = cfg.activation == "swiglu" ? 2 * s.F : s.F;
   s.cap = moe_capacity(m, N);
   s.M_max = s.cap < 0 ? N * s.K : std::min(N * s.K, s.E * s.cap);
@@ -191,21 +191,29 @@ int64_t count_moe_blocks(const ModelConfig& cfg) {
 
 }  // namespace
 
-size_t MoeLayers::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep) {
+size_t MoeLayers::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp) {
   if (!cfg.moe.enabled()) return 0;
   Carver c(nullptr);
   std::vector<Layer*> none;
-  return carve_all<Layer, Scratch>(c, sizes_of(cfg, N, ep), act, count_moe_blocks(cfg), none, nullptr);
+  return carve_all<Layer, Scratch>(c, sizes_of(cfg, N, ep, tp), act, count_moe_blocks(cfg), none, nullptr);
 }
 
 MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t N,
-                     Communicator* ep)
-    : cfg_(cfg), layout_(layout), be_(be), act_(act), ep_(ep && ep->size() > 1 ? ep : nullptr) {
+                     Communicator* ep, Communicator* tp)
+    : cfg_(cfg),
+      layout_(layout),
+      be_(be),
+      act_(act),
+      ep_(ep && ep->size() > 1 ? ep : nullptr),
+      tp_(tp && tp->size() > 1 ? tp : nullptr) {
+  const int64_t tp_size = tp_ ? tp_->size() : 1;
+  TETRA_CHECK(layout.slicing.tp == tp_size, "the parameter layout is for tp {}, the MoE blocks for {}",
+              layout.slicing.tp, tp_size);
   const int64_t ep_size = ep_ ? ep_->size() : 1;
   TETRA_CHECK(layout.slicing.ep == ep_size && layout.slicing.ep_rank == (ep_ ? ep_->rank() : 0),
               "the parameter layout is for EP rank {} of {}, the model for rank {} of {}", layout.slicing.ep_rank,
               layout.slicing.ep, ep_ ? ep_->rank() : 0, ep_size);
-  const Sizes z = sizes_of(cfg, N, ep_size);
+  const Sizes z = sizes_of(cfg, N, ep_size, tp_size);
   N_ = z.N, C_ = z.C, E_ = z.E, K_ = z.K, El_ = z.El, F_ = z.F, FC_ = z.FC, cap_ = z.cap;
   M_max_ = z.M_max, R_max_ = z.R_max;
   e0_ = layout.slicing.ep_rank * El_;
@@ -219,7 +227,7 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
     ptrs.push_back(layers_.back().get());
   }
   sc_ = std::make_unique<Scratch>();
-  bytes_ = activation_bytes_for(cfg, act, N, ep_size);
+  bytes_ = activation_bytes_for(cfg, act, N, ep_size, tp_size);
   arena_ = be_.alloc(bytes_);
   Carver c(static_cast<char*>(arena_));
   carve_all<Layer, Scratch>(c, z, act, static_cast<int64_t>(ptrs.size()), ptrs, sc_.get());
@@ -296,6 +304,7 @@ void MoeLayers::experts_forward(Layer& s, const BlockParams& p, const void* weig
   char* fc = static_cast<char*>(s.fc);
   char* a = static_cast<char*>(s.act);
   char* y = static_cast<char*>(ep_ ? sc_->y_exp : s.y_local);
+  const bool tp0 = !tp_ || tp_->rank() == 0;  // the proj bias once over the TP partial sums
   int64_t o = 0;
   for (int64_t j = 0; j < El_; ++j) {  // fc = x W1_j^T + b1_j            (n, FC)
     const int64_t n = s.expert_rows[j];
@@ -315,7 +324,7 @@ void MoeLayers::experts_forward(Layer& s, const BlockParams& p, const void* weig
     const int64_t n = s.expert_rows[j];
     if (n > 0)
       be_.gemm(false, true, n, C_, F_, 1.0f, a + o * F_ * es, F_, w(p.experts_proj_w, j, C_ * F_), F_, act_, 0.0f,
-               y + o * C_ * es, C_, act_, w(p.experts_proj_b, j, C_));
+               y + o * C_ * es, C_, act_, tp0 ? w(p.experts_proj_b, j, C_) : nullptr);
     o += n;
   }
   stats_.expert_s += since(t0);
@@ -445,7 +454,10 @@ void MoeLayers::forward(int64_t l, const void* weights, const void* h, const voi
   }
   experts_forward(s, p, weights);
   if (ep_) combine(s, sc_->y_exp, s.y_local);
-  if (out != residual) be_.copy(out, residual, static_cast<size_t>(N_ * C_) * es);
+  if (!residual)
+    be_.memset_zero(out, static_cast<size_t>(N_ * C_) * es);
+  else if (out != residual)
+    be_.copy(out, residual, static_cast<size_t>(N_ * C_) * es);
   be_.moe_combine(out, s.y_local, s.pos, s.topk_prob, N_, K_, C_, /*accumulate=*/true, act_);
 
   if (loss_weight != 0.0f) {
@@ -476,6 +488,7 @@ void MoeLayers::backward(int64_t l, const void* weights, float* grads, const voi
   const size_t es = dtype_size(act_);
   // Combine: dy = g dout at each kept assignment's row; the gates' gradient <dout, y>.
   be_.moe_combine_backward(sc_->dy_local, sc_->dgates, dout, s.y_local, s.pos, s.topk_prob, N_, K_, C_, act_);
+  if (tp_) tp_->all_reduce(sc_->dgates, N_ * K_, DType::F32);  // y was this rank's partial sum
   if (ep_) dispatch(s, sc_->dy_local, sc_->dy_exp);
   experts_backward(s, p, weights, grads);
   if (ep_) combine(s, sc_->dx_exp, sc_->dx_local);
@@ -497,9 +510,11 @@ void MoeLayers::backward(int64_t l, const void* weights, float* grads, const voi
     be_.cast(sc_->dlogits_act, act_, sc_->dlogits, DType::F32, N_ * E_);
     dl = sc_->dlogits_act;
   }
-  // dh += dlogits W_r (N, C); dW_r += dlogits^T h (E, C).
-  be_.gemm(false, false, N_, C_, E_, 1.0f, dl, E_, static_cast<const char*>(weights) + p.router_w * es, C_, act_,
-           1.0f, dh, C_, act_);
+  // dh += dlogits W_r (N, C) (on TP rank 0: dh is a partial sum the caller reduces over TP);
+  // dW_r += dlogits^T h (E, C) (the same on every TP rank: the router is replicated).
+  if (!tp_ || tp_->rank() == 0)
+    be_.gemm(false, false, N_, C_, E_, 1.0f, dl, E_, static_cast<const char*>(weights) + p.router_w * es, C_, act_,
+             1.0f, dh, C_, act_);
   be_.gemm(true, false, E_, C_, N_, 1.0f, dl, E_, h, C_, act_, 1.0f, grads + p.router_w, C_, DType::F32);
 }
 

@@ -28,6 +28,14 @@
 // Backward runs the same exchanges for the output and input gradients. Buffers are sized for the
 // worst case (dropless: every token of every EP rank to this rank's experts), so the step
 // allocates nothing.
+//
+// Tensor parallelism (tp ranks, the same tokens on each): every TP rank routes identically (the
+// router is replicated) and computes its slice of each expert's hidden units, as in the dense
+// MLP: its output is a partial sum, which the caller reduces over TP like a row-parallel layer's
+// (all-reduce, or reduce-scatter with sequence parallelism; the expert proj bias and the residual
+// are added on TP rank 0). Backward: the gates' gradient <dout, y> is a partial sum too and is
+// all-reduced over TP (N K floats); the input gradient is partial (the router's share added on
+// TP rank 0 only) and the caller reduces it like a column-parallel layer's.
 #pragma once
 
 #include <cstdint>
@@ -74,23 +82,25 @@ struct MoeStepStats {
 
 class MoeLayers {
  public:
-  // N rows per micro-batch; `ep` the expert-parallel group (null or size 1: every expert here).
+  // N rows per micro-batch; `ep` the expert-parallel group (null or size 1: every expert here);
+  // `tp` the tensor-parallel group (null or size 1: whole experts).
   MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t N,
-            Communicator* ep);
+            Communicator* ep, Communicator* tp = nullptr);
   ~MoeLayers();
   MoeLayers(const MoeLayers&) = delete;
   MoeLayers& operator=(const MoeLayers&) = delete;
 
-  static size_t activation_bytes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep);
+  static size_t activation_bytes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp = 1);
   size_t activation_bytes() const { return bytes_; }
 
-  // Block l (a MoE block): out (N, C) = residual (N, C) + MoE(h). h (N, C) is kept (the caller's
-  // activation) for backward. `loss_weight`: the weight of this micro-batch's mean loss in the
+  // Block l (a MoE block): out (N, C) = residual (N, C) + MoE(h) (residual may be null: 0; with
+  // tp > 1 MoE(h) is this rank's partial sum). h (N, C) is kept (the caller's activation) for
+  // backward. `loss_weight`: the weight of this micro-batch's mean loss in the
   // objective (0: not training; nothing is counted in the statistics).
   void forward(int64_t l, const void* weights, const void* h, const void* residual, void* out,
                float loss_weight);
-  // dh (N, C) is overwritten with the gradient of MoE(h) w.r.t. h given dout (N, C); parameter
-  // gradients accumulate into `grads`. Same block's forward must be the last one run for it.
+  // dh (N, C) is overwritten with the gradient of MoE(h) w.r.t. h given dout (N, C) (with tp > 1
+  // this rank's partial sum); parameter gradients accumulate into `grads`. Same block's forward must be the last one run for it.
   void backward(int64_t l, const void* weights, float* grads, const void* h, const void* dout, void* dh);
 
   // Statistics since the last take (and reset).
@@ -109,6 +119,7 @@ class MoeLayers {
   Backend& be_;
   DType act_;
   Communicator* ep_;  // null without expert parallelism
+  Communicator* tp_;  // null without tensor parallelism
   int64_t N_, C_, E_, K_, El_, e0_, F_, FC_, cap_, M_max_, R_max_;
   bool swiglu_;
   std::vector<int> index_of_layer_;  // block -> index into layers_, -1 for dense blocks

@@ -21,21 +21,23 @@ struct LayoutBuilder {
 
   int64_t add(std::string name, std::vector<int64_t> global_shape, ParamInit init, bool decay,
               bool matmul, std::vector<RowBlock> row_blocks = {}, int64_t col_start = 0,
-              int64_t cols = -1) {
+              int64_t cols = -1, std::vector<int64_t> local_shape = {}) {
     ParamSpec p;
     p.name = std::move(name);
     p.global_shape = global_shape;
     p.shape = std::move(global_shape);
     p.row_blocks = std::move(row_blocks);
     p.col_start = col_start;
-    if (!p.row_blocks.empty()) {
-      int64_t rows = 0;
-      for (const RowBlock& b : p.row_blocks) rows += b.rows;
-      int64_t middle = 1;  // rows of the 2-D view per index of dim 0 (3-D expert tensors)
-      for (size_t d = 1; d + 1 < p.shape.size(); ++d) middle *= p.shape[d];
-      p.shape[0] = rows / middle;
+    if (!local_shape.empty()) {
+      p.shape = std::move(local_shape);
+    } else {
+      if (!p.row_blocks.empty()) {
+        int64_t rows = 0;
+        for (const RowBlock& b : p.row_blocks) rows += b.rows;
+        p.shape[0] = rows;
+      }
+      if (cols >= 0) p.shape[1] = cols;
     }
-    if (cols >= 0) p.shape[1] = cols;
     p.tp_split = p.shape != p.global_shape;
     p.numel = 1;
     for (int64_t d : p.shape) p.numel *= d;
@@ -54,20 +56,50 @@ struct LayoutBuilder {
     layout.params.back().sp_partial = layout.slicing.sequence_parallel && layout.slicing.tp > 1;
     return off;
   }
-  // An expert tensor of global shape (E, rest...): this rank's experts [e0, e0 + El) are one row
-  // block of the 2-D view.
-  int64_t expert(std::string name, std::vector<int64_t> global_shape, ParamInit init, bool decay, bool matmul) {
+  // One tensor of the experts [e0, e0 + El) this EP rank holds, each expert's TP slice as the dense
+  // MLP's (fc rows [r F/p, (r+1) F/p) of gate and up; proj columns; proj bias replicated). The
+  // slices are row blocks and a column range of the tensor's 2-D view (param_layout.h).
+  enum class Expert { FC_W, FC_B, PROJ_W, PROJ_B };
+  int64_t expert(std::string name, Expert part, int64_t E, int64_t C, int64_t F, bool swiglu, ParamInit init,
+                 bool decay, bool matmul) {
     const TensorSlicing& s = layout.slicing;
-    const int64_t E = global_shape[0], El = E / s.ep, e0 = s.ep_rank * El;
-    int64_t rows_per_expert = 1;
-    for (size_t d = 1; d + 1 < global_shape.size(); ++d) rows_per_expert *= global_shape[d];
-    const int64_t off = add(std::move(name), global_shape, init, decay, matmul,
-                            s.ep > 1 ? std::vector<RowBlock>{{e0 * rows_per_expert, El * rows_per_expert}}
-                                     : std::vector<RowBlock>{});
-    ParamSpec& p = layout.params.back();
-    p.tp_split = false;
-    p.ep_split = s.ep > 1;
-    p.expert = true;
+    const int64_t p = s.tp, r = s.tp_rank, El = E / s.ep, e0 = s.ep_rank * El, Fl = F / p;
+    const int64_t FCg = swiglu ? 2 * F : F, FCl = swiglu ? 2 * Fl : Fl;
+    const bool split = p > 1 || s.ep > 1;
+    std::vector<RowBlock> rows;
+    std::vector<int64_t> global, local;
+    int64_t col_start = 0;
+    switch (part) {
+      case Expert::FC_W:
+        global = {E, FCg, C}, local = {El, FCl, C};
+        if (p == 1 && split) rows.push_back({e0 * FCg, El * FCg});
+        if (p > 1)
+          for (int64_t e = e0; e < e0 + El; ++e) {
+            rows.push_back({e * FCg + r * Fl, Fl});
+            if (swiglu) rows.push_back({e * FCg + F + r * Fl, Fl});
+          }
+        break;
+      case Expert::FC_B:
+        TETRA_CHECK(!(swiglu && p > 1), "expert fc biases with swiglu cannot be split over tp {}", p);
+        global = {E, FCg}, local = {El, FCl};
+        if (s.ep > 1) rows.push_back({e0, El});
+        col_start = r * Fl;
+        break;
+      case Expert::PROJ_W:
+        global = {E, C, F}, local = {El, C, Fl};
+        if (s.ep > 1) rows.push_back({e0 * C, El * C});
+        col_start = r * Fl;
+        break;
+      case Expert::PROJ_B:
+        global = {E, C}, local = {El, C};
+        if (s.ep > 1) rows.push_back({e0, El});
+        break;
+    }
+    const int64_t off = add(std::move(name), global, init, decay, matmul, rows, col_start, -1, local);
+    ParamSpec& ps = layout.params.back();
+    ps.tp_split = p > 1 && part != Expert::PROJ_B;
+    ps.ep_split = s.ep > 1;
+    ps.expert = true;
     return off;
   }
   void end_group() {
@@ -162,17 +194,19 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
   layout.expert_begin = layout.total;
   // The experts of every MoE block, after all dense parameters (one group per block).
   if (m.moe.enabled()) {
-    const int64_t E = m.moe.num_experts, FE = m.moe.ffn_hidden_size, FCE = swiglu ? 2 * FE : FE;
-    TETRA_CHECK(FE > 0 && E % slicing.ep == 0 && slicing.ep_rank >= 0 && slicing.ep_rank < slicing.ep,
-                "expert layout: {} experts of ffn {} over ep rank {} of {}", E, FE, slicing.ep_rank, slicing.ep);
+    const int64_t E = m.moe.num_experts, FE = m.moe.ffn_hidden_size;
+    TETRA_CHECK(FE > 0 && FE % p == 0 && E % slicing.ep == 0 && slicing.ep_rank >= 0 && slicing.ep_rank < slicing.ep,
+                "expert layout: {} experts of ffn {} over ep rank {} of {}, tp {}", E, FE, slicing.ep_rank, slicing.ep, p);
     for (int64_t i = 0; i < m.num_layers; ++i) {
       if (!m.moe.is_moe_layer(i)) continue;
       BlockParams& bp = layout.blocks[i];
       const std::string n = fmt::format("layers.{}.mlp.experts.", i);
-      bp.experts_fc_w = b.expert(n + "fc.weight", {E, FCE, C}, ParamInit::NORMAL, true, true);
-      if (m.bias) bp.experts_fc_b = b.expert(n + "fc.bias", {E, FCE}, ParamInit::ZEROS, false, false);
-      bp.experts_proj_w = b.expert(n + "proj.weight", {E, C, FE}, ParamInit::NORMAL_SCALED, true, true);
-      if (m.bias) bp.experts_proj_b = b.expert(n + "proj.bias", {E, C}, ParamInit::ZEROS, false, false);
+      using X = LayoutBuilder::Expert;
+      bp.experts_fc_w = b.expert(n + "fc.weight", X::FC_W, E, C, FE, swiglu, ParamInit::NORMAL, true, true);
+      if (m.bias) bp.experts_fc_b = b.expert(n + "fc.bias", X::FC_B, E, C, FE, swiglu, ParamInit::ZEROS, false, false);
+      bp.experts_proj_w =
+          b.expert(n + "proj.weight", X::PROJ_W, E, C, FE, swiglu, ParamInit::NORMAL_SCALED, true, true);
+      if (m.bias) bp.experts_proj_b = b.expert(n + "proj.bias", X::PROJ_B, E, C, FE, swiglu, ParamInit::ZEROS, false, false);
       bp.expert_group = b.group;
       b.end_group();
     }

@@ -26,7 +26,9 @@
 // replicated, in the block's group) instead of the dense MLP, and its experts as global 3-D
 // tensors layers.l.mlp.experts.fc.weight (E, FC, C), .fc.bias (E, FC), .proj.weight (E, C, F),
 // .proj.bias (E, C). Expert parallelism over ep ranks: rank r holds experts [r E/ep, (r+1) E/ep),
-// i.e. row blocks of the tensors' 2-D views (every dim but the last flattened into rows). All
+// i.e. row blocks of the tensors' 2-D views (every dim but the last flattened into rows); with
+// tp > 1 each expert is split like the dense MLP (fc: row blocks of each expert's gate and up
+// rows; fc.bias and proj.weight: a column range; proj.bias replicated). All
 // expert tensors come after every dense group, one group per MoE layer (groups L + 2, ...), so
 // [expert_begin, total) is one contiguous range whose gradients reduce over the expert-DP group
 // while [0, expert_begin) reduces over DP.

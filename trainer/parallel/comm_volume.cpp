@@ -51,9 +51,15 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout) {
       for (int64_t n : per_group)
         if (n > 0) v.tp.add(CommOp::ALL_REDUCE, 1, n * 4);
     }
+    if (cfg.model.moe.enabled()) {  // the gates' gradient (partial sums over the experts' TP slices)
+      int64_t blocks = 0;
+      for (int64_t l = 0; l < L; ++l) blocks += cfg.model.moe.is_moe_layer(l) ? 1 : 0;
+      v.tp.add(CommOp::ALL_REDUCE, blocks * accum, N * cfg.model.moe.top_k * 4);
+    }
     v.tp.add(CommOp::ALL_REDUCE, accum, N * 4);      // loss: row maxima
     v.tp.add(CommOp::ALL_REDUCE, accum, 2 * N * 4);  // loss: sum of exponentials, target logits
     v.tp.add(CommOp::ALL_REDUCE, 1, 4);              // gradient norm
+    if (cfg.model.moe.enabled()) v.tp.add(CommOp::ALL_REDUCE, 1, 4);  // and its expert part
   }
   // The reduction of a part of the gradient buffer over a group of `size` ranks.
   auto reduction = [&](GroupVolume& g, const ParamLayout& part, int64_t size, GroupVolume& norm_group) {

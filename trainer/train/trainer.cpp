@@ -313,26 +313,29 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer) {
   be_->copy_to_host(host.data(), buffer, host.size() * 4);
   Communicator& tp = *groups_.tp;
   Communicator& ep = *groups_.ep;
-  const int p = tp.size();
-  std::vector<ParamLayout> layouts;  // every TP rank's layout: where its slices sit
-  for (int r = 0; r < p; ++r) layouts.push_back(r == tp.rank() ? layout_ : rank_layout(cfg_, r, groups_.coord.ep));
-  std::vector<ParamLayout> ep_layouts;  // every EP rank's layout: where its experts sit
-  for (int r = 0; r < ep.size(); ++r) ep_layouts.push_back(rank_layout(cfg_, groups_.coord.tp, r));
+  const int p = tp.size(), q = ep.size();
+  // Every (EP rank, TP rank)'s layout: where its slices sit.
+  std::vector<std::vector<ParamLayout>> layouts(q);
+  for (int e = 0; e < q; ++e)
+    for (int t = 0; t < p; ++t)
+      layouts[e].push_back(e == groups_.coord.ep && t == tp.rank() ? layout_ : rank_layout(cfg_, t, e));
   std::vector<TensorRecord> records;
   for (size_t i = 0; i < layout_.params.size(); ++i) {
     const ParamSpec& spec = layout_.params[i];
     int64_t global = 1;
     for (int64_t d : spec.global_shape) global *= d;
-    // Slices held by other ranks: TP slices over the TP group, experts over the EP group.
-    const int parts = spec.tp_split ? p : spec.ep_split ? ep.size() : 1;
-    const std::vector<ParamLayout>& where = spec.ep_split ? ep_layouts : layouts;
-    std::vector<float> slices(static_cast<size_t>(spec.numel) * parts);
-    if (spec.tp_split && p > 1)
+    // Slices held by other ranks: TP slices over the TP group, then experts over the EP group
+    // (EP rank e's TP slices at [e p, (e+1) p) when both).
+    const int tparts = spec.tp_split ? p : 1, eparts = spec.ep_split ? q : 1;
+    std::vector<float> slices(static_cast<size_t>(spec.numel) * tparts * eparts);
+    if (tparts > 1)
       tp.all_gather(slices.data(), host.data() + spec.offset, spec.numel, DType::F32);
-    else if (spec.ep_split)
-      ep.all_gather(slices.data(), host.data() + spec.offset, spec.numel, DType::F32);
     else
       std::memcpy(slices.data(), host.data() + spec.offset, static_cast<size_t>(spec.numel) * 4);
+    if (eparts > 1) {
+      std::vector<float> mine(slices.begin(), slices.begin() + spec.numel * tparts);
+      ep.all_gather(slices.data(), mine.data(), spec.numel * tparts, DType::F32);
+    }
     if (!writer_) continue;
     TensorRecord r;
     r.name = spec.name;
@@ -340,11 +343,12 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer) {
     r.shape = spec.global_shape;
     r.data.resize(static_cast<size_t>(global) * 4);
     float* out = reinterpret_cast<float*>(r.data.data());
-    for (int q = 0; q < parts; ++q) {
-      const ParamSpec& qs = where[q].params[i];
-      const float* src = slices.data() + static_cast<size_t>(q) * spec.numel;
-      for (int64_t e = 0; e < qs.numel; ++e) out[qs.global_index(e)] = src[e];
-    }
+    for (int e = 0; e < eparts; ++e)
+      for (int t = 0; t < tparts; ++t) {
+        const ParamSpec& qs = layouts[spec.ep_split ? e : groups_.coord.ep][spec.tp_split ? t : tp.rank()].params[i];
+        const float* src = slices.data() + static_cast<size_t>(e * tparts + t) * spec.numel;
+        for (int64_t k = 0; k < qs.numel; ++k) out[qs.global_index(k)] = src[k];
+      }
     records.push_back(std::move(r));
   }
   if (writer_) write_safetensors(file, records);
