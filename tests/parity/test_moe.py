@@ -14,6 +14,7 @@ so they do not depend on ep either). Checks, per layout:
     group's measured volume equals the prediction (the routed tokens' all-to-all payload is
     data-dependent: its calls are predicted, its bytes measured);
   - the routing statistics are logged (tokens per expert, dropped, aux and z losses).
+bf16: two layouts against the single-rank bf16 run (BF16_RTOL).
 Checkpoints: a run saved at ep = 2 resumes at ep = 1, at ep = 4 and on a single rank, and the
 resumed steps' losses match the uninterrupted ep = 2 run's (experts are stored as global tensors).
 Guard against a vacuous pass: the single-rank loss falls, the capacity run really drops tokens.
@@ -38,6 +39,10 @@ from safetensors_io import read_safetensors  # noqa: E402
 # sent to the wrong rank) move it by > 1e-3 within a few steps.
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-5
+# bf16 (test_layouts.py's argument): layouts round at different points, so the curves may
+# separate by a few units of bf16 rounding of the loss over 20 steps.
+BF16_RTOL = 2e-2
+BF16_LAYOUTS = [(4, 1, 2, False, False), (2, 2, 2, True, False)]
 
 STEPS = 20
 MODELS = {
@@ -76,14 +81,14 @@ def check(ok, what):
         failures.append(what)
 
 
-def config(model, capacity=None):
+def config(model, capacity=None, precision="fp32"):
     m = json.loads(json.dumps(MODELS[model]))
     if capacity is not None:
         m["moe"]["capacity_factor"] = capacity
     return {
         "model": m,
         "training": {"micro_batch_size": 2, "global_batch_size": 8, "steps": STEPS, "threads": 1,
-                     "peak_gflops": 100, "seed": 7},
+                     "peak_gflops": 100, "seed": 7, "precision": precision},
         "optimizer": {"lr": 1e-2, "warmup_steps": 3, "grad_clip": 1.0, "weight_decay": 0.1},
         "parallel": {"bucket_size": 2000},
         "data": {"synthetic": True},
@@ -183,6 +188,22 @@ def main():
             got = run(args, name, config(model), dp, ep, dist_opt=dist_opt, tp=tp, sp=sp)
             if got is not None:
                 compare(name, ref, got, dp, ep, tp)
+    # bf16: the all-to-alls carry bf16 rows, the router stays fp32.
+    ref16 = run(args, "bf16_single", config("gpt2_moe", precision="bf16"), 1, 1, dump=False)
+    ref32 = run(args, "fp32_single", config("gpt2_moe"), 1, 1, dump=False)
+    if ref16 and ref32:
+        gap = max(rel(a["loss"], b["loss"]) for a, b in zip(ref16[0], ref32[0]))
+        check(gap > 0, f"bf16: the bf16 run differs from fp32 (max {gap:.2e}): it really is bf16")
+        for dp, tp, ep, sp, dist_opt in BF16_LAYOUTS:
+            name = f"bf16_{layout_name(dp, tp, ep, sp, dist_opt)}"
+            got = run(args, name, config("gpt2_moe", precision="bf16"), dp, ep, dump=False, dist_opt=dist_opt,
+                      tp=tp, sp=sp)
+            if got:
+                worst = max(rel(a["loss"], b["loss"]) for a, b in zip(got[0], ref16[0]))
+                check(len(got[0]) == STEPS and worst <= BF16_RTOL,
+                      f"{name}: losses of {STEPS} steps within {BF16_RTOL:g} of the single-rank bf16 run "
+                      f"(worst {worst:.2e})")
+
     # A capacity factor: drops are per rank and micro-batch, the same under any ep.
     ref = run(args, "capacity_single", config("gpt2_moe", 1.0), 1, 1)
     got = run(args, "capacity_dp4_ep2", config("gpt2_moe", 1.0), 4, 2)
