@@ -219,6 +219,11 @@ def main():
     base = run(args, "ckpt_save_ep2", config("gpt2_moe"), 4, 2, checkpoint={"dir": ck, "every": 10}, dump=False)
     step10 = os.path.join(ck, "step_00000010")
     check(os.path.isdir(step10), "ep=2 run saved step_00000010")
+    ckpt_tool = os.path.join(os.path.dirname(args.tetra), "tetra_ckpt")
+    if os.path.isdir(step10) and os.path.exists(ckpt_tool):
+        r = subprocess.run([ckpt_tool, "inspect", step10], capture_output=True, text=True, timeout=120)
+        check(r.returncode == 0 and "every tensor covered exactly once" in r.stdout,
+              f"tetra_ckpt inspect verifies the ep=2 checkpoint's 3-D expert tensors ({r.stderr.strip()[-200:]})")
     if base and os.path.isdir(step10):
         ref_losses = {s["step"]: s["loss"] for s in base[0]}
         for dp, tp, ep, dist_opt in [(4, 1, 1, False), (4, 1, 4, False), (4, 1, 4, True), (2, 2, 2, False),
