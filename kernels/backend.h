@@ -156,6 +156,39 @@ class Backend {
                                const int32_t* targets, int64_t v0, int64_t N, int64_t Vl,
                                float dloss_scale) = 0;
 
+  // ---- Mixture of Experts (K experts per token out of E; M rows of the expert-sorted buffer) --
+  // Router, fp32 whatever the activation type. logits (N, E) F32. probs (N, E) = softmax of each
+  // row, lse (N) = its log-sum-exp; topk_idx (N, K) int32 = the K experts of highest probability
+  // in decreasing order (equal probabilities: the lower expert index first); topk_prob (N, K) F32
+  // = their probabilities (the gates, not renormalised).
+  virtual void moe_router_forward(float* probs, float* lse, int32_t* topk_idx, float* topk_prob,
+                                  const float* logits, int64_t N, int64_t E, int64_t K) = 0;
+  // dlogits (N, E) F32 is overwritten with the gradient through the softmax of
+  //   dp[i, j] = expert_grad[j] + sum_k [topk_idx[i, k] == j] dtopk_prob[i, k]
+  // (expert_grad (E) may be null: 0; it carries the load-balancing loss, the same for every row),
+  // plus the router z-loss's gradient z_scale * 2 lse[i] probs[i, j]:
+  //   dlogits[i, j] = probs[i, j] (dp[i, j] - sum_j' probs[i, j'] dp[i, j']) + 2 z_scale lse[i] probs[i, j]
+  virtual void moe_router_backward(float* dlogits, const float* probs, const float* lse,
+                                   const int32_t* topk_idx, const float* dtopk_prob,
+                                   const float* expert_grad, float z_scale, int64_t N, int64_t E,
+                                   int64_t K) = 0;
+  // Row gather (token permutation): dst[p, :] = src[rows[p], :] for p < M; rows of C elements of
+  // type act. dst must not alias src.
+  virtual void moe_gather_rows(void* dst, const void* src, const int32_t* rows, int64_t M,
+                               int64_t C, DType act) = 0;
+  // Combine (un-permutation): out[i, :] = (accumulate ? out[i, :] : 0)
+  //                                       + sum_k (weights ? weights[i, k] : 1) y[pos[i, k], :]
+  // for i < N; pos (N, K) int32, a negative position is a dropped assignment (skipped); weights
+  // (N, K) F32 or null. The sum is fp32, rounded to act once. out (N, C), y (M, C) of type act.
+  virtual void moe_combine(void* out, const void* y, const int32_t* pos, const float* weights,
+                           int64_t N, int64_t K, int64_t C, bool accumulate, DType act) = 0;
+  // Combine's backward: dy[pos[i, k], :] = weights[i, k] dout[i, :] (rows of dy that no position
+  // names are left untouched) and dweights[i, k] = sum_c dout[i, c] y[pos[i, k], c] (fp32; 0 for
+  // a dropped assignment). dout (N, C), y and dy (M, C) of type act.
+  virtual void moe_combine_backward(void* dy, float* dweights, const void* dout, const void* y,
+                                    const int32_t* pos, const float* weights, int64_t N,
+                                    int64_t K, int64_t C, DType act) = 0;
+
   // ---- optimizer and reductions --------------------------------------------------------------
   // out[0] = sum_i x[i]^2 over n F32 elements, accumulated in double then stored as float.
   virtual void sum_squares(float* out, const float* x, int64_t n) = 0;

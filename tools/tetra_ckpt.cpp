@@ -159,7 +159,9 @@ Checkpoint read_index(const std::string& dir) {
           throw InputError(fmt::format("{}: tensor {} has dtype {}, checkpoints hold F32", where, t.key,
                                        j.value("dtype", json("absent")).dump()));
         t.cols = tetra::global_cols(p);
-        t.rows = p.global_shape[0];
+        t.rows = 1;  // of the 2-D view: every dim but the last (3-D expert tensors)
+        for (size_t d = 0; d + 1 < p.global_shape.size(); ++d) t.rows *= p.global_shape[d];
+        if (p.global_shape.size() == 1) t.rows = p.global_shape[0];
         for (const json& s : j.at("slices")) {
           Slice sl;
           sl.index = t.slices.size();

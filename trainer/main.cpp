@@ -56,13 +56,18 @@ void print_dry_run(const tetra::Config& cfg) {
   const double tokens = static_cast<double>(cfg.training.global_batch_size * cfg.model.seq_len);
   fmt::print("parameters:        {} ({}; {} in matmuls)\n", stats.params, human_count(stats.params),
              human_count(stats.matmul_params));
-  fmt::print("FLOPs per token:   {} (training step: 6 x matmul params + 12 L C T)\n",
-             human_count(stats.train_flops_per_token));
+  if (cfg.model.moe.enabled())
+    fmt::print("active parameters: {} per token ({} in matmuls; {} experts, top-{}, every {} blocks)\n",
+               human_count(stats.active_params), human_count(stats.active_matmul_params),
+               cfg.model.moe.num_experts, cfg.model.moe.top_k, cfg.model.moe.every);
+  fmt::print("FLOPs per token:   {} (training step: 6 x {}matmul params + 12 L C T)\n",
+             human_count(stats.train_flops_per_token), cfg.model.moe.enabled() ? "active " : "");
   fmt::print("FLOPs per step:    {} ({} tokens, {} micro-batches of {} on each of {} DP ranks)\n",
              human_count(stats.train_flops_per_token * tokens), tokens, cfg.grad_accum_steps(),
              cfg.training.micro_batch_size, par.dp);
-  fmt::print("layout:            {} ranks = tp {} x pp {} x dp {}, order {}{}{}\n", par.tp * par.pp * par.dp,
-             par.tp, par.pp, par.dp, par.order, par.sequence_parallel ? ", sequence parallel" : "",
+  fmt::print("layout:            {} ranks = tp {} x pp {} x dp {}{}, order {}{}{}\n", par.tp * par.pp * par.dp,
+             par.tp, par.pp, par.dp, par.ep > 1 ? fmt::format(" (ep {} x edp {})", par.ep, par.dp / par.ep) : "",
+             par.order, par.sequence_parallel ? ", sequence parallel" : "",
              par.distributed_optimizer ? ", distributed optimizer" : "");
   if (par.pp > 1) {
     const tetra::PipelineSchedule schedule = tetra::make_schedule(cfg, cfg.grad_accum_steps());
@@ -107,6 +112,11 @@ void print_dry_run(const tetra::Config& cfg) {
   if (par.pp > 1) {
     fmt::print("  pp ({} ranks)      {}\n", par.pp, v.pp.describe());
     fmt::print("  embedding         {}\n", v.embedding.describe());
+  }
+  if (cfg.model.moe.enabled()) {
+    fmt::print("  edp ({} ranks)     {}\n", par.dp / par.ep, v.edp.describe());
+    fmt::print("  ep ({} ranks)      {} (plus the routed tokens: all-to-all payload depends on the routing)\n",
+               par.ep, v.ep.describe());
   }
 }
 

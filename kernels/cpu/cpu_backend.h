@@ -75,6 +75,20 @@ class CpuBackend final : public Backend {
                        const float* target_logit, const int32_t* targets, int64_t v0, int64_t N,
                        int64_t Vl, float dloss_scale) override;
 
+  void moe_router_forward(float* probs, float* lse, int32_t* topk_idx, float* topk_prob,
+                          const float* logits, int64_t N, int64_t E, int64_t K) override;
+  void moe_router_backward(float* dlogits, const float* probs, const float* lse,
+                           const int32_t* topk_idx, const float* dtopk_prob,
+                           const float* expert_grad, float z_scale, int64_t N, int64_t E,
+                           int64_t K) override;
+  void moe_gather_rows(void* dst, const void* src, const int32_t* rows, int64_t M, int64_t C,
+                       DType act) override;
+  void moe_combine(void* out, const void* y, const int32_t* pos, const float* weights, int64_t N,
+                   int64_t K, int64_t C, bool accumulate, DType act) override;
+  void moe_combine_backward(void* dy, float* dweights, const void* dout, const void* y,
+                            const int32_t* pos, const float* weights, int64_t N, int64_t K,
+                            int64_t C, DType act) override;
+
   void sum_squares(float* out, const float* x, int64_t n) override;
   void sum(float* out, const float* x, int64_t n) override;
   void adamw(float* params, float* grads, float* m, float* v, int64_t n,

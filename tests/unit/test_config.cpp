@@ -95,6 +95,13 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.model.tie_embeddings == b.model.tie_embeddings);
   CHECK(a.model.bias == b.model.bias);
   CHECK(a.model.init_std == b.model.init_std);
+  CHECK(a.model.moe.num_experts == b.model.moe.num_experts);
+  CHECK(a.model.moe.top_k == b.model.moe.top_k);
+  CHECK(a.model.moe.every == b.model.moe.every);
+  CHECK(a.model.moe.ffn_hidden_size == b.model.moe.ffn_hidden_size);
+  CHECK(a.model.moe.capacity_factor == b.model.moe.capacity_factor);
+  CHECK(a.model.moe.aux_loss_coeff == b.model.moe.aux_loss_coeff);
+  CHECK(a.model.moe.z_loss_coeff == b.model.moe.z_loss_coeff);
   CHECK(a.parallel.dp == b.parallel.dp);
   CHECK(a.parallel.tp == b.parallel.tp);
   CHECK(a.parallel.pp == b.parallel.pp);
@@ -165,7 +172,9 @@ json every_key() {
     "model": {"vocab_size": 32000, "seq_len": 256, "num_layers": 4, "hidden_size": 512,
               "num_heads": 8, "num_kv_heads": 2, "ffn_hidden_size": 1376, "norm": "rmsnorm",
               "norm_eps": 1e-6, "activation": "swiglu", "position": "rope",
-              "rope_theta": 500000.0, "tie_embeddings": false, "bias": false, "init_std": 0.01},
+              "rope_theta": 500000.0, "tie_embeddings": false, "bias": false, "init_std": 0.01,
+              "moe": {"num_experts": 0, "top_k": 1, "every": 2, "ffn_hidden_size": 512,
+                      "capacity_factor": 1.25, "aux_loss_coeff": 0.02, "z_loss_coeff": 0.001}},
     "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "order": "tp-pp-dp",
                  "sequence_parallel": true, "distributed_optimizer": true, "bucket_size": 1000,
                  "schedule": "gpipe", "virtual_stages": 1, "stage_layers": [4]},
@@ -480,6 +489,28 @@ TEST_CASE("config: parallel layout rules", "[config]") {
               "parallel.ep (3) must divide parallel.dp (4)");
   require_one(with(with(base(), "parallel.dp", 4), "parallel.ep", 2), "parallel.ep: 2: ",
               "needs a Mixture-of-Experts model");
+  // Mixture of Experts and expert parallelism.
+  const json moe = with(with(vb, "model.moe.num_experts", 8), "parallel.dp", 4);
+  CHECK(problems_of(with(moe, "parallel.ep", 4)).empty());
+  CHECK(config_from_json(moe).model.moe.ffn_hidden_size == 4 * 768);  // defaults to the dense one
+  CHECK(!config_from_json(moe).model.moe.capacity_factor);              // dropless by default
+  CHECK(*config_from_json(with(moe, "model.moe.capacity_factor", 1.5)).model.moe.capacity_factor == 1.5);
+  require_one(with(moe, "parallel.ep", 3), "parallel.ep: 3: ", "parallel.ep (3) must divide parallel.dp (4)");
+  require_one(with(with(moe, "parallel.dp", 6), "parallel.ep", 3), "parallel.ep: 3: ",
+              "parallel.ep (3) must divide model.moe.num_experts (8)");
+  require_one(with(moe, "model.moe.top_k", 9), "model.moe.top_k: 9: ",
+              "model.moe.top_k (9) must be <= model.moe.num_experts (8)");
+  require_one(with(moe, "model.moe.capacity_factor", 0.0), "model.moe.capacity_factor: 0", "or null for dropless");
+  CHECK(problems_of(with(moe, "parallel.tp", 2)).empty());
+  require_one(with(with(moe, "parallel.tp", 2), "model.moe.ffn_hidden_size", 101), "model.moe.ffn_hidden_size: 101: ",
+              "must be a multiple of parallel.tp (2)");
+  require_one(with(with(moe, "parallel.tp", 2), "model.activation", "swiglu"), "model.bias: true: ",
+              "swiglu fc biases cannot be split");
+  CHECK(problems_of(with(with(moe, "parallel.ep", 2), "parallel.distributed_optimizer", true)).empty());
+  require_one(with(with(with(moe, "parallel.ep", 2), "sample.prompt", "The"), "data.tokenizer", "gpt2:t"), "sample.prompt: ",
+              "not available with expert parallelism");
+  require_one(with(moe, "model.moe.topk", 2), "model.moe.topk: ", "did you mean \"model.moe.top_k\"");
+  require_one(with(base(), "model.moe", 3), "model.moe: 3: ", "expected an object");
   require_one(with(base(), "parallel.order", "tp-ep-dp"), "parallel.order: ", "tp-dp-pp");
   CHECK(problems_of(with(with(base(), "parallel.dp", 2), "parallel.order", "dp-tp-pp")).empty());
 }

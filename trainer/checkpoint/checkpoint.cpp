@@ -188,13 +188,15 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
   const float* m = host_view(b.exp_avg, static_cast<size_t>(state_numel), host_m);
   const float* v = host_view(b.exp_avg_sq, static_cast<size_t>(state_numel), host_v);
 
+  // Experts are replicated over expert-DP only: its first rank writes them.
   const bool dp_writer = b.sharded || groups.coord.dp == 0;
+  const bool edp_writer = b.sharded || groups.coord.edp == 0;
   const bool tp0 = groups.coord.tp == 0;
   std::vector<TensorView> views;
   json slices = json::array();
   for (const ParamSpec& p : layout.params) {
     // Replicas are written once: TP replicas by TP rank 0, a tied embedding by the first stage.
-    if (!dp_writer || (!p.tp_split && !tp0) || p.stage_copy) continue;
+    if (!(p.expert ? edp_writer : dp_writer) || (!p.tp_split && !tp0) || p.stage_copy) continue;
     for (size_t o = 0; o < b.owned->size(); ++o) {
       const GradRange& r = (*b.owned)[o];
       const int64_t lo = std::max(r.offset, p.offset) - p.offset;

@@ -130,6 +130,8 @@ HfArch hf_architecture(const ModelConfig& m) {
       bad.push_back(fmt::format("model.num_kv_heads {} (GPT-2 has multi-head attention only: num_kv_heads "
                                 "= num_heads = {})", m.num_kv_heads, m.num_heads));
   }
+  if (m.moe.enabled())
+    bad.push_back(fmt::format("model.moe.num_experts {} (the export writes dense models only)", m.moe.num_experts));
   if (!bad.empty()) {
     std::string list;
     for (const std::string& b : bad) list += (list.empty() ? "" : "; ") + b;

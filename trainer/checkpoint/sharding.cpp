@@ -9,18 +9,20 @@ namespace tetra {
 
 namespace {
 
-int64_t local_cols(const ParamSpec& spec) { return spec.shape.size() > 1 ? spec.shape[1] : 1; }
+int64_t local_cols(const ParamSpec& spec) { return spec.shape.size() > 1 ? spec.shape.back() : 1; }
 
 // The row blocks of the local tensor: the spec's, or all its rows.
 std::vector<RowBlock> blocks_of(const ParamSpec& spec) {
   if (!spec.row_blocks.empty()) return spec.row_blocks;
-  return {RowBlock{0, spec.shape.empty() ? 1 : spec.shape[0]}};
+  int64_t rows = 1;  // of the 2-D view: every dim but the last
+  for (size_t d = 0; d + 1 < spec.shape.size(); ++d) rows *= spec.shape[d];
+  return {RowBlock{0, spec.shape.size() > 1 ? rows : (spec.shape.empty() ? 1 : spec.shape[0])}};
 }
 
 }  // namespace
 
 int64_t global_cols(const ParamSpec& spec) {
-  return spec.global_shape.size() > 1 ? spec.global_shape[1] : 1;
+  return spec.global_shape.size() > 1 ? spec.global_shape.back() : 1;
 }
 
 std::vector<SliceRegion> slices_of(const ParamSpec& spec, int64_t lo, int64_t hi) {

@@ -1,7 +1,8 @@
 // Where the elements a rank holds sit in a global tensor, in the terms checkpoints store them.
 //
 // A checkpoint stores every tensor as its global shape plus slices. A slice is a rectangle of the
-// tensor's 2-D view (rows x cols; a 1-D tensor of n elements is n x 1) — rows [row0, row0 + rows),
+// tensor's 2-D view (rows x cols, cols the last dim and rows every other dim flattened; a 1-D
+// tensor of n elements is n x 1) — rows [row0, row0 + rows),
 // columns [col0, col0 + cols) — of which the row-major element range [begin, end) is held. The
 // rectangle is one row block of a tensor-parallel slice (param_layout.h); the range is the part
 // of it a data-parallel shard of the distributed optimizer owns (the whole rectangle otherwise).

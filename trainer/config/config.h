@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,21 @@
 #include "trainer/core/check.h"
 
 namespace tetra {
+
+// Mixture of Experts (model.moe): every `every`-th block (layers l with l % every == 0, Megatron's
+// moe_layer_freq) replaces its MLP by num_experts expert MLPs and a router; 0 experts = dense.
+struct MoeConfig {
+  int64_t num_experts = 0;
+  int64_t top_k = 2;
+  int64_t every = 1;
+  int64_t ffn_hidden_size = 0;            // of each expert; 0 = model.ffn_hidden_size
+  std::optional<double> capacity_factor;  // null = dropless; else each expert takes at most
+                                          // ceil(factor * tokens * top_k / num_experts) tokens
+  double aux_loss_coeff = 0.01;           // Switch / GShard load-balancing loss
+  double z_loss_coeff = 0.0;              // router z-loss (ST-MoE)
+  bool enabled() const { return num_experts > 0; }
+  bool is_moe_layer(int64_t l) const { return enabled() && l % every == 0; }
+};
 
 struct ModelConfig {
   int64_t vocab_size = 50257;
@@ -33,6 +49,7 @@ struct ModelConfig {
   bool tie_embeddings = true;
   bool bias = true;
   double init_std = 0.02;
+  MoeConfig moe;
   // Derived by resolve(): never 0 after validation.
   int64_t head_size() const { return hidden_size / num_heads; }
 };

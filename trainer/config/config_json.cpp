@@ -38,6 +38,17 @@ const Choices kLevels = {"trace", "debug", "info", "warn", "error"};
 // ---- the schema: every key of every section, in the order they are documented ---------------
 
 template <class M, class V>
+void visit_moe(M& m, V& v) {
+  v.integer("num_experts", m.num_experts);
+  v.integer("top_k", m.top_k);
+  v.integer("every", m.every);
+  v.integer("ffn_hidden_size", m.ffn_hidden_size);
+  v.optional_number("capacity_factor", m.capacity_factor);
+  v.number("aux_loss_coeff", m.aux_loss_coeff);
+  v.number("z_loss_coeff", m.z_loss_coeff);
+}
+
+template <class M, class V>
 void visit_model(M& m, V& v) {
   v.integer("vocab_size", m.vocab_size);
   v.integer("seq_len", m.seq_len);
@@ -54,6 +65,7 @@ void visit_model(M& m, V& v) {
   v.boolean("tie_embeddings", m.tie_embeddings);
   v.boolean("bias", m.bias);
   v.number("init_std", m.init_std);
+  v.object("moe", m.moe, [](auto& s, auto& sv) { visit_moe(s, sv); });
 }
 
 template <class P, class V>
@@ -194,6 +206,16 @@ const std::map<std::string, std::string>& foreign_names() {
       {"decoder_first_pipeline_num_layers", "parallel.stage_layers"},
       {"pipeline_model_parallel_layout", "parallel.stage_layers"},
       {"expert_model_parallel_size", "parallel.ep"},
+      {"num_moe_experts", "model.moe.num_experts"},
+      {"num_local_experts", "model.moe.num_experts"},
+      {"moe_router_topk", "model.moe.top_k"},
+      {"num_experts_per_tok", "model.moe.top_k"},
+      {"moe_layer_freq", "model.moe.every"},
+      {"moe_ffn_hidden_size", "model.moe.ffn_hidden_size"},
+      {"moe_expert_capacity_factor", "model.moe.capacity_factor"},
+      {"moe_aux_loss_coeff", "model.moe.aux_loss_coeff"},
+      {"router_aux_loss_coef", "model.moe.aux_loss_coeff"},
+      {"moe_z_loss_coeff", "model.moe.z_loss_coeff"},
       {"data_parallel_size", "parallel.dp"},
       {"sequence_parallel", "parallel.sequence_parallel"},
       {"use_distributed_optimizer", "parallel.distributed_optimizer"},
@@ -328,6 +350,33 @@ class SectionReader {
       out = v->get<double>();
   }
 
+  // A number, or null (the field's "off" state, std::nullopt).
+  void optional_number(const char* key, std::optional<double>& out) {
+    const json* v = find(key);
+    if (!v) return;
+    if (v->is_null()) {
+      out.reset();
+      return;
+    }
+    double d = 0.0;
+    keys_.pop_back();  // number() records the key again
+    number(key, d);
+    if (v->is_number() && std::isfinite(v->get<double>())) out = d;
+  }
+
+  // A nested object read by `visit` (its unknown keys reported with their full path).
+  template <class S, class F>
+  void object(const char* key, S& out, F&& visit) {
+    const json* v = find(key);
+    if (v && !v->is_object()) {
+      problems_.add(path(key), show(*v), "expected an object, got " + type_phrase(*v));
+      return;
+    }
+    SectionReader sub(v, path(key), problems_);
+    visit(out, sub);
+    sub.report_unknown_keys();
+  }
+
   void boolean(const char* key, bool& out) {
     const json* v = find(key);
     if (!v) return;
@@ -455,6 +504,16 @@ class SectionWriter {
   void integer(const char* key, const uint64_t& v) { out_[key] = v; }
   void number(const char* key, const double& v) { out_[key] = v; }
   void boolean(const char* key, const bool& v) { out_[key] = v; }
+  void optional_number(const char* key, const std::optional<double>& v) {
+    out_[key] = v ? json(*v) : json(nullptr);
+  }
+  template <class S, class F>
+  void object(const char* key, const S& v, F&& visit) {
+    json sub = json::object();
+    SectionWriter w(sub);
+    visit(v, w);
+    out_[key] = sub;
+  }
   void text(const char* key, const std::string& v) { out_[key] = v; }
   void integers(const char* key, const std::vector<int64_t>& v) { out_[key] = v; }
   void choice(const char* key, const std::string& v, const Choices&) { out_[key] = v; }

@@ -113,6 +113,11 @@ void check_pipeline(const Config& c, Rules& r) {
                           "{} / ({} * {})); the interleaved schedule needs a multiple of parallel.pp ({})",
                           m, c.training.global_batch_size, c.training.micro_batch_size, p.dp, pp));
   }
+  if (pp > 1 && c.model.moe.enabled())
+    r.require(false, "parallel.pp", pp,
+              "a Mixture-of-Experts model (model.moe.num_experts > 0) trains with parallel.pp = 1 in this "
+              "build (its blocks keep one micro-batch's routing between forward and backward); use tensor, "
+              "data and expert parallelism");
   if (pp > 1 && r.ok({"sample.prompt"}))
     r.require(c.sample.prompt.empty(), "sample.prompt", c.sample.prompt,
               "text samples during training need the whole model on one rank: leave sample.prompt empty "
@@ -131,6 +136,15 @@ void check_ranges(const Config& c, Rules& r) {
   r.positive("model.norm_eps", m.norm_eps);
   r.positive("model.rope_theta", m.rope_theta);
   r.positive("model.init_std", m.init_std);
+  r.at_least("model.moe.num_experts", m.moe.num_experts, 0);
+  r.at_least("model.moe.top_k", m.moe.top_k, 1);
+  r.at_least("model.moe.every", m.moe.every, 1);
+  r.size("model.moe.ffn_hidden_size", m.moe.ffn_hidden_size, 0);
+  if (m.moe.capacity_factor)
+    r.require(*m.moe.capacity_factor > 0.0, "model.moe.capacity_factor", *m.moe.capacity_factor,
+              "must be > 0, or null for dropless routing");
+  r.non_negative("model.moe.aux_loss_coeff", m.moe.aux_loss_coeff);
+  r.non_negative("model.moe.z_loss_coeff", m.moe.z_loss_coeff);
 
   const struct {
     const char* path;
@@ -239,6 +253,8 @@ void resolve(Config& c, Rules& r) {
     else
       m.ffn_hidden_size = 4 * m.hidden_size;
   }
+  if (m.moe.ffn_hidden_size == 0 && r.ok({"model.moe.ffn_hidden_size", "model.ffn_hidden_size"}))
+    m.moe.ffn_hidden_size = m.ffn_hidden_size;
   TrainingConfig& t = c.training;
   if (t.global_batch_size == 0 &&
       r.ok({"training.global_batch_size", "training.micro_batch_size", "parallel.dp"}))
@@ -275,16 +291,42 @@ void check_cross_field(const Config& c, Rules& r) {
         r.require(s.value % tp == 0, s.path, s.value,
                   fmt::format("{} ({}) must be a multiple of parallel.tp ({})", s.path, s.value, tp));
   }
-  // Expert parallelism is carved out of data parallelism.
-  if (r.ok({"parallel.ep", "parallel.dp"}) && c.parallel.ep > 1) {
-    if (c.parallel.dp % c.parallel.ep != 0)
-      r.require(false, "parallel.ep", c.parallel.ep,
-                fmt::format("parallel.ep ({}) must divide parallel.dp ({}): expert parallelism is carved "
-                            "out of data parallelism", c.parallel.ep, c.parallel.dp));
+  // Mixture of Experts, and expert parallelism (carved out of data parallelism).
+  const MoeConfig& moe = m.moe;
+  if (r.ok({"model.moe.num_experts", "model.moe.top_k"}) && moe.enabled())
+    r.require(moe.top_k <= moe.num_experts, "model.moe.top_k", moe.top_k,
+              fmt::format("model.moe.top_k ({}) must be <= model.moe.num_experts ({})", moe.top_k,
+                          moe.num_experts));
+  // Experts are split over TP like the dense MLP.
+  if (r.ok({"model.moe.num_experts", "model.moe.ffn_hidden_size", "parallel.tp"}) && moe.enabled() &&
+      c.parallel.tp > 1) {
+    r.require(moe.ffn_hidden_size % c.parallel.tp == 0, "model.moe.ffn_hidden_size", moe.ffn_hidden_size,
+              fmt::format("model.moe.ffn_hidden_size ({}) must be a multiple of parallel.tp ({})",
+                          moe.ffn_hidden_size, c.parallel.tp));
+    if (r.ok({"model.activation", "model.bias"}))
+      r.require(!(m.activation == "swiglu" && m.bias), "model.bias", true,
+                fmt::format("the experts' swiglu fc biases cannot be split over parallel.tp ({}) yet: set "
+                            "model.bias to false (as Llama-style models have it) or parallel.tp to 1",
+                            c.parallel.tp));
+  }
+  if (r.ok({"parallel.ep", "parallel.dp", "model.moe.num_experts"}) && c.parallel.ep > 1) {
+    const int64_t ep = c.parallel.ep;
+    r.require(c.parallel.dp % ep == 0, "parallel.ep", ep,
+              fmt::format("parallel.ep ({}) must divide parallel.dp ({}): expert parallelism is carved "
+                          "out of data parallelism", ep, c.parallel.dp));
+    if (!moe.enabled())
+      r.require(false, "parallel.ep", ep,
+                "expert parallelism needs a Mixture-of-Experts model: set model.moe.num_experts, or "
+                "parallel.ep to 1");
     else
-      r.require(false, "parallel.ep", c.parallel.ep,
-                "expert parallelism needs a Mixture-of-Experts model, which this build cannot train "
-                "yet; set parallel.ep to 1");
+      r.require(moe.num_experts % ep == 0, "parallel.ep", ep,
+                fmt::format("parallel.ep ({}) must divide model.moe.num_experts ({}): each expert-"
+                            "parallel rank holds num_experts / ep experts", ep, moe.num_experts));
+    if (r.ok({"sample.prompt"}))
+      r.require(c.sample.prompt.empty(), "sample.prompt", c.sample.prompt,
+                fmt::format("text samples during training are not available with expert parallelism yet "
+                            "(parallel.ep {}): remove sample.prompt (tetra generate works on the saved weights)",
+                            ep));
   }
   if (r.ok({"parallel.tp", "parallel.sequence_parallel"}) && c.parallel.sequence_parallel) {
     r.require(c.parallel.tp > 1, "parallel.sequence_parallel", true,

@@ -2,6 +2,8 @@
 //   FLOPs per token of a training step = 6 N + 12 L C T    (PaLM, appendix B)
 // N = parameters of matrix multiplies, the output projection included (embedding lookups are not
 // matmuls); 12 L C T counts the attention score and value products, forward and backward.
+// Mixture of Experts: a token goes through top_k of num_experts experts, so N counts the experts'
+// matmul parameters times top_k / num_experts (the activated ones), the router in full.
 #pragma once
 
 #include <cstdint>
@@ -14,6 +16,8 @@ namespace tetra {
 struct ModelStats {
   int64_t params = 0;
   int64_t matmul_params = 0;
+  int64_t active_params = 0;          // parameters one token uses (== params for a dense model)
+  int64_t active_matmul_params = 0;
   double train_flops_per_token = 0.0;
 };
 
@@ -21,7 +25,9 @@ inline ModelStats model_stats(const ModelConfig& m, const ParamLayout& layout) {
   ModelStats s;
   s.params = layout.count();
   s.matmul_params = layout.matmul_count();
-  s.train_flops_per_token = 6.0 * static_cast<double>(s.matmul_params) +
+  s.active_params = static_cast<int64_t>(layout.active_count(m));
+  s.active_matmul_params = static_cast<int64_t>(layout.active_matmul_count(m));
+  s.train_flops_per_token = 6.0 * static_cast<double>(s.active_matmul_params) +
                             12.0 * static_cast<double>(m.num_layers * m.hidden_size * m.seq_len);
   return s;
 }

@@ -4,6 +4,7 @@
 
 #include "trainer/core/check.h"
 #include "trainer/dist/communicator.h"
+#include "trainer/model/moe.h"
 
 namespace tetra {
 
@@ -164,16 +165,17 @@ static void apply_shape(ModelDims& d, const ChunkShape& shape) {
 }
 
 size_t Gpt::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch, int64_t tp,
-                                 bool sequence_parallel, const ChunkShape& shape, size_t* slot_bytes) {
+                                 bool sequence_parallel, const ChunkShape& shape, size_t* slot_bytes, int64_t ep) {
   Carver c(nullptr);
   Acts a;
   ModelDims d = ModelDims::from(cfg, micro_batch, tp, 0, sequence_parallel);
   apply_shape(d, shape);
-  return layout_acts(c, d, act, shape.slots, a, slot_bytes);
+  return layout_acts(c, d, act, shape.slots, a, slot_bytes) +
+         MoeLayers::activation_bytes_for(cfg, act, micro_batch * cfg.seq_len, ep, tp);
 }
 
 Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
-         Communicator* tp, int chunk, int64_t slots)
+         Communicator* tp, int chunk, int64_t slots, Communicator* ep)
     : cfg_(cfg), layout_(layout), be_(be), tp_(tp && tp->size() > 1 ? tp : nullptr), act_(act) {
   const int64_t tp_size = tp_ ? tp_->size() : 1, tp_rank = tp_ ? tp_->rank() : 0;
   TETRA_CHECK(layout.slicing.tp == tp_size && layout.slicing.tp_rank == tp_rank,
@@ -189,11 +191,21 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   eps_ = static_cast<float>(cfg.norm_eps);
   rope_ = cfg.position == "rope";
   swiglu_ = cfg.activation == "swiglu";
-  arena_bytes_ = activation_bytes_for(cfg, act, micro_batch, tp_size, d_.sp, shape);
+  {
+    Carver measure(nullptr);
+    Acts unused;
+    arena_bytes_ = layout_acts(measure, d_, act_, slots, unused);
+  }
   arena_ = be_.alloc(arena_bytes_);
   a_ = std::make_unique<Acts>();
   Carver c(static_cast<char*>(arena_));
   layout_acts(c, d_, act_, slots, *a_, &slot_bytes_);
+  if (cfg.moe.enabled()) {
+    // The MoE blocks keep one micro-batch's routing state: no micro-batches in flight (pp = 1).
+    TETRA_CHECK(slots == 1, "MoE blocks hold one micro-batch between forward and backward, not {}", slots);
+    moe_ = std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep, tp_);
+    arena_bytes_ += moe_->activation_bytes();
+  }
 }
 
 Gpt::~Gpt() {
@@ -243,7 +255,9 @@ void Gpt::vocab_parallel_loss(float* losses, void* logits, const int32_t* target
 
 void Gpt::forward(const void* weights, int64_t slot, const int32_t* tokens, const int32_t* targets,
                   float* losses, float dloss_scale) {
+  moe_loss_weight_ = dloss_scale * static_cast<float>(d_.N());
   forward_blocks(weights, slot, tokens);
+  moe_loss_weight_ = 0.0f;
   if (!d_.last) return;
   forward_head(weights, slot);
   vocab_parallel_loss(losses, a_->slots[static_cast<size_t>(slot)].logits, targets, dloss_scale);
@@ -312,6 +326,12 @@ void Gpt::forward_blocks(const void* weights, int64_t slot, const int32_t* token
     be_.norm_forward(norm_, shard_of(s.ln2), s.ln2_mean, s.ln2_rstd, s.res_mid, w(weights, p.norm2_w),
                      w(weights, p.norm2_b), Ns, d.C, eps_, t, t);
     gather(s.ln2);
+    if (p.moe) {  // res[l+1] = res_mid + MoE(ln2); the experts' TP slices reduced like a row-parallel output
+      y = row_target(sl.res[l + 1]);
+      moe_->forward(d.l0 + l, weights, s.ln2, fused_residual ? s.res_mid : nullptr, y, moe_loss_weight_);
+      row_parallel_output(sl.res[l + 1], y, s.res_mid);
+      continue;
+    }
     // fc = ln2 W_fc^T + b          column-parallel                              (N, FC)
     be_.gemm(false, true, N, d.FC, d.C, 1.0f, s.ln2, d.C, w(weights, p.fc_w), d.C, t, 0.0f, s.fc,
              d.FC, t, w(weights, p.fc_b));
@@ -385,20 +405,25 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
     Acts::Layer& s = sl.layers[l];
     // MLP: res[l+1] = res_mid + act W_p^T + b.
     const void* dout = full_dres();
-    be_.gemm(false, false, N, d.F, d.C, 1.0f, dout, d.C, w(weights, p.mlp_proj_w), d.F, t, 0.0f,
-             a.dact, d.F, t);
-    be_.gemm(true, false, d.C, d.F, N, 1.0f, dout, d.C, s.act, d.F, t, 1.0f, g(p.mlp_proj_w), d.F,
-             DType::F32);
-    if (p.mlp_proj_b >= 0) be_.bias_backward(g(p.mlp_proj_b), dout, N, d.C, t);
-    if (swiglu_)
-      be_.swiglu_backward(a.dfc, s.fc, a.dact, N, d.F, t);
-    else
-      be_.gelu_backward(a.dfc, s.fc, a.dact, N * d.F, t);
-    be_.gemm(false, false, N, d.C, d.FC, 1.0f, a.dfc, d.FC, w(weights, p.fc_w), d.C, t, 0.0f, dx,
-             d.C, t);
-    be_.gemm(true, false, d.FC, d.C, N, 1.0f, a.dfc, d.FC, s.ln2, d.C, t, 1.0f, g(p.fc_w), d.C,
-             DType::F32);
-    if (p.fc_b >= 0) be_.bias_backward(g(p.fc_b), a.dfc, N, d.FC, t);
+    if (p.moe) {
+      moe_->backward(d.l0 + l, weights, grads, s.ln2, dout, dx);
+      done(p.expert_group);
+    } else {
+      be_.gemm(false, false, N, d.F, d.C, 1.0f, dout, d.C, w(weights, p.mlp_proj_w), d.F, t, 0.0f,
+               a.dact, d.F, t);
+      be_.gemm(true, false, d.C, d.F, N, 1.0f, dout, d.C, s.act, d.F, t, 1.0f, g(p.mlp_proj_w), d.F,
+               DType::F32);
+      if (p.mlp_proj_b >= 0) be_.bias_backward(g(p.mlp_proj_b), dout, N, d.C, t);
+      if (swiglu_)
+        be_.swiglu_backward(a.dfc, s.fc, a.dact, N, d.F, t);
+      else
+        be_.gelu_backward(a.dfc, s.fc, a.dact, N * d.F, t);
+      be_.gemm(false, false, N, d.C, d.FC, 1.0f, a.dfc, d.FC, w(weights, p.fc_w), d.C, t, 0.0f, dx,
+               d.C, t);
+      be_.gemm(true, false, d.FC, d.C, N, 1.0f, a.dfc, d.FC, s.ln2, d.C, t, 1.0f, g(p.fc_w), d.C,
+               DType::F32);
+      if (p.fc_b >= 0) be_.bias_backward(g(p.fc_b), a.dfc, N, d.FC, t);
+    }
     column_parallel_input_grad(dx);
     be_.norm_backward(norm_, a.dres, g(p.norm2_w), g(p.norm2_b), a.dc, s.res_mid, w(weights, p.norm2_w),
                       s.ln2_mean, s.ln2_rstd, Ns, d.C, t, t);

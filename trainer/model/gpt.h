@@ -11,6 +11,8 @@
 //   u   = h W_fc^T + b             (N, F) gelu, or (N, 2F) = [gate | up] swiglu
 //   g   = gelu(u) | silu(gate)*up  (N, F)
 //   x   = x + g W_p^T + b
+// A Mixture-of-Experts block (model.moe) replaces the last three lines by x = x + MoE(h): the
+// router, the experts and their expert-parallel exchanges live in moe.{h,cpp} (MoeLayers).
 // then logits = norm_f(x) W_out^T (N, V) and a fused softmax-cross-entropy (fp32 math) that writes
 // the logits' gradient in place while computing the loss, so the logits are written once.
 //
@@ -50,6 +52,7 @@
 namespace tetra {
 
 class Communicator;
+class MoeLayers;
 
 // Sizes of what this rank computes. NH, NKV, F, FC, V, QKV are this rank's slice (the whole model
 // when tp = 1); FC = F (gelu) or 2F (swiglu); QKV = (NH + 2 NKV) HS. Its vocabulary slice starts
@@ -81,11 +84,12 @@ struct ChunkShape {
 class Gpt {
  public:
   // `tp`: the tensor-parallel group (null = no tensor parallelism); the layout must be this
-  // rank's slice of the model for that group.
-  // `chunk`: which of the layout's model chunks this is (ParamLayout::stage); `slots`: micro-batches
-  // in flight between forward and backward.
+  // rank's slice of the model for that group. `chunk`: which of the layout's model chunks this is
+  // (ParamLayout::stage); `slots`: micro-batches in flight between forward and backward. `ep`: the
+  // expert-parallel group of a MoE model (null = every expert on this rank); the layout must hold
+  // this rank's experts.
   Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
-      Communicator* tp = nullptr, int chunk = 0, int64_t slots = 1);
+      Communicator* tp = nullptr, int chunk = 0, int64_t slots = 1, Communicator* ep = nullptr);
   ~Gpt();
   Gpt(const Gpt&) = delete;
   Gpt& operator=(const Gpt&) = delete;
@@ -96,7 +100,7 @@ class Gpt {
   size_t slot_bytes() const { return slot_bytes_; }
   static size_t activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch,
                                      int64_t tp = 1, bool sequence_parallel = false,
-                                     const ChunkShape& shape = {}, size_t* slot_bytes = nullptr);
+                                     const ChunkShape& shape = {}, size_t* slot_bytes = nullptr, int64_t ep = 1);
 
   // tokens, targets: (B, T) int32 in backend memory. weights: the compute copy (type act) of the
   // parameter buffer. Writes per-token losses (N) F32. If `dloss_scale` != 0 the logits' gradient
@@ -137,6 +141,8 @@ class Gpt {
   DType act() const { return act_; }
 
   const ModelDims& dims() const { return d_; }
+  // The MoE blocks (null for a dense model): routing statistics and aux / z losses.
+  MoeLayers* moe() { return moe_.get(); }
 
   struct Acts;  // activation pointers into the arena (gpt.cpp)
 
@@ -168,6 +174,8 @@ class Gpt {
   size_t arena_bytes_ = 0, slot_bytes_ = 0;
   void* arena_ = nullptr;
   std::unique_ptr<Acts> a_;
+  std::unique_ptr<MoeLayers> moe_;
+  float moe_loss_weight_ = 0.0f;  // forward(): the weight of the micro-batch's mean loss
 };
 
 }  // namespace tetra

@@ -21,19 +21,23 @@ struct LayoutBuilder {
 
   int64_t add(std::string name, std::vector<int64_t> global_shape, ParamInit init, bool decay,
               bool matmul, std::vector<RowBlock> row_blocks = {}, int64_t col_start = 0,
-              int64_t cols = -1) {
+              int64_t cols = -1, std::vector<int64_t> local_shape = {}) {
     ParamSpec p;
     p.name = std::move(name);
     p.global_shape = global_shape;
     p.shape = std::move(global_shape);
     p.row_blocks = std::move(row_blocks);
     p.col_start = col_start;
-    if (!p.row_blocks.empty()) {
-      int64_t rows = 0;
-      for (const RowBlock& b : p.row_blocks) rows += b.rows;
-      p.shape[0] = rows;
+    if (!local_shape.empty()) {
+      p.shape = std::move(local_shape);
+    } else {
+      if (!p.row_blocks.empty()) {
+        int64_t rows = 0;
+        for (const RowBlock& b : p.row_blocks) rows += b.rows;
+        p.shape[0] = rows;
+      }
+      if (cols >= 0) p.shape[1] = cols;
     }
-    if (cols >= 0) p.shape[1] = cols;
     p.tp_split = p.shape != p.global_shape;
     p.numel = 1;
     for (int64_t d : p.shape) p.numel *= d;
@@ -52,6 +56,52 @@ struct LayoutBuilder {
     layout.params.back().sp_partial = layout.slicing.sequence_parallel && layout.slicing.tp > 1;
     return off;
   }
+  // One tensor of the experts [e0, e0 + El) this EP rank holds, each expert's TP slice as the dense
+  // MLP's (fc rows [r F/p, (r+1) F/p) of gate and up; proj columns; proj bias replicated). The
+  // slices are row blocks and a column range of the tensor's 2-D view (param_layout.h).
+  enum class Expert { FC_W, FC_B, PROJ_W, PROJ_B };
+  int64_t expert(std::string name, Expert part, int64_t E, int64_t C, int64_t F, bool swiglu, ParamInit init,
+                 bool decay, bool matmul) {
+    const TensorSlicing& s = layout.slicing;
+    const int64_t p = s.tp, r = s.tp_rank, El = E / s.ep, e0 = s.ep_rank * El, Fl = F / p;
+    const int64_t FCg = swiglu ? 2 * F : F, FCl = swiglu ? 2 * Fl : Fl;
+    const bool split = p > 1 || s.ep > 1;
+    std::vector<RowBlock> rows;
+    std::vector<int64_t> global, local;
+    int64_t col_start = 0;
+    switch (part) {
+      case Expert::FC_W:
+        global = {E, FCg, C}, local = {El, FCl, C};
+        if (p == 1 && split) rows.push_back({e0 * FCg, El * FCg});
+        if (p > 1)
+          for (int64_t e = e0; e < e0 + El; ++e) {
+            rows.push_back({e * FCg + r * Fl, Fl});
+            if (swiglu) rows.push_back({e * FCg + F + r * Fl, Fl});
+          }
+        break;
+      case Expert::FC_B:
+        TETRA_CHECK(!(swiglu && p > 1), "expert fc biases with swiglu cannot be split over tp {}", p);
+        global = {E, FCg}, local = {El, FCl};
+        if (s.ep > 1) rows.push_back({e0, El});
+        col_start = r * Fl;
+        break;
+      case Expert::PROJ_W:
+        global = {E, C, F}, local = {El, C, Fl};
+        if (s.ep > 1) rows.push_back({e0 * C, El * C});
+        col_start = r * Fl;
+        break;
+      case Expert::PROJ_B:
+        global = {E, C}, local = {El, C};
+        if (s.ep > 1) rows.push_back({e0, El});
+        break;
+    }
+    const int64_t off = add(std::move(name), global, init, decay, matmul, rows, col_start, -1, local);
+    ParamSpec& ps = layout.params.back();
+    ps.tp_split = p > 1 && part != Expert::PROJ_B;
+    ps.ep_split = s.ep > 1;
+    ps.expert = true;
+    return off;
+  }
   void end_group() {
     const int64_t begin = layout.groups.empty() ? 0 : layout.groups.back().second;
     layout.total = round_up(layout.total, layout.slicing.group_align);
@@ -63,9 +113,9 @@ struct LayoutBuilder {
 }  // namespace
 
 int64_t ParamSpec::global_index(int64_t i) const {
-  if (!tp_split) return i;
-  const int64_t cols = shape.size() > 1 ? shape[1] : 1;
-  const int64_t gcols = global_shape.size() > 1 ? global_shape[1] : 1;
+  if (!tp_split && !ep_split) return i;
+  const int64_t cols = shape.size() > 1 ? shape.back() : 1;
+  const int64_t gcols = global_shape.size() > 1 ? global_shape.back() : 1;
   int64_t row = i / cols;
   const int64_t col = i % cols;
   int64_t grow = row;
@@ -136,10 +186,15 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
       if (m.bias) bp.attn_proj_b = b.add(n + "attn.proj.bias", {C}, ParamInit::ZEROS, false, false);
       bp.norm2_w = b.norm_param(n + "norm2.weight", C, ParamInit::ONES);
       if (norm_bias) bp.norm2_b = b.norm_param(n + "norm2.bias", C, ParamInit::ZEROS);
+      if (m.moe.is_moe_layer(i)) {
+        bp.moe = true;
+        bp.router_w = b.add(n + "mlp.router.weight", {m.moe.num_experts, C}, ParamInit::NORMAL, false, true);
+      } else {
       bp.fc_w = b.add(n + "mlp.fc.weight", {fc_global, C}, ParamInit::NORMAL, true, true, fc_rows);
       if (m.bias) bp.fc_b = b.add(n + "mlp.fc.bias", {fc_global}, ParamInit::ZEROS, false, false, fc_rows);
       bp.mlp_proj_w = b.add(n + "mlp.proj.weight", {C, F}, ParamInit::NORMAL_SCALED, true, true, {}, r * Fl, Fl);
       if (m.bias) bp.mlp_proj_b = b.add(n + "mlp.proj.bias", {C}, ParamInit::ZEROS, false, false);
+      }
       TETRA_CHECK(layout.layer_group[static_cast<size_t>(i)] < 0, "layer {} in two stage ranges", i);
       layout.blocks[static_cast<size_t>(i)] = bp;
       layout.layer_group[static_cast<size_t>(i)] = b.group;
@@ -157,6 +212,28 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
     }
     b.end_group();
   }
+  layout.dense_groups = static_cast<int>(layout.groups.size());
+  layout.expert_begin = layout.total;
+  // The experts of every MoE block this rank holds, after all dense parameters (one group per block).
+  if (m.moe.enabled()) {
+    const int64_t E = m.moe.num_experts, FE = m.moe.ffn_hidden_size;
+    TETRA_CHECK(FE > 0 && FE % p == 0 && E % slicing.ep == 0 && slicing.ep_rank >= 0 && slicing.ep_rank < slicing.ep,
+                "expert layout: {} experts of ffn {} over ep rank {} of {}, tp {}", E, FE, slicing.ep_rank, slicing.ep, p);
+    for (const auto& [first_layer, end_layer] : stage.chunks)
+      for (int64_t i = first_layer; i < end_layer; ++i) {
+        if (!m.moe.is_moe_layer(i)) continue;
+        BlockParams& bp = layout.blocks[static_cast<size_t>(i)];
+        const std::string n = fmt::format("layers.{}.mlp.experts.", i);
+        using X = LayoutBuilder::Expert;
+        bp.experts_fc_w = b.expert(n + "fc.weight", X::FC_W, E, C, FE, swiglu, ParamInit::NORMAL, true, true);
+        if (m.bias) bp.experts_fc_b = b.expert(n + "fc.bias", X::FC_B, E, C, FE, swiglu, ParamInit::ZEROS, false, false);
+        bp.experts_proj_w =
+            b.expert(n + "proj.weight", X::PROJ_W, E, C, FE, swiglu, ParamInit::NORMAL_SCALED, true, true);
+        if (m.bias) bp.experts_proj_b = b.expert(n + "proj.bias", X::PROJ_B, E, C, FE, swiglu, ParamInit::ZEROS, false, false);
+        bp.expert_group = b.group;
+        b.end_group();
+      }
+  }
   return layout;
 }
 
@@ -170,6 +247,21 @@ int64_t ParamLayout::matmul_count() const {
   int64_t n = 0;
   for (const ParamSpec& p : params)
     if (p.matmul) n += p.numel;
+  return n;
+}
+
+double ParamLayout::active_matmul_count(const ModelConfig& m) const {
+  double n = 0;
+  for (const ParamSpec& p : params)
+    if (p.matmul)
+      n += p.expert ? static_cast<double>(p.numel) * m.moe.top_k / m.moe.num_experts : static_cast<double>(p.numel);
+  return n;
+}
+
+double ParamLayout::active_count(const ModelConfig& m) const {
+  double n = 0;
+  for (const ParamSpec& p : params)
+    n += p.expert ? static_cast<double>(p.numel) * m.moe.top_k / m.moe.num_experts : static_cast<double>(p.numel);
   return n;
 }
 

@@ -29,6 +29,16 @@
 // output layer (Megatron's word_embeddings_for_head): initialised like the original, its gradient
 // summed with the first stage's over the embedding group, so the two stay identical; checkpoints
 // and gradient norms count only the first stage's (ParamSpec::stage_copy).
+// Mixture of Experts (model.moe): a MoE block holds a router (layers.l.mlp.router.weight, (E, C),
+// replicated, in the block's group) instead of the dense MLP, and its experts as global 3-D
+// tensors layers.l.mlp.experts.fc.weight (E, FC, C), .fc.bias (E, FC), .proj.weight (E, C, F),
+// .proj.bias (E, C). Expert parallelism over ep ranks: rank r holds experts [r E/ep, (r+1) E/ep),
+// i.e. row blocks of the tensors' 2-D views (every dim but the last flattened into rows); with
+// tp > 1 each expert is split like the dense MLP (fc: row blocks of each expert's gate and up
+// rows; fc.bias and proj.weight: a column range; proj.bias replicated). All
+// expert tensors come after every dense group, one group per MoE layer (groups L + 2, ...), so
+// [expert_begin, total) is one contiguous range whose gradients reduce over the expert-DP group
+// while [0, expert_begin) reduces over DP.
 #pragma once
 
 #include <cstdint>
@@ -50,17 +60,21 @@ struct ParamSpec {
   std::string name;
   std::vector<int64_t> shape;         // this rank's slice
   std::vector<int64_t> global_shape;  // the whole tensor
-  // The slice: the concatenation of `row_blocks` of the global rows (all rows when empty),
-  // restricted to columns [col_start, col_start + shape[1]) (2-D tensors; col_start 0 otherwise).
+  // The slice, in the 2-D view (rows = product of every dim but the last, cols = the last; a 1-D
+  // tensor is n x 1): the concatenation of `row_blocks` of the global rows (all rows when empty),
+  // restricted to columns [col_start, col_start + local cols) (col_start 0 for 1-D tensors).
   std::vector<RowBlock> row_blocks;
   int64_t col_start = 0;
   int64_t offset = 0;  // in elements, into every parameter-sized buffer
   int64_t numel = 0;
-  int group = 0;       // 0 embedding, 1 + l block l, L + 1 final norm and output layer
+  int group = 0;       // 0 embedding, 1 + l block l, L + 1 final norm and output layer,
+                       // L + 2 + j the experts of the j-th MoE block
   ParamInit init = ParamInit::NORMAL;
   bool weight_decay = false;  // 2-D weights except position embeddings
   bool matmul = false;        // counted in the 6N FLOPs of a training step
   bool tp_split = false;      // each TP rank holds a different slice (else a replica)
+  bool expert = false;        // an expert tensor (MoE): reduced over expert-DP, split over EP
+  bool ep_split = false;      // each EP rank holds different experts
   bool sp_partial = false;    // with sequence parallelism: each TP rank's gradient is a partial
                               // sum over its sequence shard (norm weights and biases)
   bool stage_copy = false;    // the last pipeline stage's copy of a tied embedding
@@ -77,12 +91,19 @@ struct BlockParams {
   int64_t norm2_w = -1, norm2_b = -1;
   int64_t fc_w = -1, fc_b = -1;
   int64_t mlp_proj_w = -1, mlp_proj_b = -1;
+  // MoE blocks (moe == true; fc_w .. mlp_proj_b are then -1): the router (E, C) and this rank's
+  // experts, local tensors (El, FC, C), (El, FC), (El, C, F), (El, C).
+  bool moe = false;
+  int64_t router_w = -1;
+  int64_t experts_fc_w = -1, experts_fc_b = -1, experts_proj_w = -1, experts_proj_b = -1;
+  int expert_group = -1;  // the group of the block's experts
 };
 
 struct TensorSlicing {
   int64_t tp = 1, tp_rank = 0;
   bool sequence_parallel = false;
   int64_t group_align = 16;  // elements; a multiple of 16
+  int64_t ep = 1, ep_rank = 0;  // expert parallelism (MoE models only)
 };
 
 // The layers a pipeline rank holds: one [begin, end) range per model chunk, in chunk order
@@ -105,10 +126,17 @@ struct ParamLayout {
   std::vector<int> layer_group;
   TensorSlicing slicing;
   StageSlice stage;
+  // MoE: [expert_begin, total) holds every expert tensor (== total for a dense model), and the
+  // groups from dense_groups on are expert groups (dense_groups == groups.size() when dense).
+  int64_t expert_begin = 0;
+  int dense_groups = 0;
 
   static ParamLayout build(const ModelConfig& m, const TensorSlicing& slicing = {}, const StageSlice& stage = {});
   int64_t count() const;          // parameters (without padding) in this rank's buffer
   int64_t matmul_count() const;   // parameters of matrix multiplies, lm_head / tied wte included
+  // Matmul parameters one token goes through: experts count top_k / num_experts of theirs.
+  double active_matmul_count(const ModelConfig& m) const;
+  double active_count(const ModelConfig& m) const;  // all parameters, experts weighted alike
   // Offset of the output projection (lm_head, or wte when embeddings are tied).
   int64_t output_weight() const { return lm_head >= 0 ? lm_head : wte; }
   const ParamSpec* find(const std::string& name) const;

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "trainer/optim/grad_buffer.h"
+#include "trainer/optim/grad_buffers.h"
 
 namespace tetra {
 
@@ -37,7 +38,11 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout) {
   const int64_t rows = N * C * act_bytes;
   const bool first = layout.stage.first, last = layout.stage.last;
   int64_t L = 0;  // layers this rank holds
-  for (const auto& [begin, end] : layout.stage.chunks) L += end - begin;
+  int64_t moe_blocks = 0;  // MoE blocks among them
+  for (const auto& [begin, end] : layout.stage.chunks) {
+    L += end - begin;
+    for (int64_t l = begin; l < end; ++l) moe_blocks += cfg.model.moe.enabled() && cfg.model.moe.is_moe_layer(l) ? 1 : 0;
+  }
 
   if (par.tp > 1) {
     // (N, C) exchanges per micro-batch: forward after the embedding and each row-parallel layer,
@@ -57,11 +62,14 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout) {
       for (int64_t n : per_group)
         if (n > 0) v.tp.add(CommOp::ALL_REDUCE, 1, n * 4);
     }
+    if (cfg.model.moe.enabled())  // the gates' gradient (partial sums over the experts' TP slices)
+      v.tp.add(CommOp::ALL_REDUCE, moe_blocks * accum, N * cfg.model.moe.top_k * 4);
     if (last) {
       v.tp.add(CommOp::ALL_REDUCE, accum, N * 4);      // loss: row maxima
       v.tp.add(CommOp::ALL_REDUCE, accum, 2 * N * 4);  // loss: sum of exponentials, target logits
     }
     v.tp.add(CommOp::ALL_REDUCE, 1, 4);              // gradient norm
+    if (cfg.model.moe.enabled()) v.tp.add(CommOp::ALL_REDUCE, 1, 4);  // and its expert part
   }
   if (par.pp > 1) {
     const int64_t boundary = (par.sequence_parallel && par.tp > 1 ? N / par.tp : N) * C * act_bytes;
@@ -77,20 +85,32 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout) {
       if (wte) v.embedding.add(CommOp::ALL_REDUCE, 1, wte->numel * 4);
     }
   }
-  if (par.dp > 1) {
-    const int64_t buckets = static_cast<int64_t>(plan_buckets(layout, par.bucket_size).size());
-    const int64_t grad_bytes = layout.total * 4;
+  // The reduction of a part of the gradient buffer over a group of `size` ranks.
+  auto reduction = [&](GroupVolume& g, const ParamLayout& part, int64_t size, GroupVolume& norm_group) {
+    if (size <= 1 || part.groups.empty()) return;
+    const int64_t buckets = static_cast<int64_t>(plan_buckets(part, par.bucket_size).size());
+    const int64_t numel = part.groups.back().second - part.groups.front().first;
     if (par.distributed_optimizer) {
-      v.dp.add(CommOp::REDUCE_SCATTER, buckets, 0);
-      v.dp.payload_bytes[static_cast<int>(CommOp::REDUCE_SCATTER)] += grad_bytes;
-      v.dp.add(CommOp::ALL_GATHER, buckets, 0);
-      v.dp.payload_bytes[static_cast<int>(CommOp::ALL_GATHER)] += layout.total * act_bytes;
-      v.dp.add(CommOp::ALL_REDUCE, 1, 4);  // gradient norm over the shards
+      g.add(CommOp::REDUCE_SCATTER, buckets, 0);
+      g.payload_bytes[static_cast<int>(CommOp::REDUCE_SCATTER)] += numel * 4;
+      g.add(CommOp::ALL_GATHER, buckets, 0);
+      g.payload_bytes[static_cast<int>(CommOp::ALL_GATHER)] += numel * act_bytes;
+      norm_group.add(CommOp::ALL_REDUCE, 1, 4);  // gradient norm over the shards
     } else {
-      v.dp.add(CommOp::ALL_REDUCE, buckets, 0);
-      v.dp.payload_bytes[static_cast<int>(CommOp::ALL_REDUCE)] += grad_bytes;
+      g.add(CommOp::ALL_REDUCE, buckets, 0);
+      g.payload_bytes[static_cast<int>(CommOp::ALL_REDUCE)] += numel * 4;
     }
-    v.dp.add(CommOp::ALL_REDUCE, 1, 4);  // the step's loss
+  };
+  reduction(v.dp, layout_part(layout, false), par.dp, v.dp);
+  if (par.dp > 1) v.dp.add(CommOp::ALL_REDUCE, 1, 4);  // the step's loss
+  const MoeConfig& moe = cfg.model.moe;
+  if (moe.enabled()) {
+    reduction(v.edp, layout_part(layout, true), par.dp / par.ep, v.dp);
+    if (par.ep > 1) {
+      v.ep.add(CommOp::ALL_TO_ALL, 5 * moe_blocks * accum, 0);
+      const bool sharded = par.distributed_optimizer && par.dp / par.ep > 1;
+      if (!sharded) v.ep.add(CommOp::ALL_REDUCE, 1, 4);  // the experts' gradient norm
+    }
   }
   return v;
 }

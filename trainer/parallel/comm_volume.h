@@ -25,6 +25,12 @@
 // distributed optimizer reduce-scatter of each bucket then all-gather of the updated weights),
 // the global gradient norm (one float over tp; over dp when sharded) and the loss (one float
 // over dp).
+// Mixture of Experts: the DP reduction covers the dense parameters only; the expert parameters'
+// buckets reduce the same way over the expert-DP group (edp), and their norm's partial sum is
+// all-reduced over ep (over edp when sharded). Per micro-batch and MoE block the EP group runs 5
+// all-to-alls: the per-expert counts, the tokens' dispatch and combine forward, and the same two
+// for the gradients backward; the tokens' payload depends on the routing (only the calls are
+// predicted).
 #pragma once
 
 #include <array>
@@ -47,7 +53,7 @@ struct GroupVolume {
 };
 
 struct StepVolume {
-  GroupVolume tp, dp, pp, embedding;
+  GroupVolume tp, dp, pp, embedding, edp, ep;
 };
 
 // `layout`: this rank's (its TP slice of its pipeline stage, with the run's group alignment).

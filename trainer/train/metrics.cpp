@@ -1,5 +1,6 @@
 #include "trainer/train/metrics.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 
@@ -36,6 +37,17 @@ void MetricsWriter::start(const std::string& run_info_json) {
   jsonl_.flush();
 }
 
+MoeTokenSpread token_spread(const MoeLayerStats& l) {
+  MoeTokenSpread t;
+  if (l.tokens_per_expert.empty()) return t;
+  t.min = *std::min_element(l.tokens_per_expert.begin(), l.tokens_per_expert.end());
+  t.max = *std::max_element(l.tokens_per_expert.begin(), l.tokens_per_expert.end());
+  double sum = 0.0;
+  for (int64_t n : l.tokens_per_expert) sum += static_cast<double>(n);
+  t.mean = sum / static_cast<double>(l.tokens_per_expert.size());
+  return t;
+}
+
 std::string MetricsWriter::format_line(const StepMetrics& m) {
   std::string line = fmt::format(
       "step {:>{}}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f}{} | {:.1f} ms | {:.0f} tok/s | "
@@ -46,6 +58,12 @@ std::string MetricsWriter::format_line(const StepMetrics& m) {
   if (m.pipeline)
     line += fmt::format(" | bubble {:.0f}% (ideal {:.0f}%)", 100.0 * m.pipeline->bubble, 100.0 * m.pipeline->ideal_bubble);
   if (m.skipped) line += fmt::format(" | SKIPPED ({})", *m.skipped);
+  if (m.moe)
+    for (const MoeLayerStats& l : m.moe->layers) {
+      const MoeTokenSpread t = token_spread(l);
+      line += fmt::format(" | moe{} tokens/expert {}/{:.1f}/{} dropped {} aux {:.4f} z {:.3f}", l.layer, t.min,
+                          t.mean, t.max, l.dropped, l.aux_loss, l.z_loss);
+    }
   for (const CommRecord& c : m.comm)
     line += fmt::format(" | {} {:.2f} MB, {:.1f} ms{}", c.group, c.sent_bytes / 1e6, c.blocked_ms,
                         c.measured == c.predicted ? "" : " (UNEXPECTED VOLUME)");
@@ -73,6 +91,23 @@ void MetricsWriter::write(const StepMetrics& m) {
                      {"bubble_per_rank", m.pipeline->bubble_per_rank},
                      {"peak_in_flight", m.pipeline->peak_in_flight}};
   if (m.skipped) j["skipped"] = *m.skipped;
+  if (m.moe) {
+    nlohmann::ordered_json layers = nlohmann::ordered_json::array();
+    for (const MoeLayerStats& l : m.moe->layers) {
+      const MoeTokenSpread t = token_spread(l);
+      layers.push_back({{"layer", l.layer},
+                        {"tokens_per_expert", {{"min", t.min}, {"mean", t.mean}, {"max", t.max}}},
+                        {"dropped", l.dropped},
+                        {"aux_loss", l.aux_loss},
+                        {"z_loss", l.z_loss}});
+    }
+    j["moe"] = {{"layers", layers},
+                {"expert_ms", 1e3 * m.moe->expert_s},
+                {"dispatch_ms", 1e3 * m.moe->dispatch_s},
+                {"combine_ms", 1e3 * m.moe->combine_s},
+                {"dispatch_bytes", m.moe->dispatch_bytes},
+                {"combine_bytes", m.moe->combine_bytes}};
+  }
   if (!m.comm.empty()) {
     auto volume = [](const GroupVolume& v) {
       nlohmann::ordered_json o;

@@ -11,13 +11,14 @@
 #include <string>
 #include <vector>
 
+#include "trainer/model/moe.h"
 #include "trainer/parallel/comm_volume.h"
 
 namespace tetra {
 
 // One group's communication in a step: measured by its communicator, and predicted.
 struct CommRecord {
-  std::string group;        // "tp", "dp"
+  std::string group;        // "tp", "dp", "edp", "ep"
   GroupVolume measured, predicted;
   double sent_bytes = 0.0;  // what this rank put on the wire (communicator.h's model)
   double blocked_ms = 0.0;  // time the step waited for this group (communication not hidden)
@@ -51,6 +52,7 @@ struct StepMetrics {
   std::optional<PipelineMetrics> pipeline;  // pp > 1
   std::optional<std::string> sample;  // text sampled at an evaluation
   std::optional<std::string> skipped;  // why the update was skipped (step_guard.h); unset: applied
+  std::optional<MoeStepStats> moe;    // MoE models: routing per MoE block (global rank 0's tokens)
 };
 
 class MetricsWriter {
@@ -68,5 +70,12 @@ class MetricsWriter {
 };
 
 std::string format_duration(double seconds);
+
+// Tokens per expert over the experts of one MoE block: min / mean / max.
+struct MoeTokenSpread {
+  int64_t min = 0, max = 0;
+  double mean = 0.0;
+};
+MoeTokenSpread token_spread(const MoeLayerStats& l);
 
 }  // namespace tetra

@@ -83,7 +83,7 @@ PipelineModel::PipelineModel(const Config& cfg, const ParamLayout& layout, Backe
   for (int c = 0; c < schedule_.vp; ++c) {
     const int64_t slots = std::max(1, schedule_.max_in_flight(pp_rank, c));
     auto model = std::make_unique<Gpt>(cfg.model, layout, be, act, cfg.training.micro_batch_size, groups.tp.get(), c,
-                                       slots);
+                                       slots, groups.ep.get());
     chunks_.push_back(std::make_unique<Chunk>(*this, std::move(model), slots, rows, tokens, targets, losses, be,
                                               schedule_.grad_buffers));
   }
@@ -99,6 +99,8 @@ PipelineModel::PipelineModel(const Config& cfg, const ParamLayout& layout, Backe
 
 PipelineModel::~PipelineModel() = default;
 
+MoeLayers* PipelineModel::moe() { return chunks_.size() == 1 ? chunks_.front()->model().moe() : nullptr; }
+
 size_t PipelineModel::activation_bytes() const {
   size_t n = 0;
   for (const auto& c : chunks_) n += c->model().activation_bytes();
@@ -107,13 +109,15 @@ size_t PipelineModel::activation_bytes() const {
 
 size_t PipelineModel::activation_bytes_for(const Config& cfg, int64_t pp_rank) {
   const PipelineSchedule s = make_schedule(cfg, cfg.grad_accum_steps());
-  const ParamLayout layout = ParamLayout::build(cfg.model, {}, stage_slice(cfg, pp_rank));
+  TensorSlicing slicing;  // the activations do not depend on which TP / EP slice
+  slicing.ep = cfg.parallel.ep;
+  const ParamLayout layout = ParamLayout::build(cfg.model, slicing, stage_slice(cfg, pp_rank));
   size_t n = 0;
   for (int c = 0; c < s.vp; ++c) {
     ChunkShape shape = ChunkShape::of(layout, c, std::max(1, s.max_in_flight(static_cast<int>(pp_rank), c)));
     n += Gpt::activation_bytes_for(cfg.model, cfg.training.precision == "bf16" ? DType::BF16 : DType::F32,
                                    cfg.training.micro_batch_size, cfg.parallel.tp, cfg.parallel.sequence_parallel,
-                                   shape);
+                                   shape, nullptr, cfg.parallel.ep);
   }
   return n;
 }

@@ -63,10 +63,12 @@ bool samples_enabled(const Config& cfg) {
   return !cfg.sample.prompt.empty() && !cfg.data.tokenizer.empty() && cfg.training.eval_steps > 0;
 }
 
-ParamLayout rank_layout(const Config& cfg, int64_t tp_rank, int64_t pp_rank) {
+ParamLayout rank_layout(const Config& cfg, int64_t tp_rank, int64_t pp_rank, int64_t ep_rank) {
   TensorSlicing slicing;
   slicing.tp = cfg.parallel.tp;
   slicing.tp_rank = tp_rank;
+  slicing.ep = cfg.parallel.ep;
+  slicing.ep_rank = ep_rank;
   slicing.sequence_parallel = cfg.parallel.sequence_parallel;
   slicing.group_align = cfg.parallel.distributed_optimizer ? 16 * cfg.parallel.dp : 16;
   return ParamLayout::build(cfg.model, slicing, stage_slice(cfg, pp_rank));
@@ -97,7 +99,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
       groups_(groups),
       writer_(groups.rank == 0),
       dump_dir_(std::move(dump_dir)),
-      layout_(rank_layout(cfg, groups.coord.tp, groups.coord.pp)) {
+      layout_(rank_layout(cfg, groups.coord.tp, groups.coord.pp, groups.coord.ep)) {
   act_ = activation_type(cfg);
   accum_ = cfg.grad_accum_steps();
   const int64_t B = cfg.training.micro_batch_size, T = cfg.model.seq_len;
@@ -166,10 +168,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   host_targets_.resize(static_cast<size_t>(rows_));
 
   model_ = std::make_unique<PipelineModel>(cfg, layout_, *be_, act_, groups, accum_, tokens_, targets_, losses_);
-  grad_buffer_ = std::make_unique<GradBuffer>(layout_, *be_, grads_, groups.dp.get(), groups.tp.get(),
-                                              cfg.parallel.distributed_optimizer, cfg.parallel.bucket_size);
-  grad_norm_ = std::make_unique<GradNorm>(layout_, grad_buffer_->owned(), *be_, groups.tp.get(), groups.pp.get(),
-                                          shard_optimizer ? groups.dp.get() : nullptr);
+  grad_buffer_ = std::make_unique<GradBuffers>(layout_, *be_, grads_, groups, cfg.parallel.distributed_optimizer,
+                                               cfg.parallel.bucket_size);
   // bf16 with the distributed optimizer: the fp32 master weights live sharded in the optimizer.
   const bool optimizer_owns_master = shard_optimizer && act_ != DType::F32;
   optimizer_ = std::make_unique<AdamW>(cfg.optimizer, layout_, *be_, grad_buffer_->owned(),
@@ -214,6 +214,12 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                cfg.model.num_heads, cfg.model.num_kv_heads, cfg.model.ffn_hidden_size,
                cfg.model.vocab_size, cfg.model.seq_len, cfg.model.norm, cfg.model.activation,
                cfg.model.position);
+  if (cfg.model.moe.enabled())
+    spdlog::info("moe: {} experts (ffn {}), top-{}, every {} blocks, {}; {} active parameters per token; ep {}",
+                 cfg.model.moe.num_experts, cfg.model.moe.ffn_hidden_size, cfg.model.moe.top_k, cfg.model.moe.every,
+                 cfg.model.moe.capacity_factor ? fmt::format("capacity factor {}", *cfg.model.moe.capacity_factor)
+                                               : std::string("dropless"),
+                 stats.active_params, cfg.parallel.ep);
   spdlog::info("layout: {} ranks = tp {} x pp {} x dp {} (order {}){}{}; {} gradient bucket(s)",
                groups.grid.world(), cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.order,
                cfg.parallel.sequence_parallel ? ", sequence parallel" : "",
@@ -237,8 +243,11 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   else if (!cfg.sample.prompt.empty() && cfg.training.eval_steps == 0)
     spdlog::info("samples: none during training (sample.prompt is set but training.eval_steps is 0)");
   if (groups.grid.world() > 1)
-    spdlog::info("communication per step (predicted): tp: {}; dp: {}", predicted_.tp.describe(),
-                 predicted_.dp.describe());
+    spdlog::info("communication per step (predicted): tp: {}; dp: {}{}", predicted_.tp.describe(),
+                 predicted_.dp.describe(),
+                 cfg.model.moe.enabled() ? fmt::format("; edp: {}; ep: {} + the routed tokens", predicted_.edp.describe(),
+                                                       predicted_.ep.describe())
+                                         : std::string());
 
   nlohmann::ordered_json start;
   start["event"] = "start";
@@ -255,7 +264,6 @@ Trainer::~Trainer() {
   sampler_.reset();
   sample_model_.reset();
   optimizer_.reset();
-  grad_norm_.reset();
   grad_buffer_.reset();
   model_.reset();
   if (be_) {
@@ -316,32 +324,44 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer) {
   std::vector<float> host(static_cast<size_t>(layout_.total));
   be_->copy_to_host(host.data(), buffer, host.size() * 4);
   Communicator& tp = *groups_.tp;
-  const int p = tp.size();
-  std::vector<ParamLayout> layouts;  // every TP rank's layout: where its slices sit
-  for (int r = 0; r < p; ++r) layouts.push_back(r == tp.rank() ? layout_ : rank_layout(cfg_, r, groups_.coord.pp));
+  Communicator& ep = *groups_.ep;
+  const int p = tp.size(), q = ep.size();
+  // Every (EP rank, TP rank)'s layout: where its slices sit.
+  std::vector<std::vector<ParamLayout>> layouts(q);
+  for (int e = 0; e < q; ++e)
+    for (int t = 0; t < p; ++t)
+      layouts[e].push_back(e == groups_.coord.ep && t == tp.rank() ? layout_ : rank_layout(cfg_, t, groups_.coord.pp, e));
   std::vector<TensorRecord> records;
   for (size_t i = 0; i < layout_.params.size(); ++i) {
     const ParamSpec& spec = layout_.params[i];
     if (spec.stage_copy) continue;  // the first stage's original is written
     int64_t global = 1;
     for (int64_t d : spec.global_shape) global *= d;
-    std::vector<float> slices(static_cast<size_t>(spec.numel) * (spec.tp_split ? p : 1));
-    if (spec.tp_split && p > 1)
+    // Slices held by other ranks: TP slices over the TP group, then experts over the EP group
+    // (EP rank e's TP slices at [e p, (e+1) p) when both).
+    const int tparts = spec.tp_split ? p : 1, eparts = spec.ep_split ? q : 1;
+    std::vector<float> slices(static_cast<size_t>(spec.numel) * tparts * eparts);
+    if (tparts > 1)
       tp.all_gather(slices.data(), host.data() + spec.offset, spec.numel, DType::F32);
     else
       std::memcpy(slices.data(), host.data() + spec.offset, static_cast<size_t>(spec.numel) * 4);
-    if (tp.rank() != 0) continue;
+    if (eparts > 1) {
+      std::vector<float> mine(slices.begin(), slices.begin() + spec.numel * tparts);
+      ep.all_gather(slices.data(), mine.data(), spec.numel * tparts, DType::F32);
+    }
+    if (tp.rank() != 0 || groups_.coord.ep != 0) continue;
     TensorRecord r;
     r.name = spec.name;
     r.dtype = DType::F32;
     r.shape = spec.global_shape;
     r.data.resize(static_cast<size_t>(global) * 4);
     float* out = reinterpret_cast<float*>(r.data.data());
-    for (int q = 0; q < (spec.tp_split ? p : 1); ++q) {
-      const ParamSpec& qs = layouts[q].params[i];
-      const float* src = slices.data() + static_cast<size_t>(q) * spec.numel;
-      for (int64_t e = 0; e < qs.numel; ++e) out[qs.global_index(e)] = src[e];
-    }
+    for (int e = 0; e < eparts; ++e)
+      for (int t = 0; t < tparts; ++t) {
+        const ParamSpec& qs = layouts[spec.ep_split ? e : groups_.coord.ep][spec.tp_split ? t : tp.rank()].params[i];
+        const float* src = slices.data() + static_cast<size_t>(e * tparts + t) * spec.numel;
+        for (int64_t k = 0; k < qs.numel; ++k) out[qs.global_index(k)] = src[k];
+      }
     records.push_back(std::move(r));
   }
   // Pipeline: TP rank 0 of every later stage sends its stage's tensors to the first stage.
@@ -388,9 +408,9 @@ void Trainer::save_final_weights() {
     grad_buffer_->gather_params(whole, DType::F32);
     weights = whole;
   }
-  // Global rank 0 writes, gathering the TP slices of its TP group; the other DP replicas hold the
-  // same weights and need not gather theirs.
-  if (groups_.coord.dp == 0) dump_tensors(path, weights);
+  // Global rank 0 writes, gathering the TP slices of its TP group (and the experts of its EP
+  // group); the other (expert-)DP replicas hold the same weights and need not gather theirs.
+  if (groups_.coord.edp == 0) dump_tensors(path, weights);
   if (whole) be_->free(whole);
   spdlog::info("final weights: {} ({} tensors, fp32 master weights) in {:.1f} s", path, layout_.params.size(),
                seconds_since(t0));
@@ -470,35 +490,46 @@ namespace {
 
 struct AccountedGroup {
   const char* name;
-  Communicator* comm;
+  Communicator* comm;  // null: the group does not communicate in this model
   const GroupVolume* predicted;
 };
 
-std::vector<AccountedGroup> accounted_groups(const ProcessGroups& g, const StepVolume& predicted) {
+// The expert groups communicate only in MoE models (edp: expert gradients; ep: the tokens).
+std::vector<AccountedGroup> accounted_groups(const Config& cfg, const ProcessGroups& g, const StepVolume& predicted) {
+  const bool moe = cfg.model.moe.enabled();
   return {{"tp", g.tp.get(), &predicted.tp},
           {"dp", g.dp.get(), &predicted.dp},
           {"pp", g.pp.get(), &predicted.pp},
-          {"embedding", g.embedding.get(), &predicted.embedding}};
+          {"embedding", g.embedding.get(), &predicted.embedding},
+          {"edp", moe ? g.edp.get() : nullptr, &predicted.edp},
+          {"ep", moe ? g.ep.get() : nullptr, &predicted.ep}};
 }
 
 }  // namespace
 
 std::vector<CommStats> Trainer::comm_snapshot() const {
   std::vector<CommStats> out;
-  for (const AccountedGroup& g : accounted_groups(groups_, predicted_)) out.push_back(g.comm->stats());
+  for (const AccountedGroup& g : accounted_groups(cfg_, groups_, predicted_))
+    out.push_back(g.comm ? g.comm->stats() : CommStats{});
   return out;
 }
 
 std::vector<CommRecord> Trainer::comm_records(const std::vector<CommStats>& before) const {
   std::vector<CommRecord> out;
-  const std::vector<AccountedGroup> groups = accounted_groups(groups_, predicted_);
+  const std::vector<AccountedGroup> groups = accounted_groups(cfg_, groups_, predicted_);
   for (size_t i = 0; i < groups.size(); ++i) {
     const AccountedGroup& g = groups[i];
-    if (g.comm->size() <= 1) continue;
+    if (!g.comm || g.comm->size() <= 1) continue;
     CommRecord r;
     r.group = g.name;
     r.measured = measured_volume(g.comm->stats(), before[i]);
     r.predicted = *g.predicted;
+    // The tokens an expert-parallel rank sends depend on the routing: its all-to-all payload is
+    // measured, not predicted (the number of calls is).
+    if (std::string(g.name) == "ep") {
+      const int a2a = static_cast<int>(CommOp::ALL_TO_ALL);
+      r.predicted.payload_bytes[a2a] = r.measured.payload_bytes[a2a];
+    }
     r.sent_bytes = g.comm->stats().total_sent() - before[i].total_sent();
     r.blocked_ms = 1e3 * (g.comm->stats().total_blocked_s() - before[i].total_blocked_s());
     out.push_back(std::move(r));
@@ -529,6 +560,7 @@ PipelineMetrics Trainer::pipeline_metrics() {
 void Trainer::run() {
   const TrainingConfig& tc = cfg_.training;
   const ModelStats stats = model_stats(cfg_.model, ParamLayout::build(cfg_.model));
+  if (model_->moe()) model_->moe()->take_stats();  // start the step statistics afresh
   const double tokens_per_step = static_cast<double>(tc.global_batch_size * cfg_.model.seq_len);
   const bool shard_optimizer = grad_buffer_->sharded();
   double avg_step_s = 0.0;  // mean over steps after the first (which pays one-off set-up costs)
@@ -542,7 +574,7 @@ void Trainer::run() {
     const auto t0 = std::chrono::steady_clock::now();
     const std::vector<CommStats> comm_before = comm_snapshot();
     const double loss = train_step(s);
-    const double norm = grad_norm_->compute(grads_);
+    const double norm = grad_buffer_->norm(grads_);
     // A non-finite or spiking loss or norm: the update is skipped, the gradients dropped.
     const StepVerdict verdict = guard.check(s + 1, loss, norm);
     if (!dump_dir_.empty() && s == 0) {
@@ -557,8 +589,9 @@ void Trainer::run() {
       } else {
         dump_tensors(dump_dir_ + "/grads_step0.safetensors", grads_);
       }
-      const std::vector<AccountedGroup> accounted = accounted_groups(groups_, predicted_);
-      for (size_t i = 0; i < accounted.size(); ++i) accounted[i].comm->stats() = saved[i];
+      const std::vector<AccountedGroup> accounted = accounted_groups(cfg_, groups_, predicted_);
+      for (size_t i = 0; i < accounted.size(); ++i)
+        if (accounted[i].comm) accounted[i].comm->stats() = saved[i];
     }
     const double lr = learning_rate(cfg_.optimizer, tc.steps, s);
     const float clip = verdict.skip ? 1.0f : clip_factor(norm, cfg_.optimizer.grad_clip);
@@ -596,6 +629,7 @@ void Trainer::run() {
     m.consumed_samples = train_loader_->consumed_samples();
     m.comm = comm_records(comm_before);
     if (groups_.pp->size() > 1) m.pipeline = pipeline_metrics();
+    if (model_->moe()) m.moe = model_->moe()->take_stats();
     for (const CommRecord& c : m.comm)
       if (!(c.measured == c.predicted))
         spdlog::warn("step {}: group {} moved {} but the layout predicts {}", s + 1, c.group,

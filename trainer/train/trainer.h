@@ -22,6 +22,7 @@
 #include "trainer/optim/adamw.h"
 #include "trainer/optim/grad_buffer.h"
 #include "trainer/parallel/pipeline_runner.h"
+#include "trainer/optim/grad_buffers.h"
 #include "trainer/train/metrics.h"
 
 namespace tetra {
@@ -43,9 +44,9 @@ struct MemoryPlan {
 // Text samples at evaluations: sample.prompt and data.tokenizer set, and training.eval_steps > 0.
 bool samples_enabled(const Config& cfg);
 
-// The layout of this rank's parameter buffer: its TP slice of its pipeline stage, groups aligned
-// for the distributed optimizer's shards.
-ParamLayout rank_layout(const Config& cfg, int64_t tp_rank, int64_t pp_rank = 0);
+// The layout of this rank's parameter buffer: its TP slice of its pipeline stage (and its EP
+// rank's experts), groups aligned for the distributed optimizer's shards.
+ParamLayout rank_layout(const Config& cfg, int64_t tp_rank, int64_t pp_rank = 0, int64_t ep_rank = 0);
 
 // What one rank will take, computed from the config alone (for --dry-run and the start-up log).
 // `layout`: rank_layout(cfg, ..., pp_rank).
@@ -81,7 +82,7 @@ class Trainer {
   void dump_tensors(const std::string& file, const float* buffer);
   // The final weights (fp32) as global tensors to final_weights_path() (every rank calls it).
   void save_final_weights();
-  // Snapshots of every group's communication counters (tp, dp, pp, embedding).
+  // Snapshots of every group's communication counters (tp, dp, pp, embedding, edp, ep).
   std::vector<CommStats> comm_snapshot() const;
   std::vector<CommRecord> comm_records(const std::vector<CommStats>& before) const;
   // Sum over the pipeline (the last stage holds it) and data-parallel groups of `local`.
@@ -113,8 +114,7 @@ class Trainer {
   std::vector<int32_t> dumped_batches_;       // samples of the steps dumped so far
 
   std::unique_ptr<PipelineModel> model_;  // this rank's model chunks and pipeline schedule
-  std::unique_ptr<GradBuffer> grad_buffer_;
-  std::unique_ptr<GradNorm> grad_norm_;
+  std::unique_ptr<GradBuffers> grad_buffer_;
   std::unique_ptr<AdamW> optimizer_;
   GroupDoneHook group_done_;
   StepVolume predicted_;

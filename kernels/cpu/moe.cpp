@@ -1,0 +1,160 @@
+// Mixture-of-Experts ops on the CPU: the fp32 router (softmax, top-k, and their backward with the
+// load-balancing and z-loss gradients), and the row movement around the expert GEMMs (gather of
+// tokens into per-expert contiguous blocks, and the gate-weighted combine back, with its
+// backward). The expert GEMMs themselves are ordinary gemm calls, one per expert over its block.
+//
+// Every loop is over rows, OpenMP-parallel with a static schedule; each output row is written by
+// one thread with its sums in a fixed order, so results do not depend on the thread count.
+// Rows are C-element vectors of the activation type; sums over k and dot products are fp32.
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernels/common/math.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/dispatch.h"
+#include "trainer/core/check.h"
+
+namespace tetra {
+namespace {
+
+using cpu::team_size;
+using cpu::with_float_type;
+
+template <typename T>
+void gather_rows_impl(T* dst, const T* src, const int32_t* rows, int64_t M, int64_t C, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t p = 0; p < M; ++p)
+    std::memcpy(dst + p * C, src + static_cast<int64_t>(rows[p]) * C, static_cast<size_t>(C) * sizeof(T));
+}
+
+template <typename T>
+void combine_impl(T* out, const T* y, const int32_t* pos, const float* w, int64_t N, int64_t K,
+                  int64_t C, bool accumulate, int nt) {
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> acc(static_cast<size_t>(C));
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < N; ++i) {
+      T* o = out + i * C;
+      for (int64_t c = 0; c < C; ++c) acc[c] = accumulate ? to_f32(o[c]) : 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t p = pos[i * K + k];
+        if (p < 0) continue;
+        const float g = w ? w[i * K + k] : 1.0f;
+        const T* yr = y + static_cast<int64_t>(p) * C;
+        for (int64_t c = 0; c < C; ++c) acc[c] += g * to_f32(yr[c]);
+      }
+      for (int64_t c = 0; c < C; ++c) o[c] = from_f32<T>(acc[c]);
+    }
+  }
+}
+
+template <typename T>
+void combine_backward_impl(T* dy, float* dw, const T* dout, const T* y, const int32_t* pos,
+                           const float* w, int64_t N, int64_t K, int64_t C, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t i = 0; i < N; ++i) {
+    const T* d = dout + i * C;
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t p = pos[i * K + k];
+      if (p < 0) {
+        dw[i * K + k] = 0.0f;
+        continue;
+      }
+      const float g = w[i * K + k];
+      const T* yr = y + static_cast<int64_t>(p) * C;
+      T* dyr = dy + static_cast<int64_t>(p) * C;
+      float dot = 0.0f;
+      for (int64_t c = 0; c < C; ++c) {
+        const float dc = to_f32(d[c]);
+        dot += dc * to_f32(yr[c]);
+        dyr[c] = from_f32<T>(g * dc);
+      }
+      dw[i * K + k] = dot;
+    }
+  }
+}
+
+}  // namespace
+
+void CpuBackend::moe_router_forward(float* probs, float* lse, int32_t* topk_idx, float* topk_prob,
+                                    const float* logits, int64_t N, int64_t E, int64_t K) {
+  TETRA_CHECK(K >= 1 && K <= E, "moe_router_forward: top-k {} of {} experts", K, E);
+  const int nt = team_size(threads_);
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t i = 0; i < N; ++i) {
+    const float* l = logits + i * E;
+    float* p = probs + i * E;
+    float mx = l[0];
+    for (int64_t j = 1; j < E; ++j) mx = std::max(mx, l[j]);
+    float s = 0.0f;
+    for (int64_t j = 0; j < E; ++j) s += std::exp(l[j] - mx);
+    lse[i] = mx + std::log(s);
+    for (int64_t j = 0; j < E; ++j) p[j] = std::exp(l[j] - mx) / s;
+    // Selection by repeated arg-max (K is small): strictly greater wins, so ties go to the lower
+    // index; an expert already taken is skipped.
+    for (int64_t k = 0; k < K; ++k) {
+      int64_t best = -1;
+      for (int64_t j = 0; j < E; ++j) {
+        bool taken = false;
+        for (int64_t q = 0; q < k; ++q) taken = taken || topk_idx[i * K + q] == j;
+        if (!taken && (best < 0 || p[j] > p[best])) best = j;
+      }
+      topk_idx[i * K + k] = static_cast<int32_t>(best);
+      topk_prob[i * K + k] = p[best];
+    }
+  }
+}
+
+void CpuBackend::moe_router_backward(float* dlogits, const float* probs, const float* lse,
+                                     const int32_t* topk_idx, const float* dtopk_prob,
+                                     const float* expert_grad, float z_scale, int64_t N, int64_t E,
+                                     int64_t K) {
+  const int nt = team_size(threads_);
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> dp(static_cast<size_t>(E));
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < N; ++i) {
+      const float* p = probs + i * E;
+      for (int64_t j = 0; j < E; ++j) dp[j] = expert_grad ? expert_grad[j] : 0.0f;
+      for (int64_t k = 0; k < K; ++k) dp[topk_idx[i * K + k]] += dtopk_prob[i * K + k];
+      float dot = 0.0f;
+      for (int64_t j = 0; j < E; ++j) dot += p[j] * dp[j];
+      const float z = 2.0f * z_scale * lse[i];
+      for (int64_t j = 0; j < E; ++j) dlogits[i * E + j] = p[j] * (dp[j] - dot) + z * p[j];
+    }
+  }
+}
+
+void CpuBackend::moe_gather_rows(void* dst, const void* src, const int32_t* rows, int64_t M, int64_t C,
+                                 DType act) {
+  const int nt = team_size(threads_);
+  with_float_type(act, "moe_gather_rows", "activation type", [&](auto tag) {
+    using T = decltype(tag);
+    gather_rows_impl<T>(static_cast<T*>(dst), static_cast<const T*>(src), rows, M, C, nt);
+  });
+}
+
+void CpuBackend::moe_combine(void* out, const void* y, const int32_t* pos, const float* weights, int64_t N,
+                             int64_t K, int64_t C, bool accumulate, DType act) {
+  const int nt = team_size(threads_);
+  with_float_type(act, "moe_combine", "activation type", [&](auto tag) {
+    using T = decltype(tag);
+    combine_impl<T>(static_cast<T*>(out), static_cast<const T*>(y), pos, weights, N, K, C, accumulate, nt);
+  });
+}
+
+void CpuBackend::moe_combine_backward(void* dy, float* dweights, const void* dout, const void* y,
+                                      const int32_t* pos, const float* weights, int64_t N, int64_t K,
+                                      int64_t C, DType act) {
+  const int nt = team_size(threads_);
+  with_float_type(act, "moe_combine_backward", "activation type", [&](auto tag) {
+    using T = decltype(tag);
+    combine_backward_impl<T>(static_cast<T*>(dy), dweights, static_cast<const T*>(dout),
+                             static_cast<const T*>(y), pos, weights, N, K, C, nt);
+  });
+}
+
+}  // namespace tetra

@@ -1,0 +1,246 @@
+"""Mixture of Experts under expert parallelism reproduces the single-rank run.
+
+Two tiny MoE configs (GPT-2 style, top-2 over 4 experts in every block; Llama style, SwiGLU,
+top-1 over 4 experts in every other block, no biases), dropless, train 20 steps single-rank, then
+under `mpirun` with dp = 4 and ep in {1, 2, 4} (expert parallelism carved out of data
+parallelism; also with the distributed optimizer), with the experts split over tp = 2 (with
+and without sequence parallelism, combined with ep = 2), and one run with a capacity factor (drops are decided on each rank's own tokens,
+so they do not depend on ep either). Checks, per layout:
+  - the loss of every step matches the single-rank run (LOSS_RTOL, test_layouts.py's tolerance and
+    argument: the layouts only reorder fp32 sums), and so do the gradient norms;
+  - every parameter's step-0 gradient, the experts gathered from their EP ranks into the global
+    (E, ., .) tensors, matches the single-rank gradient (GRAD_RTOL, per tensor);
+  - the groups that must communicate did (tp, dp, edp when dp / ep > 1, ep when ep > 1) and each
+    group's measured volume equals the prediction (the routed tokens' all-to-all payload is
+    data-dependent: its calls are predicted, its bytes measured);
+  - the routing statistics are logged (tokens per expert, dropped, aux and z losses).
+bf16: two layouts against the single-rank bf16 run (BF16_RTOL).
+Checkpoints: a run saved at ep = 2 resumes at ep = 1, at ep = 4 and on a single rank, and the
+resumed steps' losses match the uninterrupted ep = 2 run's (experts are stored as global tensors).
+Guard against a vacuous pass: the single-rank loss falls, the capacity run really drops tokens.
+
+Usage: /usr/bin/python3 test_moe.py --tetra BIN --workdir DIR
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "reference"))
+from safetensors_io import read_safetensors  # noqa: E402
+
+# See test_layouts.py: reordered fp32 sums move the loss by ~1e-7 over 20 steps; real mistakes
+# (an expert's gradient reduced over the wrong group, a token combined with the wrong gate or
+# sent to the wrong rank) move it by > 1e-3 within a few steps.
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-5
+# bf16 (test_layouts.py's argument): layouts round at different points, so the curves may
+# separate by a few units of bf16 rounding of the loss over 20 steps.
+BF16_RTOL = 2e-2
+BF16_LAYOUTS = [(4, 1, 2, False, False), (2, 2, 2, True, False)]
+
+STEPS = 20
+MODELS = {
+    "gpt2_moe": {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 32, "num_heads": 4,
+                 "ffn_hidden_size": 64,
+                 "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32, "aux_loss_coeff": 0.01,
+                         "z_loss_coeff": 0.001}},
+    "llama_moe": {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 32, "num_heads": 4,
+                  "num_kv_heads": 2, "ffn_hidden_size": 48, "norm": "rmsnorm", "activation": "swiglu",
+                  "position": "rope", "tie_embeddings": False, "bias": False,
+                  "moe": {"num_experts": 4, "top_k": 1, "every": 2, "ffn_hidden_size": 24,
+                          "aux_loss_coeff": 0.01}},
+}
+# (dp, tp, ep, sequence_parallel, distributed_optimizer). With tp > 1 the experts are split over
+# TP like the dense MLP; the distributed optimizer shards the experts over expert-DP and the rest
+# over DP.
+LAYOUTS = {
+    "gpt2_moe": [(4, 1, 1, False, False), (4, 1, 2, False, False), (4, 1, 4, False, False),
+                 (4, 1, 1, False, True), (4, 1, 2, False, True), (4, 1, 4, False, True),
+                 (1, 2, 1, False, False), (1, 2, 1, True, False), (2, 2, 2, False, False),
+                 (2, 2, 2, True, True)],
+    "llama_moe": [(4, 1, 1, False, False), (4, 1, 2, False, False), (4, 1, 4, False, False),
+                  (2, 2, 2, True, False)],
+}
+
+
+def layout_name(dp, tp, ep, sp, dist_opt):
+    return f"dp{dp}_tp{tp}_ep{ep}{'_sp' if sp else ''}{'_distopt' if dist_opt else ''}"
+
+failures = []
+
+
+def check(ok, what):
+    print(("PASS " if ok else "FAIL ") + what, flush=True)
+    if not ok:
+        failures.append(what)
+
+
+def config(model, capacity=None, precision="fp32"):
+    m = json.loads(json.dumps(MODELS[model]))
+    if capacity is not None:
+        m["moe"]["capacity_factor"] = capacity
+    return {
+        "model": m,
+        "training": {"micro_batch_size": 2, "global_batch_size": 8, "steps": STEPS, "threads": 1,
+                     "peak_gflops": 100, "seed": 7, "precision": precision},
+        "optimizer": {"lr": 1e-2, "warmup_steps": 3, "grad_clip": 1.0, "weight_decay": 0.1},
+        "parallel": {"bucket_size": 2000},
+        "data": {"synthetic": True},
+        "logging": {"level": "warn"},
+    }
+
+
+def run(args, name, cfg, dp, ep, checkpoint=None, dump=True, dist_opt=False, tp=1, sp=False):
+    out = os.path.join(args.workdir, name)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    cfg = json.loads(json.dumps(cfg))
+    cfg["parallel"].update({"dp": dp, "ep": ep, "tp": tp, "sequence_parallel": sp, "distributed_optimizer": dist_opt})
+    cfg["logging"]["dir"] = out
+    if checkpoint:
+        cfg["checkpoint"] = checkpoint
+    path = os.path.join(out, "config.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    cmd = [args.tetra, "--config", path] + (["--dump-dir", os.path.join(out, "dump")] if dump else [])
+    if dp * tp > 1:
+        cmd = [args.mpirun, "--oversubscribe", "-np", str(dp * tp)] + cmd
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    if r.returncode != 0:
+        print(r.stdout[-3000:], r.stderr[-3000:])
+        check(False, f"{name}: exit code {r.returncode}")
+        return None
+    steps = []
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        for line in f:
+            j = json.loads(line)
+            if "step" in j:
+                steps.append(j)
+    grads = read_safetensors(os.path.join(out, "dump", "grads_step0.safetensors"))[0] if dump else None
+    return steps, grads
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def compare(name, ref, got, dp, ep, tp=1):
+    ref_steps, ref_grads = ref
+    steps, g = got
+    check(len(steps) == STEPS, f"{name}: {len(steps)} steps logged")
+    worst = max(rel(s["loss"], r["loss"]) for s, r in zip(steps, ref_steps))
+    check(worst <= LOSS_RTOL, f"{name}: losses of {STEPS} steps within {LOSS_RTOL:g} (worst {worst:.2e})")
+    worst_norm = max(rel(s["grad_norm"], r["grad_norm"]) for s, r in zip(steps, ref_steps))
+    check(worst_norm <= 10 * LOSS_RTOL, f"{name}: gradient norms within {10 * LOSS_RTOL:g} (worst {worst_norm:.2e})")
+    check(sorted(g) == sorted(ref_grads), f"{name}: the same {len(ref_grads)} gradient tensors")
+    worst_t, worst_name = 0.0, ""
+    for k, r in ref_grads.items():
+        if k not in g or g[k].shape != r.shape:
+            check(False, f"{name}: gradient {k} missing or of shape {g.get(k, np.zeros(0)).shape} not {r.shape}")
+            continue
+        e = float(np.linalg.norm(g[k] - r) / max(np.linalg.norm(r), 1e-30))
+        if e > worst_t:
+            worst_t, worst_name = e, k
+    check(worst_t <= GRAD_RTOL, f"{name}: step-0 gradient of every tensor within {GRAD_RTOL:g} "
+                                f"(worst {worst_t:.2e}, {worst_name})")
+    ok, seen = True, set()
+    for s in steps:
+        for group, c in s.get("comm", {}).items():
+            seen.add(group)
+            if not c["match"]:
+                ok = False
+                print(f"  step {s['step']} {group}: measured {c['measured']} predicted {c['predicted']}")
+    expected = {grp for grp, n in (("tp", tp), ("dp", dp), ("edp", dp // ep), ("ep", ep)) if n > 1}
+    check(ok and seen == expected, f"{name}: communication as predicted in every step (groups {sorted(seen)}, "
+                                   f"expected {sorted(expected)})")
+    if ep > 1:
+        moved = sum(s["moe"]["dispatch_bytes"] + s["moe"]["combine_bytes"] for s in steps)
+        check(moved > 0, f"{name}: tokens crossed EP ranks ({moved} bytes over {STEPS} steps)")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tetra", required=True)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--mpirun", default=shutil.which("mpirun") or "mpirun")
+    args = ap.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    for model in MODELS:
+        ref = run(args, f"{model}_single", config(model), 1, 1)
+        if ref is None:
+            continue
+        losses = [s["loss"] for s in ref[0]]
+        check(losses[-1] < losses[0] - 0.1, f"{model}: single-rank loss falls ({losses[0]:.4f} -> {losses[-1]:.4f})")
+        layers = ref[0][0].get("moe", {}).get("layers", [])
+        blocks = [b for b in range(MODELS[model]["num_layers"]) if b % MODELS[model]["moe"].get("every", 1) == 0]
+        check([l["layer"] for l in layers] == blocks and all(l["aux_loss"] > 0 and l["tokens_per_expert"]["max"] > 0
+                                                             for l in layers),
+              f"{model}: routing statistics of MoE blocks {blocks} logged ({layers})")
+        for dp, tp, ep, sp, dist_opt in LAYOUTS[model]:
+            name = f"{model}_{layout_name(dp, tp, ep, sp, dist_opt)}"
+            got = run(args, name, config(model), dp, ep, dist_opt=dist_opt, tp=tp, sp=sp)
+            if got is not None:
+                compare(name, ref, got, dp, ep, tp)
+    # bf16: the all-to-alls carry bf16 rows, the router stays fp32.
+    ref16 = run(args, "bf16_single", config("gpt2_moe", precision="bf16"), 1, 1, dump=False)
+    ref32 = run(args, "fp32_single", config("gpt2_moe"), 1, 1, dump=False)
+    if ref16 and ref32:
+        gap = max(rel(a["loss"], b["loss"]) for a, b in zip(ref16[0], ref32[0]))
+        check(gap > 0, f"bf16: the bf16 run differs from fp32 (max {gap:.2e}): it really is bf16")
+        for dp, tp, ep, sp, dist_opt in BF16_LAYOUTS:
+            name = f"bf16_{layout_name(dp, tp, ep, sp, dist_opt)}"
+            got = run(args, name, config("gpt2_moe", precision="bf16"), dp, ep, dump=False, dist_opt=dist_opt,
+                      tp=tp, sp=sp)
+            if got:
+                worst = max(rel(a["loss"], b["loss"]) for a, b in zip(got[0], ref16[0]))
+                check(len(got[0]) == STEPS and worst <= BF16_RTOL,
+                      f"{name}: losses of {STEPS} steps within {BF16_RTOL:g} of the single-rank bf16 run "
+                      f"(worst {worst:.2e})")
+
+    # A capacity factor: drops are per rank and micro-batch, the same under any ep.
+    ref = run(args, "capacity_single", config("gpt2_moe", 1.0), 1, 1)
+    got = run(args, "capacity_dp4_ep2", config("gpt2_moe", 1.0), 4, 2)
+    if ref and got:
+        dropped = sum(l["dropped"] for s in ref[0] for l in s["moe"]["layers"])
+        check(dropped > 0, f"capacity factor 1.0: the single-rank run drops tokens ({dropped} over {STEPS} steps)")
+        compare("capacity_dp4_ep2", ref, got, 4, 2)
+
+    # Checkpoints: saved at ep = 2 (step 10), resumed at ep = 1, ep = 4 (with the distributed
+    # optimizer: its moments resharded too), at tp = 2 x ep = 2 and on one rank.
+    ck = os.path.join(args.workdir, "ckpt_ep2")
+    shutil.rmtree(ck, ignore_errors=True)
+    base = run(args, "ckpt_save_ep2", config("gpt2_moe"), 4, 2, checkpoint={"dir": ck, "every": 10}, dump=False)
+    step10 = os.path.join(ck, "step_00000010")
+    check(os.path.isdir(step10), "ep=2 run saved step_00000010")
+    ckpt_tool = os.path.join(os.path.dirname(args.tetra), "tetra_ckpt")
+    if os.path.isdir(step10) and os.path.exists(ckpt_tool):
+        r = subprocess.run([ckpt_tool, "inspect", step10], capture_output=True, text=True, timeout=120)
+        check(r.returncode == 0 and "every tensor covered exactly once" in r.stdout,
+              f"tetra_ckpt inspect verifies the ep=2 checkpoint's 3-D expert tensors ({r.stderr.strip()[-200:]})")
+    if base and os.path.isdir(step10):
+        ref_losses = {s["step"]: s["loss"] for s in base[0]}
+        for dp, tp, ep, dist_opt in [(4, 1, 1, False), (4, 1, 4, False), (4, 1, 4, True), (2, 2, 2, False),
+                                     (1, 1, 1, False)]:
+            name = f"ckpt_resume_{layout_name(dp, tp, ep, False, dist_opt)}"
+            got = run(args, name, config("gpt2_moe"), dp, ep, checkpoint={"resume": step10}, dump=False,
+                      dist_opt=dist_opt, tp=tp)
+            if got is None:
+                continue
+            resumed = {s["step"]: s["loss"] for s in got[0]}
+            check(sorted(resumed) == list(range(11, STEPS + 1)), f"{name}: continues at step 11 ({sorted(resumed)})")
+            worst = max((rel(resumed[s], ref_losses[s]) for s in resumed), default=1.0)
+            check(worst <= LOSS_RTOL, f"{name}: steps 11..{STEPS} match the uninterrupted ep=2 run within "
+                                      f"{LOSS_RTOL:g} (worst {worst:.2e})")
+    print(f"{len(failures)} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

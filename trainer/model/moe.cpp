@@ -1,0 +1,521 @@
+// The MoE blocks' forward and backward (see moe.h for the math and the expert-parallel
+// exchanges), their host-side routing plan, and their activation arena.
+#include "trainer/model/moe.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "trainer/core/check.h"
+#include "trainer/dist/communicator.h"
+
+namespace tetra {
+
+MoeRoutingPlan plan_moe_routing(const int32_t* topk_idx, int64_t N, int64_t K, int64_t E, int64_t capacity) {
+  MoeRoutingPlan plan;
+  plan.routed.assign(static_cast<size_t>(E), 0);
+  plan.kept.assign(static_cast<size_t>(E), 0);
+  plan.pos.assign(static_cast<size_t>(N * K), -1);
+  // Rank of each assignment within its expert, in (token, k) order: position priority.
+  std::vector<int64_t> rank(static_cast<size_t>(N * K));
+  for (int64_t a = 0; a < N * K; ++a) {
+    const int32_t e = topk_idx[a];
+    TETRA_CHECK(e >= 0 && e < E, "router chose expert {} of {}", e, E);
+    rank[a] = plan.routed[e]++;
+  }
+  std::vector<int64_t> start(static_cast<size_t>(E) + 1, 0);
+  for (int64_t e = 0; e < E; ++e) {
+    plan.kept[e] = capacity < 0 ? plan.routed[e] : std::min(plan.routed[e], capacity);
+    plan.dropped += plan.routed[e] - plan.kept[e];
+    start[e + 1] = start[e] + plan.kept[e];
+  }
+  plan.rows.assign(static_cast<size_t>(start[E]), 0);
+  for (int64_t a = 0; a < N * K; ++a) {
+    const int32_t e = topk_idx[a];
+    if (rank[a] >= plan.kept[e]) continue;
+    const int64_t row = start[e] + rank[a];
+    plan.pos[a] = static_cast<int32_t>(row);
+    plan.rows[row] = static_cast<int32_t>(a / K);
+  }
+  return plan;
+}
+
+int64_t moe_capacity(const MoeConfig& moe, int64_t N) {
+  if (!moe.capacity_factor) return -1;
+  return static_cast<int64_t>(std::ceil(*moe.capacity_factor * static_cast<double>(N * moe.top_k) /
+                                        static_cast<double>(moe.num_experts)));
+}
+
+double MoeStepStats::objective(const MoeConfig& moe) const {
+  double s = 0.0;
+  for (const MoeLayerStats& l : layers) s += moe.aux_loss_coeff * l.aux_loss + moe.z_loss_coeff * l.z_loss;
+  return s;
+}
+
+namespace {
+
+class Carver {
+ public:
+  explicit Carver(char* base) : base_(base) {}
+  void* take(int64_t numel, DType t) {
+    const size_t bytes = (static_cast<size_t>(numel) * dtype_size(t) + 63) / 64 * 64;
+    void* p = base_ ? base_ + used_ : nullptr;
+    used_ += bytes;
+    return p;
+  }
+  float* f32(int64_t n) { return static_cast<float*>(take(n, DType::F32)); }
+  int32_t* i32(int64_t n) { return static_cast<int32_t*>(take(n, DType::I32)); }
+  size_t used() const { return used_; }
+
+ private:
+  char* base_;
+  size_t used_ = 0;
+};
+
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+// Saved by forward for backward, per MoE block. Backend memory unless noted.
+struct MoeLayers::Layer {
+  int64_t block = 0;
+  float* logits;      // (N, E)
+  float* probs;       // (N, E)
+  float* lse;         // (N)
+  int32_t* topk_idx;  // (N, K)
+  float* topk_prob;   // (N, K) the gates
+  int32_t* pos;       // (N, K)
+  int32_t* rows;      // (M_max)
+  void* x_exp;        // (R_max, C) the rows the local experts see, expert-major
+  void* fc;           // (R_max, FC)
+  void* act;          // (R_max, F)
+  void* y_local;      // (M_max, C) expert outputs of this rank's assignments (x_perm order)
+  int32_t* regroup;   // (R_max) expert-major row -> source-major row (ep > 1)
+  int32_t* ungroup;   // (R_max) source-major row -> expert-major row (ep > 1)
+  // Host.
+  MoeRoutingPlan plan;
+  std::vector<int64_t> expert_rows;  // (El) rows of each local expert
+  std::vector<int64_t> send_rows, recv_rows;  // (ep) rows to / from each EP rank
+  int64_t M = 0, R = 0;
+  float loss_weight = 0.0f;
+};
+
+struct MoeLayers::Scratch {
+  void* send;          // (M_max, C) x_perm before dispatch (ep > 1)
+  void* src;           // (R_max, C) received rows, source-major (ep > 1)
+  void* y_exp;         // (R_max, C) expert outputs, expert-major (ep > 1; else the layer's y_local)
+  float* dgates;       // (N, K)
+  float* dlogits;      // (N, E)
+  void* dlogits_act;   // (N, E) act
+  float* expert_grad;  // (E)
+  void* dy_local;      // (M_max, C)
+  void* dy_exp;        // (R_max, C) (ep > 1; else dy_local)
+  void* dact;          // (R_max, F)
+  void* dfc;           // (R_max, FC)
+  void* dx_exp;        // (R_max, C)
+  void* dx_local;      // (M_max, C) (ep > 1; else dx_exp)
+  int32_t* counts;     // (E + ep El) send and received per-expert counts
+};
+
+namespace {
+
+struct Sizes {
+  int64_t N, C, E, K, El, F, FC, cap, M_max, R_max, ep;
+};
+
+Sizes sizes_of(const ModelConfig& cfg, int64_t N, int64_t ep, int64_t tp) {
+  Sizes s{};
+  const MoeConfig& m = cfg.moe;
+  s.N = N;
+  s.C = cfg.hidden_size;
+  s.E = m.num_experts;
+  s.K = m.top_k;
+  s.ep = ep;
+  s.El = s.E / ep;
+  s.F = m.ffn_hidden_size / tp;
+  s.FC = cfg.activation == "swiglu" ? 2 * s.F : s.F;
+  s.cap = moe_capacity(m, N);
+  s.M_max = s.cap < 0 ? N * s.K : std::min(N * s.K, s.E * s.cap);
+  // Worst case at the experts: every EP rank sends all its (kept) rows here.
+  s.R_max = ep == 1 ? s.M_max : ep * (s.cap < 0 ? N * s.K : std::min(N * s.K, s.El * s.cap));
+  return s;
+}
+
+
+template <class L, class S>
+size_t carve_all(Carver& c, const Sizes& z, DType act, int64_t moe_blocks, std::vector<L*>& layers, S* sc) {
+  for (int64_t j = 0; j < moe_blocks; ++j) {
+    L tmp;
+    L& s = layers.empty() ? tmp : *layers[j];
+    s.logits = c.f32(z.N * z.E);
+    s.probs = c.f32(z.N * z.E);
+    s.lse = c.f32(z.N);
+    s.topk_idx = c.i32(z.N * z.K);
+    s.topk_prob = c.f32(z.N * z.K);
+    s.pos = c.i32(z.N * z.K);
+    s.rows = c.i32(z.M_max);
+    s.x_exp = c.take(z.R_max * z.C, act);
+    s.fc = c.take(z.R_max * z.FC, act);
+    s.act = c.take(z.R_max * z.F, act);
+    s.y_local = c.take(z.M_max * z.C, act);
+    s.regroup = z.ep > 1 ? c.i32(z.R_max) : nullptr;
+    s.ungroup = z.ep > 1 ? c.i32(z.R_max) : nullptr;
+  }
+  S tmp{};
+  S& x = sc ? *sc : tmp;
+  const bool ep = z.ep > 1;
+  x.send = ep ? c.take(z.M_max * z.C, act) : nullptr;
+  x.src = ep ? c.take(z.R_max * z.C, act) : nullptr;
+  x.y_exp = ep ? c.take(z.R_max * z.C, act) : nullptr;
+  x.dgates = c.f32(z.N * z.K);
+  x.dlogits = c.f32(z.N * z.E);
+  x.dlogits_act = act == DType::F32 ? nullptr : c.take(z.N * z.E, act);
+  x.expert_grad = c.f32(z.E);
+  x.dy_local = c.take(z.M_max * z.C, act);
+  x.dy_exp = ep ? c.take(z.R_max * z.C, act) : x.dy_local;
+  x.dact = c.take(z.R_max * z.F, act);
+  x.dfc = c.take(z.R_max * z.FC, act);
+  x.dx_exp = c.take(z.R_max * z.C, act);
+  x.dx_local = ep ? c.take(z.M_max * z.C, act) : x.dx_exp;
+  x.counts = c.i32(z.E + z.ep * z.El);
+  return c.used();
+}
+
+int64_t count_moe_blocks(const ModelConfig& cfg) {
+  int64_t n = 0;
+  for (int64_t l = 0; l < cfg.num_layers; ++l) n += cfg.moe.is_moe_layer(l) ? 1 : 0;
+  return n;
+}
+
+}  // namespace
+
+size_t MoeLayers::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp) {
+  if (!cfg.moe.enabled()) return 0;
+  Carver c(nullptr);
+  std::vector<Layer*> none;
+  return carve_all<Layer, Scratch>(c, sizes_of(cfg, N, ep, tp), act, count_moe_blocks(cfg), none, nullptr);
+}
+
+MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t N,
+                     Communicator* ep, Communicator* tp)
+    : cfg_(cfg),
+      layout_(layout),
+      be_(be),
+      act_(act),
+      ep_(ep && ep->size() > 1 ? ep : nullptr),
+      tp_(tp && tp->size() > 1 ? tp : nullptr) {
+  const int64_t tp_size = tp_ ? tp_->size() : 1;
+  TETRA_CHECK(layout.slicing.tp == tp_size, "the parameter layout is for tp {}, the MoE blocks for {}",
+              layout.slicing.tp, tp_size);
+  const int64_t ep_size = ep_ ? ep_->size() : 1;
+  TETRA_CHECK(layout.slicing.ep == ep_size && layout.slicing.ep_rank == (ep_ ? ep_->rank() : 0),
+              "the parameter layout is for EP rank {} of {}, the model for rank {} of {}", layout.slicing.ep_rank,
+              layout.slicing.ep, ep_ ? ep_->rank() : 0, ep_size);
+  const Sizes z = sizes_of(cfg, N, ep_size, tp_size);
+  N_ = z.N, C_ = z.C, E_ = z.E, K_ = z.K, El_ = z.El, F_ = z.F, FC_ = z.FC, cap_ = z.cap;
+  M_max_ = z.M_max, R_max_ = z.R_max;
+  e0_ = layout.slicing.ep_rank * El_;
+  swiglu_ = cfg.activation == "swiglu";
+  std::vector<Layer*> ptrs;
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    index_of_layer_.push_back(cfg.moe.is_moe_layer(l) ? static_cast<int>(layers_.size()) : -1);
+    if (!cfg.moe.is_moe_layer(l)) continue;
+    layers_.push_back(std::make_unique<Layer>());
+    layers_.back()->block = l;
+    ptrs.push_back(layers_.back().get());
+  }
+  sc_ = std::make_unique<Scratch>();
+  bytes_ = activation_bytes_for(cfg, act, N, ep_size, tp_size);
+  arena_ = be_.alloc(bytes_);
+  Carver c(static_cast<char*>(arena_));
+  carve_all<Layer, Scratch>(c, z, act, static_cast<int64_t>(ptrs.size()), ptrs, sc_.get());
+  for (const auto& s : layers_) {
+    MoeLayerStats st;
+    st.layer = s->block;
+    st.tokens_per_expert.assign(static_cast<size_t>(E_), 0);
+    stats_.layers.push_back(std::move(st));
+  }
+}
+
+MoeLayers::~MoeLayers() {
+  if (arena_) be_.free(arena_);
+}
+
+MoeStepStats MoeLayers::take_stats() {
+  MoeStepStats out = stats_;
+  for (MoeLayerStats& l : out.layers)
+    if (l.micro_batches > 0) {
+      l.aux_loss /= static_cast<double>(l.micro_batches);
+      l.z_loss /= static_cast<double>(l.micro_batches);
+    }
+  for (MoeLayerStats& l : stats_.layers) {
+    std::fill(l.tokens_per_expert.begin(), l.tokens_per_expert.end(), 0);
+    l.dropped = l.micro_batches = 0;
+    l.aux_loss = l.z_loss = 0.0;
+  }
+  stats_.expert_s = stats_.dispatch_s = stats_.combine_s = 0.0;
+  stats_.dispatch_bytes = stats_.combine_bytes = 0;
+  return out;
+}
+
+// Rows sent to EP rank r: the blocks of its experts, contiguous in x_perm's expert order.
+void MoeLayers::dispatch(Layer& s, const void* send, void* recv_expert_major) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int ep = ep_->size();
+  std::vector<int64_t> sc(ep), so(ep), rc(ep), ro(ep);
+  int64_t at = 0, rat = 0;
+  for (int r = 0; r < ep; ++r) {
+    sc[r] = s.send_rows[r] * C_, so[r] = at, at += sc[r];
+    rc[r] = s.recv_rows[r] * C_, ro[r] = rat, rat += rc[r];
+  }
+  ep_->all_to_all_v(send, sc, so, sc_->src, rc, ro, act_);
+  be_.moe_gather_rows(recv_expert_major, sc_->src, s.regroup, s.R, C_, act_);
+  stats_.dispatch_s += since(t0);
+  for (int r = 0; r < ep; ++r)
+    if (r != ep_->rank()) stats_.dispatch_bytes += sc[r] * static_cast<int64_t>(dtype_size(act_));
+}
+
+void MoeLayers::combine(Layer& s, const void* expert_major, void* local) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int ep = ep_->size();
+  be_.moe_gather_rows(sc_->src, expert_major, s.ungroup, s.R, C_, act_);
+  std::vector<int64_t> sc(ep), so(ep), rc(ep), ro(ep);
+  int64_t at = 0, rat = 0;
+  for (int r = 0; r < ep; ++r) {
+    sc[r] = s.recv_rows[r] * C_, so[r] = at, at += sc[r];
+    rc[r] = s.send_rows[r] * C_, ro[r] = rat, rat += rc[r];
+  }
+  ep_->all_to_all_v(sc_->src, sc, so, local, rc, ro, act_);
+  stats_.combine_s += since(t0);
+  for (int r = 0; r < ep; ++r)
+    if (r != ep_->rank()) stats_.combine_bytes += sc[r] * static_cast<int64_t>(dtype_size(act_));
+}
+
+void MoeLayers::experts_forward(Layer& s, const BlockParams& p, const void* weights) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const size_t es = dtype_size(act_);
+  auto w = [&](int64_t offset, int64_t j, int64_t per_expert) -> const void* {
+    if (offset < 0) return nullptr;
+    return static_cast<const char*>(weights) + static_cast<size_t>(offset + j * per_expert) * es;
+  };
+  char* x = static_cast<char*>(s.x_exp);
+  char* fc = static_cast<char*>(s.fc);
+  char* a = static_cast<char*>(s.act);
+  char* y = static_cast<char*>(ep_ ? sc_->y_exp : s.y_local);
+  const bool tp0 = !tp_ || tp_->rank() == 0;  // the proj bias once over the TP partial sums
+  int64_t o = 0;
+  for (int64_t j = 0; j < El_; ++j) {  // fc = x W1_j^T + b1_j            (n, FC)
+    const int64_t n = s.expert_rows[j];
+    if (n > 0)
+      be_.gemm(false, true, n, FC_, C_, 1.0f, x + o * C_ * es, C_, w(p.experts_fc_w, j, FC_ * C_), C_, act_, 0.0f,
+               fc + o * FC_ * es, FC_, act_, w(p.experts_fc_b, j, FC_));
+    o += n;
+  }
+  if (s.R > 0) {
+    if (swiglu_)
+      be_.swiglu_forward(a, fc, s.R, F_, act_);
+    else
+      be_.gelu_forward(a, fc, s.R * F_, act_);
+  }
+  o = 0;
+  for (int64_t j = 0; j < El_; ++j) {  // y = a W2_j^T + b2_j             (n, C)
+    const int64_t n = s.expert_rows[j];
+    if (n > 0)
+      be_.gemm(false, true, n, C_, F_, 1.0f, a + o * F_ * es, F_, w(p.experts_proj_w, j, C_ * F_), F_, act_, 0.0f,
+               y + o * C_ * es, C_, act_, tp0 ? w(p.experts_proj_b, j, C_) : nullptr);
+    o += n;
+  }
+  stats_.expert_s += since(t0);
+}
+
+void MoeLayers::experts_backward(Layer& s, const BlockParams& p, const void* weights, float* grads) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const size_t es = dtype_size(act_);
+  auto w = [&](int64_t offset, int64_t j, int64_t per_expert) -> const void* {
+    return static_cast<const char*>(weights) + static_cast<size_t>(offset + j * per_expert) * es;
+  };
+  auto g = [&](int64_t offset, int64_t j, int64_t per_expert) -> float* {
+    return offset < 0 ? nullptr : grads + offset + j * per_expert;
+  };
+  const char* x = static_cast<const char*>(s.x_exp);
+  const char* fc = static_cast<const char*>(s.fc);
+  const char* a = static_cast<const char*>(s.act);
+  const char* dy = static_cast<const char*>(sc_->dy_exp);
+  char* dact = static_cast<char*>(sc_->dact);
+  char* dfc = static_cast<char*>(sc_->dfc);
+  char* dx = static_cast<char*>(sc_->dx_exp);
+  int64_t o = 0;
+  for (int64_t j = 0; j < El_; ++j) {
+    const int64_t n = s.expert_rows[j];
+    if (n > 0) {
+      // dact = dy W2_j (n, F); dW2_j += dy^T a (C, F); db2_j += colsum dy.
+      be_.gemm(false, false, n, F_, C_, 1.0f, dy + o * C_ * es, C_, w(p.experts_proj_w, j, C_ * F_), F_, act_,
+               0.0f, dact + o * F_ * es, F_, act_);
+      be_.gemm(true, false, C_, F_, n, 1.0f, dy + o * C_ * es, C_, a + o * F_ * es, F_, act_, 1.0f,
+               g(p.experts_proj_w, j, C_ * F_), F_, DType::F32);
+      if (p.experts_proj_b >= 0) be_.bias_backward(g(p.experts_proj_b, j, C_), dy + o * C_ * es, n, C_, act_);
+    }
+    o += n;
+  }
+  if (s.R > 0) {
+    if (swiglu_)
+      be_.swiglu_backward(dfc, fc, dact, s.R, F_, act_);
+    else
+      be_.gelu_backward(dfc, fc, dact, s.R * F_, act_);
+  }
+  o = 0;
+  for (int64_t j = 0; j < El_; ++j) {
+    const int64_t n = s.expert_rows[j];
+    if (n > 0) {
+      // dx = dfc W1_j (n, C); dW1_j += dfc^T x (FC, C); db1_j += colsum dfc.
+      be_.gemm(false, false, n, C_, FC_, 1.0f, dfc + o * FC_ * es, FC_, w(p.experts_fc_w, j, FC_ * C_), C_, act_,
+               0.0f, dx + o * C_ * es, C_, act_);
+      be_.gemm(true, false, FC_, C_, n, 1.0f, dfc + o * FC_ * es, FC_, x + o * C_ * es, C_, act_, 1.0f,
+               g(p.experts_fc_w, j, FC_ * C_), C_, DType::F32);
+      if (p.experts_fc_b >= 0) be_.bias_backward(g(p.experts_fc_b, j, FC_), dfc + o * FC_ * es, n, FC_, act_);
+    }
+    o += n;
+  }
+  stats_.expert_s += since(t0);
+}
+
+void MoeLayers::forward(int64_t l, const void* weights, const void* h, const void* residual, void* out,
+                        float loss_weight) {
+  TETRA_CHECK(l >= 0 && l < static_cast<int64_t>(index_of_layer_.size()) && index_of_layer_[l] >= 0,
+              "block {} is not a MoE block", l);
+  Layer& s = *layers_[index_of_layer_[l]];
+  const BlockParams& p = layout_.blocks[l];
+  const size_t es = dtype_size(act_);
+  s.loss_weight = loss_weight;
+  // Router: fp32 logits, softmax, top-K.
+  be_.gemm(false, true, N_, E_, C_, 1.0f, h, C_, static_cast<const char*>(weights) + p.router_w * es, C_, act_,
+           0.0f, s.logits, E_, DType::F32);
+  be_.moe_router_forward(s.probs, s.lse, s.topk_idx, s.topk_prob, s.logits, N_, E_, K_);
+  std::vector<int32_t> idx(static_cast<size_t>(N_ * K_));
+  be_.copy_to_host(idx.data(), s.topk_idx, idx.size() * 4);
+  s.plan = plan_moe_routing(idx.data(), N_, K_, E_, cap_);
+  s.M = static_cast<int64_t>(s.plan.rows.size());
+  be_.copy_from_host(s.pos, s.plan.pos.data(), s.plan.pos.size() * 4);
+  if (s.M > 0) be_.copy_from_host(s.rows, s.plan.rows.data(), static_cast<size_t>(s.M) * 4);
+
+  if (!ep_) {
+    be_.moe_gather_rows(s.x_exp, h, s.rows, s.M, C_, act_);
+    s.expert_rows = s.plan.kept;
+    s.R = s.M;
+  } else {
+    const int ep = ep_->size();
+    // Counts first: rank r sends each EP rank the kept counts of that rank's experts.
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<int32_t> counts(static_cast<size_t>(E_ + ep * El_));
+    for (int64_t e = 0; e < E_; ++e) counts[e] = static_cast<int32_t>(s.plan.kept[e]);
+    be_.copy_from_host(sc_->counts, counts.data(), static_cast<size_t>(E_) * 4);
+    std::vector<int64_t> n(ep, El_), off(ep);
+    for (int r = 0; r < ep; ++r) off[r] = r * El_;
+    ep_->all_to_all_v(sc_->counts, n, off, sc_->counts + E_, n, off, DType::I32);
+    be_.copy_to_host(counts.data() + E_, sc_->counts + E_, static_cast<size_t>(ep * El_) * 4);
+    stats_.dispatch_s += since(t0);
+    // recv[q][j]: rows source q sends to local expert j.
+    s.send_rows.assign(ep, 0);
+    s.recv_rows.assign(ep, 0);
+    s.expert_rows.assign(static_cast<size_t>(El_), 0);
+    for (int r = 0; r < ep; ++r)
+      for (int64_t j = 0; j < El_; ++j) {
+        s.send_rows[r] += s.plan.kept[r * El_ + j];
+        const int64_t c = counts[E_ + r * El_ + j];
+        s.recv_rows[r] += c;
+        s.expert_rows[j] += c;
+      }
+    s.R = 0;
+    for (int r = 0; r < ep; ++r) s.R += s.recv_rows[r];
+    TETRA_CHECK(s.R <= R_max_, "MoE dispatch: {} rows for this rank's experts, planned for at most {}", s.R, R_max_);
+    // Regrouping between source-major (as received) and expert-major (one block per expert).
+    std::vector<int32_t> regroup(static_cast<size_t>(s.R)), ungroup(static_cast<size_t>(s.R));
+    std::vector<int64_t> src_start(ep, 0), exp_start(static_cast<size_t>(El_), 0);
+    for (int r = 1; r < ep; ++r) src_start[r] = src_start[r - 1] + s.recv_rows[r - 1];
+    for (int64_t j = 1; j < El_; ++j) exp_start[j] = exp_start[j - 1] + s.expert_rows[j - 1];
+    std::vector<int64_t> fill = exp_start;
+    for (int r = 0; r < ep; ++r) {
+      int64_t sp = src_start[r];
+      for (int64_t j = 0; j < El_; ++j)
+        for (int64_t t = 0; t < counts[E_ + r * El_ + j]; ++t, ++sp) {
+          const int64_t q = fill[j]++;
+          regroup[q] = static_cast<int32_t>(sp);
+          ungroup[sp] = static_cast<int32_t>(q);
+        }
+    }
+    if (s.R > 0) {
+      be_.copy_from_host(s.regroup, regroup.data(), static_cast<size_t>(s.R) * 4);
+      be_.copy_from_host(s.ungroup, ungroup.data(), static_cast<size_t>(s.R) * 4);
+    }
+    be_.moe_gather_rows(sc_->send, h, s.rows, s.M, C_, act_);
+    dispatch(s, sc_->send, s.x_exp);
+  }
+  experts_forward(s, p, weights);
+  if (ep_) combine(s, sc_->y_exp, s.y_local);
+  if (!residual)
+    be_.memset_zero(out, static_cast<size_t>(N_ * C_) * es);
+  else if (out != residual)
+    be_.copy(out, residual, static_cast<size_t>(N_ * C_) * es);
+  be_.moe_combine(out, s.y_local, s.pos, s.topk_prob, N_, K_, C_, /*accumulate=*/true, act_);
+
+  if (loss_weight != 0.0f) {
+    std::vector<float> probs(static_cast<size_t>(N_ * E_)), lse(static_cast<size_t>(N_));
+    be_.copy_to_host(probs.data(), s.probs, probs.size() * 4);
+    be_.copy_to_host(lse.data(), s.lse, lse.size() * 4);
+    double aux = 0.0, z = 0.0;
+    for (int64_t e = 0; e < E_; ++e) {
+      double pe = 0.0;
+      for (int64_t i = 0; i < N_; ++i) pe += probs[i * E_ + e];
+      aux += pe * static_cast<double>(s.plan.routed[e]);
+    }
+    aux *= static_cast<double>(E_) / (static_cast<double>(N_) * static_cast<double>(N_) * static_cast<double>(K_));
+    for (float v : lse) z += static_cast<double>(v) * v;
+    z /= static_cast<double>(N_);
+    MoeLayerStats& st = stats_.layers[index_of_layer_[l]];
+    for (int64_t e = 0; e < E_; ++e) st.tokens_per_expert[e] += s.plan.routed[e];
+    st.dropped += s.plan.dropped;
+    st.aux_loss += aux;
+    st.z_loss += z;
+    ++st.micro_batches;
+  }
+}
+
+void MoeLayers::backward(int64_t l, const void* weights, float* grads, const void* h, const void* dout, void* dh) {
+  Layer& s = *layers_[index_of_layer_[l]];
+  const BlockParams& p = layout_.blocks[l];
+  const size_t es = dtype_size(act_);
+  // Combine: dy = g dout at each kept assignment's row; the gates' gradient <dout, y>.
+  be_.moe_combine_backward(sc_->dy_local, sc_->dgates, dout, s.y_local, s.pos, s.topk_prob, N_, K_, C_, act_);
+  if (tp_) tp_->all_reduce(sc_->dgates, N_ * K_, DType::F32);  // y was this rank's partial sum
+  if (ep_) dispatch(s, sc_->dy_local, sc_->dy_exp);
+  experts_backward(s, p, weights, grads);
+  if (ep_) combine(s, sc_->dx_exp, sc_->dx_local);
+  be_.moe_combine(dh, sc_->dx_local, s.pos, nullptr, N_, K_, C_, /*accumulate=*/false, act_);
+
+  // Router: the gates' gradient, the load-balancing loss (the same additive term on p[:, e] for
+  // every row) and the z-loss, through the softmax.
+  const double lw = s.loss_weight;
+  const double aux_scale = cfg_.moe.aux_loss_coeff * lw * static_cast<double>(E_) /
+                           (static_cast<double>(N_) * static_cast<double>(N_) * static_cast<double>(K_));
+  std::vector<float> eg(static_cast<size_t>(E_));
+  for (int64_t e = 0; e < E_; ++e) eg[e] = static_cast<float>(aux_scale * static_cast<double>(s.plan.routed[e]));
+  be_.copy_from_host(sc_->expert_grad, eg.data(), eg.size() * 4);
+  const float z_scale = static_cast<float>(cfg_.moe.z_loss_coeff * lw / static_cast<double>(N_));
+  be_.moe_router_backward(sc_->dlogits, s.probs, s.lse, s.topk_idx, sc_->dgates, sc_->expert_grad, z_scale, N_, E_,
+                          K_);
+  const void* dl = sc_->dlogits;
+  if (act_ != DType::F32) {
+    be_.cast(sc_->dlogits_act, act_, sc_->dlogits, DType::F32, N_ * E_);
+    dl = sc_->dlogits_act;
+  }
+  // dh += dlogits W_r (N, C) (on TP rank 0: dh is a partial sum the caller reduces over TP);
+  // dW_r += dlogits^T h (E, C) (the same on every TP rank: the router is replicated).
+  if (!tp_ || tp_->rank() == 0)
+    be_.gemm(false, false, N_, C_, E_, 1.0f, dl, E_, static_cast<const char*>(weights) + p.router_w * es, C_, act_,
+             1.0f, dh, C_, act_);
+  be_.gemm(true, false, E_, C_, N_, 1.0f, dl, E_, h, C_, act_, 1.0f, grads + p.router_w, C_, DType::F32);
+}
+
+}  // namespace tetra

@@ -1,0 +1,134 @@
+// The Mixture-of-Experts MLP (Switch Transformer / GShard / Mixtral style), forward and backward,
+// with expert parallelism over an EP group.
+//
+// Per MoE block, N rows h = norm2(x) (N, C), E experts, each token to K of them:
+//   logits = h W_r^T                  (N, E) fp32 (bf16 inputs are exact in fp32; fp32 accumulation)
+//   p = softmax(logits)               (N, E) fp32; the top-K experts of each row and their
+//                                     probabilities g (N, K) are the gates (not renormalised)
+//   plan (host): assignments (i, k) sorted by expert, token order within an expert; with a
+//     capacity factor an expert keeps its first ceil(factor N K / E) assignments and drops the
+//     rest (a dropped assignment contributes nothing: the token's residual passes through)
+//   x_perm = h[rows]                  (M, C) per-expert contiguous blocks, M kept assignments
+//   expert e over its block:  u = x W1_e^T + b1_e (n_e, FC); a = gelu(u) | swiglu(u) (n_e, F);
+//                             y = a W2_e^T + b2_e (n_e, C)       one GEMM pair per expert
+//   out[i] = x_mid[i] + sum_k g[i,k] y[pos[i,k]]   (the residual add of the block)
+// Losses added to the objective, per micro-batch (weighted like its mean cross-entropy):
+//   aux = E / (N^2 K) sum_e routed_e sum_i p[i,e]   (Switch; routed_e counts assignments before
+//                                                   drops; gradient through p only)
+//   z   = mean_i lse_i^2                            (ST-MoE router z-loss)
+// objective += aux_loss_coeff aux + z_loss_coeff z.
+//
+// Expert parallelism (ep ranks, carved out of DP): rank r holds experts [r E/ep, (r+1) E/ep).
+// Each rank routes its own tokens (capacity counted on them, so drops do not depend on ep), then:
+//   1. all_to_all_v of the per-expert counts (each rank learns how many rows it will receive),
+//   2. all_to_all_v of x_perm's expert blocks to their owners (dispatch),
+//   3. the received rows, source-major, regrouped expert-major so each local expert's rows are
+//      one contiguous block; the expert GEMMs; the reverse regrouping,
+//   4. all_to_all_v of the outputs back to their sources (combine), weighted there by the gates.
+// Backward runs the same exchanges for the output and input gradients. Buffers are sized for the
+// worst case (dropless: every token of every EP rank to this rank's experts), so the step
+// allocates nothing.
+//
+// Tensor parallelism (tp ranks, the same tokens on each): every TP rank routes identically (the
+// router is replicated) and computes its slice of each expert's hidden units, as in the dense
+// MLP: its output is a partial sum, which the caller reduces over TP like a row-parallel layer's
+// (all-reduce, or reduce-scatter with sequence parallelism; the expert proj bias and the residual
+// are added on TP rank 0). Backward: the gates' gradient <dout, y> is a partial sum too and is
+// all-reduced over TP (N K floats); the input gradient is partial (the router's share added on
+// TP rank 0 only) and the caller reduces it like a column-parallel layer's.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "trainer/config/config.h"
+#include "trainer/model/param_layout.h"
+
+namespace tetra {
+
+class Communicator;
+
+// The routing of one micro-batch on one rank (host side), from the router's top-K choice.
+struct MoeRoutingPlan {
+  std::vector<int64_t> routed;   // (E) assignments per expert before drops
+  std::vector<int64_t> kept;     // (E) after the capacity limit
+  std::vector<int32_t> pos;      // (N K) row of x_perm holding assignment (i, k), -1 if dropped
+  std::vector<int32_t> rows;     // (M) source token of each row of x_perm
+  int64_t dropped = 0;
+};
+// capacity < 0: dropless.
+MoeRoutingPlan plan_moe_routing(const int32_t* topk_idx, int64_t N, int64_t K, int64_t E, int64_t capacity);
+// Rows per expert under the capacity factor for N tokens (-1 when dropless).
+int64_t moe_capacity(const MoeConfig& moe, int64_t N);
+
+// What the MoE blocks did in a step (this rank's tokens), for the log and metrics.jsonl.
+struct MoeLayerStats {
+  int64_t layer = 0;
+  std::vector<int64_t> tokens_per_expert;  // routed assignments, summed over micro-batches
+  int64_t dropped = 0;
+  double aux_loss = 0.0, z_loss = 0.0;     // mean over micro-batches
+  int64_t micro_batches = 0;
+};
+struct MoeStepStats {
+  std::vector<MoeLayerStats> layers;
+  double expert_s = 0.0;            // expert GEMMs and activations, forward and backward
+  double dispatch_s = 0.0, combine_s = 0.0;  // the all-to-alls (with the count exchange)
+  int64_t dispatch_bytes = 0, combine_bytes = 0;  // payload this rank sent
+  // Contribution to the step's objective: sum over layers of coeff * mean loss.
+  double objective(const MoeConfig& moe) const;
+};
+
+class MoeLayers {
+ public:
+  // N rows per micro-batch; `ep` the expert-parallel group (null or size 1: every expert here);
+  // `tp` the tensor-parallel group (null or size 1: whole experts).
+  MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t N,
+            Communicator* ep, Communicator* tp = nullptr);
+  ~MoeLayers();
+  MoeLayers(const MoeLayers&) = delete;
+  MoeLayers& operator=(const MoeLayers&) = delete;
+
+  static size_t activation_bytes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp = 1);
+  size_t activation_bytes() const { return bytes_; }
+
+  // Block l (a MoE block): out (N, C) = residual (N, C) + MoE(h) (residual may be null: 0; with
+  // tp > 1 MoE(h) is this rank's partial sum). h (N, C) is kept (the caller's activation) for
+  // backward. `loss_weight`: the weight of this micro-batch's mean loss in the
+  // objective (0: not training; nothing is counted in the statistics).
+  void forward(int64_t l, const void* weights, const void* h, const void* residual, void* out,
+               float loss_weight);
+  // dh (N, C) is overwritten with the gradient of MoE(h) w.r.t. h given dout (N, C) (with tp > 1
+  // this rank's partial sum); parameter gradients accumulate into `grads`. Same block's forward must be the last one run for it.
+  void backward(int64_t l, const void* weights, float* grads, const void* h, const void* dout, void* dh);
+
+  // Statistics since the last take (and reset).
+  MoeStepStats take_stats();
+
+  struct Layer;  // per-block saved state (moe.cpp)
+
+ private:
+  void dispatch(Layer& s, const void* send, void* recv_expert_major);
+  void combine(Layer& s, const void* expert_major, void* local);
+  void experts_forward(Layer& s, const BlockParams& p, const void* weights);
+  void experts_backward(Layer& s, const BlockParams& p, const void* weights, float* grads);
+
+  const ModelConfig& cfg_;
+  const ParamLayout& layout_;
+  Backend& be_;
+  DType act_;
+  Communicator* ep_;  // null without expert parallelism
+  Communicator* tp_;  // null without tensor parallelism
+  int64_t N_, C_, E_, K_, El_, e0_, F_, FC_, cap_, M_max_, R_max_;
+  bool swiglu_;
+  std::vector<int> index_of_layer_;  // block -> index into layers_, -1 for dense blocks
+  std::vector<std::unique_ptr<Layer>> layers_;
+  size_t bytes_ = 0;
+  void* arena_ = nullptr;
+  struct Scratch;
+  std::unique_ptr<Scratch> sc_;
+  MoeStepStats stats_;
+};
+
+}  // namespace tetra

@@ -1,0 +1,72 @@
+#include "trainer/optim/grad_buffers.h"
+
+#include <cmath>
+
+#include "trainer/dist/process_groups.h"
+
+namespace tetra {
+
+ParamLayout layout_part(const ParamLayout& layout, bool experts) {
+  ParamLayout part = layout;
+  const int first = experts ? layout.dense_groups : 0;
+  const int end = experts ? static_cast<int>(layout.groups.size()) : layout.dense_groups;
+  part.groups.assign(layout.groups.begin() + first, layout.groups.begin() + end);
+  part.params.clear();
+  for (const ParamSpec& p : layout.params)
+    if (p.group >= first && p.group < end) {
+      part.params.push_back(p);
+      part.params.back().group -= first;
+    }
+  part.dense_groups = experts ? 0 : end;
+  return part;
+}
+
+GradBuffers::GradBuffers(const ParamLayout& layout, Backend& be, float* grads, ProcessGroups& groups,
+                         bool distributed_optimizer, int64_t bucket_size)
+    : dense_layout_(layout_part(layout, false)),
+      expert_layout_(layout_part(layout, true)),
+      dense_groups_(layout.dense_groups) {
+  dense_ = std::make_unique<GradBuffer>(dense_layout_, be, grads, groups.dp.get(), groups.tp.get(),
+                                        distributed_optimizer, bucket_size);
+  owned_ = dense_->owned();
+  const bool sharded = dense_->sharded();
+  dense_norm_ = std::make_unique<GradNorm>(layout, dense_->owned(), be, groups.tp.get(), groups.pp.get(),
+                                           sharded ? groups.dp.get() : nullptr);
+  if (!expert_layout_.groups.empty()) {
+    experts_ = std::make_unique<GradBuffer>(expert_layout_, be, grads, groups.edp.get(), groups.tp.get(),
+                                            distributed_optimizer, bucket_size);
+    owned_.insert(owned_.end(), experts_->owned().begin(), experts_->owned().end());
+    // Each EP rank holds other experts, and with the distributed optimizer each expert-DP rank
+    // other shards of them: the DP group (ep x edp ranks) then holds every expert shard once.
+    expert_norm_ = std::make_unique<GradNorm>(layout, experts_->owned(), be, groups.tp.get(), groups.pp.get(),
+                                              experts_->sharded() ? groups.dp.get() : groups.ep.get());
+  }
+}
+
+GradBuffers::~GradBuffers() = default;
+
+void GradBuffers::group_done(int group) {
+  if (group < dense_groups_)
+    dense_->group_done(group);
+  else
+    experts_->group_done(group - dense_groups_);
+}
+
+void GradBuffers::finish() {
+  dense_->finish();
+  if (experts_) experts_->finish();
+}
+
+void GradBuffers::gather_params(void* params, DType type) {
+  dense_->gather_params(params, type);
+  if (experts_) experts_->gather_params(params, type);
+}
+
+double GradBuffers::norm(const float* grads) {
+  const double d = dense_norm_->compute(grads);
+  if (!expert_norm_) return d;
+  const double e = expert_norm_->compute(grads);
+  return std::sqrt(d * d + e * e);
+}
+
+}  // namespace tetra

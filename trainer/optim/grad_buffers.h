@@ -1,0 +1,54 @@
+// The gradient buffers of a model: one GradBuffer over the dense parameters, reduced over DP, and
+// for a Mixture-of-Experts model a second one over the expert parameters, reduced over expert-DP
+// (experts are replicated over dp / ep ranks only, DESIGN.md). The layout puts every expert
+// tensor after the dense ones (param_layout.h), so each buffer covers one contiguous range of the
+// one gradient buffer and the GradBuffer itself needs no notion of experts.
+//
+// Backward's group reports are routed by group number (the expert groups come last); the owned
+// ranges the optimizer updates are the two buffers' ranges, dense first (buffer order); the global
+// gradient norm is sqrt(dense^2 + experts^2), the expert part summed over the EP group (each EP
+// rank holds different experts) or, with the distributed optimizer, over the DP group (each rank
+// holds its expert-DP shard of its EP rank's experts).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "trainer/optim/adamw.h"
+#include "trainer/optim/grad_buffer.h"
+
+namespace tetra {
+
+struct ProcessGroups;
+
+class GradBuffers {
+ public:
+  GradBuffers(const ParamLayout& layout, Backend& be, float* grads, ProcessGroups& groups,
+              bool distributed_optimizer, int64_t bucket_size);
+  ~GradBuffers();
+
+  void group_done(int group);
+  void finish();
+  void gather_params(void* params, DType type);
+  const std::vector<GradRange>& owned() const { return owned_; }
+  bool sharded() const { return dense_->sharded(); }
+  double norm(const float* grads);
+  size_t num_buckets() const { return dense_->num_buckets() + (experts_ ? experts_->num_buckets() : 0); }
+
+  // The parts of the layout each buffer covers (offsets those of the whole buffer).
+  const ParamLayout& dense_layout() const { return dense_layout_; }
+  const ParamLayout& expert_layout() const { return expert_layout_; }
+
+ private:
+  ParamLayout dense_layout_, expert_layout_;
+  int dense_groups_;
+  std::unique_ptr<GradBuffer> dense_, experts_;
+  std::unique_ptr<GradNorm> dense_norm_, expert_norm_;
+  std::vector<GradRange> owned_;
+};
+
+// The dense part of `layout` (groups [0, dense_groups)) or its experts (the later groups,
+// renumbered from 0); parameter offsets and group ranges stay those of the whole buffer.
+ParamLayout layout_part(const ParamLayout& layout, bool experts);
+
+}  // namespace tetra
