@@ -47,6 +47,8 @@ struct ParallelConfig {
   bool distributed_optimizer = false;  // shard fp32 master weights and Adam moments over dp
   int64_t bucket_size = 40000000;      // parameters per gradient bucket (Megatron's
                                        // --ddp-bucket-size): reduced as soon as backward fills it
+  std::string grad_compression = "none";  // none | bf16 | onebit (trainer/optim/compression.h)
+  int64_t onebit_warmup_steps = 100;      // onebit: steps of exact Adam before the variance freezes
 };
 
 struct TrainingConfig {

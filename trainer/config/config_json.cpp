@@ -31,6 +31,7 @@ const Choices kPositions = {"learned", "rope"};
 const Choices kDevices = {"cpu", "cuda"};  // cuda: known, but rejected until the backend exists
 const Choices kPrecisions = {"fp32", "bf16"};
 const Choices kOrders = {"tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp"};
+const Choices kCompressions = {"none", "bf16", "onebit"};
 const Choices kDecays = {"cosine", "linear", "constant"};
 const Choices kLevels = {"trace", "debug", "info", "warn", "error"};
 
@@ -65,6 +66,8 @@ void visit_parallel(P& p, V& v) {
   v.boolean("sequence_parallel", p.sequence_parallel);
   v.boolean("distributed_optimizer", p.distributed_optimizer);
   v.integer("bucket_size", p.bucket_size);
+  v.choice("grad_compression", p.grad_compression, kCompressions);
+  v.integer("onebit_warmup_steps", p.onebit_warmup_steps);
 }
 
 template <class T, class V>

@@ -93,6 +93,8 @@ void check_ranges(const Config& c, Rules& r) {
   r.require(c.parallel.pp <= 1, "parallel.pp", c.parallel.pp,
             "pipeline parallelism is not available yet in this build; set parallel.pp to 1");
   r.at_least("parallel.bucket_size", c.parallel.bucket_size, 1);
+  // At least one exact Adam step: the frozen variance is the one of the last warm-up step.
+  r.at_least("parallel.onebit_warmup_steps", c.parallel.onebit_warmup_steps, 1);
 
   const TrainingConfig& t = c.training;
   r.require(t.device != "cuda", "training.device", t.device,

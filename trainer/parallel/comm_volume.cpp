@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "trainer/optim/compression.h"
 #include "trainer/optim/grad_buffer.h"
 
 namespace tetra {
@@ -28,7 +29,7 @@ std::string GroupVolume::describe() const {
   return out.empty() ? "none" : out;
 }
 
-StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout) {
+StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, bool onebit_compressed) {
   StepVolume v;
   const ParallelConfig& par = cfg.parallel;
   const int64_t act_bytes = cfg.training.precision == "bf16" ? 2 : 4;
@@ -56,16 +57,20 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout) {
   }
   if (par.dp > 1) {
     const int64_t buckets = static_cast<int64_t>(plan_buckets(layout, par.bucket_size).size());
-    const int64_t grad_bytes = layout.total * 4;
+    const int64_t grad_bytes = layout.total * (par.grad_compression == "bf16" ? 2 : 4);
+    const CommOp reduce = par.distributed_optimizer ? CommOp::REDUCE_SCATTER : CommOp::ALL_REDUCE;
+    if (onebit_compressed) {
+      const int64_t message_bytes = par.dp * plan_chunks(layout, par.bucket_size, par.dp).words * 2;
+      v.dp.add(CommOp::ALL_TO_ALL, 1, message_bytes);
+      if (!par.distributed_optimizer) v.dp.add(CommOp::ALL_GATHER, 1, message_bytes);
+    } else {
+      v.dp.add(reduce, buckets, 0);
+      v.dp.payload_bytes[static_cast<int>(reduce)] += grad_bytes;
+    }
     if (par.distributed_optimizer) {
-      v.dp.add(CommOp::REDUCE_SCATTER, buckets, 0);
-      v.dp.payload_bytes[static_cast<int>(CommOp::REDUCE_SCATTER)] += grad_bytes;
       v.dp.add(CommOp::ALL_GATHER, buckets, 0);
       v.dp.payload_bytes[static_cast<int>(CommOp::ALL_GATHER)] += layout.total * act_bytes;
       v.dp.add(CommOp::ALL_REDUCE, 1, 4);  // gradient norm over the shards
-    } else {
-      v.dp.add(CommOp::ALL_REDUCE, buckets, 0);
-      v.dp.payload_bytes[static_cast<int>(CommOp::ALL_REDUCE)] += grad_bytes;
     }
     v.dp.add(CommOp::ALL_REDUCE, 1, 4);  // the step's loss
   }

@@ -19,6 +19,10 @@
 // distributed optimizer reduce-scatter of each bucket then all-gather of the updated weights),
 // the global gradient norm (one float over tp; over dp when sharded) and the loss (one float
 // over dp).
+// Gradient compression (parallel.grad_compression): bf16 halves the bucket reductions' payload;
+// onebit's compressed steps (after its warm-up) replace them by one all-to-all of every rank's
+// 1-bit shards (compression.h's ChunkPlan: dp messages of `words` 2-byte words) and, without the
+// distributed optimizer, one all-gather of the same size (onebit_adam.h).
 #pragma once
 
 #include <array>
@@ -44,8 +48,9 @@ struct StepVolume {
   GroupVolume tp, dp;
 };
 
-// `layout`: this rank's (its TP slice, with the run's group alignment).
-StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout);
+// `layout`: this rank's (its TP slice, with the run's group alignment). `onebit_compressed`: a
+// step of onebit's compressed phase.
+StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, bool onebit_compressed = false);
 
 // The measured counterpart from a communicator's stats (difference of two snapshots).
 GroupVolume measured_volume(const CommStats& after, const CommStats& before);

@@ -63,7 +63,9 @@ ParamLayout rank_layout(const Config& cfg, int64_t tp_rank) {
   slicing.tp = cfg.parallel.tp;
   slicing.tp_rank = tp_rank;
   slicing.sequence_parallel = cfg.parallel.sequence_parallel;
-  slicing.group_align = cfg.parallel.distributed_optimizer ? 16 * cfg.parallel.dp : 16;
+  // Buckets split into dp aligned shards: the distributed optimizer's, and onebit's chunks.
+  const bool shards = cfg.parallel.distributed_optimizer || cfg.parallel.grad_compression == "onebit";
+  slicing.group_align = shards ? 16 * cfg.parallel.dp : 16;
   return ParamLayout::build(cfg.model, slicing);
 }
 
@@ -161,13 +163,16 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
 
   model_ = std::make_unique<Gpt>(cfg.model, layout_, *be_, act_, B, groups.tp.get());
   grad_buffer_ = std::make_unique<GradBuffer>(layout_, *be_, grads_, groups.dp.get(), groups.tp.get(),
-                                              cfg.parallel.distributed_optimizer, cfg.parallel.bucket_size);
+                                              cfg.parallel.distributed_optimizer, cfg.parallel.bucket_size,
+                                              cfg.parallel.grad_compression == "bf16");
   grad_norm_ = std::make_unique<GradNorm>(layout_, grad_buffer_->owned(), *be_, groups.tp.get(),
                                           shard_optimizer ? groups.dp.get() : nullptr);
   // bf16 with the distributed optimizer: the fp32 master weights live sharded in the optimizer.
   const bool optimizer_owns_master = shard_optimizer && act_ != DType::F32;
   optimizer_ = std::make_unique<AdamW>(cfg.optimizer, layout_, *be_, grad_buffer_->owned(),
                                        optimizer_owns_master, master_);
+  if (cfg.parallel.grad_compression == "onebit")
+    onebit_ = std::make_unique<OnebitAdam>(cfg, layout_, *be_, *grad_buffer_, *optimizer_, groups.dp.get());
   if (optimizer_owns_master) {
     be_->free(master_);
     master_ = nullptr;
@@ -233,6 +238,9 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   if (groups.grid.world() > 1)
     spdlog::info("communication per step (predicted): tp: {}; dp: {}", predicted_.tp.describe(),
                  predicted_.dp.describe());
+  if (onebit_ && onebit_->compressed(cfg.training.steps))
+    spdlog::info("communication per step after the {} warm-up steps of onebit (predicted): dp: {}",
+                 cfg.parallel.onebit_warmup_steps, predict_step_volume(cfg, layout_, true).dp.describe());
 
   nlohmann::ordered_json start;
   start["event"] = "start";
@@ -248,6 +256,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
 Trainer::~Trainer() {
   sampler_.reset();
   sample_model_.reset();
+  onebit_.reset();
   optimizer_.reset();
   grad_norm_.reset();
   grad_buffer_.reset();
@@ -271,6 +280,7 @@ CheckpointBuffers Trainer::checkpoint_buffers() {
   b.exp_avg_sq = optimizer_->exp_avg_sq();
   b.compute = compute_;
   b.compute_type = act_;
+  if (onebit_) b.extra = onebit_->checkpoint_state();
   return b;
 }
 
@@ -457,11 +467,15 @@ void Trainer::run() {
   for (int64_t s = start_step_; s < tc.steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
     const CommStats tp_before = groups_.tp->stats(), dp_before = groups_.dp->stats();
+    const bool compressed = onebit_ && onebit_->compressed(s);  // 1-bit Adam past its warm-up
+    grad_buffer_->set_reduce(!compressed);
+    predicted_ = predict_step_volume(cfg_, layout_, compressed);
     const double loss = train_step(s);
     if (!std::isfinite(loss))
       throw Error(fmt::format("step {}: the training loss is {}; lower optimizer.lr{}", s + 1, loss,
                               cfg_.optimizer.grad_clip > 0 ? "" : " or set optimizer.grad_clip"));
-    const double norm = grad_norm_->compute(grads_);
+    // Compressed: the unreduced local gradient's norm, times dp, as an estimate (onebit_adam.h).
+    const double norm = grad_norm_->compute(grads_) * (compressed ? static_cast<double>(cfg_.parallel.dp) : 1.0);
     if (!std::isfinite(norm))
       throw Error(fmt::format("step {}: the gradient norm is {} (the loss, {:.4f}, is finite): some "
                               "activation overflowed; lower optimizer.lr, or use precision fp32",
@@ -482,8 +496,11 @@ void Trainer::run() {
       groups_.dp->stats() = dp_saved;
     }
     const double lr = learning_rate(cfg_.optimizer, tc.steps, s);
-    const float clip = clip_factor(norm, cfg_.optimizer.grad_clip);
-    optimizer_->step(master_, grads_, lr, clip, act_ == DType::F32 ? nullptr : compute_, act_);
+    const float clip = compressed ? 1.0f : clip_factor(norm, cfg_.optimizer.grad_clip);
+    if (compressed)
+      onebit_->step(master_, grads_, lr, act_ == DType::F32 ? nullptr : compute_, act_);
+    else
+      optimizer_->step(master_, grads_, lr, clip, act_ == DType::F32 ? nullptr : compute_, act_);
     if (shard_optimizer) {
       // The optimizer zeroed the shards it consumed; the rest of the buffer holds this rank's
       // unreduced gradients. Then every rank gets the updated weights of every shard.

@@ -21,6 +21,7 @@
 #include "trainer/model/param_layout.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/optim/grad_buffer.h"
+#include "trainer/optim/onebit_adam.h"
 #include "trainer/train/metrics.h"
 
 namespace tetra {
@@ -106,6 +107,7 @@ class Trainer {
   std::unique_ptr<GradBuffer> grad_buffer_;
   std::unique_ptr<GradNorm> grad_norm_;
   std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<OnebitAdam> onebit_;  // parallel.grad_compression onebit
   GroupDoneHook group_done_;
   StepVolume predicted_;
   std::shared_ptr<SampleSource> train_source_, valid_source_;

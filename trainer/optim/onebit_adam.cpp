@@ -1,0 +1,157 @@
+#include "trainer/optim/onebit_adam.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "trainer/core/check.h"
+#include "trainer/dist/communicator.h"
+
+namespace tetra {
+
+namespace {
+
+// The padding of `layout` (elements of the buffer that belong to no parameter), as ranges of the
+// compact buffer that holds `ranges` back to back.
+std::vector<GradRange> padding_within(const ParamLayout& layout, const std::vector<GradRange>& ranges) {
+  std::vector<GradRange> padding;
+  int64_t at = 0;
+  auto add = [&](int64_t b, int64_t e) {
+    if (b < e) padding.push_back(GradRange{b, e - b});
+  };
+  for (const ParamSpec& p : layout.params) {
+    add(at, p.offset);
+    at = std::max(at, p.offset + p.numel);
+  }
+  add(at, layout.total);
+  std::vector<GradRange> out;
+  int64_t compact = 0;
+  for (const GradRange& r : ranges) {
+    for (const GradRange& q : padding) {
+      const int64_t b = std::max(r.offset, q.offset), e = std::min(r.offset + r.numel, q.offset + q.numel);
+      if (b < e) out.push_back(GradRange{compact + b - r.offset, e - b});
+    }
+    compact += r.numel;
+  }
+  return out;
+}
+
+void zero_ranges(float* buf, const std::vector<GradRange>& ranges) {
+  for (const GradRange& r : ranges) std::fill(buf + r.offset, buf + r.offset + r.numel, 0.0f);
+}
+
+}  // namespace
+
+OnebitAdam::OnebitAdam(const Config& cfg, const ParamLayout& layout, Backend& be, GradBuffer& grads, AdamW& adam,
+                       Communicator* dp)
+    : cfg_(cfg),
+      be_(be),
+      adam_(adam),
+      dp_(dp && dp->size() > 1 ? dp : nullptr),
+      warmup_(cfg.parallel.onebit_warmup_steps),
+      total_(layout.total),
+      sharded_(grads.sharded()) {
+  if (!dp_) return;
+  TETRA_CHECK(be_.host_memory(), "1-bit compression runs on host memory; backend {} is not", be_.name());
+  plan_ = plan_chunks(layout, cfg.parallel.bucket_size, dp_->size());
+  mine_ = plan_.owned(dp_->rank());
+  for (const GradRange& r : mine_) mine_numel_ += r.numel;
+  if (sharded_) {
+    TETRA_CHECK(grads.owned().size() == mine_.size(), "the optimizer owns {} ranges, the 1-bit plan {}",
+                grads.owned().size(), mine_.size());
+    for (size_t i = 0; i < mine_.size(); ++i)
+      TETRA_CHECK(grads.owned()[i].offset == mine_[i].offset && grads.owned()[i].numel == mine_[i].numel,
+                  "the optimizer's shard {} [{}, +{}) is not the 1-bit plan's [{}, +{})", i, grads.owned()[i].offset,
+                  grads.owned()[i].numel, mine_[i].offset, mine_[i].numel);
+  } else {
+    // The optimizer's compact momentum must be the whole buffer in order: x is formed from it.
+    int64_t at = 0;
+    for (const GradRange& r : grads.owned()) {
+      TETRA_CHECK(r.offset == at, "the optimizer's ranges are not the whole buffer in order (range at {}, expected {})",
+                  r.offset, at);
+      at += r.numel;
+    }
+    TETRA_CHECK(at == total_ && adam_.state_numel() == total_, "the optimizer holds {} of {} elements", at, total_);
+  }
+  padding_full_ = padding_within(layout, {GradRange{0, total_}});
+  padding_mine_ = padding_within(layout, mine_);
+  const size_t words = static_cast<size_t>(plan_.dp * plan_.words);
+  worker_error_ = static_cast<float*>(be_.alloc(static_cast<size_t>(total_) * 4));
+  be_.memset_zero(worker_error_, static_cast<size_t>(total_) * 4);
+  if (!sharded_) {
+    server_error_ = static_cast<float*>(be_.alloc(static_cast<size_t>(mine_numel_) * 4));
+    be_.memset_zero(server_error_, static_cast<size_t>(mine_numel_) * 4);
+  }
+  avg_ = static_cast<float*>(be_.alloc(static_cast<size_t>(mine_numel_) * 4));
+  send_ = static_cast<uint16_t*>(be_.alloc(words * 2));
+  recv_ = static_cast<uint16_t*>(be_.alloc(words * 2));
+}
+
+OnebitAdam::~OnebitAdam() {
+  for (void* p : {static_cast<void*>(worker_error_), static_cast<void*>(server_error_), static_cast<void*>(avg_),
+                  static_cast<void*>(send_), static_cast<void*>(recv_)})
+    if (p) be_.free(p);
+}
+
+void OnebitAdam::step(float* master, float* grads, double lr, void* compute, DType compute_type) {
+  TETRA_CHECK(dp_, "OnebitAdam::step without a data-parallel group");
+  const int64_t p = dp_->size();
+  // x_i: the momentum estimate (plain) or dp times the local gradient (sharded), padding zero.
+  if (sharded_) {
+    const float s = static_cast<float>(p);
+    for (int64_t k = 0; k < total_; ++k) grads[k] *= s;
+  } else {
+    const float b1 = static_cast<float>(cfg_.optimizer.beta1);
+    const float c = (1.0f - b1) * static_cast<float>(p);
+    const float* m = adam_.exp_avg();
+    for (int64_t k = 0; k < total_; ++k) grads[k] = b1 * m[k] + c * grads[k];
+  }
+  zero_ranges(grads, padding_full_);
+
+  // Worker stage: compressed shards to their owners (a compressed reduce-scatter).
+  onebit_worker_compress(plan_, grads, worker_error_, send_);
+  zero_ranges(worker_error_, padding_full_);
+  std::vector<int64_t> counts(static_cast<size_t>(p), plan_.words), offsets(static_cast<size_t>(p));
+  for (int64_t r = 0; r < p; ++r) offsets[static_cast<size_t>(r)] = r * plan_.words;
+  dp_->all_to_all_v(send_, counts, offsets, recv_, counts, offsets, DType::BF16);
+  onebit_server_average(plan_, recv_, avg_);
+  zero_ranges(avg_, padding_mine_);
+
+  if (sharded_) {
+    // The owner's gradient estimate, into its shards of the buffer; m and p updated there.
+    int64_t at = 0;
+    for (const GradRange& r : mine_) {
+      std::copy(avg_ + at, avg_ + at + r.numel, grads + r.offset);
+      at += r.numel;
+    }
+    adam_.step_frozen_variance(master, grads, lr, warmup_, /*momentum_given=*/false, compute, compute_type);
+    return;
+  }
+  // Server stage: the averaged momentum, compressed again with the server error, to every rank.
+  onebit_server_compress(plan_, avg_, server_error_, send_);
+  zero_ranges(server_error_, padding_mine_);
+  dp_->all_gather(recv_, send_, plan_.words, DType::BF16);
+  onebit_gather_decompress(plan_, recv_, grads);
+  zero_ranges(grads, padding_full_);
+  adam_.step_frozen_variance(master, grads, lr, warmup_, /*momentum_given=*/true, compute, compute_type);
+}
+
+std::vector<CheckpointExtra> OnebitAdam::checkpoint_state() {
+  std::vector<CheckpointExtra> out;
+  if (!dp_) return out;
+  CheckpointExtra w;
+  w.kind = fmt::format("optim/onebit_worker_error/dp{}of{}{}", dp_->rank(), dp_->size(), sharded_ ? "_sharded" : "");
+  w.data = worker_error_;
+  w.ranges = {GradRange{0, total_}};
+  out.push_back(std::move(w));
+  if (server_error_) {
+    CheckpointExtra s;
+    s.kind = "optim/onebit_server_error";
+    s.data = server_error_;
+    s.ranges = mine_;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+}  // namespace tetra
