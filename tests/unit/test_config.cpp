@@ -103,6 +103,8 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.parallel.sequence_parallel == b.parallel.sequence_parallel);
   CHECK(a.parallel.distributed_optimizer == b.parallel.distributed_optimizer);
   CHECK(a.parallel.bucket_size == b.parallel.bucket_size);
+  CHECK(a.parallel.grad_compression == b.parallel.grad_compression);
+  CHECK(a.parallel.onebit_warmup_steps == b.parallel.onebit_warmup_steps);
   CHECK(a.training.device == b.training.device);
   CHECK(a.training.precision == b.training.precision);
   CHECK(a.training.micro_batch_size == b.training.micro_batch_size);
@@ -159,7 +161,8 @@ json every_key() {
               "norm_eps": 1e-6, "activation": "swiglu", "position": "rope",
               "rope_theta": 500000.0, "tie_embeddings": false, "bias": false, "init_std": 0.01},
     "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "order": "tp-pp-dp",
-                 "sequence_parallel": true, "distributed_optimizer": true, "bucket_size": 1000},
+                 "sequence_parallel": true, "distributed_optimizer": true, "bucket_size": 1000,
+                 "grad_compression": "onebit", "onebit_warmup_steps": 7},
     "training": {"device": "cpu", "precision": "bf16", "micro_batch_size": 2,
                  "global_batch_size": 8, "steps": 500, "seed": 18446744073709551615,
                  "eval_every": 50, "eval_steps": 5, "log_every": 10, "threads": 2,
@@ -343,6 +346,7 @@ TEST_CASE("config: single-value ranges", "[config]") {
       {"parallel.pp", 4,
        "pipeline parallelism is not available yet in this build; set parallel.pp to 1"},
       {"parallel.bucket_size", 0, "must be >= 1"},
+      {"parallel.onebit_warmup_steps", 0, "must be >= 1"},
       {"training.device", "cuda", "the CUDA backend is not built yet"},
       {"training.micro_batch_size", 0, "must be >= 1"},
       {"training.global_batch_size", -4, "must be >= 0"},
@@ -429,6 +433,7 @@ TEST_CASE("config: parallel layout rules", "[config]") {
   require_one(with(with(base(), "parallel.dp", 4), "parallel.ep", 2), "parallel.ep: 2: ",
               "needs a Mixture-of-Experts model");
   require_one(with(base(), "parallel.order", "tp-ep-dp"), "parallel.order: ", "tp-dp-pp");
+  require_one(with(base(), "parallel.grad_compression", "int4"), "parallel.grad_compression: ", "onebit");
   CHECK(problems_of(with(with(base(), "parallel.dp", 2), "parallel.order", "dp-tp-pp")).empty());
 }
 

@@ -11,19 +11,30 @@ namespace tetra {
 
 namespace {
 
-// The padding of `layout` (elements of the buffer that belong to no parameter), as ranges of the
-// compact buffer that holds `ranges` back to back.
-std::vector<GradRange> padding_within(const ParamLayout& layout, const std::vector<GradRange>& ranges) {
-  std::vector<GradRange> padding;
+// The elements of `layout` that are not compressed: its padding (no parameter) and, when
+// `tp_replicated`, the parameters replicated over the TP group (sorted buffer ranges).
+std::vector<GradRange> excluded_ranges(const ParamLayout& layout, bool tp_replicated) {
+  std::vector<GradRange> out;
   int64_t at = 0;
   auto add = [&](int64_t b, int64_t e) {
-    if (b < e) padding.push_back(GradRange{b, e - b});
+    if (b >= e) return;
+    if (!out.empty() && out.back().offset + out.back().numel == b)
+      out.back().numel += e - b;
+    else
+      out.push_back(GradRange{b, e - b});
   };
   for (const ParamSpec& p : layout.params) {
     add(at, p.offset);
+    if (tp_replicated && !p.tp_split) add(p.offset, p.offset + p.numel);
     at = std::max(at, p.offset + p.numel);
   }
   add(at, layout.total);
+  return out;
+}
+
+// `excluded` (buffer ranges) as ranges of the compact buffer that holds `ranges` back to back.
+std::vector<GradRange> compact_within(const std::vector<GradRange>& excluded, const std::vector<GradRange>& ranges) {
+  const std::vector<GradRange>& padding = excluded;
   std::vector<GradRange> out;
   int64_t compact = 0;
   for (const GradRange& r : ranges) {
@@ -73,8 +84,16 @@ OnebitAdam::OnebitAdam(const Config& cfg, const ParamLayout& layout, Backend& be
     }
     TETRA_CHECK(at == total_ && adam_.state_numel() == total_, "the optimizer holds {} of {} elements", at, total_);
   }
-  padding_full_ = padding_within(layout, {GradRange{0, total_}});
-  padding_mine_ = padding_within(layout, mine_);
+  // Parameters replicated over TP are laid out differently on each TP rank (other offsets, other
+  // shard cuts), so their compression blocks would mix other elements and their replicas drift
+  // apart: they are averaged exactly instead (a small fp32 all-reduce: norm weights and biases).
+  const bool tp_replicated = cfg.parallel.tp > 1;
+  for (const ParamSpec& p : layout.params)
+    if (tp_replicated && !p.tp_split) replicated_.push_back(GradRange{p.offset, p.numel});
+  for (const GradRange& r : replicated_) replicated_numel_ += r.numel;
+  excluded_full_ = excluded_ranges(layout, tp_replicated);
+  excluded_mine_ = compact_within(excluded_full_, mine_);
+  if (replicated_numel_ > 0) replicated_sum_ = static_cast<float*>(be_.alloc(static_cast<size_t>(replicated_numel_) * 4));
   const size_t words = static_cast<size_t>(plan_.dp * plan_.words);
   worker_error_ = static_cast<float*>(be_.alloc(static_cast<size_t>(total_) * 4));
   be_.memset_zero(worker_error_, static_cast<size_t>(total_) * 4);
@@ -89,7 +108,7 @@ OnebitAdam::OnebitAdam(const Config& cfg, const ParamLayout& layout, Backend& be
 
 OnebitAdam::~OnebitAdam() {
   for (void* p : {static_cast<void*>(worker_error_), static_cast<void*>(server_error_), static_cast<void*>(avg_),
-                  static_cast<void*>(send_), static_cast<void*>(recv_)})
+                  static_cast<void*>(send_), static_cast<void*>(recv_), static_cast<void*>(replicated_sum_)})
     if (p) be_.free(p);
 }
 
@@ -106,33 +125,48 @@ void OnebitAdam::step(float* master, float* grads, double lr, void* compute, DTy
     const float* m = adam_.exp_avg();
     for (int64_t k = 0; k < total_; ++k) grads[k] = b1 * m[k] + c * grads[k];
   }
-  zero_ranges(grads, padding_full_);
+  // TP-replicated parameters: the exact mean of x_i, all-reduced in fp32.
+  int64_t at = 0;
+  for (const GradRange& r : replicated_) {
+    std::copy(grads + r.offset, grads + r.offset + r.numel, replicated_sum_ + at);
+    at += r.numel;
+  }
+  if (replicated_numel_ > 0) dp_->all_reduce(replicated_sum_, replicated_numel_, DType::F32, ReduceOp::SUM);
+  const float inv_p = 1.0f / static_cast<float>(p);
+  auto put_replicated = [&] {
+    int64_t k = 0;
+    for (const GradRange& r : replicated_)
+      for (int64_t i = 0; i < r.numel; ++i) grads[r.offset + i] = replicated_sum_[k++] * inv_p;
+  };
+  zero_ranges(grads, excluded_full_);
 
   // Worker stage: compressed shards to their owners (a compressed reduce-scatter).
   onebit_worker_compress(plan_, grads, worker_error_, send_);
-  zero_ranges(worker_error_, padding_full_);
+  zero_ranges(worker_error_, excluded_full_);
   std::vector<int64_t> counts(static_cast<size_t>(p), plan_.words), offsets(static_cast<size_t>(p));
   for (int64_t r = 0; r < p; ++r) offsets[static_cast<size_t>(r)] = r * plan_.words;
   dp_->all_to_all_v(send_, counts, offsets, recv_, counts, offsets, DType::BF16);
   onebit_server_average(plan_, recv_, avg_);
-  zero_ranges(avg_, padding_mine_);
+  zero_ranges(avg_, excluded_mine_);
 
   if (sharded_) {
     // The owner's gradient estimate, into its shards of the buffer; m and p updated there.
-    int64_t at = 0;
+    at = 0;
     for (const GradRange& r : mine_) {
       std::copy(avg_ + at, avg_ + at + r.numel, grads + r.offset);
       at += r.numel;
     }
+    put_replicated();
     adam_.step_frozen_variance(master, grads, lr, warmup_, /*momentum_given=*/false, compute, compute_type);
     return;
   }
   // Server stage: the averaged momentum, compressed again with the server error, to every rank.
   onebit_server_compress(plan_, avg_, server_error_, send_);
-  zero_ranges(server_error_, padding_mine_);
+  zero_ranges(server_error_, excluded_mine_);
   dp_->all_gather(recv_, send_, plan_.words, DType::BF16);
   onebit_gather_decompress(plan_, recv_, grads);
-  zero_ranges(grads, padding_full_);
+  zero_ranges(grads, excluded_full_);
+  put_replicated();
   adam_.step_frozen_variance(master, grads, lr, warmup_, /*momentum_given=*/true, compute, compute_type);
 }
 

@@ -27,6 +27,12 @@
 // to 2 (dp-1)/dp * (1/8 + 4/kSignBlock) (plain), or the reduce-scatter's (dp-1)/dp * 4 to
 // (dp-1)/dp * (1/8 + 4/kSignBlock) (distributed optimizer; the weight all-gather is unchanged).
 //
+// With tp > 1, the parameters replicated over the TP group (norms, biases) are not compressed:
+// each TP rank lays them out at other offsets and cuts its shards elsewhere, so their compression
+// blocks would differ between TP ranks and the replicas drift apart. Their x_i is averaged exactly
+// by one fp32 all-reduce per step (a few thousand elements), and they stay zero in the errors,
+// like the layout's padding.
+//
 // Gradient clipping is not applied in the compressed phase (the reduced gradient's norm is never
 // formed: that is the point); the logged grad_norm is then an estimate, dp times the norm of the
 // rank's local gradient (with the distributed optimizer: of the local shards, summed over DP).
@@ -85,8 +91,11 @@ class OnebitAdam {
   ChunkPlan plan_;
   std::vector<GradRange> mine_;    // this rank's shards (plan_.owned(rank))
   int64_t mine_numel_ = 0;
-  std::vector<GradRange> padding_full_;  // the layout's padding: kept at zero in every buffer
-  std::vector<GradRange> padding_mine_;  // the same within mine_ back to back
+  std::vector<GradRange> excluded_full_;  // padding and TP-replicated parameters: not compressed,
+  std::vector<GradRange> excluded_mine_;  // kept at zero in the errors (the same within mine_)
+  std::vector<GradRange> replicated_;     // TP-replicated parameters (tp > 1), averaged exactly
+  int64_t replicated_numel_ = 0;
+  float* replicated_sum_ = nullptr;       // (replicated_numel_)
   float* worker_error_ = nullptr;  // (total)
   float* server_error_ = nullptr;  // (mine_numel), plain only
   float* avg_ = nullptr;           // (mine_numel)

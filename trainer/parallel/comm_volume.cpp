@@ -63,6 +63,10 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
       const int64_t message_bytes = par.dp * plan_chunks(layout, par.bucket_size, par.dp).words * 2;
       v.dp.add(CommOp::ALL_TO_ALL, 1, message_bytes);
       if (!par.distributed_optimizer) v.dp.add(CommOp::ALL_GATHER, 1, message_bytes);
+      int64_t replicated = 0;  // TP-replicated parameters: averaged exactly (onebit_adam.h)
+      for (const ParamSpec& p : layout.params)
+        if (par.tp > 1 && !p.tp_split) replicated += p.numel;
+      if (replicated > 0) v.dp.add(CommOp::ALL_REDUCE, 1, replicated * 4);
     } else {
       v.dp.add(reduce, buckets, 0);
       v.dp.payload_bytes[static_cast<int>(reduce)] += grad_bytes;

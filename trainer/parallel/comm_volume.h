@@ -22,7 +22,8 @@
 // Gradient compression (parallel.grad_compression): bf16 halves the bucket reductions' payload;
 // onebit's compressed steps (after its warm-up) replace them by one all-to-all of every rank's
 // 1-bit shards (compression.h's ChunkPlan: dp messages of `words` 2-byte words) and, without the
-// distributed optimizer, one all-gather of the same size (onebit_adam.h).
+// distributed optimizer, one all-gather of the same size, plus with tp > 1 one fp32 all-reduce
+// of the TP-replicated parameters (onebit_adam.h).
 #pragma once
 
 #include <array>
