@@ -1,17 +1,18 @@
 """Gradient compression (parallel.grad_compression): training, volume, accounting and resume.
 
   - Training: dp2 and dp4, with and without the distributed optimizer, and tp2 x dp2, each with
-    none, bf16 and onebit (onebit_warmup_steps 4 of 12 steps): every run trains (the loss falls),
+    none, bf16 and onebit (onebit_warmup_steps 6 of 12 steps): every run trains (the loss falls),
     and its losses stay close to the uncompressed run of the same layout:
       bf16: every step within 5e-3 relative. The gradients are rounded to bf16 (8 mantissa bits,
         2^-9 relative) once before and once per combining step of the reduction; Adam's update
         passes such relative errors through about 1:1, and over these 12 steps the measured
-        difference is <= 1e-3. The losses must also differ from none's somewhere (the rounding is
+        difference is <= 3e-3 (dp4; <= 1e-3 at dp2). The losses must also differ from none's somewhere (the rounding is
         really applied).
       onebit: the warm-up steps are exact Adam, so bitwise identical to none; afterwards every step
         within 5% and the last within 3%. The compressed phase updates along the sign-quantised
         momentum, which differs from exact Adam's every step; error feedback keeps that difference
-        from accumulating (measured <= 2.5% on these runs). A broken exchange (no averaging, no
+        from accumulating (measured <= 2.4% per step and
+        <= 1.1% at the last step on these runs). A broken exchange (no averaging, no
         error feedback, ranks out of step) drives the loss far off or up.
   - Accounting: every step's measured DP (and TP) calls and payload equal the prediction
     (metrics.jsonl "match"), in every run.
@@ -20,8 +21,8 @@
     optimizer the updated weights are still all-gathered uncompressed, so the check is on the
     gradient leg: the reduce-scatter payload halves with bf16, and onebit's all-to-all carries
     <= 10% of it (and the total falls by >= 45% for onebit in fp32).
-  - Resume in the compressed phase: 12 steps straight vs 8 steps (warm-up 4), checkpoint, resume:
-    steps 9..12 bitwise identical, for dp2, dp2 with the distributed optimizer (bf16 precision),
+  - Resume in the compressed phase: 12 steps straight vs 9 steps (warm-up 6), checkpoint, resume:
+    steps 10..12 bitwise identical, for dp2, dp2 with the distributed optimizer (bf16 precision),
     and tp2 x dp2 with sequence parallelism; the checkpoint holds the error-feedback tensors.
   - Resume at another dp: a dp2 onebit checkpoint resumes under dp4: the worker errors start from
     zero with a warning, the server error is resharded, and the run continues within the onebit
@@ -36,7 +37,7 @@ import shutil
 import subprocess
 import sys
 
-STEPS, WARMUP, STOP = 12, 4, 8
+STEPS, WARMUP, STOP = 12, 6, 9
 BF16_RTOL = 5e-3
 ONEBIT_STEP_RTOL, ONEBIT_LAST_RTOL = 0.05, 0.03
 
@@ -59,7 +60,7 @@ LAYOUTS = {"dp2": (2, 1, False, False, "fp32"), "dp2_distopt": (2, 1, False, Tru
            "tp2dp2": (2, 2, True, False, "fp32")}
 
 
-def config(workdir, name, layout, mode, ckpt_dir="", exit_at=0):
+def config(workdir, name, layout, mode, ckpt_dir="", exit_at=0, resume="auto"):
     dp, tp, sp, dist_opt, precision = layout
     out = os.path.join(workdir, name)
     os.makedirs(out, exist_ok=True)
@@ -71,7 +72,7 @@ def config(workdir, name, layout, mode, ckpt_dir="", exit_at=0):
                      "peak_gflops": 100, "seed": 11, "precision": precision, "exit_interval": exit_at},
         "optimizer": {"lr": 1e-2, "warmup_steps": 2},
         "data": {"synthetic": True},
-        "checkpoint": {"dir": ckpt_dir, "keep": 2, "resume": "auto", "save_on_exit": True},
+        "checkpoint": {"dir": ckpt_dir, "keep": 2, "resume": resume, "save_on_exit": True},
         "logging": {"dir": out, "level": "info"},
     }
     path = os.path.join(out, "config.json")
@@ -208,7 +209,8 @@ def main():
     # Resume at another dp.
     ref = results.get(("dp2", "onebit"))
     if ref:
-        p3, o3 = config(w, "reshard_dp4", LAYOUTS["dp4"], "onebit", os.path.join(w, "ck_dp2"))
+        saved = os.path.join(w, "ck_dp2", f"step_{STOP:08d}")
+        p3, o3 = config(w, "reshard_dp4", LAYOUTS["dp4"], "onebit", os.path.join(w, "ck_reshard"), resume=saved)
         r3 = run(args, p3, LAYOUTS["dp4"])
         s = steps_of(o3) if r3.returncode == 0 else {}
         check(sorted(s) == list(range(STOP + 1, STEPS + 1)), f"dp2 -> dp4: resumes at step {STOP + 1}")

@@ -89,7 +89,7 @@ TEST_CASE("compression: chunk plan shards every bucket over the ranks", "[compre
 // We assert ||applied - exact|| <= 2 max_t ||x_t|| after T = 400 steps. Without error feedback the
 // bias adds up linearly (~0.46 T per large entry): the same check must fail, by far.
 TEST_CASE("compression: error feedback keeps the applied sum near the exact sum", "[compression]") {
-  const int64_t n = 2 * kSignBlock, T = 400;
+  const int64_t n = 4096, T = 400;
   for (const bool feedback : {true, false}) {
     std::mt19937 rng(42);
     std::vector<double> exact(n, 0.0), applied(n, 0.0);

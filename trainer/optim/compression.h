@@ -32,7 +32,7 @@
 
 namespace tetra {
 
-constexpr int64_t kSignBlock = 2048;  // elements per fp32 scale: 256 bytes of signs + 4 bytes
+constexpr int64_t kSignBlock = 256;  // elements per fp32 scale: 32 bytes of signs + 4 bytes
 
 // 16-bit words that n elements (n % 16 == 0) compress to.
 int64_t sign_packed_words(int64_t n);
