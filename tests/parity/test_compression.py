@@ -23,7 +23,8 @@
     <= 10% of it (and the total falls by >= 45% for onebit in fp32).
   - Resume in the compressed phase: 12 steps straight vs 9 steps (warm-up 6), checkpoint, resume:
     steps 10..12 bitwise identical, for dp2, dp2 with the distributed optimizer (bf16 precision),
-    and tp2 x dp2 with sequence parallelism; the checkpoint holds the error-feedback tensors.
+    and tp2 x dp2 with sequence parallelism; the checkpoint holds the error-feedback tensors, and
+    tetra_ckpt inspect verifies it (every tensor covered exactly once).
   - Resume at another dp: a dp2 onebit checkpoint resumes under dp4: the worker errors start from
     zero with a warning, the server error is resharded, and the run continues within the onebit
     tolerance of the uninterrupted dp2 run.
@@ -199,6 +200,12 @@ def main():
         server = [k for k in keys if k.startswith("optim/onebit_server_error/")]
         check(worker and (lay[3] or server), f"{lname}: the checkpoint holds the error-feedback state "
                                              f"({len(worker)} worker, {len(server)} server tensors)")
+        ckpt_tool = os.path.join(os.path.dirname(args.tetra), "tetra_ckpt")
+        if os.path.exists(ckpt_tool):
+            r = subprocess.run([ckpt_tool, "inspect", os.path.dirname(manifest)], capture_output=True, text=True)
+            check(r.returncode == 0 and "every tensor covered exactly once" in r.stdout,
+                  f"{lname}: tetra_ckpt inspect verifies it, error-feedback tensors included" +
+                  ("" if r.returncode == 0 else ": " + r.stderr[-500:]))
         p2, o2 = config(w, f"resume_{lname}_b", lay, "onebit", ck)
         r2 = run(args, p2, lay)
         resumed = steps_of(o2) if r2.returncode == 0 else {}
