@@ -12,7 +12,8 @@
 #        smaller model on a small machine: --set model.num_layers=2)
 # Environment: TETRA_BIN (skip the build), TETRA_BUILD_DIR (default build-release), BENCH_DP (4),
 # BENCH_STEPS (300), BENCH_WARMUP (onebit_warmup_steps, default a fifth of the steps),
-# BENCH_MODES ("none bf16 onebit"), BENCH_OUT (keep the runs there; default a temporary directory).
+# BENCH_MODES ("none bf16 onebit"), BENCH_OUT (keep the runs there; default a temporary directory),
+# BENCH_REUSE=1 (with BENCH_OUT: keep a mode's finished run of BENCH_STEPS steps instead of rerunning it).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -42,6 +43,11 @@ echo "bench_compression: dp $DP, $STEPS steps, onebit warm-up $WARMUP, $THREADS 
      "extra settings: ${*:-none}"
 for mode in $MODES; do
   dir="$WORK/$mode"
+  if [[ "${BENCH_REUSE:-0}" == 1 && -f "$dir/metrics.jsonl" ]] &&
+     [[ $(grep -c '"step"' "$dir/metrics.jsonl") == "$STEPS" ]]; then
+    echo "  $mode: reused ($dir)"
+    continue
+  fi
   rm -rf "$dir"
   mkdir -p "$dir"
   # The demo's global batch (16 sequences) over dp ranks; no sampling, one evaluation at the end.

@@ -1,6 +1,7 @@
 #include "trainer/optim/onebit_adam.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <fmt/format.h>
 
@@ -11,11 +12,10 @@ namespace tetra {
 
 namespace {
 
-// The elements of `layout` that are not compressed: its padding (no parameter) and, when
-// `tp_replicated`, the parameters replicated over the TP group (sorted buffer ranges).
-std::vector<GradRange> excluded_ranges(const ParamLayout& layout, bool tp_replicated) {
+// The elements of `layout` that are not compressed: its padding (no parameter) and the `exact`
+// ranges (sorted buffer ranges).
+std::vector<GradRange> excluded_ranges(const ParamLayout& layout, const std::vector<GradRange>& exact) {
   std::vector<GradRange> out;
-  int64_t at = 0;
   auto add = [&](int64_t b, int64_t e) {
     if (b >= e) return;
     if (!out.empty() && out.back().offset + out.back().numel == b)
@@ -23,9 +23,11 @@ std::vector<GradRange> excluded_ranges(const ParamLayout& layout, bool tp_replic
     else
       out.push_back(GradRange{b, e - b});
   };
+  int64_t at = 0;
+  size_t x = 0;
   for (const ParamSpec& p : layout.params) {
     add(at, p.offset);
-    if (tp_replicated && !p.tp_split) add(p.offset, p.offset + p.numel);
+    if (x < exact.size() && exact[x].offset == p.offset) add(p.offset, p.offset + exact[x++].numel);
     at = std::max(at, p.offset + p.numel);
   }
   add(at, layout.total);
@@ -53,10 +55,20 @@ void zero_ranges(float* buf, const std::vector<GradRange>& ranges) {
 
 }  // namespace
 
+std::vector<GradRange> onebit_exact_ranges(const Config& cfg, const ParamLayout& layout) {
+  const bool tied_across_stages = cfg.model.tie_embeddings && cfg.parallel.pp > 1;
+  std::vector<GradRange> out;
+  for (const ParamSpec& p : layout.params)
+    if ((cfg.parallel.tp > 1 && !p.tp_split) || (tied_across_stages && p.name == "embedding.wte"))
+      out.push_back(GradRange{p.offset, p.numel});
+  return out;
+}
+
 OnebitAdam::OnebitAdam(const Config& cfg, const ParamLayout& layout, Backend& be, GradBuffer& grads, AdamW& adam,
                        Communicator* dp)
     : cfg_(cfg),
       be_(be),
+      grad_buffer_(grads),
       adam_(adam),
       dp_(dp && dp->size() > 1 ? dp : nullptr),
       warmup_(cfg.parallel.onebit_warmup_steps),
@@ -84,14 +96,10 @@ OnebitAdam::OnebitAdam(const Config& cfg, const ParamLayout& layout, Backend& be
     }
     TETRA_CHECK(at == total_ && adam_.state_numel() == total_, "the optimizer holds {} of {} elements", at, total_);
   }
-  // Parameters replicated over TP are laid out differently on each TP rank (other offsets, other
-  // shard cuts), so their compression blocks would mix other elements and their replicas drift
-  // apart: they are averaged exactly instead (a small fp32 all-reduce: norm weights and biases).
-  const bool tp_replicated = cfg.parallel.tp > 1;
-  for (const ParamSpec& p : layout.params)
-    if (tp_replicated && !p.tp_split) replicated_.push_back(GradRange{p.offset, p.numel});
+  // Replicated parameters (TP replicas, a tied embedding across stages): averaged exactly.
+  replicated_ = onebit_exact_ranges(cfg, layout);
   for (const GradRange& r : replicated_) replicated_numel_ += r.numel;
-  excluded_full_ = excluded_ranges(layout, tp_replicated);
+  excluded_full_ = excluded_ranges(layout, replicated_);
   excluded_mine_ = compact_within(excluded_full_, mine_);
   if (replicated_numel_ > 0) replicated_sum_ = static_cast<float*>(be_.alloc(static_cast<size_t>(replicated_numel_) * 4));
   const size_t words = static_cast<size_t>(plan_.dp * plan_.words);
@@ -102,19 +110,35 @@ OnebitAdam::OnebitAdam(const Config& cfg, const ParamLayout& layout, Backend& be
     be_.memset_zero(server_error_, static_cast<size_t>(mine_numel_) * 4);
   }
   avg_ = static_cast<float*>(be_.alloc(static_cast<size_t>(mine_numel_) * 4));
+  if (sharded_) v_full_ = static_cast<float*>(be_.alloc(static_cast<size_t>(total_) * 4));
   send_ = static_cast<uint16_t*>(be_.alloc(words * 2));
   recv_ = static_cast<uint16_t*>(be_.alloc(words * 2));
 }
 
 OnebitAdam::~OnebitAdam() {
   for (void* p : {static_cast<void*>(worker_error_), static_cast<void*>(server_error_), static_cast<void*>(avg_),
-                  static_cast<void*>(send_), static_cast<void*>(recv_), static_cast<void*>(replicated_sum_)})
+                  static_cast<void*>(send_), static_cast<void*>(recv_), static_cast<void*>(replicated_sum_),
+                  static_cast<void*>(v_full_)})
     if (p) be_.free(p);
 }
 
 void OnebitAdam::step(float* master, float* grads, double lr, void* compute, DType compute_type) {
   TETRA_CHECK(dp_, "OnebitAdam::step without a data-parallel group");
   const int64_t p = dp_->size();
+  if (sharded_ && !v_full_ready_) {  // every rank needs every coordinate's denominator
+    int64_t at = 0;
+    for (const GradRange& r : mine_) {
+      std::copy(adam_.exp_avg_sq() + at, adam_.exp_avg_sq() + at + r.numel, v_full_ + r.offset);
+      at += r.numel;
+    }
+    grad_buffer_.gather_params(v_full_, DType::F32);
+    v_full_ready_ = true;
+  }
+  // Adam's frozen denominator d = sqrt(v / (1 - beta2^W)) + eps, as math::adamw_update forms it.
+  const float bc2 = static_cast<float>(1.0 - std::pow(cfg_.optimizer.beta2, static_cast<double>(warmup_)));
+  const float eps = static_cast<float>(cfg_.optimizer.eps);
+  const float* v = sharded_ ? v_full_ : adam_.exp_avg_sq();
+  auto denom = [&](int64_t k) { return std::sqrt(v[k] / bc2) + eps; };
   // x_i: the momentum estimate (plain) or dp times the local gradient (sharded), padding zero.
   if (sharded_) {
     const float s = static_cast<float>(p);
@@ -125,7 +149,7 @@ void OnebitAdam::step(float* master, float* grads, double lr, void* compute, DTy
     const float* m = adam_.exp_avg();
     for (int64_t k = 0; k < total_; ++k) grads[k] = b1 * m[k] + c * grads[k];
   }
-  // TP-replicated parameters: the exact mean of x_i, all-reduced in fp32.
+  // Replicated parameters: the exact mean of x_i, all-reduced in fp32.
   int64_t at = 0;
   for (const GradRange& r : replicated_) {
     std::copy(grads + r.offset, grads + r.offset + r.numel, replicated_sum_ + at);
@@ -138,6 +162,7 @@ void OnebitAdam::step(float* master, float* grads, double lr, void* compute, DTy
     for (const GradRange& r : replicated_)
       for (int64_t i = 0; i < r.numel; ++i) grads[r.offset + i] = replicated_sum_[k++] * inv_p;
   };
+  for (int64_t k = 0; k < total_; ++k) grads[k] /= denom(k);  // y_i = x_i / d
   zero_ranges(grads, excluded_full_);
 
   // Worker stage: compressed shards to their owners (a compressed reduce-scatter).
@@ -152,8 +177,8 @@ void OnebitAdam::step(float* master, float* grads, double lr, void* compute, DTy
   if (sharded_) {
     // The owner's gradient estimate, into its shards of the buffer; m and p updated there.
     at = 0;
-    for (const GradRange& r : mine_) {
-      std::copy(avg_ + at, avg_ + at + r.numel, grads + r.offset);
+    for (const GradRange& r : mine_) {  // back from y units: the gradient estimate
+      for (int64_t i = 0; i < r.numel; ++i) grads[r.offset + i] = avg_[at + i] * denom(r.offset + i);
       at += r.numel;
     }
     put_replicated();
@@ -165,6 +190,7 @@ void OnebitAdam::step(float* master, float* grads, double lr, void* compute, DTy
   zero_ranges(server_error_, excluded_mine_);
   dp_->all_gather(recv_, send_, plan_.words, DType::BF16);
   onebit_gather_decompress(plan_, recv_, grads);
+  for (int64_t k = 0; k < total_; ++k) grads[k] *= denom(k);  // m = d * decompressed y
   zero_ranges(grads, excluded_full_);
   put_replicated();
   adam_.step_frozen_variance(master, grads, lr, warmup_, /*momentum_given=*/true, compute, compute_type);

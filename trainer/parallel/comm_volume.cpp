@@ -4,6 +4,7 @@
 
 #include "trainer/optim/compression.h"
 #include "trainer/optim/grad_buffer.h"
+#include "trainer/optim/onebit_adam.h"
 
 namespace tetra {
 
@@ -29,7 +30,8 @@ std::string GroupVolume::describe() const {
   return out.empty() ? "none" : out;
 }
 
-StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, bool onebit_compressed) {
+StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, bool onebit_compressed,
+                               bool onebit_gather_variance) {
   StepVolume v;
   const ParallelConfig& par = cfg.parallel;
   const int64_t act_bytes = cfg.training.precision == "bf16" ? 2 : 4;
@@ -63,10 +65,13 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
       const int64_t message_bytes = par.dp * plan_chunks(layout, par.bucket_size, par.dp).words * 2;
       v.dp.add(CommOp::ALL_TO_ALL, 1, message_bytes);
       if (!par.distributed_optimizer) v.dp.add(CommOp::ALL_GATHER, 1, message_bytes);
-      int64_t replicated = 0;  // TP-replicated parameters: averaged exactly (onebit_adam.h)
-      for (const ParamSpec& p : layout.params)
-        if (par.tp > 1 && !p.tp_split) replicated += p.numel;
+      int64_t replicated = 0;  // replicated parameters: averaged exactly (onebit_adam.h)
+      for (const GradRange& r : onebit_exact_ranges(cfg, layout)) replicated += r.numel;
       if (replicated > 0) v.dp.add(CommOp::ALL_REDUCE, 1, replicated * 4);
+      if (onebit_gather_variance) {  // GradBuffer::gather_params of the fp32 variance
+        v.dp.add(CommOp::ALL_GATHER, buckets, 0);
+        v.dp.payload_bytes[static_cast<int>(CommOp::ALL_GATHER)] += layout.total * 4;
+      }
     } else {
       v.dp.add(reduce, buckets, 0);
       v.dp.payload_bytes[static_cast<int>(reduce)] += grad_bytes;

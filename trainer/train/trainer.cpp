@@ -81,6 +81,12 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout) {
   m.compute = act == DType::F32 ? 0 : n * dtype_size(act);
   m.grads = n * 4;
   m.optimizer = shard * 8;
+  // Gradient compression's buffers (grad_buffer.h, onebit_adam.h): the bf16 copy of the buffer;
+  // the worker error (n), the server error and average (n / dp each), two 1-bit messages.
+  const size_t dp = static_cast<size_t>(cfg.parallel.dp);
+  if (dp > 1 && cfg.parallel.grad_compression == "bf16") m.grads += n * 2;
+  if (dp > 1 && cfg.parallel.grad_compression == "onebit")  // + the whole frozen variance when sharded
+    m.optimizer += n * 4 + 2 * (n / dp) * 4 + n / 2 + (cfg.parallel.distributed_optimizer ? n * 4 : 0);
   m.activations = Gpt::activation_bytes_for(cfg.model, act, B, cfg.parallel.tp, cfg.parallel.sequence_parallel);
   m.batch = static_cast<size_t>(B * T) * 8 + static_cast<size_t>(cfg.grad_accum_steps() * B * T) * 4;
   if (samples_enabled(cfg))  // the sampling model's arena and its (T) ids and two logit rows
@@ -469,7 +475,7 @@ void Trainer::run() {
     const CommStats tp_before = groups_.tp->stats(), dp_before = groups_.dp->stats();
     const bool compressed = onebit_ && onebit_->compressed(s);  // 1-bit Adam past its warm-up
     grad_buffer_->set_reduce(!compressed);
-    predicted_ = predict_step_volume(cfg_, layout_, compressed);
+    predicted_ = predict_step_volume(cfg_, layout_, compressed, compressed && onebit_->gathers_variance());
     const double loss = train_step(s);
     if (!std::isfinite(loss))
       throw Error(fmt::format("step {}: the training loss is {}; lower optimizer.lr{}", s + 1, loss,
