@@ -106,7 +106,8 @@ ChunkPlan plan_chunks(const std::vector<GradRange>& buckets, int64_t dp) {
 ChunkPlan plan_chunks(const ParamLayout& layout, int64_t bucket_size, int64_t dp) {
   std::vector<GradRange> ranges;
   const std::vector<BucketPlan> buckets = plan_buckets(layout, bucket_size);
-  for (auto it = buckets.rbegin(); it != buckets.rend(); ++it) ranges.push_back(GradRange{it->begin, it->end - it->begin});
+  for (auto it = buckets.rbegin(); it != buckets.rend(); ++it)  // buffer order
+    ranges.push_back(GradRange{it->begin, it->end - it->begin});
   return plan_chunks(ranges, dp);
 }
 

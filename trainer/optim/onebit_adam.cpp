@@ -101,7 +101,8 @@ OnebitAdam::OnebitAdam(const Config& cfg, const ParamLayout& layout, Backend& be
   for (const GradRange& r : replicated_) replicated_numel_ += r.numel;
   excluded_full_ = excluded_ranges(layout, replicated_);
   excluded_mine_ = compact_within(excluded_full_, mine_);
-  if (replicated_numel_ > 0) replicated_sum_ = static_cast<float*>(be_.alloc(static_cast<size_t>(replicated_numel_) * 4));
+  if (replicated_numel_ > 0)
+    replicated_sum_ = static_cast<float*>(be_.alloc(static_cast<size_t>(replicated_numel_) * 4));
   const size_t words = static_cast<size_t>(plan_.dp * plan_.words);
   worker_error_ = static_cast<float*>(be_.alloc(static_cast<size_t>(total_) * 4));
   be_.memset_zero(worker_error_, static_cast<size_t>(total_) * 4);
