@@ -11,7 +11,7 @@
 # Usage: scripts/bench_compression.sh [--set section.key=value ...]   (passed to every run, e.g. a
 #        smaller model on a small machine: --set model.num_layers=2)
 # Environment: TETRA_BIN (skip the build), TETRA_BUILD_DIR (default build-release), BENCH_DP (4),
-# BENCH_STEPS (300), BENCH_WARMUP (onebit_warmup_steps, default a fifth of the steps),
+# BENCH_STEPS (300), BENCH_WARMUP (onebit_warmup_steps, default 30% of the steps),
 # BENCH_MODES ("none bf16 onebit"), BENCH_OUT (keep the runs there; default a temporary directory),
 # BENCH_REUSE=1 (with BENCH_OUT: keep a mode's finished run of BENCH_STEPS steps instead of rerunning it).
 set -euo pipefail
@@ -20,7 +20,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${TETRA_BUILD_DIR:-$REPO/build-release}
 DP=${BENCH_DP:-4}
 STEPS=${BENCH_STEPS:-300}
-WARMUP=${BENCH_WARMUP:-$((STEPS / 5))}
+WARMUP=${BENCH_WARMUP:-$((STEPS * 3 / 10))}
 MODES=${BENCH_MODES:-"none bf16 onebit"}
 CORES=$(nproc)
 THREADS=$((CORES / DP)); [[ $THREADS -ge 1 ]] || THREADS=1
