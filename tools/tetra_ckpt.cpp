@@ -105,7 +105,7 @@ struct Checkpoint {
   std::string path;           // the step_* directory
   json manifest;
   tetra::ModelConfig model;
-  std::vector<TensorEntry> tensors;  // kKinds in order, each over the model's parameters
+  std::vector<TensorEntry> tensors;  // kKinds in order, then 1-bit Adam kinds, each over the model's parameters
   std::string manifest_path() const { return (fs::path(path) / "manifest.json").string(); }
 };
 
@@ -142,11 +142,21 @@ Checkpoint read_index(const std::string& dir) {
     ck.model = model_of(ck.manifest, where);
     const json& tensors = ck.manifest.at("tensors");
     const tetra::ParamLayout layout = tetra::ParamLayout::build(ck.model);
+    // The fixed kinds, then any 1-bit Adam error-feedback kinds (trainer/optim/onebit_adam.h:
+    // "optim/onebit_server_error", "optim/onebit_worker_error/dp1of4", ...), each over every parameter.
+    std::vector<std::string> kinds(std::begin(kKinds), std::end(kKinds));
+    for (auto it = tensors.begin(); it != tensors.end(); ++it) {
+      const std::string& key = it.key();
+      const size_t slash = key.rfind('/');
+      if (key.rfind("optim/onebit_", 0) != 0 || slash == std::string::npos) continue;
+      const std::string kind = key.substr(0, slash);
+      if (std::find(kinds.begin(), kinds.end(), kind) == kinds.end()) kinds.push_back(kind);
+    }
     std::set<std::string> expected;
-    for (const char* kind : kKinds) {
+    for (const std::string& kind : kinds) {
       for (const tetra::ParamSpec& p : layout.params) {
         TensorEntry t;
-        t.key = std::string(kind) + "/" + p.name;
+        t.key = kind + "/" + p.name;
         expected.insert(t.key);
         if (!tensors.contains(t.key))
           throw InputError(fmt::format("{}: tensor {} of the model is missing", where, t.key));

@@ -113,6 +113,8 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.parallel.schedule == b.parallel.schedule);
   CHECK(a.parallel.virtual_stages == b.parallel.virtual_stages);
   CHECK(a.parallel.stage_layers == b.parallel.stage_layers);
+  CHECK(a.parallel.grad_compression == b.parallel.grad_compression);
+  CHECK(a.parallel.onebit_warmup_steps == b.parallel.onebit_warmup_steps);
   CHECK(a.training.device == b.training.device);
   CHECK(a.training.precision == b.training.precision);
   CHECK(a.training.micro_batch_size == b.training.micro_batch_size);
@@ -177,7 +179,8 @@ json every_key() {
                       "capacity_factor": 1.25, "aux_loss_coeff": 0.02, "z_loss_coeff": 0.001}},
     "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "order": "tp-pp-dp",
                  "sequence_parallel": true, "distributed_optimizer": true, "bucket_size": 1000,
-                 "schedule": "gpipe", "virtual_stages": 1, "stage_layers": [4]},
+                 "schedule": "gpipe", "virtual_stages": 1, "stage_layers": [4],
+                 "grad_compression": "onebit", "onebit_warmup_steps": 7},
     "training": {"device": "cpu", "precision": "bf16", "micro_batch_size": 2,
                  "global_batch_size": 8, "steps": 500, "seed": 18446744073709551615,
                  "eval_every": 50, "eval_steps": 5, "log_every": 10, "threads": 2,
@@ -399,6 +402,7 @@ TEST_CASE("config: single-value ranges", "[config]") {
       {"parallel.pp", 0, "must be >= 1"},
       {"parallel.virtual_stages", 0, "must be >= 1"},
       {"parallel.bucket_size", 0, "must be >= 1"},
+      {"parallel.onebit_warmup_steps", 0, "must be >= 1"},
       {"training.device", "cuda", "the CUDA backend is not built yet"},
       {"training.micro_batch_size", 0, "must be >= 1"},
       {"training.global_batch_size", -4, "must be >= 0"},
@@ -512,6 +516,7 @@ TEST_CASE("config: parallel layout rules", "[config]") {
   require_one(with(moe, "model.moe.topk", 2), "model.moe.topk: ", "did you mean \"model.moe.top_k\"");
   require_one(with(base(), "model.moe", 3), "model.moe: 3: ", "expected an object");
   require_one(with(base(), "parallel.order", "tp-ep-dp"), "parallel.order: ", "tp-dp-pp");
+  require_one(with(base(), "parallel.grad_compression", "int4"), "parallel.grad_compression: ", "onebit");
   CHECK(problems_of(with(with(base(), "parallel.dp", 2), "parallel.order", "dp-tp-pp")).empty());
 }
 

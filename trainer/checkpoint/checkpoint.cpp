@@ -229,6 +229,42 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
       }
     }
   }
+  // Extra optimizer state: the same slicing over each kind's own ranges.
+  std::vector<std::vector<float>> host_extra(b.extra.size());
+  for (size_t x = 0; x < b.extra.size(); ++x) {
+    const CheckpointExtra& e = b.extra[x];
+    if (!e.writer) continue;
+    const std::vector<int64_t> xs = compact_starts(e.ranges);
+    const int64_t n = e.ranges.empty() ? 0 : xs.back() + e.ranges.back().numel;
+    const float* data = host_view(e.data, static_cast<size_t>(n), host_extra[x]);
+    for (const ParamSpec& p : layout.params) {
+      if (!p.tp_split && !tp0) continue;
+      for (size_t o = 0; o < e.ranges.size(); ++o) {
+        const GradRange& r = e.ranges[o];
+        const int64_t lo = std::max(r.offset, p.offset) - p.offset;
+        const int64_t hi = std::min(r.offset + r.numel, p.offset + p.numel) - p.offset;
+        if (lo >= hi) continue;
+        int64_t local = lo;
+        for (const SliceRegion& s : slices_of(p, lo, hi)) {
+          const float* src = data + xs[o] + (p.offset + local - r.offset);
+          TensorView t;
+          t.name = fmt::format("{}/{}#{}", e.kind, p.name, views.size());
+          t.dtype = DType::F32;
+          t.shape = {s.numel()};
+          t.data = src;
+          slices.push_back(json{{"key", e.kind + "/" + p.name},
+                                {"param", p.name},
+                                {"file", rank_file(groups.rank)},
+                                {"tensor", t.name},
+                                {"region", {s.row0, s.rows, s.col0, s.cols}},
+                                {"range", {s.begin, s.end}},
+                                {"crc32", crc32(src, static_cast<size_t>(s.numel()) * 4)}});
+          views.push_back(std::move(t));
+          local += s.numel();
+        }
+      }
+    }
+  }
   if (!views.empty()) {
     const std::string file = (fs::path(tmp_dir) / rank_file(groups.rank)).string();
     write_safetensors(file, views);  // temp name, fsync, rename
@@ -253,6 +289,15 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
       for (auto& slice : json::parse(s)) {
         const std::string key = slice["key"].get<std::string>();
         slice.erase("key");
+        if (slice.contains("param")) {  // an extra kind: its entry is made by the first slice
+          const std::string param = slice["param"].get<std::string>();
+          slice.erase("param");
+          if (!tensors.contains(key))
+            for (const ParamSpec& p : whole.params)
+              if (p.name == param)
+                tensors[key] = json{{"shape", p.global_shape}, {"dtype", "F32"}, {"slices", json::array()}};
+          TETRA_CHECK(tensors.contains(key), "checkpoint slice {} of unknown parameter {}", key, param);
+        }
         tensors[key]["slices"].push_back(slice);
       }
     manifest["tensors"] = tensors;
@@ -330,71 +375,97 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
   std::vector<float> m(static_cast<size_t>(state_numel)), v(static_cast<size_t>(state_numel));
   std::vector<float> values;
   const json& tensors = manifest["tensors"];
+  // Reads the local elements [lo, hi) of `ranges` of parameter p's tensor `key` into `local` (p.numel).
+  auto read_local = [&](const std::string& key, const ParamSpec& p,
+                        const std::vector<std::pair<int64_t, int64_t>>& ranges, std::vector<float>& local) {
+    if (!tensors.contains(key)) throw InputError(fmt::format("{}: tensor {} is missing", manifest_path, key));
+    const json& t = tensors[key];
+    if (t["shape"].get<std::vector<int64_t>>() != p.global_shape)
+      throw InputError(fmt::format("{}: tensor {} has shape {}, the model's is {}", manifest_path, key,
+                                   t["shape"].dump(), json(p.global_shape).dump()));
+    if (ranges.empty()) return;
+    local.assign(static_cast<size_t>(p.numel), 0.0f);
+    std::vector<uint8_t> filled(static_cast<size_t>(p.numel), 0);
+    for (const json& s : t["slices"]) {
+      const auto reg = s["region"].get<std::vector<int64_t>>();
+      const auto rng = s["range"].get<std::vector<int64_t>>();
+      const SliceRegion region{reg[0], reg[1], reg[2], reg[3], rng[0], rng[1]};
+      if (!may_intersect(p, region)) continue;  // only slices holding elements of this rank's
+      const std::string file = s["file"].get<std::string>();
+      SafetensorsReader& f = reader(file);
+      const SafetensorsReader::Entry* e = f.find(s["tensor"].get<std::string>());
+      if (!e || e->dtype != DType::F32 || e->end - e->begin != static_cast<uint64_t>(region.numel()) * 4)
+        throw InputError(fmt::format("{}: slice {} of tensor {} is missing or of the wrong size", f.path(),
+                                     s["tensor"].get<std::string>(), key));
+      values.resize(static_cast<size_t>(region.numel()));
+      f.read(*e, values.data());
+      if (crc32(values.data(), values.size() * 4) != s["crc32"].get<uint32_t>())
+        throw InputError(fmt::format("{}: slice {} of tensor {} fails its checksum: the file is corrupt",
+                                     f.path(), s["tensor"].get<std::string>(), key));
+      int64_t overlaps = 0;
+      for (const auto& [lo, hi] : ranges)
+        overlaps += scatter_slice(p, lo, hi, region, values.data(), local.data(), filled);
+      if (overlaps > 0)
+        throw InputError(fmt::format("{}: slice {} of tensor {} overlaps another slice ({} elements): the "
+                                     "manifest is corrupt", manifest_path, s["tensor"].get<std::string>(), key,
+                                     overlaps));
+    }
+    for (const auto& [lo, hi] : ranges)
+      for (int64_t i = lo; i < hi; ++i)
+        if (!filled[static_cast<size_t>(i)])
+          throw InputError(fmt::format("{}: tensor {} lacks element {} of this rank's slice: the checkpoint "
+                                       "is incomplete (a missing rank file?)", manifest_path, key, p.global_index(i)));
+  };
+  // The local ranges of p inside `owned`, and a copy from p's local values into compact state.
+  auto local_ranges = [](const ParamSpec& p, const std::vector<GradRange>& owned) {
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (const GradRange& r : owned) {
+      const int64_t lo = std::max(r.offset, p.offset) - p.offset;
+      const int64_t hi = std::min(r.offset + r.numel, p.offset + p.numel) - p.offset;
+      if (lo < hi) ranges.emplace_back(lo, hi);
+    }
+    return ranges;
+  };
+  auto to_compact = [](const ParamSpec& p, const std::vector<GradRange>& owned, const std::vector<int64_t>& at,
+                       const std::vector<float>& local, std::vector<float>& dst) {
+    for (size_t o = 0; o < owned.size(); ++o) {
+      const GradRange& r = owned[o];
+      const int64_t lo = std::max(r.offset, p.offset), hi = std::min(r.offset + r.numel, p.offset + p.numel);
+      for (int64_t g = lo; g < hi; ++g)
+        dst[static_cast<size_t>(at[o] + g - r.offset)] = local[static_cast<size_t>(g - p.offset)];
+    }
+  };
+  std::vector<float> local;
   for (const ParamSpec& p : layout.params) {
     for (const char* kind : kKinds) {
       const std::string key = std::string(kind) + "/" + p.name;
-      if (!tensors.contains(key))
-        throw InputError(fmt::format("{}: tensor {} is missing", manifest_path, key));
-      const json& t = tensors[key];
-      if (t["shape"].get<std::vector<int64_t>>() != p.global_shape)
-        throw InputError(fmt::format("{}: tensor {} has shape {}, the model's is {}", manifest_path, key,
-                                     t["shape"].dump(), json(p.global_shape).dump()));
       const bool model = std::string(kind) == "model";
-      // Local ranges needed, and where each goes.
-      std::vector<std::pair<int64_t, int64_t>> ranges;
-      if (model) {
-        ranges.emplace_back(0, p.numel);
-      } else {
-        for (const GradRange& r : *b.owned) {
-          const int64_t lo = std::max(r.offset, p.offset) - p.offset;
-          const int64_t hi = std::min(r.offset + r.numel, p.offset + p.numel) - p.offset;
-          if (lo < hi) ranges.emplace_back(lo, hi);
-        }
-      }
+      const auto ranges = model ? std::vector<std::pair<int64_t, int64_t>>{{0, p.numel}} : local_ranges(p, *b.owned);
+      read_local(key, p, ranges, local);  // checks the tensor is there even when nothing is needed
       if (ranges.empty()) continue;
-      std::vector<float> local(static_cast<size_t>(p.numel));
-      std::vector<uint8_t> filled(static_cast<size_t>(p.numel), 0);
-      for (const json& s : t["slices"]) {
-        const auto reg = s["region"].get<std::vector<int64_t>>();
-        const auto rng = s["range"].get<std::vector<int64_t>>();
-        const SliceRegion region{reg[0], reg[1], reg[2], reg[3], rng[0], rng[1]};
-        if (!may_intersect(p, region)) continue;  // only slices holding elements of this rank's
-        const std::string file = s["file"].get<std::string>();
-        SafetensorsReader& f = reader(file);
-        const SafetensorsReader::Entry* e = f.find(s["tensor"].get<std::string>());
-        if (!e || e->dtype != DType::F32 || e->end - e->begin != static_cast<uint64_t>(region.numel()) * 4)
-          throw InputError(fmt::format("{}: slice {} of tensor {} is missing or of the wrong size", f.path(),
-                                       s["tensor"].get<std::string>(), key));
-        values.resize(static_cast<size_t>(region.numel()));
-        f.read(*e, values.data());
-        if (crc32(values.data(), values.size() * 4) != s["crc32"].get<uint32_t>())
-          throw InputError(fmt::format("{}: slice {} of tensor {} fails its checksum: the file is corrupt",
-                                       f.path(), s["tensor"].get<std::string>(), key));
-        int64_t overlaps = 0;
-        for (const auto& [lo, hi] : ranges)
-          overlaps += scatter_slice(p, lo, hi, region, values.data(), local.data(), filled);
-        if (overlaps > 0)
-          throw InputError(fmt::format("{}: slice {} of tensor {} overlaps another slice ({} elements): the "
-                                       "manifest is corrupt", manifest_path, s["tensor"].get<std::string>(), key,
-                                       overlaps));
-      }
-      for (const auto& [lo, hi] : ranges)
-        for (int64_t i = lo; i < hi; ++i)
-          if (!filled[static_cast<size_t>(i)])
-            throw InputError(fmt::format("{}: tensor {} lacks element {} of this rank's slice: the checkpoint "
-                                         "is incomplete (a missing rank file?)", manifest_path, key, p.global_index(i)));
-      if (model) {
+      if (model)
         std::memcpy(weights.data() + p.offset, local.data(), static_cast<size_t>(p.numel) * 4);
-      } else {
-        std::vector<float>& dst = std::string(kind) == "optim/exp_avg" ? m : v;
-        for (size_t o = 0; o < b.owned->size(); ++o) {
-          const GradRange& r = (*b.owned)[o];
-          const int64_t lo = std::max(r.offset, p.offset), hi = std::min(r.offset + r.numel, p.offset + p.numel);
-          for (int64_t g = lo; g < hi; ++g)
-            dst[static_cast<size_t>(starts[o] + g - r.offset)] = local[static_cast<size_t>(g - p.offset)];
-        }
+      else
+        to_compact(p, *b.owned, starts, local, std::string(kind) == "optim/exp_avg" ? m : v);
+    }
+  }
+  // Extra optimizer state: zeros when the checkpoint lacks the kind.
+  for (const CheckpointExtra& x : b.extra) {
+    const std::vector<int64_t> xs = compact_starts(x.ranges);
+    std::vector<float> host(static_cast<size_t>(x.ranges.empty() ? 0 : xs.back() + x.ranges.back().numel), 0.0f);
+    const bool present = !layout.params.empty() && tensors.contains(x.kind + "/" + layout.params[0].name);
+    if (!present) {
+      spdlog::warn("{} holds no {} (saved without it, or under another data-parallel layout, to which it "
+                   "does not carry over): it starts from zero", path, x.kind);
+    } else {
+      for (const ParamSpec& p : layout.params) {
+        const auto ranges = local_ranges(p, x.ranges);
+        if (ranges.empty()) continue;
+        read_local(x.kind + "/" + p.name, p, ranges, local);
+        to_compact(p, x.ranges, xs, local, host);
       }
     }
+    be.copy_from_host(x.data, host.data(), host.size() * 4);
   }
   // Into backend memory: master weights (whole or shard), compute weights, moments.
   float* staging = b.master_full;

@@ -8,7 +8,8 @@
 //                       (sharding.h's SliceRegion) and a CRC-32 of its bytes;
 //   rank_00003.safetensors   the slices rank 3 wrote.
 // Keys: "model/<param>" (the fp32 master weights), "optim/exp_avg/<param>" and
-// "optim/exp_avg_sq/<param>" (Adam's moments), every one a global tensor whatever the sharding.
+// "optim/exp_avg_sq/<param>" (Adam's moments), every one a global tensor whatever the sharding;
+// and any CheckpointExtra kinds ("<kind>/<param>").
 // Each element is written once: by TP rank 0 for parameters replicated over TP, and by DP rank 0
 // unless the distributed optimizer shards the state over DP (then each DP rank writes its shard).
 //
@@ -43,6 +44,17 @@ struct CheckpointState {
   int64_t consumed_samples = 0;  // the data loader's position
 };
 
+// Further optimizer state of one rank (1-bit Adam's error feedback, trainer/optim/onebit_adam.h),
+// saved as global tensors "<kind>/<param>" like the moments and resharded on load. A kind the
+// checkpoint lacks (saved without it, or under a layout where it has another meaning, which the
+// kind's name then encodes) is loaded as zeros, with a warning.
+struct CheckpointExtra {
+  std::string kind;               // "optim/onebit_server_error", ...
+  float* data = nullptr;          // `ranges` back to back (backend memory)
+  std::vector<GradRange> ranges;  // the buffer elements this rank holds, in buffer order
+  bool writer = true;             // this rank writes them (TP rank 0 only for TP-replicated parameters)
+};
+
 // One rank's buffers (backend memory) that a checkpoint saves and restores.
 struct CheckpointBuffers {
   const ParamLayout* layout = nullptr;
@@ -54,6 +66,7 @@ struct CheckpointBuffers {
   float* exp_avg_sq = nullptr;
   void* compute = nullptr;        // weights the model reads (restored from the master weights);
   DType compute_type = DType::F32;  // may equal master_full in fp32
+  std::vector<CheckpointExtra> extra;
 };
 
 // Saves step `state.step` under `dir` (collective: every rank calls it). Returns the path.

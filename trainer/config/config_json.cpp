@@ -32,6 +32,7 @@ const Choices kDevices = {"cpu", "cuda"};  // cuda: known, but rejected until th
 const Choices kPrecisions = {"fp32", "bf16"};
 const Choices kOrders = {"tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp"};
 const Choices kSchedules = {"1f1b", "interleaved", "gpipe"};
+const Choices kCompressions = {"none", "bf16", "onebit"};
 const Choices kDecays = {"cosine", "linear", "constant"};
 const Choices kLevels = {"trace", "debug", "info", "warn", "error"};
 
@@ -81,6 +82,8 @@ void visit_parallel(P& p, V& v) {
   v.choice("schedule", p.schedule, kSchedules);
   v.integer("virtual_stages", p.virtual_stages);
   v.integers("stage_layers", p.stage_layers);
+  v.choice("grad_compression", p.grad_compression, kCompressions);
+  v.integer("onebit_warmup_steps", p.onebit_warmup_steps);
 }
 
 template <class T, class V>

@@ -118,6 +118,10 @@ void check_pipeline(const Config& c, Rules& r) {
               "a Mixture-of-Experts model (model.moe.num_experts > 0) trains with parallel.pp = 1 in this "
               "build (its blocks keep one micro-batch's routing between forward and backward); use tensor, "
               "data and expert parallelism");
+  if (pp > 1 && r.ok({"parallel.grad_compression"}))
+    r.require(p.grad_compression == "none", "parallel.grad_compression", p.grad_compression,
+              "gradient compression is not combined with pipeline parallelism in this build: set it to "
+              "\"none\" with parallel.pp > 1");
   if (pp > 1 && r.ok({"sample.prompt"}))
     r.require(c.sample.prompt.empty(), "sample.prompt", c.sample.prompt,
               "text samples during training need the whole model on one rank: leave sample.prompt empty "
@@ -159,6 +163,12 @@ void check_ranges(const Config& c, Rules& r) {
   for (size_t i = 0; i < c.parallel.stage_layers.size(); ++i)
     r.at_least(fmt::format("parallel.stage_layers[{}]", i), c.parallel.stage_layers[i], 0);
   r.at_least("parallel.bucket_size", c.parallel.bucket_size, 1);
+  // At least one exact Adam step: the frozen variance is the one of the last warm-up step.
+  r.at_least("parallel.onebit_warmup_steps", c.parallel.onebit_warmup_steps, 1);
+  if (c.model.moe.num_experts > 0)
+    r.require(c.parallel.grad_compression == "none", "parallel.grad_compression", c.parallel.grad_compression,
+              "gradient compression is not combined with Mixture-of-Experts models in this build: set it to "
+              "\"none\"");
 
   const TrainingConfig& t = c.training;
   r.require(t.device != "cuda", "training.device", t.device,

@@ -84,6 +84,28 @@ void AdamW::step(float* master, float* grads, double lr, float grad_scale, void*
   hp.bias_correction1 = static_cast<float>(1.0 - std::pow(cfg_.beta1, static_cast<double>(t_)));
   hp.bias_correction2 = static_cast<float>(1.0 - std::pow(cfg_.beta2, static_cast<double>(t_)));
   hp.grad_scale = grad_scale;
+  update(master, grads, hp, compute, compute_type);
+}
+
+void AdamW::step_frozen_variance(float* master, float* grads, double lr, int64_t frozen_at, bool momentum_given,
+                                 void* compute, DType compute_type) {
+  TETRA_CHECK(frozen_at >= 1 && frozen_at <= t_, "variance frozen at step {} but {} steps were taken", frozen_at,
+              t_);
+  ++t_;
+  math::AdamParams hp{};
+  hp.lr = static_cast<float>(lr);
+  // m = beta1 m + (1 - beta1) g: with beta1 = 0 it is g exactly; v = 1 * v + 0 * g^2 is v exactly.
+  hp.beta1 = momentum_given ? 0.0f : static_cast<float>(cfg_.beta1);
+  hp.beta2 = 1.0f;
+  hp.eps = static_cast<float>(cfg_.eps);
+  hp.bias_correction1 = static_cast<float>(1.0 - std::pow(cfg_.beta1, static_cast<double>(t_)));
+  hp.bias_correction2 = static_cast<float>(1.0 - std::pow(cfg_.beta2, static_cast<double>(frozen_at)));
+  hp.grad_scale = 1.0f;
+  update(master, grads, hp, compute, compute_type);
+}
+
+void AdamW::update(float* master, float* grads, const math::AdamParams& base, void* compute, DType compute_type) {
+  math::AdamParams hp = base;
   for (const Run& r : runs_) {
     hp.weight_decay = r.decay ? static_cast<float>(cfg_.weight_decay) : 0.0f;
     void* out = compute ? static_cast<char*>(compute) + static_cast<size_t>(r.offset) * dtype_size(compute_type)

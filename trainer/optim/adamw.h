@@ -43,6 +43,13 @@ class AdamW {
   void step(float* master, float* grads, double lr, float grad_scale, void* compute,
             DType compute_type);
 
+  // 1-bit Adam's compressed phase (onebit_adam.h): the variance stays what it was after step
+  // `frozen_at` (beta2 = 1 and its bias correction frozen at 1 - beta2^frozen_at); with
+  // `momentum_given`, `grads` holds the new momentum itself (beta1 = 0 in the update, so m = grads),
+  // else the momentum is updated from grads as usual. No clipping (grad_scale 1).
+  void step_frozen_variance(float* master, float* grads, double lr, int64_t frozen_at, bool momentum_given,
+                            void* compute, DType compute_type);
+
   int64_t steps_taken() const { return t_; }
   size_t state_bytes() const;
 
@@ -55,6 +62,7 @@ class AdamW {
   void set_steps_taken(int64_t t) { t_ = t; }
 
  private:
+  void update(float* master, float* grads, const math::AdamParams& base, void* compute, DType compute_type);
   struct Run {
     int64_t offset, numel, state_offset;
     bool decay;

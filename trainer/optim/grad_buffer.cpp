@@ -24,13 +24,14 @@ std::vector<BucketPlan> plan_buckets(const ParamLayout& layout, int64_t bucket_s
 }
 
 GradBuffer::GradBuffer(const ParamLayout& layout, Backend& be, float* grads, Communicator* dp,
-                       Communicator* tp, bool distributed_optimizer, int64_t bucket_size)
+                       Communicator* tp, bool distributed_optimizer, int64_t bucket_size, bool bf16_wire)
     : layout_(layout),
       be_(be),
       grads_(grads),
       dp_(dp && dp->size() > 1 ? dp : nullptr),
       tp_(tp && tp->size() > 1 ? tp : nullptr),
-      sharded_(distributed_optimizer && dp_ != nullptr) {
+      sharded_(distributed_optimizer && dp_ != nullptr),
+      bf16_wire_(bf16_wire && dp_ != nullptr) {
   bucket_of_group_.assign(layout.groups.size(), -1);
   group_reported_.assign(layout.groups.size(), 0);
   for (const BucketPlan& p : plan_buckets(layout, bucket_size)) {
@@ -66,12 +67,14 @@ GradBuffer::GradBuffer(const ParamLayout& layout, Backend& be, float* grads, Com
     }
   }
   if (scratch > 0) sp_scratch_ = static_cast<float*>(be_.alloc(static_cast<size_t>(scratch) * 4));
+  if (bf16_wire_) wire_ = static_cast<uint16_t*>(be_.alloc(static_cast<size_t>(layout.total) * 2));
 }
 
 GradBuffer::~GradBuffer() {
   for (Bucket& b : buckets_)
     if (b.work) b.work->wait();
   if (sp_scratch_) be_.free(sp_scratch_);
+  if (wire_) be_.free(wire_);
 }
 
 int64_t GradBuffer::owned_numel() const {
@@ -106,14 +109,21 @@ void GradBuffer::group_done(int group) {
 }
 
 void GradBuffer::launch(Bucket& b) {
-  if (!dp_) return;
-  float* base = grads_ + b.begin;
+  if (!dp_ || !reduce_) return;
   const int64_t size = b.end - b.begin;
+  const int64_t shard = size / dp_->size();
+  const DType type = bf16_wire_ ? DType::BF16 : DType::F32;
+  void* base = grads_ + b.begin;
+  if (bf16_wire_) {
+    base = wire_ + b.begin;
+    be_.cast(base, DType::BF16, grads_ + b.begin, DType::F32, size);
+  }
+  const size_t es = dtype_size(type);
   if (sharded_) {
-    const int64_t shard = size / dp_->size();
-    b.work = dp_->reduce_scatter_async(base + dp_->rank() * shard, base, shard, DType::F32, ReduceOp::SUM);
+    void* mine = static_cast<char*>(base) + static_cast<size_t>(dp_->rank() * shard) * es;
+    b.work = dp_->reduce_scatter_async(mine, base, shard, type, ReduceOp::SUM);
   } else {
-    b.work = dp_->all_reduce_async(base, size, DType::F32, ReduceOp::SUM);
+    b.work = dp_->all_reduce_async(base, size, type, ReduceOp::SUM);
   }
 }
 
@@ -121,7 +131,14 @@ void GradBuffer::finish() {
   for (Bucket& b : buckets_) {
     TETRA_CHECK(b.pending == 0, "gradient bucket of groups {}..{} was never completed by backward",
                 b.first_group, b.last_group);
-    if (b.work) dp_->wait(*b.work, sharded_ ? CommOp::REDUCE_SCATTER : CommOp::ALL_REDUCE);
+    if (b.work) {
+      dp_->wait(*b.work, sharded_ ? CommOp::REDUCE_SCATTER : CommOp::ALL_REDUCE);
+      if (bf16_wire_) {  // the reduced values (this rank's shard, or the bucket) back into fp32
+        const int64_t shard = (b.end - b.begin) / dp_->size();
+        const int64_t at = sharded_ ? b.begin + dp_->rank() * shard : b.begin;
+        be_.cast(grads_ + at, DType::F32, wire_ + at, DType::BF16, sharded_ ? shard : b.end - b.begin);
+      }
+    }
     b.work.reset();
     b.pending = b.last_group - b.first_group + 1;
   }

@@ -21,6 +21,12 @@
 // before the group counts as done.
 //
 // The gradients are pre-scaled by the loss (1 / global tokens), so the reduced sum is the mean.
+//
+// `bf16_wire` (parallel.grad_compression: bf16): each bucket is rounded to bf16 into a scratch
+// buffer and reduced in bf16 (half the bytes on the wire; the communicator sums in fp32 and rounds
+// once per combining step), and the reduced result is converted back into the fp32 buffer, where
+// the optimizer reads it. set_reduce(false) turns the DP reduction off for a step (1-bit Adam's
+// compressed phase exchanges the gradient itself, onebit_adam.h).
 #pragma once
 
 #include <cstdint>
@@ -51,7 +57,7 @@ class GradBuffer {
   // dp: the data-parallel group (null or size 1: nothing to reduce); tp: the tensor-parallel
   // group (used for sequence-parallel partial gradients).
   GradBuffer(const ParamLayout& layout, Backend& be, float* grads, Communicator* dp, Communicator* tp,
-             bool distributed_optimizer, int64_t bucket_size);
+             bool distributed_optimizer, int64_t bucket_size, bool bf16_wire = false);
   ~GradBuffer();
   GradBuffer(const GradBuffer&) = delete;
   GradBuffer& operator=(const GradBuffer&) = delete;
@@ -60,6 +66,8 @@ class GradBuffer {
   void group_done(int group);
   // Waits for every bucket's reduction. Every group must have been reported.
   void finish();
+  // Whether the next steps' buckets are reduced over DP (default true).
+  void set_reduce(bool reduce) { reduce_ = reduce; }
   // Distributed optimizer: all-gather each bucket's updated shards of `params` (count = the
   // layout's total, of `type`) from their owners. No-op otherwise.
   void gather_params(void* params, DType type);
@@ -87,6 +95,9 @@ class GradBuffer {
   Communicator* dp_;
   Communicator* tp_;
   bool sharded_;
+  bool bf16_wire_;
+  bool reduce_ = true;
+  uint16_t* wire_ = nullptr;  // bf16_wire: the whole buffer in bf16, at the same element offsets
   std::vector<Bucket> buckets_;
   std::vector<int> bucket_of_group_;
   std::vector<char> group_reported_;  // this step

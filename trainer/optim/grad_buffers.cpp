@@ -22,12 +22,12 @@ ParamLayout layout_part(const ParamLayout& layout, bool experts) {
 }
 
 GradBuffers::GradBuffers(const ParamLayout& layout, Backend& be, float* grads, ProcessGroups& groups,
-                         bool distributed_optimizer, int64_t bucket_size)
+                         bool distributed_optimizer, int64_t bucket_size, bool bf16_wire)
     : dense_layout_(layout_part(layout, false)),
       expert_layout_(layout_part(layout, true)),
       dense_groups_(layout.dense_groups) {
   dense_ = std::make_unique<GradBuffer>(dense_layout_, be, grads, groups.dp.get(), groups.tp.get(),
-                                        distributed_optimizer, bucket_size);
+                                        distributed_optimizer, bucket_size, bf16_wire);
   owned_ = dense_->owned();
   const bool sharded = dense_->sharded();
   dense_norm_ = std::make_unique<GradNorm>(layout, dense_->owned(), be, groups.tp.get(), groups.pp.get(),

@@ -23,11 +23,15 @@ struct ProcessGroups;
 
 class GradBuffers {
  public:
+  // `bf16_wire`: the dense buckets reduce in bf16 (parallel.grad_compression "bf16").
   GradBuffers(const ParamLayout& layout, Backend& be, float* grads, ProcessGroups& groups,
-              bool distributed_optimizer, int64_t bucket_size);
+              bool distributed_optimizer, int64_t bucket_size, bool bf16_wire = false);
   ~GradBuffers();
 
   void group_done(int group);
+  // 1-bit Adam's compressed steps exchange the dense gradient themselves (grad_buffer.h).
+  void set_reduce(bool reduce) { dense_->set_reduce(reduce); }
+  GradBuffer& dense() { return *dense_; }
   void finish();
   void gather_params(void* params, DType type);
   const std::vector<GradRange>& owned() const { return owned_; }

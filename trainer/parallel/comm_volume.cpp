@@ -2,8 +2,10 @@
 
 #include <fmt/format.h>
 
+#include "trainer/optim/compression.h"
 #include "trainer/optim/grad_buffer.h"
 #include "trainer/optim/grad_buffers.h"
+#include "trainer/optim/onebit_adam.h"
 
 namespace tetra {
 
@@ -29,7 +31,8 @@ std::string GroupVolume::describe() const {
   return out.empty() ? "none" : out;
 }
 
-StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout) {
+StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, bool onebit_compressed,
+                               bool onebit_gather_variance) {
   StepVolume v;
   const ParallelConfig& par = cfg.parallel;
   const int64_t act_bytes = cfg.training.precision == "bf16" ? 2 : 4;
@@ -85,27 +88,40 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout) {
       if (wte) v.embedding.add(CommOp::ALL_REDUCE, 1, wte->numel * 4);
     }
   }
-  // The reduction of a part of the gradient buffer over a group of `size` ranks.
-  auto reduction = [&](GroupVolume& g, const ParamLayout& part, int64_t size, GroupVolume& norm_group) {
+  // The reduction of a part of the gradient buffer over a group of `size` ranks; `compressible`:
+  // parallel.grad_compression applies (the dense part; MoE models do not compress).
+  auto reduction = [&](GroupVolume& g, const ParamLayout& part, int64_t size, GroupVolume& norm_group,
+                       bool compressible) {
     if (size <= 1 || part.groups.empty()) return;
     const int64_t buckets = static_cast<int64_t>(plan_buckets(part, par.bucket_size).size());
     const int64_t numel = part.groups.back().second - part.groups.front().first;
+    const CommOp reduce = par.distributed_optimizer ? CommOp::REDUCE_SCATTER : CommOp::ALL_REDUCE;
+    if (compressible && onebit_compressed) {
+      const int64_t message_bytes = size * plan_chunks(part, par.bucket_size, size).words * 2;
+      g.add(CommOp::ALL_TO_ALL, 1, message_bytes);
+      if (!par.distributed_optimizer) g.add(CommOp::ALL_GATHER, 1, message_bytes);
+      int64_t replicated = 0;  // replicated parameters: averaged exactly (onebit_adam.h)
+      for (const GradRange& r : onebit_exact_ranges(cfg, part)) replicated += r.numel;
+      if (replicated > 0) g.add(CommOp::ALL_REDUCE, 1, replicated * 4);
+      if (onebit_gather_variance) {  // GradBuffer::gather_params of the fp32 variance
+        g.add(CommOp::ALL_GATHER, buckets, 0);
+        g.payload_bytes[static_cast<int>(CommOp::ALL_GATHER)] += numel * 4;
+      }
+    } else {
+      g.add(reduce, buckets, 0);
+      g.payload_bytes[static_cast<int>(reduce)] += numel * (compressible && par.grad_compression == "bf16" ? 2 : 4);
+    }
     if (par.distributed_optimizer) {
-      g.add(CommOp::REDUCE_SCATTER, buckets, 0);
-      g.payload_bytes[static_cast<int>(CommOp::REDUCE_SCATTER)] += numel * 4;
       g.add(CommOp::ALL_GATHER, buckets, 0);
       g.payload_bytes[static_cast<int>(CommOp::ALL_GATHER)] += numel * act_bytes;
       norm_group.add(CommOp::ALL_REDUCE, 1, 4);  // gradient norm over the shards
-    } else {
-      g.add(CommOp::ALL_REDUCE, buckets, 0);
-      g.payload_bytes[static_cast<int>(CommOp::ALL_REDUCE)] += numel * 4;
     }
   };
-  reduction(v.dp, layout_part(layout, false), par.dp, v.dp);
+  reduction(v.dp, layout_part(layout, false), par.dp, v.dp, true);
   if (par.dp > 1) v.dp.add(CommOp::ALL_REDUCE, 1, 4);  // the step's loss
   const MoeConfig& moe = cfg.model.moe;
   if (moe.enabled()) {
-    reduction(v.edp, layout_part(layout, true), par.dp / par.ep, v.dp);
+    reduction(v.edp, layout_part(layout, true), par.dp / par.ep, v.dp, false);
     if (par.ep > 1) {
       v.ep.add(CommOp::ALL_TO_ALL, 5 * moe_blocks * accum, 0);
       const bool sharded = par.distributed_optimizer && par.dp / par.ep > 1;

@@ -31,6 +31,11 @@
 // all-to-alls: the per-expert counts, the tokens' dispatch and combine forward, and the same two
 // for the gradients backward; the tokens' payload depends on the routing (only the calls are
 // predicted).
+// Gradient compression (parallel.grad_compression): bf16 halves the bucket reductions' payload;
+// onebit's compressed steps (after its warm-up) replace them by one all-to-all of every rank's
+// 1-bit shards (compression.h's ChunkPlan: dp messages of `words` 2-byte words) and, without the
+// distributed optimizer, one all-gather of the same size, plus one fp32 all-reduce of the
+// replicated parameters when there are any (onebit_exact_ranges, onebit_adam.h).
 #pragma once
 
 #include <array>
@@ -57,7 +62,11 @@ struct StepVolume {
 };
 
 // `layout`: this rank's (its TP slice of its pipeline stage, with the run's group alignment).
-StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout);
+// `onebit_compressed`: a
+// step of onebit's compressed phase; `onebit_gather_variance`: one that first all-gathers the
+// frozen variance (distributed optimizer, OnebitAdam::gathers_variance).
+StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, bool onebit_compressed = false,
+                               bool onebit_gather_variance = false);
 
 // The measured counterpart from a communicator's stats (difference of two snapshots).
 GroupVolume measured_volume(const CommStats& after, const CommStats& before);

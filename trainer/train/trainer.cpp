@@ -70,7 +70,9 @@ ParamLayout rank_layout(const Config& cfg, int64_t tp_rank, int64_t pp_rank, int
   slicing.ep = cfg.parallel.ep;
   slicing.ep_rank = ep_rank;
   slicing.sequence_parallel = cfg.parallel.sequence_parallel;
-  slicing.group_align = cfg.parallel.distributed_optimizer ? 16 * cfg.parallel.dp : 16;
+  // Buckets split into dp aligned shards: the distributed optimizer's, and onebit's chunks.
+  const bool shards = cfg.parallel.distributed_optimizer || cfg.parallel.grad_compression == "onebit";
+  slicing.group_align = shards ? 16 * cfg.parallel.dp : 16;
   return ParamLayout::build(cfg.model, slicing, stage_slice(cfg, pp_rank));
 }
 
@@ -86,6 +88,12 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   m.compute = act == DType::F32 ? 0 : n * dtype_size(act);
   m.grads = n * 4;
   m.optimizer = shard * 8;
+  // Gradient compression's buffers (grad_buffer.h, onebit_adam.h): the bf16 copy of the buffer;
+  // the worker error (n), the server error and average (n / dp each), two 1-bit messages.
+  const size_t dp = static_cast<size_t>(cfg.parallel.dp);
+  if (dp > 1 && cfg.parallel.grad_compression == "bf16") m.grads += n * 2;
+  if (dp > 1 && cfg.parallel.grad_compression == "onebit")  // + the whole frozen variance when sharded
+    m.optimizer += n * 4 + 2 * (n / dp) * 4 + n / 2 + (cfg.parallel.distributed_optimizer ? n * 4 : 0);
   m.activations = PipelineModel::activation_bytes_for(cfg, pp_rank);
   m.batch = static_cast<size_t>(cfg.grad_accum_steps() * B * T) * 12;  // tokens, targets, losses
   if (samples_enabled(cfg))  // the sampling model's arena and its (T) ids and two logit rows
@@ -169,11 +177,13 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
 
   model_ = std::make_unique<PipelineModel>(cfg, layout_, *be_, act_, groups, accum_, tokens_, targets_, losses_);
   grad_buffer_ = std::make_unique<GradBuffers>(layout_, *be_, grads_, groups, cfg.parallel.distributed_optimizer,
-                                               cfg.parallel.bucket_size);
+                                               cfg.parallel.bucket_size, cfg.parallel.grad_compression == "bf16");
   // bf16 with the distributed optimizer: the fp32 master weights live sharded in the optimizer.
   const bool optimizer_owns_master = shard_optimizer && act_ != DType::F32;
   optimizer_ = std::make_unique<AdamW>(cfg.optimizer, layout_, *be_, grad_buffer_->owned(),
                                        optimizer_owns_master, master_);
+  if (cfg.parallel.grad_compression == "onebit")
+    onebit_ = std::make_unique<OnebitAdam>(cfg, layout_, *be_, grad_buffer_->dense(), *optimizer_, groups.dp.get());
   if (optimizer_owns_master) {
     be_->free(master_);
     master_ = nullptr;
@@ -248,6 +258,9 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                  cfg.model.moe.enabled() ? fmt::format("; edp: {}; ep: {} + the routed tokens", predicted_.edp.describe(),
                                                        predicted_.ep.describe())
                                          : std::string());
+  if (onebit_ && onebit_->compressed(cfg.training.steps))
+    spdlog::info("communication per step after the {} warm-up steps of onebit (predicted): dp: {}",
+                 cfg.parallel.onebit_warmup_steps, predict_step_volume(cfg, layout_, true).dp.describe());
 
   nlohmann::ordered_json start;
   start["event"] = "start";
@@ -263,6 +276,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
 Trainer::~Trainer() {
   sampler_.reset();
   sample_model_.reset();
+  onebit_.reset();
   optimizer_.reset();
   grad_buffer_.reset();
   model_.reset();
@@ -286,6 +300,7 @@ CheckpointBuffers Trainer::checkpoint_buffers() {
   b.exp_avg_sq = optimizer_->exp_avg_sq();
   b.compute = compute_;
   b.compute_type = act_;
+  if (onebit_) b.extra = onebit_->checkpoint_state();
   return b;
 }
 
@@ -573,8 +588,12 @@ void Trainer::run() {
     watchdog_step_begin(s + 1);
     const auto t0 = std::chrono::steady_clock::now();
     const std::vector<CommStats> comm_before = comm_snapshot();
+    const bool compressed = onebit_ && onebit_->compressed(s);  // 1-bit Adam past its warm-up
+    grad_buffer_->set_reduce(!compressed);
+    predicted_ = predict_step_volume(cfg_, layout_, compressed, compressed && onebit_->gathers_variance());
     const double loss = train_step(s);
-    const double norm = grad_buffer_->norm(grads_);
+    // Compressed: the unreduced local gradient's norm, times dp, as an estimate (onebit_adam.h).
+    const double norm = grad_buffer_->norm(grads_) * (compressed ? static_cast<double>(cfg_.parallel.dp) : 1.0);
     // A non-finite or spiking loss or norm: the update is skipped, the gradients dropped.
     const StepVerdict verdict = guard.check(s + 1, loss, norm);
     if (!dump_dir_.empty() && s == 0) {
@@ -594,11 +613,13 @@ void Trainer::run() {
         if (accounted[i].comm) accounted[i].comm->stats() = saved[i];
     }
     const double lr = learning_rate(cfg_.optimizer, tc.steps, s);
-    const float clip = verdict.skip ? 1.0f : clip_factor(norm, cfg_.optimizer.grad_clip);
+    const float clip = verdict.skip || compressed ? 1.0f : clip_factor(norm, cfg_.optimizer.grad_clip);
     if (verdict.skip) {
       be_->memset_zero(grads_, static_cast<size_t>(layout_.total) * 4);
       optimizer_->set_steps_taken(optimizer_->steps_taken() + 1);  // the step counts (step_guard.h)
       if (writer_) spdlog::warn("step {}: update skipped: {}", s + 1, verdict.reason);
+    } else if (compressed) {
+      onebit_->step(master_, grads_, lr, act_ == DType::F32 ? nullptr : compute_, act_);
     } else {
       optimizer_->step(master_, grads_, lr, clip, act_ == DType::F32 ? nullptr : compute_, act_);
     }

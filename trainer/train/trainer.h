@@ -23,6 +23,7 @@
 #include "trainer/optim/grad_buffer.h"
 #include "trainer/parallel/pipeline_runner.h"
 #include "trainer/optim/grad_buffers.h"
+#include "trainer/optim/onebit_adam.h"
 #include "trainer/train/metrics.h"
 
 namespace tetra {
@@ -116,6 +117,7 @@ class Trainer {
   std::unique_ptr<PipelineModel> model_;  // this rank's model chunks and pipeline schedule
   std::unique_ptr<GradBuffers> grad_buffer_;
   std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<OnebitAdam> onebit_;  // parallel.grad_compression onebit
   GroupDoneHook group_done_;
   StepVolume predicted_;
   std::shared_ptr<SampleSource> train_source_, valid_source_;

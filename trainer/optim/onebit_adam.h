@@ -1,0 +1,126 @@
+// 1-bit Adam (Tang et al. 2021, "1-bit Adam: Communication Efficient Large-Scale Training with
+// Adam's Convergence Speed"; DeepSpeed's OnebitAdam): parallel.grad_compression = onebit.
+//
+// Warm-up: the first parallel.onebit_warmup_steps steps are exact AdamW (GradBuffer reduces the
+// fp32 gradient as usual). Adam's variance then barely changes; 1-bit Adam freezes it, and from
+// then on Adam is a momentum SGD with a fixed per-coordinate step size, whose momentum can be
+// exchanged in 1-bit form with error feedback (compression.h) without losing convergence.
+//
+// Compressed phase, plain data parallelism (every rank keeps the whole momentum m, identical on
+// all ranks; DeepSpeed's two-stage compressed all-reduce):
+//   x_i = beta1 m + (1 - beta1) dp g_i       g_i: rank i's unreduced gradient (sum_i g_i = g)
+//   worker: x_i / d (below) + worker error e_i is sign-compressed per destination shard (one
+//     fp32 scale per kSignBlock elements), e_i keeps what the compression dropped; an all-to-all
+//     sends shard r to rank r.
+//   server: rank r averages its dp received shards, adds its server error, compresses again
+//     (server error keeps the residual) and all-gathers the result: every rank decompresses the
+//     same new m = mean_i x_i + compression error, carried into the next step by the two errors.
+//   update: p -= lr (m / (1 - beta1^t) / d + wd p), d = sqrt(v / (1 - beta2^W)) + eps with v
+//     frozen at step W = the warm-up.
+// What is compressed is x_i / d, not x_i (and m = d * the decompressed result): the compressor
+// C_d(x) = d * C(x / d), with the errors kept in units of x / d. d is frozen and the same on every
+// rank, so averaging commutes with it and error feedback works unchanged; but the compression
+// error now lands on the update itself, whose entries are all of Adam's unit scale, instead of on
+// the momentum, whose entries span orders of magnitude within one block. Compressing x_i itself
+// gives a coordinate with a tiny frozen variance (an embedding row of a rare token) a momentum of
+// the block's scale, divided by its tiny d: the demo model (configs/demo.json) diverged that way.
+// Compressed phase with the distributed optimizer (each rank keeps m and v of its shards only, so
+// no rank can form x_i for the others' shards; the compressed quantity is the gradient):
+//   worker: dp g_i / d + e_i is compressed per destination shard (d from the frozen variance,
+//     all-gathered once, at the process's first compressed step) and sent by the same all-to-all
+//     (a compressed reduce-scatter); the owner averages its shards into the gradient estimate,
+//     updates m = beta1 m + (1 - beta1) d avg and its parameters with the frozen v, and the updated
+//     weights are all-gathered as usual (GradBuffer::gather_params). The server stage is not needed.
+// The step's bytes on the DP wire fall from 2 (dp-1)/dp * 4 bytes per parameter (fp32 all-reduce)
+// to 2 (dp-1)/dp * (1/8 + 4/kSignBlock) (plain), or the reduce-scatter's (dp-1)/dp * 4 to
+// (dp-1)/dp * (1/8 + 4/kSignBlock) (distributed optimizer; the weight all-gather is unchanged).
+//
+// Replicas are not compressed: with tp > 1 the parameters replicated over the TP group (norms,
+// biases), and with pp > 1 a tied embedding (the first stage's and the last stage's copy). Each
+// holder lays them out at other offsets and cuts its shards elsewhere, so their compression blocks
+// would differ between holders and the replicas drift apart. Their x_i is averaged exactly by one
+// fp32 all-reduce per step (a few thousand elements for the norms; the whole embedding when it is
+// tied across stages, which then saves less), and they stay zero in the errors, like padding.
+//
+// Gradient clipping is not applied in the compressed phase (the reduced gradient's norm is never
+// formed: that is the point); the logged grad_norm is then an estimate, dp times the norm of the
+// rank's local gradient (with the distributed optimizer: of the local shards, summed over DP).
+//
+// State: the worker error (the whole buffer, per rank) and, plain, the server error (the rank's
+// shards), saved in checkpoints as CheckpointExtra tensors. The server error of an element is the
+// residual of its average, whoever owns it, so it reshards over any dp ("optim/onebit_server_error").
+// The worker error is one rank's own residual; its key names the rank, the dp and the mode
+// ("optim/onebit_worker_error/dp1of4" or ".../dp1of4_sharded"), so it resumes exactly under the same
+// data-parallel layout (any tp) and starts from zero, with a warning, under another. The frozen
+// variance is exp_avg_sq, and the warm-up progress the step count, both saved already.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "trainer/checkpoint/checkpoint.h"
+#include "trainer/config/config.h"
+#include "trainer/model/param_layout.h"
+#include "trainer/optim/adamw.h"
+#include "trainer/optim/compression.h"
+#include "trainer/optim/grad_buffer.h"
+
+namespace tetra {
+
+class Communicator;
+
+// The parameters whose x_i is averaged exactly rather than compressed (see above): those
+// replicated over TP (tp > 1), and a tied embedding held by two pipeline stages (pp > 1), in
+// buffer order.
+std::vector<GradRange> onebit_exact_ranges(const Config& cfg, const ParamLayout& layout);
+
+class OnebitAdam {
+ public:
+  // `dp`: the data-parallel group (null or size 1: nothing is compressed, every step is exact).
+  OnebitAdam(const Config& cfg, const ParamLayout& layout, Backend& be, GradBuffer& grads, AdamW& adam,
+             Communicator* dp);
+  ~OnebitAdam();
+  OnebitAdam(const OnebitAdam&) = delete;
+  OnebitAdam& operator=(const OnebitAdam&) = delete;
+
+  // Whether step s (0-based) runs compressed: after the warm-up, with a DP group.
+  bool compressed(int64_t s) const { return dp_ != nullptr && s >= warmup_; }
+  // Distributed optimizer: whether the next compressed step first all-gathers the frozen variance
+  // (once per process: its first compressed step, also after a resume).
+  bool gathers_variance() const { return sharded_ && !v_full_ready_; }
+
+  // The compressed step: `grads` holds this rank's unreduced gradient (GradBuffer::set_reduce(false));
+  // exchanges it as described above and updates the owned parameters (AdamW::step's arguments).
+  void step(float* master, float* grads, double lr, void* compute, DType compute_type);
+
+  // The error-feedback buffers, for checkpoints (empty without a DP group).
+  std::vector<CheckpointExtra> checkpoint_state();
+
+ private:
+  const Config& cfg_;
+  Backend& be_;
+  GradBuffer& grad_buffer_;
+  AdamW& adam_;
+  Communicator* dp_;
+  int64_t warmup_;
+  int64_t total_;
+  bool sharded_;
+  ChunkPlan plan_;
+  std::vector<GradRange> mine_;    // this rank's shards (plan_.owned(rank))
+  int64_t mine_numel_ = 0;
+  std::vector<GradRange> excluded_full_;  // padding and TP-replicated parameters: not compressed,
+  std::vector<GradRange> excluded_mine_;  // kept at zero in the errors (the same within mine_)
+  std::vector<GradRange> replicated_;     // TP-replicated parameters (tp > 1), averaged exactly
+  int64_t replicated_numel_ = 0;
+  float* replicated_sum_ = nullptr;       // (replicated_numel_)
+  float* worker_error_ = nullptr;  // (total)
+  float* server_error_ = nullptr;  // (mine_numel), plain only
+  float* avg_ = nullptr;           // (mine_numel)
+  uint16_t* send_ = nullptr;       // (dp * words), destination-major
+  uint16_t* recv_ = nullptr;       // (dp * words), source-major
+  float* v_full_ = nullptr;        // sharded: the whole frozen variance (total), gathered once
+  bool v_full_ready_ = false;
+};
+
+}  // namespace tetra
