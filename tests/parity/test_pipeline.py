@@ -65,7 +65,7 @@ def layout(pp, schedule="1f1b", vp=1, dp=1, tp=1, sp=False, dist_opt=False, stag
 LAYOUTS = {
     "gpt2": [layout(2, "gpipe"), layout(2), layout(4), layout(2, "interleaved", 2), layout(4, "interleaved", 2),
              layout(2, dp=2, tp=2, sp=True, dist_opt=True), layout(4, "gpipe", dp=2),
-             layout(2, stage_layers=[3, 5]), layout(2, "interleaved", 2, tp=2)],
+             layout(2, stage_layers=[3, 5]), layout(2, "interleaved", 2, tp=2), layout(2, dp=4)],
     "llama": [layout(2), layout(4, "gpipe"), layout(2, "interleaved", 2, dp=2, dist_opt=True),
               layout(4, tp=2, sp=True), layout(2, "interleaved", 2, stage_layers=[1, 3, 2, 2])],
 }

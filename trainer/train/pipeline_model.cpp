@@ -90,6 +90,7 @@ PipelineModel::PipelineModel(const Config& cfg, const ParamLayout& layout, Backe
   runner_ = std::make_unique<PipelineRunner>(schedule_, *groups.pp, chunks_.front()->model().boundary_numel(), act);
   last_ = layout.stage.last;
   tied_across_stages_ = cfg.model.tie_embeddings && cfg.parallel.pp > 1;
+  sum_before_reduction_ = tied_across_stages_ && cfg.parallel.distributed_optimizer && cfg.parallel.dp > 1;
   if (tied_across_stages_ && (layout.stage.first || layout.stage.last)) {
     for (const ParamSpec& p : layout.params)
       if (p.name == "embedding.wte") wte_numel_ = p.numel;
@@ -135,19 +136,24 @@ PipelineStepStats PipelineModel::train(const void* weights, float* grads, float 
   dloss_scale_ = dloss_scale;
   deferred_.clear();
   hook_ = [&](int group) {
-    if (tied_across_stages_ && (group == layout_.embedding_group || group == layout_.head_group))
+    if (sum_before_reduction_ && (group == layout_.embedding_group || group == layout_.head_group))
       deferred_.push_back(group);
     else
       done(group);
   };
   PipelineStepStats st = run(false);
-  if (wte_numel_ > 0) {
+  if (sum_before_reduction_ && wte_numel_ > 0) {
     // Sum of the first stage's and the last stage's embedding.wte gradients, on both.
     groups_.embedding->all_reduce(grads + layout_.wte, wte_numel_, DType::F32, ReduceOp::SUM);
   }
   for (int g : deferred_) done(g);
   hook_ = nullptr;
   return st;
+}
+
+void PipelineModel::finish_tied_embedding(float* grads) {
+  if (sum_before_reduction_ || wte_numel_ == 0) return;
+  groups_.embedding->all_reduce(grads + layout_.wte, wte_numel_, DType::F32, ReduceOp::SUM);
 }
 
 PipelineStepStats PipelineModel::forward(const void* weights) {

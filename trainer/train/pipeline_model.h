@@ -6,9 +6,14 @@
 // turn), so every layout runs through the same code.
 //
 // Tied embeddings across stages: the first stage's embedding.wte and the last stage's copy get
-// gradients from their own uses; before the data-parallel reduction of their groups both are
-// replaced by the sum over the embedding group (first + last stage). The two groups' "done"
-// reports are held back until then; every other group is reported as backward finishes it.
+// gradients from their own uses, and both must end up with the same sum. As in Megatron, each
+// stage's gradient is first reduced over DP, then the two are summed over the embedding group
+// (first + last stage; a sum of two is the same on both, bit for bit, so the copies never drift
+// apart): finish_tied_embedding() after the DP reduction. With the distributed optimizer a DP
+// rank holds only its shard of the reduced gradient, and the stages shard differently, so there
+// the sum over the embedding group comes first, before the DP reduction of those two groups
+// (their "done" reports are held back until then); the copies then agree to the rounding of the
+// DP reduction (exactly for dp <= 2).
 #pragma once
 
 #include <cstdint>
@@ -46,6 +51,9 @@ class PipelineModel {
   // told about each parameter group once its gradient is final (and summed over the embedding
   // group for tied embeddings). Losses land in losses() on the last stage.
   PipelineStepStats train(const void* weights, float* grads, float dloss_scale, const GroupDoneHook& done);
+  // After the DP reduction of the step's gradients (tied embeddings, no distributed optimizer):
+  // the sum of the two copies' gradients over the embedding group.
+  void finish_tied_embedding(float* grads);
   // Forwards only (evaluation): losses of every micro-batch on the last stage.
   PipelineStepStats forward(const void* weights);
 
@@ -70,6 +78,7 @@ class PipelineModel {
   std::vector<std::unique_ptr<Chunk>> chunks_;
   bool last_;
   bool tied_across_stages_;  // tied embeddings with pp > 1
+  bool sum_before_reduction_;  // ... with the distributed optimizer sharding over dp > 1
   int64_t wte_numel_ = 0;
   // This step's arguments, read by the chunks' callbacks.
   const void* weights_ = nullptr;

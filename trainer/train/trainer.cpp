@@ -464,6 +464,7 @@ double Trainer::train_step(int64_t s) {
   // gradients, and their reduction overlaps the backward of earlier layers.
   pipe_stats_ = model_->train(compute_, grads_, dloss_scale, group_done_);
   grad_buffer_->finish();
+  model_->finish_tied_embedding(grads_);
   inject_grad_fault(groups_.rank, s + 1, *be_, grads_ + grad_buffer_->owned().front().offset);  // test-only
   float local = 0.0f;
   if (model_->has_loss()) {
