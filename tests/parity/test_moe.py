@@ -14,6 +14,8 @@ so they do not depend on ep either). Checks, per layout:
     group's measured volume equals the prediction (the routed tokens' all-to-all payload is
     data-dependent: its calls are predicted, its bytes measured);
   - the routing statistics are logged (tokens per expert, dropped, aux and z losses).
+Pipelines too: pp = 2 with ep = 2 (gpipe and 1f1b, with dp 2 or 4, and with tp 2), where several
+micro-batches are in flight on a stage, each with its own routing state.
 bf16: two layouts against the single-rank bf16 run (BF16_RTOL).
 Checkpoints: a run saved at ep = 2 resumes at ep = 1, at ep = 4 and on a single rank, and the
 resumed steps' losses match the uninterrupted ep = 2 run's (experts are stored as global tensors).
@@ -69,6 +71,11 @@ LAYOUTS = {
 }
 
 
+# Pipelines: (dp, tp, ep, pp, schedule). Several micro-batches in flight per stage (gpipe keeps all
+# of them): each keeps its own routing state between its forward and backward.
+PP_LAYOUTS = [(2, 1, 2, 2, "gpipe"), (2, 1, 2, 2, "1f1b"), (4, 1, 2, 2, "1f1b"), (2, 2, 2, 2, "1f1b")]
+
+
 def layout_name(dp, tp, ep, sp, dist_opt):
     return f"dp{dp}_tp{tp}_ep{ep}{'_sp' if sp else ''}{'_distopt' if dist_opt else ''}"
 
@@ -96,12 +103,13 @@ def config(model, capacity=None, precision="fp32"):
     }
 
 
-def run(args, name, cfg, dp, ep, checkpoint=None, dump=True, dist_opt=False, tp=1, sp=False):
+def run(args, name, cfg, dp, ep, checkpoint=None, dump=True, dist_opt=False, tp=1, sp=False, pp=1, schedule="1f1b"):
     out = os.path.join(args.workdir, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     cfg = json.loads(json.dumps(cfg))
-    cfg["parallel"].update({"dp": dp, "ep": ep, "tp": tp, "sequence_parallel": sp, "distributed_optimizer": dist_opt})
+    cfg["parallel"].update({"dp": dp, "ep": ep, "tp": tp, "sequence_parallel": sp, "distributed_optimizer": dist_opt,
+                            "pp": pp, "schedule": schedule})
     cfg["logging"]["dir"] = out
     if checkpoint:
         cfg["checkpoint"] = checkpoint
@@ -109,8 +117,8 @@ def run(args, name, cfg, dp, ep, checkpoint=None, dump=True, dist_opt=False, tp=
     with open(path, "w") as f:
         json.dump(cfg, f)
     cmd = [args.tetra, "--config", path] + (["--dump-dir", os.path.join(out, "dump")] if dump else [])
-    if dp * tp > 1:
-        cmd = [args.mpirun, "--oversubscribe", "-np", str(dp * tp)] + cmd
+    if dp * tp * pp > 1:
+        cmd = [args.mpirun, "--oversubscribe", "-np", str(dp * tp * pp)] + cmd
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     if r.returncode != 0:
@@ -131,7 +139,7 @@ def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def compare(name, ref, got, dp, ep, tp=1):
+def compare(name, ref, got, dp, ep, tp=1, pp=1):
     ref_steps, ref_grads = ref
     steps, g = got
     check(len(steps) == STEPS, f"{name}: {len(steps)} steps logged")
@@ -157,7 +165,8 @@ def compare(name, ref, got, dp, ep, tp=1):
             if not c["match"]:
                 ok = False
                 print(f"  step {s['step']} {group}: measured {c['measured']} predicted {c['predicted']}")
-    expected = {grp for grp, n in (("tp", tp), ("dp", dp), ("edp", dp // ep), ("ep", ep)) if n > 1}
+    expected = {grp for grp, n in (("tp", tp), ("dp", dp), ("edp", dp // ep), ("ep", ep), ("pp", pp), ("embedding", pp))
+                if n > 1}
     check(ok and seen == expected, f"{name}: communication as predicted in every step (groups {sorted(seen)}, "
                                    f"expected {sorted(expected)})")
     if ep > 1:
@@ -188,6 +197,11 @@ def main():
             got = run(args, name, config(model), dp, ep, dist_opt=dist_opt, tp=tp, sp=sp)
             if got is not None:
                 compare(name, ref, got, dp, ep, tp)
+        for dp, tp, ep, pp, schedule in PP_LAYOUTS:
+            name = f"{model}_{layout_name(dp, tp, ep, False, False)}_pp{pp}_{schedule}"
+            got = run(args, name, config(model), dp, ep, tp=tp, pp=pp, schedule=schedule)
+            if got is not None:
+                compare(name, ref, got, dp, ep, tp, pp)
     # bf16: the all-to-alls carry bf16 rows, the router stays fp32.
     ref16 = run(args, "bf16_single", config("gpt2_moe", precision="bf16"), 1, 1, dump=False)
     ref32 = run(args, "fp32_single", config("gpt2_moe"), 1, 1, dump=False)

@@ -113,11 +113,6 @@ void check_pipeline(const Config& c, Rules& r) {
                           "{} / ({} * {})); the interleaved schedule needs a multiple of parallel.pp ({})",
                           m, c.training.global_batch_size, c.training.micro_batch_size, p.dp, pp));
   }
-  if (pp > 1 && c.model.moe.enabled())
-    r.require(false, "parallel.pp", pp,
-              "a Mixture-of-Experts model (model.moe.num_experts > 0) trains with parallel.pp = 1 in this "
-              "build (its blocks keep one micro-batch's routing between forward and backward); use tensor, "
-              "data and expert parallelism");
   if (pp > 1 && r.ok({"parallel.grad_compression"}))
     r.require(p.grad_compression == "none", "parallel.grad_compression", p.grad_compression,
               "gradient compression is not combined with pipeline parallelism in this build: set it to "

@@ -170,8 +170,10 @@ size_t Gpt::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micr
   Acts a;
   ModelDims d = ModelDims::from(cfg, micro_batch, tp, 0, sequence_parallel);
   apply_shape(d, shape);
+  // MoE blocks: each slot's routing and expert activations (every block of the model counted: an
+  // upper bound for a pipeline stage).
   return layout_acts(c, d, act, shape.slots, a, slot_bytes) +
-         MoeLayers::activation_bytes_for(cfg, act, micro_batch * cfg.seq_len, ep, tp);
+         static_cast<size_t>(shape.slots) * MoeLayers::activation_bytes_for(cfg, act, micro_batch * cfg.seq_len, ep, tp);
 }
 
 Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
@@ -201,10 +203,11 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   Carver c(static_cast<char*>(arena_));
   layout_acts(c, d_, act_, slots, *a_, &slot_bytes_);
   if (cfg.moe.enabled()) {
-    // The MoE blocks keep one micro-batch's routing state: no micro-batches in flight (pp = 1).
-    TETRA_CHECK(slots == 1, "MoE blocks hold one micro-batch between forward and backward, not {}", slots);
-    moe_ = std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep, tp_);
-    arena_bytes_ += moe_->activation_bytes();
+    // Each in-flight micro-batch keeps its own routing and expert activations.
+    for (int64_t s = 0; s < slots; ++s) {
+      moe_.push_back(std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep, tp_));
+      arena_bytes_ += moe_.back()->activation_bytes();
+    }
   }
 }
 
@@ -269,6 +272,12 @@ void* Gpt::input(int64_t slot) { return a_->slots.at(static_cast<size_t>(slot)).
 const void* Gpt::output(int64_t slot) const { return a_->slots.at(static_cast<size_t>(slot)).res[d_.L]; }
 void* Gpt::output_grad() { return a_->dres; }
 
+MoeStepStats Gpt::take_moe_stats() {
+  MoeStepStats all;
+  for (auto& m : moe_) all.merge(m->take_stats());
+  return all;
+}
+
 void Gpt::forward_logits(const void* weights, const int32_t* tokens) {
   TETRA_CHECK(d_.first && d_.last, "forward_logits() needs the whole model, not layers {} .. {} of a pipeline stage",
               d_.l0, d_.l0 + d_.L - 1);
@@ -328,7 +337,8 @@ void Gpt::forward_blocks(const void* weights, int64_t slot, const int32_t* token
     gather(s.ln2);
     if (p.moe) {  // res[l+1] = res_mid + MoE(ln2); the experts' TP slices reduced like a row-parallel output
       y = row_target(sl.res[l + 1]);
-      moe_->forward(d.l0 + l, weights, s.ln2, fused_residual ? s.res_mid : nullptr, y, moe_loss_weight_);
+      moe_[static_cast<size_t>(slot)]->forward(d.l0 + l, weights, s.ln2, fused_residual ? s.res_mid : nullptr, y,
+                                               moe_loss_weight_);
       row_parallel_output(sl.res[l + 1], y, s.res_mid);
       continue;
     }
@@ -406,7 +416,7 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
     // MLP: res[l+1] = res_mid + act W_p^T + b.
     const void* dout = full_dres();
     if (p.moe) {
-      moe_->backward(d.l0 + l, weights, grads, s.ln2, dout, dx);
+      moe_[static_cast<size_t>(slot)]->backward(d.l0 + l, weights, grads, s.ln2, dout, dx);
       done(p.expert_group);
     } else {
       be_.gemm(false, false, N, d.F, d.C, 1.0f, dout, d.C, w(weights, p.mlp_proj_w), d.F, t, 0.0f,

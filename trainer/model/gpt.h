@@ -47,6 +47,7 @@
 
 #include "kernels/backend.h"
 #include "trainer/config/config.h"
+#include "trainer/model/moe.h"
 #include "trainer/model/param_layout.h"
 
 namespace tetra {
@@ -142,7 +143,9 @@ class Gpt {
 
   const ModelDims& dims() const { return d_; }
   // The MoE blocks (null for a dense model): routing statistics and aux / z losses.
-  MoeLayers* moe() { return moe_.get(); }
+  bool has_moe() const { return !moe_.empty(); }
+  // The MoE blocks' statistics since the last call, over every activation slot (and reset).
+  MoeStepStats take_moe_stats();
 
   struct Acts;  // activation pointers into the arena (gpt.cpp)
 
@@ -174,7 +177,7 @@ class Gpt {
   size_t arena_bytes_ = 0, slot_bytes_ = 0;
   void* arena_ = nullptr;
   std::unique_ptr<Acts> a_;
-  std::unique_ptr<MoeLayers> moe_;
+  std::vector<std::unique_ptr<MoeLayers>> moe_;  // per activation slot: a micro-batch's routing state
   float moe_loss_weight_ = 0.0f;  // forward(): the weight of the micro-batch's mean loss
 };
 

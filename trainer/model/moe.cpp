@@ -243,6 +243,36 @@ MoeLayers::~MoeLayers() {
   if (arena_) be_.free(arena_);
 }
 
+void MoeStepStats::merge(const MoeStepStats& other) {
+  for (const MoeLayerStats& o : other.layers) {
+    MoeLayerStats* mine = nullptr;
+    for (MoeLayerStats& l : layers)
+      if (l.layer == o.layer) mine = &l;
+    if (!mine) {
+      layers.push_back(o);
+      continue;
+    }
+    const int64_t n = mine->micro_batches + o.micro_batches;
+    if (n > 0) {
+      mine->aux_loss = (mine->aux_loss * static_cast<double>(mine->micro_batches) +
+                        o.aux_loss * static_cast<double>(o.micro_batches)) / static_cast<double>(n);
+      mine->z_loss = (mine->z_loss * static_cast<double>(mine->micro_batches) +
+                      o.z_loss * static_cast<double>(o.micro_batches)) / static_cast<double>(n);
+    }
+    mine->micro_batches = n;
+    mine->dropped += o.dropped;
+    if (mine->tokens_per_expert.size() < o.tokens_per_expert.size())
+      mine->tokens_per_expert.resize(o.tokens_per_expert.size(), 0);
+    for (size_t e = 0; e < o.tokens_per_expert.size(); ++e) mine->tokens_per_expert[e] += o.tokens_per_expert[e];
+  }
+  std::sort(layers.begin(), layers.end(), [](const MoeLayerStats& a, const MoeLayerStats& b) { return a.layer < b.layer; });
+  expert_s += other.expert_s;
+  dispatch_s += other.dispatch_s;
+  combine_s += other.combine_s;
+  dispatch_bytes += other.dispatch_bytes;
+  combine_bytes += other.combine_bytes;
+}
+
 MoeStepStats MoeLayers::take_stats() {
   MoeStepStats out = stats_;
   for (MoeLayerStats& l : out.layers)

@@ -78,6 +78,9 @@ struct MoeStepStats {
   int64_t dispatch_bytes = 0, combine_bytes = 0;  // payload this rank sent
   // Contribution to the step's objective: sum over layers of coeff * mean loss.
   double objective(const MoeConfig& moe) const;
+  // Adds `other` (statistics of other micro-batches or other blocks): per block, counts summed and
+  // mean losses weighted by micro-batches; times and bytes summed.
+  void merge(const MoeStepStats& other);
 };
 
 class MoeLayers {

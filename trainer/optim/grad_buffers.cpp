@@ -30,20 +30,29 @@ GradBuffers::GradBuffers(const ParamLayout& layout, Backend& be, float* grads, P
                                         distributed_optimizer, bucket_size, bf16_wire);
   owned_ = dense_->owned();
   const bool sharded = dense_->sharded();
-  dense_norm_ = std::make_unique<GradNorm>(layout, dense_->owned(), be, groups.tp.get(), groups.pp.get(),
+  // The pipeline stages' parts of the norm are summed once, over both kinds (norm()): a stage
+  // without MoE blocks has no expert part, so each part cannot reduce over pp on its own.
+  dense_norm_ = std::make_unique<GradNorm>(layout, dense_->owned(), be, groups.tp.get(), nullptr,
                                            sharded ? groups.dp.get() : nullptr);
+  if (groups.pp->size() > 1) {
+    pp_ = groups.pp.get();
+    be_ = &be;
+    scratch_ = static_cast<float*>(be.alloc(64));
+  }
   if (!expert_layout_.groups.empty()) {
     experts_ = std::make_unique<GradBuffer>(expert_layout_, be, grads, groups.edp.get(), groups.tp.get(),
                                             distributed_optimizer, bucket_size);
     owned_.insert(owned_.end(), experts_->owned().begin(), experts_->owned().end());
     // Each EP rank holds other experts, and with the distributed optimizer each expert-DP rank
     // other shards of them: the DP group (ep x edp ranks) then holds every expert shard once.
-    expert_norm_ = std::make_unique<GradNorm>(layout, experts_->owned(), be, groups.tp.get(), groups.pp.get(),
+    expert_norm_ = std::make_unique<GradNorm>(layout, experts_->owned(), be, groups.tp.get(), nullptr,
                                               experts_->sharded() ? groups.dp.get() : groups.ep.get());
   }
 }
 
-GradBuffers::~GradBuffers() = default;
+GradBuffers::~GradBuffers() {
+  if (scratch_) be_->free(scratch_);
+}
 
 void GradBuffers::group_done(int group) {
   if (group < dense_groups_)
@@ -64,9 +73,14 @@ void GradBuffers::gather_params(void* params, DType type) {
 
 double GradBuffers::norm(const float* grads) {
   const double d = dense_norm_->compute(grads);
-  if (!expert_norm_) return d;
-  const double e = expert_norm_->compute(grads);
-  return std::sqrt(d * d + e * e);
+  const double e = expert_norm_ ? expert_norm_->compute(grads) : 0.0;
+  float sq = static_cast<float>(d * d + e * e);
+  if (pp_) {  // each pipeline stage holds other parameters
+    be_->copy_from_host(scratch_, &sq, sizeof(float));
+    pp_->all_reduce(scratch_, 1, DType::F32, ReduceOp::SUM);
+    be_->copy_to_host(&sq, scratch_, sizeof(float));
+  }
+  return std::sqrt(static_cast<double>(sq));
 }
 
 }  // namespace tetra

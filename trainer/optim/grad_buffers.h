@@ -19,6 +19,7 @@
 
 namespace tetra {
 
+class Communicator;
 struct ProcessGroups;
 
 class GradBuffers {
@@ -49,6 +50,9 @@ class GradBuffers {
   std::unique_ptr<GradBuffer> dense_, experts_;
   std::unique_ptr<GradNorm> dense_norm_, expert_norm_;
   std::vector<GradRange> owned_;
+  Communicator* pp_ = nullptr;  // pipeline group (size > 1), for the norm
+  Backend* be_ = nullptr;
+  float* scratch_ = nullptr;
 };
 
 // The dense part of `layout` (groups [0, dense_groups)) or its experts (the later groups,

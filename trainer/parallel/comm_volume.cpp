@@ -72,7 +72,7 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
       v.tp.add(CommOp::ALL_REDUCE, accum, 2 * N * 4);  // loss: sum of exponentials, target logits
     }
     v.tp.add(CommOp::ALL_REDUCE, 1, 4);              // gradient norm
-    if (cfg.model.moe.enabled()) v.tp.add(CommOp::ALL_REDUCE, 1, 4);  // and its expert part
+    if (moe_blocks > 0) v.tp.add(CommOp::ALL_REDUCE, 1, 4);  // and its expert part
   }
   if (par.pp > 1) {
     const int64_t boundary = (par.sequence_parallel && par.tp > 1 ? N / par.tp : N) * C * act_bytes;
@@ -125,7 +125,7 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
     if (par.ep > 1) {
       v.ep.add(CommOp::ALL_TO_ALL, 5 * moe_blocks * accum, 0);
       const bool sharded = par.distributed_optimizer && par.dp / par.ep > 1;
-      if (!sharded) v.ep.add(CommOp::ALL_REDUCE, 1, 4);  // the experts' gradient norm
+      if (!sharded && moe_blocks > 0) v.ep.add(CommOp::ALL_REDUCE, 1, 4);  // the experts' gradient norm
     }
   }
   return v;

@@ -100,7 +100,13 @@ PipelineModel::PipelineModel(const Config& cfg, const ParamLayout& layout, Backe
 
 PipelineModel::~PipelineModel() = default;
 
-MoeLayers* PipelineModel::moe() { return chunks_.size() == 1 ? chunks_.front()->model().moe() : nullptr; }
+bool PipelineModel::has_moe() const { return chunks_.front()->model().has_moe(); }
+
+MoeStepStats PipelineModel::take_moe_stats() {
+  MoeStepStats all;
+  for (auto& c : chunks_) all.merge(c->model().take_moe_stats());
+  return all;
+}
 
 size_t PipelineModel::activation_bytes() const {
   size_t n = 0;

@@ -30,7 +30,6 @@
 namespace tetra {
 
 struct ProcessGroups;
-class MoeLayers;
 
 // The layout of this rank's stage: its chunks' layers (Config::pipeline_stage_layers), the
 // embedding on pipeline rank 0, the head on the last.
@@ -58,8 +57,9 @@ class PipelineModel {
   PipelineStepStats forward(const void* weights);
 
   bool has_loss() const { return last_; }  // this rank holds the loss
-  // The MoE blocks' statistics (null for a dense model; MoE models run on one pipeline rank).
-  MoeLayers* moe();
+  // MoE models: the statistics of this rank's MoE blocks since the last call (and reset).
+  bool has_moe() const;
+  MoeStepStats take_moe_stats();
   const PipelineSchedule& schedule() const { return schedule_; }
   size_t activation_bytes() const;
   // Activation memory of pipeline rank `pp_rank`'s chunks under `cfg`'s schedule.

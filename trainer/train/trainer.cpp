@@ -381,7 +381,7 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer) {
   }
   // Pipeline: TP rank 0 of every later stage sends its stage's tensors to the first stage.
   Communicator& pp = *groups_.pp;
-  if (pp.size() > 1 && tp.rank() == 0) {
+  if (pp.size() > 1 && tp.rank() == 0 && groups_.coord.ep == 0) {
     if (pp.rank() > 0) {
       for (const TensorRecord& r : records)
         pp.send(r.data.data(), static_cast<int64_t>(r.data.size() / 4), DType::F32, 0);
@@ -576,7 +576,7 @@ PipelineMetrics Trainer::pipeline_metrics() {
 void Trainer::run() {
   const TrainingConfig& tc = cfg_.training;
   const ModelStats stats = model_stats(cfg_.model, ParamLayout::build(cfg_.model));
-  if (model_->moe()) model_->moe()->take_stats();  // start the step statistics afresh
+  if (model_->has_moe()) model_->take_moe_stats();  // start the step statistics afresh
   const double tokens_per_step = static_cast<double>(tc.global_batch_size * cfg_.model.seq_len);
   const bool shard_optimizer = grad_buffer_->sharded();
   double avg_step_s = 0.0;  // mean over steps after the first (which pays one-off set-up costs)
@@ -651,7 +651,7 @@ void Trainer::run() {
     m.consumed_samples = train_loader_->consumed_samples();
     m.comm = comm_records(comm_before);
     if (groups_.pp->size() > 1) m.pipeline = pipeline_metrics();
-    if (model_->moe()) m.moe = model_->moe()->take_stats();
+    if (model_->has_moe()) m.moe = model_->take_moe_stats();
     for (const CommRecord& c : m.comm)
       if (!(c.measured == c.predicted))
         spdlog::warn("step {}: group {} moved {} but the layout predicts {}", s + 1, c.group,
