@@ -15,19 +15,13 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-BUILD=${TETRA_BUILD_DIR:-$REPO/build-release}
 STEPS=${BENCH_STEPS:-6}
 CORES=$(nproc)
 LAYOUTS=${BENCH_LAYOUTS:-"1 1 0 0, 2 1 0 0, 2 1 0 1, 1 2 0 0, 1 2 1 0"}
 if [[ $CORES -ge 4 ]]; then LAYOUTS="$LAYOUTS, 2 2 1 1, 4 1 0 1"; fi
 
-if [[ -z "${TETRA_BIN:-}" ]]; then
-  "$REPO/scripts/setup.sh" >/dev/null
-  cmake -S "$REPO" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTETRA_TESTS=OFF >/dev/null
-  cmake --build "$BUILD" --target tetra >/dev/null
-  TETRA_BIN="$BUILD/tetra"
-fi
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+source "$REPO/scripts/bench_lib.sh"
+bench_prepare "$REPO"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 

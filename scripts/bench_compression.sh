@@ -17,7 +17,6 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-BUILD=${TETRA_BUILD_DIR:-$REPO/build-release}
 DP=${BENCH_DP:-4}
 STEPS=${BENCH_STEPS:-300}
 WARMUP=${BENCH_WARMUP:-$((STEPS * 3 / 10))}
@@ -25,12 +24,8 @@ MODES=${BENCH_MODES:-"none bf16 onebit"}
 CORES=$(nproc)
 THREADS=$((CORES / DP)); [[ $THREADS -ge 1 ]] || THREADS=1
 
-if [[ -z "${TETRA_BIN:-}" ]]; then
-  cmake -S "$REPO" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTETRA_TESTS=OFF >/dev/null
-  cmake --build "$BUILD" --target tetra >/dev/null
-  TETRA_BIN="$BUILD/tetra"
-fi
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+source "$REPO/scripts/bench_lib.sh"
+bench_prepare "$REPO"
 if [[ -n "${BENCH_OUT:-}" ]]; then
   WORK=$BENCH_OUT
   mkdir -p "$WORK"
