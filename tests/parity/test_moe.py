@@ -139,25 +139,28 @@ def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def compare(name, ref, got, dp, ep, tp=1, pp=1):
+def compare(name, ref, got, dp, ep, tp=1, pp=1, rtol=LOSS_RTOL):
     ref_steps, ref_grads = ref
     steps, g = got
     check(len(steps) == STEPS, f"{name}: {len(steps)} steps logged")
     worst = max(rel(s["loss"], r["loss"]) for s, r in zip(steps, ref_steps))
-    check(worst <= LOSS_RTOL, f"{name}: losses of {STEPS} steps within {LOSS_RTOL:g} (worst {worst:.2e})")
+    check(worst <= rtol, f"{name}: losses of {STEPS} steps within {rtol:g} (worst {worst:.2e})")
     worst_norm = max(rel(s["grad_norm"], r["grad_norm"]) for s, r in zip(steps, ref_steps))
-    check(worst_norm <= 10 * LOSS_RTOL, f"{name}: gradient norms within {10 * LOSS_RTOL:g} (worst {worst_norm:.2e})")
+    check(worst_norm <= 10 * rtol, f"{name}: gradient norms within {10 * rtol:g} (worst {worst_norm:.2e})")
     check(sorted(g) == sorted(ref_grads), f"{name}: the same {len(ref_grads)} gradient tensors")
-    worst_t, worst_name = 0.0, ""
-    for k, r in ref_grads.items():
-        if k not in g or g[k].shape != r.shape:
-            check(False, f"{name}: gradient {k} missing or of shape {g.get(k, np.zeros(0)).shape} not {r.shape}")
-            continue
-        e = float(np.linalg.norm(g[k] - r) / max(np.linalg.norm(r), 1e-30))
-        if e > worst_t:
-            worst_t, worst_name = e, k
-    check(worst_t <= GRAD_RTOL, f"{name}: step-0 gradient of every tensor within {GRAD_RTOL:g} "
-                                f"(worst {worst_t:.2e}, {worst_name})")
+    # Step-0 gradients per tensor: when the layout only reorders fp32 sums (not with a bf16
+    # reduction, whose rounding the loss tolerance above covers).
+    if rtol == LOSS_RTOL:
+        worst_t, worst_name = 0.0, ""
+        for k, r in ref_grads.items():
+            if k not in g or g[k].shape != r.shape:
+                check(False, f"{name}: gradient {k} missing or of shape {g.get(k, np.zeros(0)).shape} not {r.shape}")
+                continue
+            e = float(np.linalg.norm(g[k] - r) / max(np.linalg.norm(r), 1e-30))
+            if e > worst_t:
+                worst_t, worst_name = e, k
+        check(worst_t <= GRAD_RTOL, f"{name}: step-0 gradient of every tensor within {GRAD_RTOL:g} "
+                                    f"(worst {worst_t:.2e}, {worst_name})")
     ok, seen = True, set()
     for s in steps:
         for group, c in s.get("comm", {}).items():
@@ -202,6 +205,15 @@ def main():
             got = run(args, name, config(model), dp, ep, tp=tp, pp=pp, schedule=schedule)
             if got is not None:
                 compare(name, ref, got, dp, ep, tp, pp)
+    # Dense gradients reduced in bf16 (parallel.grad_compression "bf16"; the experts' stay fp32):
+    # within test_compression.py's tolerance for it, communication as predicted.
+    cfg = config("gpt2_moe")
+    cfg["parallel"]["grad_compression"] = "bf16"
+    ref = run(args, "gpt2_moe_single_again", config("gpt2_moe"), 1, 1)
+    got = run(args, "gpt2_moe_dp4_ep2_bf16grads", cfg, 4, 2)
+    if ref and got:
+        compare("gpt2_moe_dp4_ep2_bf16grads", ref, got, 4, 2, rtol=5e-3)
+
     # bf16: the all-to-alls carry bf16 rows, the router stays fp32.
     ref16 = run(args, "bf16_single", config("gpt2_moe", precision="bf16"), 1, 1, dump=False)
     ref32 = run(args, "fp32_single", config("gpt2_moe"), 1, 1, dump=False)

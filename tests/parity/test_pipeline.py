@@ -69,6 +69,12 @@ LAYOUTS = {
     "llama": [layout(2), layout(4, "gpipe"), layout(2, "interleaved", 2, dp=2, dist_opt=True),
               layout(4, tp=2, sp=True), layout(2, "interleaved", 2, stage_layers=[1, 3, 2, 2])],
 }
+# bf16 gradient reduction (parallel.grad_compression "bf16"): within the tolerance
+# test_compression.py gives it against the fp32 reduction (bf16 rounding of each bucket before the
+# sum), with its communication predicted (half the DP bytes).
+COMPRESSION_RTOL = 5e-3
+COMPRESSION_LAYOUTS = {"gpt2": [dict(layout(2, dp=2), grad_compression="bf16")],
+                       "llama": [dict(layout(2, "interleaved", 2, dp=2, dist_opt=True), grad_compression="bf16")]}
 BF16_LAYOUTS = {"gpt2": [layout(2), layout(2, dp=2, dist_opt=True)], "llama": [layout(2, "interleaved", 2)]}
 
 failures = []
@@ -284,6 +290,21 @@ def main():
             got = run(args, name, config(model, par, "fp32", os.path.join(args.workdir, name)))
             if got is not None:
                 compare(name, model, par, ref, got, LOSS_RTOL)
+        for par in COMPRESSION_LAYOUTS[model]:
+            name = name_of(model, par) + "_bf16grads"
+            got = run(args, name, config(model, par, "fp32", os.path.join(args.workdir, name)))
+            if got is not None:
+                compare(name, model, par, ref, got, COMPRESSION_RTOL)
+                # The same layout reducing in fp32: the gradient reduction moves exactly twice the bytes.
+                twin_par = dict(par, grad_compression="none")
+                twin = run(args, name + "_fp32grads", config(model, twin_par, "fp32",
+                                                             os.path.join(args.workdir, name + "_fp32grads")))
+                if twin is not None:
+                    op = "reduce_scatter" if par["distributed_optimizer"] else "all_reduce"
+                    loss_bytes = 0 if par["distributed_optimizer"] else 4  # the loss's all-reduce
+                    a = got[0][1]["comm"]["dp"]["measured"][op]["payload_bytes"] - loss_bytes
+                    b = twin[0][1]["comm"]["dp"]["measured"][op]["payload_bytes"] - loss_bytes
+                    check(a > 0 and 2 * a == b, f"{name}: the gradient {op} moves {a} bytes, half of fp32's {b}")
         ref16 = run(args, f"{model}_single_bf16",
                     config(model, single, "bf16", os.path.join(args.workdir, f"{model}_single_bf16")))
         if ref16 is not None:

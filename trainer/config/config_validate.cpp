@@ -114,8 +114,8 @@ void check_pipeline(const Config& c, Rules& r) {
                           m, c.training.global_batch_size, c.training.micro_batch_size, p.dp, pp));
   }
   if (pp > 1 && r.ok({"parallel.grad_compression"}))
-    r.require(p.grad_compression == "none", "parallel.grad_compression", p.grad_compression,
-              "gradient compression is not combined with pipeline parallelism in this build: set it to "
+    r.require(p.grad_compression != "onebit", "parallel.grad_compression", p.grad_compression,
+              "1-bit Adam is not combined with pipeline parallelism in this build: use \"bf16\" or "
               "\"none\" with parallel.pp > 1");
   if (pp > 1 && r.ok({"sample.prompt"}))
     r.require(c.sample.prompt.empty(), "sample.prompt", c.sample.prompt,
@@ -161,9 +161,9 @@ void check_ranges(const Config& c, Rules& r) {
   // At least one exact Adam step: the frozen variance is the one of the last warm-up step.
   r.at_least("parallel.onebit_warmup_steps", c.parallel.onebit_warmup_steps, 1);
   if (c.model.moe.num_experts > 0)
-    r.require(c.parallel.grad_compression == "none", "parallel.grad_compression", c.parallel.grad_compression,
-              "gradient compression is not combined with Mixture-of-Experts models in this build: set it to "
-              "\"none\"");
+    r.require(c.parallel.grad_compression != "onebit", "parallel.grad_compression", c.parallel.grad_compression,
+              "1-bit Adam is not combined with Mixture-of-Experts models in this build: use \"bf16\" (the "
+              "dense gradients' reduction; expert gradients stay fp32) or \"none\"");
 
   const TrainingConfig& t = c.training;
   r.require(t.device != "cuda", "training.device", t.device,
