@@ -238,7 +238,7 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
     const int64_t n = e.ranges.empty() ? 0 : xs.back() + e.ranges.back().numel;
     const float* data = host_view(e.data, static_cast<size_t>(n), host_extra[x]);
     for (const ParamSpec& p : layout.params) {
-      if (!p.tp_split && !tp0) continue;
+      if ((!p.tp_split && !tp0) || p.stage_copy) continue;
       for (size_t o = 0; o < e.ranges.size(); ++o) {
         const GradRange& r = e.ranges[o];
         const int64_t lo = std::max(r.offset, p.offset) - p.offset;
