@@ -133,16 +133,11 @@ static void layout_slot(Carver& c, const ModelDims& d, DType act, Gpt::Acts::Slo
   }
 }
 
-// `slots` copies of a Slot, then the scratch; returns the bytes, and one slot's in *slot_bytes.
-static size_t layout_acts(Carver& c, const ModelDims& d, DType act, int64_t slots, Gpt::Acts& a,
-                          size_t* slot_bytes = nullptr) {
+// `slots` copies of a Slot, then the scratch; returns the bytes.
+static size_t layout_acts(Carver& c, const ModelDims& d, DType act, int64_t slots, Gpt::Acts& a) {
   const int64_t N = d.N(), Ns = d.Ns;
   a.slots.resize(static_cast<size_t>(slots));
-  for (size_t i = 0; i < a.slots.size(); ++i) {
-    const size_t before = c.used();
-    layout_slot(c, d, act, a.slots[i]);
-    if (i == 0 && slot_bytes) *slot_bytes = c.used() - before;
-  }
+  for (Gpt::Acts::Slot& s : a.slots) layout_slot(c, d, act, s);
   a.ce_max = d.tp > 1 ? c.take_f32(N) : nullptr;
   a.ce_sums = d.tp > 1 ? c.take_f32(2 * N) : nullptr;
   a.dres = c.take(Ns * d.C, act);
@@ -165,14 +160,14 @@ static void apply_shape(ModelDims& d, const ChunkShape& shape) {
 }
 
 size_t Gpt::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch, int64_t tp,
-                                 bool sequence_parallel, const ChunkShape& shape, size_t* slot_bytes, int64_t ep) {
+                                 bool sequence_parallel, const ChunkShape& shape, int64_t ep) {
   Carver c(nullptr);
   Acts a;
   ModelDims d = ModelDims::from(cfg, micro_batch, tp, 0, sequence_parallel);
   apply_shape(d, shape);
   // MoE blocks: each slot's routing and expert activations (every block of the model counted: an
   // upper bound for a pipeline stage).
-  return layout_acts(c, d, act, shape.slots, a, slot_bytes) +
+  return layout_acts(c, d, act, shape.slots, a) +
          static_cast<size_t>(shape.slots) * MoeLayers::activation_bytes_for(cfg, act, micro_batch * cfg.seq_len, ep, tp);
 }
 
@@ -201,7 +196,7 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   arena_ = be_.alloc(arena_bytes_);
   a_ = std::make_unique<Acts>();
   Carver c(static_cast<char*>(arena_));
-  layout_acts(c, d_, act_, slots, *a_, &slot_bytes_);
+  layout_acts(c, d_, act_, slots, *a_);
   if (cfg.moe.enabled()) {
     // Each in-flight micro-batch keeps its own routing and expert activations.
     for (int64_t s = 0; s < slots; ++s) {

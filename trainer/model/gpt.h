@@ -97,11 +97,9 @@ class Gpt {
 
   // Bytes of activation memory this model holds (the arena).
   size_t activation_bytes() const { return arena_bytes_; }
-  // Of which each slot takes `slot_bytes` (the rest is backward scratch).
-  size_t slot_bytes() const { return slot_bytes_; }
   static size_t activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch,
                                      int64_t tp = 1, bool sequence_parallel = false,
-                                     const ChunkShape& shape = {}, size_t* slot_bytes = nullptr, int64_t ep = 1);
+                                     const ChunkShape& shape = {}, int64_t ep = 1);
 
   // tokens, targets: (B, T) int32 in backend memory. weights: the compute copy (type act) of the
   // parameter buffer. Writes per-token losses (N) F32. If `dloss_scale` != 0 the logits' gradient
@@ -174,7 +172,7 @@ class Gpt {
   float eps_;
   bool rope_;    // position == "rope"
   bool swiglu_;  // activation == "swiglu"
-  size_t arena_bytes_ = 0, slot_bytes_ = 0;
+  size_t arena_bytes_ = 0;
   void* arena_ = nullptr;
   std::unique_ptr<Acts> a_;
   std::vector<std::unique_ptr<MoeLayers>> moe_;  // per activation slot: a micro-batch's routing state

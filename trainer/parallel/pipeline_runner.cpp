@@ -36,7 +36,6 @@ PipelineStepStats PipelineRunner::run(const std::vector<PipelineChunk*>& chunks,
     std::vector<int> holds;            // per slot: the micro-batch in it, -1 when free
     std::vector<WorkHandle> act_send;  // per slot: the send of its output activation
     std::vector<WorkHandle> grad_send; // per gradient buffer: the send of an input gradient
-    int live = 0;
     int last_backward = -1;            // micro-batch of the chunk's last backward this step
   };
   std::vector<ChunkState> state(chunks.size());
@@ -50,14 +49,11 @@ PipelineStepStats PipelineRunner::run(const std::vector<PipelineChunk*>& chunks,
     if (!a.forward) state[static_cast<size_t>(a.chunk)].last_backward = a.micro_batch;
 
   PipelineStepStats st;
-  st.peak_per_chunk.assign(chunks.size(), 0);
   int live = 0;
   const auto t_start = clock::now();
-  auto wait = [&](WorkHandle& w, CommOp op) {
+  auto wait = [&](WorkHandle& w, CommOp op) {  // the time blocked is counted in pp_.stats()
     if (!w) return;
-    const auto t0 = clock::now();
     pp_.wait(*w, op);
-    st.wait_s += seconds_between(t0, clock::now());
     w.reset();
   };
   auto compute = [&](auto&& body) {
@@ -88,10 +84,7 @@ PipelineStepStats PipelineRunner::run(const std::vector<PipelineChunk*>& chunks,
       compute([&] { chunk.forward(static_cast<int64_t>(slot), a.micro_batch); });
       if (stage < S - 1)
         cs.act_send[slot] = pp_.send_async(chunk.output(static_cast<int64_t>(slot)), numel_, type_, next, kActivationTag);
-      if (!forward_only) {
-        st.peak_per_chunk[c] = std::max(st.peak_per_chunk[c], ++cs.live);
-        st.peak_in_flight = std::max(st.peak_in_flight, ++live);
-      }
+      if (!forward_only) st.peak_in_flight = std::max(st.peak_in_flight, ++live);
     } else {
       TETRA_CHECK(cs.holds[slot] == a.micro_batch, "pipeline rank {} chunk {}: backward of micro-batch {} but slot {} "
                   "holds micro-batch {}", r, a.chunk, a.micro_batch, slot, cs.holds[slot]);
@@ -109,7 +102,6 @@ PipelineStepStats PipelineRunner::run(const std::vector<PipelineChunk*>& chunks,
         cs.grad_send[gbuf] = pp_.send_async(chunk.input_grad(static_cast<int64_t>(gbuf)), numel_, type_, prev,
                                             kGradientTag);
       cs.holds[slot] = -1;
-      --cs.live;
       --live;
     }
   }

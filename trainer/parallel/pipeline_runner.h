@@ -46,10 +46,8 @@ class PipelineChunk {
 
 struct PipelineStepStats {
   double compute_s = 0.0;      // in forward / backward
-  double wait_s = 0.0;         // blocked in receives (and on sends before reusing their buffer)
   double total_s = 0.0;        // the whole schedule
   int peak_in_flight = 0;      // most micro-batches held between forward and backward, all chunks
-  std::vector<int> peak_per_chunk;
   double bubble() const { return total_s > 0.0 ? 1.0 - compute_s / total_s : 0.0; }
 };
 
