@@ -208,4 +208,11 @@ class Backend {
 // The CPU backend (kernels/cpu). `threads` <= 0 means all available cores.
 std::unique_ptr<Backend> make_cpu_backend(int threads = 0);
 
+// The CUDA backend (kernels/cuda), on GPU `device`. Exists only where Tetra was built with CUDA
+// (TETRA_HAVE_CUDA defined); cuda_device_count() is 0 where the driver finds no GPU.
+#if defined(TETRA_HAVE_CUDA)
+std::unique_ptr<Backend> make_cuda_backend(int device);
+int cuda_device_count();
+#endif
+
 }  // namespace tetra
