@@ -26,6 +26,18 @@ struct CudaGemmStateDeleter { void operator()(CudaGemmState* s) const; };
 struct CudaAttentionStateDeleter { void operator()(CudaAttentionState* s) const; };
 struct CudaScratchDeleter { void operator()(CudaScratch* s) const; };
 
+// A GPU's identity and dense peaks (device_info.cu says where the figures come from).
+struct CudaDeviceInfo {
+  std::string name;
+  int sm_count = 0;
+  int compute_capability = 0;  // 90 for sm_90
+  size_t memory_bytes = 0;
+  double clock_ghz = 0.0;
+  double peak_bf16_flops = 0.0;  // tensor cores, dense, fp32 accumulation
+  double peak_fp32_flops = 0.0;  // CUDA cores (the fp32 GEMM path computes exact fp32, no TF32)
+};
+CudaDeviceInfo cuda_device_info(int device);
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int device);

@@ -2,7 +2,6 @@
 
 #include "trainer/train/pipeline_model.h"
 
-#include <omp.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -18,7 +17,6 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
-#include "kernels/cpu/peak.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/core/check.h"
@@ -31,6 +29,7 @@
 #include "trainer/model/flops.h"
 #include "trainer/model/sampler.h"
 #include "trainer/optim/lr_schedule.h"
+#include "trainer/train/compute_device.h"
 #include "trainer/train/fault_injection.h"
 #include "trainer/train/generate.h"
 #include "trainer/train/metrics.h"
@@ -134,6 +133,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     valid_source_ = make_valid_source(cfg, cfg.training.eval_steps * cfg.training.global_batch_size);
   if (samples_enabled(cfg)) tokenizer_ = load_sampling_tokenizer(cfg);
   train_loader_ = std::make_unique<DataLoader>(train_source_, T, B, groups.coord.dp, cfg.parallel.dp);
+  // The device too (no GPU, or a build without CUDA, is an input error; nothing is written).
+  ComputeDevice device = make_compute_device(cfg.training, act_ == DType::BF16);
   // The checkpoint to resume from is found (or refused) before any file is written.
   const std::string resume = checkpoint_to_resume(cfg.checkpoint);
   if (writer_) {
@@ -146,7 +147,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   spdlog::info("data: train {}{}", train_source_->describe(),
                valid_source_ ? ", valid " + valid_source_->describe() : std::string());
 
-  be_ = make_cpu_backend(static_cast<int>(cfg.training.threads));
+  be_ = std::move(device.backend);
   const size_t n = static_cast<size_t>(layout_.total);
   master_ = static_cast<float*>(be_->alloc(n * 4));
   grads_ = static_cast<float*>(be_->alloc(n * 4));
@@ -210,10 +211,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   }
   predicted_ = predict_step_volume(cfg, layout_);
 
-  const int threads = omp_get_max_threads();
-  const double rank_peak = cfg.training.peak_gflops > 0
-                               ? cfg.training.peak_gflops * 1e9
-                               : measure_cpu_peak_gflops(threads, act_ == DType::BF16) * 1e9;
+  const double rank_peak = device.peak_flops;
   peak_flops_ = rank_peak * static_cast<double>(groups.grid.world());
 
   const ParamLayout whole = ParamLayout::build(cfg.model);
@@ -235,16 +233,16 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                cfg.parallel.sequence_parallel ? ", sequence parallel" : "",
                cfg.parallel.distributed_optimizer ? ", distributed optimizer" : "",
                grad_buffer_->num_buckets());
-  spdlog::info("run: backend {} with {} threads per rank, precision {}, micro-batch {} x {} accumulation "
+  spdlog::info("run: backend {} per rank, precision {}, micro-batch {} x {} accumulation "
                "x dp {} = global batch {} ({} tokens/step), {} steps, {:.2f} GFLOP/token",
-               be_->name(), threads, cfg.training.precision, B, accum_, cfg.parallel.dp,
+               device.description, cfg.training.precision, B, accum_, cfg.parallel.dp,
                cfg.training.global_batch_size, cfg.training.global_batch_size * T, cfg.training.steps,
                stats.train_flops_per_token / 1e9);
   spdlog::info("memory per rank: {:.1f} MiB (weights {:.1f}, grads {:.1f}, optimizer {:.1f}, activations "
                "{:.1f}); peak {:.1f} GFLOP/s per rank ({})",
                plan.total() / 1048576.0, (plan.master + plan.compute) / 1048576.0, plan.grads / 1048576.0,
                plan.optimizer / 1048576.0, plan.activations / 1048576.0, rank_peak / 1e9,
-               cfg.training.peak_gflops > 0 ? "training.peak_gflops" : "measured");
+               device.peak_source);
   if (sampler_)
     spdlog::info("samples: at each evaluation, up to {} tokens after \"{}\" (temperature {}, top-k {}, "
                  "seed {}, tokenizer {})",
