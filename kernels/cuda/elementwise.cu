@@ -45,7 +45,8 @@ struct GeluGradOp {  // (x, dy) -> gelu'(x) dy
 // from `head` on (16-byte aligned there when K > 1), then the scalar tail. b is unused (may be
 // null) for a unary op.
 template <typename T, int K, typename Op>
-__global__ void __launch_bounds__(kThreads) map_kernel(T* out, const T* a, const T* b, int64_t n, int64_t head, Op op) {
+__global__ void __launch_bounds__(kThreads)
+    map_kernel(T* out, const T* a, const T* b, int64_t n, int64_t head, Op op) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t chunks = (n - head) / K;
@@ -75,7 +76,8 @@ void launch_map(T* out, const T* a, const T* b, int64_t n, Op op, cudaStream_t s
   constexpr int K = kVec<T>;
   const auto misalign = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16; };
   const uintptr_t m = misalign(a);
-  const bool vector = m % sizeof(T) == 0 && misalign(out) == m && (!Op::kBinary || misalign(b) == m);
+  const bool vector =
+      m % sizeof(T) == 0 && misalign(out) == m && (!Op::kBinary || misalign(b) == m);
   if (vector) {
     int64_t head = m == 0 ? 0 : static_cast<int64_t>((16 - m) / sizeof(T));
     if (head > n) head = n;
@@ -90,7 +92,8 @@ void launch_map(T* out, const T* a, const T* b, int64_t n, Op op, cudaStream_t s
 // x (N, 2F) = [gate | up] per row, y (N, F) = silu(gate) * up. Chunk c of K elements covers row
 // c / (F / K), columns (c % (F / K)) K onwards.
 template <typename T, int K>
-__global__ void __launch_bounds__(kThreads) swiglu_forward_kernel(T* y, const T* x, int64_t N, int64_t F) {
+__global__ void __launch_bounds__(kThreads)
+    swiglu_forward_kernel(T* y, const T* x, int64_t N, int64_t F) {
   const int64_t per_row = F / K;
   const int64_t chunks = N * per_row;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -109,7 +112,8 @@ __global__ void __launch_bounds__(kThreads) swiglu_forward_kernel(T* y, const T*
 
 // dgate = dy * up * silu'(gate), dup = dy * silu(gate); dx (N, 2F) = [dgate | dup].
 template <typename T, int K>
-__global__ void __launch_bounds__(kThreads) swiglu_backward_kernel(T* dx, const T* x, const T* dy, int64_t N, int64_t F) {
+__global__ void __launch_bounds__(kThreads)
+    swiglu_backward_kernel(T* dx, const T* x, const T* dy, int64_t N, int64_t F) {
   const int64_t per_row = F / K;
   const int64_t chunks = N * per_row;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -152,8 +156,8 @@ void CudaBackend::add(void* out, const void* a, const void* b, int64_t n, DType 
   check_n("add", n);
   cuda::with_float_type(act, "add", "activation type", [&](auto tag) {
     using T = decltype(tag);
-    launch_map(static_cast<T*>(out), static_cast<const T*>(a), static_cast<const T*>(b), n,
-               AddOp{}, cuda::as_stream(stream()));
+    launch_map(static_cast<T*>(out), static_cast<const T*>(a), static_cast<const T*>(b), n, AddOp{},
+               cuda::as_stream(stream()));
   });
 }
 
@@ -185,10 +189,11 @@ void CudaBackend::swiglu_forward(void* y, const void* x, int64_t N, int64_t F, D
     const cudaStream_t s = cuda::as_stream(stream());
     if (swiglu_vector<T>(F, {y, x})) {
       constexpr int K = kVec<T>;
-      swiglu_forward_kernel<T, K><<<cuda::grid_for(N * (F / K), kThreads), kThreads, 0, s>>>(
-          yt, xt, N, F);
+      swiglu_forward_kernel<T, K>
+          <<<cuda::grid_for(N * (F / K), kThreads), kThreads, 0, s>>>(yt, xt, N, F);
     } else {
-      swiglu_forward_kernel<T, 1><<<cuda::grid_for(N * F, kThreads), kThreads, 0, s>>>(yt, xt, N, F);
+      swiglu_forward_kernel<T, 1>
+          <<<cuda::grid_for(N * F, kThreads), kThreads, 0, s>>>(yt, xt, N, F);
     }
     TETRA_CUDA_LAUNCHED();
   });
@@ -206,11 +211,11 @@ void CudaBackend::swiglu_backward(void* dx, const void* x, const void* dy, int64
     const cudaStream_t s = cuda::as_stream(stream());
     if (swiglu_vector<T>(F, {dx, x, dy})) {
       constexpr int K = kVec<T>;
-      swiglu_backward_kernel<T, K><<<cuda::grid_for(N * (F / K), kThreads), kThreads, 0, s>>>(
-          dxt, xt, dyt, N, F);
+      swiglu_backward_kernel<T, K>
+          <<<cuda::grid_for(N * (F / K), kThreads), kThreads, 0, s>>>(dxt, xt, dyt, N, F);
     } else {
-      swiglu_backward_kernel<T, 1><<<cuda::grid_for(N * F, kThreads), kThreads, 0, s>>>(
-          dxt, xt, dyt, N, F);
+      swiglu_backward_kernel<T, 1>
+          <<<cuda::grid_for(N * F, kThreads), kThreads, 0, s>>>(dxt, xt, dyt, N, F);
     }
     TETRA_CUDA_LAUNCHED();
   });

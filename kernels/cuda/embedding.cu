@@ -46,9 +46,9 @@ __device__ __forceinline__ int64_t slice_row(int32_t token, int64_t v0, int64_t 
 
 // out (n_tok, C) of T = wte[tokens - v0] (zero row outside the slice) (+ wpe[bt % T_len]).
 template <typename T, typename W, int K>
-__global__ void __launch_bounds__(kThreads) embedding_forward_kernel(T* out, const int32_t* tokens, const W* wte,
-                                         const W* wpe, int64_t n_tok, int64_t T_len, int64_t C,
-                                         int64_t v0, int64_t Vl) {
+__global__ void __launch_bounds__(kThreads)
+    embedding_forward_kernel(T* out, const int32_t* tokens, const W* wte, const W* wpe,
+                             int64_t n_tok, int64_t T_len, int64_t C, int64_t v0, int64_t Vl) {
   const int64_t per_row = C / K;
   const int64_t total = n_tok * per_row;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -76,8 +76,9 @@ __global__ void __launch_bounds__(kThreads) embedding_forward_kernel(T* out, con
 }
 
 // Step 1: sort keys (the slice row, or Vl outside the slice) and positions.
-__global__ void __launch_bounds__(kThreads) embedding_keys_kernel(uint32_t* keys, int32_t* pos, const int32_t* tokens,
-                                      int64_t n, int64_t v0, int64_t Vl) {
+__global__ void __launch_bounds__(kThreads)
+    embedding_keys_kernel(uint32_t* keys, int32_t* pos, const int32_t* tokens, int64_t n,
+                          int64_t v0, int64_t Vl) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < n;
        p += stride) {
@@ -93,8 +94,9 @@ __global__ void __launch_bounds__(kThreads) embedding_keys_kernel(uint32_t* keys
 // blockIdx.y kRunThreads + threadIdx.x) add the run's rows of dout (n, C) into dwte[key] in
 // increasing position order.
 template <typename T, int K>
-__global__ void __launch_bounds__(kRunThreads) embedding_runs_kernel(float* dwte, const T* dout, const uint32_t* keys,
-                                      const int32_t* pos, int64_t n, int64_t C, int64_t Vl) {
+__global__ void __launch_bounds__(kRunThreads)
+    embedding_runs_kernel(float* dwte, const T* dout, const uint32_t* keys, const int32_t* pos,
+                          int64_t n, int64_t C, int64_t Vl) {
   const int64_t p = blockIdx.x;
   const uint32_t key = keys[p];
   if (key >= Vl || (p > 0 && keys[p - 1] == key)) return;  // uniform over the block
@@ -123,8 +125,8 @@ __global__ void __launch_bounds__(kRunThreads) embedding_runs_kernel(float* dwte
 
 // dwpe (T_len, C) += sum over b in order of dout[b, t] (B, T_len, C).
 template <typename T, int K>
-__global__ void __launch_bounds__(kThreads) embedding_dwpe_kernel(float* dwpe, const T* dout, int64_t B, int64_t T_len,
-                                      int64_t C) {
+__global__ void __launch_bounds__(kThreads)
+    embedding_dwpe_kernel(float* dwpe, const T* dout, int64_t B, int64_t T_len, int64_t C) {
   const int64_t per_row = C / K;
   const int64_t total = T_len * per_row;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -184,8 +186,8 @@ void CudaBackend::embedding_forward(void* out, const int32_t* tokens, const void
       const int64_t chunks = n * (vector ? C / kVec<TA> : C);
       auto launch = [&](auto kernel) {
         kernel<<<cuda::grid_for(chunks, kThreads), kThreads, 0, stream>>>(
-            static_cast<TA*>(out), tokens, static_cast<const TW*>(wte),
-            static_cast<const TW*>(wpe), n, T, C, v0, Vl);
+            static_cast<TA*>(out), tokens, static_cast<const TW*>(wte), static_cast<const TW*>(wpe),
+            n, T, C, v0, Vl);
       };
       if (vector)
         launch(embedding_forward_kernel<TA, TW, kVec<TA>>);
@@ -210,17 +212,16 @@ void CudaBackend::embedding_backward(float* dwte, float* dwpe, const void* dout,
     size_t temp_bytes = 0;
     TETRA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
         nullptr, temp_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
-        static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), static_cast<int>(n), 0,
-        bits, stream));
+        static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), static_cast<int>(n),
+        0, bits, stream));
     cuda::reserve_sort(*this, n, temp_bytes);
     CudaFusedState& st = fused_state();
     embedding_keys_kernel<<<cuda::grid_for(n, kThreads), kThreads, 0, stream>>>(
         st.sort_keys[0], st.sort_pos[0], tokens, n, v0, Vl);
     TETRA_CUDA_LAUNCHED();
-    TETRA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(st.sort_temp, temp_bytes, st.sort_keys[0],
-                                                     st.sort_keys[1], st.sort_pos[0],
-                                                     st.sort_pos[1], static_cast<int>(n), 0, bits,
-                                                     stream));
+    TETRA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+        st.sort_temp, temp_bytes, st.sort_keys[0], st.sort_keys[1], st.sort_pos[0], st.sort_pos[1],
+        static_cast<int>(n), 0, bits, stream));
     // Step 3: one block column per sorted entry; only runs' first entries work.
     cuda::with_float_type(act, "embedding_backward", "activation type", [&](auto a) {
       using TA = decltype(a);

@@ -14,7 +14,7 @@
 namespace tetra {
 
 struct CudaFusedState {
-  float* norm_partials = nullptr;  // kNormPartialFloats floats
+  float* norm_partials = nullptr;               // kNormPartialFloats floats
   uint32_t* sort_keys[2] = {nullptr, nullptr};  // (sort_capacity) each: input, sorted
   int32_t* sort_pos[2] = {nullptr, nullptr};    // (sort_capacity) each: input, sorted
   int64_t sort_capacity = 0;

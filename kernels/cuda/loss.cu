@@ -89,16 +89,17 @@ __device__ __forceinline__ bool chunks_aligned(const G* g, const L* l, int64_t n
   return reinterpret_cast<uintptr_t>(g + head) % align == 0;
 }
 
-// Writes zeros over the row g[0, n) (an ignored row's gradient).
+// Writes zeros over the row g[0, n) (an ignored row's gradient), split like visit_row.
 template <typename G>
 __device__ void zero_row(G* g, int64_t n) {
-  visit_row(static_cast<const G*>(g), n, [&](int64_t j, auto& v) {
-    constexpr int K = sizeof(v) / sizeof(float);
-    float z[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) z[k] = 0.0f;
-    store_row_part<K>(g, j, z, true);
-  });
+  constexpr int K = kVec<G>;
+  const cuda::RowSplit sp = cuda::split_row(g, n);
+  const int64_t tail = sp.head + sp.chunks * K;
+  for (int64_t e = threadIdx.x; e < sp.head + (n - tail); e += blockDim.x)
+    cuda::st(g + (e < sp.head ? e : tail + (e - sp.head)), 0.0f);
+  const float zeros[K] = {};
+  for (int64_t c = threadIdx.x; c < sp.chunks; c += blockDim.x)
+    cuda::store_floats<K>(g + sp.head + c * K, zeros);
 }
 
 // g[j] = scale * (exp(l[j] - M) / S - [j == col]) over the row, k = scale / S (the CPU's
@@ -175,8 +176,8 @@ __global__ void __launch_bounds__(kRowThreads)
 // target's logit if this slice [v0, v0 + Vl) holds it, else 0.
 template <typename L>
 __global__ void __launch_bounds__(kRowThreads)
-    vocab_ce_sums_kernel(float* sumexp, float* target_logit, const L* logits,
-                         const float* row_max, const int32_t* targets, int64_t v0, int64_t Vl) {
+    vocab_ce_sums_kernel(float* sumexp, float* target_logit, const L* logits, const float* row_max,
+                         const int32_t* targets, int64_t v0, int64_t Vl) {
   __shared__ float shared[32];
   const int64_t i = blockIdx.x;
   const L* l = logits + i * Vl;
@@ -197,9 +198,9 @@ __global__ void __launch_bounds__(kRowThreads)
 }
 
 // Vocab-parallel pass 3 without a gradient: losses only, one thread per row.
-__global__ void __launch_bounds__(256) vocab_ce_losses_kernel(float* losses, const float* row_max, const float* sumexp,
-                                       const float* target_logit, const int32_t* targets,
-                                       int64_t N) {
+__global__ void __launch_bounds__(256)
+    vocab_ce_losses_kernel(float* losses, const float* row_max, const float* sumexp,
+                           const float* target_logit, const int32_t* targets, int64_t N) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < N; i += stride)
     losses[i] = targets[i] >= 0 ? (row_max[i] - target_logit[i]) + logf(sumexp[i]) : 0.0f;
@@ -209,8 +210,8 @@ __global__ void __launch_bounds__(256) vocab_ce_losses_kernel(float* losses, con
 template <typename L, typename G>
 __global__ void __launch_bounds__(kRowThreads)
     vocab_ce_finish_kernel(float* losses, G* dlogits, const L* logits, const float* row_max,
-                           const float* sumexp, const float* target_logit,
-                           const int32_t* targets, int64_t v0, int64_t Vl, float scale) {
+                           const float* sumexp, const float* target_logit, const int32_t* targets,
+                           int64_t v0, int64_t Vl, float scale) {
   const int64_t i = blockIdx.x;
   const int32_t t = targets[i];
   const float M = row_max[i], S = sumexp[i];
@@ -252,8 +253,8 @@ void CudaBackend::cross_entropy(float* losses, void* dlogits, DType dlogits_type
     using L = decltype(ltag);
     const L* l = static_cast<const L*>(logits);
     if (dlogits == nullptr) {
-      cross_entropy_kernel<L, float><<<rows, kRowThreads, 0, stream>>>(
-          losses, nullptr, l, targets, V, dloss_scale);
+      cross_entropy_kernel<L, float>
+          <<<rows, kRowThreads, 0, stream>>>(losses, nullptr, l, targets, V, dloss_scale);
     } else {
       cuda::with_float_type(dlogits_type, "cross_entropy", "dlogits type", [&](auto gtag) {
         using G = decltype(gtag);
@@ -307,8 +308,8 @@ void CudaBackend::vocab_ce_finish(float* losses, void* dlogits, DType dlogits_ty
   if (N == 0) return;
   const cudaStream_t stream = cuda::as_stream(this->stream());
   if (dlogits == nullptr) {
-    vocab_ce_losses_kernel<<<cuda::grid_for(N, 256), 256, 0, stream>>>(
-        losses, row_max, sumexp, target_logit, targets, N);
+    vocab_ce_losses_kernel<<<cuda::grid_for(N, 256), 256, 0, stream>>>(losses, row_max, sumexp,
+                                                                       target_logit, targets, N);
     TETRA_CUDA_LAUNCHED();
     return;
   }

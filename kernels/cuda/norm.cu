@@ -46,9 +46,9 @@ constexpr int kReduceRows = 32;  // kernel 2: blockDim (32 columns, kReduceRows)
 // rstd (N). Chunks of K elements: K = 1, or kVec<T> when C % K == 0 and the pointers are 16-byte
 // aligned.
 template <typename T, typename W, int K>
-__global__ void __launch_bounds__(kForwardThreads) norm_forward_kernel(T* out, float* mean, float* rstd, const T* x, const W* weight,
-                                    const W* bias, int64_t N, int64_t C, float eps,
-                                    bool subtract_mean) {
+__global__ void __launch_bounds__(kForwardThreads)
+    norm_forward_kernel(T* out, float* mean, float* rstd, const T* x, const W* weight,
+                        const W* bias, int64_t N, int64_t C, float eps, bool subtract_mean) {
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (row >= N) return;  // the whole warp: no barrier follows
@@ -106,10 +106,10 @@ __global__ void __launch_bounds__(kForwardThreads) norm_forward_kernel(T* out, f
 // rows_per_block) and, if param_grads, writes partials[b 2C, +C) (dweight terms) and
 // partials[b 2C + C, +C) (dbias terms).
 template <typename T, typename W, int K>
-__global__ void __launch_bounds__(kBackwardMaxThreads) norm_backward_kernel(T* dx, float* partials, const T* dout, const T* x,
-                                     const W* weight, const float* mean, const float* rstd,
-                                     int64_t N, int64_t C, int64_t rows_per_block,
-                                     bool subtract_mean, bool param_grads) {
+__global__ void __launch_bounds__(kBackwardMaxThreads)
+    norm_backward_kernel(T* dx, float* partials, const T* dout, const T* x, const W* weight,
+                         const float* mean, const float* rstd, int64_t N, int64_t C,
+                         int64_t rows_per_block, bool subtract_mean, bool param_grads) {
   __shared__ float s_mean_dn[kTileRows], s_mean_dn_xhat[kTileRows];
   __shared__ float s_mean[kTileRows], s_rstd[kTileRows];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
@@ -117,8 +117,8 @@ __global__ void __launch_bounds__(kBackwardMaxThreads) norm_backward_kernel(T* d
   const float inv_c = 1.0f / static_cast<float>(C);
   const int64_t row_begin = static_cast<int64_t>(blockIdx.x) * rows_per_block;
   const int64_t row_end = min(N, row_begin + rows_per_block);
-  float* pw = partials + static_cast<int64_t>(blockIdx.x) * 2 * C;
-  float* pb = pw + C;
+  float* pw = param_grads ? partials + static_cast<int64_t>(blockIdx.x) * 2 * C : nullptr;
+  float* pb = param_grads ? pw + C : nullptr;
 
   for (int64_t tile = row_begin; tile < row_end; tile += kTileRows) {  // uniform over the block
     const int tile_rows = static_cast<int>(min(static_cast<int64_t>(kTileRows), row_end - tile));
@@ -196,8 +196,9 @@ __global__ void __launch_bounds__(kBackwardMaxThreads) norm_backward_kernel(T* d
 // Kernel 2: dweight[j] += sum_b partials[b 2C + j], dbias[j] += sum_b partials[b 2C + C + j] over
 // `blocks` partials, in a fixed order: thread (tx, ty) sums b = ty, ty + kReduceRows, ... for
 // column 32 blockIdx.x + tx, then row ty = 0 adds the kReduceRows sums in order.
-__global__ void __launch_bounds__(32 * kReduceRows) norm_param_grads_kernel(float* dweight, float* dbias, const float* partials,
-                                        int64_t blocks, int64_t C) {
+__global__ void __launch_bounds__(32 * kReduceRows)
+    norm_param_grads_kernel(float* dweight, float* dbias, const float* partials, int64_t blocks,
+                            int64_t C) {
   __shared__ float s_w[kReduceRows][33], s_b[kReduceRows][33];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t j = static_cast<int64_t>(blockIdx.x) * 32 + tx;
@@ -269,7 +270,8 @@ void CudaBackend::norm_forward(NormKind kind, void* out, float* mean, float* rst
     using T = decltype(a);
     cuda::with_float_type(w, "norm_forward", "weight type", [&](auto b) {
       using W = decltype(b);
-      const unsigned blocks = static_cast<unsigned>((N + kForwardThreads / 32 - 1) / (kForwardThreads / 32));
+      const unsigned blocks =
+          static_cast<unsigned>((N + kForwardThreads / 32 - 1) / (kForwardThreads / 32));
       auto launch = [&](auto kernel) {
         kernel<<<blocks, kForwardThreads, 0, stream>>>(
             static_cast<T*>(out), layernorm ? mean : nullptr, rstd, static_cast<const T*>(x),
@@ -302,7 +304,8 @@ void CudaBackend::norm_backward(NormKind kind, void* dx, float* dweight, float* 
       const bool vector = rows_vectorisable<T>(C, {dx, dout, x, weight});
       const int64_t chunks = vector ? C / kVec<T> : C;
       // One thread per chunk of a row up to kBackwardMaxThreads (at least 2 warps for phase 1).
-      const int threads = static_cast<int>(std::clamp<int64_t>((chunks + 31) / 32 * 32, 64, kBackwardMaxThreads));
+      const int threads =
+          static_cast<int>(std::clamp<int64_t>((chunks + 31) / 32 * 32, 64, kBackwardMaxThreads));
       auto launch = [&](auto kernel) {
         kernel<<<static_cast<unsigned>(rb.count), threads, 0, stream>>>(
             static_cast<T*>(dx), partials, static_cast<const T*>(dout), static_cast<const T*>(x),

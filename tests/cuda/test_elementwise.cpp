@@ -37,7 +37,8 @@ const char* name(DType t) { return t == DType::BF16 ? "bf16" : "f32"; }
 
 }  // namespace
 
-TEST_CASE("cuda add matches the cpu exactly, in place and at any alignment", "[cuda][elementwise]") {
+TEST_CASE("cuda add matches the cpu exactly, in place and at any alignment",
+          "[cuda][elementwise]") {
   Backend& cpu = *backends().cpu;
   Backend& gpu = *backends().gpu;
   for (DType t : {DType::F32, DType::BF16}) {

@@ -77,8 +77,8 @@ const char* name(DType t) { return t == DType::BF16 ? "bf16" : "f32"; }
 
 TEST_CASE("cuda embedding forward matches the cpu exactly", "[cuda][embedding]") {
   const Slice whole{50, 0, 50}, slice{50, 20, 17};
-  for (auto [act, w] : {std::pair{DType::F32, DType::F32}, {DType::BF16, DType::BF16},
-                        {DType::BF16, DType::F32}})
+  for (auto [act, w] :
+       {std::pair{DType::F32, DType::F32}, {DType::BF16, DType::BF16}, {DType::BF16, DType::F32}})
     for (auto [B, T] : {std::pair<int64_t, int64_t>{1, 1}, {3, 7}, {2, 33}})
       for (int64_t C : {1, 5, 768, 771})
         for (const Slice& s : {whole, slice})
@@ -113,8 +113,7 @@ TEST_CASE("cuda embedding backward at GPT-2 scale: long runs of one id, many ids
   // than a block's window of 128 keys), and the same over a slice of the vocabulary.
   const int64_t V = 50257;
   for (const Slice& s : {Slice{V, 0, V}, Slice{V, 25000, V - 25000}})
-    for (DType act : {DType::F32, DType::BF16})
-      DYNAMIC_SECTION(name(act) << " v0=" << s.v0) {
+    for (DType act : {DType::F32, DType::BF16}) DYNAMIC_SECTION(name(act) << " v0=" << s.v0) {
         check_backward(act, 4, 1024, 768, s, true, true, 9, 40);
       }
   SECTION("many distinct ids") {

@@ -53,8 +53,7 @@ std::vector<int32_t> make_targets(int64_t N, int64_t V, uint64_t seed) {
 std::vector<float> columns(const std::vector<float>& v, int64_t N, int64_t V, int64_t v0,
                            int64_t Vl) {
   std::vector<float> out(static_cast<size_t>(N * Vl));
-  for (int64_t i = 0; i < N; ++i)
-    std::copy_n(v.begin() + i * V + v0, Vl, out.begin() + i * Vl);
+  for (int64_t i = 0; i < N; ++i) std::copy_n(v.begin() + i * V + v0, Vl, out.begin() + i * Vl);
   return out;
 }
 
@@ -68,7 +67,8 @@ const char* name(Grad g) {
 struct Types {
   DType logits, grad;
 };
-const Types kTypes[] = {{DType::F32, DType::F32}, {DType::BF16, DType::BF16}, {DType::BF16, DType::F32}};
+const Types kTypes[] = {
+    {DType::F32, DType::F32}, {DType::BF16, DType::BF16}, {DType::BF16, DType::F32}};
 
 void check_cross_entropy(Types ty, Grad mode, int64_t N, int64_t V, uint64_t seed) {
   Backend& cpu = *backends().cpu;
@@ -86,7 +86,8 @@ void check_cross_entropy(Types ty, Grad mode, int64_t N, int64_t V, uint64_t see
   const std::vector<float> loss_gpu = losses.gpu_values();
   require_close(losses.cpu_values(), loss_gpu, 1e-5, 1e-5, "cross_entropy losses");
   for (int64_t i = 0; i < N; ++i)
-    if (target_values[static_cast<size_t>(i)] < 0) REQUIRE(loss_gpu[static_cast<size_t>(i)] == 0.0f);
+    if (target_values[static_cast<size_t>(i)] < 0)
+      REQUIRE(loss_gpu[static_cast<size_t>(i)] == 0.0f);
   if (mode != Grad::NONE) {
     const std::vector<float> grad_gpu = g.gpu_values();
     require_close(g.cpu_values(), grad_gpu, grad_rtol(gt), kGradAtol, "cross_entropy dlogits");
@@ -125,7 +126,7 @@ void check_vocab_parallel(Types ty, Grad mode, int64_t N, int64_t V, int64_t spl
   // Pass 2, and the global sums.
   Twin row_max(global_max, DType::F32), gpu_row_max(gpu_max, DType::F32);
   std::vector<float> sumexp(n, 0.0f), target_logit(n, 0.0f), gpu_sumexp = sumexp,
-                     gpu_target_logit = target_logit;
+                                                             gpu_target_logit = target_logit;
   for (const SliceRange& s : slices) {
     Twin l(columns(full, N, V, s.v0, s.Vl), ty.logits), se(n, DType::F32), tl(n, DType::F32);
     cpu.vocab_ce_sums(se.cpu_f32(), tl.cpu_f32(), l.cpu(), ty.logits, row_max.cpu_f32(),
@@ -153,19 +154,19 @@ void check_vocab_parallel(Types ty, Grad mode, int64_t N, int64_t V, int64_t spl
     Twin& g = mode == Grad::IN_PLACE ? l : separate;
     const DType gt = mode == Grad::IN_PLACE ? ty.logits : ty.grad;
     cpu.vocab_ce_finish(losses.cpu_f32(), mode == Grad::NONE ? nullptr : g.cpu(), gt, l.cpu(),
-                        ty.logits, row_max.cpu_f32(), se.cpu_f32(), tl.cpu_f32(),
-                        targets.cpu_i32(), s.v0, N, s.Vl, kScale);
+                        ty.logits, row_max.cpu_f32(), se.cpu_f32(), tl.cpu_f32(), targets.cpu_i32(),
+                        s.v0, N, s.Vl, kScale);
     gpu.vocab_ce_finish(losses.gpu_f32(), mode == Grad::NONE ? nullptr : g.gpu(), gt, l.gpu(),
-                        ty.logits, row_max.gpu_f32(), se.gpu_f32(), tl.gpu_f32(),
-                        targets.gpu_i32(), s.v0, N, s.Vl, kScale);
+                        ty.logits, row_max.gpu_f32(), se.gpu_f32(), tl.gpu_f32(), targets.gpu_i32(),
+                        s.v0, N, s.Vl, kScale);
     require_close(losses.cpu_values(), losses.gpu_values(), 1e-5, 1e-5, "vocab_ce_finish losses");
     if (mode != Grad::NONE)
       require_close(g.cpu_values(), g.gpu_values(), grad_rtol(gt), kGradAtol,
                     "vocab_ce_finish dlogits");
     // Losses alone from the GPU's own global values (the logits are not read for them).
-    gpu.vocab_ce_finish(losses.gpu_f32(), nullptr, gt, l.gpu(), ty.logits,
-                        gpu_row_max.gpu_f32(), gpu_se.gpu_f32(), gpu_tl.gpu_f32(),
-                        targets.gpu_i32(), s.v0, N, s.Vl, kScale);
+    gpu.vocab_ce_finish(losses.gpu_f32(), nullptr, gt, l.gpu(), ty.logits, gpu_row_max.gpu_f32(),
+                        gpu_se.gpu_f32(), gpu_tl.gpu_f32(), targets.gpu_i32(), s.v0, N, s.Vl,
+                        kScale);
     gpu_losses = losses.gpu_values();
   }
   Twin l(full, ty.logits), fused(n, DType::F32);
@@ -190,8 +191,7 @@ TEST_CASE("cuda cross_entropy matches the cpu", "[cuda][loss]") {
 }
 
 TEST_CASE("cuda cross_entropy at the padded GPT-2 vocabulary (aligned rows)", "[cuda][loss]") {
-  for (const Types& ty : kTypes)
-    DYNAMIC_SECTION(name(ty.logits) << "/" << name(ty.grad)) {
+  for (const Types& ty : kTypes) DYNAMIC_SECTION(name(ty.logits) << "/" << name(ty.grad)) {
       check_cross_entropy(ty, Grad::SEPARATE, 9, 50304, 20);
     }
 }

@@ -17,6 +17,7 @@
 // - bf16 outputs (out, dx): additionally 1 bf16 ulp, at most 2^-7 of the value, as both round a
 //   nearby fp32 value.
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "tests/cuda/cuda_testing.h"
@@ -51,8 +52,8 @@ std::string describe(const Config& c, int64_t N, int64_t C) {
 std::vector<Config> configs() {
   std::vector<Config> out;
   for (NormKind kind : {NormKind::LAYERNORM, NormKind::RMSNORM})
-    for (auto [act, w] : {std::pair{DType::F32, DType::F32}, {DType::BF16, DType::BF16},
-                          {DType::BF16, DType::F32}})
+    for (auto [act, w] :
+         {std::pair{DType::F32, DType::F32}, {DType::BF16, DType::BF16}, {DType::BF16, DType::F32}})
       for (bool bias : {true, false}) out.push_back({kind, act, w, bias});
   return out;
 }
@@ -66,7 +67,8 @@ void check_forward(const Config& c, int64_t N, int64_t C, uint64_t seed) {
   Twin x(offset_values(nc, seed, 0.5f), c.act);
   Twin weight(offset_values(static_cast<size_t>(C), seed + 1, 1.0f), c.w);
   Twin bias(random_values(static_cast<size_t>(C), seed + 2), c.w);
-  Twin out(nc, c.act), mean(static_cast<size_t>(N), DType::F32), rstd(static_cast<size_t>(N), DType::F32);
+  Twin out(nc, c.act), mean(static_cast<size_t>(N), DType::F32),
+      rstd(static_cast<size_t>(N), DType::F32);
   const float eps = 1e-5f;
   cpu.norm_forward(c.kind, out.cpu(), ln ? mean.cpu_f32() : nullptr, rstd.cpu_f32(), x.cpu(),
                    weight.cpu(), c.bias ? bias.cpu() : nullptr, N, C, eps, c.act, c.w);
@@ -88,7 +90,8 @@ void check_backward(const Config& c, int64_t N, int64_t C, uint64_t seed, bool p
   const bool ln = c.kind == NormKind::LAYERNORM;
   Twin x(offset_values(nc, seed, 0.5f), c.act);
   Twin weight(offset_values(cs, seed + 1, 1.0f), c.w);
-  Twin out(nc, c.act), mean(static_cast<size_t>(N), DType::F32), rstd(static_cast<size_t>(N), DType::F32);
+  Twin out(nc, c.act), mean(static_cast<size_t>(N), DType::F32),
+      rstd(static_cast<size_t>(N), DType::F32);
   cpu.norm_forward(c.kind, out.cpu(), ln ? mean.cpu_f32() : nullptr, rstd.cpu_f32(), x.cpu(),
                    weight.cpu(), nullptr, N, C, 1e-5f, c.act, c.w);
   mean.upload(mean.cpu_values());  // the same statistics on both backends
@@ -132,20 +135,23 @@ void check_backward(const Config& c, int64_t N, int64_t C, uint64_t seed, bool p
 TEST_CASE("cuda norm forward matches the cpu", "[cuda][norm]") {
   for (const Config& c : configs())
     for (int64_t N : {1, 7, 33})
-      for (int64_t C : {1, 5, 768, 771})
-        DYNAMIC_SECTION(describe(c, N, C)) { check_forward(c, N, C, 100 + N * C); }
+      for (int64_t C : {1, 5, 768, 771}) DYNAMIC_SECTION(describe(c, N, C)) {
+          check_forward(c, N, C, 100 + N * C);
+        }
 }
 
 TEST_CASE("cuda norm backward matches the cpu and reruns bitwise", "[cuda][norm]") {
   for (const Config& c : configs())
     for (int64_t N : {1, 7, 33})
-      for (int64_t C : {1, 5, 768, 771})
-        DYNAMIC_SECTION(describe(c, N, C)) { check_backward(c, N, C, 200 + N * C, true, true); }
+      for (int64_t C : {1, 5, 768, 771}) DYNAMIC_SECTION(describe(c, N, C)) {
+          check_backward(c, N, C, 200 + N * C, true, true);
+        }
 }
 
 TEST_CASE("cuda norm backward without parameter gradients only accumulates dx", "[cuda][norm]") {
-  for (const Config& c : configs())
-    DYNAMIC_SECTION(describe(c, 33, 768)) { check_backward(c, 33, 768, 300, false, false); }
+  for (const Config& c : configs()) DYNAMIC_SECTION(describe(c, 33, 768)) {
+      check_backward(c, 33, 768, 300, false, false);
+    }
 }
 
 TEST_CASE("cuda norm backward over many rows: several row blocks and tiles per block",
