@@ -22,9 +22,11 @@ namespace tetra {
 struct CudaGemmState;       // gemm.cu: cuBLASLt handle, workspace, cached heuristics per shape
 struct CudaAttentionState;  // attention*.cu: cuDNN handle, cached SDPA plans, which path ran
 struct CudaScratch;         // backend.cu: a small device scratch area for reductions
+struct CudaFusedState;      // fused_state.cu: norm_backward's partials, embedding_backward's sort
 struct CudaGemmStateDeleter { void operator()(CudaGemmState* s) const; };
 struct CudaAttentionStateDeleter { void operator()(CudaAttentionState* s) const; };
 struct CudaScratchDeleter { void operator()(CudaScratch* s) const; };
+struct CudaFusedStateDeleter { void operator()(CudaFusedState* s) const; };
 
 // A GPU's identity and dense peaks (device_info.cu says where the figures come from).
 struct CudaDeviceInfo {
@@ -133,6 +135,7 @@ class CudaBackend final : public Backend {
   CudaGemmState& gemm_state();
   CudaAttentionState& attention_state();
   CudaScratch& scratch();
+  CudaFusedState& fused_state();
 
  private:
   int device_;
@@ -141,6 +144,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<CudaGemmState, CudaGemmStateDeleter> gemm_;
   std::unique_ptr<CudaAttentionState, CudaAttentionStateDeleter> attention_;
   std::unique_ptr<CudaScratch, CudaScratchDeleter> scratch_;
+  std::unique_ptr<CudaFusedState, CudaFusedStateDeleter> fused_;
 };
 
 }  // namespace tetra
