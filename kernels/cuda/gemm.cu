@@ -55,7 +55,8 @@ inline void check_cublas(cublasStatus_t status, const char* what, const char* fi
     throw Error(fmt::format("{}:{}: cuBLASLt error in {}: {} ({})", file, line, what,
                             cublasLtGetStatusName(status), cublasLtGetStatusString(status)));
 }
-#define TETRA_CUBLAS_CHECK(call) ::tetra::cuda::lt_gemm::check_cublas((call), #call, __FILE__, __LINE__)
+#define TETRA_CUBLAS_CHECK(call) \
+  ::tetra::cuda::lt_gemm::check_cublas((call), #call, __FILE__, __LINE__)
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLASLt's workspace (split-K partials)
 constexpr int64_t kStagingFloats = int64_t{4} << 20;  // 16 MiB: fp32 tiles of an f32 -> bf16 GEMM
@@ -156,7 +157,8 @@ void set_desc(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const
   TETRA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(value)));
 }
 template <typename T>
-void set_pref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t attr, const T& value) {
+void set_pref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t attr,
+              const T& value) {
   TETRA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, attr, &value, sizeof(value)));
 }
 
@@ -346,7 +348,8 @@ bias_partial_kernel(float* dst, bool add_into_dst, const T* dout, int64_t N, int
 }
 
 // dbias[j] += sum over chunks c (in order) of partials[c * OC + j].
-__global__ void bias_finish_kernel(float* dbias, const float* partials, int64_t chunks, int64_t OC) {
+__global__ void bias_finish_kernel(float* dbias, const float* partials, int64_t chunks,
+                                   int64_t OC) {
   for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < OC;
        j += int64_t{gridDim.x} * blockDim.x) {
     float s = 0.0f;
@@ -371,11 +374,13 @@ void launch_bias_backward(float* dbias, const T* dout, int64_t N, int64_t OC, fl
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks));
   const dim3 block(kBiasCols, kBiasRows);
   if (chunks == 1) {
-    bias_partial_kernel<T, VEC><<<grid, block, 0, stream>>>(dbias, true, dout, N, OC, rows_per_chunk);
+    bias_partial_kernel<T, VEC><<<grid, block, 0, stream>>>(dbias, true, dout, N, OC,
+                                                           rows_per_chunk);
     TETRA_CUDA_LAUNCHED();
     return;
   }
-  bias_partial_kernel<T, VEC><<<grid, block, 0, stream>>>(scratch, false, dout, N, OC, rows_per_chunk);
+  bias_partial_kernel<T, VEC><<<grid, block, 0, stream>>>(scratch, false, dout, N, OC,
+                                                         rows_per_chunk);
   TETRA_CUDA_LAUNCHED();
   bias_finish_kernel<<<grid_for(OC, kThreads), kThreads, 0, stream>>>(dbias, scratch, chunks, OC);
   TETRA_CUDA_LAUNCHED();
@@ -407,7 +412,8 @@ void CudaBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t
   if (ab_type == DType::F32 && c_type == DType::BF16) {
     // No cuBLASLt f32 -> bf16 matmul: fp32 tiles of C in the staging buffer, then rounded.
     if (!st.staging)
-      TETRA_CUDA_CHECK(cudaMalloc(&st.staging, static_cast<size_t>(kStagingFloats) * sizeof(float)));
+      TETRA_CUDA_CHECK(
+          cudaMalloc(&st.staging, static_cast<size_t>(kStagingFloats) * sizeof(float)));
     const int64_t tile_n = std::min(N, kStagingFloats);
     const int64_t tile_m = std::min(M, std::max<int64_t>(1, kStagingFloats / tile_n));
     const auto* a = static_cast<const float*>(A);

@@ -115,8 +115,9 @@ gather_rows_kernel(W* dst, const W* src, const int32_t* rows, int64_t words) {
 template <typename W>
 void launch_gather(void* dst, const void* src, const int32_t* rows, int64_t M, int64_t row_bytes,
                    cudaStream_t stream) {
+  const int64_t words = row_bytes / static_cast<int64_t>(sizeof(W));
   gather_rows_kernel<W><<<static_cast<unsigned>(M), kRowThreads, 0, stream>>>(
-      static_cast<W*>(dst), static_cast<const W*>(src), rows, row_bytes / static_cast<int64_t>(sizeof(W)));
+      static_cast<W*>(dst), static_cast<const W*>(src), rows, words);
   TETRA_CUDA_LAUNCHED();
 }
 

@@ -85,18 +85,21 @@ reduce_finish_kernel(float* out, const double* partials, int64_t count) {
 }
 
 template <bool kSquare>
-void launch_reduce(float* out, const float* x, int64_t n, CudaScratch& scratch, cudaStream_t stream) {
+void launch_reduce(float* out, const float* x, int64_t n, CudaScratch& scratch,
+                   cudaStream_t stream) {
   TETRA_CHECK(n >= 0, "{}: n ({}) must be >= 0", kSquare ? "sum_squares" : "sum", n);
   TETRA_CHECK(scratch.floats * sizeof(float) >= kMaxReduceBlocks * sizeof(double),
               "reduction: scratch area of {} floats is too small", scratch.floats);
   // ~16 elements per thread before the block count reaches its cap; a function of n alone.
   const int64_t per_block = int64_t{kReduceThreads} * 16;
-  const int64_t blocks = std::min(kMaxReduceBlocks, std::max<int64_t>(1, (n + per_block - 1) / per_block));
+  const int64_t blocks =
+      std::min(kMaxReduceBlocks, std::max<int64_t>(1, (n + per_block - 1) / per_block));
   double* partials = reinterpret_cast<double*>(scratch.data);
+  const unsigned grid = static_cast<unsigned>(blocks);
   if (aligned_to(x, 16)) {
-    reduce_partials_kernel<kSquare, true><<<static_cast<unsigned>(blocks), kReduceThreads, 0, stream>>>(partials, x, n);
+    reduce_partials_kernel<kSquare, true><<<grid, kReduceThreads, 0, stream>>>(partials, x, n);
   } else {
-    reduce_partials_kernel<kSquare, false><<<static_cast<unsigned>(blocks), kReduceThreads, 0, stream>>>(partials, x, n);
+    reduce_partials_kernel<kSquare, false><<<grid, kReduceThreads, 0, stream>>>(partials, x, n);
   }
   TETRA_CUDA_LAUNCHED();
   reduce_finish_kernel<<<1, kReduceThreads, 0, stream>>>(out, partials, blocks);
@@ -194,7 +197,8 @@ void launch_cast(TD* dst, const TS* src, int64_t n, cudaStream_t stream) {
   // 16-byte accesses on the wider side: 4 floats <-> 4 bf16, or 8 bf16 <-> 8 floats.
   constexpr int kVec = sizeof(TS) == 2 ? 8 : 4;
   if (aligned_to(src, kVec * sizeof(TS)) && aligned_to(dst, kVec * sizeof(TD))) {
-    cast_kernel<TD, TS, kVec><<<grid_for((n + kVec - 1) / kVec, kCastThreads), kCastThreads, 0, stream>>>(dst, src, n);
+    cast_kernel<TD, TS, kVec>
+        <<<grid_for((n + kVec - 1) / kVec, kCastThreads), kCastThreads, 0, stream>>>(dst, src, n);
   } else {
     cast_kernel<TD, TS, 1><<<grid_for(n, kCastThreads), kCastThreads, 0, stream>>>(dst, src, n);
   }

@@ -40,7 +40,8 @@ struct GemmCase {
 };
 
 std::string describe(const GemmCase& g) {
-  return fmt::format("gemm ta={} tb={} M={} N={} K={} pad={} offset={} alpha={} beta={} bias={} {}->{}",
+  return fmt::format(
+      "gemm ta={} tb={} M={} N={} K={} pad={} offset={} alpha={} beta={} bias={} {}->{}",
                      g.trans_a, g.trans_b, g.M, g.N, g.K, g.pad, g.offset, g.alpha, g.beta,
                      g.bias, dtype_name(g.ab), dtype_name(g.c));
 }
@@ -55,9 +56,9 @@ void run_gemm_case(const GemmCase& g, uint64_t seed) {
   const int64_t off = g.offset;
   Twin A(random_values(off + a_rows * lda, seed), g.ab);
   Twin B(random_values(off + b_rows * ldb, seed + 1), g.ab);
-  std::vector<float> c0 = g.beta == 0.0f
-                              ? std::vector<float>(off + g.M * ldc, std::numeric_limits<float>::quiet_NaN())
-                              : random_values(off + g.M * ldc, seed + 2);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> c0 = g.beta == 0.0f ? std::vector<float>(off + g.M * ldc, nan)
+                                         : random_values(off + g.M * ldc, seed + 2);
   Twin C(c0, g.c);
   Twin bias(random_values(g.N, seed + 3), g.ab);
   const size_t ab_size = dtype_size(g.ab), c_size = dtype_size(g.c);
@@ -175,9 +176,9 @@ TEST_CASE("cuda gemm: f32 -> bf16 in several staging tiles, a bias longer than t
 TEST_CASE("cuda bias_backward vs cpu, deterministic", "[cuda][gemm]") {
   Backends& be = backends();
   struct Shape { int64_t N, OC, offset; };
-  const Shape shapes[] = {{1, 1, 0},    {17, 65, 0},  {771, 771, 0},  {4099, 768, 0},
-                          {4099, 768, 1}, {65, 3, 0},  {200003, 5, 0}, {3, (int64_t{1} << 20) + 3, 0},
-                          {1000, 2048, 0}};
+  const Shape shapes[] = {{1, 1, 0},      {17, 65, 0}, {771, 771, 0},  {4099, 768, 0},
+                          {4099, 768, 1}, {65, 3, 0},  {200003, 5, 0}, {1000, 2048, 0},
+                          {3, (int64_t{1} << 20) + 3, 0}};
   uint64_t seed = 300;
   for (const Shape& sh : shapes) {
     for (DType act : {DType::F32, DType::BF16}) {

@@ -106,7 +106,8 @@ TEST_CASE("cuda moe_router_forward vs cpu: softmax, lse, top-k with ties", "[cud
 
 // Backward, on the CPU forward's outputs. dp is assembled in the same order on both sides; the
 // dot product sum_j p_j dp_j over E terms differs by up to 2 (E + 1) u D, D = sum_j |p_j dp_j|,
-// and is multiplied by p_j; the rest is a few roundings of terms of size p_j (|dp_j| + |dot| + |z|).
+// and is multiplied by p_j; the rest is a few roundings of terms of size
+// p_j (|dp_j| + |dot| + |z|).
 TEST_CASE("cuda moe_router_backward vs cpu", "[cuda][moe]") {
   Backends& be = backends();
   uint64_t seed = 60;
@@ -119,8 +120,9 @@ TEST_CASE("cuda moe_router_backward vs cpu", "[cuda][moe]") {
           Twin lg(random_values(static_cast<size_t>(N * E), seed += 3, 3.0f), DType::F32);
           Twin probs(N * E, DType::F32), lse(N, DType::F32), tprob(N * K, DType::F32);
           Twin idx(std::vector<int32_t>(static_cast<size_t>(N * K), 0));
-          be.cpu->moe_router_forward(probs.cpu_f32(), lse.cpu_f32(), static_cast<int32_t*>(idx.cpu()),
-                                     tprob.cpu_f32(), lg.cpu_f32(), N, E, K);
+          auto* idx_cpu = static_cast<int32_t*>(idx.cpu());
+          be.cpu->moe_router_forward(probs.cpu_f32(), lse.cpu_f32(), idx_cpu, tprob.cpu_f32(),
+                                     lg.cpu_f32(), N, E, K);
           const std::vector<float> p = probs.cpu_values(), l = lse.cpu_values();
           const std::vector<int32_t> ix = to_ints(idx.cpu_values());
           Twin p_in(p, DType::F32), lse_in(l, DType::F32), idx_in(ix);
@@ -273,7 +275,8 @@ TEST_CASE("cuda moe_combine_backward vs cpu", "[cuda][moe]") {
               if (p < 0) continue;  // must be exactly 0
               double s = 0.0;
               for (int64_t c = 0; c < C; ++c)
-                s += std::fabs(static_cast<double>(d[offset + (a / K) * C + c]) * yv[offset + p * C + c]);
+                s += std::fabs(static_cast<double>(d[offset + (a / K) * C + c]) *
+                               yv[offset + p * C + c]);
               tol[a] = 2.0 * (C + 1) * kU * s;
             }
             require_within(dw.cpu_values(), dw.gpu_values(), tol, "dweights");
