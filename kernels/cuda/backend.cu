@@ -7,14 +7,10 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/scratch.cuh"
 
 namespace tetra {
 
-// A small device area for reduction partials (sum, sum_squares, norms' weight gradients).
-struct CudaScratch {
-  float* data = nullptr;
-  size_t floats = 0;
-};
 void CudaScratchDeleter::operator()(CudaScratch* s) const {
   if (s->data) cudaFree(s->data);
   delete s;

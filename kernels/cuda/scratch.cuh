@@ -2,9 +2,6 @@
 // once by CudaBackend::scratch() in backend.cu) that reductions use for their per-block partial
 // sums. Ops are stream-ordered, so every op may use all of it: the next op's kernels start only
 // after this one's have finished reading it.
-//
-// This definition is the one in backend.cu, token for token (one definition rule): change both
-// together, or have backend.cu include this header instead of defining the type itself.
 #pragma once
 
 #include <cstddef>
