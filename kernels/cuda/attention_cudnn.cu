@@ -17,8 +17,9 @@
 // qkv + (NH + NKV) HS; O / dO (B, NH, T, HS) strides (T NH HS, HS, NH HS, 1); Stats (B, NH, T, 1).
 //
 // Plans are built once per (direction, B, T, NH, NKV, HS) and cached with the largest workspace
-// any of them needs (grown, with a stream sync, only when a new shape needs more). A shape no
-// engine accepts is remembered with the reason and the caller falls back to the fused kernels.
+// any of them needs (grown, with a stream sync, only when a new shape needs more; at most 2 GiB).
+// A shape no engine accepts is remembered with the reason and the caller falls back to the fused
+// kernels.
 #include <cudnn.h>
 
 #include <array>
@@ -400,6 +401,10 @@ std::unique_ptr<Plan> build_backward(cudnnHandle_t handle, const Dims& d) {
 
 using PlanKey = std::array<int64_t, 6>;  // direction, B, T, NH, NKV, HS
 
+// The deterministic backward keeps dP in the workspace (B NH T^2 bf16); past this size the fused
+// kernels, which need none, take the shape instead.
+constexpr int64_t kMaxWorkspaceBytes = int64_t{2} << 30;
+
 }  // namespace
 
 struct CudnnSdpa {
@@ -447,6 +452,9 @@ Plan* plan_for(CudnnSdpa& s, const Dims& d, bool backward, std::string* why) {
   std::unique_ptr<Plan> plan;
   try {
     plan = backward ? build_backward(s.handle, d) : build_forward(s.handle, d);
+    if (plan->workspace > kMaxWorkspaceBytes)
+      throw GraphError{fmt::format("its workspace of {} bytes is above the {} allowed",
+                                   plan->workspace, kMaxWorkspaceBytes)};
   } catch (const GraphError& e) {
     s.failures[key] = e.what;
     *why = e.what;

@@ -56,8 +56,8 @@ __device__ __forceinline__ float quad_sum(float v) {
 template <int HSP>
 __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(Bf16Args a) {
   constexpr int LD = HSP + 8, KT = HSP / 16, DT = HSP / 8;
-  __shared__ alignas(16) bf16_t s_k[64 * LD];  // Q first, then each key block
-  __shared__ alignas(16) bf16_t s_v[64 * LD];
+  __shared__ __align__(16) bf16_t s_k[64 * LD];  // Q first, then each key block
+  __shared__ __align__(16) bf16_t s_v[64 * LD];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int qb = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int kvh = h / a.group, i0 = qb * 64, r0 = warp * 16;
@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq_kernel(Bf16Args a) {
   constexpr int LD = HSP + 8, KT = HSP / 16, DT = HSP / 8;
   // Q in rows 0-63 and dO in rows 64-127 until their fragments are in registers; then each key
   // chunk: K in rows 0-31, V in rows 32-63.
-  __shared__ alignas(16) bf16_t s_buf[128 * LD];
+  __shared__ __align__(16) bf16_t s_buf[128 * LD];
   bf16_t* s_kc = s_buf;
   bf16_t* s_vc = s_buf + 32 * LD;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
