@@ -1,7 +1,8 @@
 // The attention files' shared declarations: the geometry of qkv, the fused flash-attention
-// launchers (attention_flash_bf16.cu: tensor cores for bf16 with HS <= 128; attention_flash_generic.cu:
-// CUDA cores for fp32 and any other HS up to 256), the cuDNN SDPA path (attention_cudnn.cu) and
-// CudaAttentionState, which attention.cu owns. Included by the attention .cu files only.
+// launchers (attention_flash_bf16.cu: tensor cores for bf16 with HS <= 128;
+// attention_flash_generic.cu: CUDA cores for fp32 and any other HS up to 256), the cuDNN SDPA path
+// (attention_cudnn.cu) and CudaAttentionState, which attention.cu owns. Included by the attention
+// .cu files only.
 //
 // Layout (kernels/backend.h): qkv (B, T, (NH + 2 NKV) HS) holds per token NH query heads, then NKV
 // key heads, then NKV value heads; query head h reads kv head h / (NH / NKV). out (B, T, NH HS);

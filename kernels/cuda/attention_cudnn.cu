@@ -495,7 +495,8 @@ std::string execute(CudnnSdpa& s, Plan& plan, std::initializer_list<std::pair<in
              static_cast<int64_t>(uids.size()), uids.data(), "variant pack uids");
     pack.set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR,
              static_cast<int64_t>(ptrs.size()), ptrs.data(), "variant pack pointers");
-    pack.set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws, "variant pack workspace");
+    pack.set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws,
+             "variant pack workspace");
     pack.finalize("variant pack finalize");
     const cudnnStatus_t st = cudnnBackendExecute(s.handle, plan.plan->get(), pack.get());
     if (st != CUDNN_STATUS_SUCCESS)

@@ -4,7 +4,8 @@
 // Forward (FlashAttention-2): one block of 4 warps per (64 queries, head, batch); each warp owns
 // 16 query rows, keeps its Q fragments in registers and walks the key blocks 0..diagonal: S = Q K^T
 // (fp32), online softmax in the log2 domain (running max m, running sum l, the output rescaled
-// by exp2(m_old - m_new)), then O += P V with P rounded to bf16 in registers. lse = ln 2 (m + log2 l).
+// by exp2(m_old - m_new)), then O += P V with P rounded to bf16 in registers.
+// lse = ln 2 (m + log2 l).
 //
 // Backward, deterministic without atomics, recomputing P = exp(S - lse) from the saved lse:
 //   D_i = dO_i . O_i                                   (attention_row_dots, before both kernels)

@@ -170,7 +170,8 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_generic_kernel(Generi
   for (int gi = 0; gi < a.group; ++gi) {
     const int h = kvh * a.group + gi;
     const T* q = base + static_cast<int64_t>(h) * a.HS;
-    const T* dout = a.dout + static_cast<int64_t>(b) * a.T * a.orow + static_cast<int64_t>(h) * a.HS;
+    const T* dout =
+        a.dout + static_cast<int64_t>(b) * a.T * a.orow + static_cast<int64_t>(h) * a.HS;
     const int64_t bh = (static_cast<int64_t>(b) * a.NH + h) * a.T;
     for (int qc = jb; qc < n_qc; ++qc) {  // query chunks before the keys see none of them
       const int i0 = qc * 32, i = i0 + lane;

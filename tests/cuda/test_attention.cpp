@@ -11,12 +11,14 @@
 // then a few ulp of the magnitudes summed, which a host loop (in double) bounds per element:
 //   out[i]      : sum_j p_ij |v_j|
 //   dv[j]       : sum_i p_ij |dO_i|                  (over the query heads of the group)
-//   dq[i], dk[j]: scale sum m_ij |k_j| (resp. |q_i|),  m_ij = p_ij (sum_x |dO_ix v_jx| + sum_x |dO_ix O_ix|)
+//   dq[i], dk[j]: scale sum m_ij |k_j| (resp. |q_i|),
+//                 m_ij = p_ij (sum_x |dO_ix v_jx| + sum_x |dO_ix O_ix|)
 // (m_ij bounds |dS_ij| and the terms whose rounding makes up its error). fp32 allows
-// 5e-5 * bound + 1e-5 |ref|. bf16: the GPU kernels round P and dS to bf16 before their products as
-// flash kernels do (relative error 2^-9 of each term, so at most 2^-9 * bound; cuDNN does the same),
-// and both sides round the result to bf16, which may land one ulp (2^-7 |ref|) apart: bf16 allows
-// 2^-8 * bound + 2^-7 |ref| + 1e-5. lse is an fp32 log-sum-exp on both sides: 5e-5 + 1e-5 |ref|.
+// 5e-5 * bound + 1e-5 |ref|. bf16: the GPU kernels round P and dS to bf16 before their products
+// as flash kernels do (relative error 2^-9 of each term, so at most 2^-9 * bound; cuDNN does the
+// same), and both sides round the result to bf16, which may land one ulp (2^-7 |ref|) apart: bf16
+// allows 2^-8 * bound + 2^-7 |ref| + 1e-5. lse is an fp32 log-sum-exp on both sides:
+// 5e-5 + 1e-5 |ref|.
 // A wrong mask, index or scale gives errors of the order of the values, far above these.
 #include <cmath>
 #include <cstdlib>
@@ -36,9 +38,9 @@ struct AttnCase {
 };
 
 std::string describe(const AttnCase& c) {
-  return std::string(dtype_name(c.act)) + " B=" + std::to_string(c.B) + " T=" + std::to_string(c.T) +
-         " NH=" + std::to_string(c.NH) + " NKV=" + std::to_string(c.NKV) +
-         " HS=" + std::to_string(c.HS);
+  return std::string(dtype_name(c.act)) + " B=" + std::to_string(c.B) +
+         " T=" + std::to_string(c.T) + " NH=" + std::to_string(c.NH) +
+         " NKV=" + std::to_string(c.NKV) + " HS=" + std::to_string(c.HS);
 }
 
 // TETRA_ATTENTION for the lifetime of the object (unset again afterwards: the default, auto).
@@ -131,7 +133,9 @@ Tolerance tolerance(DType act) {
   return {1.0 / 256, 1.0 / 128, 1e-5};
 }
 
-bool cudnn_eligible(const AttnCase& c) { return c.act == DType::BF16 && c.HS % 8 == 0 && c.HS <= 128; }
+bool cudnn_eligible(const AttnCase& c) {
+  return c.act == DType::BF16 && c.HS % 8 == 0 && c.HS <= 128;
+}
 // Shapes where cuDNN must have a plan (elsewhere a missing plan is reported, not failed).
 bool cudnn_required(const AttnCase& c) {
   return cudnn_eligible(c) && (c.HS == 64 || c.HS == 128) && c.T >= 128;
@@ -162,7 +166,8 @@ void check_attention_case(const AttnCase& c, uint64_t seed) {
   CudaBackend& gpu = cuda_backend();
   const int64_t B = c.B, T = c.T, NH = c.NH, NKV = c.NKV, HS = c.HS;
   const size_t n_qkv = static_cast<size_t>(B * T * (NH + 2 * NKV) * HS);
-  const size_t n_out = static_cast<size_t>(B * T * NH * HS), n_lse = static_cast<size_t>(B * NH * T);
+  const size_t n_out = static_cast<size_t>(B * T * NH * HS);
+  const size_t n_lse = static_cast<size_t>(B * NH * T);
   const Tolerance tol = tolerance(c.act);
 
   Twin qkv(random_values(n_qkv, seed, 3.0f), c.act);
