@@ -14,6 +14,7 @@
 #include "trainer/data/tokenizer.h"
 #include "trainer/model/gpt.h"
 #include "trainer/model/sampler.h"
+#include "trainer/train/backend_choice.h"
 
 namespace tetra {
 
@@ -122,7 +123,7 @@ GeneratedText generate_command(const Config& config, const std::string& weights_
   const std::vector<float> host = load_weights(path, layout);
 
   const DType act = cfg.training.precision == "bf16" ? DType::BF16 : DType::F32;
-  std::unique_ptr<Backend> be = make_cpu_backend(static_cast<int>(cfg.training.threads));
+  std::unique_ptr<Backend> be = make_run_backend(cfg);
   // Backend buffers, freed before the backend goes.
   auto buffer = [&](size_t bytes) {
     return std::unique_ptr<void, std::function<void(void*)>>(be->alloc(bytes),
