@@ -39,6 +39,9 @@ struct Arg {
 
 class GuardedBackend;
 std::atomic<GuardedBackend*> g_active{nullptr};  // for the SIGSEGV report
+// The report is installed while any guarded backend lives, over whatever handler was there.
+std::mutex g_segv_mutex;
+int g_segv_users = 0;
 struct sigaction g_previous_segv {};
 
 class GuardedBackend final : public Backend {
@@ -52,6 +55,7 @@ class GuardedBackend final : public Backend {
   }
   ~GuardedBackend() override {
     g_active.store(nullptr);
+    uninstall_segv_report();
     for (auto& [key, r] : regions_) munmap(r.map, r.mapped);
   }
 
@@ -338,6 +342,7 @@ class GuardedBackend final : public Backend {
   }
 
   static void install_segv_report();
+  static void uninstall_segv_report();
 
   std::unique_ptr<Backend> inner_;
   size_t page_;
@@ -380,14 +385,23 @@ void segv_report(int sig, siginfo_t* info, void* context) {
 }
 
 void GuardedBackend::install_segv_report() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    struct sigaction sa {};
-    sa.sa_sigaction = segv_report;
-    sa.sa_flags = SA_SIGINFO;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGSEGV, &sa, &g_previous_segv);
-  });
+  std::lock_guard<std::mutex> lock(g_segv_mutex);
+  if (g_segv_users++ > 0) return;
+  struct sigaction sa {};
+  sa.sa_sigaction = segv_report;
+  sa.sa_flags = SA_SIGINFO;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGSEGV, &sa, &g_previous_segv);
+}
+
+void GuardedBackend::uninstall_segv_report() {
+  std::lock_guard<std::mutex> lock(g_segv_mutex);
+  if (--g_segv_users > 0) return;
+  struct sigaction current {};
+  sigaction(SIGSEGV, nullptr, &current);
+  // Put the previous handler back unless someone replaced the report since.
+  if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == segv_report)
+    sigaction(SIGSEGV, &g_previous_segv, nullptr);
 }
 
 }  // namespace
