@@ -11,6 +11,12 @@
 //                   object; otherwise what the factory given to use_backend_memory() made (the
 //                   staged communicator on the guarded-memory test backend, NCCL on GPUs).
 // A group's traffic is the sum of both roles' CommStats (stats()).
+//
+// For a GPU backend's communicators (NCCL through the factory): their wait() may only order the
+// result before later backend ops on a stream, without blocking the host; the trainer reads
+// results of backend-memory collectives only through copy_to_host, which synchronises. A group of
+// one rank needs a backend-memory communicator too wherever backend memory is not host memory:
+// the host role's size-1 communicator copies with memmove.
 #pragma once
 
 #include <array>

@@ -1,10 +1,9 @@
 // The run's backend and its backend-memory communicators (see backend_choice.h).
 #include "trainer/train/backend_choice.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
-
-#include <spdlog/spdlog.h>
 
 #include "kernels/cpu/guarded_backend.h"
 #include "trainer/dist/staged_communicator.h"
@@ -23,9 +22,10 @@ bool guarded_memory_requested() {
 std::unique_ptr<Backend> make_run_backend(const Config& cfg) {
   std::unique_ptr<Backend> be = make_cpu_backend(static_cast<int>(cfg.training.threads));
   if (!guarded_memory_requested()) return be;
-  spdlog::warn("TETRA_TEST_GUARDED_MEMORY=1: backend memory is guarded (backend 'cpu-guarded': the host may touch "
-               "it only through the backend; collectives on it are staged through host buffers). A test mode, "
-               "slow: not for production runs");
+  // On stderr, from every rank (and not on stdout, which `tetra generate` keeps for its text).
+  std::fprintf(stderr, "warning: TETRA_TEST_GUARDED_MEMORY=1: backend memory is guarded (backend 'cpu-guarded': the "
+               "host may touch it only through the backend; collectives on it are staged through host buffers). A "
+               "test mode, slow: not for production runs\n");
   return make_guarded_backend(std::move(be));
 }
 

@@ -599,12 +599,13 @@ void Trainer::run() {
   }
   save_final_weights();
   if (!dump_dir_.empty() && writer_ && cfg_.parallel.dp == 1) {
-    const int64_t dumped = std::min<int64_t>(tc.steps, kMaxDumpedSteps);
+    // The steps run here (from start_step_; a stop may end the run before tc.steps).
     std::vector<TensorRecord> records;
     const size_t per_step = static_cast<size_t>(tc.global_batch_size * (cfg_.model.seq_len + 1));
+    const int64_t dumped = static_cast<int64_t>(dumped_batches_.size() / per_step);
     for (int64_t s = 0; s < dumped; ++s) {
       TensorRecord r;
-      r.name = fmt::format("step_{}", s);
+      r.name = fmt::format("step_{}", start_step_ + s);
       r.dtype = DType::I32;
       r.shape = {tc.global_batch_size, cfg_.model.seq_len + 1};
       r.data.resize(per_step * 4);
