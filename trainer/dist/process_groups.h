@@ -2,14 +2,15 @@
 // and passed explicitly to whatever communicates (no global group state).
 //
 // Each group has two roles, chosen by where a call's buffers live:
-//   host memory     tp, pp, dp, ... (get()): MPI communicators. Scalars the host reduces (the
-//                   loss, the gradient norm's partial sums, the step guard's flags), checkpoint
-//                   metadata, weights gathered for export, 1-bit Adam's compressed messages.
+//   host memory     tp, pp, dp, ... (get()): MPI communicators. Checkpoint metadata, weights
+//                   gathered for export, 1-bit Adam's compressed messages and exact sums, barriers.
 //   backend memory  backend(kind): every call on buffers from Backend::alloc (activations,
-//                   gradient buckets, pipeline boundaries, MoE tokens). Where backend memory is
-//                   host memory (the CPU backend) this is the host communicator itself, the same
-//                   object; otherwise what the factory given to use_backend_memory() made (the
-//                   staged communicator on the guarded-memory test backend, NCCL on GPUs).
+//                   gradient buckets, pipeline boundaries, MoE tokens and counts, and the scalars
+//                   reduced through backend scratch: loss, gradient norm, step-guard and stop
+//                   flags). Where backend memory is host memory (the CPU backend) this is the host
+//                   communicator itself, the same object; otherwise what the factory given to
+//                   use_backend_memory() made (the staged communicator on the guarded-memory test
+//                   backend, NCCL on GPUs).
 // A group's traffic is the sum of both roles' CommStats (stats()).
 //
 // For a GPU backend's communicators (NCCL through the factory): their wait() may only order the

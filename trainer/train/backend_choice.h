@@ -4,7 +4,7 @@
 // behind the guarded-memory decorator (kernels/cpu/guarded_backend.h), whose memory the host
 // cannot touch, as a GPU's. Test-only, like the fault-injection hooks (fault_injection.h): it
 // proves on a CPU-only machine that the trainer reaches backend memory only through the backend
-// (tests/parity/test_device_memory.py runs the same configs with and without it and requires
+// (tests/parity/test_guarded_memory.py runs the same configs with and without it and requires
 // bitwise-identical results). Slow; logged as a warning on every rank that uses it.
 #pragma once
 

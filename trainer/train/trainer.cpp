@@ -31,10 +31,10 @@
 #include "trainer/model/flops.h"
 #include "trainer/model/sampler.h"
 #include "trainer/optim/lr_schedule.h"
+#include "trainer/train/backend_choice.h"
 #include "trainer/train/fault_injection.h"
 #include "trainer/train/generate.h"
 #include "trainer/train/metrics.h"
-#include "trainer/train/backend_choice.h"
 #include "trainer/train/step_guard.h"
 
 namespace tetra {
