@@ -53,6 +53,14 @@ void zero_ranges(float* buf, const std::vector<GradRange>& ranges) {
   for (const GradRange& r : ranges) std::fill(buf + r.offset, buf + r.offset + r.numel, 0.0f);
 }
 
+// `dev`'s n floats (backend memory) for the host loops: `dev` itself where backend memory is host
+// memory, else `staging` (sized at construction) after a copy.
+float* host_view(Backend& be, const float* dev, std::vector<float>& staging, int64_t n) {
+  if (be.host_memory()) return const_cast<float*>(dev);
+  be.copy_to_host(staging.data(), dev, static_cast<size_t>(n) * 4);
+  return staging.data();
+}
+
 }  // namespace
 
 std::vector<GradRange> onebit_exact_ranges(const Config& cfg, const ParamLayout& layout) {
@@ -75,7 +83,6 @@ OnebitAdam::OnebitAdam(const Config& cfg, const ParamLayout& layout, Backend& be
       total_(layout.total),
       sharded_(grads.sharded()) {
   if (!dp_) return;
-  TETRA_CHECK(be_.host_memory(), "1-bit compression runs on host memory; backend {} is not", be_.name());
   plan_ = plan_chunks(layout, cfg.parallel.bucket_size, dp_->size());
   mine_ = plan_.owned(dp_->rank());
   for (const GradRange& r : mine_) mine_numel_ += r.numel;
@@ -101,44 +108,54 @@ OnebitAdam::OnebitAdam(const Config& cfg, const ParamLayout& layout, Backend& be
   for (const GradRange& r : replicated_) replicated_numel_ += r.numel;
   excluded_full_ = excluded_ranges(layout, replicated_);
   excluded_mine_ = compact_within(excluded_full_, mine_);
-  if (replicated_numel_ > 0)
-    replicated_sum_ = static_cast<float*>(be_.alloc(static_cast<size_t>(replicated_numel_) * 4));
+  // The compression's own buffers are host memory, zeroed, carved from two allocations: the
+  // replicated sums, the worker error, the server error (plain), the average; the 1-bit messages.
   const size_t words = static_cast<size_t>(plan_.dp * plan_.words);
-  worker_error_ = static_cast<float*>(be_.alloc(static_cast<size_t>(total_) * 4));
-  be_.memset_zero(worker_error_, static_cast<size_t>(total_) * 4);
-  if (!sharded_) {
-    server_error_ = static_cast<float*>(be_.alloc(static_cast<size_t>(mine_numel_) * 4));
-    be_.memset_zero(server_error_, static_cast<size_t>(mine_numel_) * 4);
-  }
-  avg_ = static_cast<float*>(be_.alloc(static_cast<size_t>(mine_numel_) * 4));
+  const int64_t server = sharded_ ? 0 : mine_numel_;
+  host_f32_.assign(static_cast<size_t>(replicated_numel_ + total_ + server + mine_numel_), 0.0f);
+  float* at = host_f32_.data();
+  if (replicated_numel_ > 0) replicated_sum_ = at;
+  at += replicated_numel_;
+  worker_error_ = at;
+  at += total_;
+  if (!sharded_) server_error_ = at;
+  avg_ = at + server;
+  host_u16_.assign(2 * words, 0);
+  send_ = host_u16_.data();
+  recv_ = send_ + words;
   if (sharded_) v_full_ = static_cast<float*>(be_.alloc(static_cast<size_t>(total_) * 4));
-  send_ = static_cast<uint16_t*>(be_.alloc(words * 2));
-  recv_ = static_cast<uint16_t*>(be_.alloc(words * 2));
+  if (!be_.host_memory()) {  // staging for the host views of the gradient, m and v
+    host_grads_.resize(static_cast<size_t>(total_));
+    host_v_.resize(static_cast<size_t>(total_));
+    if (!sharded_) host_m_.resize(static_cast<size_t>(total_));
+  }
 }
 
 OnebitAdam::~OnebitAdam() {
-  for (void* p : {static_cast<void*>(worker_error_), static_cast<void*>(server_error_), static_cast<void*>(avg_),
-                  static_cast<void*>(send_), static_cast<void*>(recv_), static_cast<void*>(replicated_sum_),
-                  static_cast<void*>(v_full_)})
-    if (p) be_.free(p);
+  if (v_full_) be_.free(v_full_);
 }
 
-void OnebitAdam::step(float* master, float* grads, double lr, void* compute, DType compute_type) {
+void OnebitAdam::step(float* master, float* grads_dev, double lr, void* compute, DType compute_type) {
   TETRA_CHECK(dp_, "OnebitAdam::step without a data-parallel group");
   const int64_t p = dp_->size();
   if (sharded_ && !v_full_ready_) {  // every rank needs every coordinate's denominator
     int64_t at = 0;
     for (const GradRange& r : mine_) {
-      std::copy(adam_.exp_avg_sq() + at, adam_.exp_avg_sq() + at + r.numel, v_full_ + r.offset);
+      be_.copy(v_full_ + r.offset, adam_.exp_avg_sq() + at, static_cast<size_t>(r.numel) * 4);
       at += r.numel;
     }
     grad_buffer_.gather_params(v_full_, DType::F32);
+    host_view(be_, v_full_, host_v_, total_);  // frozen from now on: one copy serves
     v_full_ready_ = true;
   }
+  // The host loops below read and write host views of the backend buffers (host_view); the
+  // gradient goes back before the optimizer reads it.
+  float* grads = host_view(be_, grads_dev, host_grads_, total_);
   // Adam's frozen denominator d = sqrt(v / (1 - beta2^W)) + eps, as math::adamw_update forms it.
   const float bc2 = static_cast<float>(1.0 - std::pow(cfg_.optimizer.beta2, static_cast<double>(warmup_)));
   const float eps = static_cast<float>(cfg_.optimizer.eps);
-  const float* v = sharded_ ? v_full_ : adam_.exp_avg_sq();
+  const float* v = sharded_ ? (be_.host_memory() ? v_full_ : host_v_.data())
+                            : host_view(be_, adam_.exp_avg_sq(), host_v_, total_);
   auto denom = [&](int64_t k) { return std::sqrt(v[k] / bc2) + eps; };
   // x_i: the momentum estimate (plain) or dp times the local gradient (sharded), padding zero.
   if (sharded_) {
@@ -147,7 +164,7 @@ void OnebitAdam::step(float* master, float* grads, double lr, void* compute, DTy
   } else {
     const float b1 = static_cast<float>(cfg_.optimizer.beta1);
     const float c = (1.0f - b1) * static_cast<float>(p);
-    const float* m = adam_.exp_avg();
+    const float* m = host_view(be_, adam_.exp_avg(), host_m_, total_);
     for (int64_t k = 0; k < total_; ++k) grads[k] = b1 * m[k] + c * grads[k];
   }
   // Replicated parameters: the exact mean of x_i, all-reduced in fp32.
@@ -183,7 +200,8 @@ void OnebitAdam::step(float* master, float* grads, double lr, void* compute, DTy
       at += r.numel;
     }
     put_replicated();
-    adam_.step_frozen_variance(master, grads, lr, warmup_, /*momentum_given=*/false, compute, compute_type);
+    if (grads != grads_dev) be_.copy_from_host(grads_dev, grads, static_cast<size_t>(total_) * 4);
+    adam_.step_frozen_variance(master, grads_dev, lr, warmup_, /*momentum_given=*/false, compute, compute_type);
     return;
   }
   // Server stage: the averaged momentum, compressed again with the server error, to every rank.
@@ -194,7 +212,8 @@ void OnebitAdam::step(float* master, float* grads, double lr, void* compute, DTy
   for (int64_t k = 0; k < total_; ++k) grads[k] *= denom(k);  // m = d * decompressed y
   zero_ranges(grads, excluded_full_);
   put_replicated();
-  adam_.step_frozen_variance(master, grads, lr, warmup_, /*momentum_given=*/true, compute, compute_type);
+  if (grads != grads_dev) be_.copy_from_host(grads_dev, grads, static_cast<size_t>(total_) * 4);
+  adam_.step_frozen_variance(master, grads_dev, lr, warmup_, /*momentum_given=*/true, compute, compute_type);
 }
 
 std::vector<CheckpointExtra> OnebitAdam::checkpoint_state() {
@@ -204,12 +223,14 @@ std::vector<CheckpointExtra> OnebitAdam::checkpoint_state() {
   w.kind = fmt::format("optim/onebit_worker_error/dp{}of{}{}", dp_->rank(), dp_->size(), sharded_ ? "_sharded" : "");
   w.data = worker_error_;
   w.ranges = {GradRange{0, total_}};
+  w.host = true;
   out.push_back(std::move(w));
   if (server_error_) {
     CheckpointExtra s;
     s.kind = "optim/onebit_server_error";
     s.data = server_error_;
     s.ranges = mine_;
+    s.host = true;
     out.push_back(std::move(s));
   }
   return out;

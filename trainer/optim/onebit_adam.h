@@ -92,6 +92,10 @@ class OnebitAdam {
 
   // The compressed step: `grads` holds this rank's unreduced gradient (GradBuffer::set_reduce(false));
   // exchanges it as described above and updates the owned parameters (AdamW::step's arguments).
+  // The compression runs on the host, on host views of the gradient and moments (the buffers
+  // themselves when backend memory is host memory, else copies made here; the gradient is copied
+  // back before the update). `dp` (constructor) is the data-parallel group's host-memory
+  // communicator; the frozen variance is gathered through the gradient buffer's.
   void step(float* master, float* grads, double lr, void* compute, DType compute_type);
 
   // The error-feedback buffers, for checkpoints (empty without a DP group).
@@ -113,13 +117,20 @@ class OnebitAdam {
   std::vector<GradRange> excluded_mine_;  // kept at zero in the errors (the same within mine_)
   std::vector<GradRange> replicated_;     // TP-replicated parameters (tp > 1), averaged exactly
   int64_t replicated_numel_ = 0;
+  // Host memory (the compression loops run on the host; dp_ is the host-memory communicator),
+  // carved from host_f32_ and host_u16_:
   float* replicated_sum_ = nullptr;       // (replicated_numel_)
   float* worker_error_ = nullptr;  // (total)
   float* server_error_ = nullptr;  // (mine_numel), plain only
   float* avg_ = nullptr;           // (mine_numel)
   uint16_t* send_ = nullptr;       // (dp * words), destination-major
   uint16_t* recv_ = nullptr;       // (dp * words), source-major
-  float* v_full_ = nullptr;        // sharded: the whole frozen variance (total), gathered once
+  std::vector<float> host_f32_;
+  std::vector<uint16_t> host_u16_;
+  // Staging for host views of backend buffers when backend memory is not host memory: the
+  // gradient, the variance (sharded: the gathered v_full_), the momentum (plain).
+  std::vector<float> host_grads_, host_v_, host_m_;
+  float* v_full_ = nullptr;        // sharded: the whole frozen variance (total, backend memory), gathered once
   bool v_full_ready_ = false;
 };
 

@@ -3,17 +3,30 @@
 
 #include <omp.h>
 
+#include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include <fmt/format.h>
 
+#include "kernels/cpu/guarded_backend.h"
 #include "kernels/cpu/peak.h"
 #include "trainer/core/check.h"
+#include "trainer/dist/staged_communicator.h"
 #if defined(TETRA_HAVE_CUDA)
 #include "kernels/cuda/cuda_backend.h"
 #endif
 
 namespace tetra {
+
+namespace {
+
+bool guarded_memory_requested() {
+  const char* v = std::getenv("TETRA_TEST_GUARDED_MEMORY");
+  return v != nullptr && std::string(v) == "1";
+}
+
+}  // namespace
 
 bool cuda_backend_built() {
 #if defined(TETRA_HAVE_CUDA)
@@ -66,6 +79,13 @@ ComputeDevice make_compute_device(const TrainingConfig& training, bool bf16, boo
   }
   TETRA_CHECK(training.device == "cpu", "unknown training.device {}", training.device);
   d.backend = make_cpu_backend(static_cast<int>(training.threads));
+  if (guarded_memory_requested()) {
+    // On stderr, from every rank (and not on stdout, which `tetra generate` keeps for its text).
+    std::fprintf(stderr, "warning: TETRA_TEST_GUARDED_MEMORY=1: backend memory is guarded (backend 'cpu-guarded': "
+                 "the host may touch it only through the backend; collectives on it are staged through host "
+                 "buffers). A test mode, slow: not for production runs\n");
+    d.backend = make_guarded_backend(std::move(d.backend));
+  }
   const int threads = training.threads > 0 ? static_cast<int>(training.threads) : omp_get_max_threads();
   if (want_peak) {
     d.peak_flops = peak_given ? training.peak_gflops * 1e9 : measure_cpu_peak_gflops(threads, bf16) * 1e9;
@@ -73,6 +93,13 @@ ComputeDevice make_compute_device(const TrainingConfig& training, bool bf16, boo
   }
   d.description = fmt::format("cpu, {} threads", threads);
   return d;
+}
+
+BackendCommFactory backend_comm_factory(Backend& be) {
+  if (be.host_memory()) return {};
+  return [&be](const std::string&, const std::vector<int>&, Communicator& host) {
+    return make_staged_communicator(host, be);
+  };
 }
 
 }  // namespace tetra

@@ -1,6 +1,13 @@
 // The backend a run computes on (training.device) and the arithmetic peak its MFU is measured
 // against: the CPU backend with its measured FMA ceiling, or the CUDA backend on this process's
 // GPU with the GPU's dense tensor-core (bf16) or CUDA-core (fp32) peak.
+//
+// Test mode: with TETRA_TEST_GUARDED_MEMORY=1 in the environment the CPU backend sits behind the
+// guarded-memory decorator (kernels/cpu/guarded_backend.h), whose memory the host cannot touch,
+// as a GPU's. Test-only, like the fault-injection hooks (fault_injection.h): it proves on a
+// CPU-only machine that the trainer reaches backend memory only through the backend
+// (tests/parity/test_guarded_memory.py runs the same configs with and without it and requires
+// bitwise-identical results). Slow; logged as a warning on every rank that uses it.
 #pragma once
 
 #include <memory>
@@ -8,6 +15,7 @@
 
 #include "kernels/backend.h"
 #include "trainer/config/config.h"
+#include "trainer/dist/process_groups.h"
 
 namespace tetra {
 
@@ -22,6 +30,11 @@ struct ComputeDevice {
 // process sees no GPU (the message says which, and what to do). `want_peak` false skips the
 // CPU peak measurement (generation needs no MFU).
 ComputeDevice make_compute_device(const TrainingConfig& training, bool bf16, bool want_peak = true);
+
+// The backend-memory communicators `be` needs (ProcessGroups::use_backend_memory): none when its
+// memory is host memory (the MPI communicators serve both roles), the staged communicator
+// (trainer/dist/staged_communicator.h) around each host one otherwise. `be` must outlive them.
+BackendCommFactory backend_comm_factory(Backend& be);
 
 // True where this binary was built with the CUDA backend.
 bool cuda_backend_built();
