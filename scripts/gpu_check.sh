@@ -184,15 +184,15 @@ fi
 GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
 CUDA_FLAGS=${EXTRA_INC[*]:-}
-stage configure 90 "$OUT/build.log" cmake -S "$REPO" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
+stage configure 60 "$OUT/build.log" cmake -S "$REPO" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
   -DTETRA_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" \
   "-DCMAKE_CXX_FLAGS=$CUDA_FLAGS" "-DCMAKE_CUDA_FLAGS=$CUDA_FLAGS" "${CMAKE_EXTRA[@]}"
 TARGETS=(tetra test_cuda_ops test_cuda_shared_math test_nccl)
-stage build 300 "$OUT/build.log" cmake --build "$BUILD" -j"$JOBS" --target "${TARGETS[@]}"
+stage build 240 "$OUT/build.log" cmake --build "$BUILD" -j"$JOBS" --target "${TARGETS[@]}"
 
 # ---- CUDA tests -----------------------------------------------------------------------------------
 # cuda:nccl_np2 (with MPI) skips itself on a machine with one GPU.
-stage tests 150 "$OUT/tests.log" ctest --test-dir "$BUILD" -R '^cuda:' --output-on-failure --timeout 140
+stage tests 120 "$OUT/tests.log" ctest --test-dir "$BUILD" -R '^cuda:' --output-on-failure --timeout 110
 
 # ---- benchmarks -----------------------------------------------------------------------------------
 # bench NAME: one training run, its GPU memory sampled; the figures into summary.txt.
@@ -201,7 +201,7 @@ bench() {
   rm -rf "$run" && mkdir -p "$run"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 >"$run/gpu_mem.txt" 2>/dev/null &
   local sampler=$!
-  stage "$name" 100 "$log" env OMP_NUM_THREADS="$JOBS" "$BUILD/tetra" --config "$REPO/configs/$name.json" \
+  stage "$name" 80 "$log" env OMP_NUM_THREADS="$JOBS" "$BUILD/tetra" --config "$REPO/configs/$name.json" \
     --set "logging.dir=$run" --set "training.threads=$JOBS"
   local rc=$?
   kill $sampler 2>/dev/null

@@ -1,7 +1,7 @@
 // The NCCL Communicator (see nccl_communicator.h): argument checks and accounting at issue time in
 // the caller's thread, as in the MPI one; collectives and grouped sends/receives on the group's
 // NCCL communicator and stream; sends and receives outside a group on per-(tag, direction, peer)
-// channels set up on first use by a thread of their own.
+// channels set up on first use by a thread of their own (their parts in nccl_support.h).
 //
 // Every operation follows one pattern: an event recorded on the compute stream at the call, the
 // communication stream made to wait for it, the NCCL call on that stream, a `done` event recorded
@@ -11,18 +11,11 @@
 #if defined(TETRA_HAVE_CUDA)
 #include "trainer/dist/nccl_communicator.h"
 
-#include <cuda_runtime.h>
-#include <nccl.h>
-
 #include <algorithm>
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstring>
-#include <deque>
 #include <map>
-#include <mutex>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -32,291 +25,20 @@
 #include "trainer/core/check.h"
 #include "trainer/dist/comm_accounting.h"
 #include "trainer/dist/comm_worker.h"
+#include "trainer/dist/nccl_support.h"
 #include "trainer/dist/watchdog.h"
 
 namespace tetra {
 
 namespace {
 
+using namespace nccl;
+
 constexpr int kMaxTag = 1023;
 constexpr int kIdTagBase = 31744;  // host tags of the channels' NCCL ids: kIdTagBase + tag <= 32767
 static_assert(kIdTagBase + kMaxTag <= 32767, "MPI guarantees tags up to 32767 only");
 static_assert(sizeof(ncclUniqueId) % 4 == 0, "the NCCL id travels as int32 elements");
 constexpr int64_t kIdInts = static_cast<int64_t>(sizeof(ncclUniqueId) / 4);
-
-// NCCL calls that enqueue work, from any thread of the process, one at a time: NCCL allows one
-// thread at a time per communicator, and calls into several communicators of one device from
-// several threads at once are not safe either (NCCL's thread-safety notes).
-std::mutex g_enqueue;
-
-ncclDataType_t nccl_type(DType t) {
-  switch (t) {
-    case DType::F32: return ncclFloat32;
-    case DType::BF16: return ncclBfloat16;
-    case DType::I32: return ncclInt32;
-  }
-  return ncclFloat32;
-}
-
-ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::SUM ? ncclSum : ncclMax; }
-
-// Who fails, for messages: the group, this rank in it and in the world.
-struct Where {
-  std::string group;
-  int rank = 0, size = 1, global = 0;
-};
-
-[[noreturn]] void fail(const Where& w, const std::string& what, const std::string& why) {
-  throw Error(fmt::format("{} on group '{}' (rank {} of {}, global rank {}) failed: {}", what, w.group, w.rank, w.size,
-                          w.global, why));
-}
-
-void check_cuda(cudaError_t e, const Where& w, const char* what) {
-  if (e != cudaSuccess) fail(w, what, fmt::format("CUDA error {}: {}", cudaGetErrorName(e), cudaGetErrorString(e)));
-}
-
-void check_nccl(ncclResult_t r, ncclComm_t comm, const Where& w, const char* what) {
-  if (r == ncclSuccess) return;
-  const char* last = ncclGetLastError(comm);
-  fail(w, what, fmt::format("NCCL error {} ({}){}{}", static_cast<int>(r), ncclGetErrorString(r),
-                            last != nullptr && last[0] != '\0' ? ": " : "", last != nullptr ? last : ""));
-}
-
-// A communicator's asynchronous error (a failed peer, network or kernel) as an Error.
-void check_async(ncclComm_t comm, const Where& w, const char* what) {
-  if (comm == nullptr) return;
-  ncclResult_t state = ncclSuccess;
-  check_nccl(ncclCommGetAsyncError(comm, &state), comm, w, "ncclCommGetAsyncError");
-  if (state != ncclSuccess && state != ncclInProgress) check_nccl(state, comm, w, what);
-}
-
-// Communication streams run at the device's greatest priority: a collective's blocks are
-// scheduled ahead of compute blocks queued at the same time, so compute hides it rather than
-// delays it.
-cudaStream_t make_stream(const Where& w) {
-  int least = 0, greatest = 0;
-  check_cuda(cudaDeviceGetStreamPriorityRange(&least, &greatest), w, "cudaDeviceGetStreamPriorityRange");
-  cudaStream_t s = nullptr;
-  check_cuda(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest), w, "cudaStreamCreateWithPriority");
-  return s;
-}
-
-// Reused events (no timing): each Work holds one until it is released.
-class EventPool {
- public:
-  explicit EventPool(Where w) : where_(std::move(w)) {}
-  ~EventPool() {
-    for (cudaEvent_t e : free_) cudaEventDestroy(e);
-  }
-  cudaEvent_t get() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!free_.empty()) {
-        cudaEvent_t e = free_.back();
-        free_.pop_back();
-        return e;
-      }
-    }
-    cudaEvent_t e = nullptr;
-    check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), where_, "cudaEventCreateWithFlags");
-    return e;
-  }
-  void put(cudaEvent_t e) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    free_.push_back(e);
-  }
-
- private:
-  Where where_;
-  std::mutex mutex_;
-  std::vector<cudaEvent_t> free_;
-};
-
-// What the operations and their Work handles share with the communicator (handles may outlive it).
-struct NcclGroup {
-  Where where;
-  std::vector<int> members;
-  int device = 0;
-  cudaStream_t compute = nullptr;  // the backend's
-  cudaStream_t stream = nullptr;   // collectives and grouped sends/receives
-  ncclComm_t comm = nullptr;
-  cudaEvent_t issued = nullptr;    // the compute stream's position at a collective's issue
-  std::shared_ptr<EventPool> events;
-  std::atomic<bool> closed{false};  // NCCL communicators gone: handles stop querying them
-};
-
-// A collective (or an all_to_all_v) on the group's stream, complete when `done` is.
-class StreamWork final : public Work {
- public:
-  StreamWork(std::shared_ptr<NcclGroup> g, cudaEvent_t done, const char* op) : g_(std::move(g)), done_(done), op_(op) {}
-  ~StreamWork() override {
-    // Released without wait(): the compute stream still must not run ahead of the operation.
-    if (!waited_) cudaStreamWaitEvent(g_->compute, done_, 0);
-    g_->events->put(done_);
-  }
-  void wait() override {
-    if (!g_->closed) check_async(g_->comm, g_->where, op_);
-    check_cuda(cudaStreamWaitEvent(g_->compute, done_, 0), g_->where, op_);
-    waited_ = true;
-  }
-  bool test() override {
-    const cudaError_t q = cudaEventQuery(done_);
-    if (q == cudaSuccess) return true;
-    if (q != cudaErrorNotReady) check_cuda(q, g_->where, op_);
-    if (!g_->closed) check_async(g_->comm, g_->where, op_);
-    return false;
-  }
-
- private:
-  std::shared_ptr<NcclGroup> g_;
-  cudaEvent_t done_;
-  const char* op_;
-  bool waited_ = false;
-};
-
-// The sends and receives of one group_start()/group_end().
-struct Batch {
-  std::shared_ptr<EventPool> events;
-  bool ended = false;
-  cudaEvent_t done = nullptr;  // after group_end(); null when the batch moved nothing
-  ~Batch() {
-    if (done != nullptr) events->put(done);
-  }
-};
-
-class BatchWork final : public Work {
- public:
-  BatchWork(std::shared_ptr<NcclGroup> g, std::shared_ptr<Batch> b) : g_(std::move(g)), b_(std::move(b)) {}
-  void wait() override {  // group_end() already made the compute stream wait for the batch
-    TETRA_CHECK(b_->ended, "wait() on a send/recv of group '{}' before its group_end()", g_->where.group);
-  }
-  bool test() override {
-    if (!b_->ended) return false;
-    if (b_->done == nullptr) return true;
-    const cudaError_t q = cudaEventQuery(b_->done);
-    if (q != cudaSuccess && q != cudaErrorNotReady) check_cuda(q, g_->where, "send/recv group");
-    return q == cudaSuccess;
-  }
-
- private:
-  std::shared_ptr<NcclGroup> g_;
-  std::shared_ptr<Batch> b_;
-};
-
-// One send or receive outside a group, on its channel.
-struct ChannelOp {
-  std::shared_ptr<EventPool> events;
-  bool is_send;
-  void* buf;
-  size_t count;
-  ncclDataType_t type;
-  cudaEvent_t ready = nullptr;  // the compute stream at the call
-  cudaEvent_t done = nullptr;   // the channel's stream after the transfer
-  bool issued = false;          // on the channel's stream (guarded by the channel's mutex)
-  ~ChannelOp() {
-    if (ready != nullptr) events->put(ready);
-    if (done != nullptr) events->put(done);
-  }
-};
-
-// The messages of one tag from one rank to another: a two-rank NCCL communicator (the sender is
-// its rank 0) and a stream, at each end. Until `ready`, operations queue in `queued`.
-struct Channel {
-  std::string label;  // "send to group rank 1, tag 0"
-  std::mutex mutex;
-  std::condition_variable cv;
-  ncclComm_t comm = nullptr;
-  cudaStream_t stream = nullptr;
-  bool ready = false;
-  std::string failed;
-  std::deque<std::shared_ptr<ChannelOp>> queued;
-  std::thread setup;
-  std::atomic<bool> setup_done{false};
-};
-
-// Puts `op` on the channel's stream. Called with the channel's mutex held, once it is ready.
-void enqueue_on_channel(Channel& ch, ChannelOp& op, const Where& w) {
-  std::lock_guard<std::mutex> lock(g_enqueue);
-  check_cuda(cudaStreamWaitEvent(ch.stream, op.ready, 0), w, "cudaStreamWaitEvent (channel)");
-  check_nccl(op.is_send ? ncclSend(op.buf, op.count, op.type, 1, ch.comm, ch.stream)
-                        : ncclRecv(op.buf, op.count, op.type, 0, ch.comm, ch.stream),
-             ch.comm, w, op.is_send ? "ncclSend" : "ncclRecv");
-  check_cuda(cudaEventRecord(op.done, ch.stream), w, "cudaEventRecord (channel)");
-  op.issued = true;
-}
-
-// The channel's own thread: completes the NCCL id's trip over the host communicator, initialises
-// the two-rank NCCL communicator (blocking until the peer does the same), then issues what queued
-// meanwhile. The caller never blocks for any of it.
-void set_up_channel(std::shared_ptr<NcclGroup> g, std::shared_ptr<Channel> ch, std::shared_ptr<ncclUniqueId> id,
-                    WorkHandle id_transfer, bool sender) {
-  try {
-    check_cuda(cudaSetDevice(g->device), g->where, "cudaSetDevice (channel)");
-    id_transfer->wait();
-    id_transfer.reset();
-    ncclComm_t comm = nullptr;
-    check_nccl(ncclCommInitRank(&comm, 2, *id, sender ? 0 : 1), nullptr, g->where,
-               fmt::format("ncclCommInitRank ({})", ch->label).c_str());
-    std::lock_guard<std::mutex> lock(ch->mutex);
-    ch->comm = comm;
-    ch->stream = make_stream(g->where);
-    for (const std::shared_ptr<ChannelOp>& op : ch->queued) enqueue_on_channel(*ch, *op, g->where);
-    ch->queued.clear();
-    ch->ready = true;
-  } catch (const std::exception& e) {
-    std::lock_guard<std::mutex> lock(ch->mutex);
-    ch->failed = e.what();
-    ch->queued.clear();
-  }
-  ch->cv.notify_all();
-  ch->setup_done = true;
-}
-
-class ChannelWork final : public Work {
- public:
-  ChannelWork(std::shared_ptr<NcclGroup> g, std::shared_ptr<Channel> ch, std::shared_ptr<ChannelOp> op)
-      : g_(std::move(g)), ch_(std::move(ch)), op_(std::move(op)) {}
-  ~ChannelWork() override {
-    if (waited_) return;
-    try {  // released without wait(): as in wait(), so the compute stream cannot run ahead of it
-      wait();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "%s\n", e.what());
-    }
-  }
-  void wait() override {
-    {
-      std::unique_lock<std::mutex> lock(ch_->mutex);
-      if (!op_->issued && ch_->failed.empty()) {  // the channel is still being set up
-        const WatchedWait watched(g_->where.group, g_->members, "send/recv (channel set-up)");
-        ch_->cv.wait(lock, [&] { return op_->issued || !ch_->failed.empty(); });
-      }
-      if (!op_->issued) fail(g_->where, ch_->label, "setting the channel up failed: " + ch_->failed);
-    }
-    if (!g_->closed) check_async(ch_->comm, g_->where, op_->is_send ? "send" : "recv");
-    check_cuda(cudaStreamWaitEvent(g_->compute, op_->done, 0), g_->where, op_->is_send ? "send" : "recv");
-    waited_ = true;
-  }
-  bool test() override {
-    {
-      std::lock_guard<std::mutex> lock(ch_->mutex);
-      if (!ch_->failed.empty() && !op_->issued)
-        fail(g_->where, ch_->label, "setting the channel up failed: " + ch_->failed);
-      if (!op_->issued) return false;
-    }
-    const cudaError_t q = cudaEventQuery(op_->done);
-    if (q == cudaSuccess) return true;
-    if (q != cudaErrorNotReady) check_cuda(q, g_->where, op_->is_send ? "send" : "recv");
-    if (!g_->closed) check_async(ch_->comm, g_->where, op_->is_send ? "send" : "recv");
-    return false;
-  }
-
- private:
-  std::shared_ptr<NcclGroup> g_;
-  std::shared_ptr<Channel> ch_;
-  std::shared_ptr<ChannelOp> op_;
-  bool waited_ = false;
-};
 
 bool overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
   const char* x = static_cast<const char*>(a);
@@ -483,7 +205,7 @@ class NcclCommunicator final : public Communicator {
     transfers.erase(std::remove_if(transfers.begin(), transfers.end(), [](const Transfer& x) { return x.count == 0; }),
                     transfers.end());
     if (!transfers.empty()) {
-      std::lock_guard<std::mutex> lock(g_enqueue);
+      std::lock_guard<std::mutex> lock(enqueue_mutex());
       NcclGroup& g = *g_;
       check_cuda(cudaEventRecord(g.issued, g.compute), g.where, "cudaEventRecord");
       check_cuda(cudaStreamWaitEvent(g.stream, g.issued, 0), g.where, "cudaStreamWaitEvent");
@@ -501,6 +223,10 @@ class NcclCommunicator final : public Communicator {
       check_cuda(cudaStreamWaitEvent(g.compute, batch->done, 0), g.where, "cudaStreamWaitEvent");
     }
     batch->ended = true;
+    if (blocking_wait() && batch->done != nullptr) {
+      const WatchedWait watched(name(), members(), "send/recv group");
+      poll_until_done(batch->done, g_->comm, g_->where, "send/recv group");
+    }
   }
 
   // Host-level, like the MPI barrier: every member has reached it. It does not wait for the GPU.
@@ -530,7 +256,7 @@ class NcclCommunicator final : public Communicator {
   // The NCCL collective `call(comm, stream)` on the group's stream, after the compute stream's work.
   template <typename Call>
   WorkHandle issue(const char* what, Call&& call) {
-    std::lock_guard<std::mutex> lock(g_enqueue);
+    std::lock_guard<std::mutex> lock(enqueue_mutex());
     NcclGroup& g = *g_;
     check_cuda(cudaEventRecord(g.issued, g.compute), g.where, "cudaEventRecord");
     check_cuda(cudaStreamWaitEvent(g.stream, g.issued, 0), g.where, "cudaStreamWaitEvent");
@@ -539,7 +265,7 @@ class NcclCommunicator final : public Communicator {
     const cudaError_t rec = cudaEventRecord(done, g.stream);
     if (rec != cudaSuccess) g.events->put(done);
     check_cuda(rec, g.where, "cudaEventRecord");
-    return std::make_unique<StreamWork>(g_, done, what);
+    return make_stream_work(g_, done, what);
   }
 
   WorkHandle p2p(bool is_send, void* buf, int64_t count, DType type, int peer, int tag) {
@@ -553,7 +279,7 @@ class NcclCommunicator final : public Communicator {
     account_call(stats_, is_send ? CommOp::SEND : CommOp::RECV, size(), count * bytes(type));
     if (depth_ > 0) {
       transfers_.push_back(Transfer{is_send, buf, static_cast<size_t>(count), type, peer, tag});
-      return std::make_unique<BatchWork>(g_, batch_);
+      return make_batch_work(g_, batch_);
     }
     if (count == 0) return make_done_work();  // skipped at both ends: the receiver asks for 0 too
 
@@ -575,7 +301,7 @@ class NcclCommunicator final : public Communicator {
       else
         ch->queued.push_back(x);
     }
-    return std::make_unique<ChannelWork>(g_, std::move(ch), std::move(x));
+    return make_channel_work(g_, std::move(ch), std::move(x));
   }
 
   // The channel of (direction, peer, tag), set up on first use: the sender makes the NCCL id and

@@ -44,9 +44,12 @@
 // surfaces as an Error at the next wait. A hang (a peer that never joins) does not block the host
 // in wait() (it is stream-ordered), so it shows where the host next waits for the GPU
 // (copy_to_host, synchronize): the watchdog's step timeout (training.collective_timeout_s) then
-// ends the job, its report saying "not waiting in any collective". The host blocks on its own only
-// for a channel whose first message has been issued but not yet set up (wait() before the peer
-// has taken part), and that wait is registered with the watchdog like any other.
+// ends the job, its report saying "not waiting in any collective". With the environment variable
+// TETRA_NCCL_BLOCKING_WAIT=1, wait() (and group_end()) also block the host until the operation
+// has finished, polling it and ncclCommGetAsyncError: inside Communicator::wait's watchdog
+// registration, so a hang is reported with its group and operation (for diagnosis; it costs the
+// host's run-ahead). The host otherwise blocks only for a channel whose first message was issued
+// before the channel was set up (wait() before the peer has taken part), registered likewise.
 //
 // Caveat (NCCL's, for every program that runs several NCCL communicators at once): kernels of
 // different communicators run concurrently only while they fit on the GPU together; NCCL's

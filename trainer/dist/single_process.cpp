@@ -63,11 +63,11 @@ bool dist_initialized() { return false; }
 
 ProcessInfo dist_init(int* /*argc*/, char*** /*argv*/) {
   const std::string launch = multi_process_launch();
-  TETRA_CHECK(launch.empty(),
-              "this tetra was built without MPI, so it runs as one process, but {} started it as one of "
-              "several: run it as a single process, or build it with MPI (cmake -DTETRA_MPI=ON, with an MPI "
-              "library such as Debian's libopenmpi-dev installed)",
-              launch);
+  if (!launch.empty())
+    throw Error(fmt::format("this tetra was built without MPI, so it runs as one process, but {} started it as one "
+                            "of several: run it as a single process, or build it with MPI (cmake -DTETRA_MPI=ON, "
+                            "with an MPI library such as Debian's libopenmpi-dev installed)",
+                            launch));
   ProcessInfo info;
   info.launcher = "single";
   return info;
