@@ -22,7 +22,8 @@
 # Dependencies: what is installed is used; where a build dependency is missing, the folder (or
 # .tar.xz) made by scripts/prepare_gpu_deps.sh on a Debian machine is (CMAKE_PREFIX_PATH,
 # PKG_CONFIG_PATH, LD_LIBRARY_PATH). It is looked for as the second argument, $TETRA_GPU_DEPS, or
-# <repo>/.gpu-deps(.tar.xz). cuDNN and NCCL are taken from /usr/local/cuda, else from the Python
+# <repo>/.gpu-deps(.tar.xz); GPU_CHECK_USE_DEPS=1 uses it even where the packages are installed.
+# cuDNN and NCCL are taken from /usr/local/cuda, else from the Python
 # packages nvidia-cudnn / nvidia-nccl (PyTorch's), which hold them too.
 #
 # OUTDIR gets at most 8 files (what a device run brings back): summary.txt (stages, results),
@@ -57,7 +58,7 @@ stage() {
   left=$(remaining)
   [ "$limit" -gt "$((left - 5))" ] && limit=$((left - 5))
   if [ "$limit" -lt 5 ]; then
-    note "$(printf '%-12s SKIPPED (no time left of %ss)' "$name" "$TOTAL_S")"
+    note "$(printf '%-22s SKIPPED (no time left of %ss)' "$name" "$TOTAL_S")"
     FAILED+=("$name")
     return 1
   fi
@@ -67,11 +68,11 @@ stage() {
   rc=$?
   local dt=$(($(date +%s) - t))
   if [ $rc -eq 0 ]; then
-    note "$(printf '%-12s ok          %4ds' "$name" "$dt")"
+    note "$(printf '%-22s ok          %4ds' "$name" "$dt")"
   else
     local why="rc $rc"
     [ $rc -eq 124 ] || [ $rc -eq 137 ] && why="timed out after ${limit}s"
-    note "$(printf '%-12s FAILED      %4ds  (%s; see %s)' "$name" "$dt" "$why" "$(basename "$log")")"
+    note "$(printf '%-22s FAILED      %4ds  (%s; see %s)' "$name" "$dt" "$why" "$(basename "$log")")"
     FAILED+=("$name")
   fi
   return $rc
@@ -91,9 +92,9 @@ note "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), source $REPO ($(g
   echo "cores: $JOBS"
 } >"$OUT/env.txt" 2>&1
 if grep -q "NVIDIA-SMI" "$OUT/env.txt"; then
-  note "$(printf '%-12s ok          %s' env "$(grep -A1 '^name' "$OUT/env.txt" | tail -1)")"
+  note "$(printf '%-22s ok          %s' env "$(grep -A1 '^name' "$OUT/env.txt" | tail -1)")"
 else
-  note "env          FAILED (nvidia-smi: no GPU or no driver; see env.txt)"
+  note "env                    FAILED (nvidia-smi: no GPU or no driver; see env.txt)"
   FAILED+=(env)
 fi
 
@@ -161,20 +162,20 @@ use_deps() {
   cat "$DEPS/PACKAGES.txt" 2>/dev/null
 }
 DEPS=
-if have_system_deps; then
-  note "deps         installed packages"
+if [ "${GPU_CHECK_USE_DEPS:-0}" != 1 ] && have_system_deps; then
+  note "deps                   installed packages"
 else
   if [ -z "$DEPS_ARG" ]; then
     for c in "$REPO/.gpu-deps" "$REPO/.gpu-deps.tar.xz"; do [ -e "$c" ] && DEPS_ARG=$c && break; done
   fi
   if [ -z "$DEPS_ARG" ]; then
-    note "deps         FAILED: build dependencies missing and no folder from scripts/prepare_gpu_deps.sh given"
+    note "deps                   FAILED: build dependencies missing and no folder from scripts/prepare_gpu_deps.sh given"
     FAILED+=(deps)
   else
     if use_deps "$DEPS_ARG" >>"$OUT/build.log" 2>&1; then
-      note "deps         ok          $DEPS"
+      note "deps                   ok          $DEPS"
     else
-      note "deps         FAILED (unpacking $DEPS_ARG; see build.log)"
+      note "deps                   FAILED (unpacking $DEPS_ARG; see build.log)"
       FAILED+=(deps)
     fi
   fi
@@ -193,6 +194,9 @@ stage build 240 "$OUT/build.log" cmake --build "$BUILD" -j"$JOBS" --target "${TA
 # ---- CUDA tests -----------------------------------------------------------------------------------
 # cuda:nccl_np2 (with MPI) skips itself on a machine with one GPU.
 stage tests 120 "$OUT/tests.log" ctest --test-dir "$BUILD" -R '^cuda:' --output-on-failure --timeout 110
+[ -f "$OUT/tests.log" ] &&
+  note "  ctest: $(grep -E 'tests passed|tests failed' "$OUT/tests.log" | tail -1); skipped:" \
+       "$(grep -E '^\s+[0-9]+ - .*\(Skipped\)' "$OUT/tests.log" | sed 's/.* - //; s/ (Skipped)//' | tr '\n' ' ')"
 
 # ---- benchmarks -----------------------------------------------------------------------------------
 # bench NAME: one training run, its GPU memory sampled; the figures into summary.txt.
@@ -238,7 +242,7 @@ EOF
 if [ -x "$BUILD/tetra" ]; then
   for b in bench_gpt2_124m_cuda bench_llama_1b_cuda; do bench "$b"; done
 else
-  note "bench        SKIPPED (no tetra binary)"
+  note "bench                  SKIPPED (no tetra binary)"
   FAILED+=(bench)
 fi
 

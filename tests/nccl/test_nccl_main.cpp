@@ -263,10 +263,11 @@ void check_p2p(Communicator& c, Backend& be, ExpectedStats& want, const std::str
 void check_communicator(Communicator& c, Backend& be, const std::vector<int>& members) {
   const int p = c.size(), r = c.rank();
   const std::vector<int>& m = c.members();
+  const auto member = [&](int q) { return m[static_cast<size_t>(q)]; };
   const std::string where = g_where;
   ExpectedStats want{CommStats{}, p};
   c.stats().reset();
-  expect(m == members && m[static_cast<size_t>(r)] == g_rank, fmt::format("members [{}]", fmt::join(m, ",")));
+  expect(m == members && member(r) == g_rank, fmt::format("members [{}]", fmt::join(m, ",")));
 
   for (int64_t n : {int64_t{37}, (int64_t{1} << 20) + 3})
     for (DType t : kTypes)
@@ -323,7 +324,7 @@ void check_communicator(Communicator& c, Backend& be, const std::vector<int>& me
       recv.download();
       for (int q = 0; q < p; ++q)
         for (int64_t i = 0; i < blk; ++i)
-          expect(recv.get(q * blk + i) == val(m[static_cast<size_t>(q)], i, 3), fmt::format("block {} element {}", q, i));
+          expect(recv.get(q * blk + i) == val(member(q), i, 3), fmt::format("block {} element {}", q, i));
     }
 
   // all_to_all_v: uneven counts (some empty), blocks in reverse order with gaps that stay untouched.
@@ -345,7 +346,7 @@ void check_communicator(Communicator& c, Backend& be, const std::vector<int>& me
     send.upload();
     int64_t roff = 0;
     for (int s = 0; s < p; ++s) {
-      rc[s] = cnt(m[static_cast<size_t>(s)], r);
+      rc[s] = cnt(member(s), r);
       ro[s] = roff;
       roff += rc[s] + 2;
     }
@@ -356,8 +357,9 @@ void check_communicator(Communicator& c, Backend& be, const std::vector<int>& me
     recv.download();
     std::vector<double> expected(static_cast<size_t>(roff), -3.0);
     for (int s = 0; s < p; ++s)
-      for (int64_t k = 0; k < rc[s]; ++k) expected[static_cast<size_t>(ro[s] + k)] = code(m[static_cast<size_t>(s)], r, k);
-    for (int64_t i = 0; i < roff; ++i) expect(recv.get(i) == expected[static_cast<size_t>(i)], fmt::format("element {}", i));
+      for (int64_t k = 0; k < rc[s]; ++k) expected[static_cast<size_t>(ro[s] + k)] = code(member(s), r, k);
+    for (int64_t i = 0; i < roff; ++i)
+      expect(recv.get(i) == expected[static_cast<size_t>(i)], fmt::format("element {}", i));
   }
 
   for (int root = 0; root < p; ++root) {
@@ -370,7 +372,7 @@ void check_communicator(Communicator& c, Backend& be, const std::vector<int>& me
     c.broadcast(b.dev, n, DType::F32, root);
     want.broadcast(n * 4);
     b.download();
-    for (int64_t i = 0; i < n; ++i) expect(b.get(i) == val(m[static_cast<size_t>(root)], i, 4), fmt::format("element {}", i));
+    for (int64_t i = 0; i < n; ++i) expect(b.get(i) == val(member(root), i, 4), fmt::format("element {}", i));
   }
 
   // Grouped: a ring in both directions plus two messages to itself with crossed tags.
@@ -404,7 +406,7 @@ void check_communicator(Communicator& c, Backend& be, const std::vector<int>& me
     in.download();
     got_a.download();
     got_b.download();
-    for (int64_t i = 0; i < k; ++i) expect(in.get(i) == val(m[static_cast<size_t>(prev)], i, 5), fmt::format("element {}", i));
+    for (int64_t i = 0; i < k; ++i) expect(in.get(i) == val(member(prev), i, 5), fmt::format("element {}", i));
     for (int64_t i = 0; i < 3; ++i) expect(got_a.get(i) == 10 + i, "self tag 7");
     for (int64_t i = 0; i < 4; ++i) expect(got_b.get(i) == 20 + i, "self tag 6");
   }

@@ -62,7 +62,8 @@ TEST_CASE("gemm_loops matches a double-precision triple loop in every case of th
             for (bool with_bias : {false, true}) {
               const float alpha = with_bias ? 0.5f : 1.0f;
               const int64_t lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 5, ldc = N + 7;
-              const Stored A(ab, static_cast<size_t>((ta ? K : M) * lda), 11), B(ab, static_cast<size_t>((tb ? N : K) * ldb), 12);
+              const Stored A(ab, static_cast<size_t>((ta ? K : M) * lda), 11);
+              const Stored B(ab, static_cast<size_t>((tb ? N : K) * ldb), 12);
               const Stored bias(ab, static_cast<size_t>(N), 13);
               Stored C(ct, static_cast<size_t>(M * ldc), 14);
               const Stored C0 = C;

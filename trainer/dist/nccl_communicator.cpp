@@ -72,7 +72,8 @@ class NcclCommunicator final : public Communicator {
     const CommStats saved = host.stats();  // setting up is not the group's traffic
     host.broadcast(msg.data(), kIdInts + 1, DType::I32, 0);
     host.stats() = saved;
-    if (msg.back() != 1) fail(g.where, "creating the NCCL communicator", problem.empty() ? "rank 0 could not make an NCCL id" : problem);
+    if (msg.back() != 1)
+      fail(g.where, "creating the NCCL communicator", problem.empty() ? "rank 0 could not make an NCCL id" : problem);
     ncclUniqueId id{};
     std::memcpy(&id, msg.data(), sizeof(id));
     {
@@ -144,7 +145,8 @@ class NcclCommunicator final : public Communicator {
                   "all_to_all_v on group '{}': negative count or offset for group rank {}", name(), r);
       total += send_counts[r];
     }
-    account_all_to_all(stats_, size(), total * bytes(type), (total - send_counts[static_cast<size_t>(rank())]) * bytes(type));
+    const int64_t to_others = total - send_counts[static_cast<size_t>(rank())];
+    account_all_to_all(stats_, size(), total * bytes(type), to_others * bytes(type));
     const size_t e = dtype_size(type);
     const ncclDataType_t t = nccl_type(type);
     // Empty blocks are skipped on both sides (a receiver's count from r is r's count to it).
@@ -271,8 +273,8 @@ class NcclCommunicator final : public Communicator {
   WorkHandle p2p(bool is_send, void* buf, int64_t count, DType type, int peer, int tag) {
     const char* op = is_send ? "send" : "recv";
     TETRA_CHECK(peer >= 0 && peer < size(), "{} on group '{}' of size {} with peer {}", op, name(), size(), peer);
-    TETRA_CHECK(tag >= 0 && tag <= kMaxTag, "{} on group '{}' with tag {}: the NCCL communicator's tags are 0 .. {}", op,
-                name(), tag, kMaxTag);
+    TETRA_CHECK(tag >= 0 && tag <= kMaxTag, "{} on group '{}' with tag {}: the NCCL communicator's tags are 0 .. {}",
+                op, name(), tag, kMaxTag);
     TETRA_CHECK(count >= 0, "{} on group '{}' with a negative count ({})", op, name(), count);
     TETRA_CHECK(depth_ > 0 || peer != rank(),
                 "{} to itself on group '{}' outside group_start()/group_end() could never complete", op, name());

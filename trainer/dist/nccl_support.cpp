@@ -206,7 +206,8 @@ class ChannelWork final : public Work {
     if (!g_->closed) check_async(ch_->comm, g_->where, op_->is_send ? "send" : "recv");
     check_cuda(cudaStreamWaitEvent(g_->compute, op_->done, 0), g_->where, op_->is_send ? "send" : "recv");
     waited_ = true;
-    if (blocking_wait()) poll_until_done(op_->done, g_->closed ? nullptr : ch_->comm, g_->where, op_->is_send ? "send" : "recv");
+    if (blocking_wait())
+      poll_until_done(op_->done, g_->closed ? nullptr : ch_->comm, g_->where, op_->is_send ? "send" : "recv");
   }
   bool test() override {
     {
