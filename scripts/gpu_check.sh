@@ -22,7 +22,8 @@
 # Dependencies: what is installed is used; where a build dependency is missing, the folder (or
 # .tar.xz) made by scripts/prepare_gpu_deps.sh on a Debian machine is (CMAKE_PREFIX_PATH,
 # PKG_CONFIG_PATH, LD_LIBRARY_PATH). It is looked for as the second argument, $TETRA_GPU_DEPS, or
-# <repo>/.gpu-deps(.tar.xz); GPU_CHECK_USE_DEPS=1 uses it even where the packages are installed.
+# <repo>/.gpu-deps(.tar.xz) (git-ignored: carry it to the GPU machine with the tree);
+# GPU_CHECK_USE_DEPS=1 uses it even where the packages are installed.
 # cuDNN and NCCL are taken from /usr/local/cuda, else from the Python
 # packages nvidia-cudnn / nvidia-nccl (PyTorch's), which hold them too.
 #
