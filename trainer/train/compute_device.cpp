@@ -15,6 +15,7 @@
 #include "trainer/dist/staged_communicator.h"
 #if defined(TETRA_HAVE_CUDA)
 #include "kernels/cuda/cuda_backend.h"
+#include "trainer/dist/nccl_communicator.h"
 #endif
 
 namespace tetra {
@@ -97,6 +98,16 @@ ComputeDevice make_compute_device(const TrainingConfig& training, bool bf16, boo
 
 BackendCommFactory backend_comm_factory(Backend& be) {
   if (be.host_memory()) return {};
+#if defined(TETRA_HAVE_CUDA)
+  // GPU memory: NCCL, ordered after the backend's compute stream (one per group, groups of one
+  // rank included: the host communicator of a one-rank group copies with memmove, which device
+  // pointers do not allow).
+  if (auto* cuda = dynamic_cast<CudaBackend*>(&be)) {
+    return [cuda](const std::string&, const std::vector<int>&, Communicator& host) {
+      return make_nccl_communicator(host, cuda->stream());
+    };
+  }
+#endif
   return [&be](const std::string&, const std::vector<int>&, Communicator& host) {
     return make_staged_communicator(host, be);
   };

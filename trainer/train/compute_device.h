@@ -32,8 +32,9 @@ struct ComputeDevice {
 ComputeDevice make_compute_device(const TrainingConfig& training, bool bf16, bool want_peak = true);
 
 // The backend-memory communicators `be` needs (ProcessGroups::use_backend_memory): none when its
-// memory is host memory (the MPI communicators serve both roles), the staged communicator
-// (trainer/dist/staged_communicator.h) around each host one otherwise. `be` must outlive them.
+// memory is host memory (the MPI communicators serve both roles), NCCL for the CUDA backend, the
+// staged communicator (trainer/dist/staged_communicator.h) around each host one otherwise (the
+// guarded test backend). `be` must outlive them.
 BackendCommFactory backend_comm_factory(Backend& be);
 
 // True where this binary was built with the CUDA backend.
