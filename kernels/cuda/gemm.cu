@@ -305,8 +305,8 @@ __global__ void round_tile_kernel(bf16_t* C, int64_t ldc, const float* stage, co
 // 32 * VEC columns; thread (tx, ty) walks rows ty, ty + 8, ... of the chunk over its VEC columns
 // (one 16-byte load per row where aligned), and the 8 row-partials of a column are added in ty
 // order. The chunk sums go to row y of the scratch area (chunks, OC), and pass 2 adds them in
-// chunk order into dbias. With one chunk, pass 1 adds into dbias directly. The chunking depends on N and OC
-// only, so the result is the same bits on every run and every GPU.
+// chunk order into dbias. With one chunk, pass 1 adds into dbias directly. The chunking depends
+// on N and OC only, so the result is the same bits on every run and every GPU.
 constexpr int kBiasCols = 32, kBiasRows = 8;
 
 template <typename T, int VEC>
