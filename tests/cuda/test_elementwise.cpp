@@ -92,10 +92,11 @@ TEST_CASE("cuda gelu forward and backward match the cpu, dx aliasing dy", "[cuda
           require_close(dy.cpu_values(), dy.gpu_values(), tol.rtol, tol.atol, "gelu dx in place");
           // The in-place result is the out-of-place one (same inputs, same kernel), over the
           // op's range (the element outside it keeps each buffer's own initial value).
-          const std::vector<float> separate = dx.gpu_values(), in_place = dy.gpu_values();
-          require_close(std::vector<float>(separate.begin() + offset, separate.begin() + offset + n),
-                        std::vector<float>(in_place.begin() + offset, in_place.begin() + offset + n),
-                        0.0, 0.0, "gelu in place vs not");
+          auto range = [&](const std::vector<float>& v) {
+            return std::vector<float>(v.begin() + offset, v.begin() + offset + n);
+          };
+          require_close(range(dx.gpu_values()), range(dy.gpu_values()), 0.0, 0.0,
+                        "gelu in place vs not");
         }
       }
     }
