@@ -304,9 +304,9 @@ __global__ void round_tile_kernel(bf16_t* C, int64_t ldc, const float* stage, co
 // Deterministic without atomics. Pass 1: block (x, y) sums the rows of chunk y for a tile of
 // 32 * VEC columns; thread (tx, ty) walks rows ty, ty + 8, ... of the chunk over its VEC columns
 // (one 16-byte load per row where aligned), and the 8 row-partials of a column are added in ty
-// order. The chunk sums go to the scratch area (chunk, OC), and pass 2 adds them in chunk order
-// into dbias. With one chunk, pass 1 adds into dbias directly. The chunking depends on N and OC
-// only, so the result is the same bits on every run and every GPU.
+// order. The chunk sums go to row y of the scratch area (chunks, OC), and pass 2 adds them in
+// chunk order into dbias. With one chunk, pass 1 adds into dbias directly. The chunking depends
+// on N and OC only, so the result is the same bits on every run and every GPU.
 constexpr int kBiasCols = 32, kBiasRows = 8;
 
 template <typename T, int VEC>
@@ -341,7 +341,7 @@ bias_partial_kernel(float* dst, bool add_into_dst, const T* dout, int64_t N, int
     for (int v = 0; v < VEC; ++v) {
       float s = partial[0][v][tx];
       for (int y = 1; y < kBiasRows; ++y) s += partial[y][v][tx];
-      float* d = dst + j0 + v;
+      float* d = dst + blockIdx.y * OC + j0 + v;  // chunk y's row of the partials (y = 0: dbias)
       *d = add_into_dst ? *d + s : s;
     }
   }
