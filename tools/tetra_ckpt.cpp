@@ -105,7 +105,7 @@ struct Checkpoint {
   std::string path;           // the step_* directory
   json manifest;
   tetra::ModelConfig model;
-  std::vector<TensorEntry> tensors;  // kKinds in order, then 1-bit Adam kinds, each over the model's parameters
+  std::vector<TensorEntry> tensors;  // kKinds in order (every parameter), then 1-bit Adam kinds (those they hold)
   std::string manifest_path() const { return (fs::path(path) / "manifest.json").string(); }
 };
 
@@ -142,8 +142,10 @@ Checkpoint read_index(const std::string& dir) {
     ck.model = model_of(ck.manifest, where);
     const json& tensors = ck.manifest.at("tensors");
     const tetra::ParamLayout layout = tetra::ParamLayout::build(ck.model);
-    // The fixed kinds, then any 1-bit Adam error-feedback kinds (trainer/optim/onebit_adam.h:
-    // "optim/onebit_server_error", "optim/onebit_worker_error/dp1of4", ...), each over every parameter.
+    // The fixed kinds, each over every parameter, then any 1-bit Adam error-feedback kinds
+    // (trainer/optim/onebit_adam.h: "optim/onebit_server_error", "optim/onebit_worker_error/dp1of4",
+    // ...), each over the parameters it applies to (a worker error keyed by DP rank holds the dense
+    // parameters, one keyed by expert-DP rank the experts, the tied piece's only embedding.wte).
     std::vector<std::string> kinds(std::begin(kKinds), std::end(kKinds));
     for (auto it = tensors.begin(); it != tensors.end(); ++it) {
       const std::string& key = it.key();
@@ -158,6 +160,8 @@ Checkpoint read_index(const std::string& dir) {
         TensorEntry t;
         t.key = kind + "/" + p.name;
         expected.insert(t.key);
+        const bool fixed = std::find(std::begin(kKinds), std::end(kKinds), kind) != std::end(kKinds);
+        if (!fixed && !tensors.contains(t.key)) continue;
         if (!tensors.contains(t.key))
           throw InputError(fmt::format("{}: tensor {} of the model is missing", where, t.key));
         const json& j = tensors[t.key];

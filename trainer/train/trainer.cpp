@@ -89,11 +89,12 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   m.grads = n * 4;
   m.optimizer = shard * 8;
   // Gradient compression's buffers (grad_buffer.h, onebit_adam.h): the bf16 copy of the buffer;
-  // the worker error (n), the server error and average (n / dp each), two 1-bit messages.
+  // the worker error and the scaled input (n each), the server error and average (n / dp each),
+  // two 1-bit messages.
   const size_t dp = static_cast<size_t>(cfg.parallel.dp);
   if (dp > 1 && cfg.parallel.grad_compression == "bf16") m.grads += n * 2;
   if (dp > 1 && cfg.parallel.grad_compression == "onebit")  // + the whole frozen variance when sharded
-    m.optimizer += n * 4 + 2 * (n / dp) * 4 + n / 2 + (cfg.parallel.distributed_optimizer ? n * 4 : 0);
+    m.optimizer += 2 * n * 4 + 2 * (n / dp) * 4 + n / 2 + (cfg.parallel.distributed_optimizer ? n * 4 : 0);
   m.activations = PipelineModel::activation_bytes_for(cfg, pp_rank);
   m.batch = static_cast<size_t>(cfg.grad_accum_steps() * B * T) * 12;  // tokens, targets, losses
   if (samples_enabled(cfg))  // the sampling model's arena and its (T) ids and two logit rows
@@ -183,7 +184,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   optimizer_ = std::make_unique<AdamW>(cfg.optimizer, layout_, *be_, grad_buffer_->owned(),
                                        optimizer_owns_master, master_);
   if (cfg.parallel.grad_compression == "onebit")
-    onebit_ = std::make_unique<OnebitAdam>(cfg, layout_, *be_, grad_buffer_->dense(), *optimizer_, groups.dp.get());
+    onebit_ = std::make_unique<OnebitAdam>(cfg, layout_, *be_, *grad_buffer_, *optimizer_, groups);
   if (optimizer_owns_master) {
     be_->free(master_);
     master_ = nullptr;
@@ -259,8 +260,9 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                                                        predicted_.ep.describe())
                                          : std::string());
   if (onebit_ && onebit_->compressed(cfg.training.steps))
-    spdlog::info("communication per step after the {} warm-up steps of onebit (predicted): dp: {}",
-                 cfg.parallel.onebit_warmup_steps, predict_step_volume(cfg, layout_, true).dp.describe());
+    spdlog::info("communication per step after the {} warm-up steps of onebit (predicted): dp: {}{}",
+                 cfg.parallel.onebit_warmup_steps, predict_step_volume(cfg, layout_, true).dp.describe(),
+                 cfg.model.moe.enabled() ? "; edp: " + predict_step_volume(cfg, layout_, true).edp.describe() : "");
 
   nlohmann::ordered_json start;
   start["event"] = "start";
@@ -497,8 +499,10 @@ void Trainer::run() {
     grad_buffer_->set_reduce(!compressed);
     predicted_ = predict_step_volume(cfg_, layout_, compressed, compressed && onebit_->gathers_variance());
     const double loss = train_step(s);
-    // Compressed: the unreduced local gradient's norm, times dp, as an estimate (onebit_adam.h).
-    const double norm = grad_buffer_->norm(grads_) * (compressed ? static_cast<double>(cfg_.parallel.dp) : 1.0);
+    // Compressed: the unreduced local gradient's norm, times the group size, as an estimate (onebit_adam.h).
+    const double dp = static_cast<double>(cfg_.parallel.dp);
+    const double norm = compressed ? grad_buffer_->norm(grads_, dp, dp / static_cast<double>(cfg_.parallel.ep))
+                                   : grad_buffer_->norm(grads_);
     // A non-finite or spiking loss or norm: the update is skipped, the gradients dropped.
     const StepVerdict verdict = guard.check(s + 1, loss, norm);
     if (!dump_dir_.empty() && s == 0) {

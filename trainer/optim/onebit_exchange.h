@@ -1,0 +1,125 @@
+// One part of the gradient buffer as 1-bit Adam's compressed phase exchanges it (onebit_adam.h):
+// the dense parameters over the DP group, or a Mixture-of-Experts model's expert parameters over
+// the expert-DP group (grad_buffers.h: [expert_begin, total) reduces over expert-DP). Each part has
+// its own chunk plan, its own error feedback and its own collectives; the optimizer step that
+// follows is one for the whole buffer.
+//
+// The compressed vector y (x_i / d, onebit_adam.h) is laid out in pieces, each split into equal
+// shards per destination (ChunkPlan); segments map buffer ranges to places in y:
+//   plain (the optimizer state is whole on every rank): one piece per gradient bucket, holding the
+//     bucket's elements except a tied embedding's, zero-padded to 16 x group size;
+//   distributed optimizer: one piece per bucket, the bucket as it is (its shards are the ranges
+//     the optimizer owns); a tied embedding's elements there are zeros;
+//   then, when this rank holds a tied embedding across pipeline stages (embedding.wte on the first
+//     stage, its copy on the last), a piece of its own: the embedding, zero-padded.
+// The tied piece: the two copies must get the same update, bit for bit. Both stages build it
+// alike and hold the same inputs (the same momentum and frozen variance, the gradient summed over
+// the embedding group before the exchange, PipelineModel::finish_tied_embedding, and the same
+// errors), so both compute the same result, and the embedding is compressed in the same blocks as
+// at pp = 1 where its group is a bucket of its own. It is compressed, not averaged exactly: with a
+// frozen variance the exact momentum update is unbounded where the gradient has grown since the
+// freeze (rare tokens' rows); averaging it exactly made the demo diverge at pp = 2 (README,
+// Benchmarks), where compressing it keeps pp = 2 with pp = 1. With the distributed optimizer the
+// tied piece also takes the server stage (its own all-gather): the stages shard their optimizer
+// state differently, so every rank decompresses the whole embedding's estimate and takes its own
+// elements.
+// Parameters replicated over TP (tp > 1: norms, biases of row-parallel layers, the router, the
+// experts' proj.bias) are averaged exactly by one fp32 all-reduce: each TP rank lays them out at
+// other offsets and cuts its blocks elsewhere, so compressing them would let the replicas drift
+// apart. They, and the padding between parameters, are zeros in y and in the errors.
+//
+// Work buffers: y and the worker error (y's layout), the server error and average over this rank's
+// shards of every piece, the two messages. Checkpoints see the errors per buffer range
+// (CheckpointExtra), whatever y's layout.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "trainer/checkpoint/checkpoint.h"
+#include "trainer/config/config.h"
+#include "trainer/model/param_layout.h"
+#include "trainer/optim/compression.h"
+#include "trainer/optim/grad_buffer.h"
+
+namespace tetra {
+
+class Communicator;
+
+// Buffer elements [buf, buf + numel) are y's [y, y + numel).
+struct OnebitSegment {
+  int64_t buf = 0, y = 0, numel = 0;
+};
+
+// How a part of the buffer crosses a group of `size` ranks in a compressed step; comm_volume.cpp
+// predicts the step's volume from it.
+struct OnebitPlan {
+  int64_t begin = 0, end = 0;          // the part: buffer elements [begin, end)
+  bool sharded = false;                // the distributed optimizer shards the part's state
+  ChunkPlan chunks;                    // the pieces of y (begin: y offsets), the tied piece last
+  std::vector<OnebitSegment> segments; // in y order, the tied embedding's last
+  int64_t y_numel = 0;
+  int64_t tied_offset = -1;            // the tied embedding's buffer offset (-1: none)
+  int64_t tied_numel = 0;
+  int64_t tied_words = 0;              // one destination's words of the tied piece
+  std::vector<GradRange> exact;        // TP replicas (buffer offsets, in order)
+  int64_t exact_numel = 0;
+};
+// `part`: layout_part() of this rank's layout (dense or experts).
+OnebitPlan plan_onebit(const Config& cfg, const ParamLayout& part, int64_t size);
+
+class OnebitExchange {
+ public:
+  // `buffer`: the part's GradBuffer (its owned ranges are the optimizer's); `group`: DP or
+  // expert-DP (null or size 1: nothing to exchange). `momentum`: the optimizer state is whole on
+  // every rank and the exchange yields the new momentum; else (distributed optimizer) it yields the
+  // gradient estimate and the optimizer forms the momentum. `key`: names this rank's worker error
+  // in checkpoints ("dp1of4", "edp0of2_ep2").
+  OnebitExchange(const Config& cfg, const ParamLayout& part, Backend& be, const GradBuffer& buffer,
+                 Communicator* group, bool momentum, const std::string& key);
+  ~OnebitExchange();
+  OnebitExchange(const OnebitExchange&) = delete;
+  OnebitExchange& operator=(const OnebitExchange&) = delete;
+
+  // `grads`: the whole buffer, this rank's unreduced gradient in the part. Afterwards the part
+  // holds the new momentum (momentum mode) or, on the ranges the optimizer owns, the gradient
+  // estimate. `m`: Adam's momentum, `v`: the frozen variance, both indexed by buffer offset (m only
+  // in momentum mode; v over the whole part).
+  void exchange(float* grads, const float* m, const float* v);
+
+  // The error-feedback buffers (checkpoints), appended to `out`: the worker error (kind
+  // "optim/onebit_worker_error/<key>[_sharded]") and the server error of this rank's shards
+  // ("optim/onebit_server_error", or "..._sharded" for the tied piece's with the distributed
+  // optimizer: the residual of a gradient estimate, not of a momentum).
+  void checkpoint_state(std::vector<CheckpointExtra>& out);
+
+ private:
+  // Appends to `out` the buffer ranges of y's [y0, y0 + numel) (whose values are at `data`), one
+  // extra each; a tied embedding's elements only from the tied piece.
+  void add_extras(std::vector<CheckpointExtra>& out, const std::string& kind, float* data, int64_t y0,
+                  int64_t numel) const;
+
+  const Config& cfg_;
+  Backend& be_;
+  Communicator* group_;
+  bool momentum_;
+  std::string key_;
+  OnebitPlan plan_;
+  std::vector<GradRange> mine_;        // this rank's shard of every piece (y offsets)
+  int64_t mine_numel_ = 0;
+  std::vector<GradRange> excluded_y_;     // zeros in y: padding, TP replicas (and a tied embedding
+  std::vector<GradRange> excluded_mine_;  // in its bucket); the same within the compact shards
+  ChunkPlan tied_only_;                // the tied piece alone (its server stage, distributed optimizer)
+  int64_t tied_mine_at_ = 0;           // where the tied shard starts in the compact shards
+  float* y_ = nullptr;                 // (y_numel)
+  float* worker_error_ = nullptr;      // (y_numel)
+  float* server_error_ = nullptr;      // (mine_numel)
+  float* avg_ = nullptr;               // (mine_numel)
+  float* exact_sum_ = nullptr;         // (exact_numel)
+  uint16_t* send_ = nullptr;           // (size * words), destination-major
+  uint16_t* recv_ = nullptr;           // (size * words), source-major
+};
+
+}  // namespace tetra
