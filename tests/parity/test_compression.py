@@ -1,8 +1,8 @@
 """Gradient compression (parallel.grad_compression): training, volume, accounting and resume.
 
   - Training: dp2 and dp4, with and without the distributed optimizer, and tp2 x dp2, each with
-    none, bf16 and onebit (onebit_warmup_steps 6 of 12 steps): every run trains (the loss falls),
-    and its losses stay close to the uncompressed run of the same layout:
+    none, bf16, onebit (onebit_warmup_steps 6 of 12 steps) and int8: every run trains (the loss
+    falls), and its losses stay close to the uncompressed run of the same layout:
       bf16: every step within 5e-3 relative. The gradients are rounded to bf16 (8 mantissa bits,
         2^-9 relative) once before and once per combining step of the reduction; Adam's update
         passes such relative errors through about 1:1, and over these 12 steps the measured
@@ -14,13 +14,14 @@
         from accumulating (measured <= 2.4% per step and
         <= 1.1% at the last step on these runs). A broken exchange (no averaging, no
         error feedback, ranks out of step) drives the loss far off or up.
+      int8: every step within 5%, the last within 3% (INT8_STEP_RTOL), and different from none.
   - Accounting: every step's measured DP (and TP) calls and payload equal the prediction
     (metrics.jsonl "match"), in every run.
   - Volume, against none on the same layout: plain data parallelism: the DP bytes sent per step
-    fall by >= 45% with bf16 and >= 90% with onebit after the warm-up. With the distributed
+    fall by >= 45% with bf16, >= 90% with onebit after the warm-up, >= 70% with int8. With the distributed
     optimizer the updated weights are still all-gathered uncompressed (and the frozen variance once,
     in the first compressed step, which the averages leave out), so the check is on the gradient leg: the reduce-scatter payload halves with bf16, and onebit's all-to-all carries
-    <= 10% of it (and the total falls by >= 45% for onebit in fp32).
+    <= 10% of it (int8's <= 30%; and the total falls by >= 45% for onebit in fp32).
   - Resume in the compressed phase: 12 steps straight vs 9 steps (warm-up 6), checkpoint, resume:
     steps 10..12 bitwise identical, for dp2, dp2 with the distributed optimizer (bf16 precision),
     and tp2 x dp2 with sequence parallelism; the checkpoint holds the error-feedback tensors, and
@@ -28,6 +29,15 @@
   - Resume at another dp: a dp2 onebit checkpoint resumes under dp4: the worker errors start from
     zero with a warning, the server error is resharded, and the run continues within the onebit
     tolerance of the uninterrupted dp2 run.
+  - Pipelines and experts (STACKED): a tied GPT-2 on pp 2 (1f1b) x dp 2, with and without the
+    distributed optimizer, and its pp 1 twin; a MoE model on dp 4 = expert-DP 2 x ep 2 (with and
+    without the distributed optimizer) and on pp 2 x dp 2 x ep 2 (expert-DP 1), each with none,
+    onebit and int8: onebit's warm-up equals none's within 1e-5 (it is exact Adam on any layout),
+    the compressed phase and int8 within the tolerances above, the DP and expert-DP bytes down as
+    above, communication as predicted in every group; pp 2 onebit follows pp 1 onebit (PIPELINE_RTOL:
+    the tied embedding is compressed in the same blocks on both layouts); a checkpoint taken in the
+    compressed phase (onebit) or at step 9 (int8) resumes bitwise on pp 2 (both optimizer modes)
+    and on the MoE layout, holding the tied piece's and the experts' error feedback.
 
 Usage: /usr/bin/python3 test_compression.py --tetra BIN --workdir DIR [--mpirun MPIRUN]
 """
@@ -41,6 +51,13 @@ import sys
 STEPS, WARMUP, STOP = 12, 6, 9
 BF16_RTOL = 5e-3
 ONEBIT_STEP_RTOL, ONEBIT_LAST_RTOL = 0.05, 0.03
+# int8 (every step compressed: the stochastically rounded gradient, 127 levels per sign and block
+# of 256, with error feedback; Adam and clipping unchanged): a perturbation of each step's
+# gradient of up to half a level of its block's largest entry, which Adam's per-coordinate
+# normalisation passes on in full to small entries; these short lr 1e-2 runs then separate like
+# any perturbed trajectories (nearest instead of stochastic rounding, or blocks of 32 or 64,
+# separate them as much). Measured <= 1.7% per step and at the last step, over these layouts.
+INT8_STEP_RTOL, INT8_LAST_RTOL = 0.05, 0.03
 
 # Pipelines (GPT-2 style, tied embeddings: the first and the last stage hold embedding.wte) and
 # MoE models (experts over expert-DP): name -> (model, layout as LAYOUTS, further parallel settings).
@@ -59,7 +76,8 @@ STACKED = {
     "moe_dp4_ep2_distopt": (GPT2_MOE, (4, 1, False, True, "fp32"), {"ep": 2}),
     "moe_pp2_dp2_ep2": (GPT2_MOE, (2, 1, False, False, "fp32"), dict(PP2, ep=2)),  # expert-DP 1
 }
-RESUMED = ["gpt2_pp2_dp2", "gpt2_pp2_dp2_distopt", "moe_dp4_ep2"]
+RESUMED = [("gpt2_pp2_dp2", "onebit"), ("gpt2_pp2_dp2_distopt", "onebit"), ("moe_dp4_ep2", "onebit"),
+           ("gpt2_pp2_dp2", "int8"), ("moe_dp4_ep2_distopt", "int8")]
 # The warm-up is exact Adam on every layout: the same reductions as none (the layouts differ only
 # in padding), so the losses agree to fp32 rounding of reordered sums (test_layouts.py's 1e-5).
 WARMUP_RTOL = 1e-5
@@ -151,6 +169,34 @@ def dp_payload(rec, op):
     return rec["comm"]["dp"]["measured"].get(op, {}).get("payload_bytes", 0)
 
 
+def check_int8(name, lay, none, int8, expert_groups=()):
+    """int8 against none on the same layout (INT8_STEP_RTOL): losses, and the bytes on the wire."""
+    if not (none and int8):
+        return
+    L = lambda s, k: s[k][1]["loss"]
+    worst = max(rel(L(int8, k), L(none, k)) for k in range(1, STEPS + 1))
+    last = rel(L(int8, STEPS), L(none, STEPS))
+    check(worst <= INT8_STEP_RTOL and last <= INT8_LAST_RTOL,
+          f"{name}: int8 losses within {INT8_STEP_RTOL} of none (worst {worst:.2e}), last within {INT8_LAST_RTOL} "
+          f"({last:.2e})")
+    check(any(int8[k][0] != none[k][0] for k in range(2, STEPS + 1)), f"{name}: int8 quantisation changes the losses")
+    steps = range(2, STEPS + 1)
+    for group in ("dp",) + tuple(expert_groups):
+        if group not in none[STEPS][1]["comm"]:  # expert-DP of 1
+            continue
+        mean = lambda s, f: sum(f(s[k][1]["comm"][group]) for k in steps) / len(steps)
+        payload = lambda op: lambda c: c["measured"].get(op, {}).get("payload_bytes", 0)
+        if not lay[3]:
+            n, q = mean(none, lambda c: c["sent_bytes"]), mean(int8, lambda c: c["sent_bytes"])
+            check(q <= 0.30 * n, f"{name}: int8 {group} bytes per step {q:.0f} vs none {n:.0f} "
+                                 f"({100 * (1 - q / n):.1f}% less, >= 70%)")
+        else:  # the gradient leg: the all-to-all replaces the reduce-scatter
+            n, q = mean(none, payload("reduce_scatter")), mean(int8, payload("all_to_all"))
+            check(0 < q <= 0.30 * n and mean(int8, payload("reduce_scatter")) == 0,
+                  f"{name}: int8's {group} all-to-all {q:.0f} bytes replace the reduce-scatter's {n:.0f} "
+                  f"({100 * (1 - q / n):.1f}% less, >= 70%)")
+
+
 def checkpoint_tensors(ck, step):
     manifest = os.path.join(ck, f"step_{step:08d}", "manifest.json")
     return list(json.load(open(manifest))["tensors"].keys()) if os.path.exists(manifest) else []
@@ -169,7 +215,7 @@ def pipelines_and_experts(args, w):
     results = {}
     for name, (model, lay, extra) in STACKED.items():
         pp = extra.get("pp", 1)
-        for mode in ("none", "onebit"):
+        for mode in ("none", "onebit", "int8"):
             path, out = config(w, f"{name}_{mode}", lay, mode, model=model, extra=extra)
             r = run(args, path, lay, pp)
             s = steps_of(out) if r.returncode == 0 else {}
@@ -181,6 +227,7 @@ def pipelines_and_experts(args, w):
             check(not mismatched, f"{name} {mode}: measured communication == predicted every step, every group "
                                   f"(mismatched steps {mismatched})")
         none, onebit = results.get((name, "none")), results.get((name, "onebit"))
+        check_int8(name, lay, none, results.get((name, "int8")), ("edp",) if "ep" in extra else ())
         if not (none and onebit):
             continue
         L = lambda s, k: s[k][1]["loss"]
@@ -223,28 +270,31 @@ def pipelines_and_experts(args, w):
     # Resume in the compressed phase on the same layout: bitwise. A checkpoint holds the first
     # stage's embedding only (the last stage's copy loads from it), so this also shows the copies
     # were identical.
-    for name in RESUMED:
+    for name, mode in RESUMED:
         model, lay, extra = STACKED[name]
         pp = extra.get("pp", 1)
-        ref = results.get((name, "onebit"), {})
-        ck = os.path.join(w, f"ck_{name}")
-        p1, _ = config(w, f"resume_{name}_a", lay, "onebit", ck, exit_at=STOP, model=model, extra=extra)
+        ref = results.get((name, mode), {})
+        ck = os.path.join(w, f"ck_{name}_{mode}")
+        name = f"{name} {mode}"
+        p1, _ = config(w, f"resume_{name}_a".replace(" ", "_"), lay, mode, ck, exit_at=STOP, model=model, extra=extra)
         r1 = run(args, p1, lay, pp)
         check(r1.returncode == 0 and os.path.exists(os.path.join(ck, "latest")),
-              f"{name}: {STOP} steps (compressed from step {WARMUP + 1}), checkpoint saved")
+              f"{name}: {STOP} steps{f' (compressed from step {WARMUP + 1})' if mode == 'onebit' else ''}, "
+              f"checkpoint saved")
         keys = checkpoint_tensors(ck, STOP)
-        want = ["optim/onebit_worker_error/dp0of"]
+        suffix = "_sharded" if lay[3] and mode == "onebit" else ""
+        want = [f"optim/{mode}_worker_error/dp0of"]
         if not lay[3]:
-            want.append("optim/onebit_server_error/")
+            want.append(f"optim/{mode}_server_error/")
         if pp > 1:  # the tied piece's (first stage)
-            want.append("optim/onebit_server_error" + ("_sharded" if lay[3] else "") + "/embedding.wte")
+            want.append(f"optim/{mode}_server_error{suffix}/embedding.wte")
         if "ep" in extra and lay[0] // extra["ep"] > 1:
-            want.append(f"optim/onebit_worker_error/edp0of{lay[0] // extra['ep']}_ep{extra['ep']}")
+            want.append(f"optim/{mode}_worker_error/edp0of{lay[0] // extra['ep']}_ep{extra['ep']}")
         missing = [k for k in want if not any(key.startswith(k) for key in keys)]
         check(not missing, f"{name}: the checkpoint holds the error-feedback state (missing {missing})")
         ok, err = inspect_ok(args, ck, STOP)
         check(ok, f"{name}: tetra_ckpt inspect verifies it, error-feedback tensors included {err}")
-        p2, o2 = config(w, f"resume_{name}_b", lay, "onebit", ck, model=model, extra=extra)
+        p2, o2 = config(w, f"resume_{name}_b".replace(" ", "_"), lay, mode, ck, model=model, extra=extra)
         r2 = run(args, p2, lay, pp)
         resumed = steps_of(o2) if r2.returncode == 0 else {}
         check(sorted(resumed) == list(range(STOP + 1, STEPS + 1)), f"{name}: resumes at step {STOP + 1}")
@@ -264,7 +314,7 @@ def main():
 
     results = {}
     for lname, lay in LAYOUTS.items():
-        for mode in ("none", "bf16", "onebit"):
+        for mode in ("none", "bf16", "onebit", "int8"):
             path, out = config(w, f"{lname}_{mode}", lay, mode)
             r = run(args, path, lay)
             s = steps_of(out) if r.returncode == 0 else {}
@@ -280,6 +330,7 @@ def main():
 
     for lname, lay in LAYOUTS.items():
         none, bf16, onebit = (results.get((lname, m)) for m in ("none", "bf16", "onebit"))
+        check_int8(lname, lay, none, results.get((lname, "int8")))
         if not (none and bf16 and onebit):
             continue
         L = lambda s, k: s[k][1]["loss"]

@@ -25,14 +25,14 @@ OnebitAdam::OnebitAdam(const Config& cfg, const ParamLayout& layout, Backend& be
   TETRA_CHECK(sharded_ || adam_.state_numel() == total_, "the optimizer holds {} of {} elements",
               adam_.state_numel(), total_);
   const int64_t dp = groups.dp->size(), dp_rank = groups.dp->rank();
-  dense_ = std::make_unique<OnebitExchange>(cfg, grads.dense_layout(), be, grads.dense(), groups.dp.get(), !sharded_,
-                                            fmt::format("dp{}of{}", dp_rank, dp));
-  if (grads.experts()) {
-    const int64_t edp = groups.edp->size();
-    experts_ = std::make_unique<OnebitExchange>(
-        cfg, grads.expert_layout(), be, *grads.experts(), groups.edp.get(), !sharded_,
-        fmt::format("edp{}of{}_ep{}", groups.edp->rank(), edp, cfg.parallel.ep));
-  }
+  dense_ = std::make_unique<CompressedExchange>(cfg, grads.dense_layout(), be, grads.dense(), groups.dp.get(),
+                                                fmt::format("dp{}of{}", dp_rank, dp), 0);
+  if (grads.experts())
+    experts_ = std::make_unique<CompressedExchange>(
+        cfg, grads.expert_layout(), be, *grads.experts(), groups.edp.get(),
+        fmt::format("edp{}of{}_ep{}", groups.edp->rank(), groups.edp->size(), cfg.parallel.ep), 1);
+  TETRA_CHECK(dense_->momentum() == !sharded_, "the exchange yields the {} but the optimizer state is {}",
+              dense_->momentum() ? "momentum" : "gradient", sharded_ ? "sharded" : "whole");
   if (sharded_) v_full_ = static_cast<float*>(be_.alloc(static_cast<size_t>(total_) * 4));
 }
 
@@ -53,8 +53,8 @@ void OnebitAdam::step(float* master, float* grads, double lr, void* compute, DTy
   }
   const float* v = sharded_ ? v_full_ : adam_.exp_avg_sq();
   const float* m = sharded_ ? nullptr : adam_.exp_avg();
-  dense_->exchange(grads, m, v);
-  if (experts_) experts_->exchange(grads, m, v);
+  dense_->exchange(grads, m, v, 0);
+  if (experts_) experts_->exchange(grads, m, v, 0);
   adam_.step_frozen_variance(master, grads, lr, warmup_, /*momentum_given=*/!sharded_, compute, compute_type);
 }
 

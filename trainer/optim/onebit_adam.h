@@ -31,12 +31,12 @@
 //     (a compressed reduce-scatter); the owner averages its shards into the gradient estimate,
 //     updates m = beta1 m + (1 - beta1) d avg and its parameters with the frozen v, and the updated
 //     weights are all-gathered as usual (GradBuffer::gather_params). The server stage is not needed
-//     (but for a tied embedding across pipeline stages, onebit_exchange.h).
+//     (but for a tied embedding across pipeline stages, compressed_exchange.h).
 // The step's bytes on the DP wire fall from 2 (dp-1)/dp * 4 bytes per parameter (fp32 all-reduce)
 // to 2 (dp-1)/dp * (1/8 + 4/kSignBlock) (plain), or the reduce-scatter's (dp-1)/dp * 4 to
 // (dp-1)/dp * (1/8 + 4/kSignBlock) (distributed optimizer; the weight all-gather is unchanged).
 //
-// Layouts (onebit_exchange.h): the dense parameters cross the DP group, a MoE model's expert
+// Layouts (compressed_exchange.h): the dense parameters cross the DP group, a MoE model's expert
 // parameters the expert-DP group, each part with its own plan and error feedback (with
 // expert-DP 1 the expert gradient is already whole: the part only forms its momentum). Parameters
 // replicated over TP are averaged exactly; a tied embedding held by two pipeline stages is
@@ -69,7 +69,7 @@
 #include "trainer/config/config.h"
 #include "trainer/model/param_layout.h"
 #include "trainer/optim/adamw.h"
-#include "trainer/optim/onebit_exchange.h"
+#include "trainer/optim/compressed_exchange.h"
 
 namespace tetra {
 
@@ -107,7 +107,7 @@ class OnebitAdam {
   int64_t warmup_;
   int64_t total_;
   bool sharded_;
-  std::unique_ptr<OnebitExchange> dense_, experts_;
+  std::unique_ptr<CompressedExchange> dense_, experts_;
   Backend& be_;
   float* v_full_ = nullptr;        // sharded: the whole frozen variance (total), gathered once
   bool v_full_ready_ = false;

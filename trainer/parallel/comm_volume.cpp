@@ -5,7 +5,7 @@
 #include "trainer/optim/compression.h"
 #include "trainer/optim/grad_buffer.h"
 #include "trainer/optim/grad_buffers.h"
-#include "trainer/optim/onebit_exchange.h"
+#include "trainer/optim/compressed_exchange.h"
 
 namespace tetra {
 
@@ -95,8 +95,8 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
     const int64_t buckets = static_cast<int64_t>(plan_buckets(part, par.bucket_size).size());
     const int64_t numel = part.groups.back().second - part.groups.front().first;
     const CommOp reduce = par.distributed_optimizer ? CommOp::REDUCE_SCATTER : CommOp::ALL_REDUCE;
-    if (onebit_compressed) {
-      const OnebitPlan plan = plan_onebit(cfg, part, size);
+    if (onebit_compressed || par.grad_compression == "int8") {
+      const ExchangePlan plan = plan_exchange(cfg, part, size);
       const int64_t message_bytes = size * plan.chunks.words * 2;
       g.add(CommOp::ALL_TO_ALL, 1, message_bytes);
       if (!par.distributed_optimizer)

@@ -32,9 +32,9 @@
 // for the gradients backward; the tokens' payload depends on the routing (only the calls are
 // predicted).
 // Gradient compression (parallel.grad_compression): bf16 halves the dense bucket reductions'
-// payload; onebit's compressed steps (after its warm-up) replace the reductions of each part
-// (dense over dp, experts over edp) by one all-to-all of every rank's 1-bit shards (onebit_exchange.h's
-// OnebitPlan: group-size messages of `words` 2-byte words) and, without the distributed optimizer,
+// payload; onebit's compressed steps (after its warm-up), and every int8 step, replace the reductions of each part
+// (dense over dp, experts over edp) by one all-to-all of every rank's 1-bit shards (compressed_exchange.h's
+// ExchangePlan: group-size messages of `words` 2-byte words) and, without the distributed optimizer,
 // one all-gather of the same size (with it: of the tied embedding's piece, when a pipeline holds
 // one), plus one fp32 all-reduce of the TP-replicated parameters when there are any.
 #pragma once

@@ -71,7 +71,8 @@ ParamLayout rank_layout(const Config& cfg, int64_t tp_rank, int64_t pp_rank, int
   slicing.ep_rank = ep_rank;
   slicing.sequence_parallel = cfg.parallel.sequence_parallel;
   // Buckets split into dp aligned shards: the distributed optimizer's, and onebit's chunks.
-  const bool shards = cfg.parallel.distributed_optimizer || cfg.parallel.grad_compression == "onebit";
+  const bool shards = cfg.parallel.distributed_optimizer || cfg.parallel.grad_compression == "onebit" ||
+                      cfg.parallel.grad_compression == "int8";
   slicing.group_align = shards ? 16 * cfg.parallel.dp : 16;
   return ParamLayout::build(cfg.model, slicing, stage_slice(cfg, pp_rank));
 }
@@ -95,6 +96,8 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   if (dp > 1 && cfg.parallel.grad_compression == "bf16") m.grads += n * 2;
   if (dp > 1 && cfg.parallel.grad_compression == "onebit")  // + the whole frozen variance when sharded
     m.optimizer += 2 * n * 4 + 2 * (n / dp) * 4 + n / 2 + (cfg.parallel.distributed_optimizer ? n * 4 : 0);
+  if (dp > 1 && cfg.parallel.grad_compression == "int8")  // the same buffers, int8 messages
+    m.optimizer += 2 * n * 4 + 2 * (n / dp) * 4 + 2 * n;
   m.activations = PipelineModel::activation_bytes_for(cfg, pp_rank);
   m.batch = static_cast<size_t>(cfg.grad_accum_steps() * B * T) * 12;  // tokens, targets, losses
   if (samples_enabled(cfg))  // the sampling model's arena and its (T) ids and two logit rows
@@ -185,6 +188,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                                        optimizer_owns_master, master_);
   if (cfg.parallel.grad_compression == "onebit")
     onebit_ = std::make_unique<OnebitAdam>(cfg, layout_, *be_, *grad_buffer_, *optimizer_, groups);
+  if (cfg.parallel.grad_compression == "int8")
+    int8_ = std::make_unique<CompressedReduction>(cfg, *be_, *grad_buffer_, groups);
   if (optimizer_owns_master) {
     be_->free(master_);
     master_ = nullptr;
@@ -279,6 +284,7 @@ Trainer::~Trainer() {
   sampler_.reset();
   sample_model_.reset();
   onebit_.reset();
+  int8_.reset();
   optimizer_.reset();
   grad_buffer_.reset();
   model_.reset();
@@ -303,6 +309,7 @@ CheckpointBuffers Trainer::checkpoint_buffers() {
   b.compute = compute_;
   b.compute_type = act_;
   if (onebit_) b.extra = onebit_->checkpoint_state();
+  if (int8_) b.extra = int8_->checkpoint_state();
   return b;
 }
 
@@ -496,9 +503,10 @@ void Trainer::run() {
     const auto t0 = std::chrono::steady_clock::now();
     const std::vector<CommStats> comm_before = comm_snapshot();
     const bool compressed = onebit_ && onebit_->compressed(s);  // 1-bit Adam past its warm-up
-    grad_buffer_->set_reduce(!compressed);
+    grad_buffer_->set_reduce(!compressed && !int8_);
     predicted_ = predict_step_volume(cfg_, layout_, compressed, compressed && onebit_->gathers_variance());
     const double loss = train_step(s);
+    if (int8_) int8_->reduce(grads_, s);  // the step's gradient reduction, compressed
     // Compressed: the unreduced local gradient's norm, times the group size, as an estimate (onebit_adam.h).
     const double dp = static_cast<double>(cfg_.parallel.dp);
     const double norm = compressed ? grad_buffer_->norm(grads_, dp, dp / static_cast<double>(cfg_.parallel.ep))

@@ -1,4 +1,4 @@
-#include "trainer/optim/onebit_exchange.h"
+#include "trainer/optim/compressed_exchange.h"
 
 #include <algorithm>
 #include <cmath>
@@ -42,12 +42,13 @@ void zero_ranges(float* buf, const std::vector<GradRange>& ranges) {
 
 }  // namespace
 
-OnebitPlan plan_onebit(const Config& cfg, const ParamLayout& part, int64_t size) {
-  OnebitPlan plan;
+ExchangePlan plan_exchange(const Config& cfg, const ParamLayout& part, int64_t size) {
+  ExchangePlan plan;
   if (part.groups.empty()) return plan;
   plan.begin = part.groups.front().first;
   plan.end = part.groups.back().second;
   plan.sharded = cfg.parallel.distributed_optimizer && size > 1;
+  plan.codec = cfg.parallel.grad_compression == "int8" ? Codec::INT8 : Codec::SIGN;
   const bool tied_across_stages = cfg.model.tie_embeddings && cfg.parallel.pp > 1;
   for (const ParamSpec& p : part.params) {
     if (tied_across_stages && p.name == "embedding.wte") {
@@ -63,7 +64,7 @@ OnebitPlan plan_onebit(const Config& cfg, const ParamLayout& part, int64_t size)
   std::vector<GradRange> pieces;  // y ranges
   int64_t y = 0;
   auto add_segment = [&](int64_t b, int64_t e) {
-    if (b < e) plan.segments.push_back(OnebitSegment{b, y, e - b});
+    if (b < e) plan.segments.push_back(ExchangeSegment{b, y, e - b});
     if (b < e) y += e - b;
   };
   const std::vector<BucketPlan> buckets = plan_buckets(part, cfg.parallel.bucket_size);
@@ -85,20 +86,29 @@ OnebitPlan plan_onebit(const Config& cfg, const ParamLayout& part, int64_t size)
     pieces.push_back(GradRange{start, y - start});
   }
   plan.y_numel = y;
-  plan.chunks = plan_chunks(pieces, size);
-  if (plan.tied_offset >= 0) plan.tied_words = plan.chunks.words - plan.chunks.pieces.back().offset;
+  plan.chunks = plan_chunks(pieces, size, plan.codec);
+  if (plan.tied_offset >= 0) {
+    plan.chunks.pieces.back().rng_id = 0xFFFF;  // the same on both stages
+    plan.tied_words = plan.chunks.words - plan.chunks.pieces.back().offset;
+  }
   return plan;
 }
 
-OnebitExchange::OnebitExchange(const Config& cfg, const ParamLayout& part, Backend& be, const GradBuffer& buffer,
-                               Communicator* group, bool momentum, const std::string& key)
-    : cfg_(cfg), be_(be), group_(group && group->size() > 1 ? group : nullptr), momentum_(momentum), key_(key) {
-  plan_ = plan_onebit(cfg, part, group_ ? group_->size() : 1);
+CompressedExchange::CompressedExchange(const Config& cfg, const ParamLayout& part, Backend& be,
+                                       const GradBuffer& buffer, Communicator* group, const std::string& key,
+                                       int part_id)
+    : cfg_(cfg), be_(be), group_(group && group->size() > 1 ? group : nullptr), key_(key) {
+  plan_ = plan_exchange(cfg, part, group_ ? group_->size() : 1);
+  // The optimizer state is sharded when the dense part's is (the DP group is the larger one).
+  momentum_ = plan_.codec == Codec::SIGN && !(cfg.parallel.distributed_optimizer && cfg.parallel.dp > 1);
   if (!group_ || plan_.end == plan_.begin) return;
-  TETRA_CHECK(be_.host_memory(), "1-bit compression runs on host memory; backend {} is not", be_.name());
-  TETRA_CHECK(plan_.sharded == !momentum_ && buffer.sharded() == plan_.sharded,
-              "the part's optimizer state is {} but the exchange expects it {}",
-              buffer.sharded() ? "sharded" : "whole", momentum_ ? "whole" : "sharded");
+  TETRA_CHECK(be_.host_memory(), "gradient compression runs on host memory; backend {} is not", be_.name());
+  TETRA_CHECK(buffer.sharded() == plan_.sharded, "the part's optimizer state is {} but the exchange expects it {}",
+              buffer.sharded() ? "sharded" : "whole", plan_.sharded ? "sharded" : "whole");
+  // Every rank and part rounds with its own numbers; the same group rank on another pipeline stage
+  // (the tied piece's other holder) with the same ones.
+  rounding_key_ = cfg.training.seed ^ (0x9E3779B97F4A7C15ull * static_cast<uint64_t>(1 + part_id * 65536 +
+                                                                                      group_->rank()));
   const bool tied = plan_.tied_offset >= 0;
   mine_ = plan_.chunks.owned(group_->rank());
   for (const GradRange& r : mine_) mine_numel_ += r.numel;
@@ -129,18 +139,20 @@ OnebitExchange::OnebitExchange(const Config& cfg, const ParamLayout& part, Backe
     std::vector<GradRange> zero_buf;  // buffer ranges
     std::vector<GradRange> special = plan_.exact;
     if (tied) special.push_back(GradRange{plan_.tied_offset, plan_.tied_numel});
-    std::sort(special.begin(), special.end(), [](const GradRange& a, const GradRange& b) { return a.offset < b.offset; });
+    auto by_offset = [](const GradRange& a, const GradRange& b) { return a.offset < b.offset; };
+    std::sort(special.begin(), special.end(), by_offset);
     int64_t at = plan_.begin;
     size_t x = 0;
     for (const ParamSpec& p : part.params) {
       add_range(zero_buf, at, p.offset);
-      if (x < special.size() && special[x].offset == p.offset) add_range(zero_buf, p.offset, p.offset + special[x++].numel);
+      if (x < special.size() && special[x].offset == p.offset)
+        add_range(zero_buf, p.offset, p.offset + special[x++].numel);
       at = std::max(at, p.offset + p.numel);
     }
     add_range(zero_buf, at, plan_.end);
     int64_t y = 0;
     for (size_t i = 0; i < plan_.segments.size(); ++i) {
-      const OnebitSegment& s = plan_.segments[i];
+      const ExchangeSegment& s = plan_.segments[i];
       add_range(excluded_y_, y, s.y);
       const bool tied_segment = tied && i + 1 == plan_.segments.size();
       for (const GradRange& z : zero_buf) {
@@ -151,14 +163,14 @@ OnebitExchange::OnebitExchange(const Config& cfg, const ParamLayout& part, Backe
       y = s.y + s.numel;
     }
     add_range(excluded_y_, y, plan_.y_numel);
-    std::sort(excluded_y_.begin(), excluded_y_.end(),
-              [](const GradRange& a, const GradRange& b) { return a.offset < b.offset; });
+    std::sort(excluded_y_.begin(), excluded_y_.end(), by_offset);
   }
   excluded_mine_ = compact_within(excluded_y_, mine_);
   if (tied) {
     const ChunkPlan::Piece& piece = plan_.chunks.pieces.back();
     tied_only_.dp = plan_.chunks.dp;
-    tied_only_.pieces = {ChunkPlan::Piece{piece.begin, piece.shard, 0}};
+    tied_only_.pieces = {ChunkPlan::Piece{piece.begin, piece.shard, 0, piece.rng_id}};
+    tied_only_.codec = plan_.chunks.codec;
     tied_only_.words = plan_.tied_words;
   }
   auto alloc = [&](int64_t count, size_t es) {
@@ -177,14 +189,14 @@ OnebitExchange::OnebitExchange(const Config& cfg, const ParamLayout& part, Backe
   recv_ = static_cast<uint16_t*>(alloc(words, 2));
 }
 
-OnebitExchange::~OnebitExchange() {
+CompressedExchange::~CompressedExchange() {
   for (void* p : {static_cast<void*>(y_), static_cast<void*>(worker_error_), static_cast<void*>(server_error_),
                   static_cast<void*>(avg_), static_cast<void*>(exact_sum_), static_cast<void*>(send_),
                   static_cast<void*>(recv_)})
     if (p) be_.free(p);
 }
 
-void OnebitExchange::exchange(float* grads, const float* m, const float* v) {
+void CompressedExchange::exchange(float* grads, const float* m, const float* v, int64_t step) {
   const int64_t n = plan_.end - plan_.begin;
   if (n == 0) return;
   const float b1 = static_cast<float>(cfg_.optimizer.beta1);
@@ -195,11 +207,15 @@ void OnebitExchange::exchange(float* grads, const float* m, const float* v) {
     return;
   }
   const int64_t p = group_->size();
-  // Adam's frozen denominator d = sqrt(v / (1 - beta2^W)) + eps, as math::adamw_update forms it.
+  // onebit: Adam's frozen denominator d = sqrt(v / (1 - beta2^W)) + eps, as math::adamw_update
+  // forms it; int8: 1.
   const double warmup = static_cast<double>(cfg_.parallel.onebit_warmup_steps);
   const float bc2 = static_cast<float>(1.0 - std::pow(cfg_.optimizer.beta2, warmup));
   const float eps = static_cast<float>(cfg_.optimizer.eps);
-  auto denom = [&](int64_t k) { return std::sqrt(v[k] / bc2) + eps; };  // k: buffer offset
+  const bool scaled = plan_.codec == Codec::SIGN;
+  auto denom = [&](int64_t k) { return scaled ? std::sqrt(v[k] / bc2) + eps : 1.0f; };  // k: buffer offset
+  const Rounding worker_rounding{rounding_key_, static_cast<uint64_t>(step) * 2, 0};
+  const Rounding server_rounding{rounding_key_, static_cast<uint64_t>(step) * 2 + 1, 0};
 
   // x_i: the momentum estimate b1 m + (1 - b1) p g_i, or p g_i (its mean over the group is the
   // reduced gradient: the gradients are pre-scaled to sum to it).
@@ -219,22 +235,22 @@ void OnebitExchange::exchange(float* grads, const float* m, const float* v) {
   }
   if (plan_.exact_numel > 0) group_->all_reduce(exact_sum_, plan_.exact_numel, DType::F32, ReduceOp::SUM);
   // y_i = x_i / d in y's layout, the excluded elements zero.
-  for (const OnebitSegment& s : plan_.segments)
+  for (const ExchangeSegment& s : plan_.segments)
     for (int64_t i = 0; i < s.numel; ++i) y_[s.y + i] = grads[s.buf + i] / denom(s.buf + i);
   zero_ranges(y_, excluded_y_);
 
   // Worker stage: compressed shards to their owners (a compressed reduce-scatter).
-  onebit_worker_compress(plan_.chunks, y_, worker_error_, send_);
+  exchange_worker_compress(plan_.chunks, y_, worker_error_, send_, worker_rounding);
   zero_ranges(worker_error_, excluded_y_);
   const int64_t words = plan_.chunks.words;
   std::vector<int64_t> counts(static_cast<size_t>(p), words), offsets(static_cast<size_t>(p));
   for (int64_t r = 0; r < p; ++r) offsets[static_cast<size_t>(r)] = r * words;
   group_->all_to_all_v(send_, counts, offsets, recv_, counts, offsets, DType::BF16);
-  onebit_server_average(plan_.chunks, recv_, avg_);
+  exchange_server_average(plan_.chunks, recv_, avg_);
   zero_ranges(avg_, excluded_mine_);
 
   // Back from y units (x = d y) into the buffer: the segments' elements of y, then the replicas.
-  auto put = [&](const OnebitSegment& s) {
+  auto put = [&](const ExchangeSegment& s) {
     for (int64_t i = 0; i < s.numel; ++i) grads[s.buf + i] = y_[s.y + i] * denom(s.buf + i);
   };
   auto put_exact = [&] {
@@ -257,30 +273,31 @@ void OnebitExchange::exchange(float* grads, const float* m, const float* v) {
       at += r.numel;
     }
     if (tied) {  // server stage of the tied piece: every rank decompresses the whole embedding's estimate
-      onebit_server_compress(tied_only_, avg_ + tied_mine_at_, server_error_ + tied_mine_at_, send_);
+      exchange_server_compress(tied_only_, avg_ + tied_mine_at_, server_error_ + tied_mine_at_, send_,
+                               server_rounding);
       zero_ranges(server_error_, excluded_mine_);
       group_->all_gather(recv_, send_, tied_only_.words, DType::BF16);
-      onebit_gather_decompress(tied_only_, recv_, y_);
+      exchange_gather_decompress(tied_only_, recv_, y_);
       put(plan_.segments.back());
     }
     put_exact();
     return;
   }
-  // Server stage: the averaged momentum, compressed again with the server error, to every rank.
-  onebit_server_compress(plan_.chunks, avg_, server_error_, send_);
+  // Server stage: the averages, compressed again with the server error, to every rank.
+  exchange_server_compress(plan_.chunks, avg_, server_error_, send_, server_rounding);
   zero_ranges(server_error_, excluded_mine_);
   group_->all_gather(recv_, send_, words, DType::BF16);
-  onebit_gather_decompress(plan_.chunks, recv_, y_);
+  exchange_gather_decompress(plan_.chunks, recv_, y_);
   zero_ranges(y_, excluded_y_);
-  for (const OnebitSegment& s : plan_.segments) put(s);  // m = d * decompressed y
+  for (const ExchangeSegment& s : plan_.segments) put(s);  // x = d * decompressed y
   put_exact();
 }
 
-void OnebitExchange::add_extras(std::vector<CheckpointExtra>& out, const std::string& kind, float* data, int64_t y0,
+void CompressedExchange::add_extras(std::vector<CheckpointExtra>& out, const std::string& kind, float* data, int64_t y0,
                                 int64_t numel) const {
   const bool tied = plan_.tied_offset >= 0;
   for (size_t i = 0; i < plan_.segments.size(); ++i) {
-    const OnebitSegment& s = plan_.segments[i];
+    const ExchangeSegment& s = plan_.segments[i];
     const int64_t b = std::max(y0, s.y), e = std::min(y0 + numel, s.y + s.numel);
     if (b >= e) continue;
     // Buffer ranges [lo, hi) of this overlap, less the tied embedding outside its own piece.
@@ -301,18 +318,20 @@ void OnebitExchange::add_extras(std::vector<CheckpointExtra>& out, const std::st
   }
 }
 
-void OnebitExchange::checkpoint_state(std::vector<CheckpointExtra>& out) {
+void CompressedExchange::checkpoint_state(std::vector<CheckpointExtra>& out) {
   if (!group_ || plan_.end == plan_.begin) return;
-  add_extras(out, fmt::format("optim/onebit_worker_error/{}{}", key_, momentum_ ? "" : "_sharded"), worker_error_,
-             0, plan_.y_numel);
+  const bool onebit = plan_.codec == Codec::SIGN;
+  const std::string codec = onebit ? "onebit" : "int8";
+  const std::string sharded = onebit && plan_.sharded ? "_sharded" : "";
+  add_extras(out, fmt::format("optim/{}_worker_error/{}{}", codec, key_, sharded), worker_error_, 0, plan_.y_numel);
   // The server error of an element is the residual of its average, whoever owns it: it reshards
   // over any group size. Distributed optimizer: the tied piece's only.
   int64_t at = 0;
   for (size_t j = 0; j < mine_.size(); ++j) {
     const bool tied_shard = plan_.tied_offset >= 0 && j + 1 == mine_.size();
-    if (momentum_ || tied_shard)
-      add_extras(out, momentum_ ? "optim/onebit_server_error" : "optim/onebit_server_error_sharded",
-                 server_error_ + at, mine_[j].offset, mine_[j].numel);
+    if (!plan_.sharded || tied_shard)
+      add_extras(out, fmt::format("optim/{}_server_error{}", codec, sharded), server_error_ + at, mine_[j].offset,
+                 mine_[j].numel);
     at += mine_[j].numel;
   }
 }

@@ -1,11 +1,22 @@
-// One part of the gradient buffer as 1-bit Adam's compressed phase exchanges it (onebit_adam.h):
-// the dense parameters over the DP group, or a Mixture-of-Experts model's expert parameters over
-// the expert-DP group (grad_buffers.h: [expert_begin, total) reduces over expert-DP). Each part has
+// One part of the gradient buffer exchanged in compressed form (compression.h): the dense
+// parameters over the DP group, or a Mixture-of-Experts model's expert parameters over the
+// expert-DP group (grad_buffers.h: [expert_begin, total) reduces over expert-DP). Each part has
 // its own chunk plan, its own error feedback and its own collectives; the optimizer step that
-// follows is one for the whole buffer.
+// follows is one for the whole buffer. Two users:
+//   parallel.grad_compression onebit (onebit_adam.h), after its warm-up: sign compression of
+//     x_i / d, d Adam's frozen denominator, where x_i is the momentum estimate
+//     beta1 m + (1 - beta1) p g_i (the optimizer state whole on every rank) or p g_i (the
+//     distributed optimizer); it yields the new momentum or the gradient estimate;
+//   parallel.grad_compression int8, every step: int8 compression of x_i = p g_i; it yields the
+//     gradient estimate, and Adam (with clipping) runs as usual on it.
+// (p: the group size; the gradients are pre-scaled so that sum_i g_i is the reduced gradient.)
+// Plain: a two-stage compressed all-reduce (worker stage: every rank's shards to their owners by
+// an all-to-all; server stage: each owner averages, recompresses and all-gathers), after which
+// every rank holds the same result. Distributed optimizer: the worker stage only (a compressed
+// reduce-scatter); each owner keeps its shards' average.
 //
-// The compressed vector y (x_i / d, onebit_adam.h) is laid out in pieces, each split into equal
-// shards per destination (ChunkPlan); segments map buffer ranges to places in y:
+// The compressed vector y is laid out in pieces, each split into equal shards per destination
+// (ChunkPlan); segments map buffer ranges to places in y:
 //   plain (the optimizer state is whole on every rank): one piece per gradient bucket, holding the
 //     bucket's elements except a tied embedding's, zero-padded to 16 x group size;
 //   distributed optimizer: one piece per bucket, the bucket as it is (its shards are the ranges
@@ -19,7 +30,8 @@
 // at pp = 1 where its group is a bucket of its own. It is compressed, not averaged exactly: with a
 // frozen variance the exact momentum update is unbounded where the gradient has grown since the
 // freeze (rare tokens' rows); averaging it exactly made the demo diverge at pp = 2 (README,
-// Benchmarks), where compressing it keeps pp = 2 with pp = 1. With the distributed optimizer the
+// Benchmarks), where compressing it keeps pp = 2 with pp = 1. Its int8 rounding draws the same
+// random numbers on both stages (compression.h's Rounding). With the distributed optimizer the
 // tied piece also takes the server stage (its own all-gather): the stages shard their optimizer
 // state differently, so every rank decompresses the whole embedding's estimate and takes its own
 // elements.
@@ -49,17 +61,18 @@ namespace tetra {
 class Communicator;
 
 // Buffer elements [buf, buf + numel) are y's [y, y + numel).
-struct OnebitSegment {
+struct ExchangeSegment {
   int64_t buf = 0, y = 0, numel = 0;
 };
 
 // How a part of the buffer crosses a group of `size` ranks in a compressed step; comm_volume.cpp
 // predicts the step's volume from it.
-struct OnebitPlan {
+struct ExchangePlan {
   int64_t begin = 0, end = 0;          // the part: buffer elements [begin, end)
+  Codec codec = Codec::SIGN;           // onebit: SIGN, int8: INT8
   bool sharded = false;                // the distributed optimizer shards the part's state
   ChunkPlan chunks;                    // the pieces of y (begin: y offsets), the tied piece last
-  std::vector<OnebitSegment> segments; // in y order, the tied embedding's last
+  std::vector<ExchangeSegment> segments; // in y order, the tied embedding's last
   int64_t y_numel = 0;
   int64_t tied_offset = -1;            // the tied embedding's buffer offset (-1: none)
   int64_t tied_numel = 0;
@@ -67,32 +80,36 @@ struct OnebitPlan {
   std::vector<GradRange> exact;        // TP replicas (buffer offsets, in order)
   int64_t exact_numel = 0;
 };
-// `part`: layout_part() of this rank's layout (dense or experts).
-OnebitPlan plan_onebit(const Config& cfg, const ParamLayout& part, int64_t size);
+// `part`: layout_part() of this rank's layout (dense or experts); the codec from
+// parallel.grad_compression.
+ExchangePlan plan_exchange(const Config& cfg, const ParamLayout& part, int64_t size);
 
-class OnebitExchange {
+class CompressedExchange {
  public:
   // `buffer`: the part's GradBuffer (its owned ranges are the optimizer's); `group`: DP or
-  // expert-DP (null or size 1: nothing to exchange). `momentum`: the optimizer state is whole on
-  // every rank and the exchange yields the new momentum; else (distributed optimizer) it yields the
-  // gradient estimate and the optimizer forms the momentum. `key`: names this rank's worker error
-  // in checkpoints ("dp1of4", "edp0of2_ep2").
-  OnebitExchange(const Config& cfg, const ParamLayout& part, Backend& be, const GradBuffer& buffer,
-                 Communicator* group, bool momentum, const std::string& key);
-  ~OnebitExchange();
-  OnebitExchange(const OnebitExchange&) = delete;
-  OnebitExchange& operator=(const OnebitExchange&) = delete;
+  // expert-DP (null or size 1: nothing to exchange). onebit without the distributed optimizer
+  // exchanges the momentum, otherwise the gradient. `key`: names this rank's worker error in
+  // checkpoints ("dp1of4", "edp0of2_ep2"); `part_id`: 0 dense, 1 experts (rounding streams).
+  CompressedExchange(const Config& cfg, const ParamLayout& part, Backend& be, const GradBuffer& buffer,
+                     Communicator* group, const std::string& key, int part_id);
+  ~CompressedExchange();
+  CompressedExchange(const CompressedExchange&) = delete;
+  CompressedExchange& operator=(const CompressedExchange&) = delete;
 
   // `grads`: the whole buffer, this rank's unreduced gradient in the part. Afterwards the part
-  // holds the new momentum (momentum mode) or, on the ranges the optimizer owns, the gradient
-  // estimate. `m`: Adam's momentum, `v`: the frozen variance, both indexed by buffer offset (m only
-  // in momentum mode; v over the whole part).
-  void exchange(float* grads, const float* m, const float* v);
+  // holds the new momentum (onebit, plain) or the gradient estimate (everywhere plain, or on the
+  // ranges the optimizer owns). `m`: Adam's momentum (onebit, plain), `v`: the frozen variance
+  // (onebit, the whole part), both indexed by buffer offset, else null. `step`: the 0-based step
+  // (int8 rounding).
+  void exchange(float* grads, const float* m, const float* v, int64_t step);
+  // The exchange yields the momentum (else the gradient estimate).
+  bool momentum() const { return momentum_; }
 
   // The error-feedback buffers (checkpoints), appended to `out`: the worker error (kind
-  // "optim/onebit_worker_error/<key>[_sharded]") and the server error of this rank's shards
-  // ("optim/onebit_server_error", or "..._sharded" for the tied piece's with the distributed
-  // optimizer: the residual of a gradient estimate, not of a momentum).
+  // "optim/<codec>_worker_error/<key>", onebit with the distributed optimizer "..._sharded") and
+  // the server error of this rank's shards ("optim/<codec>_server_error"; onebit with the
+  // distributed optimizer has the tied piece's only, "optim/onebit_server_error_sharded": the
+  // residual of a gradient estimate, not of a momentum). <codec>: onebit or int8.
   void checkpoint_state(std::vector<CheckpointExtra>& out);
 
  private:
@@ -106,7 +123,8 @@ class OnebitExchange {
   Communicator* group_;
   bool momentum_;
   std::string key_;
-  OnebitPlan plan_;
+  uint64_t rounding_key_ = 0;          // int8: this rank's and part's Philox key
+  ExchangePlan plan_;
   std::vector<GradRange> mine_;        // this rank's shard of every piece (y offsets)
   int64_t mine_numel_ = 0;
   std::vector<GradRange> excluded_y_;     // zeros in y: padding, TP replicas (and a tied embedding
