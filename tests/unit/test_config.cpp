@@ -380,6 +380,7 @@ TEST_CASE("config: pipeline layouts must build the configured model", "[config]"
   CHECK(problems_of(with(with(pp4, "parallel.dp", 2), "parallel.grad_compression", "onebit")).empty());
   CHECK(problems_of(with(with(with(pp4, "parallel.dp", 2), "parallel.grad_compression", "onebit"), "model.moe",
                          json{{"num_experts", 4}, {"top_k", 2}})).empty());
+  CHECK(problems_of(with(with(pp4, "parallel.dp", 2), "parallel.grad_compression", "int8")).empty());
   // Samples during training need the whole model on a rank.
   require_one(with(with(pp4, "sample.prompt", "Hi"), "data.tokenizer", "gpt2:/x"), "sample.prompt: \"Hi\": ",
               "leave sample.prompt empty with parallel.pp > 1");

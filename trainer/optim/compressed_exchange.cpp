@@ -21,7 +21,7 @@ void add_range(std::vector<GradRange>& out, int64_t b, int64_t e) {
     out.push_back(GradRange{b, e - b});
 }
 
-// `excluded` (sorted ranges of the extended part) as ranges of the compact buffer that holds
+// `excluded` (sorted ranges of y) as ranges of the compact buffer that holds
 // `ranges` back to back.
 std::vector<GradRange> compact_within(const std::vector<GradRange>& excluded, const std::vector<GradRange>& ranges) {
   std::vector<GradRange> out;
@@ -64,8 +64,9 @@ ExchangePlan plan_exchange(const Config& cfg, const ParamLayout& part, int64_t s
   std::vector<GradRange> pieces;  // y ranges
   int64_t y = 0;
   auto add_segment = [&](int64_t b, int64_t e) {
-    if (b < e) plan.segments.push_back(ExchangeSegment{b, y, e - b});
-    if (b < e) y += e - b;
+    if (b >= e) return;
+    plan.segments.push_back(ExchangeSegment{b, y, e - b});
+    y += e - b;
   };
   const std::vector<BucketPlan> buckets = plan_buckets(part, cfg.parallel.bucket_size);
   for (auto it = buckets.rbegin(); it != buckets.rend(); ++it) {  // buffer order

@@ -27,10 +27,11 @@
 // alike and hold the same inputs (the same momentum and frozen variance, the gradient summed over
 // the embedding group before the exchange, PipelineModel::finish_tied_embedding, and the same
 // errors), so both compute the same result, and the embedding is compressed in the same blocks as
-// at pp = 1 where its group is a bucket of its own. It is compressed, not averaged exactly: with a
-// frozen variance the exact momentum update is unbounded where the gradient has grown since the
-// freeze (rare tokens' rows); averaging it exactly made the demo diverge at pp = 2 (README,
-// Benchmarks), where compressing it keeps pp = 2 with pp = 1. Its int8 rounding draws the same
+// at pp = 1 where its group is a bucket of its own. It is compressed, not averaged exactly, so that
+// a pipeline runs the algorithm of pp = 1 and saves its bytes (the embedding is the largest tensor:
+// averaging it in fp32 kept 62% of the demo's DP bytes at pp = 2, README Benchmarks); the exact
+// momentum update with a frozen variance also lacks the compressor's per-block bound on rows whose
+// gradient grew since the freeze (rare tokens'). Its int8 rounding draws the same
 // random numbers on both stages (compression.h's Rounding). With the distributed optimizer the
 // tied piece also takes the server stage (its own all-gather): the stages shard their optimizer
 // state differently, so every rank decompresses the whole embedding's estimate and takes its own

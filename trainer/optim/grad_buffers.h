@@ -30,7 +30,7 @@ class GradBuffers {
   ~GradBuffers();
 
   void group_done(int group);
-  // 1-bit Adam's compressed steps exchange the gradients themselves (grad_buffer.h).
+  // 1-bit Adam's compressed steps and int8 exchange the gradients themselves (grad_buffer.h).
   void set_reduce(bool reduce) {
     dense_->set_reduce(reduce);
     if (experts_) experts_->set_reduce(reduce);

@@ -89,7 +89,7 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
     }
   }
   // The reduction of a part of the gradient buffer over a group of `size` ranks; `bf16`: its
-  // buckets reduce in bf16 (the dense part); 1-bit Adam's compressed steps exchange both parts.
+  // buckets reduce in bf16 (the dense part); 1-bit Adam's compressed steps and int8 exchange both parts.
   auto reduction = [&](GroupVolume& g, const ParamLayout& part, int64_t size, GroupVolume& norm_group, bool bf16) {
     if (size <= 1 || part.groups.empty()) return;
     const int64_t buckets = static_cast<int64_t>(plan_buckets(part, par.bucket_size).size());

@@ -70,7 +70,7 @@ ParamLayout rank_layout(const Config& cfg, int64_t tp_rank, int64_t pp_rank, int
   slicing.ep = cfg.parallel.ep;
   slicing.ep_rank = ep_rank;
   slicing.sequence_parallel = cfg.parallel.sequence_parallel;
-  // Buckets split into dp aligned shards: the distributed optimizer's, and onebit's chunks.
+  // Buckets split into dp aligned shards: the distributed optimizer's, and onebit's and int8's chunks.
   const bool shards = cfg.parallel.distributed_optimizer || cfg.parallel.grad_compression == "onebit" ||
                       cfg.parallel.grad_compression == "int8";
   slicing.group_align = shards ? 16 * cfg.parallel.dp : 16;
@@ -89,7 +89,7 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   m.compute = act == DType::F32 ? 0 : n * dtype_size(act);
   m.grads = n * 4;
   m.optimizer = shard * 8;
-  // Gradient compression's buffers (grad_buffer.h, onebit_adam.h): the bf16 copy of the buffer;
+  // Gradient compression's buffers (grad_buffer.h, compressed_exchange.h): the bf16 copy of the buffer;
   // the worker error and the scaled input (n each), the server error and average (n / dp each),
   // two 1-bit messages.
   const size_t dp = static_cast<size_t>(cfg.parallel.dp);
