@@ -34,7 +34,9 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
   // True when backend memory is ordinary host memory (the CPU backend): the host may read it
-  // directly, without copy_to_host.
+  // directly, without copy_to_host. Callers use it only to skip a copy; whatever reads backend
+  // memory on the host when it is true must copy when it is false (the guarded-memory test
+  // backend, kernels/cpu/guarded_backend.h, says false, and checks it).
   virtual bool host_memory() const { return false; }
 
   // ---- memory ------------------------------------------------------------------------------
@@ -42,6 +44,9 @@ class Backend {
   virtual void* alloc(size_t bytes) = 0;
   virtual void free(void* ptr) = 0;
   virtual void memset_zero(void* ptr, size_t bytes) = 0;
+  // copy_to_host returns with the data in host_dst (it synchronises with earlier ops);
+  // copy_from_host has read host_src when it returns: the caller may reuse it at once (the
+  // trainer refills its host batch buffers right after uploading them).
   virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void copy_from_host(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
@@ -207,5 +212,12 @@ class Backend {
 
 // The CPU backend (kernels/cpu). `threads` <= 0 means all available cores.
 std::unique_ptr<Backend> make_cpu_backend(int threads = 0);
+
+// The CUDA backend (kernels/cuda), on GPU `device`. Exists only where Tetra was built with CUDA
+// (TETRA_HAVE_CUDA defined); cuda_device_count() is 0 where the driver finds no GPU.
+#if defined(TETRA_HAVE_CUDA)
+std::unique_ptr<Backend> make_cuda_backend(int device);
+int cuda_device_count();
+#endif
 
 }  // namespace tetra

@@ -238,6 +238,12 @@ int run(int argc, char** argv, const tetra::ProcessInfo& proc) {
       }
       return 0;
     }
+    const tetra::ParallelConfig& par = cfg.parallel;
+    if (!tetra::dist_has_mpi() && (par.tp > 1 || par.pp > 1 || par.dp > 1 || par.ep > 1))
+      throw tetra::InputError(fmt::format(
+          "parallel: tp {} x pp {} x dp {} (ep {}) needs several processes, but this tetra was built without "
+          "MPI and runs as one: set parallel.tp, pp, dp and ep to 1, or build it with MPI (cmake -DTETRA_MPI=ON)",
+          par.tp, par.pp, par.dp, par.ep));
     tetra::GridSizes sizes;
     sizes.world = proc.size;
     sizes.tp = cfg.parallel.tp;

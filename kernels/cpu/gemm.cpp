@@ -30,6 +30,9 @@
 // each is created on its first call and reused ever after; per call we only swap data handles.
 // The cache is not thread-safe: one backend is driven by one host thread (oneDNN parallelises
 // inside each call with OpenMP).
+//
+// Compiled with oneDNN only; gemm_loops.cpp defines these members in a build without it.
+#if defined(TETRA_HAVE_DNNL)
 #include <omp.h>
 
 #include <cstdlib>
@@ -232,3 +235,5 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
 }
 
 }  // namespace tetra
+
+#endif  // TETRA_HAVE_DNNL

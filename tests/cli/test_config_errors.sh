@@ -88,13 +88,27 @@ run_case 2 "$scratch/missing_file/no_such_config.json"
 expect_stderr "error: $scratch/missing_file/no_such_config.json: cannot read the config file"
 expect_no_output_files
 
+# training.device "cuda" without a usable GPU: refused before anything is written, naming the
+# reason (a build without the CUDA backend, or no visible device). Skipped where a GPU is present
+# (there the run would train).
+if ! nvidia-smi -L >/dev/null 2>&1; then
+  start_case cuda_without_gpu
+  write_config "$scratch/cuda_without_gpu/config.json" ""
+  run_case 2 "$scratch/cuda_without_gpu/config.json" --set training.device=cuda
+  expect_stderr 'training.device: "cuda": '
+  if ! grep -qF 'built without the CUDA backend' "$err"; then
+    expect_stderr 'no CUDA device is visible to this process'
+  fi
+  expect_no_output_files
+fi
+
 # Overrides go through the same checks, and every problem is reported at once.
 start_case override_errors
 write_config "$scratch/override_errors/config.json" ""
 run_case 2 "$scratch/override_errors/config.json" \
-  --set training.steps=0 --set training.device=cuda --set model.hidden_size
+  --set training.steps=0 --set training.device=tpu --set model.hidden_size
 expect_stderr 'training.steps: 0: must be >= 1'
-expect_stderr 'training.device: "cuda": the CUDA backend is not built yet'
+expect_stderr 'training.device: "tpu"'
 expect_stderr 'override "model.hidden_size": expected section.key=value'
 expect_no_output_files
 

@@ -5,7 +5,8 @@
 // communicator of several rank grids, so group membership and member order are checked by the
 // data too. With np 4: tp2 x dp2 with ep2; tp2 x pp2 in the default order and in "pp-dp-tp" (where
 // the mp group's order, tp fastest, differs from the ranks' order); dp4 with ep2 in "dp-tp-pp";
-// pp4 (middle stages alone in their embedding group).
+// pp4 (middle stages alone in their embedding group). Each grid's groups are also checked in their
+// backend-memory role, staged over guarded memory (staged_checks.h).
 // Values are small integers, exact in fp32, bf16 and i32 whatever order MPI combines them in, so
 // results are compared exactly; the one fp32 sum of inexact values has a stated tolerance.
 // Stats are compared with the formulas of communicator.h, recomputed here call by call.
@@ -29,6 +30,7 @@
 #include "trainer/dist/bootstrap.h"
 #include "trainer/dist/mpi_communicator.h"
 #include "trainer/dist/process_groups.h"
+#include "tests/dist/staged_checks.h"
 
 using namespace tetra;
 
@@ -544,6 +546,12 @@ int main(int argc, char** argv) {
         check_communicator(pg.get(kind), grid.group(kind, info.rank));
       }
       check_progress(pg);
+      std::vector<std::string> staged_failures;
+      g_checks += tetra_dist_test::check_staged_communicators(pg, info.rank, staged_failures);
+      for (const std::string& f : staged_failures) {
+        ++g_failures;
+        std::fprintf(stderr, "FAIL %s\n", f.c_str());
+      }
     }
     check_creation_errors(info.size);
     check_destroy_in_flight(info.size);

@@ -410,7 +410,6 @@ TEST_CASE("config: single-value ranges", "[config]") {
       {"parallel.virtual_stages", 0, "must be >= 1"},
       {"parallel.bucket_size", 0, "must be >= 1"},
       {"parallel.onebit_warmup_steps", 0, "must be >= 1"},
-      {"training.device", "cuda", "the CUDA backend is not built yet"},
       {"training.micro_batch_size", 0, "must be >= 1"},
       {"training.global_batch_size", -4, "must be >= 0"},
       {"training.steps", 0, "must be >= 1"},

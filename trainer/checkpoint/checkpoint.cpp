@@ -63,26 +63,20 @@ std::string read_text(const std::string& path) {
   return ss.str();
 }
 
-// Every rank's string, on every rank (world communicator): lengths, then padded bytes.
-std::vector<std::string> all_gather_strings(Communicator& world, const std::string& mine, Backend& be) {
+// Every rank's string, on every rank (the world's host-memory communicator): lengths, then
+// padded bytes.
+std::vector<std::string> all_gather_strings(Communicator& world, const std::string& mine) {
   const int p = world.size();
   std::vector<int32_t> lengths(static_cast<size_t>(p));
-  int32_t len = static_cast<int32_t>(mine.size());
-  int32_t* dev = static_cast<int32_t*>(be.alloc(static_cast<size_t>(p) * 4));
-  be.copy_from_host(dev + world.rank(), &len, 4);
-  world.all_gather(dev, dev + world.rank(), 1, DType::I32);
-  be.copy_to_host(lengths.data(), dev, static_cast<size_t>(p) * 4);
-  be.free(dev);
+  lengths[static_cast<size_t>(world.rank())] = static_cast<int32_t>(mine.size());
+  world.all_gather(lengths.data(), lengths.data() + world.rank(), 1, DType::I32);
   const int32_t words = (*std::max_element(lengths.begin(), lengths.end()) + 3) / 4;
   std::vector<std::string> out(static_cast<size_t>(p));
   if (words == 0) return out;
   std::vector<char> host(static_cast<size_t>(p) * words * 4, 0);
-  std::memcpy(host.data() + static_cast<size_t>(world.rank()) * words * 4, mine.data(), mine.size());
-  char* buf = static_cast<char*>(be.alloc(host.size()));
-  be.copy_from_host(buf, host.data(), host.size());
-  world.all_gather(buf, buf + static_cast<size_t>(world.rank()) * words * 4, words, DType::I32);
-  be.copy_to_host(host.data(), buf, host.size());
-  be.free(buf);
+  char* slot = host.data() + static_cast<size_t>(world.rank()) * words * 4;
+  std::memcpy(slot, mine.data(), mine.size());
+  world.all_gather(host.data(), slot, words, DType::I32);
   for (int r = 0; r < p; ++r)
     out[r].assign(host.data() + static_cast<size_t>(r) * words * 4, static_cast<size_t>(lengths[r]));
   return out;
@@ -237,7 +231,7 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
     if (!e.writer) continue;
     const std::vector<int64_t> xs = compact_starts(e.ranges);
     const int64_t n = e.ranges.empty() ? 0 : xs.back() + e.ranges.back().numel;
-    const float* data = host_view(e.data, static_cast<size_t>(n), host_extra[x]);
+    const float* data = e.host ? e.data : host_view(e.data, static_cast<size_t>(n), host_extra[x]);
     for (const ParamSpec& p : layout.params) {
       if ((!p.tp_split && !tp0) || p.stage_copy) continue;
       for (size_t o = 0; o < e.ranges.size(); ++o) {
@@ -270,7 +264,7 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
     const std::string file = (fs::path(tmp_dir) / rank_file(groups.rank)).string();
     write_safetensors(file, views);  // temp name, fsync, rename
   }
-  const std::vector<std::string> all = all_gather_strings(world, slices.dump(), be);
+  const std::vector<std::string> all = all_gather_strings(world, slices.dump());
 
   if (rank0) {
     json manifest;
@@ -472,7 +466,10 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
         to_compact(p, x.ranges, xs, local, host);
       }
     }
-    be.copy_from_host(x.data, host.data(), host.size() * 4);
+    if (x.host)
+      std::copy(host.begin(), host.end(), x.data);
+    else
+      be.copy_from_host(x.data, host.data(), host.size() * 4);
   }
   // Into backend memory: master weights (whole or shard), compute weights, moments.
   float* staging = b.master_full;

@@ -50,9 +50,10 @@ struct CheckpointState {
 // kind's name then encodes) is loaded as zeros, with a warning.
 struct CheckpointExtra {
   std::string kind;               // "optim/onebit_server_error", ...
-  float* data = nullptr;          // `ranges` back to back (backend memory)
+  float* data = nullptr;          // `ranges` back to back: backend memory, or host memory if `host`
   std::vector<GradRange> ranges;  // the buffer elements this rank holds, in buffer order
   bool writer = true;             // this rank writes them (TP rank 0 only for TP-replicated parameters)
+  bool host = false;              // `data` is host memory (state the optimizer keeps on the host)
 };
 
 // One rank's buffers (backend memory) that a checkpoint saves and restores.

@@ -73,7 +73,7 @@ struct ParallelConfig {
 };
 
 struct TrainingConfig {
-  std::string device = "cpu";       // cpu (cuda comes with the CUDA backend)
+  std::string device = "cpu";       // cpu | cuda
   std::string precision = "fp32";   // fp32 | bf16
   int64_t micro_batch_size = 4;
   int64_t global_batch_size = 0;    // 0 = micro_batch_size * dp (no accumulation)

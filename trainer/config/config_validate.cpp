@@ -158,8 +158,11 @@ void check_ranges(const Config& c, Rules& r) {
   r.at_least("parallel.onebit_warmup_steps", c.parallel.onebit_warmup_steps, 1);
 
   const TrainingConfig& t = c.training;
+#if !defined(TETRA_HAVE_CUDA)
   r.require(t.device != "cuda", "training.device", t.device,
-            "the CUDA backend is not built yet; set training.device to \"cpu\"");
+            "this tetra was built without the CUDA backend (no nvcc found, or -DTETRA_CUDA=OFF): rebuild "
+            "with -DTETRA_CUDA=ON where the CUDA Toolkit is installed, or set training.device to \"cpu\"");
+#endif
   r.size("training.micro_batch_size", t.micro_batch_size, 1);
   r.size("training.global_batch_size", t.global_batch_size, 0);
   r.at_least("training.steps", t.steps, 1);

@@ -1,5 +1,7 @@
 // MPI start-up: yield-when-idle default, MPI_THREAD_MULTIPLE, launcher and node-local rank, and
 // the rendezvous fallback (rendezvous.h) when srun cannot start MPI programs.
+// Compiled with MPI only; trainer/dist/single_process.cpp is the build without it.
+#if defined(TETRA_HAVE_MPI)
 #include "trainer/dist/bootstrap.h"
 
 #include <cstdio>
@@ -48,6 +50,8 @@ MPI_Comm g_world = MPI_COMM_WORLD;  // the rendezvous' joined communicator when 
 }  // namespace
 
 MPI_Comm dist_world() { return g_world; }
+
+bool dist_has_mpi() { return true; }
 
 bool dist_initialized() {
   int initialized = 0, finalized = 0;
@@ -125,3 +129,5 @@ void dist_abort(int exit_code) {
 }
 
 }  // namespace tetra
+
+#endif  // TETRA_HAVE_MPI

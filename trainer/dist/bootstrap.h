@@ -32,4 +32,10 @@ void dist_finalize();
 // True between dist_init (or any MPI_Init) and dist_finalize.
 bool dist_initialized();
 
+// Whether this build has MPI. A build without it (cmake -DTETRA_MPI=OFF, or AUTO where no MPI was
+// found) runs one process: dist_init gives rank 0 of 1, launcher "single", and refuses a launch as
+// one of several processes (mpirun, srun) with an error that says "this tetra was built without
+// MPI"; dist_initialized() is false and dist_abort a plain exit.
+bool dist_has_mpi();
+
 }  // namespace tetra

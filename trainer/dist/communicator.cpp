@@ -34,6 +34,15 @@ double CommStats::total_blocked_s() const {
 
 void CommStats::reset() { *this = CommStats{}; }
 
+void CommStats::add(const CommStats& other) {
+  for (int i = 0; i < kCommOps; ++i) {
+    calls[i] += other.calls[i];
+    payload_bytes[i] += other.payload_bytes[i];
+    sent_bytes[i] += other.sent_bytes[i];
+    blocked_s[i] += other.blocked_s[i];
+  }
+}
+
 void account_call(CommStats& stats, CommOp op, int group_size, int64_t payload_bytes) {
   if (group_size <= 1) return;
   const double payload = static_cast<double>(payload_bytes);

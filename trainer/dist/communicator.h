@@ -67,6 +67,7 @@ struct CommStats {
   double total_sent() const;
   double total_blocked_s() const;
   void reset();
+  void add(const CommStats& other);  // element-wise sum
 };
 
 // Handle of an asynchronous operation.

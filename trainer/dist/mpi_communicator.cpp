@@ -4,6 +4,9 @@
 // In-place conventions are NCCL's (communicator.h). MPI forbids aliased send and receive buffers,
 // so an in-place reduce_scatter reduces into a scratch block and copies it to this rank's block;
 // an in-place all_gather is MPI_IN_PLACE exactly.
+//
+// Compiled with MPI only; trainer/dist/single_process.cpp is the build without it.
+#if defined(TETRA_HAVE_MPI)
 #include "trainer/dist/mpi_communicator.h"
 
 #include <algorithm>
@@ -472,3 +475,5 @@ std::unique_ptr<Communicator> make_mpi_communicator(std::string name, std::vecto
 }
 
 }  // namespace tetra
+
+#endif  // TETRA_HAVE_MPI

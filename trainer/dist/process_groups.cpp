@@ -1,4 +1,5 @@
-// ProcessGroups::create: one make_mpi_communicator call per group kind, in a fixed order.
+// ProcessGroups::create: one make_mpi_communicator call per group kind, in a fixed order; the
+// backend-memory role of each group (process_groups.h).
 #include "trainer/dist/process_groups.h"
 
 #include <mpi.h>
@@ -48,6 +49,31 @@ Communicator& ProcessGroups::get(GroupKind kind) const {
     case GroupKind::WORLD: return *world;
   }
   throw Error("ProcessGroups::get: unknown group kind");
+}
+
+Communicator& ProcessGroups::backend(GroupKind kind) const {
+  const auto& b = backend_[static_cast<size_t>(kind)];
+  return b ? *b : get(kind);
+}
+
+void ProcessGroups::use_backend_memory(const BackendCommFactory& factory) {
+  for (auto& b : backend_) b.reset();
+  if (!factory) return;
+  for (int k = 0; k < kGroupKinds; ++k) {
+    Communicator& host = get(static_cast<GroupKind>(k));
+    backend_[static_cast<size_t>(k)] = factory(host.name(), host.members(), host);
+  }
+}
+
+CommStats ProcessGroups::stats(GroupKind kind) const {
+  CommStats s = get(kind).stats();
+  if (const auto& b = backend_[static_cast<size_t>(kind)]) s.add(b->stats());
+  return s;
+}
+
+void ProcessGroups::set_stats(GroupKind kind, const CommStats& s) {
+  get(kind).stats() = s;
+  if (const auto& b = backend_[static_cast<size_t>(kind)]) b->stats().reset();
 }
 
 }  // namespace tetra

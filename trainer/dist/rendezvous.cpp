@@ -1,5 +1,7 @@
 // The rendezvous bootstrap (see rendezvous.h): files in a shared directory, ompi-server, and
 // MPI_Comm_accept / MPI_Comm_connect / MPI_Intercomm_merge, one rank at a time.
+// Compiled with MPI only (a build without MPI has no rendezvous: it runs one process).
+#if defined(TETRA_HAVE_MPI)
 #include "trainer/dist/rendezvous.h"
 
 #include <signal.h>
@@ -199,3 +201,5 @@ void rendezvous_finish() {
 }
 
 }  // namespace tetra
+
+#endif  // TETRA_HAVE_MPI

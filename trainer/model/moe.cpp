@@ -117,6 +117,13 @@ struct MoeLayers::Scratch {
   void* dx_exp;        // (R_max, C)
   void* dx_local;      // (M_max, C) (ep > 1; else dx_exp)
   int32_t* counts;     // (E + ep El) send and received per-expert counts
+  // Host staging, sized at construction: what forward reads back from backend memory (the
+  // router's choice, the received counts, the loss statistics' inputs) and the host-built index
+  // maps it uploads.
+  std::vector<int32_t> h_idx;                 // (N K)
+  std::vector<int32_t> h_counts;              // (E + ep El)
+  std::vector<int32_t> h_regroup, h_ungroup;  // (R_max)
+  std::vector<float> h_probs, h_lse, h_eg;    // (N E), (N), (E)
 };
 
 namespace {
@@ -227,6 +234,13 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
     ptrs.push_back(layers_.back().get());
   }
   sc_ = std::make_unique<Scratch>();
+  sc_->h_idx.resize(static_cast<size_t>(N_ * K_));
+  sc_->h_counts.resize(static_cast<size_t>(E_ + ep_size * El_));
+  sc_->h_regroup.resize(static_cast<size_t>(R_max_));
+  sc_->h_ungroup.resize(static_cast<size_t>(R_max_));
+  sc_->h_probs.resize(static_cast<size_t>(N_ * E_));
+  sc_->h_lse.resize(static_cast<size_t>(N_));
+  sc_->h_eg.resize(static_cast<size_t>(E_));
   bytes_ = activation_bytes_for(cfg, act, N, ep_size, tp_size);
   arena_ = be_.alloc(bytes_);
   Carver c(static_cast<char*>(arena_));
@@ -423,7 +437,7 @@ void MoeLayers::forward(int64_t l, const void* weights, const void* h, const voi
   be_.gemm(false, true, N_, E_, C_, 1.0f, h, C_, static_cast<const char*>(weights) + p.router_w * es, C_, act_,
            0.0f, s.logits, E_, DType::F32);
   be_.moe_router_forward(s.probs, s.lse, s.topk_idx, s.topk_prob, s.logits, N_, E_, K_);
-  std::vector<int32_t> idx(static_cast<size_t>(N_ * K_));
+  std::vector<int32_t>& idx = sc_->h_idx;
   be_.copy_to_host(idx.data(), s.topk_idx, idx.size() * 4);
   s.plan = plan_moe_routing(idx.data(), N_, K_, E_, cap_);
   s.M = static_cast<int64_t>(s.plan.rows.size());
@@ -438,7 +452,7 @@ void MoeLayers::forward(int64_t l, const void* weights, const void* h, const voi
     const int ep = ep_->size();
     // Counts first: rank r sends each EP rank the kept counts of that rank's experts.
     const auto t0 = std::chrono::steady_clock::now();
-    std::vector<int32_t> counts(static_cast<size_t>(E_ + ep * El_));
+    std::vector<int32_t>& counts = sc_->h_counts;
     for (int64_t e = 0; e < E_; ++e) counts[e] = static_cast<int32_t>(s.plan.kept[e]);
     be_.copy_from_host(sc_->counts, counts.data(), static_cast<size_t>(E_) * 4);
     std::vector<int64_t> n(ep, El_), off(ep);
@@ -461,7 +475,8 @@ void MoeLayers::forward(int64_t l, const void* weights, const void* h, const voi
     for (int r = 0; r < ep; ++r) s.R += s.recv_rows[r];
     TETRA_CHECK(s.R <= R_max_, "MoE dispatch: {} rows for this rank's experts, planned for at most {}", s.R, R_max_);
     // Regrouping between source-major (as received) and expert-major (one block per expert).
-    std::vector<int32_t> regroup(static_cast<size_t>(s.R)), ungroup(static_cast<size_t>(s.R));
+    std::vector<int32_t>& regroup = sc_->h_regroup;  // first R entries
+    std::vector<int32_t>& ungroup = sc_->h_ungroup;
     std::vector<int64_t> src_start(ep, 0), exp_start(static_cast<size_t>(El_), 0);
     for (int r = 1; r < ep; ++r) src_start[r] = src_start[r - 1] + s.recv_rows[r - 1];
     for (int64_t j = 1; j < El_; ++j) exp_start[j] = exp_start[j - 1] + s.expert_rows[j - 1];
@@ -491,9 +506,10 @@ void MoeLayers::forward(int64_t l, const void* weights, const void* h, const voi
   be_.moe_combine(out, s.y_local, s.pos, s.topk_prob, N_, K_, C_, /*accumulate=*/true, act_);
 
   if (loss_weight != 0.0f) {
-    std::vector<float> probs(static_cast<size_t>(N_ * E_)), lse(static_cast<size_t>(N_));
-    be_.copy_to_host(probs.data(), s.probs, probs.size() * 4);
-    be_.copy_to_host(lse.data(), s.lse, lse.size() * 4);
+    const std::vector<float>& probs = sc_->h_probs;
+    const std::vector<float>& lse = sc_->h_lse;
+    be_.copy_to_host(sc_->h_probs.data(), s.probs, probs.size() * 4);
+    be_.copy_to_host(sc_->h_lse.data(), s.lse, lse.size() * 4);
     double aux = 0.0, z = 0.0;
     for (int64_t e = 0; e < E_; ++e) {
       double pe = 0.0;
@@ -529,7 +545,7 @@ void MoeLayers::backward(int64_t l, const void* weights, float* grads, const voi
   const double lw = s.loss_weight;
   const double aux_scale = cfg_.moe.aux_loss_coeff * lw * static_cast<double>(E_) /
                            (static_cast<double>(N_) * static_cast<double>(N_) * static_cast<double>(K_));
-  std::vector<float> eg(static_cast<size_t>(E_));
+  std::vector<float>& eg = sc_->h_eg;
   for (int64_t e = 0; e < E_; ++e) eg[e] = static_cast<float>(aux_scale * static_cast<double>(s.plan.routed[e]));
   be_.copy_from_host(sc_->expert_grad, eg.data(), eg.size() * 4);
   const float z_scale = static_cast<float>(cfg_.moe.z_loss_coeff * lw / static_cast<double>(N_));

@@ -95,15 +95,13 @@ ExchangePlan plan_exchange(const Config& cfg, const ParamLayout& part, int64_t s
   return plan;
 }
 
-CompressedExchange::CompressedExchange(const Config& cfg, const ParamLayout& part, Backend& be,
-                                       const GradBuffer& buffer, Communicator* group, const std::string& key,
-                                       int part_id)
-    : cfg_(cfg), be_(be), group_(group && group->size() > 1 ? group : nullptr), key_(key) {
+CompressedExchange::CompressedExchange(const Config& cfg, const ParamLayout& part, const GradBuffer& buffer,
+                                       Communicator* group, const std::string& key, int part_id)
+    : cfg_(cfg), group_(group && group->size() > 1 ? group : nullptr), key_(key) {
   plan_ = plan_exchange(cfg, part, group_ ? group_->size() : 1);
   // The optimizer state is sharded when the dense part's is (the DP group is the larger one).
   momentum_ = plan_.codec == Codec::SIGN && !(cfg.parallel.distributed_optimizer && cfg.parallel.dp > 1);
   if (!group_ || plan_.end == plan_.begin) return;
-  TETRA_CHECK(be_.host_memory(), "gradient compression runs on host memory; backend {} is not", be_.name());
   TETRA_CHECK(buffer.sharded() == plan_.sharded, "the part's optimizer state is {} but the exchange expects it {}",
               buffer.sharded() ? "sharded" : "whole", plan_.sharded ? "sharded" : "whole");
   // Every rank and part rounds with its own numbers; the same group rank on another pipeline stage
@@ -174,27 +172,14 @@ CompressedExchange::CompressedExchange(const Config& cfg, const ParamLayout& par
     tied_only_.codec = plan_.chunks.codec;
     tied_only_.words = plan_.tied_words;
   }
-  auto alloc = [&](int64_t count, size_t es) {
-    const size_t bytes = static_cast<size_t>(std::max<int64_t>(count, 1)) * es;
-    void* p = be_.alloc(bytes);
-    be_.memset_zero(p, bytes);
-    return p;
-  };
-  const int64_t words = plan_.chunks.dp * plan_.chunks.words;
-  y_ = static_cast<float*>(alloc(plan_.y_numel, 4));
-  worker_error_ = static_cast<float*>(alloc(plan_.y_numel, 4));
-  server_error_ = static_cast<float*>(alloc(mine_numel_, 4));
-  avg_ = static_cast<float*>(alloc(mine_numel_, 4));
-  exact_sum_ = static_cast<float*>(alloc(plan_.exact_numel, 4));
-  send_ = static_cast<uint16_t*>(alloc(words, 2));
-  recv_ = static_cast<uint16_t*>(alloc(words, 2));
-}
-
-CompressedExchange::~CompressedExchange() {
-  for (void* p : {static_cast<void*>(y_), static_cast<void*>(worker_error_), static_cast<void*>(server_error_),
-                  static_cast<void*>(avg_), static_cast<void*>(exact_sum_), static_cast<void*>(send_),
-                  static_cast<void*>(recv_)})
-    if (p) be_.free(p);
+  const size_t words = static_cast<size_t>(plan_.chunks.dp * plan_.chunks.words);
+  y_.assign(static_cast<size_t>(plan_.y_numel), 0.0f);
+  worker_error_.assign(static_cast<size_t>(plan_.y_numel), 0.0f);
+  server_error_.assign(static_cast<size_t>(mine_numel_), 0.0f);
+  avg_.assign(static_cast<size_t>(mine_numel_), 0.0f);
+  exact_sum_.assign(static_cast<size_t>(plan_.exact_numel), 0.0f);
+  send_.assign(words, 0);
+  recv_.assign(words, 0);
 }
 
 void CompressedExchange::exchange(float* grads, const float* m, const float* v, int64_t step) {
@@ -231,24 +216,24 @@ void CompressedExchange::exchange(float* grads, const float* m, const float* v, 
   // TP replicas: the exact mean of x_i, all-reduced in fp32.
   int64_t at = 0;
   for (const GradRange& r : plan_.exact) {
-    std::copy(grads + r.offset, grads + r.offset + r.numel, exact_sum_ + at);
+    std::copy(grads + r.offset, grads + r.offset + r.numel, exact_sum_.data() + at);
     at += r.numel;
   }
-  if (plan_.exact_numel > 0) group_->all_reduce(exact_sum_, plan_.exact_numel, DType::F32, ReduceOp::SUM);
+  if (plan_.exact_numel > 0) group_->all_reduce(exact_sum_.data(), plan_.exact_numel, DType::F32, ReduceOp::SUM);
   // y_i = x_i / d in y's layout, the excluded elements zero.
   for (const ExchangeSegment& s : plan_.segments)
     for (int64_t i = 0; i < s.numel; ++i) y_[s.y + i] = grads[s.buf + i] / denom(s.buf + i);
-  zero_ranges(y_, excluded_y_);
+  zero_ranges(y_.data(), excluded_y_);
 
   // Worker stage: compressed shards to their owners (a compressed reduce-scatter).
-  exchange_worker_compress(plan_.chunks, y_, worker_error_, send_, worker_rounding);
-  zero_ranges(worker_error_, excluded_y_);
+  exchange_worker_compress(plan_.chunks, y_.data(), worker_error_.data(), send_.data(), worker_rounding);
+  zero_ranges(worker_error_.data(), excluded_y_);
   const int64_t words = plan_.chunks.words;
   std::vector<int64_t> counts(static_cast<size_t>(p), words), offsets(static_cast<size_t>(p));
   for (int64_t r = 0; r < p; ++r) offsets[static_cast<size_t>(r)] = r * words;
-  group_->all_to_all_v(send_, counts, offsets, recv_, counts, offsets, DType::BF16);
-  exchange_server_average(plan_.chunks, recv_, avg_);
-  zero_ranges(avg_, excluded_mine_);
+  group_->all_to_all_v(send_.data(), counts, offsets, recv_.data(), counts, offsets, DType::BF16);
+  exchange_server_average(plan_.chunks, recv_.data(), avg_.data());
+  zero_ranges(avg_.data(), excluded_mine_);
 
   // Back from y units (x = d y) into the buffer: the segments' elements of y, then the replicas.
   auto put = [&](const ExchangeSegment& s) {
@@ -274,22 +259,22 @@ void CompressedExchange::exchange(float* grads, const float* m, const float* v, 
       at += r.numel;
     }
     if (tied) {  // server stage of the tied piece: every rank decompresses the whole embedding's estimate
-      exchange_server_compress(tied_only_, avg_ + tied_mine_at_, server_error_ + tied_mine_at_, send_,
-                               server_rounding);
-      zero_ranges(server_error_, excluded_mine_);
-      group_->all_gather(recv_, send_, tied_only_.words, DType::BF16);
-      exchange_gather_decompress(tied_only_, recv_, y_);
+      exchange_server_compress(tied_only_, avg_.data() + tied_mine_at_, server_error_.data() + tied_mine_at_,
+                               send_.data(), server_rounding);
+      zero_ranges(server_error_.data(), excluded_mine_);
+      group_->all_gather(recv_.data(), send_.data(), tied_only_.words, DType::BF16);
+      exchange_gather_decompress(tied_only_, recv_.data(), y_.data());
       put(plan_.segments.back());
     }
     put_exact();
     return;
   }
   // Server stage: the averages, compressed again with the server error, to every rank.
-  exchange_server_compress(plan_.chunks, avg_, server_error_, send_, server_rounding);
-  zero_ranges(server_error_, excluded_mine_);
-  group_->all_gather(recv_, send_, words, DType::BF16);
-  exchange_gather_decompress(plan_.chunks, recv_, y_);
-  zero_ranges(y_, excluded_y_);
+  exchange_server_compress(plan_.chunks, avg_.data(), server_error_.data(), send_.data(), server_rounding);
+  zero_ranges(server_error_.data(), excluded_mine_);
+  group_->all_gather(recv_.data(), send_.data(), words, DType::BF16);
+  exchange_gather_decompress(plan_.chunks, recv_.data(), y_.data());
+  zero_ranges(y_.data(), excluded_y_);
   for (const ExchangeSegment& s : plan_.segments) put(s);  // x = d * decompressed y
   put_exact();
 }
@@ -314,6 +299,7 @@ void CompressedExchange::add_extras(std::vector<CheckpointExtra>& out, const std
       x.kind = kind;
       x.data = data + (s.y + lo - s.buf - y0);
       x.ranges = {GradRange{lo, hi - lo}};
+      x.host = true;
       out.push_back(std::move(x));
     }
   }
@@ -324,15 +310,16 @@ void CompressedExchange::checkpoint_state(std::vector<CheckpointExtra>& out) {
   const bool onebit = plan_.codec == Codec::SIGN;
   const std::string codec = onebit ? "onebit" : "int8";
   const std::string sharded = onebit && plan_.sharded ? "_sharded" : "";
-  add_extras(out, fmt::format("optim/{}_worker_error/{}{}", codec, key_, sharded), worker_error_, 0, plan_.y_numel);
+  add_extras(out, fmt::format("optim/{}_worker_error/{}{}", codec, key_, sharded), worker_error_.data(), 0,
+             plan_.y_numel);
   // The server error of an element is the residual of its average, whoever owns it: it reshards
   // over any group size. Distributed optimizer: the tied piece's only.
   int64_t at = 0;
   for (size_t j = 0; j < mine_.size(); ++j) {
     const bool tied_shard = plan_.tied_offset >= 0 && j + 1 == mine_.size();
     if (!plan_.sharded || tied_shard)
-      add_extras(out, fmt::format("optim/{}_server_error{}", codec, sharded), server_error_ + at, mine_[j].offset,
-                 mine_[j].numel);
+      add_extras(out, fmt::format("optim/{}_server_error{}", codec, sharded), server_error_.data() + at,
+                 mine_[j].offset, mine_[j].numel);
     at += mine_[j].numel;
   }
 }

@@ -41,16 +41,18 @@
 // other offsets and cuts its blocks elsewhere, so compressing them would let the replicas drift
 // apart. They, and the padding between parameters, are zeros in y and in the errors.
 //
-// Work buffers: y and the worker error (y's layout), the server error and average over this rank's
-// shards of every piece, the two messages. Checkpoints see the errors per buffer range
-// (CheckpointExtra), whatever y's layout.
+// Host memory: the compression loops run on the host, on host views of the gradient and Adam's
+// moments (the callers' staging copies where backend memory is not host memory), over the groups'
+// host-memory communicators. Work buffers (host memory, allocated at construction): y and the
+// worker error (y's layout), the server error and average over this rank's shards of every piece,
+// the exact sums, the two messages. Checkpoints see the errors per buffer range (CheckpointExtra,
+// host memory), whatever y's layout.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "kernels/backend.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/config/config.h"
 #include "trainer/model/param_layout.h"
@@ -88,20 +90,18 @@ ExchangePlan plan_exchange(const Config& cfg, const ParamLayout& part, int64_t s
 class CompressedExchange {
  public:
   // `buffer`: the part's GradBuffer (its owned ranges are the optimizer's); `group`: DP or
-  // expert-DP (null or size 1: nothing to exchange). onebit without the distributed optimizer
-  // exchanges the momentum, otherwise the gradient. `key`: names this rank's worker error in
-  // checkpoints ("dp1of4", "edp0of2_ep2"); `part_id`: 0 dense, 1 experts (rounding streams).
-  CompressedExchange(const Config& cfg, const ParamLayout& part, Backend& be, const GradBuffer& buffer,
-                     Communicator* group, const std::string& key, int part_id);
-  ~CompressedExchange();
-  CompressedExchange(const CompressedExchange&) = delete;
-  CompressedExchange& operator=(const CompressedExchange&) = delete;
+  // expert-DP, the host-memory communicator (null or size 1: nothing to exchange). onebit without
+  // the distributed optimizer exchanges the momentum, otherwise the gradient. `key`: names this
+  // rank's worker error in checkpoints ("dp1of4", "edp0of2_ep2"); `part_id`: 0 dense, 1 experts
+  // (rounding streams).
+  CompressedExchange(const Config& cfg, const ParamLayout& part, const GradBuffer& buffer, Communicator* group,
+                     const std::string& key, int part_id);
 
-  // `grads`: the whole buffer, this rank's unreduced gradient in the part. Afterwards the part
-  // holds the new momentum (onebit, plain) or the gradient estimate (everywhere plain, or on the
-  // ranges the optimizer owns). `m`: Adam's momentum (onebit, plain), `v`: the frozen variance
-  // (onebit, the whole part), both indexed by buffer offset, else null. `step`: the 0-based step
-  // (int8 rounding).
+  // `grads` (host memory): the whole buffer, this rank's unreduced gradient in the part.
+  // Afterwards the part holds the new momentum (onebit, plain) or the gradient estimate
+  // (everywhere plain, or on the ranges the optimizer owns). `m`: Adam's momentum (onebit, plain),
+  // `v`: the frozen variance (onebit, the whole part), both host memory indexed by buffer offset,
+  // else null. `step`: the 0-based step (int8 rounding).
   void exchange(float* grads, const float* m, const float* v, int64_t step);
   // The exchange yields the momentum (else the gradient estimate).
   bool momentum() const { return momentum_; }
@@ -120,7 +120,6 @@ class CompressedExchange {
                   int64_t numel) const;
 
   const Config& cfg_;
-  Backend& be_;
   Communicator* group_;
   bool momentum_;
   std::string key_;
@@ -132,13 +131,14 @@ class CompressedExchange {
   std::vector<GradRange> excluded_mine_;  // in its bucket); the same within the compact shards
   ChunkPlan tied_only_;                // the tied piece alone (its server stage, distributed optimizer)
   int64_t tied_mine_at_ = 0;           // where the tied shard starts in the compact shards
-  float* y_ = nullptr;                 // (y_numel)
-  float* worker_error_ = nullptr;      // (y_numel)
-  float* server_error_ = nullptr;      // (mine_numel)
-  float* avg_ = nullptr;               // (mine_numel)
-  float* exact_sum_ = nullptr;         // (exact_numel)
-  uint16_t* send_ = nullptr;           // (size * words), destination-major
-  uint16_t* recv_ = nullptr;           // (size * words), source-major
+  // Host memory, zeroed at construction:
+  std::vector<float> y_;               // (y_numel)
+  std::vector<float> worker_error_;    // (y_numel)
+  std::vector<float> server_error_;    // (mine_numel)
+  std::vector<float> avg_;             // (mine_numel)
+  std::vector<float> exact_sum_;       // (exact_numel)
+  std::vector<uint16_t> send_;         // (size * words), destination-major
+  std::vector<uint16_t> recv_;         // (size * words), source-major
 };
 
 }  // namespace tetra

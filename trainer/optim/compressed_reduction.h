@@ -38,15 +38,21 @@ class CompressedReduction {
  public:
   CompressedReduction(const Config& cfg, Backend& be, GradBuffers& grads, ProcessGroups& groups);
 
-  // `grads`: this rank's unreduced gradient (GradBuffers::set_reduce(false)); afterwards the
-  // reduced gradient's estimate wherever the optimizer reads it. `step`: 0-based.
+  // `grads` (backend memory): this rank's unreduced gradient (GradBuffers::set_reduce(false));
+  // afterwards the reduced gradient's estimate wherever the optimizer reads it. `step`: 0-based.
+  // The exchanges run on the host over the host-memory DP and expert-DP communicators, on the
+  // gradient itself where backend memory is host memory, else on a staging copy (allocated at
+  // construction) that goes back into `grads` afterwards.
   void reduce(float* grads, int64_t step);
 
   // The error-feedback buffers, for checkpoints.
   std::vector<CheckpointExtra> checkpoint_state();
 
  private:
+  Backend& be_;
+  int64_t total_;
   std::unique_ptr<CompressedExchange> dense_, experts_;
+  std::vector<float> host_grads_;  // (total), where backend memory is not host memory
 };
 
 }  // namespace tetra

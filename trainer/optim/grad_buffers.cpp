@@ -26,27 +26,29 @@ GradBuffers::GradBuffers(const ParamLayout& layout, Backend& be, float* grads, P
     : dense_layout_(layout_part(layout, false)),
       expert_layout_(layout_part(layout, true)),
       dense_groups_(layout.dense_groups) {
-  dense_ = std::make_unique<GradBuffer>(dense_layout_, be, grads, groups.dp.get(), groups.tp.get(),
-                                        distributed_optimizer, bucket_size, bf16_wire);
+  // Every collective here is on backend memory (the gradients, the norms' scratch scalars).
+  Communicator* tp = &groups.backend(GroupKind::TP);
+  Communicator* dp = &groups.backend(GroupKind::DP);
+  dense_ = std::make_unique<GradBuffer>(dense_layout_, be, grads, dp, tp, distributed_optimizer, bucket_size,
+                                        bf16_wire);
   owned_ = dense_->owned();
   const bool sharded = dense_->sharded();
   // The pipeline stages' parts of the norm are summed once, over both kinds (norm()): a stage
   // without MoE blocks has no expert part, so each part cannot reduce over pp on its own.
-  dense_norm_ = std::make_unique<GradNorm>(layout, dense_->owned(), be, groups.tp.get(), nullptr,
-                                           sharded ? groups.dp.get() : nullptr);
+  dense_norm_ = std::make_unique<GradNorm>(layout, dense_->owned(), be, tp, nullptr, sharded ? dp : nullptr);
   if (groups.pp->size() > 1) {
-    pp_ = groups.pp.get();
+    pp_ = &groups.backend(GroupKind::PP);
     be_ = &be;
     scratch_ = static_cast<float*>(be.alloc(64));
   }
   if (!expert_layout_.groups.empty()) {
-    experts_ = std::make_unique<GradBuffer>(expert_layout_, be, grads, groups.edp.get(), groups.tp.get(),
+    experts_ = std::make_unique<GradBuffer>(expert_layout_, be, grads, &groups.backend(GroupKind::EDP), tp,
                                             distributed_optimizer, bucket_size);
     owned_.insert(owned_.end(), experts_->owned().begin(), experts_->owned().end());
     // Each EP rank holds other experts, and with the distributed optimizer each expert-DP rank
     // other shards of them: the DP group (ep x edp ranks) then holds every expert shard once.
-    expert_norm_ = std::make_unique<GradNorm>(layout, experts_->owned(), be, groups.tp.get(), nullptr,
-                                              experts_->sharded() ? groups.dp.get() : groups.ep.get());
+    expert_norm_ = std::make_unique<GradNorm>(layout, experts_->owned(), be, tp, nullptr,
+                                              experts_->sharded() ? dp : &groups.backend(GroupKind::EP));
   }
 }
 

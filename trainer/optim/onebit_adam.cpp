@@ -1,7 +1,5 @@
 #include "trainer/optim/onebit_adam.h"
 
-#include <algorithm>
-
 #include <fmt/format.h>
 
 #include "trainer/core/check.h"
@@ -25,36 +23,53 @@ OnebitAdam::OnebitAdam(const Config& cfg, const ParamLayout& layout, Backend& be
   TETRA_CHECK(sharded_ || adam_.state_numel() == total_, "the optimizer holds {} of {} elements",
               adam_.state_numel(), total_);
   const int64_t dp = groups.dp->size(), dp_rank = groups.dp->rank();
-  dense_ = std::make_unique<CompressedExchange>(cfg, grads.dense_layout(), be, grads.dense(), groups.dp.get(),
+  // The exchanges run on host memory: the host-memory communicators.
+  Communicator& edp = groups.get(GroupKind::EDP);
+  dense_ = std::make_unique<CompressedExchange>(cfg, grads.dense_layout(), grads.dense(), &groups.get(GroupKind::DP),
                                                 fmt::format("dp{}of{}", dp_rank, dp), 0);
   if (grads.experts())
     experts_ = std::make_unique<CompressedExchange>(
-        cfg, grads.expert_layout(), be, *grads.experts(), groups.edp.get(),
-        fmt::format("edp{}of{}_ep{}", groups.edp->rank(), groups.edp->size(), cfg.parallel.ep), 1);
+        cfg, grads.expert_layout(), *grads.experts(), &edp,
+        fmt::format("edp{}of{}_ep{}", edp.rank(), edp.size(), cfg.parallel.ep), 1);
   TETRA_CHECK(dense_->momentum() == !sharded_, "the exchange yields the {} but the optimizer state is {}",
               dense_->momentum() ? "momentum" : "gradient", sharded_ ? "sharded" : "whole");
   if (sharded_) v_full_ = static_cast<float*>(be_.alloc(static_cast<size_t>(total_) * 4));
+  if (!be_.host_memory()) {
+    host_grads_.resize(static_cast<size_t>(total_));
+    host_v_.resize(static_cast<size_t>(total_));
+    if (!sharded_) host_m_.resize(static_cast<size_t>(total_));
+  }
 }
 
 OnebitAdam::~OnebitAdam() {
   if (v_full_) be_.free(v_full_);
 }
 
+float* OnebitAdam::host_view(const float* buf, std::vector<float>& staging) {
+  if (be_.host_memory()) return const_cast<float*>(buf);
+  be_.copy_to_host(staging.data(), buf, static_cast<size_t>(total_) * 4);
+  return staging.data();
+}
+
 void OnebitAdam::step(float* master, float* grads, double lr, void* compute, DType compute_type) {
   TETRA_CHECK(active_, "OnebitAdam::step without a data-parallel group");
-  if (sharded_ && !v_full_ready_) {  // every rank needs every coordinate's denominator
-    int64_t at = 0;
-    for (const GradRange& r : grad_buffers_.owned()) {
-      std::copy(adam_.exp_avg_sq() + at, adam_.exp_avg_sq() + at + r.numel, v_full_ + r.offset);
-      at += r.numel;
+  if (!v_host_) {  // the frozen variance, once per process
+    if (sharded_) {  // every rank needs every coordinate's denominator
+      int64_t at = 0;
+      for (const GradRange& r : grad_buffers_.owned()) {
+        be_.copy(v_full_ + r.offset, adam_.exp_avg_sq() + at, static_cast<size_t>(r.numel) * 4);
+        at += r.numel;
+      }
+      grad_buffers_.gather_params(v_full_, DType::F32);
     }
-    grad_buffers_.gather_params(v_full_, DType::F32);
-    v_full_ready_ = true;
+    v_host_ = host_view(sharded_ ? v_full_ : adam_.exp_avg_sq(), host_v_);
   }
-  const float* v = sharded_ ? v_full_ : adam_.exp_avg_sq();
-  const float* m = sharded_ ? nullptr : adam_.exp_avg();
-  dense_->exchange(grads, m, v, 0);
-  if (experts_) experts_->exchange(grads, m, v, 0);
+  // The exchanges read and write host views; the result goes back before the optimizer reads it.
+  float* g = host_view(grads, host_grads_);
+  const float* m = sharded_ ? nullptr : host_view(adam_.exp_avg(), host_m_);
+  dense_->exchange(g, m, v_host_, 0);
+  if (experts_) experts_->exchange(g, m, v_host_, 0);
+  if (g != grads) be_.copy_from_host(grads, g, static_cast<size_t>(total_) * 4);
   adam_.step_frozen_variance(master, grads, lr, warmup_, /*momentum_given=*/!sharded_, compute, compute_type);
 }
 

@@ -91,16 +91,25 @@ class OnebitAdam {
   bool compressed(int64_t s) const { return active_ && s >= warmup_; }
   // Distributed optimizer: whether the next compressed step first all-gathers the frozen variance
   // (once per process: its first compressed step, also after a resume).
-  bool gathers_variance() const { return sharded_ && !v_full_ready_; }
+  bool gathers_variance() const { return sharded_ && !v_host_; }
 
   // The compressed step: `grads` holds this rank's unreduced gradient (GradBuffers::set_reduce(false));
   // exchanges it as described above and updates the owned parameters (AdamW::step's arguments).
+  // The compression runs on the host, on host views of the gradient and moments (the buffers
+  // themselves when backend memory is host memory, else copies into staging allocated here at
+  // construction; the gradient is copied back before the update). The exchanges use the
+  // host-memory DP and expert-DP communicators; the frozen variance is gathered through the
+  // gradient buffers' (backend memory), and viewed on the host once.
   void step(float* master, float* grads, double lr, void* compute, DType compute_type);
 
   // The error-feedback buffers, for checkpoints (empty without a DP group).
   std::vector<CheckpointExtra> checkpoint_state();
 
  private:
+  // `buf` (total floats, backend memory) for the host: `buf` itself where backend memory is host
+  // memory, else `staging` after a copy.
+  float* host_view(const float* buf, std::vector<float>& staging);
+
   GradBuffers& grad_buffers_;
   AdamW& adam_;
   bool active_;
@@ -109,8 +118,13 @@ class OnebitAdam {
   bool sharded_;
   std::unique_ptr<CompressedExchange> dense_, experts_;
   Backend& be_;
-  float* v_full_ = nullptr;        // sharded: the whole frozen variance (total), gathered once
-  bool v_full_ready_ = false;
+  float* v_full_ = nullptr;        // sharded: the whole frozen variance (total, backend memory), gathered once
+  // Host views (compressed_exchange.h runs on host memory): the frozen variance (total; set at
+  // the process's first compressed step and kept: AdamW::step_frozen_variance leaves v as it is), and,
+  // where backend memory is not host memory, staging for the gradient, the variance and (plain)
+  // the momentum, each (total), sized at construction.
+  const float* v_host_ = nullptr;
+  std::vector<float> host_grads_, host_v_, host_m_;
 };
 
 }  // namespace tetra

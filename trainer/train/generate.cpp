@@ -1,4 +1,5 @@
 #include "trainer/train/generate.h"
+#include "trainer/train/compute_device.h"
 
 #include <cstring>
 #include <filesystem>
@@ -122,7 +123,8 @@ GeneratedText generate_command(const Config& config, const std::string& weights_
   const std::vector<float> host = load_weights(path, layout);
 
   const DType act = cfg.training.precision == "bf16" ? DType::BF16 : DType::F32;
-  std::unique_ptr<Backend> be = make_cpu_backend(static_cast<int>(cfg.training.threads));
+  std::unique_ptr<Backend> be =
+      make_compute_device(cfg.training, act == DType::BF16, /*want_peak=*/false).backend;
   // Backend buffers, freed before the backend goes.
   auto buffer = [&](size_t bytes) {
     return std::unique_ptr<void, std::function<void(void*)>>(be->alloc(bytes),

@@ -82,12 +82,13 @@ PipelineModel::PipelineModel(const Config& cfg, const ParamLayout& layout, Backe
   const int64_t rows = cfg.training.micro_batch_size * cfg.model.seq_len;
   for (int c = 0; c < schedule_.vp; ++c) {
     const int64_t slots = std::max(1, schedule_.max_in_flight(pp_rank, c));
-    auto model = std::make_unique<Gpt>(cfg.model, layout, be, act, cfg.training.micro_batch_size, groups.tp.get(), c,
-                                       slots, groups.ep.get());
+    auto model = std::make_unique<Gpt>(cfg.model, layout, be, act, cfg.training.micro_batch_size,
+                                       &groups.backend(GroupKind::TP), c, slots, &groups.backend(GroupKind::EP));
     chunks_.push_back(std::make_unique<Chunk>(*this, std::move(model), slots, rows, tokens, targets, losses, be,
                                               schedule_.grad_buffers));
   }
-  runner_ = std::make_unique<PipelineRunner>(schedule_, *groups.pp, chunks_.front()->model().boundary_numel(), act);
+  runner_ = std::make_unique<PipelineRunner>(schedule_, groups.backend(GroupKind::PP),
+                                             chunks_.front()->model().boundary_numel(), act);
   last_ = layout.stage.last;
   tied_across_stages_ = cfg.model.tie_embeddings && cfg.parallel.pp > 1;
   sum_before_reduction_ = tied_across_stages_ && cfg.parallel.distributed_optimizer && cfg.parallel.dp > 1;
@@ -150,7 +151,7 @@ PipelineStepStats PipelineModel::train(const void* weights, float* grads, float 
   PipelineStepStats st = run(false);
   if (sum_before_reduction_ && wte_numel_ > 0) {
     // Sum of the first stage's and the last stage's embedding.wte gradients, on both.
-    groups_.embedding->all_reduce(grads + layout_.wte, wte_numel_, DType::F32, ReduceOp::SUM);
+    groups_.backend(GroupKind::EMBEDDING).all_reduce(grads + layout_.wte, wte_numel_, DType::F32, ReduceOp::SUM);
   }
   for (int g : deferred_) done(g);
   hook_ = nullptr;
@@ -159,7 +160,7 @@ PipelineStepStats PipelineModel::train(const void* weights, float* grads, float 
 
 void PipelineModel::finish_tied_embedding(float* grads) {
   if (sum_before_reduction_ || wte_numel_ == 0) return;
-  groups_.embedding->all_reduce(grads + layout_.wte, wte_numel_, DType::F32, ReduceOp::SUM);
+  groups_.backend(GroupKind::EMBEDDING).all_reduce(grads + layout_.wte, wte_numel_, DType::F32, ReduceOp::SUM);
 }
 
 PipelineStepStats PipelineModel::forward(const void* weights) {

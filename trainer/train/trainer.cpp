@@ -2,7 +2,6 @@
 
 #include "trainer/train/pipeline_model.h"
 
-#include <omp.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -18,7 +17,6 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
-#include "kernels/cpu/peak.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/core/check.h"
@@ -31,6 +29,7 @@
 #include "trainer/model/flops.h"
 #include "trainer/model/sampler.h"
 #include "trainer/optim/lr_schedule.h"
+#include "trainer/train/compute_device.h"
 #include "trainer/train/fault_injection.h"
 #include "trainer/train/generate.h"
 #include "trainer/train/metrics.h"
@@ -138,6 +137,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     valid_source_ = make_valid_source(cfg, cfg.training.eval_steps * cfg.training.global_batch_size);
   if (samples_enabled(cfg)) tokenizer_ = load_sampling_tokenizer(cfg);
   train_loader_ = std::make_unique<DataLoader>(train_source_, T, B, groups.coord.dp, cfg.parallel.dp);
+  // The device too (no GPU, or a build without CUDA, is an input error; nothing is written).
+  ComputeDevice device = make_compute_device(cfg.training, act_ == DType::BF16);
   // The checkpoint to resume from is found (or refused) before any file is written.
   const std::string resume = checkpoint_to_resume(cfg.checkpoint);
   if (writer_) {
@@ -150,7 +151,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   spdlog::info("data: train {}{}", train_source_->describe(),
                valid_source_ ? ", valid " + valid_source_->describe() : std::string());
 
-  be_ = make_cpu_backend(static_cast<int>(cfg.training.threads));
+  be_ = std::move(device.backend);
+  groups.use_backend_memory(backend_comm_factory(*be_));
   const size_t n = static_cast<size_t>(layout_.total);
   master_ = static_cast<float*>(be_->alloc(n * 4));
   grads_ = static_cast<float*>(be_->alloc(n * 4));
@@ -211,15 +213,13 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     // need T divisible by tp. The parameter offsets do not depend on it.
     sample_layout_ = layout_;
     sample_layout_.slicing.sequence_parallel = false;
-    sample_model_ = std::make_unique<Gpt>(cfg.model, sample_layout_, *be_, act_, 1, groups.tp.get());
-    sampler_ = std::make_unique<Sampler>(*sample_model_, *be_, groups.tp.get());
+    Communicator* tp = &groups.backend(GroupKind::TP);
+    sample_model_ = std::make_unique<Gpt>(cfg.model, sample_layout_, *be_, act_, 1, tp);
+    sampler_ = std::make_unique<Sampler>(*sample_model_, *be_, tp);
   }
   predicted_ = predict_step_volume(cfg, layout_);
 
-  const int threads = omp_get_max_threads();
-  const double rank_peak = cfg.training.peak_gflops > 0
-                               ? cfg.training.peak_gflops * 1e9
-                               : measure_cpu_peak_gflops(threads, act_ == DType::BF16) * 1e9;
+  const double rank_peak = device.peak_flops;
   peak_flops_ = rank_peak * static_cast<double>(groups.grid.world());
 
   const ParamLayout whole = ParamLayout::build(cfg.model);
@@ -241,16 +241,16 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                cfg.parallel.sequence_parallel ? ", sequence parallel" : "",
                cfg.parallel.distributed_optimizer ? ", distributed optimizer" : "",
                grad_buffer_->num_buckets());
-  spdlog::info("run: backend {} with {} threads per rank, precision {}, micro-batch {} x {} accumulation "
+  spdlog::info("run: backend {} per rank, precision {}, micro-batch {} x {} accumulation "
                "x dp {} = global batch {} ({} tokens/step), {} steps, {:.2f} GFLOP/token",
-               be_->name(), threads, cfg.training.precision, B, accum_, cfg.parallel.dp,
+               device.description, cfg.training.precision, B, accum_, cfg.parallel.dp,
                cfg.training.global_batch_size, cfg.training.global_batch_size * T, cfg.training.steps,
                stats.train_flops_per_token / 1e9);
   spdlog::info("memory per rank: {:.1f} MiB (weights {:.1f}, grads {:.1f}, optimizer {:.1f}, activations "
                "{:.1f}); peak {:.1f} GFLOP/s per rank ({})",
                plan.total() / 1048576.0, (plan.master + plan.compute) / 1048576.0, plan.grads / 1048576.0,
                plan.optimizer / 1048576.0, plan.activations / 1048576.0, rank_peak / 1e9,
-               cfg.training.peak_gflops > 0 ? "training.peak_gflops" : "measured");
+               device.peak_source);
   if (sampler_)
     spdlog::info("samples: at each evaluation, up to {} tokens after \"{}\" (temperature {}, top-k {}, "
                  "seed {}, tokenizer {})",
@@ -288,6 +288,7 @@ Trainer::~Trainer() {
   optimizer_.reset();
   grad_buffer_.reset();
   model_.reset();
+  groups_.use_backend_memory({});  // the backend-memory communicators use be_
   if (be_) {
     for (void* p : {static_cast<void*>(master_), static_cast<void*>(grads_), static_cast<void*>(tokens_),
                     static_cast<void*>(targets_), static_cast<void*>(losses_), static_cast<void*>(scalar_),
@@ -337,7 +338,7 @@ bool Trainer::stop_requested() {
   if (groups_.world->size() > 1) {
     int32_t* dev = reinterpret_cast<int32_t*>(scalar_);
     be_->copy_from_host(dev, &flag, 4);
-    groups_.world->all_reduce(dev, 1, DType::I32, ReduceOp::MAX);
+    groups_.backend(GroupKind::WORLD).all_reduce(dev, 1, DType::I32, ReduceOp::MAX);
     be_->copy_to_host(&flag, dev, 4);
   }
   g_stop_cause = flag;
@@ -390,8 +391,8 @@ double Trainer::train_step(int64_t s) {
 
 double Trainer::reduce_loss(float local) {
   be_->copy_from_host(scalar_, &local, sizeof(float));
-  if (groups_.pp->size() > 1) groups_.pp->all_reduce(scalar_, 1, DType::F32, ReduceOp::SUM);
-  groups_.dp->all_reduce(scalar_, 1, DType::F32, ReduceOp::SUM);
+  if (groups_.pp->size() > 1) groups_.backend(GroupKind::PP).all_reduce(scalar_, 1, DType::F32, ReduceOp::SUM);
+  groups_.backend(GroupKind::DP).all_reduce(scalar_, 1, DType::F32, ReduceOp::SUM);
   be_->copy_to_host(&local, scalar_, sizeof(float));
   return static_cast<double>(local);
 }
@@ -417,41 +418,44 @@ double Trainer::evaluate() {
 
 namespace {
 
+// A group's traffic is what both its communicators moved (ProcessGroups::stats).
 struct AccountedGroup {
   const char* name;
-  Communicator* comm;  // null: the group does not communicate in this model
+  GroupKind kind;
+  bool active;  // false: the group does not communicate in this model
   const GroupVolume* predicted;
 };
 
 // The expert groups communicate only in MoE models (edp: expert gradients; ep: the tokens).
-std::vector<AccountedGroup> accounted_groups(const Config& cfg, const ProcessGroups& g, const StepVolume& predicted) {
+std::vector<AccountedGroup> accounted_groups(const Config& cfg, const StepVolume& predicted) {
   const bool moe = cfg.model.moe.enabled();
-  return {{"tp", g.tp.get(), &predicted.tp},
-          {"dp", g.dp.get(), &predicted.dp},
-          {"pp", g.pp.get(), &predicted.pp},
-          {"embedding", g.embedding.get(), &predicted.embedding},
-          {"edp", moe ? g.edp.get() : nullptr, &predicted.edp},
-          {"ep", moe ? g.ep.get() : nullptr, &predicted.ep}};
+  return {{"tp", GroupKind::TP, true, &predicted.tp},
+          {"dp", GroupKind::DP, true, &predicted.dp},
+          {"pp", GroupKind::PP, true, &predicted.pp},
+          {"embedding", GroupKind::EMBEDDING, true, &predicted.embedding},
+          {"edp", GroupKind::EDP, moe, &predicted.edp},
+          {"ep", GroupKind::EP, moe, &predicted.ep}};
 }
 
 }  // namespace
 
 std::vector<CommStats> Trainer::comm_snapshot() const {
   std::vector<CommStats> out;
-  for (const AccountedGroup& g : accounted_groups(cfg_, groups_, predicted_))
-    out.push_back(g.comm ? g.comm->stats() : CommStats{});
+  for (const AccountedGroup& g : accounted_groups(cfg_, predicted_))
+    out.push_back(g.active ? groups_.stats(g.kind) : CommStats{});
   return out;
 }
 
 std::vector<CommRecord> Trainer::comm_records(const std::vector<CommStats>& before) const {
   std::vector<CommRecord> out;
-  const std::vector<AccountedGroup> groups = accounted_groups(cfg_, groups_, predicted_);
+  const std::vector<AccountedGroup> groups = accounted_groups(cfg_, predicted_);
   for (size_t i = 0; i < groups.size(); ++i) {
     const AccountedGroup& g = groups[i];
-    if (!g.comm || g.comm->size() <= 1) continue;
+    if (!g.active || groups_.get(g.kind).size() <= 1) continue;
+    const CommStats now = groups_.stats(g.kind);
     CommRecord r;
     r.group = g.name;
-    r.measured = measured_volume(g.comm->stats(), before[i]);
+    r.measured = measured_volume(now, before[i]);
     r.predicted = *g.predicted;
     // The tokens an expert-parallel rank sends depend on the routing: its all-to-all payload is
     // measured, not predicted (the number of calls is).
@@ -459,15 +463,15 @@ std::vector<CommRecord> Trainer::comm_records(const std::vector<CommStats>& befo
       const int a2a = static_cast<int>(CommOp::ALL_TO_ALL);
       r.predicted.payload_bytes[a2a] = r.measured.payload_bytes[a2a];
     }
-    r.sent_bytes = g.comm->stats().total_sent() - before[i].total_sent();
-    r.blocked_ms = 1e3 * (g.comm->stats().total_blocked_s() - before[i].total_blocked_s());
+    r.sent_bytes = now.total_sent() - before[i].total_sent();
+    r.blocked_ms = 1e3 * (now.total_blocked_s() - before[i].total_blocked_s());
     out.push_back(std::move(r));
   }
   return out;
 }
 
 PipelineMetrics Trainer::pipeline_metrics() {
-  Communicator& pp = *groups_.pp;
+  Communicator& pp = groups_.backend(GroupKind::PP);
   const int n = pp.size();
   float mine[2] = {static_cast<float>(pipe_stats_.bubble()), static_cast<float>(pipe_stats_.peak_in_flight)};
   float* dev = pipe_scratch_;
@@ -496,7 +500,7 @@ void Trainer::run() {
   const auto run_t0 = std::chrono::steady_clock::now();
 
   install_stop_signals();
-  StepGuard guard(tc, *groups_.world, *be_);
+  StepGuard guard(tc, groups_.backend(GroupKind::WORLD), *be_);
   int64_t reached = start_step_;  // the last step done (a stop may come before tc.steps)
   for (int64_t s = start_step_; s < tc.steps; ++s) {
     watchdog_step_begin(s + 1);
@@ -525,9 +529,9 @@ void Trainer::run() {
       } else {
         dump_tensors(dump_dir_ + "/grads_step0.safetensors", grads_);
       }
-      const std::vector<AccountedGroup> accounted = accounted_groups(cfg_, groups_, predicted_);
+      const std::vector<AccountedGroup> accounted = accounted_groups(cfg_, predicted_);
       for (size_t i = 0; i < accounted.size(); ++i)
-        if (accounted[i].comm) accounted[i].comm->stats() = saved[i];
+        if (accounted[i].active) groups_.set_stats(accounted[i].kind, saved[i]);
     }
     const double lr = learning_rate(cfg_.optimizer, tc.steps, s);
     const float clip = verdict.skip || compressed ? 1.0f : clip_factor(norm, cfg_.optimizer.grad_clip);
@@ -604,12 +608,13 @@ void Trainer::run() {
   }
   save_final_weights();
   if (!dump_dir_.empty() && writer_ && cfg_.parallel.dp == 1) {
-    const int64_t dumped = std::min<int64_t>(tc.steps, kMaxDumpedSteps);
+    // The steps run here (from start_step_; a stop may end the run before tc.steps).
     std::vector<TensorRecord> records;
     const size_t per_step = static_cast<size_t>(tc.global_batch_size * (cfg_.model.seq_len + 1));
+    const int64_t dumped = static_cast<int64_t>(dumped_batches_.size() / per_step);
     for (int64_t s = 0; s < dumped; ++s) {
       TensorRecord r;
-      r.name = fmt::format("step_{}", s);
+      r.name = fmt::format("step_{}", start_step_ + s);
       r.dtype = DType::I32;
       r.shape = {tc.global_batch_size, cfg_.model.seq_len + 1};
       r.data.resize(per_step * 4);

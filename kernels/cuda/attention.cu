@@ -1,0 +1,249 @@
+// CudaBackend's RoPE and causal attention ops (contracts in kernels/backend.h), and the choice of
+// attention path.
+//
+// Attention runs either through cuDNN's fused SDPA (attention_cudnn.cu: bf16, HS a multiple of 8
+// up to 128, where cuDNN has a plan for the shape) or through Tetra's own flash kernels
+// (attention_flash_bf16.cu, attention_flash_generic.cu: every dtype and HS up to 256). The
+// environment variable TETRA_ATTENTION picks the path: "auto" (the default) takes cuDNN where it
+// can and the fused kernels otherwise, "fused" always the fused kernels, "cudnn" always cuDNN
+// (an Error naming the shape where cuDNN has no plan). Both paths produce the same lse (natural
+// log-sum-exp of the scaled scores), so a forward on one path and a backward on the other agree.
+// attention_path() reports the path of the last attention op.
+//
+// RoPE rotates the q and k heads in place with math::rope_rotate, the function the CPU backend
+// uses; the inverse frequencies are computed on the host by math::rope_inv_freq (bit-identical to
+// the CPU's table) and passed to the kernel by value, and the angle is float(t) * inv_freq as on
+// the CPU.
+#include <cstdlib>
+#include <type_traits>
+
+#include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/cuda_backend.h"
+
+namespace tetra {
+
+void CudaAttentionStateDeleter::operator()(CudaAttentionState* s) const {
+  if (s->d_rows) cudaFree(s->d_rows);
+  delete s;
+}
+
+CudaAttentionState& CudaBackend::attention_state() {
+  if (!attention_) attention_.reset(new CudaAttentionState);
+  return *attention_;
+}
+
+std::string CudaBackend::attention_path() const {
+  return attention_ ? attention_->last_path : "none";
+}
+
+namespace cuda::attn {
+
+void fused_forward(const Dims& d, DType act, void* out, float* lse, const void* qkv,
+                   cudaStream_t stream) {
+  if (act == DType::BF16 && flash_bf16_supports(d)) {
+    flash_bf16_forward(d, static_cast<bf16_t*>(out), lse, static_cast<const bf16_t*>(qkv), stream);
+    return;
+  }
+  with_float_type(act, "attention_forward", "act", [&](auto tag) {
+    using T = decltype(tag);
+    flash_generic_forward<T>(d, static_cast<T*>(out), lse, static_cast<const T*>(qkv), stream);
+  });
+}
+
+void fused_backward(const Dims& d, DType act, void* dqkv, const void* dout, const void* qkv,
+                    const void* out, const float* lse, float* d_rows, cudaStream_t stream) {
+  with_float_type(act, "attention_backward", "act", [&](auto tag) {
+    using T = decltype(tag);
+    attention_row_dots<T>(d, d_rows, static_cast<const T*>(dout), static_cast<const T*>(out),
+                          stream);
+    if constexpr (std::is_same_v<T, bf16_t>) {
+      if (flash_bf16_supports(d)) {
+        flash_bf16_backward(d, static_cast<bf16_t*>(dqkv), static_cast<const bf16_t*>(dout),
+                            static_cast<const bf16_t*>(qkv), lse, d_rows, stream);
+        return;
+      }
+    }
+    flash_generic_backward<T>(d, static_cast<T*>(dqkv), static_cast<const T*>(dout),
+                              static_cast<const T*>(qkv), lse, d_rows, stream);
+  });
+}
+
+}  // namespace cuda::attn
+
+namespace {
+
+using cuda::attn::Dims;
+
+enum class AttnMode { AUTO, FUSED, CUDNN };
+
+// Read at every call, so a test (or a run) can switch paths between ops.
+AttnMode attention_mode() {
+  const char* v = std::getenv("TETRA_ATTENTION");
+  if (v == nullptr || *v == '\0') return AttnMode::AUTO;
+  const std::string s(v);
+  if (s == "auto") return AttnMode::AUTO;
+  if (s == "fused") return AttnMode::FUSED;
+  if (s == "cudnn") return AttnMode::CUDNN;
+  throw Error(fmt::format("TETRA_ATTENTION={} is not one of auto, fused, cudnn", s));
+}
+
+Dims attention_dims(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, DType act,
+                    const char* op) {
+  TETRA_CHECK(act == DType::F32 || act == DType::BF16,
+              "{}: activation type must be F32 or BF16, got {}", op, dtype_name(act));
+  TETRA_CHECK(B > 0 && T > 0 && NH > 0 && NKV > 0 && HS > 0,
+              "{}: sizes must be positive, got B={} T={} NH={} NKV={} HS={}", op, B, T, NH, NKV,
+              HS);
+  TETRA_CHECK(NH % NKV == 0, "{}: NH ({}) must be a multiple of NKV ({})", op, NH, NKV);
+  return Dims{B, T, NH, NKV, HS};
+}
+
+std::string shape_text(const Dims& d, DType act) {
+  return fmt::format("B={} T={} NH={} NKV={} HS={} {}", d.B, d.T, d.NH, d.NKV, d.HS,
+                     dtype_name(act));
+}
+
+// The cuDNN state, created on first use; null (with the reason in st.cudnn_init_error) if cuDNN
+// cannot be initialised.
+cuda::attn::CudnnSdpa* cudnn_state(CudaAttentionState& st, cudaStream_t stream) {
+  if (!st.cudnn_tried) {
+    st.cudnn_tried = true;
+    try {
+      st.cudnn = cuda::attn::cudnn_sdpa_create(stream);
+    } catch (const Error& e) {
+      st.cudnn_init_error = e.what();
+    }
+  }
+  return st.cudnn.get();
+}
+
+// ---- RoPE ------------------------------------------------------------------------------------
+constexpr int kMaxRopeHalf = 256;  // HS <= 512
+struct RopeFreqs {
+  float inv[kMaxRopeHalf];  // math::rope_inv_freq(i, HS, theta)
+};
+
+// One thread per rotated pair (x[i], x[i + HS/2]) of a q or k head; sign = +1 forward, -1 the
+// inverse rotation (backward).
+template <typename T>
+__global__ void rope_kernel(T* qkv, int64_t pairs, int T_, int heads, int half, int64_t row,
+                            int HS, float sign, RopeFreqs f) {
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < pairs;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int i = static_cast<int>(idx % half);
+    const int64_t rest = idx / half;
+    const int hd = static_cast<int>(rest % heads);
+    const int64_t bt = rest / heads;
+    const int t = static_cast<int>(bt % T_);
+    const float angle = static_cast<float>(t) * f.inv[i];
+    float sn, cs;
+    sincosf(angle, &sn, &cs);
+    T* x = qkv + bt * row + static_cast<int64_t>(hd) * HS + i;
+    float x0 = cuda::ld(x), x1 = cuda::ld(x + half);
+    math::rope_rotate(x0, x1, cs, sign * sn);
+    cuda::st(x, x0);
+    cuda::st(x + half, x1);
+  }
+}
+
+void rope(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float theta,
+          DType act, float sign, cudaStream_t stream, const char* op) {
+  TETRA_CHECK(B > 0 && T > 0 && NH > 0 && NKV > 0 && HS > 0,
+              "{}: sizes must be positive, got B={} T={} NH={} NKV={} HS={}", op, B, T, NH, NKV,
+              HS);
+  TETRA_CHECK(HS % 2 == 0, "{}: head size must be even, got HS={}", op, HS);
+  TETRA_CHECK(HS / 2 <= kMaxRopeHalf, "{}: head size {} above the {} supported", op, HS,
+              2 * kMaxRopeHalf);
+  TETRA_CHECK(theta > 0.0f, "{}: theta must be positive, got {}", op, theta);
+  TETRA_CHECK(T <= (int64_t{1} << 30), "{}: T={} too large", op, T);
+  RopeFreqs f{};
+  const int half = static_cast<int>(HS / 2);
+  for (int i = 0; i < half; ++i) f.inv[i] = math::rope_inv_freq(i, static_cast<int>(HS), theta);
+  const int64_t pairs = B * T * (NH + NKV) * half;
+  cuda::with_float_type(act, op, "act", [&](auto tag) {
+    using S = decltype(tag);
+    rope_kernel<S><<<cuda::grid_for(pairs, 256), 256, 0, stream>>>(
+        static_cast<S*>(qkv), pairs, static_cast<int>(T), static_cast<int>(NH + NKV), half,
+        (NH + 2 * NKV) * HS, static_cast<int>(HS), sign, f);
+    TETRA_CUDA_LAUNCHED();
+  });
+}
+
+}  // namespace
+
+void CudaBackend::rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                               int64_t HS, float theta, DType act) {
+  rope(qkv, B, T, NH, NKV, HS, theta, act, 1.0f, cuda::as_stream(stream()), "rope_forward");
+}
+
+void CudaBackend::rope_backward(void* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                                int64_t HS, float theta, DType act) {
+  rope(dqkv, B, T, NH, NKV, HS, theta, act, -1.0f, cuda::as_stream(stream()), "rope_backward");
+}
+
+// ---- attention -------------------------------------------------------------------------------
+void CudaBackend::attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T,
+                                    int64_t NH, int64_t NKV, int64_t HS, DType act) {
+  const Dims d = attention_dims(B, T, NH, NKV, HS, act, "attention_forward");
+  CudaAttentionState& st = attention_state();
+  const cudaStream_t stream = cuda::as_stream(stream_);
+  const AttnMode mode = attention_mode();
+  if (mode != AttnMode::FUSED) {
+    std::string why = cuda::attn::cudnn_sdpa_eligible(d, act);
+    if (why.empty()) {
+      cuda::attn::CudnnSdpa* sdpa = cudnn_state(st, stream);
+      why = sdpa ? cuda::attn::cudnn_sdpa_forward(*sdpa, d, act, out, lse, qkv)
+                 : st.cudnn_init_error;
+    }
+    if (why.empty()) {
+      st.last_path = "cudnn";
+      return;
+    }
+    if (mode == AttnMode::CUDNN)
+      throw Error(fmt::format("attention_forward: TETRA_ATTENTION=cudnn, but cuDNN has no SDPA "
+                              "plan for {}: {}",
+                              shape_text(d, act), why));
+  }
+  cuda::attn::fused_forward(d, act, out, lse, qkv, stream);
+  st.last_path = "fused";
+}
+
+void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* qkv,
+                                     const void* out, const float* lse, int64_t B, int64_t T,
+                                     int64_t NH, int64_t NKV, int64_t HS, DType act) {
+  const Dims d = attention_dims(B, T, NH, NKV, HS, act, "attention_backward");
+  CudaAttentionState& st = attention_state();
+  const cudaStream_t stream = cuda::as_stream(stream_);
+  const AttnMode mode = attention_mode();
+  if (mode != AttnMode::FUSED) {
+    std::string why = cuda::attn::cudnn_sdpa_eligible(d, act);
+    if (why.empty()) {
+      cuda::attn::CudnnSdpa* sdpa = cudnn_state(st, stream);
+      why = sdpa ? cuda::attn::cudnn_sdpa_backward(*sdpa, d, act, dqkv, dout, qkv, out, lse)
+                 : st.cudnn_init_error;
+    }
+    if (why.empty()) {
+      st.last_path = "cudnn";
+      return;
+    }
+    if (mode == AttnMode::CUDNN)
+      throw Error(fmt::format("attention_backward: TETRA_ATTENTION=cudnn, but cuDNN has no SDPA "
+                              "plan for {}: {}",
+                              shape_text(d, act), why));
+  }
+  // D scratch (B, NH, T), grown at the first sight of a larger shape (waiting for work that may
+  // still read the old buffer).
+  const size_t need = static_cast<size_t>(d.B * d.NH * d.T);
+  if (need > st.d_rows_floats) {
+    TETRA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (st.d_rows) TETRA_CUDA_CHECK(cudaFree(st.d_rows));
+    st.d_rows = nullptr;
+    st.d_rows_floats = 0;
+    TETRA_CUDA_CHECK(cudaMalloc(&st.d_rows, need * sizeof(float)));
+    st.d_rows_floats = need;
+  }
+  cuda::attn::fused_backward(d, act, dqkv, dout, qkv, out, lse, st.d_rows, stream);
+  st.last_path = "fused";
+}
+
+}  // namespace tetra

@@ -1,0 +1,484 @@
+// CudaBackend::gemm through cuBLASLt, and the state it keeps (handle, workspace, cached plans).
+//
+//   C(M,N) = alpha * op(A)(M,K) · op(B)(K,N) + beta * C + bias(N)   (row-major, fp32 accumulate)
+//
+// cuBLASLt is column-major. A row-major (R, S) matrix with leading dimension ld is, byte for
+// byte, the column-major (S, R) matrix with the same ld: its transpose. So the row-major product
+// is computed as the column-major product C^T (N, M) = op(B)^T op(A)^T, operands swapped, no data
+// moved:
+//   cuBLASLt A = our B: column-major (N, K), ld ldb, op N   (B stored (K, N))
+//                       column-major (K, N), ld ldb, op T   (trans_b: B stored (N, K))
+//   cuBLASLt B = our A: column-major (K, M), ld lda, op N   (A stored (M, K))
+//                       column-major (M, K), ld lda, op T   (trans_a: A stored (K, M))
+//   C = D = our C:      column-major (N, M), ld ldc, in place
+// The bias epilogue adds one element per row of the column-major D, which is one per column n of
+// our row-major C: bias[n] on every row, as the contract says.
+//
+// Numerics. Both input types use CUBLAS_COMPUTE_32F with fp32 scale: fp32 inputs get exact fp32
+// arithmetic (never TF32: this is the reference path), bf16 inputs fp32 accumulation of exact
+// products. Split-K algorithms are allowed only with fp32 partials reduced in a separate
+// fixed-order step: reduction in the output type would round every partial to bf16, and the
+// in-place scheme's order is not ours to fix. beta == 0 never reads C (cuBLASLt's convention).
+//
+// Bias. cuBLASLt's epilogue bias has the output's type. fp32/fp32 and bf16/bf16 pass the bias
+// as it is; for bf16 inputs with an fp32 C the bf16 bias is first widened into the backend's
+// scratch area (N floats, a tiny pass) so the epilogue applies. The epilogue is used only when
+// alpha == 1, where alpha * A·B + beta * C + bias has no ordering question; otherwise, or when
+// cuBLASLt offers no algorithm with the epilogue, a bias kernel adds it after the product.
+// fp32 inputs with a bf16 C are no cuBLASLt type combination: the product runs fp32 -> fp32 into a
+// fixed staging buffer, tile by tile, and a rounding pass adds bias and beta * C and stores bf16
+// (the CPU backend's order).
+//
+// Plans. A matmul descriptor, the three layouts and the heuristic's algorithm are built once per
+// key (shape, leading dimensions, transposes, types, epilogue, and the alignment of each pointer,
+// which the heuristic needs since an algorithm may require 16-byte aligned operands) and reused:
+// the first call for a key queries cublasLtMatmulAlgoGetHeuristic once, later calls only enqueue.
+// A GELU epilogue (CUBLASLT_EPILOGUE_GELU_AUX_BIAS: the pre-activation saved as the auxiliary
+// output for backward) fits the same scheme: one more LtEpilogue value, the aux pointer and its
+// leading dimension set on the descriptor per call like the bias pointer.
+#include <cublasLt.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <unordered_map>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/pack.cuh"
+#include "kernels/cuda/scratch.cuh"
+
+namespace tetra {
+namespace cuda::lt_gemm {
+
+inline void check_cublas(cublasStatus_t status, const char* what, const char* file, int line) {
+  if (status != CUBLAS_STATUS_SUCCESS)
+    throw Error(fmt::format("{}:{}: cuBLASLt error in {}: {} ({})", file, line, what,
+                            cublasLtGetStatusName(status), cublasLtGetStatusString(status)));
+}
+#define TETRA_CUBLAS_CHECK(call) \
+  ::tetra::cuda::lt_gemm::check_cublas((call), #call, __FILE__, __LINE__)
+
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLASLt's workspace (split-K partials)
+constexpr int64_t kStagingFloats = int64_t{4} << 20;  // 16 MiB: fp32 tiles of an f32 -> bf16 GEMM
+
+enum class LtEpilogue : uint8_t { NONE, BIAS };
+
+struct LtKey {
+  bool trans_a, trans_b;
+  LtEpilogue epilogue;
+  DType ab_type, c_type;
+  int64_t M, N, K, lda, ldb, ldc;
+  uint16_t align_a, align_b, align_c, align_bias;  // bytes, powers of two up to 256
+
+  bool operator==(const LtKey& o) const {
+    return trans_a == o.trans_a && trans_b == o.trans_b && epilogue == o.epilogue &&
+           ab_type == o.ab_type && c_type == o.c_type && M == o.M && N == o.N && K == o.K &&
+           lda == o.lda && ldb == o.ldb && ldc == o.ldc && align_a == o.align_a &&
+           align_b == o.align_b && align_c == o.align_c && align_bias == o.align_bias;
+  }
+};
+
+struct LtKeyHash {
+  size_t operator()(const LtKey& k) const {
+    uint64_t h = 0xcbf29ce484222325ull;
+    auto mix = [&h](uint64_t v) {
+      h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    };
+    mix(uint64_t(k.trans_a) | uint64_t(k.trans_b) << 1 | uint64_t(k.epilogue) << 2 |
+        uint64_t(k.ab_type) << 8 | uint64_t(k.c_type) << 16);
+    for (int64_t v : {k.M, k.N, k.K, k.lda, k.ldb, k.ldc}) mix(static_cast<uint64_t>(v));
+    mix(uint64_t(k.align_a) | uint64_t(k.align_b) << 16 | uint64_t(k.align_c) << 32 |
+        uint64_t(k.align_bias) << 48);
+    return static_cast<size_t>(h);
+  }
+};
+
+// One cached matmul: descriptor, layouts of cuBLASLt's A (our B), B (our A) and C = D, the
+// chosen algorithm, and whether the bias epilogue is in it.
+struct LtPlan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool bias_epilogue = false;
+
+  void destroy() {
+    if (desc) cublasLtMatmulDescDestroy(desc);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    desc = nullptr;
+    a = b = c = nullptr;
+    bias_epilogue = false;
+  }
+};
+
+}  // namespace cuda::lt_gemm
+
+struct CudaGemmState {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;  // kWorkspaceBytes
+  float* staging = nullptr;   // kStagingFloats, allocated at the first f32 -> bf16 GEMM
+  std::unordered_map<cuda::lt_gemm::LtKey, cuda::lt_gemm::LtPlan, cuda::lt_gemm::LtKeyHash> plans;
+};
+
+void CudaGemmStateDeleter::operator()(CudaGemmState* s) const {
+  for (auto& entry : s->plans) entry.second.destroy();
+  if (s->staging) cudaFree(s->staging);
+  if (s->workspace) cudaFree(s->workspace);
+  if (s->handle) cublasLtDestroy(s->handle);
+  delete s;
+}
+
+CudaGemmState& CudaBackend::gemm_state() {
+  if (!gemm_) {
+    std::unique_ptr<CudaGemmState, CudaGemmStateDeleter> s(new CudaGemmState);
+    TETRA_CUBLAS_CHECK(cublasLtCreate(&s->handle));
+    TETRA_CUDA_CHECK(cudaMalloc(&s->workspace, cuda::lt_gemm::kWorkspaceBytes));
+    gemm_ = std::move(s);
+  }
+  return *gemm_;
+}
+
+namespace cuda::lt_gemm {
+namespace {
+
+cudaDataType_t lt_type(DType t) { return t == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F; }
+
+// The largest power of two dividing the address, capped at 256 (cuBLASLt's default assumption).
+uint16_t alignment_of(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if (a == 0) return 256;
+  const uintptr_t low = a & (~a + 1);
+  return static_cast<uint16_t>(std::min<uintptr_t>(low, 256));
+}
+
+template <typename T>
+void set_desc(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const T& value) {
+  TETRA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(value)));
+}
+template <typename T>
+void set_pref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t attr,
+              const T& value) {
+  TETRA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, attr, &value, sizeof(value)));
+}
+
+// Builds the descriptor and layouts for `k` and asks the heuristic for its best algorithm.
+// `bias` (for an epilogue plan) is the pointer the heuristic reads the alignment from. Returns
+// false, with nothing left allocated and the heuristic's status, when cuBLASLt offers no
+// algorithm (a refused epilogue may show as NOT_SUPPORTED or INVALID_VALUE, or as no result).
+bool make_plan(cublasLtHandle_t handle, const LtKey& k, const void* bias, LtPlan& plan,
+               cublasStatus_t& heuristic_status) {
+  plan = LtPlan{};
+  cublasLtMatmulPreference_t pref = nullptr;
+  try {
+    TETRA_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t op_a = k.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt A = our B
+    const cublasOperation_t op_b = k.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt B = our A
+    set_desc(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a);
+    set_desc(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, op_b);
+    const cudaDataType_t ab = lt_type(k.ab_type), c = lt_type(k.c_type);
+    TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, ab, k.trans_b ? k.K : k.N,
+                                                  k.trans_b ? k.N : k.K, k.ldb));
+    TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, ab, k.trans_a ? k.M : k.K,
+                                                  k.trans_a ? k.K : k.M, k.lda));
+    TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, c, k.N, k.M, k.ldc));
+    if (k.epilogue == LtEpilogue::BIAS) {
+      set_desc(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, uint32_t{CUBLASLT_EPILOGUE_BIAS});
+      set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(c));
+      set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
+      plan.bias_epilogue = true;
+    }
+
+    TETRA_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    set_pref(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t{kWorkspaceBytes});
+    // Split-K only with fp32 partials in the workspace, reduced in a separate fixed-order step
+    // (no reduction in the output type; no in-place reduction, whose order is the GPU's).
+    set_pref(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+             uint32_t{CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE});
+    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, uint32_t{k.align_b});
+    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, uint32_t{k.align_a});
+    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, uint32_t{k.align_c});
+    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, uint32_t{k.align_c});
+
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+        handle, plan.desc, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    pref = nullptr;
+    heuristic_status = status != CUBLAS_STATUS_SUCCESS ? status : result.state;
+    if (status != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
+      plan.destroy();
+      return false;
+    }
+    plan.algo = result.algo;
+    return true;
+  } catch (...) {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    plan.destroy();
+    throw;
+  }
+}
+
+// The cached plan for `k`. A key asking for the bias epilogue where cuBLASLt has no algorithm
+// with it gets a plan without it (bias_epilogue false: the caller adds the bias).
+LtPlan& find_plan(CudaGemmState& st, LtKey k, const void* bias) {
+  auto it = st.plans.find(k);
+  if (it != st.plans.end()) return it->second;
+  LtPlan plan;
+  cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
+  bool ok = make_plan(st.handle, k, bias, plan, status);
+  if (!ok && k.epilogue == LtEpilogue::BIAS) {
+    LtKey plain = k;
+    plain.epilogue = LtEpilogue::NONE;
+    ok = make_plan(st.handle, plain, nullptr, plan, status);
+  }
+  TETRA_CHECK(ok,
+              "gemm: cuBLASLt has no algorithm for trans_a={} trans_b={} M={} N={} K={} lda={} "
+              "ldb={} ldc={} {} x {} -> {} (pointer alignments A {} B {} C {}): {}",
+              k.trans_a, k.trans_b, k.M, k.N, k.K, k.lda, k.ldb, k.ldc, dtype_name(k.ab_type),
+              dtype_name(k.ab_type), dtype_name(k.c_type), k.align_a, k.align_b, k.align_c,
+              cublasLtGetStatusName(status));
+  return st.plans.emplace(k, plan).first->second;
+}
+
+// Enqueues C = alpha op(A) op(B) + beta C (+ bias through the epilogue when `epilogue_bias` is
+// non-null and the plan has it). Returns whether the bias was applied.
+bool lt_matmul(CudaGemmState& st, cudaStream_t stream, bool trans_a, bool trans_b, int64_t M,
+               int64_t N, int64_t K, float alpha, const void* A, int64_t lda, const void* B,
+               int64_t ldb, DType ab_type, float beta, void* C, int64_t ldc, DType c_type,
+               const void* epilogue_bias) {
+  const LtKey key{trans_a, trans_b, epilogue_bias ? LtEpilogue::BIAS : LtEpilogue::NONE,
+                  ab_type, c_type, M, N, K, lda, ldb, ldc, alignment_of(A), alignment_of(B),
+                  alignment_of(C), epilogue_bias ? alignment_of(epilogue_bias) : uint16_t{0}};
+  LtPlan& plan = find_plan(st, key, epilogue_bias);
+  if (plan.bias_epilogue) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, epilogue_bias);
+  TETRA_CUBLAS_CHECK(cublasLtMatmul(st.handle, plan.desc, &alpha, B, plan.a, A, plan.b, &beta, C,
+                                    plan.c, C, plan.c, &plan.algo, st.workspace, kWorkspaceBytes,
+                                    stream));
+  return plan.bias_epilogue;
+}
+
+// ---- small kernels around the product ---------------------------------------------------------
+
+constexpr int kThreads = 256;
+
+// dst[n] = bias[n] as fp32 (the epilogue bias of a bf16 x bf16 -> f32 product).
+template <typename TB>
+__global__ void widen_kernel(float* dst, const TB* bias, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    dst[i] = ld(bias + i);
+}
+
+// C[m, n] += bias[n] over the (M, N) block of C (row stride ldc), in fp32, rounded once.
+template <typename TC, typename TB>
+__global__ void add_bias_kernel(TC* C, int64_t ldc, const TB* bias, int64_t M, int64_t N) {
+  const int64_t total = M * N;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t m = i / N, n = i - m * N;
+    TC* c = C + m * ldc + n;
+    st(c, ld(c) + ld(bias + n));
+  }
+}
+
+// One tile of an f32 x f32 -> bf16 product: C[m, n] = bf16((stage[m, n] + bias[n]) + beta C[m, n])
+// for the (rows, cols) tile, stage packed with row stride cols. beta == 0 does not read C.
+__global__ void round_tile_kernel(bf16_t* C, int64_t ldc, const float* stage, const float* bias,
+                                  float beta, int64_t rows, int64_t cols) {
+  const int64_t total = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t m = i / cols, n = i - m * cols;
+    float v = stage[i];
+    if (bias) v += bias[n];
+    bf16_t* c = C + m * ldc + n;
+    if (beta != 0.0f) v += beta * ld(c);
+    st(c, v);
+  }
+}
+
+// ---- bias_backward: dbias[j] += sum_i dout[i, j] --------------------------------------------
+//
+// Deterministic without atomics. Pass 1: block (x, y) sums the rows of chunk y for a tile of
+// 32 * VEC columns; thread (tx, ty) walks rows ty, ty + 8, ... of the chunk over its VEC columns
+// (one 16-byte load per row where aligned), and the 8 row-partials of a column are added in ty
+// order. The chunk sums go to the scratch area (chunk, OC), and pass 2 adds them in chunk order
+// into dbias. With one chunk, pass 1 adds into dbias directly. The chunking depends on N and OC
+// only, so the result is the same bits on every run and every GPU.
+constexpr int kBiasCols = 32, kBiasRows = 8;
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kBiasCols * kBiasRows)
+bias_partial_kernel(float* dst, bool add_into_dst, const T* dout, int64_t N, int64_t OC,
+                    int64_t rows_per_chunk) {
+  __shared__ float partial[kBiasRows][VEC][kBiasCols];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t j0 = (blockIdx.x * int64_t{kBiasCols} + tx) * VEC;
+  const int64_t r_begin = blockIdx.y * rows_per_chunk;
+  const int64_t r_end = r_begin + rows_per_chunk < N ? r_begin + rows_per_chunk : N;
+  float acc[VEC];
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
+  if (j0 < OC) {  // VEC > 1 only where OC % VEC == 0: the whole pack is inside the row
+    for (int64_t r = r_begin + ty; r < r_end; r += kBiasRows) {
+      const T* row = dout + r * OC + j0;
+      if constexpr (VEC == 1) {
+        acc[0] += ld(row);
+      } else {
+        const Pack<T, VEC> p = load_pack<T, VEC>(row);
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[v] += to_float(p.v[v]);
+      }
+    }
+  }
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) partial[ty][v][tx] = acc[v];
+  __syncthreads();
+  if (ty == 0 && j0 < OC) {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      float s = partial[0][v][tx];
+      for (int y = 1; y < kBiasRows; ++y) s += partial[y][v][tx];
+      float* d = dst + j0 + v;
+      *d = add_into_dst ? *d + s : s;
+    }
+  }
+}
+
+// dbias[j] += sum over chunks c (in order) of partials[c * OC + j].
+__global__ void bias_finish_kernel(float* dbias, const float* partials, int64_t chunks,
+                                   int64_t OC) {
+  for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < OC;
+       j += int64_t{gridDim.x} * blockDim.x) {
+    float s = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) s += partials[c * OC + j];
+    dbias[j] += s;
+  }
+}
+
+template <typename T, int VEC>
+void launch_bias_backward(float* dbias, const T* dout, int64_t N, int64_t OC, float* scratch,
+                          size_t scratch_floats, cudaStream_t stream) {
+  const int64_t tiles = (OC + int64_t{kBiasCols} * VEC - 1) / (int64_t{kBiasCols} * VEC);
+  // About 1024 blocks in all, each chunk at least 64 rows; no more chunks than the scratch holds.
+  constexpr int64_t kTargetBlocks = 1024, kMinRows = 64;
+  int64_t chunks = std::max<int64_t>(1, kTargetBlocks / std::max<int64_t>(1, tiles));
+  chunks = std::min(chunks, (N + kMinRows - 1) / kMinRows);
+  chunks = std::min<int64_t>(chunks, static_cast<int64_t>(scratch_floats) / OC);
+  chunks = std::clamp<int64_t>(chunks, 1, 65535);
+  const int64_t rows_per_chunk = (N + chunks - 1) / chunks;
+  chunks = (N + rows_per_chunk - 1) / rows_per_chunk;
+  TETRA_CHECK(tiles <= 0x7fffffff, "bias_backward: OC ({}) too large", OC);
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks));
+  const dim3 block(kBiasCols, kBiasRows);
+  if (chunks == 1) {
+    bias_partial_kernel<T, VEC><<<grid, block, 0, stream>>>(dbias, true, dout, N, OC,
+                                                           rows_per_chunk);
+    TETRA_CUDA_LAUNCHED();
+    return;
+  }
+  bias_partial_kernel<T, VEC><<<grid, block, 0, stream>>>(scratch, false, dout, N, OC,
+                                                         rows_per_chunk);
+  TETRA_CUDA_LAUNCHED();
+  bias_finish_kernel<<<grid_for(OC, kThreads), kThreads, 0, stream>>>(dbias, scratch, chunks, OC);
+  TETRA_CUDA_LAUNCHED();
+}
+
+}  // namespace
+}  // namespace cuda::lt_gemm
+
+void CudaBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                       const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type,
+                       float beta, void* C, int64_t ldc, DType c_type, const void* bias) {
+  using namespace cuda::lt_gemm;
+  using cuda::bf16_t;
+  TETRA_CHECK(ab_type == DType::F32 || ab_type == DType::BF16,
+              "gemm: A/B type must be F32 or BF16, got {}", dtype_name(ab_type));
+  TETRA_CHECK(c_type == DType::F32 || c_type == DType::BF16,
+              "gemm: C type must be F32 or BF16, got {} (A/B are {})", dtype_name(c_type),
+              dtype_name(ab_type));
+  TETRA_CHECK(M >= 0 && N >= 0 && K > 0, "gemm: need M, N >= 0 and K > 0, got M={} N={} K={}",
+              M, N, K);
+  if (M == 0 || N == 0) return;
+  TETRA_CHECK(lda >= (trans_a ? M : K) && ldb >= (trans_b ? K : N) && ldc >= N,
+              "gemm: leading dimensions too small: trans_a={} trans_b={} M={} N={} K={} lda={} "
+              "ldb={} ldc={}",
+              trans_a, trans_b, M, N, K, lda, ldb, ldc);
+  CudaGemmState& st = gemm_state();
+  const cudaStream_t stream = cuda::as_stream(stream_);
+
+  if (ab_type == DType::F32 && c_type == DType::BF16) {
+    // No cuBLASLt f32 -> bf16 matmul: fp32 tiles of C in the staging buffer, then rounded.
+    if (!st.staging)
+      TETRA_CUDA_CHECK(
+          cudaMalloc(&st.staging, static_cast<size_t>(kStagingFloats) * sizeof(float)));
+    const int64_t tile_n = std::min(N, kStagingFloats);
+    const int64_t tile_m = std::min(M, std::max<int64_t>(1, kStagingFloats / tile_n));
+    const auto* a = static_cast<const float*>(A);
+    const auto* b = static_cast<const float*>(B);
+    const auto* bias_f = static_cast<const float*>(bias);
+    auto* c = static_cast<bf16_t*>(C);
+    for (int64_t m0 = 0; m0 < M; m0 += tile_m) {
+      for (int64_t n0 = 0; n0 < N; n0 += tile_n) {
+        const int64_t rows = std::min(tile_m, M - m0), cols = std::min(tile_n, N - n0);
+        const float* a_tile = trans_a ? a + m0 : a + m0 * lda;
+        const float* b_tile = trans_b ? b + n0 * ldb : b + n0;
+        lt_matmul(st, stream, trans_a, trans_b, rows, cols, K, alpha, a_tile, lda, b_tile, ldb,
+                  DType::F32, 0.0f, st.staging, cols, DType::F32, nullptr);
+        round_tile_kernel<<<cuda::grid_for(rows * cols, kThreads), kThreads, 0, stream>>>(
+            c + m0 * ldc + n0, ldc, st.staging, bias_f ? bias_f + n0 : nullptr, beta, rows, cols);
+        TETRA_CUDA_LAUNCHED();
+      }
+    }
+    return;
+  }
+
+  // The epilogue bias has C's type: a bf16 bias for an fp32 C is widened into the scratch area.
+  const void* epilogue_bias = (bias && alpha == 1.0f) ? bias : nullptr;
+  if (epilogue_bias && ab_type != c_type) {
+    CudaScratch& sc = scratch();
+    float* widened = sc.data;
+    if (static_cast<size_t>(N) <= sc.floats) {
+      widen_kernel<<<cuda::grid_for(N, kThreads), kThreads, 0, stream>>>(
+          widened, static_cast<const bf16_t*>(bias), N);
+      TETRA_CUDA_LAUNCHED();
+      epilogue_bias = widened;
+    } else {
+      epilogue_bias = nullptr;
+    }
+  }
+  const bool bias_done = lt_matmul(st, stream, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb,
+                                   ab_type, beta, C, ldc, c_type, epilogue_bias);
+  if (bias && !bias_done) {
+    cuda::with_float_type(c_type, "gemm", "C type", [&](auto c_tag) {
+      using TC = decltype(c_tag);
+      cuda::with_float_type(ab_type, "gemm", "bias type", [&](auto b_tag) {
+        using TB = decltype(b_tag);
+        add_bias_kernel<<<cuda::grid_for(M * N, kThreads), kThreads, 0, stream>>>(
+            static_cast<TC*>(C), ldc, static_cast<const TB*>(bias), M, N);
+        TETRA_CUDA_LAUNCHED();
+      });
+    });
+  }
+}
+
+void CudaBackend::bias_backward(float* dbias, const void* dout, int64_t N, int64_t OC, DType act) {
+  using namespace cuda::lt_gemm;
+  TETRA_CHECK(N >= 0 && OC >= 0, "bias_backward: N ({}) and OC ({}) must be >= 0", N, OC);
+  if (N == 0 || OC == 0) return;
+  CudaScratch& sc = scratch();
+  const cudaStream_t stream = cuda::as_stream(stream_);
+  cuda::with_float_type(act, "bias_backward", "activation type", [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kVec = cuda::kVec16<T>;
+    const T* d = static_cast<const T*>(dout);
+    if (OC % kVec == 0 && cuda::aligned_to(d, 16))
+      launch_bias_backward<T, kVec>(dbias, d, N, OC, sc.data, sc.floats, stream);
+    else
+      launch_bias_backward<T, 1>(dbias, d, N, OC, sc.data, sc.floats, stream);
+  });
+}
+
+}  // namespace tetra

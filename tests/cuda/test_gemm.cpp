@@ -1,0 +1,219 @@
+// CudaBackend::gemm (cuBLASLt) and bias_backward against the CPU backend.
+//
+// gemm runs every combination of: the four transpose pairs, tight and padded leading dimensions
+// (the padding of C must stay untouched), (alpha, beta) in {(1, 0), (1, 1), (-0.5, 1)}, with and
+// without bias, F32 and BF16 inputs, F32 and BF16 outputs, over shapes with 1, 17, 65 and
+// 768 + 3 in M, N and K; then pointers off the 16-byte grid, the tiled f32 -> bf16 path and a bias
+// too long for the scratch area. With beta == 0, C starts as NaN: it must not be read.
+//
+// Tolerance, per element, from S = |alpha| sum_k |a_mk| |b_kn| + |beta| |c_mn| + |bias_n|
+// (computed in double from the stored values, i.e. after rounding to bf16 where the inputs are
+// bf16). Products of bf16 values are exact in fp32, and fp32 products are rounded once, so both
+// backends compute an fp32 sum of the same K + 2 terms, only in different orders; any order
+// stays within (K + 2) u S of the exact sum, u = 2^-24 (tensor cores truncate instead of
+// rounding: 2u per addition). Two such results differ by at most 4 (K + 4) u S. For K = 1..65
+// that is far below TF32's 2^-11 relative error, so an fp32 product that silently used TF32
+// fails. A bf16 C adds each side's final rounding (one bf16 ulp, <= 2^-7 |ref|) and, where the
+// bias is added after the product was stored, one more rounding of the product (2^-8 S).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "tests/cuda/cuda_testing.h"
+
+namespace tetra::cuda_testing {
+namespace {
+
+constexpr double kU = 1.0 / 16777216.0;  // 2^-24
+
+struct GemmCase {
+  bool trans_a = false, trans_b = false;
+  int64_t M = 1, N = 1, K = 1;
+  int64_t pad = 0;      // added to every leading dimension
+  int64_t offset = 0;   // elements by which A, B and C start past their allocation
+  float alpha = 1.0f, beta = 0.0f;
+  bool bias = false;
+  DType ab = DType::F32, c = DType::F32;
+};
+
+std::string describe(const GemmCase& g) {
+  return fmt::format(
+      "gemm ta={} tb={} M={} N={} K={} pad={} offset={} alpha={} beta={} bias={} {}->{}",
+                     g.trans_a, g.trans_b, g.M, g.N, g.K, g.pad, g.offset, g.alpha, g.beta,
+                     g.bias, dtype_name(g.ab), dtype_name(g.c));
+}
+
+void run_gemm_case(const GemmCase& g, uint64_t seed) {
+  const std::string what = describe(g);
+  INFO(what);
+  Backends& be = backends();
+  const int64_t a_rows = g.trans_a ? g.K : g.M, a_cols = g.trans_a ? g.M : g.K;
+  const int64_t b_rows = g.trans_b ? g.N : g.K, b_cols = g.trans_b ? g.K : g.N;
+  const int64_t lda = a_cols + g.pad, ldb = b_cols + g.pad, ldc = g.N + g.pad;
+  const int64_t off = g.offset;
+  Twin A(random_values(off + a_rows * lda, seed), g.ab);
+  Twin B(random_values(off + b_rows * ldb, seed + 1), g.ab);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> c0 = g.beta == 0.0f ? std::vector<float>(off + g.M * ldc, nan)
+                                         : random_values(off + g.M * ldc, seed + 2);
+  Twin C(c0, g.c);
+  Twin bias(random_values(g.N, seed + 3), g.ab);
+  const size_t ab_size = dtype_size(g.ab), c_size = dtype_size(g.c);
+  auto at = [](void* p, int64_t elements, size_t size) {
+    return static_cast<void*>(static_cast<char*>(p) + elements * static_cast<int64_t>(size));
+  };
+
+  be.cpu->gemm(g.trans_a, g.trans_b, g.M, g.N, g.K, g.alpha, at(A.cpu(), off, ab_size), lda,
+               at(B.cpu(), off, ab_size), ldb, g.ab, g.beta, at(C.cpu(), off, c_size), ldc, g.c,
+               g.bias ? bias.cpu() : nullptr);
+  be.gpu->gemm(g.trans_a, g.trans_b, g.M, g.N, g.K, g.alpha, at(A.gpu(), off, ab_size), lda,
+               at(B.gpu(), off, ab_size), ldb, g.ab, g.beta, at(C.gpu(), off, c_size), ldc, g.c,
+               g.bias ? bias.gpu() : nullptr);
+
+  // The stored (rounded) inputs, for the scale S.
+  const std::vector<float> a = A.cpu_values(), b = B.cpu_values(), bv = bias.cpu_values();
+  std::vector<float> c_in = c0;
+  if (g.c == DType::BF16)
+    for (float& v : c_in) v = math::round_bf16(v);
+  const std::vector<float> ref = C.cpu_values(), got = C.gpu_values();
+  const double acc_tol = 4.0 * static_cast<double>(g.K + 4) * kU;
+  size_t bad = 0, worst = 0;
+  double worst_excess = -1e300;
+  for (int64_t m = 0; m < g.M; ++m) {
+    for (int64_t n = 0; n < ldc; ++n) {
+      const size_t i = static_cast<size_t>(off + m * ldc + n);
+      if (n >= g.N) {  // padding: untouched
+        const bool same = std::isnan(c_in[i]) ? std::isnan(got[i]) : got[i] == c_in[i];
+        if (!same) ++bad, worst = i, worst_excess = 1e300;
+        continue;
+      }
+      double s = 0.0;
+      for (int64_t k = 0; k < g.K; ++k) {
+        const double av = a[off + (g.trans_a ? k * lda + m : m * lda + k)];
+        const double bw = b[off + (g.trans_b ? n * ldb + k : k * ldb + n)];
+        s += std::fabs(av * bw);
+      }
+      s *= std::fabs(g.alpha);
+      if (g.beta != 0.0f) s += std::fabs(g.beta * c_in[i]);
+      if (g.bias) s += std::fabs(bv[n]);
+      double tol = acc_tol * s;
+      if (g.c == DType::BF16) tol += std::fabs(ref[i]) / 128.0 + s / 256.0;
+      const double err = std::fabs(static_cast<double>(got[i]) - ref[i]);
+      const double excess = std::isfinite(err) ? err - tol : 1e300;
+      if (!(err <= tol)) ++bad;
+      if (excess > worst_excess) worst_excess = excess, worst = i;
+    }
+  }
+  INFO(bad << " elements out of tolerance; worst at " << worst << ": cpu " << ref[worst]
+            << " cuda " << got[worst]);
+  REQUIRE(bad == 0);
+}
+
+}  // namespace
+
+TEST_CASE("cuda gemm: transposes, leading dimensions, alpha/beta, bias and types vs cpu",
+          "[cuda][gemm]") {
+  struct Shape { int64_t M, N, K; };
+  const Shape shapes[] = {{1, 1, 1},   {17, 65, 1},  {65, 17, 17}, {1, 771, 65},
+                          {771, 1, 17}, {17, 17, 771}, {65, 129, 65}, {128, 96, 64}};
+  const std::pair<float, float> scalings[] = {{1.0f, 0.0f}, {1.0f, 1.0f}, {-0.5f, 1.0f}};
+  uint64_t seed = 100;
+  for (const Shape& sh : shapes)
+    for (int t = 0; t < 4; ++t)
+      for (int64_t pad : {0, 3})
+        for (const auto& [alpha, beta] : scalings)
+          for (bool bias : {false, true})
+            for (DType ab : {DType::F32, DType::BF16})
+              for (DType c : {DType::F32, DType::BF16}) {
+                GemmCase g;
+                g.trans_a = t & 1;
+                g.trans_b = (t >> 1) & 1;
+                g.M = sh.M, g.N = sh.N, g.K = sh.K;
+                g.pad = pad;
+                g.alpha = alpha, g.beta = beta;
+                g.bias = bias;
+                g.ab = ab, g.c = c;
+                run_gemm_case(g, seed += 10);
+              }
+}
+
+TEST_CASE("cuda gemm: 768 + 3 sizes, a long K (split-K), misaligned pointers", "[cuda][gemm]") {
+  uint64_t seed = 9000;
+  for (int t = 0; t < 4; ++t)
+    for (DType ab : {DType::F32, DType::BF16})
+      for (DType c : {DType::F32, DType::BF16}) {
+        GemmCase g;
+        g.trans_a = t & 1, g.trans_b = (t >> 1) & 1, g.ab = ab, g.c = c;
+        g.M = 771, g.N = 65, g.K = 771, g.beta = 1.0f, g.bias = true, g.pad = 8;
+        run_gemm_case(g, seed += 10);
+        g.M = 32, g.N = 48, g.K = 4099, g.beta = 0.0f, g.bias = true, g.pad = 0;
+        run_gemm_case(g, seed += 10);
+        // A, B and C one element past a 256-byte boundary: 4- or 2-byte aligned operands.
+        g.M = 33, g.N = 40, g.K = 24, g.beta = 1.0f, g.bias = false, g.offset = 1;
+        run_gemm_case(g, seed += 10);
+      }
+}
+
+TEST_CASE("cuda gemm: f32 -> bf16 in several staging tiles, a bias longer than the scratch area",
+          "[cuda][gemm]") {
+  GemmCase g;
+  g.ab = DType::F32, g.c = DType::BF16, g.bias = true, g.beta = 1.0f;
+  g.M = 2049, g.N = 2049, g.K = 5;  // 2049^2 > 4 Mi floats: two row tiles
+  run_gemm_case(g, 7001);
+  g.M = 2, g.N = (int64_t{4} << 20) + 3, g.K = 2, g.beta = 0.0f, g.trans_b = true;  // column tiles
+  run_gemm_case(g, 7002);
+  g.ab = DType::BF16, g.c = DType::F32, g.trans_b = false;  // bias of 1 Mi + 3 floats: no widening
+  g.M = 3, g.N = (int64_t{1} << 20) + 3, g.K = 3;
+  run_gemm_case(g, 7003);
+}
+
+// bias_backward: dbias[j] += sum_i dout[i, j]. Each backend sums N + 1 fp32 terms per column in
+// its own order: each within (N + 1) u sum_i |terms| of the exact sum, so they differ by at most
+// 2 (N + 2) u S_j, S_j = |dbias0_j| + sum_i |dout_ij|. Reruns on the GPU must be bitwise equal.
+TEST_CASE("cuda bias_backward vs cpu, deterministic", "[cuda][gemm]") {
+  Backends& be = backends();
+  struct Shape { int64_t N, OC, offset; };
+  const Shape shapes[] = {{1, 1, 0},      {17, 65, 0}, {771, 771, 0},  {4099, 768, 0},
+                          {4099, 768, 1}, {65, 3, 0},  {200003, 5, 0}, {1000, 2048, 0},
+                          {3, (int64_t{1} << 20) + 3, 0}};
+  uint64_t seed = 300;
+  for (const Shape& sh : shapes) {
+    for (DType act : {DType::F32, DType::BF16}) {
+      INFO("bias_backward N=" << sh.N << " OC=" << sh.OC << " offset=" << sh.offset << " "
+                              << dtype_name(act));
+      const size_t n = static_cast<size_t>(sh.offset + sh.N * sh.OC);
+      Twin dout(random_values(n, seed += 7), act);
+      const std::vector<float> db0 = random_values(static_cast<size_t>(sh.OC), seed += 7);
+      Twin dbias(db0, DType::F32), dbias2(db0, DType::F32);
+      const size_t es = dtype_size(act);
+      const void* dc = static_cast<char*>(dout.cpu()) + sh.offset * es;
+      const void* dg = static_cast<char*>(dout.gpu()) + sh.offset * es;
+      be.cpu->bias_backward(dbias.cpu_f32(), dc, sh.N, sh.OC, act);
+      be.gpu->bias_backward(dbias.gpu_f32(), dg, sh.N, sh.OC, act);
+      be.gpu->bias_backward(dbias2.gpu_f32(), dg, sh.N, sh.OC, act);
+      const std::vector<float> x = dout.cpu_values(), ref = dbias.cpu_values(),
+                               got = dbias.gpu_values(), again = dbias2.gpu_values();
+      REQUIRE(got == again);
+      std::vector<double> s(static_cast<size_t>(sh.OC));
+      for (int64_t j = 0; j < sh.OC; ++j) s[j] = std::fabs(db0[j]);
+      for (int64_t i = 0; i < sh.N; ++i)
+        for (int64_t j = 0; j < sh.OC; ++j) s[j] += std::fabs(x[sh.offset + i * sh.OC + j]);
+      size_t bad = 0, worst = 0;
+      double worst_excess = -1e300;
+      for (int64_t j = 0; j < sh.OC; ++j) {
+        const double tol = 2.0 * static_cast<double>(sh.N + 2) * kU * s[j];
+        const double err = std::fabs(static_cast<double>(got[j]) - ref[j]);
+        if (!(err <= tol)) ++bad;
+        if (err - tol > worst_excess) worst_excess = err - tol, worst = j;
+      }
+      INFO(bad << " columns out of tolerance; worst " << worst << ": cpu " << ref[worst]
+                << " cuda " << got[worst]);
+      REQUIRE(bad == 0);
+    }
+  }
+}
+
+}  // namespace tetra::cuda_testing

@@ -1,0 +1,105 @@
+// Chooses and creates the compute backend; see compute_device.h.
+#include "trainer/train/compute_device.h"
+
+#include <omp.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "kernels/cpu/guarded_backend.h"
+#include "kernels/cpu/peak.h"
+#include "trainer/core/check.h"
+#include "trainer/dist/staged_communicator.h"
+#if defined(TETRA_HAVE_CUDA)
+#include "kernels/cuda/cuda_backend.h"
+#endif
+
+namespace tetra {
+
+namespace {
+
+bool guarded_memory_requested() {
+  const char* v = std::getenv("TETRA_TEST_GUARDED_MEMORY");
+  return v != nullptr && std::string(v) == "1";
+}
+
+}  // namespace
+
+bool cuda_backend_built() {
+#if defined(TETRA_HAVE_CUDA)
+  return true;
+#else
+  return false;
+#endif
+}
+
+int local_gpu_index(int count) {
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"}) {
+    if (const char* v = std::getenv(var)) {
+      char* end = nullptr;
+      const long r = std::strtol(v, &end, 10);
+      if (end != v && *end == '\0' && r >= 0) return count > 0 ? static_cast<int>(r % count) : 0;
+    }
+  }
+  return 0;
+}
+
+ComputeDevice make_compute_device(const TrainingConfig& training, bool bf16, bool want_peak) {
+  ComputeDevice d;
+  const bool peak_given = training.peak_gflops > 0;
+  if (training.device == "cuda") {
+#if defined(TETRA_HAVE_CUDA)
+    const int count = cuda_device_count();
+    if (count == 0) {
+      const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+      throw InputError(fmt::format(
+          "training.device: \"cuda\": no CUDA device is visible to this process (CUDA_VISIBLE_DEVICES={}); "
+          "run on a machine with an NVIDIA GPU and driver, or set training.device to \"cpu\"",
+          visible ? visible : "unset"));
+    }
+    const int index = local_gpu_index(count);
+    const CudaDeviceInfo info = cuda_device_info(index);
+    d.backend = make_cuda_backend(index);
+    d.peak_flops = peak_given ? training.peak_gflops * 1e9 : (bf16 ? info.peak_bf16_flops : info.peak_fp32_flops);
+    d.peak_source = peak_given ? "training.peak_gflops"
+                               : fmt::format("{} dense {} peak: {} SMs x {:.2f} GHz", info.name,
+                                             bf16 ? "bf16 tensor-core" : "fp32", info.sm_count, info.clock_ghz);
+    d.description = fmt::format("cuda:{} {} (sm_{}, {} SMs, {:.1f} GiB)", index, info.name, info.compute_capability,
+                                info.sm_count, info.memory_bytes / 1073741824.0);
+    return d;
+#else
+    throw InputError(
+        "training.device: \"cuda\": this tetra was built without the CUDA backend (no nvcc found, or "
+        "-DTETRA_CUDA=OFF); rebuild with -DTETRA_CUDA=ON where the CUDA Toolkit is installed, or set "
+        "training.device to \"cpu\"");
+#endif
+  }
+  TETRA_CHECK(training.device == "cpu", "unknown training.device {}", training.device);
+  d.backend = make_cpu_backend(static_cast<int>(training.threads));
+  if (guarded_memory_requested()) {
+    // On stderr, from every rank (and not on stdout, which `tetra generate` keeps for its text).
+    std::fprintf(stderr, "warning: TETRA_TEST_GUARDED_MEMORY=1: backend memory is guarded (backend 'cpu-guarded': "
+                 "the host may touch it only through the backend; collectives on it are staged through host "
+                 "buffers). A test mode, slow: not for production runs\n");
+    d.backend = make_guarded_backend(std::move(d.backend));
+  }
+  const int threads = training.threads > 0 ? static_cast<int>(training.threads) : omp_get_max_threads();
+  if (want_peak) {
+    d.peak_flops = peak_given ? training.peak_gflops * 1e9 : measure_cpu_peak_gflops(threads, bf16) * 1e9;
+    d.peak_source = peak_given ? "training.peak_gflops" : "measured";
+  }
+  d.description = fmt::format("cpu, {} threads", threads);
+  return d;
+}
+
+BackendCommFactory backend_comm_factory(Backend& be) {
+  if (be.host_memory()) return {};
+  return [&be](const std::string&, const std::vector<int>&, Communicator& host) {
+    return make_staged_communicator(host, be);
+  };
+}
+
+}  // namespace tetra

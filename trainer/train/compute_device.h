@@ -1,0 +1,46 @@
+// The backend a run computes on (training.device) and the arithmetic peak its MFU is measured
+// against: the CPU backend with its measured FMA ceiling, or the CUDA backend on this process's
+// GPU with the GPU's dense tensor-core (bf16) or CUDA-core (fp32) peak.
+//
+// Test mode: with TETRA_TEST_GUARDED_MEMORY=1 in the environment the CPU backend sits behind the
+// guarded-memory decorator (kernels/cpu/guarded_backend.h), whose memory the host cannot touch,
+// as a GPU's. Test-only, like the fault-injection hooks (fault_injection.h): it proves on a
+// CPU-only machine that the trainer reaches backend memory only through the backend
+// (tests/parity/test_guarded_memory.py runs the same configs with and without it and requires
+// bitwise-identical results). Slow; logged as a warning on every rank that uses it.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "kernels/backend.h"
+#include "trainer/config/config.h"
+#include "trainer/dist/process_groups.h"
+
+namespace tetra {
+
+struct ComputeDevice {
+  std::unique_ptr<Backend> backend;
+  double peak_flops = 0.0;   // per rank
+  std::string peak_source;   // "training.peak_gflops", "measured", or the GPU's datasheet figure
+  std::string description;   // "cpu, 2 threads" or "cuda:0 NVIDIA H200 (132 SMs, 1.98 GHz)"
+};
+
+// Throws InputError when training.device is "cuda" and this build has no CUDA backend or the
+// process sees no GPU (the message says which, and what to do). `want_peak` false skips the
+// CPU peak measurement (generation needs no MFU).
+ComputeDevice make_compute_device(const TrainingConfig& training, bool bf16, bool want_peak = true);
+
+// The backend-memory communicators `be` needs (ProcessGroups::use_backend_memory): none when its
+// memory is host memory (the MPI communicators serve both roles), the staged communicator
+// (trainer/dist/staged_communicator.h) around each host one otherwise. `be` must outlive them.
+BackendCommFactory backend_comm_factory(Backend& be);
+
+// True where this binary was built with the CUDA backend.
+bool cuda_backend_built();
+
+// The GPU this process uses among `count` visible ones: its local rank on the node (Open MPI's
+// OMPI_COMM_WORLD_LOCAL_RANK, Slurm's SLURM_LOCALID, torchrun's LOCAL_RANK) modulo count.
+int local_gpu_index(int count);
+
+}  // namespace tetra
