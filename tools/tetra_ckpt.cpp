@@ -105,7 +105,7 @@ struct Checkpoint {
   std::string path;           // the step_* directory
   json manifest;
   tetra::ModelConfig model;
-  std::vector<TensorEntry> tensors;  // kKinds in order, then 1-bit Adam kinds, each over the model's parameters
+  std::vector<TensorEntry> tensors;  // kKinds in order (every parameter), then compression kinds (those they hold)
   std::string manifest_path() const { return (fs::path(path) / "manifest.json").string(); }
 };
 
@@ -142,13 +142,18 @@ Checkpoint read_index(const std::string& dir) {
     ck.model = model_of(ck.manifest, where);
     const json& tensors = ck.manifest.at("tensors");
     const tetra::ParamLayout layout = tetra::ParamLayout::build(ck.model);
-    // The fixed kinds, then any 1-bit Adam error-feedback kinds (trainer/optim/onebit_adam.h:
-    // "optim/onebit_server_error", "optim/onebit_worker_error/dp1of4", ...), each over every parameter.
+    // The fixed kinds, each over every parameter, then any gradient compression error-feedback
+    // kinds (trainer/optim/compressed_exchange.h: "optim/onebit_server_error",
+    // "optim/onebit_worker_error/dp1of4", "optim/int8_worker_error/edp0of2_ep2", ...), each over the
+    // parameters it applies to (a worker error keyed by DP rank holds the dense parameters, one
+    // keyed by expert-DP rank the experts; the distributed optimizer's server error only a tied
+    // embedding).
     std::vector<std::string> kinds(std::begin(kKinds), std::end(kKinds));
     for (auto it = tensors.begin(); it != tensors.end(); ++it) {
       const std::string& key = it.key();
       const size_t slash = key.rfind('/');
-      if (key.rfind("optim/onebit_", 0) != 0 || slash == std::string::npos) continue;
+      const bool compression = key.rfind("optim/onebit_", 0) == 0 || key.rfind("optim/int8_", 0) == 0;
+      if (!compression || slash == std::string::npos) continue;
       const std::string kind = key.substr(0, slash);
       if (std::find(kinds.begin(), kinds.end(), kind) == kinds.end()) kinds.push_back(kind);
     }
@@ -158,6 +163,8 @@ Checkpoint read_index(const std::string& dir) {
         TensorEntry t;
         t.key = kind + "/" + p.name;
         expected.insert(t.key);
+        const bool fixed = std::find(std::begin(kKinds), std::end(kKinds), kind) != std::end(kKinds);
+        if (!fixed && !tensors.contains(t.key)) continue;
         if (!tensors.contains(t.key))
           throw InputError(fmt::format("{}: tensor {} of the model is missing", where, t.key));
         const json& j = tensors[t.key];

@@ -24,6 +24,10 @@ for the samples):
                tp2 with sequence parallelism (samples over TP); pp2 1f1b with tied embeddings (eval
                through the stages); MoE ep2; 1-bit Adam (checkpoint in the compressed phase, then
                resume: its error-feedback state); 1-bit Adam with the distributed optimizer
+  mpirun -np 4 1-bit Adam on pp2 x dp2 with tied embeddings (the embedding's piece of its own on
+               both stages; checkpoint in the compressed phase, then resume); int8 on a MoE model,
+               dp4 = expert-DP 2 x ep2, with the distributed optimizer (the dense and expert parts'
+               exchanges over DP and expert-DP; checkpoint, then resume: both parts' errors)
   watchdog     tp2, guarded, one rank hanging: the other rank's wait in a staged collective is seen
                by the watchdog, which names the group and ends the job (exit code 3)
 
@@ -240,6 +244,13 @@ def main():
     pair("onebit_dp2_distopt", config(LLAMA, 4, parallel={"dp": 2, "grad_compression": "onebit",
                                                           "onebit_warmup_steps": 2, "distributed_optimizer": True}),
          checkpoints=(4,))
+    pair("onebit_pp2_dp2_tied", config(dict(GPT2, num_layers=4), 6,
+                                       parallel={"pp": 2, "dp": 2, "schedule": "1f1b", "grad_compression": "onebit",
+                                                 "onebit_warmup_steps": 2},
+                                       training={"global_batch_size": 8}), checkpoints=(4, 6), resume_at=4)
+    pair("int8_moe_dp4_ep2_distopt", config(GPT2_MOE, 4, parallel={"dp": 4, "ep": 2, "grad_compression": "int8",
+                                                                   "distributed_optimizer": True},
+                                            training={"global_batch_size": 8}), checkpoints=(2, 4), resume_at=2)
 
     # The watchdog sees waits on the backend-memory communicators: rank 1 hangs at the start of
     # step 2 (trainer/dist/watchdog.h's test hook); rank 0, waiting in a tensor-parallel collective

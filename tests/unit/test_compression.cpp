@@ -3,10 +3,13 @@
 // updates stays within a fixed bound of the exact sum with error feedback, and drifts far outside
 // it without (both asserted, so a broken error feedback fails). The two-stage exchange of 1-bit
 // Adam (worker and server compression around an all-to-all and an all-gather) is simulated for
-// 4 ranks in memory with the same functions the trainer calls between its collectives.
+// 4 ranks in memory with the same functions the trainer calls between its collectives. The int8
+// compressor (parallel.grad_compression int8): the wire format and its rounding against a plain
+// loop, unbiasedness, a non-finite block, and the same two-stage exchange with error feedback.
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -154,7 +157,7 @@ TEST_CASE("compression: two-stage compressed all-reduce with error feedback", "[
       max_mean = std::max(max_mean, norm2(mean));
       std::vector<std::vector<uint16_t>> send(p, std::vector<uint16_t>(p * plan.words));
       for (int64_t r = 0; r < p; ++r)
-        onebit_worker_compress(plan, x[r].data(), feedback ? worker_error[r].data() : nullptr, send[r].data());
+        exchange_worker_compress(plan, x[r].data(), feedback ? worker_error[r].data() : nullptr, send[r].data());
       std::vector<uint16_t> gathered(p * plan.words);
       for (int64_t r = 0; r < p; ++r) {
         std::vector<uint16_t> recv(p * plan.words);  // source-major: what every source sent to r
@@ -162,14 +165,14 @@ TEST_CASE("compression: two-stage compressed all-reduce with error feedback", "[
           std::copy(send[s].begin() + r * plan.words, send[s].begin() + (r + 1) * plan.words,
                     recv.begin() + s * plan.words);
         std::vector<float> avg(shard_total);
-        onebit_server_average(plan, recv.data(), avg.data());
-        onebit_server_compress(plan, avg.data(), feedback ? server_error[r].data() : nullptr,
+        exchange_server_average(plan, recv.data(), avg.data());
+        exchange_server_compress(plan, avg.data(), feedback ? server_error[r].data() : nullptr,
                                gathered.data() + r * plan.words);
       }
       std::vector<float> out0(n), out(n);
-      onebit_gather_decompress(plan, gathered.data(), out0.data());
+      exchange_gather_decompress(plan, gathered.data(), out0.data());
       for (int64_t r = 1; r < p; ++r) {  // every rank decodes the same gathered bytes
-        onebit_gather_decompress(plan, gathered.data(), out.data());
+        exchange_gather_decompress(plan, gathered.data(), out.data());
         REQUIRE(out == out0);
       }
       for (int64_t k = 0; k < n; ++k) applied[k] += out0[k];
@@ -183,4 +186,163 @@ TEST_CASE("compression: two-stage compressed all-reduce with error feedback", "[
     else
       CHECK(distance > 10.0 * bound);
   }
+}
+
+// int8 (QSGD with 127 levels per sign): against a plain-loop reference. Each element lands on one
+// of the two levels around 127 |v| / s (stochastic rounding), the error is exactly what the
+// decompression dropped (to fp32 rounding), the bytes are two's complement in element order, and the same rounding
+// stream gives the same bytes while another stream gives other ones.
+TEST_CASE("compression: int8_compress matches a plain-loop reference", "[compression]") {
+  const int64_t n = 2 * kSignBlock + 48;  // a partial last block
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist(0.2f, 1.0f);
+  std::vector<float> x(n), err(n), out(n), acc(n, 1.0f);
+  for (auto& v : x) v = dist(rng);
+  for (auto& v : err) v = 0.05f * dist(rng);
+  const std::vector<float> err0 = err;
+  REQUIRE(int8_packed_words(n) == 2 * 3 + n / 2);
+  REQUIRE(packed_words(Codec::INT8, n) == int8_packed_words(n));
+  std::vector<uint16_t> packed(static_cast<size_t>(int8_packed_words(n)));
+  const Rounding rounding{123, 7, 40};
+  int8_compress(x.data(), err.data(), n, packed.data(), rounding);
+  int8_decompress(packed.data(), n, out.data());
+  int8_decompress_add(packed.data(), n, 0.5f, acc.data());
+  const int8_t* bytes = reinterpret_cast<const int8_t*>(packed.data() + 6);
+  int64_t rounded_up = 0;
+  for (int64_t b = 0; b < 3; ++b) {
+    const int64_t lo = b * kSignBlock, hi = std::min(n, lo + kSignBlock);
+    float s = 0.0f;
+    for (int64_t k = lo; k < hi; ++k) s = std::max(s, std::fabs(x[k] + err0[k]));
+    for (int64_t k = lo; k < hi; ++k) {
+      const float v = x[k] + err0[k];
+      const float level = std::fabs(v) * (127.0f / s);
+      const int q = std::abs(static_cast<int>(bytes[k]));
+      REQUIRE((q == static_cast<int>(std::floor(level)) || q == static_cast<int>(std::floor(level)) + 1));
+      REQUIRE(q <= 127);
+      rounded_up += q > static_cast<int>(std::floor(level)) ? 1 : 0;
+      if (q > 0) REQUIRE((bytes[k] < 0) == (v < 0.0f));
+      REQUIRE(out[k] == static_cast<float>(bytes[k]) * (s / 127.0f));
+      REQUIRE(acc[k] == Approx(1.0 + 0.5 * out[k]).epsilon(1e-6));
+      // The error is what the decompression dropped, up to the rounding of q * s / 127 (which the
+      // compiler may fuse into the subtraction): 2^-24 of the scale.
+      REQUIRE(err[k] == Approx(v - out[k]).margin(1e-7 * s));
+    }
+  }
+  // Stochastic: some round up, some down (560 elements, each up with its fractional part's odds).
+  CHECK(rounded_up > 100);
+  CHECK(rounded_up < n - 100);
+  std::vector<uint16_t> again(packed.size()), other(packed.size());
+  std::vector<float> e1 = err0, e2 = err0;
+  int8_compress(x.data(), e1.data(), n, again.data(), rounding);
+  int8_compress(x.data(), e2.data(), n, other.data(), Rounding{123, 8, 40});
+  CHECK(again == packed);
+  CHECK(other != packed);
+  CHECK_THROWS(int8_packed_words(24));
+}
+
+// Unbiased: over many rounding streams the mean of the decompressed values is v, within the
+// sampling error (each value is v's lower or upper level, so its standard deviation is at most
+// half a level, s / 254; the mean of N = 4000 is within 5 of its standard deviations,
+// 5 s / (254 sqrt(N)) = 0.079 s / 254, of v). Rounding down instead would be off by half a level
+// on average, and the check fails by far.
+TEST_CASE("compression: int8 stochastic rounding is unbiased", "[compression]") {
+  const int64_t n = kSignBlock, N = 4000;
+  std::mt19937 rng(9);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> x(n), out(n);
+  for (auto& v : x) v = dist(rng);
+  float s = 0.0f;
+  for (float v : x) s = std::max(s, std::fabs(v));
+  std::vector<double> mean(n, 0.0);
+  std::vector<uint16_t> packed(static_cast<size_t>(int8_packed_words(n)));
+  for (int64_t t = 0; t < N; ++t) {
+    int8_compress(x.data(), nullptr, n, packed.data(), Rounding{99, static_cast<uint64_t>(t), 0});
+    int8_decompress(packed.data(), n, out.data());
+    for (int64_t k = 0; k < n; ++k) mean[k] += out[k] / static_cast<double>(N);
+  }
+  const double half_level = s / 254.0;
+  double worst = 0.0;
+  for (int64_t k = 0; k < n; ++k) worst = std::max(worst, std::fabs(mean[k] - x[k]) / half_level);
+  INFO("worst |mean - x| = " << worst << " half levels");
+  CHECK(worst <= 5.0 / std::sqrt(static_cast<double>(N)));
+}
+
+// A block holding a non-finite value decompresses to NaN (so the step's gradient norm is NaN and
+// the step guard skips it) and keeps its errors; the other blocks are compressed as usual.
+TEST_CASE("compression: int8 passes a non-finite block on as NaN", "[compression]") {
+  const int64_t n = 2 * kSignBlock;
+  std::vector<float> x(n, 0.5f), err(n, 0.25f), out(n);
+  x[kSignBlock + 3] = std::numeric_limits<float>::infinity();
+  std::vector<uint16_t> packed(static_cast<size_t>(int8_packed_words(n)));
+  int8_compress(x.data(), err.data(), n, packed.data(), Rounding{1, 2, 0});
+  int8_decompress(packed.data(), n, out.data());
+  for (int64_t k = 0; k < kSignBlock; ++k) {
+    REQUIRE(out[k] == Approx(0.75f).epsilon(1e-6));  // the block's maximum: level 127
+    REQUIRE(std::fabs(err[k]) < 1e-6f);
+  }
+  for (int64_t k = kSignBlock; k < n; ++k) {
+    REQUIRE(std::isnan(out[k]));
+    REQUIRE(err[k] == 0.25f);
+  }
+}
+
+// Error feedback with int8, over the two-stage exchange for p = 4 ranks (as the 1-bit test above):
+// the sum of what every rank decompresses stays within the telescoping bound of the exact sum of
+// the rank means, every rank decodes the same, and each step's result is within a few levels of
+// the exact mean (127 levels per sign: far closer than the 1-bit exchange).
+TEST_CASE("compression: two-stage int8 exchange with error feedback", "[compression]") {
+  const int64_t p = 4, T = 200;
+  const ChunkPlan plan = plan_chunks({{0, 16 * 64 * p}, {16 * 64 * p, 2 * kSignBlock * p}}, p, Codec::INT8);
+  REQUIRE(plan.words == int8_packed_words(16 * 64) + int8_packed_words(2 * kSignBlock));
+  const int64_t n = 16 * 64 * p + 2 * kSignBlock * p;
+  const int64_t shard_total = n / p;
+  std::mt19937 rng(4);
+  std::vector<std::vector<float>> worker_error(p, std::vector<float>(n, 0.0f));
+  std::vector<std::vector<float>> server_error(p, std::vector<float>(shard_total, 0.0f));
+  std::vector<double> exact(n, 0.0), applied(n, 0.0);
+  double max_mean = 0.0, worst_step = 0.0;
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<std::vector<float>> x(p);
+    std::vector<double> mean(n, 0.0);
+    for (int64_t r = 0; r < p; ++r) {
+      x[r] = biased_input(n, rng);
+      for (int64_t k = 0; k < n; ++k) mean[k] += x[r][k] / static_cast<double>(p);
+    }
+    for (int64_t k = 0; k < n; ++k) exact[k] += mean[k];
+    max_mean = std::max(max_mean, norm2(mean));
+    std::vector<std::vector<uint16_t>> send(p, std::vector<uint16_t>(p * plan.words));
+    for (int64_t r = 0; r < p; ++r)  // each source rank its own key, each step its own stream
+      exchange_worker_compress(plan, x[r].data(), worker_error[r].data(), send[r].data(),
+                               Rounding{static_cast<uint64_t>(r), static_cast<uint64_t>(2 * t), 0});
+    std::vector<uint16_t> gathered(p * plan.words);
+    for (int64_t r = 0; r < p; ++r) {
+      std::vector<uint16_t> recv(p * plan.words);
+      for (int64_t s = 0; s < p; ++s)
+        std::copy(send[s].begin() + r * plan.words, send[s].begin() + (r + 1) * plan.words,
+                  recv.begin() + s * plan.words);
+      std::vector<float> avg(shard_total);
+      exchange_server_average(plan, recv.data(), avg.data());
+      exchange_server_compress(plan, avg.data(), server_error[r].data(), gathered.data() + r * plan.words,
+                               Rounding{static_cast<uint64_t>(r), static_cast<uint64_t>(2 * t + 1), 0});
+    }
+    std::vector<float> out0(n), out(n);
+    exchange_gather_decompress(plan, gathered.data(), out0.data());
+    for (int64_t r = 1; r < p; ++r) {
+      exchange_gather_decompress(plan, gathered.data(), out.data());
+      REQUIRE(out == out0);
+    }
+    for (int64_t k = 0; k < n; ++k) {
+      applied[k] += out0[k];
+      worst_step = std::max(worst_step, std::fabs(out0[k] - mean[k]));
+    }
+  }
+  std::vector<double> diff(n);
+  for (int64_t k = 0; k < n; ++k) diff[k] = applied[k] - exact[k];
+  // Inputs reach |x| ~ 1.4, so a level is ~0.011. The distance is the last errors (the mean worker
+  // error plus the server error, each under a level per element): <= 2 levels x sqrt(n) = 1.7,
+  // against 0.05 max ||mean|| = 2.8. One step's result differs from the exact mean by the change
+  // of those errors, a few levels: < 0.1.
+  INFO("||applied - exact|| = " << norm2(diff) << ", bound " << 0.05 * max_mean << "; worst step error " << worst_step);
+  CHECK(norm2(diff) <= 0.05 * max_mean);
+  CHECK(worst_step < 0.1);
 }

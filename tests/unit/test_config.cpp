@@ -374,14 +374,13 @@ TEST_CASE("config: pipeline layouts must build the configured model", "[config]"
   require_one(with(inter, "parallel.virtual_stages", 1), "parallel.virtual_stages: 1: ",
               "the interleaved schedule needs parallel.virtual_stages >= 2");
   require_one(with(pp4, "parallel.schedule", "zb"), "parallel.schedule: \"zb\": ", "must be one of");
-  // Not combined yet: each refusal names the key and what to set.
-  CHECK(problems_of(with(pp4, "model.moe", json{{"num_experts", 4}, {"top_k", 2}})).empty());  // MoE on a pipeline
+  // Combined: MoE on a pipeline, gradient compression (1-bit Adam too) with pipelines and MoE.
+  CHECK(problems_of(with(pp4, "model.moe", json{{"num_experts", 4}, {"top_k", 2}})).empty());
   CHECK(problems_of(with(with(pp4, "parallel.dp", 2), "parallel.grad_compression", "bf16")).empty());
-  require_one(with(with(pp4, "parallel.dp", 2), "parallel.grad_compression", "onebit"),
-              "parallel.grad_compression: \"onebit\": ", "not combined with pipeline parallelism");
-  require_one(with(with(base(), "model.moe", json{{"num_experts", 4}, {"top_k", 2}}), "parallel.grad_compression",
-                   "onebit"),
-              "parallel.grad_compression: \"onebit\": ", "not combined with Mixture-of-Experts models");
+  CHECK(problems_of(with(with(pp4, "parallel.dp", 2), "parallel.grad_compression", "onebit")).empty());
+  CHECK(problems_of(with(with(with(pp4, "parallel.dp", 2), "parallel.grad_compression", "onebit"), "model.moe",
+                         json{{"num_experts", 4}, {"top_k", 2}})).empty());
+  CHECK(problems_of(with(with(pp4, "parallel.dp", 2), "parallel.grad_compression", "int8")).empty());
   // Samples during training need the whole model on a rank.
   require_one(with(with(pp4, "sample.prompt", "Hi"), "data.tokenizer", "gpt2:/x"), "sample.prompt: \"Hi\": ",
               "leave sample.prompt empty with parallel.pp > 1");

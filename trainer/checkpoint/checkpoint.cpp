@@ -10,6 +10,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <set>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -443,15 +444,21 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
         to_compact(p, *b.owned, starts, local, std::string(kind) == "optim/exp_avg" ? m : v);
     }
   }
-  // Extra optimizer state: zeros when the checkpoint lacks the kind.
+  // Extra optimizer state: zeros when the checkpoint lacks the kind (one warning per kind).
+  std::set<std::string> warned;
   for (const CheckpointExtra& x : b.extra) {
     const std::vector<int64_t> xs = compact_starts(x.ranges);
     std::vector<float> host(static_cast<size_t>(x.ranges.empty() ? 0 : xs.back() + x.ranges.back().numel), 0.0f);
-    const bool present = !layout.params.empty() && tensors.contains(x.kind + "/" + layout.params[0].name);
-    if (!present) {
-      spdlog::warn("{} holds no {} (saved without it, or under another data-parallel layout, to which it "
-                   "does not carry over): it starts from zero", path, x.kind);
-    } else {
+    // Present when the checkpoint holds the kind for the first parameter this rank needs it for.
+    const ParamSpec* first = nullptr;
+    for (const ParamSpec& p : layout.params)
+      if (!first && !local_ranges(p, x.ranges).empty()) first = &p;
+    const bool present = first && tensors.contains(x.kind + "/" + first->name);
+    if (first && !present) {
+      if (warned.insert(x.kind).second)
+        spdlog::warn("{} holds no {} (saved without it, or under another data-parallel layout, to which it "
+                     "does not carry over): it starts from zero", path, x.kind);
+    } else if (present) {
       for (const ParamSpec& p : layout.params) {
         const auto ranges = local_ranges(p, x.ranges);
         if (ranges.empty()) continue;

@@ -44,7 +44,7 @@ struct CheckpointState {
   int64_t consumed_samples = 0;  // the data loader's position
 };
 
-// Further optimizer state of one rank (1-bit Adam's error feedback, trainer/optim/onebit_adam.h),
+// Further optimizer state of one rank (gradient compression's error feedback, compressed_exchange.h),
 // saved as global tensors "<kind>/<param>" like the moments and resharded on load. A kind the
 // checkpoint lacks (saved without it, or under a layout where it has another meaning, which the
 // kind's name then encodes) is loaded as zeros, with a warning.

@@ -68,7 +68,7 @@ struct ParallelConfig {
   int64_t virtual_stages = 1;          // model chunks per pipeline rank (interleaved: >= 2)
   std::vector<int64_t> stage_layers;   // layers of each of the pp * virtual_stages stages, in
                                        // stage order; empty = an even split
-  std::string grad_compression = "none";  // none | bf16 | onebit (trainer/optim/compression.h)
+  std::string grad_compression = "none";  // none | bf16 | onebit | int8 (trainer/optim/compression.h)
   int64_t onebit_warmup_steps = 100;      // onebit: steps of exact Adam before the variance freezes
 };
 

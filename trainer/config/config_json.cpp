@@ -32,7 +32,7 @@ const Choices kDevices = {"cpu", "cuda"};
 const Choices kPrecisions = {"fp32", "bf16"};
 const Choices kOrders = {"tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp"};
 const Choices kSchedules = {"1f1b", "interleaved", "gpipe"};
-const Choices kCompressions = {"none", "bf16", "onebit"};
+const Choices kCompressions = {"none", "bf16", "onebit", "int8"};
 const Choices kDecays = {"cosine", "linear", "constant"};
 const Choices kLevels = {"trace", "debug", "info", "warn", "error"};
 

@@ -113,10 +113,6 @@ void check_pipeline(const Config& c, Rules& r) {
                           "{} / ({} * {})); the interleaved schedule needs a multiple of parallel.pp ({})",
                           m, c.training.global_batch_size, c.training.micro_batch_size, p.dp, pp));
   }
-  if (pp > 1 && r.ok({"parallel.grad_compression"}))
-    r.require(p.grad_compression != "onebit", "parallel.grad_compression", p.grad_compression,
-              "1-bit Adam is not combined with pipeline parallelism in this build: use \"bf16\" or "
-              "\"none\" with parallel.pp > 1");
   if (pp > 1 && r.ok({"sample.prompt"}))
     r.require(c.sample.prompt.empty(), "sample.prompt", c.sample.prompt,
               "text samples during training need the whole model on one rank: leave sample.prompt empty "
@@ -160,10 +156,6 @@ void check_ranges(const Config& c, Rules& r) {
   r.at_least("parallel.bucket_size", c.parallel.bucket_size, 1);
   // At least one exact Adam step: the frozen variance is the one of the last warm-up step.
   r.at_least("parallel.onebit_warmup_steps", c.parallel.onebit_warmup_steps, 1);
-  if (c.model.moe.num_experts > 0)
-    r.require(c.parallel.grad_compression != "onebit", "parallel.grad_compression", c.parallel.grad_compression,
-              "1-bit Adam is not combined with Mixture-of-Experts models in this build: use \"bf16\" (the "
-              "dense gradients' reduction; expert gradients stay fp32) or \"none\"");
 
   const TrainingConfig& t = c.training;
 #if !defined(TETRA_HAVE_CUDA)

@@ -26,7 +26,7 @@
 // buffer and reduced in bf16 (half the bytes on the wire; the communicator sums in fp32 and rounds
 // once per combining step), and the reduced result is converted back into the fp32 buffer, where
 // the optimizer reads it. set_reduce(false) turns the DP reduction off for a step (1-bit Adam's
-// compressed phase exchanges the gradient itself, onebit_adam.h).
+// compressed phase and int8 exchange the gradient themselves, compressed_exchange.h).
 #pragma once
 
 #include <cstdint>

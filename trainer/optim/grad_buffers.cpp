@@ -73,9 +73,9 @@ void GradBuffers::gather_params(void* params, DType type) {
   if (experts_) experts_->gather_params(params, type);
 }
 
-double GradBuffers::norm(const float* grads) {
-  const double d = dense_norm_->compute(grads);
-  const double e = expert_norm_ ? expert_norm_->compute(grads) : 0.0;
+double GradBuffers::norm(const float* grads, double dense_scale, double expert_scale) {
+  const double d = dense_scale * dense_norm_->compute(grads);
+  const double e = expert_norm_ ? expert_scale * expert_norm_->compute(grads) : 0.0;
   float sq = static_cast<float>(d * d + e * e);
   if (pp_) {  // each pipeline stage holds other parameters
     be_->copy_from_host(scratch_, &sq, sizeof(float));

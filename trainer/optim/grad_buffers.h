@@ -30,14 +30,20 @@ class GradBuffers {
   ~GradBuffers();
 
   void group_done(int group);
-  // 1-bit Adam's compressed steps exchange the dense gradient themselves (grad_buffer.h).
-  void set_reduce(bool reduce) { dense_->set_reduce(reduce); }
+  // 1-bit Adam's compressed steps and int8 exchange the gradients themselves (grad_buffer.h).
+  void set_reduce(bool reduce) {
+    dense_->set_reduce(reduce);
+    if (experts_) experts_->set_reduce(reduce);
+  }
   GradBuffer& dense() { return *dense_; }
+  GradBuffer* experts() { return experts_.get(); }  // null for a dense model
   void finish();
   void gather_params(void* params, DType type);
   const std::vector<GradRange>& owned() const { return owned_; }
   bool sharded() const { return dense_->sharded(); }
-  double norm(const float* grads);
+  // The global gradient norm; the dense and expert parts' norms are first multiplied by the
+  // scales (1-bit Adam's compressed phase estimates the reduced norm from local gradients).
+  double norm(const float* grads, double dense_scale = 1.0, double expert_scale = 1.0);
   size_t num_buckets() const { return dense_->num_buckets() + (experts_ ? experts_->num_buckets() : 0); }
 
   // The parts of the layout each buffer covers (offsets those of the whole buffer).

@@ -30,32 +30,38 @@
 //     all-gathered once, at the process's first compressed step) and sent by the same all-to-all
 //     (a compressed reduce-scatter); the owner averages its shards into the gradient estimate,
 //     updates m = beta1 m + (1 - beta1) d avg and its parameters with the frozen v, and the updated
-//     weights are all-gathered as usual (GradBuffer::gather_params). The server stage is not needed.
+//     weights are all-gathered as usual (GradBuffer::gather_params). The server stage is not needed
+//     (but for a tied embedding across pipeline stages, compressed_exchange.h).
 // The step's bytes on the DP wire fall from 2 (dp-1)/dp * 4 bytes per parameter (fp32 all-reduce)
 // to 2 (dp-1)/dp * (1/8 + 4/kSignBlock) (plain), or the reduce-scatter's (dp-1)/dp * 4 to
 // (dp-1)/dp * (1/8 + 4/kSignBlock) (distributed optimizer; the weight all-gather is unchanged).
 //
-// Replicas are not compressed: with tp > 1 the parameters replicated over the TP group (norms,
-// biases), and with pp > 1 a tied embedding (the first stage's and the last stage's copy). Each
-// holder lays them out at other offsets and cuts its shards elsewhere, so their compression blocks
-// would differ between holders and the replicas drift apart. Their x_i is averaged exactly by one
-// fp32 all-reduce per step (a few thousand elements for the norms; the whole embedding when it is
-// tied across stages, which then saves less), and they stay zero in the errors, like padding.
+// Layouts (compressed_exchange.h): the dense parameters cross the DP group, a MoE model's expert
+// parameters the expert-DP group, each part with its own plan and error feedback (with
+// expert-DP 1 the expert gradient is already whole: the part only forms its momentum). Parameters
+// replicated over TP are averaged exactly; a tied embedding held by two pipeline stages is
+// compressed in a piece of its own that both stages build and compute identically, so the two
+// copies get the same update bit for bit. Pipeline stages each exchange their own parameters over
+// their own DP group; the embedding group's sum of the tied gradients comes first (on the
+// gradients, PipelineModel::finish_tied_embedding), the exchange of the momentum after it.
 //
 // Gradient clipping is not applied in the compressed phase (the reduced gradient's norm is never
-// formed: that is the point); the logged grad_norm is then an estimate, dp times the norm of the
-// rank's local gradient (with the distributed optimizer: of the local shards, summed over DP).
+// formed: that is the point); the logged grad_norm is then an estimate, the group size times the
+// norm of the rank's local gradient (dp for dense parameters, expert-DP for experts; with the
+// distributed optimizer: of the local shards, summed over DP).
 //
-// State: the worker error (the whole buffer, per rank) and, plain, the server error (the rank's
+// State: the worker error (the whole part, per rank) and, plain, the server error (the rank's
 // shards), saved in checkpoints as CheckpointExtra tensors. The server error of an element is the
-// residual of its average, whoever owns it, so it reshards over any dp ("optim/onebit_server_error").
-// The worker error is one rank's own residual; its key names the rank, the dp and the mode
-// ("optim/onebit_worker_error/dp1of4" or ".../dp1of4_sharded"), so it resumes exactly under the same
-// data-parallel layout (any tp) and starts from zero, with a warning, under another. The frozen
-// variance is exp_avg_sq, and the warm-up progress the step count, both saved already.
+// residual of its average, whoever owns it, so it reshards over any dp ("optim/onebit_server_error";
+// the tied piece's "optim/onebit_server_error_tied"). The worker error is one rank's own residual;
+// its key names the rank, the group size and the mode ("optim/onebit_worker_error/dp1of4",
+// ".../dp1of4_sharded", experts ".../edp0of2_ep2"), so it resumes exactly under the same
+// data-parallel layout (any tp or pp) and starts from zero, with a warning, under another. The
+// frozen variance is exp_avg_sq, and the warm-up progress the step count, both saved already.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -63,75 +69,62 @@
 #include "trainer/config/config.h"
 #include "trainer/model/param_layout.h"
 #include "trainer/optim/adamw.h"
-#include "trainer/optim/compression.h"
-#include "trainer/optim/grad_buffer.h"
+#include "trainer/optim/compressed_exchange.h"
 
 namespace tetra {
 
 class Communicator;
-
-// The parameters whose x_i is averaged exactly rather than compressed (see above): those
-// replicated over TP (tp > 1), and a tied embedding held by two pipeline stages (pp > 1), in
-// buffer order.
-std::vector<GradRange> onebit_exact_ranges(const Config& cfg, const ParamLayout& layout);
+class GradBuffers;
+struct ProcessGroups;
 
 class OnebitAdam {
  public:
-  // `dp`: the data-parallel group (null or size 1: nothing is compressed, every step is exact).
-  OnebitAdam(const Config& cfg, const ParamLayout& layout, Backend& be, GradBuffer& grads, AdamW& adam,
-             Communicator* dp);
+  // `grads`: the dense and expert gradient buffers (their owned ranges are `adam`'s); the groups:
+  // DP for the dense part, expert-DP for the experts. A DP group of 1: every step is exact.
+  OnebitAdam(const Config& cfg, const ParamLayout& layout, Backend& be, GradBuffers& grads, AdamW& adam,
+             ProcessGroups& groups);
   ~OnebitAdam();
   OnebitAdam(const OnebitAdam&) = delete;
   OnebitAdam& operator=(const OnebitAdam&) = delete;
 
   // Whether step s (0-based) runs compressed: after the warm-up, with a DP group.
-  bool compressed(int64_t s) const { return dp_ != nullptr && s >= warmup_; }
+  bool compressed(int64_t s) const { return active_ && s >= warmup_; }
   // Distributed optimizer: whether the next compressed step first all-gathers the frozen variance
   // (once per process: its first compressed step, also after a resume).
-  bool gathers_variance() const { return sharded_ && !v_full_ready_; }
+  bool gathers_variance() const { return sharded_ && !v_host_; }
 
-  // The compressed step: `grads` holds this rank's unreduced gradient (GradBuffer::set_reduce(false));
+  // The compressed step: `grads` holds this rank's unreduced gradient (GradBuffers::set_reduce(false));
   // exchanges it as described above and updates the owned parameters (AdamW::step's arguments).
   // The compression runs on the host, on host views of the gradient and moments (the buffers
-  // themselves when backend memory is host memory, else copies made here; the gradient is copied
-  // back before the update). `dp` (constructor) is the data-parallel group's host-memory
-  // communicator; the frozen variance is gathered through the gradient buffer's.
+  // themselves when backend memory is host memory, else copies into staging allocated here at
+  // construction; the gradient is copied back before the update). The exchanges use the
+  // host-memory DP and expert-DP communicators; the frozen variance is gathered through the
+  // gradient buffers' (backend memory), and viewed on the host once.
   void step(float* master, float* grads, double lr, void* compute, DType compute_type);
 
   // The error-feedback buffers, for checkpoints (empty without a DP group).
   std::vector<CheckpointExtra> checkpoint_state();
 
  private:
-  const Config& cfg_;
-  Backend& be_;
-  GradBuffer& grad_buffer_;
+  // `buf` (total floats, backend memory) for the host: `buf` itself where backend memory is host
+  // memory, else `staging` after a copy.
+  float* host_view(const float* buf, std::vector<float>& staging);
+
+  GradBuffers& grad_buffers_;
   AdamW& adam_;
-  Communicator* dp_;
+  bool active_;
   int64_t warmup_;
   int64_t total_;
   bool sharded_;
-  ChunkPlan plan_;
-  std::vector<GradRange> mine_;    // this rank's shards (plan_.owned(rank))
-  int64_t mine_numel_ = 0;
-  std::vector<GradRange> excluded_full_;  // padding and TP-replicated parameters: not compressed,
-  std::vector<GradRange> excluded_mine_;  // kept at zero in the errors (the same within mine_)
-  std::vector<GradRange> replicated_;     // TP-replicated parameters (tp > 1), averaged exactly
-  int64_t replicated_numel_ = 0;
-  // Host memory (the compression loops run on the host; dp_ is the host-memory communicator),
-  // carved from host_f32_ and host_u16_:
-  float* replicated_sum_ = nullptr;       // (replicated_numel_)
-  float* worker_error_ = nullptr;  // (total)
-  float* server_error_ = nullptr;  // (mine_numel), plain only
-  float* avg_ = nullptr;           // (mine_numel)
-  uint16_t* send_ = nullptr;       // (dp * words), destination-major
-  uint16_t* recv_ = nullptr;       // (dp * words), source-major
-  std::vector<float> host_f32_;
-  std::vector<uint16_t> host_u16_;
-  // Staging for host views of backend buffers when backend memory is not host memory: the
-  // gradient, the variance (sharded: the gathered v_full_), the momentum (plain).
-  std::vector<float> host_grads_, host_v_, host_m_;
+  std::unique_ptr<CompressedExchange> dense_, experts_;
+  Backend& be_;
   float* v_full_ = nullptr;        // sharded: the whole frozen variance (total, backend memory), gathered once
-  bool v_full_ready_ = false;
+  // Host views (compressed_exchange.h runs on host memory): the frozen variance (total; set at
+  // the process's first compressed step and kept: AdamW::step_frozen_variance leaves v as it is), and,
+  // where backend memory is not host memory, staging for the gradient, the variance and (plain)
+  // the momentum, each (total), sized at construction.
+  const float* v_host_ = nullptr;
+  std::vector<float> host_grads_, host_v_, host_m_;
 };
 
 }  // namespace tetra

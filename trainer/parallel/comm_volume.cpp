@@ -5,7 +5,7 @@
 #include "trainer/optim/compression.h"
 #include "trainer/optim/grad_buffer.h"
 #include "trainer/optim/grad_buffers.h"
-#include "trainer/optim/onebit_adam.h"
+#include "trainer/optim/compressed_exchange.h"
 
 namespace tetra {
 
@@ -88,28 +88,29 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
       if (wte) v.embedding.add(CommOp::ALL_REDUCE, 1, wte->numel * 4);
     }
   }
-  // The reduction of a part of the gradient buffer over a group of `size` ranks; `compressible`:
-  // parallel.grad_compression applies (the dense part; MoE models do not compress).
-  auto reduction = [&](GroupVolume& g, const ParamLayout& part, int64_t size, GroupVolume& norm_group,
-                       bool compressible) {
+  // The reduction of a part of the gradient buffer over a group of `size` ranks; `bf16`: its
+  // buckets reduce in bf16 (the dense part); 1-bit Adam's compressed steps and int8 exchange both parts.
+  auto reduction = [&](GroupVolume& g, const ParamLayout& part, int64_t size, GroupVolume& norm_group, bool bf16) {
     if (size <= 1 || part.groups.empty()) return;
     const int64_t buckets = static_cast<int64_t>(plan_buckets(part, par.bucket_size).size());
     const int64_t numel = part.groups.back().second - part.groups.front().first;
     const CommOp reduce = par.distributed_optimizer ? CommOp::REDUCE_SCATTER : CommOp::ALL_REDUCE;
-    if (compressible && onebit_compressed) {
-      const int64_t message_bytes = size * plan_chunks(part, par.bucket_size, size).words * 2;
+    if (onebit_compressed || par.grad_compression == "int8") {
+      const ExchangePlan plan = plan_exchange(cfg, part, size);
+      const int64_t message_bytes = size * plan.chunks.words * 2;
       g.add(CommOp::ALL_TO_ALL, 1, message_bytes);
-      if (!par.distributed_optimizer) g.add(CommOp::ALL_GATHER, 1, message_bytes);
-      int64_t replicated = 0;  // replicated parameters: averaged exactly (onebit_adam.h)
-      for (const GradRange& r : onebit_exact_ranges(cfg, part)) replicated += r.numel;
-      if (replicated > 0) g.add(CommOp::ALL_REDUCE, 1, replicated * 4);
+      if (!par.distributed_optimizer)
+        g.add(CommOp::ALL_GATHER, 1, message_bytes);
+      else if (plan.tied_offset >= 0)  // the tied piece's server stage
+        g.add(CommOp::ALL_GATHER, 1, size * plan.tied_words * 2);
+      if (plan.exact_numel > 0) g.add(CommOp::ALL_REDUCE, 1, plan.exact_numel * 4);  // TP replicas, exact
       if (onebit_gather_variance) {  // GradBuffer::gather_params of the fp32 variance
         g.add(CommOp::ALL_GATHER, buckets, 0);
         g.payload_bytes[static_cast<int>(CommOp::ALL_GATHER)] += numel * 4;
       }
     } else {
       g.add(reduce, buckets, 0);
-      g.payload_bytes[static_cast<int>(reduce)] += numel * (compressible && par.grad_compression == "bf16" ? 2 : 4);
+      g.payload_bytes[static_cast<int>(reduce)] += numel * (bf16 ? 2 : 4);
     }
     if (par.distributed_optimizer) {
       g.add(CommOp::ALL_GATHER, buckets, 0);
@@ -117,7 +118,7 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
       norm_group.add(CommOp::ALL_REDUCE, 1, 4);  // gradient norm over the shards
     }
   };
-  reduction(v.dp, layout_part(layout, false), par.dp, v.dp, true);
+  reduction(v.dp, layout_part(layout, false), par.dp, v.dp, par.grad_compression == "bf16");
   if (par.dp > 1) v.dp.add(CommOp::ALL_REDUCE, 1, 4);  // the step's loss
   const MoeConfig& moe = cfg.model.moe;
   if (moe.enabled()) {

@@ -31,11 +31,12 @@
 // all-to-alls: the per-expert counts, the tokens' dispatch and combine forward, and the same two
 // for the gradients backward; the tokens' payload depends on the routing (only the calls are
 // predicted).
-// Gradient compression (parallel.grad_compression): bf16 halves the bucket reductions' payload;
-// onebit's compressed steps (after its warm-up) replace them by one all-to-all of every rank's
-// 1-bit shards (compression.h's ChunkPlan: dp messages of `words` 2-byte words) and, without the
-// distributed optimizer, one all-gather of the same size, plus one fp32 all-reduce of the
-// replicated parameters when there are any (onebit_exact_ranges, onebit_adam.h).
+// Gradient compression (parallel.grad_compression): bf16 halves the dense bucket reductions'
+// payload; onebit's compressed steps (after its warm-up), and every int8 step, replace the reductions of each part
+// (dense over dp, experts over edp) by one all-to-all of every rank's 1-bit shards (compressed_exchange.h's
+// ExchangePlan: group-size messages of `words` 2-byte words) and, without the distributed optimizer,
+// one all-gather of the same size (with it: of the tied embedding's piece, when a pipeline holds
+// one), plus one fp32 all-reduce of the TP-replicated parameters when there are any.
 #pragma once
 
 #include <array>

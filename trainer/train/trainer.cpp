@@ -69,8 +69,9 @@ ParamLayout rank_layout(const Config& cfg, int64_t tp_rank, int64_t pp_rank, int
   slicing.ep = cfg.parallel.ep;
   slicing.ep_rank = ep_rank;
   slicing.sequence_parallel = cfg.parallel.sequence_parallel;
-  // Buckets split into dp aligned shards: the distributed optimizer's, and onebit's chunks.
-  const bool shards = cfg.parallel.distributed_optimizer || cfg.parallel.grad_compression == "onebit";
+  // Buckets split into dp aligned shards: the distributed optimizer's, and onebit's and int8's chunks.
+  const bool shards = cfg.parallel.distributed_optimizer || cfg.parallel.grad_compression == "onebit" ||
+                      cfg.parallel.grad_compression == "int8";
   slicing.group_align = shards ? 16 * cfg.parallel.dp : 16;
   return ParamLayout::build(cfg.model, slicing, stage_slice(cfg, pp_rank));
 }
@@ -87,12 +88,15 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   m.compute = act == DType::F32 ? 0 : n * dtype_size(act);
   m.grads = n * 4;
   m.optimizer = shard * 8;
-  // Gradient compression's buffers (grad_buffer.h, onebit_adam.h): the bf16 copy of the buffer;
-  // the worker error (n), the server error and average (n / dp each), two 1-bit messages.
+  // Gradient compression's buffers (grad_buffer.h, compressed_exchange.h): the bf16 copy of the buffer;
+  // the worker error and the scaled input (n each), the server error and average (n / dp each),
+  // two 1-bit messages.
   const size_t dp = static_cast<size_t>(cfg.parallel.dp);
   if (dp > 1 && cfg.parallel.grad_compression == "bf16") m.grads += n * 2;
   if (dp > 1 && cfg.parallel.grad_compression == "onebit")  // + the whole frozen variance when sharded
-    m.optimizer += n * 4 + 2 * (n / dp) * 4 + n / 2 + (cfg.parallel.distributed_optimizer ? n * 4 : 0);
+    m.optimizer += 2 * n * 4 + 2 * (n / dp) * 4 + n / 2 + (cfg.parallel.distributed_optimizer ? n * 4 : 0);
+  if (dp > 1 && cfg.parallel.grad_compression == "int8")  // the same buffers, int8 messages
+    m.optimizer += 2 * n * 4 + 2 * (n / dp) * 4 + 2 * n;
   m.activations = PipelineModel::activation_bytes_for(cfg, pp_rank);
   m.batch = static_cast<size_t>(cfg.grad_accum_steps() * B * T) * 12;  // tokens, targets, losses
   if (samples_enabled(cfg))  // the sampling model's arena and its (T) ids and two logit rows
@@ -185,7 +189,9 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   optimizer_ = std::make_unique<AdamW>(cfg.optimizer, layout_, *be_, grad_buffer_->owned(),
                                        optimizer_owns_master, master_);
   if (cfg.parallel.grad_compression == "onebit")
-    onebit_ = std::make_unique<OnebitAdam>(cfg, layout_, *be_, grad_buffer_->dense(), *optimizer_, groups.dp.get());
+    onebit_ = std::make_unique<OnebitAdam>(cfg, layout_, *be_, *grad_buffer_, *optimizer_, groups);
+  if (cfg.parallel.grad_compression == "int8")
+    int8_ = std::make_unique<CompressedReduction>(cfg, *be_, *grad_buffer_, groups);
   if (optimizer_owns_master) {
     be_->free(master_);
     master_ = nullptr;
@@ -259,8 +265,9 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                                                        predicted_.ep.describe())
                                          : std::string());
   if (onebit_ && onebit_->compressed(cfg.training.steps))
-    spdlog::info("communication per step after the {} warm-up steps of onebit (predicted): dp: {}",
-                 cfg.parallel.onebit_warmup_steps, predict_step_volume(cfg, layout_, true).dp.describe());
+    spdlog::info("communication per step after the {} warm-up steps of onebit (predicted): dp: {}{}",
+                 cfg.parallel.onebit_warmup_steps, predict_step_volume(cfg, layout_, true).dp.describe(),
+                 cfg.model.moe.enabled() ? "; edp: " + predict_step_volume(cfg, layout_, true).edp.describe() : "");
 
   nlohmann::ordered_json start;
   start["event"] = "start";
@@ -277,6 +284,7 @@ Trainer::~Trainer() {
   sampler_.reset();
   sample_model_.reset();
   onebit_.reset();
+  int8_.reset();
   optimizer_.reset();
   grad_buffer_.reset();
   model_.reset();
@@ -302,6 +310,7 @@ CheckpointBuffers Trainer::checkpoint_buffers() {
   b.compute = compute_;
   b.compute_type = act_;
   if (onebit_) b.extra = onebit_->checkpoint_state();
+  if (int8_) b.extra = int8_->checkpoint_state();
   return b;
 }
 
@@ -498,11 +507,14 @@ void Trainer::run() {
     const auto t0 = std::chrono::steady_clock::now();
     const std::vector<CommStats> comm_before = comm_snapshot();
     const bool compressed = onebit_ && onebit_->compressed(s);  // 1-bit Adam past its warm-up
-    grad_buffer_->set_reduce(!compressed);
+    grad_buffer_->set_reduce(!compressed && !int8_);
     predicted_ = predict_step_volume(cfg_, layout_, compressed, compressed && onebit_->gathers_variance());
     const double loss = train_step(s);
-    // Compressed: the unreduced local gradient's norm, times dp, as an estimate (onebit_adam.h).
-    const double norm = grad_buffer_->norm(grads_) * (compressed ? static_cast<double>(cfg_.parallel.dp) : 1.0);
+    if (int8_) int8_->reduce(grads_, s);  // the step's gradient reduction, compressed
+    // Compressed: the unreduced local gradient's norm, times the group size, as an estimate (onebit_adam.h).
+    const double dp = static_cast<double>(cfg_.parallel.dp);
+    const double norm = compressed ? grad_buffer_->norm(grads_, dp, dp / static_cast<double>(cfg_.parallel.ep))
+                                   : grad_buffer_->norm(grads_);
     // A non-finite or spiking loss or norm: the update is skipped, the gradients dropped.
     const StepVerdict verdict = guard.check(s + 1, loss, norm);
     if (!dump_dir_.empty() && s == 0) {

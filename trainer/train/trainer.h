@@ -23,6 +23,7 @@
 #include "trainer/optim/grad_buffer.h"
 #include "trainer/parallel/pipeline_runner.h"
 #include "trainer/optim/grad_buffers.h"
+#include "trainer/optim/compressed_reduction.h"
 #include "trainer/optim/onebit_adam.h"
 #include "trainer/train/metrics.h"
 
@@ -118,6 +119,7 @@ class Trainer {
   std::unique_ptr<GradBuffers> grad_buffer_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<OnebitAdam> onebit_;  // parallel.grad_compression onebit
+  std::unique_ptr<CompressedReduction> int8_;  // parallel.grad_compression int8
   GroupDoneHook group_done_;
   StepVolume predicted_;
   std::shared_ptr<SampleSource> train_source_, valid_source_;
