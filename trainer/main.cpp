@@ -85,7 +85,10 @@ void print_dry_run(const tetra::Config& cfg) {
                  mib(tetra::plan_memory(cfg, tetra::rank_layout(cfg, 0, r), r).total()));
     }
   }
-  fmt::print("memory per rank:   {}{}\n", mib(mem.total()), par.pp > 1 ? " (pipeline rank 0)" : "");
+  fmt::print("memory per rank:   {}{}{}\n", mib(mem.total()), par.pp > 1 ? " (pipeline rank 0)" : "",
+             mem.on_device && mem.compression
+                 ? fmt::format(": {} on the GPU, {} on the host", mib(mem.device_bytes()), mib(mem.host_bytes()))
+                 : std::string());
   fmt::print("  master weights   {} (fp32{})\n", mib(mem.master),
              par.distributed_optimizer && cfg.training.precision != "fp32" ? ", 1/dp shard" : "");
   if (mem.compute) fmt::print("  compute weights  {} ({})\n", mib(mem.compute), cfg.training.precision);
@@ -101,6 +104,9 @@ void print_dry_run(const tetra::Config& cfg) {
   }
   fmt::print("  activations      {} (micro-batch {}, logits included)\n", mib(mem.activations),
              cfg.training.micro_batch_size);
+  if (mem.compression)
+    fmt::print("  compression      {} ({}: error feedback and messages{}, host memory)\n", mib(mem.compression),
+               par.grad_compression, mem.on_device ? ", staging of the gradient and moments" : "");
   fmt::print("  batch buffers    {}\n", mib(mem.batch));
   if (mem.sampling)
     fmt::print("  sampling         {} (micro-batch 1 model for the text samples)\n", mib(mem.sampling));

@@ -88,15 +88,20 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   m.compute = act == DType::F32 ? 0 : n * dtype_size(act);
   m.grads = n * 4;
   m.optimizer = shard * 8;
-  // Gradient compression's buffers (grad_buffer.h, compressed_exchange.h): the bf16 copy of the buffer;
-  // the worker error and the scaled input (n each), the server error and average (n / dp each),
-  // two 1-bit messages.
+  // Gradient compression's buffers (grad_buffer.h, compressed_exchange.h): the bf16 copy of the buffer
+  // (backend memory); onebit / int8 on the host: the worker error and the scaled input (n each), the
+  // server error and average (n / dp each), the two messages (1 bit or 1 byte per element) and, for
+  // sharded onebit, the whole frozen variance; on a GPU also the host staging of the gradient (and
+  // for onebit of the variance, and for plain onebit of the momentum).
   const size_t dp = static_cast<size_t>(cfg.parallel.dp);
+  m.on_device = cfg.training.device != "cpu";
   if (dp > 1 && cfg.parallel.grad_compression == "bf16") m.grads += n * 2;
-  if (dp > 1 && cfg.parallel.grad_compression == "onebit")  // + the whole frozen variance when sharded
-    m.optimizer += 2 * n * 4 + 2 * (n / dp) * 4 + n / 2 + (cfg.parallel.distributed_optimizer ? n * 4 : 0);
-  if (dp > 1 && cfg.parallel.grad_compression == "int8")  // the same buffers, int8 messages
-    m.optimizer += 2 * n * 4 + 2 * (n / dp) * 4 + 2 * n;
+  const bool onebit = cfg.parallel.grad_compression == "onebit", int8 = cfg.parallel.grad_compression == "int8";
+  if (dp > 1 && (onebit || int8)) {
+    m.compression = 2 * n * 4 + 2 * (n / dp) * 4 + (onebit ? n / 2 : 2 * n);
+    if (onebit && cfg.parallel.distributed_optimizer) m.compression += n * 4;
+    if (m.on_device) m.compression += n * 4 + (onebit ? n * 4 : 0) + (onebit && !cfg.parallel.distributed_optimizer ? n * 4 : 0);
+  }
   m.activations = PipelineModel::activation_bytes_for(cfg, pp_rank);
   m.batch = static_cast<size_t>(cfg.grad_accum_steps() * B * T) * 12;  // tokens, targets, losses
   if (samples_enabled(cfg))  // the sampling model's arena and its (T) ids and two logit rows
@@ -122,14 +127,19 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   const MemoryPlan plan = plan_memory(cfg, layout_, groups.coord.pp);
   const double physical = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
   const double ranks_here = static_cast<double>(std::min<int64_t>(groups.grid.world(), local_ranks()));
-  if (physical > 0 && static_cast<double>(plan.total()) * ranks_here > 0.95 * physical)
+  if (physical > 0 && static_cast<double>(plan.host_bytes()) * ranks_here > 0.95 * physical)
     throw InputError(fmt::format(
-        "the run needs {:.1f} GiB per rank x {} ranks on this machine ({:.1f} GiB of activations for "
-        "training.micro_batch_size {}) but it has {:.1f} GiB of memory: lower "
-        "training.micro_batch_size (use global_batch_size for gradient accumulation), model.seq_len "
-        "or the model size, or use more tensor parallelism / the distributed optimizer",
-        plan.total() / 1073741824.0, ranks_here, plan.activations / 1073741824.0, B,
-        physical / 1073741824.0));
+        "the run needs {:.1f} GiB of host memory per rank x {} ranks on this machine ({}) but it has "
+        "{:.1f} GiB of memory: {}",
+        plan.host_bytes() / 1073741824.0, ranks_here,
+        plan.on_device ? "gradient compression's buffers"
+                       : fmt::format("{:.1f} GiB of activations for training.micro_batch_size {}",
+                                     plan.activations / 1073741824.0, B),
+        physical / 1073741824.0,
+        plan.on_device ? "use parallel.grad_compression bf16 or none, or more ranks per model (tp, pp)"
+                       : "lower training.micro_batch_size (use global_batch_size for gradient accumulation), "
+                         "model.seq_len or the model size, or use more tensor parallelism / the distributed "
+                         "optimizer"));
   // Data first: a missing or malformed dataset is reported before anything large is allocated.
   const int64_t total_train_samples = cfg.training.steps * cfg.training.global_batch_size;
   train_source_ = make_train_source(cfg, total_train_samples);
@@ -247,10 +257,13 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                cfg.training.global_batch_size, cfg.training.global_batch_size * T, cfg.training.steps,
                stats.train_flops_per_token / 1e9);
   spdlog::info("memory per rank: {:.1f} MiB (weights {:.1f}, grads {:.1f}, optimizer {:.1f}, activations "
-               "{:.1f}); peak {:.1f} GFLOP/s per rank ({})",
+               "{:.1f}{}); peak {:.1f} GFLOP/s per rank ({})",
                plan.total() / 1048576.0, (plan.master + plan.compute) / 1048576.0, plan.grads / 1048576.0,
-               plan.optimizer / 1048576.0, plan.activations / 1048576.0, rank_peak / 1e9,
-               device.peak_source);
+               plan.optimizer / 1048576.0, plan.activations / 1048576.0,
+               plan.compression ? fmt::format(", gradient compression {:.1f}{}", plan.compression / 1048576.0,
+                                              plan.on_device ? " on the host" : "")
+                                : std::string(),
+               rank_peak / 1e9, device.peak_source);
   if (sampler_)
     spdlog::info("samples: at each evaluation, up to {} tokens after \"{}\" (temperature {}, top-k {}, "
                  "seed {}, tokenizer {})",

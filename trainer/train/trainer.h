@@ -40,7 +40,15 @@ class PipelineModel;
 struct MemoryPlan {
   size_t master = 0, compute = 0, grads = 0, optimizer = 0, activations = 0, batch = 0;
   size_t sampling = 0;  // the micro-batch-1 model of the text samples (when they are on)
-  size_t total() const { return master + compute + grads + optimizer + activations + batch + sampling; }
+  // onebit / int8 gradient compression: error feedback, messages and (on a GPU) the staging copies
+  // of the gradient and moments. Always host memory: the compression runs on the host.
+  size_t compression = 0;
+  bool on_device = false;  // training.device is a GPU: everything but `compression` is GPU memory
+  size_t total() const {
+    return master + compute + grads + optimizer + activations + batch + sampling + compression;
+  }
+  size_t device_bytes() const { return on_device ? total() - compression : 0; }
+  size_t host_bytes() const { return on_device ? compression : total(); }
 };
 
 // Text samples at evaluations: sample.prompt and data.tokenizer set, and training.eval_steps > 0.
