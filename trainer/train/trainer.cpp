@@ -167,7 +167,9 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   master_ = static_cast<float*>(be_->alloc(n * 4));
   grads_ = static_cast<float*>(be_->alloc(n * 4));
   be_->memset_zero(grads_, n * 4);
-  {
+  if (be_->host_memory()) {
+    init_params(layout_, cfg.model, cfg.training.seed, master_);
+  } else {
     std::vector<float> host(n);
     init_params(layout_, cfg.model, cfg.training.seed, host.data());
     be_->copy_from_host(master_, host.data(), n * 4);

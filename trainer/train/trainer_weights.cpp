@@ -3,6 +3,7 @@
 // gathered to the writing rank), and the final weights at the end of a run.
 #include <chrono>
 #include <cstring>
+#include <deque>
 
 #include <spdlog/spdlog.h>
 
@@ -14,8 +15,17 @@
 namespace tetra {
 
 void Trainer::dump_tensors(const std::string& file, const float* buffer) {
-  std::vector<float> host(static_cast<size_t>(layout_.total));
-  be_->copy_to_host(host.data(), buffer, host.size() * 4);
+  // Memory: a tensor held whole by this rank is written straight from the buffer (host memory) or
+  // from one host copy of it (a GPU's); only TP/EP-split tensors are assembled, one at a time into
+  // storage kept until the write. The writing rank holds at most one model-sized copy beyond the
+  // run's own buffers (on a GPU: the host copy), not two.
+  std::vector<float> host_copy;
+  const float* host = buffer;
+  if (!be_->host_memory()) {
+    host_copy.resize(static_cast<size_t>(layout_.total));
+    be_->copy_to_host(host_copy.data(), buffer, host_copy.size() * 4);
+    host = host_copy.data();
+  }
   Communicator& tp = *groups_.tp;
   Communicator& ep = *groups_.ep;
   const int p = tp.size(), q = ep.size();
@@ -24,63 +34,63 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer) {
   for (int e = 0; e < q; ++e)
     for (int t = 0; t < p; ++t)
       layouts[e].push_back(e == groups_.coord.ep && t == tp.rank() ? layout_ : rank_layout(cfg_, t, groups_.coord.pp, e));
-  std::vector<TensorRecord> records;
+  std::deque<std::vector<float>> assembled;  // storage of the tensors put together here
+  std::vector<TensorView> views;
+  auto numel_of = [](const std::vector<int64_t>& shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return n;
+  };
+  const bool writes = tp.rank() == 0 && groups_.coord.ep == 0;
   for (size_t i = 0; i < layout_.params.size(); ++i) {
     const ParamSpec& spec = layout_.params[i];
     if (spec.stage_copy) continue;  // the first stage's original is written
-    int64_t global = 1;
-    for (int64_t d : spec.global_shape) global *= d;
+    const int64_t global = numel_of(spec.global_shape);
+    const float* whole = host + spec.offset;  // a tensor this rank holds whole
     // Slices held by other ranks: TP slices over the TP group, then experts over the EP group
     // (EP rank e's TP slices at [e p, (e+1) p) when both).
     const int tparts = spec.tp_split ? p : 1, eparts = spec.ep_split ? q : 1;
-    std::vector<float> slices(static_cast<size_t>(spec.numel) * tparts * eparts);
-    if (tparts > 1)
-      tp.all_gather(slices.data(), host.data() + spec.offset, spec.numel, DType::F32);
-    else
-      std::memcpy(slices.data(), host.data() + spec.offset, static_cast<size_t>(spec.numel) * 4);
-    if (eparts > 1) {
-      std::vector<float> mine(slices.begin(), slices.begin() + spec.numel * tparts);
-      ep.all_gather(slices.data(), mine.data(), spec.numel * tparts, DType::F32);
-    }
-    if (tp.rank() != 0 || groups_.coord.ep != 0) continue;
-    TensorRecord r;
-    r.name = spec.name;
-    r.dtype = DType::F32;
-    r.shape = spec.global_shape;
-    r.data.resize(static_cast<size_t>(global) * 4);
-    float* out = reinterpret_cast<float*>(r.data.data());
-    for (int e = 0; e < eparts; ++e)
-      for (int t = 0; t < tparts; ++t) {
-        const ParamSpec& qs = layouts[spec.ep_split ? e : groups_.coord.ep][spec.tp_split ? t : tp.rank()].params[i];
-        const float* src = slices.data() + static_cast<size_t>(e * tparts + t) * spec.numel;
-        for (int64_t k = 0; k < qs.numel; ++k) out[qs.global_index(k)] = src[k];
+    if (tparts > 1 || eparts > 1) {
+      std::vector<float> slices(static_cast<size_t>(spec.numel) * tparts * eparts);
+      if (tparts > 1)
+        tp.all_gather(slices.data(), host + spec.offset, spec.numel, DType::F32);
+      else
+        std::memcpy(slices.data(), host + spec.offset, static_cast<size_t>(spec.numel) * 4);
+      if (eparts > 1) {
+        std::vector<float> mine(slices.begin(), slices.begin() + spec.numel * tparts);
+        ep.all_gather(slices.data(), mine.data(), spec.numel * tparts, DType::F32);
       }
-    records.push_back(std::move(r));
+      if (!writes) continue;
+      std::vector<float>& out = assembled.emplace_back(static_cast<size_t>(global));
+      for (int e = 0; e < eparts; ++e)
+        for (int t = 0; t < tparts; ++t) {
+          const ParamSpec& qs = layouts[spec.ep_split ? e : groups_.coord.ep][spec.tp_split ? t : tp.rank()].params[i];
+          const float* src = slices.data() + static_cast<size_t>(e * tparts + t) * spec.numel;
+          for (int64_t k = 0; k < qs.numel; ++k) out[static_cast<size_t>(qs.global_index(k))] = src[k];
+        }
+      whole = out.data();
+    }
+    if (writes) views.push_back(TensorView{spec.name, DType::F32, spec.global_shape, whole});
   }
   // Pipeline: TP rank 0 of every later stage sends its stage's tensors to the first stage.
   Communicator& pp = *groups_.pp;
-  if (pp.size() > 1 && tp.rank() == 0 && groups_.coord.ep == 0) {
+  if (pp.size() > 1 && writes) {
     if (pp.rank() > 0) {
-      for (const TensorRecord& r : records)
-        pp.send(r.data.data(), static_cast<int64_t>(r.data.size() / 4), DType::F32, 0);
+      for (const TensorView& v : views) pp.send(v.data, numel_of(v.shape), DType::F32, 0);
     } else {
       for (int s = 1; s < pp.size(); ++s)
         for (const ParamSpec& spec : rank_layout(cfg_, 0, s).params) {
           if (spec.stage_copy) continue;
-          TensorRecord r;
-          r.name = spec.name;
-          r.dtype = DType::F32;
-          r.shape = spec.global_shape;
-          int64_t global = 1;
-          for (int64_t d : spec.global_shape) global *= d;
-          r.data.resize(static_cast<size_t>(global) * 4);
-          pp.recv(r.data.data(), global, DType::F32, s);
-          records.push_back(std::move(r));
+          const int64_t global = numel_of(spec.global_shape);
+          std::vector<float>& out = assembled.emplace_back(static_cast<size_t>(global));
+          pp.recv(out.data(), global, DType::F32, s);
+          views.push_back(TensorView{spec.name, DType::F32, spec.global_shape, out.data()});
         }
     }
   }
-  if (writer_) write_safetensors(file, records);
+  if (writer_) write_safetensors(file, views);
 }
+
 
 void Trainer::save_final_weights() {
   const std::string path = final_weights_path(cfg_);
