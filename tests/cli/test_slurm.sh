@@ -73,7 +73,9 @@ pgrep -f "ompi-server --no-daemonize -r $dir/" >/dev/null && fail "rank 0 left i
 # No silent hangs under srun either: rank 2 hangs at the start of step 3 (test-only, see
 # trainer/dist/watchdog.h); the watchdog (4 s) ends the step with exit 3 and srun reports it,
 # with pmix and with the rendezvous bootstrap (whose singletons need --kill-on-bad-exit).
-# Margin: start-up (~1 s) + timeout + the watchdog's grace (1 s) + srun's teardown.
+# Margin: start-up (~1 s) + timeout + the watchdog's grace (1 s) + srun's teardown, ~8 s on an
+# idle machine; the bound is 45 s because ctest runs this beside other tests on 2 cores (4 ranks
+# started under load took over 20 s once), and a real hang runs into `timeout 60` (exit 124).
 for mode in pmix rendezvous; do
   case=hang_$mode
   dir="$scratch/$case"
@@ -91,7 +93,7 @@ for mode in pmix rendezvous; do
   took=$(($(date +%s) - t0))
   echo "[$case] srun ended after $took s with exit code $rc"
   [[ $rc -ne 0 && $rc -ne 124 ]] || fail "srun exited $rc (124: it hung)"
-  [[ $took -le 20 ]] || fail "srun took $took s, more than 20 s"
+  [[ $took -le 45 ]] || fail "srun took $took s, more than 45 s"
   grep -q "watchdog: rank 2 \[tp0 pp0 dp1 ep0 | r2\] has been in step 3 .*not waiting in any collective" "$dir/stderr" ||
     fail "no watchdog report naming rank 2; stderr: $(cat "$dir/stderr")"
   grep -q "Exited with exit code 3" "$dir/stderr" || fail "srun does not report the watchdog's exit code 3"
