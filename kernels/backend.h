@@ -67,6 +67,21 @@ class Backend {
   // dbias[j] += sum_i dout[i, j]. dout (N, OC) of type act; dbias F32 (OC).
   virtual void bias_backward(float* dbias, const void* dout, int64_t N, int64_t OC, DType act) = 0;
 
+  // The two GEMMs of a GELU MLP that the GELU can ride on (cuBLASLt's GELU / DGELU epilogues):
+  //   gemm_gelu:  pre = op(A)·op(B) + bias;  out = gelu(pre)      (pre is kept for backward)
+  //   gemm_dgelu: dpre = (op(A)·op(B)) * gelu'(pre)                  (dpre may not alias pre)
+  // A, B, bias (may be null), pre, out, dpre of type act; pre, out, dpre (M, N) contiguous;
+  // alpha 1, beta 0 (nothing is read from the outputs). Equal to gemm followed by gelu_forward /
+  // gelu_backward, except that a fused epilogue applies the GELU (or its derivative) to the fp32
+  // accumulator, where the unfused order rounds it to act first: in bf16 the results may differ
+  // by about one bf16 rounding of the product, in fp32 by the GELU's own rounding.
+  virtual void gemm_gelu(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                         const void* A, int64_t lda, const void* B, int64_t ldb,
+                         const void* bias, void* pre, void* out, DType act) = 0;
+  virtual void gemm_dgelu(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                          const void* A, int64_t lda, const void* B, int64_t ldb,
+                          const void* pre, void* dpre, DType act) = 0;
+
   // ---- embeddings ----------------------------------------------------------------------------
   // out[b,t,:] = wte[tokens[b,t] - v0, :] + (wpe ? wpe[t, :] : 0). out (B,T,C) act; wte (Vl,C)
   // holds the vocabulary rows [v0, v0 + Vl) (all of it: v0 = 0, Vl = V); wpe (T,C) of type w.

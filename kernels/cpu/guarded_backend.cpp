@@ -161,6 +161,16 @@ class GuardedBackend final : public Backend {
     Open o(*this, "add", {{out, "out"}, {a, "a"}, {b, "b"}});
     inner_->add(out, a, b, n, act);
   }
+  void gemm_gelu(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
+                 const void* B, int64_t ldb, const void* bias, void* pre, void* out, DType act) override {
+    Open o(*this, "gemm_gelu", {{A, "A"}, {B, "B"}, {bias, "bias"}, {pre, "pre"}, {out, "out"}});
+    inner_->gemm_gelu(trans_a, trans_b, M, N, K, A, lda, B, ldb, bias, pre, out, act);
+  }
+  void gemm_dgelu(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
+                  const void* B, int64_t ldb, const void* pre, void* dpre, DType act) override {
+    Open o(*this, "gemm_dgelu", {{A, "A"}, {B, "B"}, {pre, "pre"}, {dpre, "dpre"}});
+    inner_->gemm_dgelu(trans_a, trans_b, M, N, K, A, lda, B, ldb, pre, dpre, act);
+  }
   void gelu_forward(void* y, const void* x, int64_t n, DType act) override {
     Open o(*this, "gelu_forward", {{y, "y"}, {x, "x"}});
     inner_->gelu_forward(y, x, n, act);

@@ -82,6 +82,12 @@ class CudaBackend final : public Backend {
                      int64_t N, int64_t C, DType act, DType w) override;
 
   void add(void* out, const void* a, const void* b, int64_t n, DType act) override;
+  void gemm_gelu(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const void* A,
+                 int64_t lda, const void* B, int64_t ldb, const void* bias, void* pre, void* out,
+                 DType act) override;
+  void gemm_dgelu(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const void* A,
+                  int64_t lda, const void* B, int64_t ldb, const void* pre, void* dpre,
+                  DType act) override;
   void gelu_forward(void* y, const void* x, int64_t n, DType act) override;
   void gelu_backward(void* dx, const void* x, const void* dy, int64_t n, DType act) override;
   void swiglu_forward(void* y, const void* x, int64_t N, int64_t F, DType act) override;

@@ -33,9 +33,19 @@
 // key (shape, leading dimensions, transposes, types, epilogue, and the alignment of each pointer,
 // which the heuristic needs since an algorithm may require 16-byte aligned operands) and reused:
 // the first call for a key queries cublasLtMatmulAlgoGetHeuristic once, later calls only enqueue.
-// A GELU epilogue (CUBLASLT_EPILOGUE_GELU_AUX_BIAS: the pre-activation saved as the auxiliary
-// output for backward) fits the same scheme: one more LtEpilogue value, the aux pointer and its
-// leading dimension set on the descriptor per call like the bias pointer.
+//
+// GELU epilogues (gemm_gelu / gemm_dgelu, the two GEMMs of a GELU MLP): forward
+// CUBLASLT_EPILOGUE_GELU_AUX_BIAS (or GELU_AUX without a bias) writes gelu(A·B + bias) to D and
+// the pre-activation A·B + bias to the auxiliary matrix; backward CUBLASLT_EPILOGUE_DGELU reads
+// the pre-activation as its auxiliary input and writes (A·B) * gelu'(pre). The auxiliary matrix
+// has D's layout (column-major (N, M), ld N), which cuBLASLt wants divisible by 8; the aux
+// pointer is set per call like the bias pointer. Each saves a full read and write of the (M, N)
+// activation against a separate GELU kernel. cuBLASLt's GELU is the tanh approximation, applied to
+// the fp32 accumulator before the one rounding to the output type; its tanh is not documented to
+// fp32 accuracy, so the epilogues serve 16-bit activations only, where the output rounding
+// (2^-8) dominates, and fp32 (the reference precision) keeps the exact GELU kernels. Where a
+// shape has no such algorithm (or N % 8 != 0) the plain product and the GELU kernels run
+// instead, the order the CPU backend uses.
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -61,7 +71,10 @@ inline void check_cublas(cublasStatus_t status, const char* what, const char* fi
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLASLt's workspace (split-K partials)
 constexpr int64_t kStagingFloats = int64_t{4} << 20;  // 16 MiB: fp32 tiles of an f32 -> bf16 GEMM
 
-enum class LtEpilogue : uint8_t { NONE, BIAS };
+enum class LtEpilogue : uint8_t { NONE, BIAS, GELU_AUX, GELU_AUX_BIAS, DGELU };
+
+bool has_bias(LtEpilogue e) { return e == LtEpilogue::BIAS || e == LtEpilogue::GELU_AUX_BIAS; }
+bool has_aux(LtEpilogue e) { return e == LtEpilogue::GELU_AUX || e == LtEpilogue::GELU_AUX_BIAS || e == LtEpilogue::DGELU; }
 
 struct LtKey {
   bool trans_a, trans_b;
@@ -69,12 +82,14 @@ struct LtKey {
   DType ab_type, c_type;
   int64_t M, N, K, lda, ldb, ldc;
   uint16_t align_a, align_b, align_c, align_bias;  // bytes, powers of two up to 256
+  uint16_t align_aux = 0;
 
   bool operator==(const LtKey& o) const {
     return trans_a == o.trans_a && trans_b == o.trans_b && epilogue == o.epilogue &&
            ab_type == o.ab_type && c_type == o.c_type && M == o.M && N == o.N && K == o.K &&
            lda == o.lda && ldb == o.ldb && ldc == o.ldc && align_a == o.align_a &&
-           align_b == o.align_b && align_c == o.align_c && align_bias == o.align_bias;
+           align_b == o.align_b && align_c == o.align_c && align_bias == o.align_bias &&
+           align_aux == o.align_aux;
   }
 };
 
@@ -89,17 +104,21 @@ struct LtKeyHash {
     for (int64_t v : {k.M, k.N, k.K, k.lda, k.ldb, k.ldc}) mix(static_cast<uint64_t>(v));
     mix(uint64_t(k.align_a) | uint64_t(k.align_b) << 16 | uint64_t(k.align_c) << 32 |
         uint64_t(k.align_bias) << 48);
+    mix(k.align_aux);
     return static_cast<size_t>(h);
   }
 };
 
 // One cached matmul: descriptor, layouts of cuBLASLt's A (our B), B (our A) and C = D, the
-// chosen algorithm, and whether the bias epilogue is in it.
+// chosen algorithm, and which epilogue it has (`usable` false: a GELU plan cuBLASLt has no
+// algorithm for, remembered so the heuristic is not asked again).
 struct LtPlan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
   bool bias_epilogue = false;
+  bool aux_epilogue = false;
+  bool usable = true;
 
   void destroy() {
     if (desc) cublasLtMatmulDescDestroy(desc);
@@ -108,7 +127,7 @@ struct LtPlan {
     if (c) cublasLtMatrixLayoutDestroy(c);
     desc = nullptr;
     a = b = c = nullptr;
-    bias_epilogue = false;
+    bias_epilogue = aux_epilogue = false;
   }
 };
 
@@ -163,11 +182,11 @@ void set_pref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t
 }
 
 // Builds the descriptor and layouts for `k` and asks the heuristic for its best algorithm.
-// `bias` (for an epilogue plan) is the pointer the heuristic reads the alignment from. Returns
+// `bias` and `aux` (for an epilogue plan) are the pointers the heuristic reads the alignment from. Returns
 // false, with nothing left allocated and the heuristic's status, when cuBLASLt offers no
 // algorithm (a refused epilogue may show as NOT_SUPPORTED or INVALID_VALUE, or as no result).
-bool make_plan(cublasLtHandle_t handle, const LtKey& k, const void* bias, LtPlan& plan,
-               cublasStatus_t& heuristic_status) {
+bool make_plan(cublasLtHandle_t handle, const LtKey& k, const void* bias, const void* aux,
+               LtPlan& plan, cublasStatus_t& heuristic_status) {
   plan = LtPlan{};
   cublasLtMatmulPreference_t pref = nullptr;
   try {
@@ -182,11 +201,22 @@ bool make_plan(cublasLtHandle_t handle, const LtKey& k, const void* bias, LtPlan
     TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, ab, k.trans_a ? k.M : k.K,
                                                   k.trans_a ? k.K : k.M, k.lda));
     TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, c, k.N, k.M, k.ldc));
-    if (k.epilogue == LtEpilogue::BIAS) {
-      set_desc(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, uint32_t{CUBLASLT_EPILOGUE_BIAS});
+    if (k.epilogue != LtEpilogue::NONE) {
+      uint32_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+      if (k.epilogue == LtEpilogue::GELU_AUX) epilogue = CUBLASLT_EPILOGUE_GELU_AUX;
+      if (k.epilogue == LtEpilogue::GELU_AUX_BIAS) epilogue = CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+      if (k.epilogue == LtEpilogue::DGELU) epilogue = CUBLASLT_EPILOGUE_DGELU;
+      set_desc(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
+    }
+    if (has_bias(k.epilogue)) {
       set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(c));
       set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
       plan.bias_epilogue = true;
+    }
+    if (has_aux(k.epilogue)) {  // the auxiliary matrix: D's layout, C's type
+      set_desc(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
+      set_desc(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, int64_t{k.ldc});
+      plan.aux_epilogue = true;
     }
 
     TETRA_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -221,17 +251,23 @@ bool make_plan(cublasLtHandle_t handle, const LtKey& k, const void* bias, LtPlan
 }
 
 // The cached plan for `k`. A key asking for the bias epilogue where cuBLASLt has no algorithm
-// with it gets a plan without it (bias_epilogue false: the caller adds the bias).
-LtPlan& find_plan(CudaGemmState& st, LtKey k, const void* bias) {
+// with it gets a plan without it (bias_epilogue false: the caller adds the bias); a GELU key
+// without an algorithm gets an unusable plan (the caller runs the product and the GELU apart).
+LtPlan& find_plan(CudaGemmState& st, LtKey k, const void* bias, const void* aux) {
   auto it = st.plans.find(k);
   if (it != st.plans.end()) return it->second;
   LtPlan plan;
   cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
-  bool ok = make_plan(st.handle, k, bias, plan, status);
+  bool ok = make_plan(st.handle, k, bias, aux, plan, status);
+  if (!ok && has_aux(k.epilogue)) {
+    plan = LtPlan{};
+    plan.usable = false;
+    return st.plans.emplace(k, plan).first->second;
+  }
   if (!ok && k.epilogue == LtEpilogue::BIAS) {
     LtKey plain = k;
     plain.epilogue = LtEpilogue::NONE;
-    ok = make_plan(st.handle, plain, nullptr, plan, status);
+    ok = make_plan(st.handle, plain, nullptr, nullptr, plan, status);
   }
   TETRA_CHECK(ok,
               "gemm: cuBLASLt has no algorithm for trans_a={} trans_b={} M={} N={} K={} lda={} "
@@ -251,12 +287,33 @@ bool lt_matmul(CudaGemmState& st, cudaStream_t stream, bool trans_a, bool trans_
   const LtKey key{trans_a, trans_b, epilogue_bias ? LtEpilogue::BIAS : LtEpilogue::NONE,
                   ab_type, c_type, M, N, K, lda, ldb, ldc, alignment_of(A), alignment_of(B),
                   alignment_of(C), epilogue_bias ? alignment_of(epilogue_bias) : uint16_t{0}};
-  LtPlan& plan = find_plan(st, key, epilogue_bias);
+  LtPlan& plan = find_plan(st, key, epilogue_bias, nullptr);
   if (plan.bias_epilogue) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, epilogue_bias);
   TETRA_CUBLAS_CHECK(cublasLtMatmul(st.handle, plan.desc, &alpha, B, plan.a, A, plan.b, &beta, C,
                                     plan.c, C, plan.c, &plan.algo, st.workspace, kWorkspaceBytes,
                                     stream));
   return plan.bias_epilogue;
+}
+
+// Enqueues a GELU-epilogue product (GELU_AUX[_BIAS] or DGELU: `epilogue`) of contiguous (M, N)
+// outputs: D = C, aux = the pre-activation (written forward, read backward). Returns false,
+// having enqueued nothing, where cuBLASLt has no algorithm for it.
+bool lt_matmul_gelu(CudaGemmState& st, cudaStream_t stream, LtEpilogue epilogue, bool trans_a,
+                    bool trans_b, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
+                    const void* B, int64_t ldb, DType type, void* C, const void* bias,
+                    const void* aux) {
+  const LtKey key{trans_a, trans_b, epilogue, type, type, M, N, K, lda, ldb, N, alignment_of(A),
+                  alignment_of(B), alignment_of(C), bias ? alignment_of(bias) : uint16_t{0},
+                  alignment_of(aux)};
+  LtPlan& plan = find_plan(st, key, bias, aux);
+  if (!plan.usable) return false;
+  if (plan.bias_epilogue) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
+  set_desc(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
+  const float alpha = 1.0f, beta = 0.0f;
+  TETRA_CUBLAS_CHECK(cublasLtMatmul(st.handle, plan.desc, &alpha, B, plan.a, A, plan.b, &beta, C,
+                                    plan.c, C, plan.c, &plan.algo, st.workspace, kWorkspaceBytes,
+                                    stream));
+  return true;
 }
 
 // ---- small kernels around the product ---------------------------------------------------------
@@ -479,6 +536,43 @@ void CudaBackend::bias_backward(float* dbias, const void* dout, int64_t N, int64
     else
       launch_bias_backward<T, 1>(dbias, d, N, OC, sc.data, sc.floats, stream);
   });
+}
+
+}  // namespace tetra
+
+namespace tetra {
+
+void CudaBackend::gemm_gelu(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                            const void* A, int64_t lda, const void* B, int64_t ldb,
+                            const void* bias, void* pre, void* out, DType act) {
+  using namespace cuda::lt_gemm;
+  TETRA_CHECK(pre != out, "gemm_gelu: pre and out must be different buffers (backward reads pre)");
+  TETRA_CHECK(M >= 0 && N >= 0 && K > 0, "gemm_gelu: need M, N >= 0 and K > 0, got M={} N={} K={}",
+              M, N, K);
+  if (M == 0 || N == 0) return;
+  if (act == DType::BF16 && N % 8 == 0 &&
+      lt_matmul_gelu(gemm_state(), cuda::as_stream(stream_),
+                     bias ? LtEpilogue::GELU_AUX_BIAS : LtEpilogue::GELU_AUX, trans_a, trans_b, M,
+                     N, K, A, lda, B, ldb, act, out, bias, pre))
+    return;
+  gemm(trans_a, trans_b, M, N, K, 1.0f, A, lda, B, ldb, act, 0.0f, pre, N, act, bias);
+  gelu_forward(out, pre, M * N, act);
+}
+
+void CudaBackend::gemm_dgelu(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                             const void* A, int64_t lda, const void* B, int64_t ldb,
+                             const void* pre, void* dpre, DType act) {
+  using namespace cuda::lt_gemm;
+  TETRA_CHECK(pre != dpre, "gemm_dgelu: dpre must not alias pre");
+  TETRA_CHECK(M >= 0 && N >= 0 && K > 0, "gemm_dgelu: need M, N >= 0 and K > 0, got M={} N={} K={}",
+              M, N, K);
+  if (M == 0 || N == 0) return;
+  if (act == DType::BF16 && N % 8 == 0 &&
+      lt_matmul_gelu(gemm_state(), cuda::as_stream(stream_), LtEpilogue::DGELU, trans_a, trans_b,
+                     M, N, K, A, lda, B, ldb, act, dpre, nullptr, pre))
+    return;
+  gemm(trans_a, trans_b, M, N, K, 1.0f, A, lda, B, ldb, act, 0.0f, dpre, N, act, nullptr);
+  gelu_backward(dpre, pre, dpre, M * N, act);
 }
 
 }  // namespace tetra

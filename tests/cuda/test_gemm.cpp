@@ -216,4 +216,93 @@ TEST_CASE("cuda bias_backward vs cpu, deterministic", "[cuda][gemm]") {
   }
 }
 
+// gemm_gelu / gemm_dgelu: bf16 through cuBLASLt's GELU_AUX[_BIAS] / DGELU epilogues (N % 8 == 0),
+// fp32 and N % 8 != 0 through the product and the GELU kernels. Against the CPU's unfused order:
+//   pre: as gemm (acc = 4 (K + 4) u S, plus each side's bf16 rounding 2^-7 |ref| in bf16);
+//   out = gelu(pre): the GPU applies GELU to the fp32 accumulator, the CPU to its bf16-rounded
+//     pre, so they differ by |gelu'| <= 1.13 times pre's difference (acc S + 2^-8 |pre|), plus
+//     cuBLASLt's tanh (taken as accurate to 2^-11 relative, the hardware tanh.approx bound:
+//     0.5 |pre| 2^-11), plus each side's final rounding (2^-7 |ref|);
+//   dpre = g gelu'(pre), g = op(A)·op(B): the CPU rounds g to bf16 first (2^-8 |g|), gelu' is off
+//     by at most 2^-10 (1 + |pre|) under the approximate tanh, plus the final roundings.
+// In fp32 both backends run the same shared GELU math on the same pre, so only acc counts
+// (scaled by 1.13, plus 2e-7 (1 + |pre|) for the two backends' tanh evaluation orders).
+TEST_CASE("cuda gemm_gelu / gemm_dgelu vs cpu: epilogues in bf16, unfused in fp32 and odd N",
+          "[cuda][gemm]") {
+  Backends& be = backends();
+  struct Shape { int64_t M, N, K; };
+  const Shape shapes[] = {{17, 64, 33}, {128, 96, 64}, {65, 24, 771}, {33, 13, 17}, {1, 8, 1}};
+  uint64_t seed = 5000;
+  for (const Shape& sh : shapes)
+    for (int t = 0; t < 4; ++t)
+      for (bool with_bias : {false, true})
+        for (DType act : {DType::F32, DType::BF16}) {
+          const bool ta = t & 1, tb = (t >> 1) & 1;
+          INFO("gemm_gelu ta=" << ta << " tb=" << tb << " M=" << sh.M << " N=" << sh.N << " K=" << sh.K
+                               << " bias=" << with_bias << " " << dtype_name(act));
+          const int64_t lda = ta ? sh.M : sh.K, ldb = tb ? sh.K : sh.N;
+          const float scale = 1.5f / std::sqrt(static_cast<float>(sh.K));
+          Twin A(random_values(static_cast<size_t>(sh.M * sh.K), seed += 7), act);
+          Twin B(random_values(static_cast<size_t>(sh.K * sh.N), seed += 7, scale), act);
+          Twin bias(random_values(static_cast<size_t>(sh.N), seed += 7, 0.5f), act);
+          const size_t mn = static_cast<size_t>(sh.M * sh.N);
+          Twin pre(mn, act), out(mn, act), dpre(mn, act), dpre2(mn, act);
+          Twin pre_in(random_values(mn, seed += 7, 3.0f), act);
+          const void* bc = with_bias ? bias.cpu() : nullptr;
+          const void* bg = with_bias ? bias.gpu() : nullptr;
+          be.cpu->gemm_gelu(ta, tb, sh.M, sh.N, sh.K, A.cpu(), lda, B.cpu(), ldb, bc, pre.cpu(), out.cpu(), act);
+          be.gpu->gemm_gelu(ta, tb, sh.M, sh.N, sh.K, A.gpu(), lda, B.gpu(), ldb, bg, pre.gpu(), out.gpu(), act);
+          be.cpu->gemm_dgelu(ta, tb, sh.M, sh.N, sh.K, A.cpu(), lda, B.cpu(), ldb, pre_in.cpu(), dpre.cpu(), act);
+          be.gpu->gemm_dgelu(ta, tb, sh.M, sh.N, sh.K, A.gpu(), lda, B.gpu(), ldb, pre_in.gpu(), dpre.gpu(), act);
+          be.gpu->gemm_dgelu(ta, tb, sh.M, sh.N, sh.K, A.gpu(), lda, B.gpu(), ldb, pre_in.gpu(), dpre2.gpu(), act);
+          REQUIRE(dpre.gpu_values() == dpre2.gpu_values());  // reruns are bitwise equal
+
+          const std::vector<float> a = A.cpu_values(), b = B.cpu_values(), bv = bias.cpu_values(),
+                                   pin = pre_in.cpu_values();
+          const std::vector<float> ref_pre = pre.cpu_values(), got_pre = pre.gpu_values(),
+                                   ref_out = out.cpu_values(), got_out = out.gpu_values(),
+                                   ref_d = dpre.cpu_values(), got_d = dpre.gpu_values();
+          const bool half = act != DType::F32;
+          const double acc = 4.0 * static_cast<double>(sh.K + 4) * kU;
+          size_t bad = 0;
+          std::string first;
+          for (int64_t m = 0; m < sh.M; ++m)
+            for (int64_t n = 0; n < sh.N; ++n) {
+              double s = 0.0, g = 0.0;
+              for (int64_t k = 0; k < sh.K; ++k) {
+                const double x = a[static_cast<size_t>(ta ? k * lda + m : m * lda + k)];
+                const double y = b[static_cast<size_t>(tb ? n * ldb + k : k * ldb + n)];
+                s += std::fabs(x * y);
+                g += x * y;
+              }
+              const size_t i = static_cast<size_t>(m * sh.N + n);
+              const double sp = s + (with_bias ? std::fabs(bv[static_cast<size_t>(n)]) : 0.0);
+              const double p = ref_pre[i];
+              double tol_pre = acc * sp, tol_out, tol_d;
+              if (half) {
+                tol_pre += std::fabs(p) / 128.0;
+                tol_out = 1.13 * (acc * sp + std::fabs(p) / 256.0) + std::fabs(p) / 4096.0 +
+                          std::fabs(ref_out[i]) / 128.0;
+                tol_d = 1.13 * (acc * s + std::fabs(g) / 256.0) +
+                        std::fabs(g) * (1.0 + std::fabs(pin[i])) / 1024.0 + std::fabs(ref_d[i]) / 128.0;
+              } else {
+                tol_out = 1.13 * acc * sp + 2e-7 * (1.0 + std::fabs(p)) + 2.0 * kU * std::fabs(ref_out[i]);
+                tol_d = 1.13 * acc * s + 2e-7 * (1.0 + std::fabs(pin[i])) * std::fabs(g) +
+                        2.0 * kU * std::fabs(ref_d[i]);
+              }
+              const struct { const char* what; double ref, got, tol; } checks[] = {
+                  {"pre", ref_pre[i], got_pre[i], tol_pre},
+                  {"out", ref_out[i], got_out[i], tol_out},
+                  {"dpre", ref_d[i], got_d[i], tol_d}};
+              for (const auto& c : checks)
+                if (!(std::fabs(c.got - c.ref) <= c.tol + 1e-30)) {
+                  if (bad++ == 0)
+                    first = fmt::format("{} at ({}, {}): cpu {} cuda {} tol {}", c.what, m, n, c.ref, c.got, c.tol);
+                }
+            }
+          INFO(bad << " values out of tolerance; first: " << first);
+          REQUIRE(bad == 0);
+        }
+}
+
 }  // namespace tetra::cuda_testing

@@ -338,12 +338,15 @@ void Gpt::forward_blocks(const void* weights, int64_t slot, const int32_t* token
       continue;
     }
     // fc = ln2 W_fc^T + b          column-parallel                              (N, FC)
-    be_.gemm(false, true, N, d.FC, d.C, 1.0f, s.ln2, d.C, w(weights, p.fc_w), d.C, t, 0.0f, s.fc,
-             d.FC, t, w(weights, p.fc_b));
-    if (swiglu_)
+    // act = swiglu(fc) (N, F), or gelu(fc) with the GELU in the GEMM's epilogue where it can be
+    if (swiglu_) {
+      be_.gemm(false, true, N, d.FC, d.C, 1.0f, s.ln2, d.C, w(weights, p.fc_w), d.C, t, 0.0f, s.fc,
+               d.FC, t, w(weights, p.fc_b));
       be_.swiglu_forward(s.act, s.fc, N, d.F, t);
-    else
-      be_.gelu_forward(s.act, s.fc, N * d.F, t);
+    } else {
+      be_.gemm_gelu(false, true, N, d.FC, d.C, s.ln2, d.C, w(weights, p.fc_w), d.C, w(weights, p.fc_b),
+                    s.fc, s.act, t);
+    }
     // res[l+1] = res_mid + act W_p^T + b   row-parallel                        (Ns, C)
     y = row_target(sl.res[l + 1]);
     if (fused_residual) be_.copy(y, s.res_mid, shard_bytes);
@@ -414,15 +417,17 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
       moe_[static_cast<size_t>(slot)]->backward(d.l0 + l, weights, grads, s.ln2, dout, dx);
       done(p.expert_group);
     } else {
-      be_.gemm(false, false, N, d.F, d.C, 1.0f, dout, d.C, w(weights, p.mlp_proj_w), d.F, t, 0.0f,
-               a.dact, d.F, t);
+      // dfc = swiglu'(dout W_p) through dact, or gelu'(fc) * (dout W_p) in the GEMM's epilogue
+      if (swiglu_) {
+        be_.gemm(false, false, N, d.F, d.C, 1.0f, dout, d.C, w(weights, p.mlp_proj_w), d.F, t, 0.0f,
+                 a.dact, d.F, t);
+        be_.swiglu_backward(a.dfc, s.fc, a.dact, N, d.F, t);
+      } else {
+        be_.gemm_dgelu(false, false, N, d.F, d.C, dout, d.C, w(weights, p.mlp_proj_w), d.F, s.fc, a.dfc, t);
+      }
       be_.gemm(true, false, d.C, d.F, N, 1.0f, dout, d.C, s.act, d.F, t, 1.0f, g(p.mlp_proj_w), d.F,
                DType::F32);
       if (p.mlp_proj_b >= 0) be_.bias_backward(g(p.mlp_proj_b), dout, N, d.C, t);
-      if (swiglu_)
-        be_.swiglu_backward(a.dfc, s.fc, a.dact, N, d.F, t);
-      else
-        be_.gelu_backward(a.dfc, s.fc, a.dact, N * d.F, t);
       be_.gemm(false, false, N, d.C, d.FC, 1.0f, a.dfc, d.FC, w(weights, p.fc_w), d.C, t, 0.0f, dx,
                d.C, t);
       be_.gemm(true, false, d.FC, d.C, N, 1.0f, a.dfc, d.FC, s.ln2, d.C, t, 1.0f, g(p.fc_w), d.C,
