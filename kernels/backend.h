@@ -38,6 +38,9 @@ class Backend {
   // memory on the host when it is true must copy when it is false (the guarded-memory test
   // backend, kernels/cpu/guarded_backend.h, says false, and checks it).
   virtual bool host_memory() const { return false; }
+  // For ops with more than one implementation: which ones have run so far, in words (e.g. the
+  // CUDA backend's attention path, cuDNN or its own kernels). Empty where there is no choice.
+  virtual std::string kernel_report() const { return ""; }
 
   // ---- memory ------------------------------------------------------------------------------
   // Allocations happen while the run is planned, never inside the step loop.

@@ -60,6 +60,7 @@ class GuardedBackend final : public Backend {
   }
 
   std::string name() const override { return "cpu-guarded"; }
+  std::string kernel_report() const override { return inner_->kernel_report(); }
   bool host_memory() const override { return false; }
 
   // ---- memory ------------------------------------------------------------------------------

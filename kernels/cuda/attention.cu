@@ -36,6 +36,20 @@ std::string CudaBackend::attention_path() const {
   return attention_ ? attention_->last_path : "none";
 }
 
+std::string CudaBackend::attention_report() const {
+  if (!attention_ || (attention_->forward_paths.empty() && attention_->backward_paths.empty())) return "";
+  auto join = [](const std::set<std::string>& paths) {
+    std::string out;
+    for (const std::string& p : paths) out += (out.empty() ? "" : " and ") + p;
+    return out.empty() ? std::string("not run") : out;
+  };
+  std::string r = fmt::format("attention forward {}, backward {}", join(attention_->forward_paths),
+                              join(attention_->backward_paths));
+  if (!attention_->fallback_reason.empty())
+    r += fmt::format(" (cuDNN passed over for {})", attention_->fallback_reason);
+  return r;
+}
+
 namespace cuda::attn {
 
 void fused_forward(const Dims& d, DType act, void* out, float* lse, const void* qkv,
@@ -197,15 +211,18 @@ void CudaBackend::attention_forward(void* out, float* lse, const void* qkv, int6
     }
     if (why.empty()) {
       st.last_path = "cudnn";
+      st.forward_paths.insert("cudnn");
       return;
     }
     if (mode == AttnMode::CUDNN)
       throw Error(fmt::format("attention_forward: TETRA_ATTENTION=cudnn, but cuDNN has no SDPA "
                               "plan for {}: {}",
                               shape_text(d, act), why));
+    if (st.fallback_reason.empty()) st.fallback_reason = shape_text(d, act) + ": " + why;
   }
   cuda::attn::fused_forward(d, act, out, lse, qkv, stream);
   st.last_path = "fused";
+  st.forward_paths.insert("fused");
 }
 
 void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* qkv,
@@ -224,12 +241,14 @@ void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* q
     }
     if (why.empty()) {
       st.last_path = "cudnn";
+      st.backward_paths.insert("cudnn");
       return;
     }
     if (mode == AttnMode::CUDNN)
       throw Error(fmt::format("attention_backward: TETRA_ATTENTION=cudnn, but cuDNN has no SDPA "
                               "plan for {}: {}",
                               shape_text(d, act), why));
+    if (st.fallback_reason.empty()) st.fallback_reason = shape_text(d, act) + ": " + why;
   }
   // D scratch (B, NH, T), grown at the first sight of a larger shape (waiting for work that may
   // still read the old buffer).
@@ -244,6 +263,7 @@ void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* q
   }
   cuda::attn::fused_backward(d, act, dqkv, dout, qkv, out, lse, st.d_rows, stream);
   st.last_path = "fused";
+  st.backward_paths.insert("fused");
 }
 
 }  // namespace tetra

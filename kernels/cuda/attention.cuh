@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "kernels/cuda/common.cuh"
@@ -78,6 +79,8 @@ namespace tetra {
 // Owned by CudaBackend (created at the first attention or RoPE op).
 struct CudaAttentionState {
   std::string last_path = "none";  // "cudnn" or "fused" after the first attention op
+  std::set<std::string> forward_paths, backward_paths;  // every path taken so far
+  std::string fallback_reason;  // why cuDNN was passed over the first time it was (auto mode)
   float* d_rows = nullptr;         // grow-only (B, NH, T) scratch of the fused backward
   size_t d_rows_floats = 0;
   std::unique_ptr<cuda::attn::CudnnSdpa, cuda::attn::CudnnSdpaDeleter> cudnn;  // on first use

@@ -32,6 +32,13 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   stream_ = s;
 }
 
+std::string CudaBackend::kernel_report() const {
+  std::string out;
+  for (const std::string& part : {attention_report(), gemm_report()})
+    if (!part.empty()) out += (out.empty() ? "" : "; ") + part;
+  return out;
+}
+
 CudaBackend::~CudaBackend() {
   // Kernel-file state first (it may hold device memory and handles bound to the stream).
   if (stream_) cudaStreamSynchronize(cuda::as_stream(stream_));

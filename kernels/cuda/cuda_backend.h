@@ -48,8 +48,10 @@ class CudaBackend final : public Backend {
   bool host_memory() const override { return false; }
   int device() const { return device_; }
   void* stream() const { return stream_; }  // cudaStream_t
-  // "cudnn" or "fused" for the attention path the last attention op took (logged by the trainer).
+  // "cudnn" or "fused" for the attention path the last attention op took.
   std::string attention_path() const;
+  // Which implementations ran (attention paths, GELU epilogue or kernels; the trainer logs it).
+  std::string kernel_report() const override;
   // Bytes currently allocated through alloc(), and the most ever allocated at once.
   size_t allocated_bytes() const { return allocated_; }
   size_t peak_allocated_bytes() const { return peak_allocated_; }
@@ -139,6 +141,8 @@ class CudaBackend final : public Backend {
 
   // For the kernel files: the state each owns, created on first use.
   CudaGemmState& gemm_state();
+  std::string gemm_report() const;       // gemm.cu
+  std::string attention_report() const;  // attention.cu
   CudaAttentionState& attention_state();
   CudaScratch& scratch();
   CudaFusedState& fused_state();

@@ -137,6 +137,7 @@ struct CudaGemmState {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;  // kWorkspaceBytes
   float* staging = nullptr;   // kStagingFloats, allocated at the first f32 -> bf16 GEMM
+  bool gelu_fused = false, gelu_unfused = false;  // which GELU paths gemm_gelu / gemm_dgelu took
   std::unordered_map<cuda::lt_gemm::LtKey, cuda::lt_gemm::LtPlan, cuda::lt_gemm::LtKeyHash> plans;
 };
 
@@ -553,8 +554,11 @@ void CudaBackend::gemm_gelu(bool trans_a, bool trans_b, int64_t M, int64_t N, in
   if (act == DType::BF16 && N % 8 == 0 &&
       lt_matmul_gelu(gemm_state(), cuda::as_stream(stream_),
                      bias ? LtEpilogue::GELU_AUX_BIAS : LtEpilogue::GELU_AUX, trans_a, trans_b, M,
-                     N, K, A, lda, B, ldb, act, out, bias, pre))
+                     N, K, A, lda, B, ldb, act, out, bias, pre)) {
+    gemm_state().gelu_fused = true;
     return;
+  }
+  gemm_state().gelu_unfused = true;
   gemm(trans_a, trans_b, M, N, K, 1.0f, A, lda, B, ldb, act, 0.0f, pre, N, act, bias);
   gelu_forward(out, pre, M * N, act);
 }
@@ -569,10 +573,19 @@ void CudaBackend::gemm_dgelu(bool trans_a, bool trans_b, int64_t M, int64_t N, i
   if (M == 0 || N == 0) return;
   if (act == DType::BF16 && N % 8 == 0 &&
       lt_matmul_gelu(gemm_state(), cuda::as_stream(stream_), LtEpilogue::DGELU, trans_a, trans_b,
-                     M, N, K, A, lda, B, ldb, act, dpre, nullptr, pre))
+                     M, N, K, A, lda, B, ldb, act, dpre, nullptr, pre)) {
+    gemm_state().gelu_fused = true;
     return;
+  }
+  gemm_state().gelu_unfused = true;
   gemm(trans_a, trans_b, M, N, K, 1.0f, A, lda, B, ldb, act, 0.0f, dpre, N, act, nullptr);
   gelu_backward(dpre, pre, dpre, M * N, act);
+}
+
+std::string CudaBackend::gemm_report() const {
+  if (!gemm_ || (!gemm_->gelu_fused && !gemm_->gelu_unfused)) return "";
+  if (gemm_->gelu_fused && gemm_->gelu_unfused) return "MLP GELU in cuBLASLt's epilogue and (some shapes) in GELU kernels";
+  return gemm_->gelu_fused ? "MLP GELU in cuBLASLt's epilogue" : "MLP GELU in GELU kernels";
 }
 
 }  // namespace tetra

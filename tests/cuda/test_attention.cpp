@@ -259,6 +259,8 @@ TEST_CASE("cuda attention: path selection and its errors", "[cuda][attention]") 
     {  // auto (the default): cuDNN for bf16 at HS 64 (a shape it must take), fused for fp32
       gpu.attention_forward(out.gpu(), lse.gpu_f32(), qkv.gpu(), B, T, NH, NKV, HS, act);
       REQUIRE(gpu.attention_path() == (act == DType::BF16 ? "cudnn" : "fused"));
+      REQUIRE_THAT(gpu.kernel_report(), Catch::Contains("attention forward") &&
+                                            Catch::Contains(act == DType::BF16 ? "cudnn" : "fused"));
     }
     {
       AttentionMode mode("fused");

@@ -118,6 +118,10 @@ def main():
                 print(r.stdout[-3000:], r.stderr[-3000:])
                 check(False, f"{name}: cuda run exit code {r.returncode}")
                 continue
+            log = r.stdout + r.stderr
+            check("kernels: attention forward" in log, f"{name}: the log names the attention path that ran")
+            if model == "gpt2":  # a GELU MLP: the log says where its GELU ran
+                check("MLP GELU" in log, f"{name}: the log names where the MLP's GELU ran")
             r, cpu = run(args, name + "_cpu", config(model, precision, "cpu"))
             if cpu is None:
                 print(r.stdout[-3000:], r.stderr[-3000:])

@@ -598,6 +598,10 @@ void Trainer::run() {
     }
     metrics_->write(m);
     if ((s + 1) % tc.log_every == 0 || last || m.val_loss) spdlog::info("{}", MetricsWriter::format_line(m));
+    if (s == start_step_ && writer_) {  // which implementations the first step ran, where there is a choice
+      const std::string kernels = be_->kernel_report();
+      if (!kernels.empty()) spdlog::info("kernels: {}", kernels);
+    }
     if (m.sample)
       spdlog::info("sample: \"{}\" -> \"{}\"", escape_text(cfg_.sample.prompt), escape_text(*m.sample));
 
