@@ -212,6 +212,7 @@ bench() {
   kill $sampler 2>/dev/null
   wait $sampler 2>/dev/null
   { echo "--- $run/metrics.jsonl"; cat "$run/metrics.jsonl" 2>/dev/null; } >>"$log"
+  grep -o "kernels: .*" "$log" | head -1 | sed "s/^/  $name: /" | tee -a "$OUT/summary.txt"
   python3 - "$name" "$run" "$rc" <<'EOF' | tee -a "$OUT/summary.txt"
 import json, os, statistics, sys
 name, run, rc = sys.argv[1], sys.argv[2], sys.argv[3]
