@@ -155,13 +155,26 @@ struct AdamParams {
   float grad_scale;
 };
 
+// a * b + c rounded once, where the target has fused multiply-add (every GPU; x86 built with FMA,
+// as -march=native does on any AVX2 machine; ARMv8). Written out, not left to the compilers'
+// contraction, which may fuse different products on the host and the device: the AdamW update
+// below is then the same bits on both backends.
+TETRA_HD float fused_mul_add(float a, float b, float c) {
+#if defined(__CUDA_ARCH__) || defined(__FMA__) || defined(__aarch64__)
+  return fmaf(a, b, c);
+#else
+  return a * b + c;  // no FMA unit: a software fmaf would dominate a memory-bound loop
+#endif
+}
+
 TETRA_HD float adamw_update(float& param, float& m, float& v, float grad, const AdamParams& a) {
-  float g = grad * a.grad_scale;
-  m = a.beta1 * m + (1.0f - a.beta1) * g;
-  v = a.beta2 * v + (1.0f - a.beta2) * g * g;
-  float m_hat = m / a.bias_correction1;
-  float v_hat = v / a.bias_correction2;
-  param -= a.lr * (a.weight_decay * param + m_hat / (sqrtf(v_hat) + a.eps));
+  const float g = grad * a.grad_scale;
+  m = fused_mul_add(a.beta1, m, (1.0f - a.beta1) * g);
+  v = fused_mul_add(a.beta2, v, (1.0f - a.beta2) * g * g);
+  const float m_hat = m / a.bias_correction1;
+  const float v_hat = v / a.bias_correction2;
+  const float step = fused_mul_add(a.weight_decay, param, m_hat / (sqrtf(v_hat) + a.eps));
+  param = fused_mul_add(-a.lr, step, param);
   return param;
 }
 
