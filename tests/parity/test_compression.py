@@ -152,16 +152,21 @@ def dp_payload(rec, op):
     return rec["comm"]["dp"]["measured"].get(op, {}).get("payload_bytes", 0)
 
 
+def check_near_none(name, mode, got, none, first, step_rtol, last_rtol):
+    """`mode`'s losses against none's on the same layout (last_run records), from step `first`: each
+    within step_rtol, the last within last_rtol."""
+    L = lambda s, k: s[k][1]["loss"]
+    worst = max(rel(L(got, k), L(none, k)) for k in range(first, STEPS + 1))
+    last = rel(L(got, STEPS), L(none, STEPS))
+    check(worst <= step_rtol and last <= last_rtol,
+          f"{name}: {mode} losses within {step_rtol} of none (worst {worst:.2e}), last within {last_rtol} ({last:.2e})")
+
+
 def check_int8(name, lay, none, int8, expert_groups=()):
     """int8 against none on the same layout (INT8_STEP_RTOL): losses, and the bytes on the wire."""
     if not (none and int8):
         return
-    L = lambda s, k: s[k][1]["loss"]
-    worst = max(rel(L(int8, k), L(none, k)) for k in range(1, STEPS + 1))
-    last = rel(L(int8, STEPS), L(none, STEPS))
-    check(worst <= INT8_STEP_RTOL and last <= INT8_LAST_RTOL,
-          f"{name}: int8 losses within {INT8_STEP_RTOL} of none (worst {worst:.2e}), last within {INT8_LAST_RTOL} "
-          f"({last:.2e})")
+    check_near_none(name, "int8", int8, none, 1, INT8_STEP_RTOL, INT8_LAST_RTOL)
     check(any(int8[k][0] != none[k][0] for k in range(2, STEPS + 1)), f"{name}: int8 quantisation changes the losses")
     steps = range(2, STEPS + 1)
     for group in ("dp",) + tuple(expert_groups):
@@ -204,11 +209,7 @@ def pipelines_and_experts(args, w):
         bitwise = all(onebit[k][0] == none[k][0] for k in range(1, WARMUP + 1))
         check(worst <= WARMUP_RTOL, f"{name}: onebit's {WARMUP} warm-up steps equal none's within {WARMUP_RTOL} "
                                     f"(worst {worst:.1e}{', bitwise' if bitwise else ''})")
-        worst = max(rel(L(onebit, k), L(none, k)) for k in range(WARMUP + 1, STEPS + 1))
-        last = rel(L(onebit, STEPS), L(none, STEPS))
-        check(worst <= ONEBIT_STEP_RTOL and last <= ONEBIT_LAST_RTOL,
-              f"{name}: onebit losses within {ONEBIT_STEP_RTOL} of none (worst {worst:.2e}), last within "
-              f"{ONEBIT_LAST_RTOL} ({last:.2e})")
+        check_near_none(name, "onebit", onebit, none, WARMUP + 1, ONEBIT_STEP_RTOL, ONEBIT_LAST_RTOL)
         # Global rank 0's bytes (first pipeline stage; DP and, for experts, expert-DP), from the
         # second compressed step (the distributed optimizer's first one also gathers the variance).
         after = range(WARMUP + 2, STEPS + 1)
@@ -293,11 +294,7 @@ def main():
         check(any(bf16[k][0] != none[k][0] for k in range(2, STEPS + 1)), f"{lname}: bf16 rounding changes the losses")
         same_warmup = all(onebit[k][0] == none[k][0] for k in range(1, WARMUP + 1))
         check(same_warmup, f"{lname}: onebit's {WARMUP} warm-up steps are exact Adam (bitwise equal to none)")
-        worst = max(rel(L(onebit, k), L(none, k)) for k in range(WARMUP + 1, STEPS + 1))
-        last = rel(L(onebit, STEPS), L(none, STEPS))
-        check(worst <= ONEBIT_STEP_RTOL and last <= ONEBIT_LAST_RTOL,
-              f"{lname}: onebit losses within {ONEBIT_STEP_RTOL} of none (worst {worst:.2e}), last within "
-              f"{ONEBIT_LAST_RTOL} ({last:.2e})")
+        check_near_none(lname, "onebit", onebit, none, WARMUP + 1, ONEBIT_STEP_RTOL, ONEBIT_LAST_RTOL)
 
         # From the second compressed step: with the distributed optimizer the first one also
         # all-gathers the frozen variance, once (predicted, and checked above with every step).
