@@ -15,3 +15,18 @@ finish() {  # finish <what passed>
   if [[ $failures -ne 0 ]]; then echo "$failures failure(s)"; exit 1; fi
   echo "all $1 passed"
 }
+py=/usr/bin/python3  # Debian's, with numpy (whatever python3 comes first on PATH)
+
+# with_mpi: for the tests that launch mpirun: it may run as root (containers, CI), one OpenMP
+# thread per rank, and $mpirun is $MPIRUN or else mpirun.
+with_mpi() {
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+  mpirun="${MPIRUN:-mpirun}"
+}
+
+# need_tool <var> <name>: sets $<var> to the tool <name> built next to tetra (tetra_data,
+# tetra_ckpt); the test fails at once without it.
+need_tool() {
+  printf -v "$1" '%s' "$(dirname "$tetra")/$2"
+  [[ -x "${!1}" ]] || { echo "FAIL: no $2 next to $tetra"; exit 1; }
+}

@@ -5,8 +5,7 @@
 #
 # Usage: test_dist_errors.sh <tetra binary> <source dir> <scratch dir>
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
-mpirun="${MPIRUN:-mpirun}"
+with_mpi
 
 synthetic='{"synthetic": true}'
 write_config() {  # write_config <path> <parallel section members> [data section] [ffn size]

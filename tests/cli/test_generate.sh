@@ -8,11 +8,8 @@
 #
 # Usage: test_generate.sh <tetra binary> <source dir> <scratch dir>
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
-mpirun="${MPIRUN:-mpirun}"
-data="$(dirname "$tetra")/tetra_data"
-py=/usr/bin/python3
-[[ -x "$data" ]] || { echo "FAIL: no tetra_data next to $tetra"; exit 1; }
+with_mpi
+need_tool data tetra_data
 
 # ---- data: 12 documents of simple sentences, a 400-piece tokenizer, train (10) / valid (2) ----
 $py - "$scratch/corpus" <<'PY'

@@ -11,8 +11,7 @@
 #
 # Usage: test_resilience.sh <tetra binary> <source dir> <scratch dir>
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
-mpirun="${MPIRUN:-mpirun}"
+with_mpi
 
 # run_case <steps> <extra training members> [env assignments...]: runs $case in $dir; sets $rc.
 run_case() {

@@ -13,11 +13,8 @@
 #
 # Usage: test_tetra_ckpt.sh <tetra binary> <source dir> <scratch dir>
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
-mpirun="${MPIRUN:-mpirun}"
-ckpt="$(dirname "$tetra")/tetra_ckpt"
-py=/usr/bin/python3
-[[ -x "$ckpt" ]] || { echo "FAIL: no tetra_ckpt next to $tetra"; exit 1; }
+with_mpi
+need_tool ckpt tetra_ckpt
 STEPS=4
 step_dir=$(printf "step_%08d" "$STEPS")
 

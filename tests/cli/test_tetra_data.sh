@@ -7,9 +7,7 @@
 # Usage: test_tetra_data.sh <tetra binary> <source dir> <scratch dir>
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-data="$(dirname "$tetra")/tetra_data"
-py=/usr/bin/python3
-[[ -x "$data" ]] || { echo "FAIL: no tetra_data next to $tetra"; exit 1; }
+need_tool data tetra_data
 
 # A corpus of 12 files: lines of words drawn from a small list, some of them not ASCII.
 $py - "$scratch/corpus" <<'PY'

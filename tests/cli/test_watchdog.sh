@@ -10,8 +10,7 @@
 #
 # Usage: test_watchdog.sh <tetra binary> <source dir> <scratch dir>
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
-mpirun="${MPIRUN:-mpirun}"
+with_mpi
 timeout_s=4
 # Margin over the timeout: the watchdog polls at timeout/10, waits a grace period (<= 2 s) so every
 # stuck rank reports, then MPI_Abort tears down 4 processes; start-up (MPI_Init of 4 ranks on 2

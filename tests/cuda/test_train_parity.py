@@ -12,18 +12,12 @@ test then exits 77, which ctest reports as skipped (never failed, never silently
 
 Usage: /usr/bin/python3 test_train_parity.py --tetra BIN --workdir DIR
 """
-import argparse
-import json
 import os
-import shutil
-import subprocess
 import sys
 
-import numpy as np
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "reference"))
-from safetensors_io import read_safetensors  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parity"))
+import harness  # noqa: E402
+from harness import Checks, read_safetensors  # noqa: E402
 
 # ---- tolerances ---------------------------------------------------------------------------------
 # fp32 on both backends, but every sum in another order: cuBLASLt splits K differently from
@@ -51,13 +45,8 @@ MODELS = {
             "ffn_hidden_size": 128, "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 64}},
 }
 
-failures = []
-
-
-def check(ok, what):
-    print(("PASS " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
+checks = Checks()
+check = checks.check
 
 
 def config(model, precision, device):
@@ -73,37 +62,19 @@ def config(model, precision, device):
 
 def run(args, name, cfg):
     out = os.path.join(args.workdir, name)
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
     cfg["logging"]["dir"] = out
-    path = os.path.join(out, "config.json")
-    with open(path, "w") as f:
-        json.dump(cfg, f)
-    cmd = [args.tetra, "--config", path, "--dump-dir", os.path.join(out, "dump")]
-    env = dict(os.environ, OMP_NUM_THREADS="2")
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    path = harness.write_config(out, cfg)
+    # expect=None: the caller prints the output, or not where the GPU is missing (a skip).
+    r = harness.run_tetra(args, ["--config", path, "--dump-dir", os.path.join(out, "dump")], timeout=600,
+                          env={"OMP_NUM_THREADS": "2"}, expect=None)
     if r.returncode != 0:
         return r, None
-    steps = []
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        for line in f:
-            j = json.loads(line)
-            if "step" in j:
-                steps.append(j)
     grads = read_safetensors(os.path.join(out, "dump", "grads_step0.safetensors"))[0]
-    return r, (steps, grads)
-
-
-def rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-30)
+    return r, (harness.step_records(out), grads)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tetra", required=True)
-    ap.add_argument("--workdir", required=True)
-    args = ap.parse_args()
-    os.makedirs(args.workdir, exist_ok=True)
+    args = harness.parse_args(mpirun=False)
 
     for model in MODELS:
         for precision in ("fp32", "bf16"):
@@ -130,31 +101,16 @@ def main():
             cpu_losses = [s["loss"] for s in cpu[0]]
             gpu_losses = [s["loss"] for s in gpu[0]]
             check(len(gpu_losses) == STEPS and len(cpu_losses) == STEPS, f"{name}: {STEPS} steps logged")
-            check(cpu_losses[-1] < cpu_losses[0] - 0.1,
-                  f"{name}: the loss falls ({cpu_losses[0]:.4f} -> {cpu_losses[-1]:.4f})")
+            harness.check_loss_falls(checks, name, cpu_losses)
             rtol = FP32_RTOL if precision == "fp32" else BF16_RTOL
-            worst = max(rel(g, c) for g, c in zip(gpu_losses, cpu_losses))
+            worst = harness.worst_step_rel(gpu[0], cpu[0])
             check(worst <= rtol, f"{name}: cuda losses of {STEPS} steps within {rtol:g} of cpu (worst {worst:.2e})")
             if precision == "fp32":
-                worst_norm = max(rel(g["grad_norm"], c["grad_norm"]) for g, c in zip(gpu[0], cpu[0]))
+                worst_norm = harness.worst_step_rel(gpu[0], cpu[0], "grad_norm")
                 check(worst_norm <= 10 * FP32_RTOL, f"{name}: gradient norms within {10 * FP32_RTOL:g} "
                                                     f"(worst {worst_norm:.2e})")
-                worst_t, worst_name = 0.0, ""
-                for k, ref in cpu[1].items():
-                    got = gpu[1].get(k)
-                    if got is None or got.shape != ref.shape:
-                        check(False, f"{name}: gradient {k} missing or of another shape")
-                        continue
-                    e = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
-                    if e > worst_t:
-                        worst_t, worst_name = e, k
-                check(worst_t <= FP32_GRAD_RTOL, f"{name}: step-0 gradient of every tensor within "
-                                                 f"{FP32_GRAD_RTOL:g} (worst {worst_t:.2e}, {worst_name})")
-    if failures:
-        print(f"{len(failures)} check(s) failed")
-        return 1
-    print("all checks passed")
-    return 0
+                harness.check_gradients(checks, name, cpu[1], gpu[1], FP32_GRAD_RTOL)
+    return checks.report()
 
 
 if __name__ == "__main__":

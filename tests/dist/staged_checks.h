@@ -3,10 +3,7 @@
 // rank grid it builds.
 #pragma once
 
-#include <cstdint>
-#include <string>
-#include <vector>
-
+#include "tests/dist/comm_checks.h"
 #include "trainer/dist/process_groups.h"
 
 namespace tetra_dist_test {
@@ -14,8 +11,8 @@ namespace tetra_dist_test {
 // Every operation of every group's staged communicator on guarded backend memory (memory the
 // host cannot touch: a stray host access kills the rank), against results computed locally, with
 // the accounting (counted once, in the host communicator; ProcessGroups::stats the sum); and the
-// default role (the host communicator itself). Appends a message per failed check to `failures`;
-// returns the number of checks made. Collective: every rank calls it with its groups.
-int64_t check_staged_communicators(tetra::ProcessGroups& pg, int world_rank, std::vector<std::string>& failures);
+// default role (the host communicator itself). Reports through `ck` (its `where` prefixes the
+// messages). Collective: every rank calls it with its groups.
+void check_staged_communicators(Checker& ck, tetra::ProcessGroups& pg);
 
 }  // namespace tetra_dist_test

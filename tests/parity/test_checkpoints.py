@@ -16,7 +16,6 @@
 
 Usage: /usr/bin/python3 test_checkpoints.py --tetra BIN --workdir DIR [--mpirun MPIRUN]
 """
-import argparse
 import hashlib
 import json
 import os
@@ -27,16 +26,14 @@ import subprocess
 import sys
 import time
 
+import harness
+from harness import Checks
+
 LOSS_RTOL = 1e-5
 N = 6  # steps before the stop
 
-failures = []
-
-
-def check(ok, what):
-    print(("PASS " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
+checks = Checks()
+check = checks.check
 
 
 MODEL = {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 64, "num_heads": 8,
@@ -47,7 +44,6 @@ MODEL = {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 64, "n
 def config(workdir, name, steps, layout, ckpt_dir, every=0, resume="auto", precision="fp32", exit_at=0):
     dp, tp, sp, dist_opt = layout
     out = os.path.join(workdir, name)
-    os.makedirs(out, exist_ok=True)
     cfg = {
         "model": MODEL,
         "parallel": {"dp": dp, "tp": tp, "sequence_parallel": sp, "distributed_optimizer": dist_opt,
@@ -59,42 +55,20 @@ def config(workdir, name, steps, layout, ckpt_dir, every=0, resume="auto", preci
         "checkpoint": {"dir": ckpt_dir, "every": every, "keep": 2, "resume": resume, "save_on_exit": True},
         "logging": {"dir": out, "level": "warn"},
     }
-    path = os.path.join(out, "config.json")
-    with open(path, "w") as f:
-        json.dump(cfg, f)
-    return path, out
+    return harness.write_config(out, cfg, fresh=False), out
 
 
-def launch(args, path, layout, extra=()):
-    world = layout[0] * layout[1]
-    cmd = [args.tetra, "--config", path, *extra]
-    if world > 1:
-        cmd = [args.mpirun, "--oversubscribe", "-np", str(world)] + cmd
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return cmd, env
+def launch(args, path, layout):
+    return harness.tetra_command(args, ["--config", path], layout[0] * layout[1])
 
 
 def run(args, path, layout, expect=0):
-    cmd, env = launch(args, path, layout)
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    if r.returncode != expect:
-        print(r.stdout[-2000:], r.stderr[-2000:])
-    return r
+    return harness.run_tetra(args, ["--config", path], layout[0] * layout[1], expect=expect)
 
 
 def losses(out):
     """{step: loss as written} of the last run in out/metrics.jsonl (raw strings: bitwise)."""
-    runs, cur = [], None
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        for line in f:
-            j = json.loads(line)
-            if j.get("event") == "start":
-                cur = {}
-                runs.append(cur)
-            elif "step" in j:
-                raw = line.split('"loss":', 1)[1].split(",", 1)[0]
-                cur[j["step"]] = raw
-    return runs[-1] if runs else {}
+    return {step: raw for step, (raw, _) in harness.last_run(out).items()}
 
 
 def tree_digest(path):
@@ -113,13 +87,7 @@ LAYOUTS = {"single": (1, 1, False, False), "dp2": (2, 1, False, False), "tp2": (
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tetra", required=True)
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--mpirun", default=shutil.which("mpirun") or "mpirun")
-    args = ap.parse_args()
-    shutil.rmtree(args.workdir, ignore_errors=True)
-    os.makedirs(args.workdir)
+    args = harness.parse_args()
     w = args.workdir
 
     # The uninterrupted reference, 2N steps, single rank.
@@ -265,8 +233,7 @@ def main():
     check(r.returncode == 2 and "model.num_layers" in r.stderr and "another model" in r.stderr,
           "a checkpoint of another model: exit 2 naming model.num_layers")
 
-    print(f"{len(failures)} failure(s)")
-    return 1 if failures else 0
+    return checks.report()
 
 
 if __name__ == "__main__":

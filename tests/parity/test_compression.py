@@ -41,12 +41,12 @@
 
 Usage: /usr/bin/python3 test_compression.py --tetra BIN --workdir DIR [--mpirun MPIRUN]
 """
-import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
+
+import harness
+from harness import Checks, rel
 
 STEPS, WARMUP, STOP = 12, 6, 9
 BF16_RTOL = 5e-3
@@ -92,13 +92,8 @@ WARMUP_RTOL = 1e-5
 PIPELINE_RTOL = 1e-4
 PIPELINE_STEPS = WARMUP + 3
 
-failures = []
-
-
-def check(ok, what):
-    print(("PASS " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
+checks = Checks()
+check = checks.check
 
 
 MODEL = {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 64, "num_heads": 8,
@@ -115,7 +110,6 @@ def config(workdir, name, layout, mode, ckpt_dir="", exit_at=0, resume="auto", m
     """`extra`: further parallel settings (pp, ep, schedule)."""
     dp, tp, sp, dist_opt, precision = layout
     out = os.path.join(workdir, name)
-    os.makedirs(out, exist_ok=True)
     cfg = {
         "model": model,
         "parallel": {"dp": dp, "tp": tp, "sequence_parallel": sp, "distributed_optimizer": dist_opt,
@@ -127,38 +121,27 @@ def config(workdir, name, layout, mode, ckpt_dir="", exit_at=0, resume="auto", m
         "checkpoint": {"dir": ckpt_dir, "keep": 2, "resume": resume, "save_on_exit": True},
         "logging": {"dir": out, "level": "info"},
     }
-    path = os.path.join(out, "config.json")
-    with open(path, "w") as f:
-        json.dump(cfg, f)
-    return path, out
+    return harness.write_config(out, cfg, fresh=False), out
 
 
 def run(args, path, layout, pp=1):
-    world = layout[0] * layout[1] * pp
-    cmd = [args.mpirun, "--oversubscribe", "-np", str(world), args.tetra, "--config", path]
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
-    if r.returncode != 0:
-        print(r.stdout[-3000:], r.stderr[-3000:])
-    return r
+    return harness.run_tetra(args, ["--config", path], layout[0] * layout[1] * pp, timeout=120)
 
 
-def steps_of(out):
-    """{step: (raw loss string, record)} of the last run in out/metrics.jsonl."""
-    runs, cur = [], None
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        for line in f:
-            j = json.loads(line)
-            if j.get("event") == "start":
-                cur = {}
-                runs.append(cur)
-            elif "step" in j:
-                cur[j["step"]] = (line.split('"loss":', 1)[1].split(",", 1)[0], j)
-    return runs[-1] if runs else {}
-
-
-def rel(a, b):
-    return abs(a - b) / abs(b)
+def train(args, w, name, mode, lay, pp=1, **kw):
+    """Trains STEPS steps with compression `mode` on layout `lay` (config's further settings in kw)
+    in w/<name>_<mode>: its last_run, checked complete and with its communication as predicted in
+    every step and group; None when it did not train every step."""
+    path, out = config(w, f"{name}_{mode}", lay, mode, **kw)
+    r = run(args, path, lay, pp)
+    s = harness.last_run(out) if r.returncode == 0 else {}
+    check(len(s) == STEPS, f"{name} {mode}: trains {STEPS} steps (logged {len(s)})")
+    if len(s) != STEPS:
+        return None
+    mismatched = harness.comm_mismatches([rec for _, rec in s.values()], exact=False)[0]
+    check(not mismatched, f"{name} {mode}: measured communication == predicted every step, every group "
+                          f"(mismatched steps {mismatched})")
+    return s
 
 
 def dp_sent(rec):
@@ -169,16 +152,21 @@ def dp_payload(rec, op):
     return rec["comm"]["dp"]["measured"].get(op, {}).get("payload_bytes", 0)
 
 
+def check_near_none(name, mode, got, none, first, step_rtol, last_rtol):
+    """`mode`'s losses against none's on the same layout (last_run records), from step `first`: each
+    within step_rtol, the last within last_rtol."""
+    L = lambda s, k: s[k][1]["loss"]
+    worst = max(rel(L(got, k), L(none, k)) for k in range(first, STEPS + 1))
+    last = rel(L(got, STEPS), L(none, STEPS))
+    check(worst <= step_rtol and last <= last_rtol,
+          f"{name}: {mode} losses within {step_rtol} of none (worst {worst:.2e}), last within {last_rtol} ({last:.2e})")
+
+
 def check_int8(name, lay, none, int8, expert_groups=()):
     """int8 against none on the same layout (INT8_STEP_RTOL): losses, and the bytes on the wire."""
     if not (none and int8):
         return
-    L = lambda s, k: s[k][1]["loss"]
-    worst = max(rel(L(int8, k), L(none, k)) for k in range(1, STEPS + 1))
-    last = rel(L(int8, STEPS), L(none, STEPS))
-    check(worst <= INT8_STEP_RTOL and last <= INT8_LAST_RTOL,
-          f"{name}: int8 losses within {INT8_STEP_RTOL} of none (worst {worst:.2e}), last within {INT8_LAST_RTOL} "
-          f"({last:.2e})")
+    check_near_none(name, "int8", int8, none, 1, INT8_STEP_RTOL, INT8_LAST_RTOL)
     check(any(int8[k][0] != none[k][0] for k in range(2, STEPS + 1)), f"{name}: int8 quantisation changes the losses")
     steps = range(2, STEPS + 1)
     for group in ("dp",) + tuple(expert_groups):
@@ -202,46 +190,26 @@ def checkpoint_tensors(ck, step):
     return list(json.load(open(manifest))["tensors"].keys()) if os.path.exists(manifest) else []
 
 
-def inspect_ok(args, ck, step):
-    tool = os.path.join(os.path.dirname(args.tetra), "tetra_ckpt")
-    if not os.path.exists(tool):
-        return True, ""
-    r = subprocess.run([tool, "inspect", os.path.join(ck, f"step_{step:08d}")], capture_output=True, text=True)
-    return r.returncode == 0 and "every tensor covered exactly once" in r.stdout, r.stderr[-500:]
-
-
 def pipelines_and_experts(args, w):
     """onebit on pipelines (tied embeddings) and MoE models: see STACKED."""
     results = {}
     for name, (model, lay, extra) in STACKED.items():
         pp = extra.get("pp", 1)
         for mode in ("none", "onebit", "int8"):
-            path, out = config(w, f"{name}_{mode}", lay, mode, model=model, extra=extra)
-            r = run(args, path, lay, pp)
-            s = steps_of(out) if r.returncode == 0 else {}
-            check(len(s) == STEPS, f"{name} {mode}: trains {STEPS} steps (logged {len(s)})")
-            if len(s) != STEPS:
-                continue
-            results[(name, mode)] = s
-            mismatched = [k for k, (_, rec) in s.items() if not all(g["match"] for g in rec["comm"].values())]
-            check(not mismatched, f"{name} {mode}: measured communication == predicted every step, every group "
-                                  f"(mismatched steps {mismatched})")
+            s = train(args, w, name, mode, lay, pp, model=model, extra=extra)
+            if s is not None:
+                results[(name, mode)] = s
         none, onebit = results.get((name, "none")), results.get((name, "onebit"))
         check_int8(name, lay, none, results.get((name, "int8")), ("edp",) if "ep" in extra else ())
         if not (none and onebit):
             continue
         L = lambda s, k: s[k][1]["loss"]
-        check(L(onebit, STEPS) < L(onebit, 1) - 0.1, f"{name} onebit: the loss falls ({L(onebit, 1):.4f} -> "
-                                                      f"{L(onebit, STEPS):.4f})")
+        harness.check_loss_falls(checks, f"{name} onebit", [L(onebit, 1), L(onebit, STEPS)])
         worst = max(rel(L(onebit, k), L(none, k)) for k in range(1, WARMUP + 1))
         bitwise = all(onebit[k][0] == none[k][0] for k in range(1, WARMUP + 1))
         check(worst <= WARMUP_RTOL, f"{name}: onebit's {WARMUP} warm-up steps equal none's within {WARMUP_RTOL} "
                                     f"(worst {worst:.1e}{', bitwise' if bitwise else ''})")
-        worst = max(rel(L(onebit, k), L(none, k)) for k in range(WARMUP + 1, STEPS + 1))
-        last = rel(L(onebit, STEPS), L(none, STEPS))
-        check(worst <= ONEBIT_STEP_RTOL and last <= ONEBIT_LAST_RTOL,
-              f"{name}: onebit losses within {ONEBIT_STEP_RTOL} of none (worst {worst:.2e}), last within "
-              f"{ONEBIT_LAST_RTOL} ({last:.2e})")
+        check_near_none(name, "onebit", onebit, none, WARMUP + 1, ONEBIT_STEP_RTOL, ONEBIT_LAST_RTOL)
         # Global rank 0's bytes (first pipeline stage; DP and, for experts, expert-DP), from the
         # second compressed step (the distributed optimizer's first one also gathers the variance).
         after = range(WARMUP + 2, STEPS + 1)
@@ -292,41 +260,28 @@ def pipelines_and_experts(args, w):
             want.append(f"optim/{mode}_worker_error/edp0of{lay[0] // extra['ep']}_ep{extra['ep']}")
         missing = [k for k in want if not any(key.startswith(k) for key in keys)]
         check(not missing, f"{name}: the checkpoint holds the error-feedback state (missing {missing})")
-        ok, err = inspect_ok(args, ck, STOP)
-        check(ok, f"{name}: tetra_ckpt inspect verifies it, error-feedback tensors included {err}")
+        verified, err = harness.inspect_checkpoint(args, os.path.join(ck, f"step_{STOP:08d}"))
+        if verified is not None:
+            check(verified, f"{name}: tetra_ckpt inspect verifies it, error-feedback tensors included {err}")
         p2, o2 = config(w, f"resume_{name}_b".replace(" ", "_"), lay, mode, ck, model=model, extra=extra)
         r2 = run(args, p2, lay, pp)
-        resumed = steps_of(o2) if r2.returncode == 0 else {}
+        resumed = harness.last_run(o2) if r2.returncode == 0 else {}
         check(sorted(resumed) == list(range(STOP + 1, STEPS + 1)), f"{name}: resumes at step {STOP + 1}")
         same = all(resumed.get(k, ("",))[0] == ref.get(k, (None,))[0] for k in range(STOP + 1, STEPS + 1))
         check(same, f"{name}: steps {STOP + 1}..{STEPS} after the resume bitwise identical to the uninterrupted run")
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tetra", required=True)
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--mpirun", default=shutil.which("mpirun") or "mpirun")
-    args = ap.parse_args()
-    shutil.rmtree(args.workdir, ignore_errors=True)
-    os.makedirs(args.workdir)
+    args = harness.parse_args()
     w = args.workdir
 
     results = {}
     for lname, lay in LAYOUTS.items():
         for mode in ("none", "bf16", "onebit", "int8"):
-            path, out = config(w, f"{lname}_{mode}", lay, mode)
-            r = run(args, path, lay)
-            s = steps_of(out) if r.returncode == 0 else {}
-            check(len(s) == STEPS, f"{lname} {mode}: trains {STEPS} steps (logged {len(s)})")
-            if len(s) != STEPS:
-                continue
-            results[(lname, mode)] = s
-            mismatched = [k for k, (_, rec) in s.items() if not all(g["match"] for g in rec["comm"].values())]
-            check(not mismatched, f"{lname} {mode}: measured communication == predicted every step "
-                                  f"(mismatched steps {mismatched})")
-            check(s[STEPS][1]["loss"] < s[1][1]["loss"] - 0.3,
-                  f"{lname} {mode}: the loss falls ({s[1][1]['loss']:.4f} -> {s[STEPS][1]['loss']:.4f})")
+            s = train(args, w, lname, mode, lay)
+            if s is not None:
+                results[(lname, mode)] = s
+                harness.check_loss_falls(checks, f"{lname} {mode}", [s[1][1]["loss"], s[STEPS][1]["loss"]], by=0.3)
 
     for lname, lay in LAYOUTS.items():
         none, bf16, onebit = (results.get((lname, m)) for m in ("none", "bf16", "onebit"))
@@ -339,11 +294,7 @@ def main():
         check(any(bf16[k][0] != none[k][0] for k in range(2, STEPS + 1)), f"{lname}: bf16 rounding changes the losses")
         same_warmup = all(onebit[k][0] == none[k][0] for k in range(1, WARMUP + 1))
         check(same_warmup, f"{lname}: onebit's {WARMUP} warm-up steps are exact Adam (bitwise equal to none)")
-        worst = max(rel(L(onebit, k), L(none, k)) for k in range(WARMUP + 1, STEPS + 1))
-        last = rel(L(onebit, STEPS), L(none, STEPS))
-        check(worst <= ONEBIT_STEP_RTOL and last <= ONEBIT_LAST_RTOL,
-              f"{lname}: onebit losses within {ONEBIT_STEP_RTOL} of none (worst {worst:.2e}), last within "
-              f"{ONEBIT_LAST_RTOL} ({last:.2e})")
+        check_near_none(lname, "onebit", onebit, none, WARMUP + 1, ONEBIT_STEP_RTOL, ONEBIT_LAST_RTOL)
 
         # From the second compressed step: with the distributed optimizer the first one also
         # all-gathers the frozen variance, once (predicted, and checked above with every step).
@@ -375,27 +326,24 @@ def main():
         if ref is None:
             path, out = config(w, f"resume_{lname}_ref", lay, "onebit")
             run(args, path, lay)
-            ref = steps_of(out)
+            ref = harness.last_run(out)
         ck = os.path.join(w, f"ck_{lname}")
         p1, _ = config(w, f"resume_{lname}_a", lay, "onebit", ck, exit_at=STOP)
         r1 = run(args, p1, lay)
         check(r1.returncode == 0 and os.path.exists(os.path.join(ck, "latest")),
               f"{lname}: {STOP} steps (compressed from step {WARMUP + 1}), checkpoint saved")
-        manifest = os.path.join(ck, f"step_{STOP:08d}", "manifest.json")
-        keys = json.load(open(manifest))["tensors"].keys() if os.path.exists(manifest) else []
+        keys = checkpoint_tensors(ck, STOP)
         worker = [k for k in keys if k.startswith("optim/onebit_worker_error/")]
         server = [k for k in keys if k.startswith("optim/onebit_server_error/")]
         check(worker and (lay[3] or server), f"{lname}: the checkpoint holds the error-feedback state "
                                              f"({len(worker)} worker, {len(server)} server tensors)")
-        ckpt_tool = os.path.join(os.path.dirname(args.tetra), "tetra_ckpt")
-        if os.path.exists(ckpt_tool):
-            r = subprocess.run([ckpt_tool, "inspect", os.path.dirname(manifest)], capture_output=True, text=True)
-            check(r.returncode == 0 and "every tensor covered exactly once" in r.stdout,
-                  f"{lname}: tetra_ckpt inspect verifies it, error-feedback tensors included" +
-                  ("" if r.returncode == 0 else ": " + r.stderr[-500:]))
+        verified, err = harness.inspect_checkpoint(args, os.path.join(ck, f"step_{STOP:08d}"))
+        if verified is not None:
+            check(verified, f"{lname}: tetra_ckpt inspect verifies it, error-feedback tensors included" +
+                  ("" if verified else ": " + err))
         p2, o2 = config(w, f"resume_{lname}_b", lay, "onebit", ck)
         r2 = run(args, p2, lay)
-        resumed = steps_of(o2) if r2.returncode == 0 else {}
+        resumed = harness.last_run(o2) if r2.returncode == 0 else {}
         check(sorted(resumed) == list(range(STOP + 1, STEPS + 1)), f"{lname}: resumes at step {STOP + 1}")
         same = all(resumed.get(k, ("",))[0] == ref.get(k, (None,))[0] for k in range(STOP + 1, STEPS + 1))
         check(same, f"{lname}: steps {STOP + 1}..{STEPS} after the resume bitwise identical to the uninterrupted run")
@@ -406,7 +354,7 @@ def main():
         saved = os.path.join(w, "ck_dp2", f"step_{STOP:08d}")
         p3, o3 = config(w, "reshard_dp4", LAYOUTS["dp4"], "onebit", os.path.join(w, "ck_reshard"), resume=saved)
         r3 = run(args, p3, LAYOUTS["dp4"])
-        s = steps_of(o3) if r3.returncode == 0 else {}
+        s = harness.last_run(o3) if r3.returncode == 0 else {}
         check(sorted(s) == list(range(STOP + 1, STEPS + 1)), f"dp2 -> dp4: resumes at step {STOP + 1}")
         check("onebit_worker_error/dp0of4" in r3.stdout + r3.stderr and "starts from zero" in r3.stdout + r3.stderr,
               "dp2 -> dp4: the worker errors start from zero, with a warning")
@@ -415,13 +363,7 @@ def main():
 
     pipelines_and_experts(args, w)
 
-    if failures:
-        print(f"{len(failures)} check(s) failed:")
-        for f in failures:
-            print("  " + f)
-        return 1
-    print("all compression checks passed")
-    return 0
+    return checks.report()
 
 
 if __name__ == "__main__":

@@ -33,21 +33,16 @@ for the samples):
 
 Usage: /usr/bin/python3 test_guarded_memory.py --tetra BIN --workdir DIR [--mpirun MPIRUN]
 """
-import argparse
 import json
 import os
 import re
-import shutil
-import subprocess
 import sys
 
-failures = []
+import harness
+from harness import Checks
 
-
-def check(ok, what):
-    print(("PASS " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
+checks = Checks()
+check = checks.check
 
 
 GPT2 = {"vocab_size": 320, "seq_len": 16, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "ffn_hidden_size": 64}
@@ -104,28 +99,22 @@ def world_of(cfg):
     return p.get("dp", 1) * p.get("tp", 1) * p.get("pp", 1)
 
 
+def guard_env(guarded):
+    """The environment that guards backend memory, or leaves it plain (whatever the caller's)."""
+    return {"TETRA_TEST_GUARDED_MEMORY": "1" if guarded else None}
+
+
 def run(args, cfg, out, guarded, extra=(), name=""):
     """Runs tetra on cfg with logging.dir = out; returns its combined output (None on failure)."""
-    os.makedirs(out, exist_ok=True)
     cfg = json.loads(json.dumps(cfg))
     cfg["logging"] = {"dir": out, "level": "info"}
-    path = os.path.join(out, "config.json")
-    with open(path, "w") as f:
-        json.dump(cfg, f)
-    cmd = [args.tetra, "--config", path, *extra]
+    path = harness.write_config(out, cfg, fresh=False)
     world = world_of(cfg)
-    if world > 1:
-        cmd = [args.mpirun, "--oversubscribe", "-np", str(world)] + cmd
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env.pop("TETRA_TEST_GUARDED_MEMORY", None)
-    if guarded:
-        env["TETRA_TEST_GUARDED_MEMORY"] = "1"
-    r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=env, timeout=120)
+    r = harness.run_tetra(args, ["--config", path, *extra], world, timeout=120, env=guard_env(guarded))
     text = r.stdout + r.stderr
     mode = "guarded" if guarded else "plain"
     check(r.returncode == 0, f"{name} ({mode}): exit code {r.returncode}")
     if r.returncode != 0:
-        print(text[-3000:])
         return None
     if guarded:
         warned = text.count("TETRA_TEST_GUARDED_MEMORY=1: backend memory is guarded")
@@ -136,13 +125,9 @@ def run(args, cfg, out, guarded, extra=(), name=""):
 def metrics(out):
     """The step records of metrics.jsonl: (raw line fields that must match, parsed record)."""
     steps = []
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        for line in f:
-            j = json.loads(line)
-            if "step" not in j:
-                continue
-            raw = {k: line.split(f'"{k}":', 1)[1].split(",", 1)[0] for k in ("loss", "grad_norm", "val_loss")
-                   if f'"{k}":' in line}
+    for line, j in harness.metrics_lines(out):
+        if "step" in j:
+            raw = {k: harness.raw_field(line, k) for k in ("loss", "grad_norm", "val_loss") if f'"{k}":' in line}
             steps.append((j["step"], raw, j.get("sample"), j))
     return steps
 
@@ -157,7 +142,7 @@ def compare_runs(name, plain, guarded, checkpoints=(), dumps=False, samples=Fals
     mp, mg = metrics(plain), metrics(guarded)
     check(len(mp) > 0 and [(s, raw) for s, raw, _, _ in mp] == [(s, raw) for s, raw, _, _ in mg],
           f"{name}: losses, grad norms and val losses identical in every step ({len(mp)} records)")
-    mismatched = [s for s, _, _, rec in mg if not all(g["match"] for g in rec.get("comm", {}).values())]
+    mismatched = harness.comm_mismatches([rec for _, _, _, rec in mg], exact=False)[0]
     check(not mismatched, f"{name}: guarded run's communication == prediction every step (mismatched {mismatched})")
     if samples:
         sp = [x for _, _, x, _ in mp if x is not None]
@@ -180,13 +165,7 @@ def compare_runs(name, plain, guarded, checkpoints=(), dumps=False, samples=Fals
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tetra", required=True)
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--mpirun", default=shutil.which("mpirun") or "mpirun")
-    args = ap.parse_args()
-    shutil.rmtree(args.workdir, ignore_errors=True)
-    os.makedirs(args.workdir)
+    args = harness.parse_args()
     w = args.workdir
     tokenizer = write_tokenizer(os.path.join(w, "tokenizer"))
     samples = {"sample": {"prompt": "the cat", "max_tokens": 6, "temperature": 0.8, "top_k": 20, "seed": 3}}
@@ -211,13 +190,8 @@ def main():
                 return
             dirs[guarded] = out
             if generate:
-                env = dict(os.environ, OMP_NUM_THREADS="1")
-                env.pop("TETRA_TEST_GUARDED_MEMORY", None)
-                if guarded:
-                    env["TETRA_TEST_GUARDED_MEMORY"] = "1"
-                r = subprocess.run([args.tetra, "generate", "--config", os.path.join(out, "config.json"),
-                                    "--max-tokens", "10"], capture_output=True, text=True, errors="replace", env=env,
-                                   timeout=60)
+                r = harness.run_tetra(args, ["generate", "--config", os.path.join(out, "config.json"),
+                                             "--max-tokens", "10"], timeout=60, env=guard_env(guarded))
                 check(r.returncode == 0, f"{name}: tetra generate ({mode})")
                 texts[guarded] = r.stdout
         compare_runs(name, dirs[False], dirs[True], checkpoints, dumps, with_samples)
@@ -257,24 +231,18 @@ def main():
     # on activations (a staged one), is reported by the watchdog, which ends the job with exit code 3.
     hang = config(GPT2, 20, parallel={"tp": 2}, training={"collective_timeout_s": 3, "log_every": 100})
     out = os.path.join(w, "watchdog")
-    os.makedirs(out, exist_ok=True)
     hang["logging"] = {"dir": out}
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(hang, f)
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               TETRA_TEST_GUARDED_MEMORY="1", TETRA_TEST_HANG_RANK="1", TETRA_TEST_HANG_STEP="2")
-    r = subprocess.run([args.mpirun, "--oversubscribe", "-np", "2", args.tetra, "--config",
-                        os.path.join(out, "config.json")], capture_output=True, text=True, errors="replace", env=env,
-                       timeout=120)
+    path = harness.write_config(out, hang, fresh=False)
+    r = harness.run_tetra(args, ["--config", path], 2, timeout=120, expect=None,
+                          env={"TETRA_TEST_GUARDED_MEMORY": "1", "TETRA_TEST_HANG_RANK": "1", "TETRA_TEST_HANG_STEP": "2"})
     waiting = re.search(r"watchdog: rank 0 .* waiting [0-9.]+ s in [a-z_]+ on group 'tp'", r.stderr)
     check(r.returncode == 3 and waiting is not None,
           f"watchdog: a hang is reported by the rank waiting in a staged collective (exit code {r.returncode})")
     if not waiting:
         print(r.stderr[-3000:])
 
-    print(f"{len(failures)} failure(s)")
-    sys.exit(1 if failures else 0)
+    return checks.report()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -17,19 +17,12 @@ parallel (metrics report communication for tp and dp groups of size > 1).
 
 Usage: /usr/bin/python3 test_layouts.py --tetra BIN --workdir DIR [--quick]
 """
-import argparse
 import json
-import math
 import os
-import shutil
-import subprocess
 import sys
 
-import numpy as np
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "reference"))
-from safetensors_io import read_safetensors  # noqa: E402
+import harness
+from harness import Checks, read_safetensors
 
 # ---- tolerances ---------------------------------------------------------------------------------
 # A parallel layout computes the same sums in a different order: the vocab-parallel softmax adds
@@ -66,13 +59,8 @@ LAYOUTS = [
 QUICK_LAYOUTS = [(1, 2, True, False), (2, 1, False, True), (2, 2, True, True)]
 BF16_LAYOUTS = [(1, 2, True, False), (2, 1, False, True), (2, 2, True, True)]
 
-failures = []
-
-
-def check(ok, what):
-    print(("PASS " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
+checks = Checks()
+check = checks.check
 
 
 def config(model, precision):
@@ -90,38 +78,17 @@ def config(model, precision):
 def run(args, name, cfg, layout):
     dp, tp, sp, dist_opt = layout
     out = os.path.join(args.workdir, name)
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
-    path = os.path.join(out, "config.json")
     cfg = json.loads(json.dumps(cfg))
     cfg["parallel"].update({"dp": dp, "tp": tp, "sequence_parallel": sp, "distributed_optimizer": dist_opt})
     cfg["logging"]["dir"] = out
-    with open(path, "w") as f:
-        json.dump(cfg, f)
-    cmd = [args.tetra, "--config", path, "--dump-dir", os.path.join(out, "dump")]
-    world = dp * tp
-    if world > 1:
-        cmd = [args.mpirun, "--oversubscribe", "-np", str(world)] + cmd
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    path = harness.write_config(out, cfg)
+    r = harness.run_tetra(args, ["--config", path, "--dump-dir", os.path.join(out, "dump")], dp * tp)
     if r.returncode != 0:
-        print(r.stdout[-3000:], r.stderr[-3000:])
         check(False, f"{name}: exit code {r.returncode}")
         return None
-    steps, start = [], None
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        for line in f:
-            j = json.loads(line)
-            if "step" in j:
-                steps.append(j)
-            elif j.get("event") == "start":
-                start = j
+    start = [j for _, j in harness.metrics_lines(out) if j.get("event") == "start"][-1]
     grads = read_safetensors(os.path.join(out, "dump", "grads_step0.safetensors"))[0]
-    return steps, grads, start
-
-
-def rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-30)
+    return harness.step_records(out), grads, start
 
 
 def compare(name, ref, got, layout, rtol, grads=True):
@@ -138,51 +105,25 @@ def compare(name, ref, got, layout, rtol, grads=True):
     got_bytes = start["optimizer_state_bytes"]
     check(expect <= got_bytes <= 1.10 * expect,
           f"{name}: optimizer state {got_bytes} bytes per rank, expected ~{expect:.0f}")
-    check(len(steps) == STEPS, f"{name}: {len(steps)} steps logged")
-    worst = max(rel(s["loss"], r["loss"]) for s, r in zip(steps, ref_steps))
-    check(worst <= rtol, f"{name}: losses of {STEPS} steps within {rtol:g} (worst {worst:.2e})")
-    worst_norm = max(rel(s["grad_norm"], r["grad_norm"]) for s, r in zip(steps, ref_steps))
-    check(worst_norm <= 10 * rtol, f"{name}: gradient norms within {10 * rtol:g} (worst {worst_norm:.2e})")
+    harness.check_loss_curve(checks, name, steps, ref_steps, STEPS, rtol, norm_rtol=10 * rtol)
     if grads:
         check(sorted(g) == sorted(ref_grads), f"{name}: the same {len(ref_grads)} gradient tensors")
-        worst_t, worst_name = 0.0, ""
-        for k, r in ref_grads.items():
-            if k not in g or g[k].shape != r.shape:
-                check(False, f"{name}: gradient {k} missing or of another shape")
-                continue
-            e = float(np.linalg.norm(g[k] - r) / max(np.linalg.norm(r), 1e-30))
-            if e > worst_t:
-                worst_t, worst_name = e, k
-        check(worst_t <= rtol, f"{name}: step-0 gradient of every tensor within {rtol:g} "
-                               f"(worst {worst_t:.2e}, {worst_name})")
+        harness.check_gradients(checks, name, ref_grads, g, rtol)
     dp, tp = layout[0], layout[1]
-    ok, seen = True, set()
-    for s in steps:
-        for group, c in s.get("comm", {}).items():
-            seen.add(group)
-            if not c["match"] or c["measured"] != c["predicted"]:
-                ok = False
-                print(f"  step {s['step']} {group}: measured {c['measured']} predicted {c['predicted']}")
+    bad, seen = harness.comm_mismatches(steps)
     expected = {g for g, n in (("tp", tp), ("dp", dp)) if n > 1}
-    check(ok and seen == expected, f"{name}: measured communication equals the prediction in every "
-                                   f"step (groups {sorted(seen)})")
+    check(not bad and seen == expected, f"{name}: measured communication equals the prediction in every "
+                                        f"step (groups {sorted(seen)})")
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tetra", required=True)
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--mpirun", default=shutil.which("mpirun") or "mpirun")
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    os.makedirs(args.workdir, exist_ok=True)
+    args = harness.parse_args(flags=("--quick",))
     layouts = QUICK_LAYOUTS if args.quick else LAYOUTS
     for model in MODELS:
         ref = run(args, f"{model}_single", config(model, "fp32"), (1, 1, False, False))
         if ref is None:
             continue
-        losses = [s["loss"] for s in ref[0]]
-        check(losses[-1] < losses[0] - 0.1, f"{model}: single-rank loss falls ({losses[0]:.4f} -> {losses[-1]:.4f})")
+        harness.check_loss_falls(checks, f"{model} single-rank", [s["loss"] for s in ref[0]])
         for layout in layouts:
             dp, tp, sp, dist_opt = layout
             name = f"{model}_dp{dp}_tp{tp}{'_sp' if sp else ''}{'_distopt' if dist_opt else ''}"
@@ -192,7 +133,7 @@ def main():
         ref16 = run(args, f"{model}_single_bf16", config(model, "bf16"), (1, 1, False, False))
         if ref16 is None:
             continue
-        gap = max(rel(a["loss"], b["loss"]) for a, b in zip(ref16[0], ref[0]))
+        gap = harness.worst_step_rel(ref16[0], ref[0])
         check(gap > 0, f"{model}: the bf16 run differs from fp32 (max {gap:.2e}): it really is bf16")
         for layout in BF16_LAYOUTS:
             dp, tp, sp, dist_opt = layout
@@ -200,8 +141,7 @@ def main():
             got = run(args, name, config(model, "bf16"), layout)
             if got is not None:
                 compare(name, ref16, got, layout, BF16_RTOL, grads=False)
-    print(f"{len(failures)} failure(s)")
-    return 1 if failures else 0
+    return checks.report()
 
 
 if __name__ == "__main__":

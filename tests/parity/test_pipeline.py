@@ -21,18 +21,14 @@ Guard against a vacuous pass: the single-rank loss must fall.
 
 Usage: /usr/bin/python3 test_pipeline.py --tetra BIN --workdir DIR [--mpirun MPIRUN]
 """
-import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "reference"))
-from safetensors_io import read_safetensors  # noqa: E402
+import harness
+from harness import Checks, read_safetensors, rel
 
 LOSS_RTOL = 1e-5   # as tests/parity/test_layouts.py
 GRAD_RTOL = 1e-5
@@ -77,13 +73,8 @@ COMPRESSION_LAYOUTS = {"gpt2": [dict(layout(2, dp=2), grad_compression="bf16")],
                        "llama": [dict(layout(2, "interleaved", 2, dp=2, dist_opt=True), grad_compression="bf16")]}
 BF16_LAYOUTS = {"gpt2": [layout(2), layout(2, dp=2, dist_opt=True)], "llama": [layout(2, "interleaved", 2)]}
 
-failures = []
-
-
-def check(ok, what):
-    print(("PASS " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
+checks = Checks()
+check = checks.check
 
 
 def name_of(model, par, precision="fp32"):
@@ -119,40 +110,22 @@ def config(model, par, precision, out, exit_at=0, ckpt=None):
 
 
 def launch(args, out, cfg, dump=True):
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
-    path = os.path.join(out, "config.json")
-    with open(path, "w") as f:
-        json.dump(cfg, f)
-    cmd = [args.tetra, "--config", path] + (["--dump-dir", os.path.join(out, "dump")] if dump else [])
+    path = harness.write_config(out, cfg)
     p = cfg["parallel"]
-    world = p.get("pp", 1) * p.get("dp", 1) * p.get("tp", 1)
-    if world > 1:
-        cmd = [args.mpirun, "--oversubscribe", "-np", str(world)] + cmd
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-
-
-def steps_of(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [j for j in map(json.loads, f) if "step" in j]
+    return harness.run_tetra(args, ["--config", path] + (["--dump-dir", os.path.join(out, "dump")] if dump else []),
+                             p.get("pp", 1) * p.get("dp", 1) * p.get("tp", 1))
 
 
 def run(args, name, cfg):
     out = os.path.join(args.workdir, name)
     r = launch(args, out, cfg)
     if r.returncode != 0:
-        print(r.stdout[-3000:], r.stderr[-3000:])
         check(False, f"{name}: exit code {r.returncode}")
         return None
     grads = read_safetensors(os.path.join(out, "dump", "grads_step0.safetensors"))[0]
     weights = read_safetensors(os.path.join(out, "model.safetensors"))[0]
     init = read_safetensors(os.path.join(out, "dump", "params_init.safetensors"))[0]
-    return steps_of(out), grads, weights, init
-
-
-def rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-30)
+    return harness.step_records(out), grads, weights, init
 
 
 def in_flight_bound(schedule, pp, vp, m, r):
@@ -165,23 +138,10 @@ def in_flight_bound(schedule, pp, vp, m, r):
     return min(warmup + 1, total)
 
 
-def tensor_worst(ref, got):
-    worst, worst_name = 0.0, ""
-    for k, r in ref.items():
-        if k not in got or got[k].shape != r.shape:
-            return float("inf"), k
-        e = float(np.linalg.norm(got[k] - r) / max(np.linalg.norm(r), 1e-30))
-        if e > worst:
-            worst, worst_name = e, k
-    return worst, worst_name
-
-
 def compare(name, model, par, ref, got, rtol):
     ref_steps, ref_grads, ref_weights, ref_init = ref
     steps, grads, weights, _ = got
-    check(len(steps) == STEPS, f"{name}: {len(steps)} steps logged")
-    worst = max(rel(s["loss"], r["loss"]) for s, r in zip(steps, ref_steps))
-    check(worst <= rtol, f"{name}: losses of {STEPS} steps within {rtol:g} (worst {worst:.2e})")
+    harness.check_loss_curve(checks, name, steps, ref_steps, STEPS, rtol)
     # The first step's gradient norm sums the same gradients (each stage's parameters counted once,
     # a tied embedding's copy not at all): 10x the loss tolerance, as test_layouts.py. Later steps
     # start from weights that drift apart by rounding (8 layers, 20 Adam steps: ~3e-5 relative in
@@ -193,12 +153,11 @@ def compare(name, model, par, ref, got, rtol):
           f"{name}: validation losses (forward-only schedule) within {rtol:g} ({len(vals)} evaluations, worst {worst_val:.2e})")
     first = rel(steps[0]["grad_norm"], ref_steps[0]["grad_norm"])
     check(first <= 10 * rtol, f"{name}: step-1 gradient norm within {10 * rtol:g} ({first:.2e})")
-    worst_norm = max(rel(s["grad_norm"], r["grad_norm"]) for s, r in zip(steps, ref_steps))
+    worst_norm = harness.worst_step_rel(steps, ref_steps, "grad_norm")
     check(worst_norm <= 100 * rtol, f"{name}: gradient norms within {100 * rtol:g} (worst {worst_norm:.2e})")
     if rtol == LOSS_RTOL:
         check(sorted(grads) == sorted(ref_grads), f"{name}: the same {len(ref_grads)} gradient tensors")
-        w, k = tensor_worst(ref_grads, grads)
-        check(w <= GRAD_RTOL, f"{name}: step-0 gradient of every tensor within {GRAD_RTOL:g} (worst {w:.2e}, {k})")
+        harness.check_gradients(checks, name, ref_grads, grads, GRAD_RTOL)
         check(sorted(weights) == sorted(ref_weights), f"{name}: the same {len(ref_weights)} final weight tensors")
         worst_w, worst_k = 0.0, ""
         for k, r in ref_weights.items():
@@ -220,18 +179,12 @@ def compare(name, model, par, ref, got, rtol):
         ideal = (pp - 1) / (m * vp + pp - 1)
         check(all(abs(p["ideal_bubble"] - ideal) < 1e-9 and 0.0 <= p["bubble"] < 1.0 for p in pipe),
               f"{name}: bubble measured {pipe[-1]['bubble']:.2f} beside the analytic {ideal:.2f}")
-    ok, seen = True, set()
-    for s in steps:
-        for group, c in s.get("comm", {}).items():
-            seen.add(group)
-            if not c["match"] or c["measured"] != c["predicted"]:
-                ok = False
-                print(f"  step {s['step']} {group}: measured {c['measured']} predicted {c['predicted']}")
+    bad, seen = harness.comm_mismatches(steps)
     # Global rank 0 (first stage) reports its groups of size > 1: with pp > 1 that includes the
     # embedding group (first + last stage), which moves the tied embedding's gradient, or nothing.
     expected = {g for g, n in (("tp", par["tp"]), ("dp", par["dp"]), ("pp", pp), ("embedding", pp)) if n > 1}
-    check(ok and seen == expected, f"{name}: measured communication equals the prediction in every step "
-                                   f"(groups {sorted(seen)})")
+    check(not bad and seen == expected, f"{name}: measured communication equals the prediction in every step "
+                                        f"(groups {sorted(seen)})")
     tied = MODELS[model].get("tie_embeddings", True)
     moved = [(s["comm"]["embedding"]["measured"] or {}).get("all_reduce", {}).get("calls", 0) for s in steps]
     check(all(n == (1 if tied else 0) for n in moved),
@@ -254,7 +207,6 @@ def resume_checks(args, ref_steps):
         check(r.returncode == 0 and os.path.exists(os.path.join(ck, "latest")),
               f"checkpoint saved at step {N} on {name_of(model, src)}")
         if r.returncode != 0:
-            print(r.stdout[-2000:], r.stderr[-2000:])
             continue
         for dst in dsts:
             ck2 = ck + "_copy"
@@ -262,9 +214,7 @@ def resume_checks(args, ref_steps):
             shutil.copytree(ck, ck2)
             out2 = os.path.join(args.workdir, f"resume_{name_of(model, src)}_to_{name_of(model, dst)}")
             r2 = launch(args, out2, config(model, dst, "fp32", out2, ckpt={"dir": ck2, "resume": "auto"}), dump=False)
-            if r2.returncode != 0:
-                print(r2.stdout[-2000:], r2.stderr[-2000:])
-            steps = {s["step"]: s["loss"] for s in steps_of(out2)} if r2.returncode == 0 else {}
+            steps = {s["step"]: s["loss"] for s in harness.step_records(out2)} if r2.returncode == 0 else {}
             worst = max((rel(steps[s], ref[s]) for s in steps), default=float("inf"))
             check(r2.returncode == 0 and sorted(steps) == list(range(N + 1, STEPS + 1)) and worst <= LOSS_RTOL,
                   f"saved on {name_of(model, src)}, resumed on {name_of(model, dst)}: steps "
@@ -272,19 +222,13 @@ def resume_checks(args, ref_steps):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tetra", required=True)
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--mpirun", default=shutil.which("mpirun") or "mpirun")
-    args = ap.parse_args()
-    os.makedirs(args.workdir, exist_ok=True)
+    args = harness.parse_args()
     single = layout(1)
     for model in MODELS:
         ref = run(args, f"{model}_single", config(model, single, "fp32", os.path.join(args.workdir, f"{model}_single")))
         if ref is None:
             continue
-        losses = [s["loss"] for s in ref[0]]
-        check(losses[-1] < losses[0] - 0.1, f"{model}: single-rank loss falls ({losses[0]:.4f} -> {losses[-1]:.4f})")
+        harness.check_loss_falls(checks, f"{model} single-rank", [s["loss"] for s in ref[0]])
         for par in LAYOUTS[model]:
             name = name_of(model, par)
             got = run(args, name, config(model, par, "fp32", os.path.join(args.workdir, name)))
@@ -315,8 +259,7 @@ def main():
                     compare(name, model, par, ref16, got, BF16_RTOL)
         if model == "gpt2":
             resume_checks(args, ref[0])
-    print(f"{len(failures)} failure(s)")
-    return 1 if failures else 0
+    return checks.report()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ fp32 with --dump-dir and checkpoint.dir (a checkpoint every 5 steps, both kept),
 Usage: /usr/bin/python3 test_hf_export.py --tetra BIN --workdir DIR [--only gpt2|llama]
 tetra_ckpt is expected next to BIN. Exit status 0 when every check passes, 1 otherwise.
 """
-import argparse
 import json
 import math
 import os
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from safetensors_io import read_safetensors  # noqa: E402
-from checks import Checks, rel  # noqa: E402
+from checks import Checks, reference_args, rel, run_each, run_logged  # noqa: E402
 import torch_model as tm  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -68,18 +67,6 @@ TETRA_LOSS_RTOL = 1e-4
 # (f) transformers computes in float32 (u = 6e-8) over the same ~30 ops: 1e-5 relative to the
 # largest logit is ~100x the expected error and far below a real mistake.
 TRANSFORMERS_LOGITS_RTOL = 1e-5
-
-
-def run(cmd, log_path):
-    print("$ " + " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=600)
-    with open(log_path, "w") as f:
-        f.write(proc.stdout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{os.path.basename(cmd[0])} exited with {proc.returncode}; last "
-                           f"output:\n{proc.stdout[-3000:]}")
-    return proc.stdout
 
 
 # ---- Hugging Face names and the mapping back to Tetra's ------------------------------------------
@@ -337,11 +324,11 @@ def run_config(kind, args, ckpt_tool, checks):
     os.makedirs(work)
     print(f"\n=== {kind}: {config_path}")
     ckpt, logs, dump = (os.path.join(work, d) for d in ("ckpt", "logs", "dump"))
-    run([args.tetra, "--config", config_path, "--dump-dir", dump,
-         "--set", f"training.steps={STEPS}", "--set", "training.precision=fp32",
-         "--set", f"logging.dir={logs}", "--set", f"checkpoint.dir={ckpt}",
-         "--set", f"checkpoint.every={EVERY}", "--set", "checkpoint.keep=0"],
-        os.path.join(work, "tetra.log"))
+    run_logged([args.tetra, "--config", config_path, "--dump-dir", dump,
+                "--set", f"training.steps={STEPS}", "--set", "training.precision=fp32",
+                "--set", f"logging.dir={logs}", "--set", f"checkpoint.dir={ckpt}",
+                "--set", f"checkpoint.every={EVERY}", "--set", "checkpoint.keep=0"],
+               os.path.join(work, "tetra.log"))
     rows = {}
     with open(os.path.join(logs, "metrics.jsonl")) as f:
         for line in f:
@@ -358,8 +345,8 @@ def run_config(kind, args, ckpt_tool, checks):
     for step in (EVERY, STEPS):
         for dtype in ("fp32", "bf16"):
             out = os.path.join(work, f"hf_step{step}_{dtype}")
-            run([ckpt_tool, "export-hf", os.path.join(ckpt, f"step_{step:08d}"), out,
-                 "--dtype", dtype], out + ".log")
+            run_logged([ckpt_tool, "export-hf", os.path.join(ckpt, f"step_{step:08d}"), out,
+                        "--dtype", dtype], out + ".log")
             exports[step, dtype] = out
 
     # (a), (b)
@@ -422,24 +409,15 @@ def run_config(kind, args, ckpt_tool, checks):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tetra", required=True, help="path of the tetra binary")
-    ap.add_argument("--workdir", required=True, help="scratch directory (recreated)")
-    ap.add_argument("--only", choices=sorted(CONFIGS), help="run one config only")
-    args = ap.parse_args()
+    args = reference_args(__doc__, CONFIGS)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    os.makedirs(args.workdir, exist_ok=True)
     ckpt_tool = os.path.join(os.path.dirname(os.path.abspath(args.tetra)), "tetra_ckpt")
     checks = Checks()
     if not os.access(ckpt_tool, os.X_OK):
         checks.check(False, f"no tetra_ckpt next to {args.tetra}")
     else:
-        for kind in ([args.only] if args.only else sorted(CONFIGS)):
-            try:
-                run_config(kind, args, ckpt_tool, checks)
-            except (RuntimeError, ValueError, OSError, KeyError, AssertionError,
-                    subprocess.TimeoutExpired) as e:
-                checks.check(False, f"{kind}: {type(e).__name__}: {e}")
+        run_each([args.only] if args.only else sorted(CONFIGS), lambda kind: run_config(kind, args, ckpt_tool, checks),
+                 checks, (RuntimeError, ValueError, OSError, KeyError, AssertionError, subprocess.TimeoutExpired))
     return checks.report()
 
 

@@ -19,7 +19,6 @@ Exit status 0 when every check passes, 1 otherwise; each check is printed.
 The PyTorch reference runs in float64, so its own rounding (~1e-16) is negligible and every
 difference measured is Tetra's fp32 (or bf16) error.
 """
-import argparse
 import json
 import math
 import os
@@ -33,7 +32,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from safetensors_io import read_safetensors  # noqa: E402
-from checks import Checks, rel  # noqa: E402
+from checks import Checks, reference_args, rel, run_each, run_logged  # noqa: E402
 import torch_model as tm  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -94,14 +93,7 @@ def run_tetra(tetra, config_path, out_dir, dump_dir=None, overrides=()):
         cmd += ["--set", o]
     if dump_dir:
         cmd += ["--dump-dir", dump_dir]
-    print("$ " + " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=600)
-    with open(os.path.join(out_dir, "tetra.log"), "w") as f:
-        f.write(proc.stdout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"tetra exited with {proc.returncode}; last output:\n"
-                           + proc.stdout[-3000:])
+    run_logged(cmd, os.path.join(out_dir, "tetra.log"))
     path = os.path.join(log_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise RuntimeError(f"tetra wrote no {path}")
@@ -339,20 +331,11 @@ def run_config(name, args, checks):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tetra", required=True, help="path of the tetra binary")
-    ap.add_argument("--workdir", required=True, help="scratch directory (recreated)")
-    ap.add_argument("--only", choices=sorted(CONFIGS), help="run one config only")
-    args = ap.parse_args()
+    args = reference_args(__doc__, CONFIGS)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    os.makedirs(args.workdir, exist_ok=True)
     checks = Checks()
-    for name in ([args.only] if args.only else sorted(CONFIGS)):
-        try:
-            run_config(name, args, checks)
-        except (RuntimeError, ValueError, OSError, KeyError,
-                subprocess.TimeoutExpired) as e:
-            checks.check(False, f"{name}: {type(e).__name__}: {e}")
+    run_each([args.only] if args.only else sorted(CONFIGS), lambda name: run_config(name, args, checks), checks,
+             (RuntimeError, ValueError, OSError, KeyError, subprocess.TimeoutExpired))
     return checks.report()
 
 

@@ -8,6 +8,7 @@
 // loop, unbiasedness, a non-finite block, and the same two-stage exchange with error feedback.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -34,6 +35,65 @@ std::vector<float> biased_input(int64_t n, std::mt19937& rng) {
   std::vector<float> x(static_cast<size_t>(n));
   for (int64_t k = 0; k < n; ++k) x[static_cast<size_t>(k)] = (k % 2 == 0 ? 1.0f : 0.01f) + noise(rng);
   return x;
+}
+
+// The two-stage exchange for p ranks, simulated in memory with the functions the trainer calls
+// between its collectives, over T steps of biased_input on every rank: every rank compresses its
+// vector per destination shard (worker error), the all-to-all is a transposition of the messages,
+// each owner averages and recompresses (server error), the all-gather concatenates, and every rank
+// decodes the same vector (required). Each source rank rounds with its own key, each step and stage
+// with its own stream (int8; the sign codec has no rounding to seed).
+struct ExchangeRun {
+  std::vector<double> diff;  // the sum of the decoded vectors minus the sum of the exact rank means
+  double max_mean = 0.0;     // the largest ||rank mean|| of a step
+  double worst_step = 0.0;   // the largest |decoded - rank mean| of an element in a step
+};
+
+ExchangeRun simulate_exchange(const ChunkPlan& plan, int64_t p, int64_t n, int64_t T, std::mt19937& rng, bool feedback) {
+  const int64_t shard_total = n / p;
+  std::vector<std::vector<float>> worker_error(p, std::vector<float>(n, 0.0f));
+  std::vector<std::vector<float>> server_error(p, std::vector<float>(shard_total, 0.0f));
+  std::vector<double> exact(n, 0.0), applied(n, 0.0);
+  ExchangeRun run;
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<std::vector<float>> x(p);
+    std::vector<double> mean(n, 0.0);
+    for (int64_t r = 0; r < p; ++r) {
+      x[r] = biased_input(n, rng);
+      for (int64_t k = 0; k < n; ++k) mean[k] += x[r][k] / static_cast<double>(p);
+    }
+    for (int64_t k = 0; k < n; ++k) exact[k] += mean[k];
+    run.max_mean = std::max(run.max_mean, norm2(mean));
+    std::vector<std::vector<uint16_t>> send(p, std::vector<uint16_t>(p * plan.words));
+    for (int64_t r = 0; r < p; ++r)
+      exchange_worker_compress(plan, x[r].data(), feedback ? worker_error[r].data() : nullptr, send[r].data(),
+                               Rounding{static_cast<uint64_t>(r), static_cast<uint64_t>(2 * t), 0});
+    std::vector<uint16_t> gathered(p * plan.words);
+    for (int64_t r = 0; r < p; ++r) {
+      std::vector<uint16_t> recv(p * plan.words);  // source-major: what every source sent to r
+      for (int64_t s = 0; s < p; ++s)
+        std::copy(send[s].begin() + r * plan.words, send[s].begin() + (r + 1) * plan.words,
+                  recv.begin() + s * plan.words);
+      std::vector<float> avg(shard_total);
+      exchange_server_average(plan, recv.data(), avg.data());
+      exchange_server_compress(plan, avg.data(), feedback ? server_error[r].data() : nullptr,
+                               gathered.data() + r * plan.words,
+                               Rounding{static_cast<uint64_t>(r), static_cast<uint64_t>(2 * t + 1), 0});
+    }
+    std::vector<float> out0(n), out(n);
+    exchange_gather_decompress(plan, gathered.data(), out0.data());
+    for (int64_t r = 1; r < p; ++r) {  // every rank decodes the same gathered bytes
+      exchange_gather_decompress(plan, gathered.data(), out.data());
+      REQUIRE(out == out0);
+    }
+    for (int64_t k = 0; k < n; ++k) {
+      applied[k] += out0[k];
+      run.worst_step = std::max(run.worst_step, std::fabs(out0[k] - mean[k]));
+    }
+  }
+  run.diff.resize(n);
+  for (int64_t k = 0; k < n; ++k) run.diff[k] = applied[k] - exact[k];
+  return run;
 }
 
 }  // namespace
@@ -128,58 +188,19 @@ TEST_CASE("compression: error feedback keeps the applied sum near the exact sum"
   }
 }
 
-// 1-bit Adam's two-stage exchange for p = 4 ranks, simulated: every rank compresses its vector per
-// destination shard (worker error), the all-to-all is a transposition of the messages, each owner
-// averages and recompresses (server error), the all-gather concatenates. Over T steps the sum of
-// what every rank decompresses stays within the bound of the exact sum of the rank means (the
-// telescoping argument above, with the mean worker error plus the server error as the last
+// 1-bit Adam's two-stage exchange for p = 4 ranks, simulated (simulate_exchange). Over T steps the
+// sum of what every rank decompresses stays within the bound of the exact sum of the rank means
+// (the telescoping argument above, with the mean worker error plus the server error as the last
 // error: 3 max ||mean x|| covers both), and every rank decompresses the same vector. Without the
 // errors, the check fails by far.
 TEST_CASE("compression: two-stage compressed all-reduce with error feedback", "[compression]") {
   const int64_t p = 4, T = 300;
   const ChunkPlan plan = plan_chunks({{0, 16 * 64 * p}, {16 * 64 * p, 2 * kSignBlock * p}}, p);
   const int64_t n = 16 * 64 * p + 2 * kSignBlock * p;
-  const int64_t shard_total = n / p;
   for (const bool feedback : {true, false}) {
     std::mt19937 rng(3);
-    std::vector<std::vector<float>> worker_error(p, std::vector<float>(n, 0.0f));
-    std::vector<std::vector<float>> server_error(p, std::vector<float>(shard_total, 0.0f));
-    std::vector<double> exact(n, 0.0), applied(n, 0.0);
-    double max_mean = 0.0;
-    for (int64_t t = 0; t < T; ++t) {
-      std::vector<std::vector<float>> x(p);
-      std::vector<double> mean(n, 0.0);
-      for (int64_t r = 0; r < p; ++r) {
-        x[r] = biased_input(n, rng);
-        for (int64_t k = 0; k < n; ++k) mean[k] += x[r][k] / static_cast<double>(p);
-      }
-      for (int64_t k = 0; k < n; ++k) exact[k] += mean[k];
-      max_mean = std::max(max_mean, norm2(mean));
-      std::vector<std::vector<uint16_t>> send(p, std::vector<uint16_t>(p * plan.words));
-      for (int64_t r = 0; r < p; ++r)
-        exchange_worker_compress(plan, x[r].data(), feedback ? worker_error[r].data() : nullptr, send[r].data());
-      std::vector<uint16_t> gathered(p * plan.words);
-      for (int64_t r = 0; r < p; ++r) {
-        std::vector<uint16_t> recv(p * plan.words);  // source-major: what every source sent to r
-        for (int64_t s = 0; s < p; ++s)
-          std::copy(send[s].begin() + r * plan.words, send[s].begin() + (r + 1) * plan.words,
-                    recv.begin() + s * plan.words);
-        std::vector<float> avg(shard_total);
-        exchange_server_average(plan, recv.data(), avg.data());
-        exchange_server_compress(plan, avg.data(), feedback ? server_error[r].data() : nullptr,
-                               gathered.data() + r * plan.words);
-      }
-      std::vector<float> out0(n), out(n);
-      exchange_gather_decompress(plan, gathered.data(), out0.data());
-      for (int64_t r = 1; r < p; ++r) {  // every rank decodes the same gathered bytes
-        exchange_gather_decompress(plan, gathered.data(), out.data());
-        REQUIRE(out == out0);
-      }
-      for (int64_t k = 0; k < n; ++k) applied[k] += out0[k];
-    }
-    std::vector<double> diff(n);
-    for (int64_t k = 0; k < n; ++k) diff[k] = applied[k] - exact[k];
-    const double distance = norm2(diff), bound = 3.0 * max_mean;
+    const ExchangeRun run = simulate_exchange(plan, p, n, T, rng, feedback);
+    const double distance = norm2(run.diff), bound = 3.0 * run.max_mean;
     INFO("error feedback " << feedback << ": ||applied - exact|| = " << distance << ", bound " << bound);
     if (feedback)
       CHECK(distance <= bound);
@@ -295,54 +316,14 @@ TEST_CASE("compression: two-stage int8 exchange with error feedback", "[compress
   const ChunkPlan plan = plan_chunks({{0, 16 * 64 * p}, {16 * 64 * p, 2 * kSignBlock * p}}, p, Codec::INT8);
   REQUIRE(plan.words == int8_packed_words(16 * 64) + int8_packed_words(2 * kSignBlock));
   const int64_t n = 16 * 64 * p + 2 * kSignBlock * p;
-  const int64_t shard_total = n / p;
   std::mt19937 rng(4);
-  std::vector<std::vector<float>> worker_error(p, std::vector<float>(n, 0.0f));
-  std::vector<std::vector<float>> server_error(p, std::vector<float>(shard_total, 0.0f));
-  std::vector<double> exact(n, 0.0), applied(n, 0.0);
-  double max_mean = 0.0, worst_step = 0.0;
-  for (int64_t t = 0; t < T; ++t) {
-    std::vector<std::vector<float>> x(p);
-    std::vector<double> mean(n, 0.0);
-    for (int64_t r = 0; r < p; ++r) {
-      x[r] = biased_input(n, rng);
-      for (int64_t k = 0; k < n; ++k) mean[k] += x[r][k] / static_cast<double>(p);
-    }
-    for (int64_t k = 0; k < n; ++k) exact[k] += mean[k];
-    max_mean = std::max(max_mean, norm2(mean));
-    std::vector<std::vector<uint16_t>> send(p, std::vector<uint16_t>(p * plan.words));
-    for (int64_t r = 0; r < p; ++r)  // each source rank its own key, each step its own stream
-      exchange_worker_compress(plan, x[r].data(), worker_error[r].data(), send[r].data(),
-                               Rounding{static_cast<uint64_t>(r), static_cast<uint64_t>(2 * t), 0});
-    std::vector<uint16_t> gathered(p * plan.words);
-    for (int64_t r = 0; r < p; ++r) {
-      std::vector<uint16_t> recv(p * plan.words);
-      for (int64_t s = 0; s < p; ++s)
-        std::copy(send[s].begin() + r * plan.words, send[s].begin() + (r + 1) * plan.words,
-                  recv.begin() + s * plan.words);
-      std::vector<float> avg(shard_total);
-      exchange_server_average(plan, recv.data(), avg.data());
-      exchange_server_compress(plan, avg.data(), server_error[r].data(), gathered.data() + r * plan.words,
-                               Rounding{static_cast<uint64_t>(r), static_cast<uint64_t>(2 * t + 1), 0});
-    }
-    std::vector<float> out0(n), out(n);
-    exchange_gather_decompress(plan, gathered.data(), out0.data());
-    for (int64_t r = 1; r < p; ++r) {
-      exchange_gather_decompress(plan, gathered.data(), out.data());
-      REQUIRE(out == out0);
-    }
-    for (int64_t k = 0; k < n; ++k) {
-      applied[k] += out0[k];
-      worst_step = std::max(worst_step, std::fabs(out0[k] - mean[k]));
-    }
-  }
-  std::vector<double> diff(n);
-  for (int64_t k = 0; k < n; ++k) diff[k] = applied[k] - exact[k];
+  const ExchangeRun run = simulate_exchange(plan, p, n, T, rng, /*feedback=*/true);
   // Inputs reach |x| ~ 1.4, so a level is ~0.011. The distance is the last errors (the mean worker
   // error plus the server error, each under a level per element): <= 2 levels x sqrt(n) = 1.7,
   // against 0.05 max ||mean|| = 2.8. One step's result differs from the exact mean by the change
   // of those errors, a few levels: < 0.1.
-  INFO("||applied - exact|| = " << norm2(diff) << ", bound " << 0.05 * max_mean << "; worst step error " << worst_step);
-  CHECK(norm2(diff) <= 0.05 * max_mean);
-  CHECK(worst_step < 0.1);
+  INFO("||applied - exact|| = " << norm2(run.diff) << ", bound " << 0.05 * run.max_mean << "; worst step error "
+                                 << run.worst_step);
+  CHECK(norm2(run.diff) <= 0.05 * run.max_mean);
+  CHECK(run.worst_step < 0.1);
 }
