@@ -1,7 +1,7 @@
 // tetra_ckpt: reads Tetra checkpoints (trainer/checkpoint/checkpoint.h) without training.
 //
 //   tetra_ckpt inspect DIR                          what the checkpoint holds, every byte verified
-//   tetra_ckpt export-hf DIR OUT [--dtype fp32|bf16]  OUT/model.safetensors + OUT/config.json
+//   tetra_ckpt export-hf DIR OUT [--dtype fp32|bf16|fp16]  OUT/model.safetensors + OUT/config.json
 //
 // DIR is a step_* directory, or a checkpoint.dir whose `latest` names one.
 //
@@ -388,7 +388,7 @@ int inspect(const std::string& dir) {
 }
 
 int export_hf(const std::string& dir, const std::string& out, const std::string& dtype_name) {
-  const tetra::DType dtype = dtype_name == "bf16" ? tetra::DType::BF16 : tetra::DType::F32;
+  const tetra::DType dtype = tetra::precision_dtype(dtype_name);
   const Checkpoint ck = read_index(dir);
   const tetra::HfArch arch = tetra::hf_architecture(ck.model);  // before any work: InputError if none
   std::map<std::string, const TensorEntry*> by_key;
@@ -446,7 +446,7 @@ int main(int argc, char** argv) {
   export_cmd->add_option("DIR", dir, "a step_* directory, or a checkpoint.dir with `latest`")->required();
   export_cmd->add_option("OUT", out, "output directory (created)")->required();
   export_cmd->add_option("--dtype", dtype, "stored type of the weights")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();
   try {
     app.parse(argc, argv);

@@ -13,9 +13,11 @@
 
 namespace tetra {
 
-void Trainer::dump_tensors(const std::string& file, const float* buffer) {
+void Trainer::dump_tensors(const std::string& file, const float* buffer, double scale) {
   std::vector<float> host(static_cast<size_t>(layout_.total));
   be_->copy_to_host(host.data(), buffer, host.size() * 4);
+  if (scale != 1.0)
+    for (float& x : host) x = static_cast<float>(x * scale);
   Communicator& tp = *groups_.tp;
   Communicator& ep = *groups_.ep;
   const int p = tp.size(), q = ep.size();
