@@ -61,7 +61,7 @@ StepVerdict StepGuard::check(int64_t step, double loss, double grad_norm, bool o
   StepVerdict v;
   if (flags[OVERFLOW]) {  // the loss scaler's case: nothing else is judged, nothing counted
     v.skip = v.overflow = true;
-    v.reason = overflow ? "fp16 gradient overflow" : "fp16 gradient overflow (on another rank)";
+    v.reason = overflow ? "fp16 gradient overflow" : "fp16 gradient overflow (seen on another rank)";
     return v;
   }
   auto add = [&v](const std::string& why) { v.reason += (v.reason.empty() ? "" : ", ") + why; };

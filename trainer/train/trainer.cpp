@@ -547,10 +547,13 @@ void Trainer::run() {
     const double norm = raw_norm / step_scale;
     // A non-finite or spiking loss or norm, or an fp16 overflow: the update is skipped, the
     // gradients dropped.
-    const StepVerdict verdict = guard.check(s + 1, loss, norm, scaler_ && !std::isfinite(raw_norm));
+    const bool overflow_here = scaler_ && !std::isfinite(raw_norm);
+    const StepVerdict verdict = guard.check(s + 1, loss, norm, overflow_here);
     // A step skipped for an overflow is no update: the LR schedule advances with updates (loss_scaler.h).
     const int64_t updates_before = s - (scaler_ ? scaler_->skipped_steps() : 0);
     const LossScaleUpdate scaling = scaler_ ? scaler_->update(s + 1, verdict.overflow) : LossScaleUpdate{};
+    const std::string skip_reason = !verdict.overflow ? verdict.reason
+                                    : scaling.describe() + (overflow_here ? "" : " (seen on another rank)");
     if (!dump_dir_.empty() && s == 0) {
       // Debugging output, not part of the step: its communication is not accounted.
       const std::vector<CommStats> saved = comm_snapshot();
@@ -574,7 +577,7 @@ void Trainer::run() {
       // A guard's skip counts as a step (step_guard.h); an overflow's does not (loss_scaler.h).
       if (!verdict.overflow) optimizer_->set_steps_taken(optimizer_->steps_taken() + 1);
       if (writer_)
-        spdlog::warn("step {}: update skipped: {}", s + 1, verdict.overflow ? scaling.describe() : verdict.reason);
+        spdlog::warn("step {}: update skipped: {}", s + 1, skip_reason);
     } else if (compressed) {
       onebit_->step(master_, grads_, lr, act_ == DType::F32 ? nullptr : compute_, act_);
     } else {
@@ -601,7 +604,7 @@ void Trainer::run() {
     m.lr = lr;
     m.grad_norm = norm;
     m.clip = clip;
-    if (verdict.skip) m.skipped = verdict.overflow ? scaling.describe() : verdict.reason;
+    if (verdict.skip) m.skipped = skip_reason;
     if (scaler_) {
       m.loss_scale = step_scale;
       m.overflow = verdict.overflow;
