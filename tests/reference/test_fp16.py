@@ -31,6 +31,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from safetensors_io import read_safetensors  # noqa: E402
+from checkpoint_io import read_checkpoint  # noqa: E402
 from checks import Checks, rel  # noqa: E402
 import torch_model as tm  # noqa: E402
 
@@ -83,28 +84,6 @@ def run_tetra(tetra, config_path, out_dir, overrides=(), dump_dir=None):
                 rows.append(r)
                 raw.append(json.loads(line, parse_float=str, parse_int=str))
     return rows, raw, proc.stdout
-
-
-def read_checkpoint(path):
-    """{key: global np.float32 array} of a checkpoint directory, and its manifest."""
-    with open(os.path.join(path, "manifest.json")) as f:
-        manifest = json.load(f)
-    files = {}
-    out = {}
-    for key, t in manifest["tensors"].items():
-        shape = [int(s) for s in t["shape"]]
-        gcols = shape[-1] if len(shape) > 1 else 1
-        flat = np.full(int(np.prod(shape)), np.nan, dtype=np.float32)
-        for s in t["slices"]:
-            if s["file"] not in files:
-                files[s["file"]] = read_safetensors(os.path.join(path, s["file"]))[0]
-            data = files[s["file"]][s["tensor"]].reshape(-1)
-            row0, _, col0, cols = s["region"]
-            begin, end = s["range"]
-            e = np.arange(begin, end)
-            flat[(row0 + e // cols) * gcols + col0 + e % cols] = data
-        out[key] = flat.reshape(shape)
-    return out, manifest
 
 
 def compare_grads(model, grads, rtol, checks, label):
