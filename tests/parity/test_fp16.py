@@ -54,11 +54,11 @@ from checkpoint_io import read_checkpoint  # noqa: E402
 # ---- tolerances ---------------------------------------------------------------------------------
 # A layout computes the same sums in another order (test_layouts.py: ~1e-7 relative per sum); in
 # fp16 such a difference can flip the rounding of an activation to its neighbour (2^-11 = 4.9e-4
-# relative) wherever a value sits near a rounding boundary, and those flips propagate. test_layouts.py
-# allows 2e-2 for bf16 (8-bit mantissa, measured < 5e-3); fp16's 11 bits scale that by 1/8 to
-# 2.5e-3, and 5e-3 keeps a margin of 2x (measured here: 1.2e-3 at worst, tp2). Wrong skips or a lost loss scale
-# move the loss by more: a missing update changes it by ~1e-2 within two steps, a gradient left
-# multiplied by the scale makes clipping act on every step.
+# relative) wherever a value sits near a rounding boundary, and those flips propagate.
+# test_layouts.py allows 2e-2 for bf16 (8-bit mantissa, measured < 5e-3); fp16's 11 bits scale that
+# by 1/8 to 2.5e-3, and 5e-3 keeps a margin of 2x (measured here: 1.2e-3 at worst, tp2). Wrong skips
+# or a lost loss scale move the loss by more: a missing update changes it by ~1e-2 within two steps,
+# a gradient left multiplied by the scale makes clipping act on every step.
 FP16_LAYOUT_RTOL = 5e-3
 
 STEPS = 20
