@@ -47,6 +47,9 @@ std::vector<uint8_t> encode(DType t, const std::vector<double>& v) {
     } else if (t == DType::BF16) {
       const uint16_t b = math::f32_to_bf16_bits(static_cast<float>(v[i]));
       std::memcpy(p, &b, 2);
+    } else if (t == DType::F16) {
+      const uint16_t b = math::f32_to_f16_bits(static_cast<float>(v[i]));
+      std::memcpy(p, &b, 2);
     } else {
       const int32_t x = static_cast<int32_t>(v[i]);
       std::memcpy(p, &x, 4);
@@ -63,10 +66,10 @@ std::vector<double> decode(DType t, const std::vector<uint8_t>& bytes) {
       float x;
       std::memcpy(&x, p, 4);
       out[i] = x;
-    } else if (t == DType::BF16) {
+    } else if (t == DType::BF16 || t == DType::F16) {
       uint16_t b;
       std::memcpy(&b, p, 2);
-      out[i] = math::bf16_bits_to_f32(b);
+      out[i] = t == DType::F16 ? math::f16_bits_to_f32(b) : math::bf16_bits_to_f32(b);
     } else {
       int32_t x;
       std::memcpy(&x, p, 4);
@@ -126,7 +129,7 @@ void check_one(Checker& ck, Communicator& c, Communicator& host, Backend& be) {
   Expected want{p};
 
   const int64_t n = 13;
-  for (DType t : {DType::F32, DType::BF16, DType::I32})
+  for (DType t : {DType::F32, DType::BF16, DType::F16, DType::I32})
     for (ReduceOp op : {ReduceOp::SUM, ReduceOp::MAX}) {
       ck.where = fmt::format("{} all_reduce {} {}", where, dtype_name(t), op == ReduceOp::SUM ? "sum" : "max");
       Dev b(be, t, n, 0);
@@ -142,7 +145,7 @@ void check_one(Checker& ck, Communicator& c, Communicator& host, Backend& be) {
     }
 
   const int64_t blk = 3;
-  for (DType t : {DType::F32, DType::BF16})
+  for (DType t : {DType::F32, DType::BF16, DType::F16})
     for (bool in_place : {false, true}) {
       ck.where = fmt::format("{} reduce_scatter {}{}", where, dtype_name(t), in_place ? " in place" : "");
       Dev send(be, t, p * blk, 0), out(be, t, blk, 99);

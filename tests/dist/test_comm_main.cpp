@@ -7,8 +7,8 @@
 // the mp group's order, tp fastest, differs from the ranks' order); dp4 with ep2 in "dp-tp-pp";
 // pp4 (middle stages alone in their embedding group). Each grid's groups are also checked in their
 // backend-memory role, staged over guarded memory (staged_checks.h).
-// Values are small integers, exact in fp32, bf16 and i32 whatever order MPI combines them in, so
-// results are compared exactly; the one fp32 sum of inexact values has a stated tolerance.
+// Values are small integers, exact in fp32, bf16, fp16 and i32 whatever order MPI combines them
+// in, so results are compared exactly; the one fp32 sum of inexact values has a stated tolerance.
 // Stats are compared with the formulas of communicator.h, recomputed here call by call.
 //
 // Exits 1 with a message per failed check (after every rank has finished), or at once through
@@ -64,6 +64,9 @@ struct Buf {
     } else if (type == DType::BF16) {
       const uint16_t b = math::f32_to_bf16_bits(static_cast<float>(v));
       std::memcpy(at(i), &b, 2);
+    } else if (type == DType::F16) {
+      const uint16_t b = math::f32_to_f16_bits(static_cast<float>(v));
+      std::memcpy(at(i), &b, 2);
     } else {
       const int32_t x = static_cast<int32_t>(v);
       std::memcpy(at(i), &x, 4);
@@ -76,10 +79,10 @@ struct Buf {
       std::memcpy(&x, p, 4);
       return x;
     }
-    if (type == DType::BF16) {
+    if (type == DType::BF16 || type == DType::F16) {
       uint16_t b;
       std::memcpy(&b, p, 2);
-      return math::bf16_bits_to_f32(b);
+      return type == DType::F16 ? math::f16_bits_to_f32(b) : math::bf16_bits_to_f32(b);
     }
     int32_t x;
     std::memcpy(&x, p, 4);
@@ -88,10 +91,10 @@ struct Buf {
 };
 
 // Element i of global rank g's data: integers in [-6, 6], distinct across ranks 0..12. Sums over
-// up to 4 ranks stay within +-24: exact in bf16 (8 significant bits), fp32 and i32.
+// up to 4 ranks stay within +-24: exact in bf16 (8 significant bits), fp16 (11), fp32 and i32.
 double val(int g, int64_t i, int salt) { return static_cast<double>((g * 7 + i * 3 + salt) % 13) - 6.0; }
 
-const DType kTypes[] = {DType::F32, DType::BF16, DType::I32};
+const DType kTypes[] = {DType::F32, DType::BF16, DType::F16, DType::I32};
 const ReduceOp kOps[] = {ReduceOp::SUM, ReduceOp::MAX};
 const char* op_name(ReduceOp op) { return op == ReduceOp::SUM ? "sum" : "max"; }
 
@@ -192,6 +195,16 @@ void check_communicator(Communicator& c, const std::vector<int>& grid_members) {
     c.all_reduce(b.data(), 3, DType::BF16, ReduceOp::SUM);
     want.all_reduce(3 * 2);
     for (int i = 0; i < 3; ++i) expect(b.get(i) == rounded[i], fmt::format("element {}: {}", i, b.get(i)));
+
+    // fp16 the same with its step at 1 of 2^-10: one rounding of the fp32 sum, ties to even.
+    g_where = where + " all_reduce f16 rounding";
+    const double frac16[3] = {3.0 / 2048, 1.0 / 2048, 5.0 / 4096};  // 1.5, 0.5 (tie), 1.25 steps
+    const double rounded16[3] = {1.001953125, 1.0, 1.0009765625};   // even, even, nearest
+    Buf h(DType::F16, 3);
+    for (int i = 0; i < 3; ++i) h.set(i, r == 0 ? 1.0 : (r == 1 ? frac16[i] : 0.0));
+    c.all_reduce(h.data(), 3, DType::F16, ReduceOp::SUM);
+    want.all_reduce(3 * 2);
+    for (int i = 0; i < 3; ++i) expect(h.get(i) == rounded16[i], fmt::format("element {}: {}", i, h.get(i)));
 
     // fp32 sum of inexact values, against the double-precision sum of the same fp32 inputs: p - 1
     // additions, each rounding a partial sum of magnitude <= p by at most 2^-24 of it, so

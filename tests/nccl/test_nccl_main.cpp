@@ -7,7 +7,7 @@
 // device memory of the CUDA backend: uploaded with copy_from_host, read back with copy_to_host
 // (which synchronises the compute stream), so every check also checks the stream order: a result
 // is visible only because wait() made the compute stream wait for the operation. Values are small
-// integers, exact in fp32, bf16 and i32 in any combining order, so results compare exactly.
+// integers, exact in fp32, bf16, fp16 and i32 in any combining order, so results compare exactly.
 // Checked on the world group and on the same ranks in the reverse order (group rank != global
 // rank), with the stats of communicator.h recomputed call by call.
 //
@@ -86,6 +86,9 @@ struct Buf {
     } else if (type == DType::BF16) {
       const uint16_t b = math::f32_to_bf16_bits(static_cast<float>(v));
       std::memcpy(p, &b, 2);
+    } else if (type == DType::F16) {
+      const uint16_t b = math::f32_to_f16_bits(static_cast<float>(v));
+      std::memcpy(p, &b, 2);
     } else {
       const int32_t x = static_cast<int32_t>(v);
       std::memcpy(p, &x, 4);
@@ -98,10 +101,10 @@ struct Buf {
       std::memcpy(&x, p, 4);
       return x;
     }
-    if (type == DType::BF16) {
+    if (type == DType::BF16 || type == DType::F16) {
       uint16_t b;
       std::memcpy(&b, p, 2);
-      return math::bf16_bits_to_f32(b);
+      return type == DType::F16 ? math::f16_bits_to_f32(b) : math::bf16_bits_to_f32(b);
     }
     int32_t x;
     std::memcpy(&x, p, 4);
@@ -117,7 +120,7 @@ struct Buf {
 // Element i of global rank g's data: integers in [-6, 6] (sums over a few ranks exact in bf16).
 double val(int g, int64_t i, int salt) { return static_cast<double>((g * 7 + i * 3 + salt) % 13) - 6.0; }
 
-const DType kTypes[] = {DType::F32, DType::BF16, DType::I32};
+const DType kTypes[] = {DType::F32, DType::BF16, DType::F16, DType::I32};
 const ReduceOp kOps[] = {ReduceOp::SUM, ReduceOp::MAX};
 
 double reduce_members(const std::vector<int>& members, ReduceOp op, int64_t i, int salt) {
@@ -294,6 +297,16 @@ void check_communicator(Communicator& c, Backend& be, const std::vector<int>& me
     want.all_reduce(6);
     b.download();
     for (int i = 0; i < 3; ++i) expect(b.get(i) == rounded[i], fmt::format("element {}: {}", i, b.get(i)));
+    // fp16 the same with its step at 1 of 2^-10 (NCCL adds halves correctly rounded: the same bits).
+    g_where = where + " all_reduce f16 rounding";
+    const double frac16[3] = {3.0 / 2048, 1.0 / 2048, 5.0 / 4096}, rounded16[3] = {1.001953125, 1.0, 1.0009765625};
+    Buf h(be, DType::F16, 3);
+    for (int i = 0; i < 3; ++i) h.set(i, r == 0 ? 1.0 : (r == 1 ? frac16[i] : 0.0));
+    h.upload();
+    c.all_reduce(h.dev, 3, DType::F16, ReduceOp::SUM);
+    want.all_reduce(6);
+    h.download();
+    for (int i = 0; i < 3; ++i) expect(h.get(i) == rounded16[i], fmt::format("element {}: {}", i, h.get(i)));
   }
 
   const int64_t blk = 5;
