@@ -6,10 +6,10 @@
 // DIR is a step_* directory, or a checkpoint.dir whose `latest` names one.
 //
 // `inspect` prints the step, the data position, the layout the checkpoint was saved under, the
-// model, and every tensor (global shape, slices, bytes), then verifies all of it: the manifest's
-// tensors are exactly the model's, with its shapes; each tensor's slices lie inside it, overlap
-// nowhere and together cover every element; every slice is read from its file and its CRC-32
-// compared with the manifest's. `export-hf` assembles each "model/" tensor from its slices (the
+// fp16 loss scaler's state where there is one, the model, and every tensor (global shape, slices,
+// bytes), then verifies all of it: the manifest's tensors are exactly the model's, with its
+// shapes; each tensor's slices lie inside it, overlap nowhere and together cover every element;
+// every slice is read from its file and its CRC-32 compared with the manifest's. `export-hf` assembles each "model/" tensor from its slices (the
 // same checks on the slices it reads) and writes it under Hugging Face's names and layouts
 // (trainer/checkpoint/hf_export.h).
 //
@@ -347,6 +347,8 @@ int inspect(const std::string& dir) {
   fmt::print("step:             {}\n", man.value("step", json(nullptr)).dump());
   fmt::print("consumed samples: {}\n", man.value("consumed_samples", json(nullptr)).dump());
   fmt::print("seed:             {}\n", man.value("seed", json(nullptr)).dump());
+  if (man.contains("loss_scaler"))  // fp16 runs: the dynamic loss scaler's state
+    fmt::print("loss scaler:      {}\n", man["loss_scaler"].dump());
   fmt::print("layout:           {}\n", layout_text(man.value("layout", json::object())));
   fmt::print("model:            {}\n", model_text(ck.model));
   fmt::print("parameters:       {}\n", grouped(params));
