@@ -142,9 +142,10 @@ run_case 2 "$scratch/loss_scaling/config.json" --set training.precision=fp16 --s
   --set training.loss_scale_window=10
 expect_stderr 'training.loss_scale_window: 10: applies to dynamic loss scaling only, but training.loss_scale is 512.0'
 run_case 2 "$scratch/loss_scaling/config.json" --set training.precision=fp16 --set training.initial_loss_scale=8 \
-  --set training.min_loss_scale=16 --set training.hysteresis=0 --set training.loss_scale=-1
+  --set training.min_loss_scale=16 --set training.hysteresis=0
 expect_stderr 'training.min_loss_scale: 16.0: must be <= training.initial_loss_scale (8.0)'
 expect_stderr 'training.hysteresis: 0: must be >= 1'
+run_case 2 "$scratch/loss_scaling/config.json" --set training.precision=fp16 --set training.loss_scale=-1
 expect_stderr 'training.loss_scale: -1.0: must be >= 0'
 run_case 2 "$scratch/loss_scaling/config.json" --set training.precision=fp16 --set parallel.dp=2 \
   --set parallel.grad_compression=onebit

@@ -136,7 +136,7 @@ TEST_CASE("loss scaler: the scale never grows past 2^64", "[loss_scaler]") {
   CHECK(std::isfinite(static_cast<float>(s.scale())));
 }
 
-TEST_CASE("loss scaler: a static scale never moves; overflows still skip", "[loss_scaler]") {
+TEST_CASE("loss scaler: a static scale never moves, overflows still skip", "[loss_scaler]") {
   TrainingConfig t = fp16_config(65536.0, 2, 1.0, 2, 3);
   t.loss_scale = 1000.0;  // not a power of two: allowed
   LossScaler s(t);
