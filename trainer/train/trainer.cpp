@@ -80,7 +80,7 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   const DType act = activation_type(cfg);
   const int64_t B = cfg.training.micro_batch_size, T = cfg.model.seq_len;
   const size_t n = static_cast<size_t>(layout.total);
-  // The distributed optimizer keeps Adam's moments (and, in bf16, the fp32 master weights) for
+  // The distributed optimizer keeps Adam's moments (and, in bf16 / fp16, the fp32 master weights) for
   // this rank's 1/dp of the buffer only.
   const size_t shard = cfg.parallel.distributed_optimizer ? n / static_cast<size_t>(cfg.parallel.dp) : n;
   MemoryPlan m;
@@ -194,7 +194,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   model_ = std::make_unique<PipelineModel>(cfg, layout_, *be_, act_, groups, accum_, tokens_, targets_, losses_);
   grad_buffer_ = std::make_unique<GradBuffers>(layout_, *be_, grads_, groups, cfg.parallel.distributed_optimizer,
                                                cfg.parallel.bucket_size, cfg.parallel.grad_compression == "bf16");
-  // bf16 with the distributed optimizer: the fp32 master weights live sharded in the optimizer.
+  // bf16 / fp16 with the distributed optimizer: the fp32 master weights live sharded in the optimizer.
   const bool optimizer_owns_master = shard_optimizer && act_ != DType::F32;
   optimizer_ = std::make_unique<AdamW>(cfg.optimizer, layout_, *be_, grad_buffer_->owned(),
                                        optimizer_owns_master, master_);
