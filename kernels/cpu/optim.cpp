@@ -5,7 +5,7 @@
 // into chunks whose size depends on n only, each chunk is summed in double, and the chunks'
 // partial sums are added in chunk order by one thread. AdamW is element-wise through
 // math::adamw_update (the same function the CUDA kernel calls); the optional compute copy is the
-// updated parameter rounded to the compute type (bf16 weights for the next forward).
+// updated parameter rounded to the compute type (bf16 or fp16 weights for the next forward).
 #include <omp.h>
 
 #include <algorithm>

@@ -91,7 +91,7 @@ void Trainer::save_final_weights() {
   const float* weights = master_;
   float* whole = nullptr;
   if (!master_) {
-    // bf16 with the distributed optimizer: each DP rank's optimizer holds the fp32 master weights
+    // bf16 / fp16 with the distributed optimizer: each DP rank's optimizer holds the fp32 master weights
     // of its shards, back to back; every DP rank takes part in gathering them.
     whole = static_cast<float*>(be_->alloc(static_cast<size_t>(layout_.total) * 4));
     const float* shard = optimizer_->master_shard();
