@@ -200,7 +200,7 @@ def part_bc(name, args, checks, work):
                                            f"checkpoint.resume={os.path.join(ckpt, f'step_{k:08d}')}"])
     got = [r["loss"] for r in raw_s[:until - k]]
     want = [r["loss"] for r in raw[k:until]]
-    checks.check(len(got) >= 3 and got == want,
+    checks.check(len(got) >= 2 and got == want,
                  f"(b) the run at the settled scale {settled:.0f} reproduces steps {k + 1}..{until} of the 2^40 "
                  f"run bit for bit ({len(got)} steps)")
 
