@@ -6,12 +6,15 @@
 // Coverage: every one of the 65536 fp16 patterns widened and narrowed back; around every fp16 value
 // and every midpoint between neighbours (where rounding decides), both signs; hand-picked ties,
 // overflow to infinity, gradual underflow and NaN; and a strided sweep over all 2^32 fp32 patterns.
+// Then F16 safetensors tensors, read back and loaded as a model's weights (trainer/train/generate.h).
 #include <catch2/catch.hpp>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <limits>
+#include <string>
 #include <vector>
 
 #if defined(__F16C__)
@@ -20,7 +23,11 @@
 
 #include "kernels/common/math.h"
 #include "tests/unit/f16_reference.h"
+#include "trainer/checkpoint/safetensors.h"
+#include "trainer/config/config.h"
 #include "trainer/core/dtype.h"
+#include "trainer/model/param_layout.h"
+#include "trainer/train/generate.h"
 
 using namespace tetra;
 using tetra_test::f16_round_by_search;
@@ -199,4 +206,45 @@ TEST_CASE("f16: dtype helpers", "[f16]") {
   CHECK(math::round_f16(0.1f) != 0.1f);  // 0.1 is not an fp16 value
   CHECK(std::fabs(math::round_f16(0.1f) - 0.1f) <= 0.1f * std::ldexp(1.0f, -11));
   CHECK(math::kF16Max == math::f16_bits_to_f32(0x7bff));
+}
+
+TEST_CASE("f16: F16 safetensors tensors round trip, and load as a model's weights", "[f16][checkpoint]") {
+  const std::string dir = (std::filesystem::path(TETRA_TEST_TMPDIR) / "f16_weights").string();
+  std::filesystem::create_directories(dir);
+  ModelConfig m;
+  m.vocab_size = 16, m.seq_len = 4, m.num_layers = 1, m.hidden_size = 8, m.num_heads = 2, m.num_kv_heads = 2;
+  m.ffn_hidden_size = 16;
+  const ParamLayout layout = ParamLayout::build(m);
+  // Every parameter as an F16 tensor of values 0.1 * (k + 1) (k the element's index), which fp16
+  // rounds (0.1 is not an fp16 value).
+  std::vector<TensorRecord> records;
+  for (const ParamSpec& p : layout.params) {
+    TensorRecord r;
+    r.name = p.name;
+    r.dtype = DType::F16;
+    r.shape = p.global_shape;
+    r.data.resize(static_cast<size_t>(r.numel()) * 2);
+    for (int64_t k = 0; k < r.numel(); ++k) {
+      const uint16_t b = tetra_test::f16_round_by_search(0.1f * static_cast<float>(k + 1));
+      std::memcpy(r.data.data() + 2 * k, &b, 2);
+    }
+    records.push_back(std::move(r));
+  }
+  const std::string path = dir + "/weights.safetensors";
+  write_safetensors(path, records);
+  const std::vector<TensorRecord> back = read_safetensors(path);
+  REQUIRE(back.size() == records.size());
+  for (size_t i = 0; i < back.size(); ++i) {
+    CHECK(back[i].dtype == DType::F16);
+    CHECK(back[i].data == records[i].data);
+  }
+  const std::vector<float> w = load_weights(path, layout);
+  size_t bad = 0;
+  for (const ParamSpec& p : layout.params)
+    for (int64_t k = 0; k < p.numel; ++k) {
+      const double want = tetra_test::f16_value_by_definition(
+          tetra_test::f16_round_by_search(0.1f * static_cast<float>(p.global_index(k) + 1)));
+      bad += static_cast<double>(w[static_cast<size_t>(p.offset + k)]) != want;
+    }
+  CHECK(bad == 0);
 }
