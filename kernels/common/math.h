@@ -62,10 +62,11 @@ TETRA_HD float round_bf16(float x) { return bf16_bits_to_f32(f32_to_bf16_bits(x)
 // power of two) become infinity, values up to 2^-25 become (signed) zero. A NaN stays a quiet NaN
 // keeping the top 9 bits of its payload, as x86's F16C conversion does. fp16 -> fp32 is exact.
 //
-// The host versions are integer-only and branch-free in the common path (so the CPU's conversion
-// loops vectorise, and no floating-point mode such as flush-to-zero can change a result); the
-// device versions are CUDA's own conversions (__float2half_rn, __half2float), which compute the
-// same values (device NaNs come out as the canonical 0x7fff; NaN bits are never compared).
+// The host versions compute every case and select one, without branches, so the CPU's conversion
+// loops vectorise; they are integer code but for one exact product, which no floating-point mode
+// such as flush-to-zero can change. The device versions are CUDA's own conversions
+// (__float2half_rn, __half2float), which compute the same values (device NaNs come out as the
+// canonical 0x7fff; NaN bits are never compared).
 // ---------------------------------------------------------------------------------------------
 TETRA_HD uint16_t f32_to_f16_bits(float x) {
 #if defined(__CUDA_ARCH__)
@@ -82,22 +83,23 @@ TETRA_HD uint16_t f32_to_f16_bits(float x) {
   // 126 - e (14 to 24 places for biased exponents e of 102 to 112), rounded to nearest even. A
   // round-up to 0x400 is the smallest normal, which the bit pattern encodes as it stands.
   const uint32_t e = a >> 23;
-  const uint32_t shift = e >= 102u && e <= 112u ? 126u - e : 24u;
+  const uint32_t in_range = static_cast<uint32_t>(e >= 102u) & static_cast<uint32_t>(e <= 112u);
+  const uint32_t shift = in_range * (126u - e) + (1u - in_range) * 24u;  // 24: a harmless default
   const uint32_t m = (a & 0x7fffffu) | 0x800000u;
   const uint32_t q = m >> shift;
   const uint32_t rem = m & ((1u << shift) - 1u), halfway = 1u << (shift - 1u);
-  const uint32_t subnormal = q + ((rem > halfway || (rem == halfway && (q & 1u))) ? 1u : 0u);
-  uint32_t out;
-  if (a > 0x7f800000u)
-    out = 0x7e00u | ((a >> 13) & 0x3ffu);  // NaN: quiet, the payload's top bits
-  else if (a >= 0x477ff000u)
-    out = 0x7c00u;  // >= 65520 (or infinity): infinity
-  else if (a >= 0x38800000u)
-    out = normal;  // >= 2^-14
-  else if (a > 0x33000000u)
-    out = subnormal;  // > 2^-25
-  else
-    out = 0u;  // <= 2^-25: the tie at 2^-25 rounds to the even zero
+  const uint32_t round_up = static_cast<uint32_t>(rem > halfway) | (static_cast<uint32_t>(rem == halfway) & q);
+  const uint32_t subnormal = q + (round_up & 1u);
+  const uint32_t nan = 0x7e00u | ((a >> 13) & 0x3ffu);  // quiet, the payload's top bits
+  // NaN; >= 65520 (or infinity): infinity; >= 2^-14: normal; > 2^-25: subnormal; else (the tie at
+  // 2^-25 included, rounding to the even zero) zero. Chosen by masks (all ones or zero), not ?:,
+  // which compilers may keep as branches: the conversion loops vectorise.
+  const uint32_t is_nan = 0u - static_cast<uint32_t>(a > 0x7f800000u);
+  const uint32_t is_inf = ~is_nan & (0u - static_cast<uint32_t>(a >= 0x477ff000u));
+  const uint32_t is_normal = ~is_nan & ~is_inf & (0u - static_cast<uint32_t>(a >= 0x38800000u));
+  const uint32_t is_subnormal =
+      ~is_nan & ~is_inf & ~is_normal & (0u - static_cast<uint32_t>(a > 0x33000000u));
+  const uint32_t out = (nan & is_nan) | (0x7c00u & is_inf) | (normal & is_normal) | (subnormal & is_subnormal);
   return static_cast<uint16_t>(sign | out);
 #endif
 }
@@ -109,19 +111,16 @@ TETRA_HD float f16_bits_to_f32(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   const uint32_t mant = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0x1fu) {
-    bits = 0x7f800000u | (mant << 13) | (mant != 0 ? 0x400000u : 0u);  // inf, or a quiet NaN
-  } else if (exp != 0) {
-    bits = ((exp + 112u) << 23) | (mant << 13);  // normal: rebias 15 -> 127
-  } else if (mant != 0) {
-    // Subnormal mant * 2^-24: normalise (p = index of its top bit, 0..9) to 2^(p-24) * 1.f.
-    uint32_t p = 9;
-    while ((mant >> p) == 0) --p;
-    bits = ((p + 103u) << 23) | ((mant << (23u - p)) & 0x7fffffu);
-  } else {
-    bits = 0;
-  }
+  const uint32_t normal = ((exp + 112u) << 23) | (mant << 13);  // rebias 15 -> 127
+  // Infinity, or a NaN made quiet.
+  const uint32_t special = 0x7f800000u | (mant << 13) | (static_cast<uint32_t>(mant != 0) << 22);
+  // Subnormal (or zero): mant * 2^-24, exact in fp32 (an integer below 2^10 times a power of two,
+  // a normal fp32 value or 0), so no mode such as flush-to-zero can change it.
+  const uint32_t subnormal = f32_bits(static_cast<float>(mant) * 5.9604644775390625e-8f);  // 2^-24
+  // The case by masks (all ones or zero), which compilers vectorise where they keep ?: as a branch.
+  const uint32_t is_special = 0u - static_cast<uint32_t>(exp == 0x1fu);
+  const uint32_t is_subnormal = 0u - static_cast<uint32_t>(exp == 0);
+  const uint32_t bits = (special & is_special) | (subnormal & is_subnormal) | (normal & ~(is_special | is_subnormal));
   return bits_f32(sign | bits);
 #endif
 }
