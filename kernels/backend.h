@@ -10,7 +10,7 @@
 // NKV key/value heads, HS head size (C / NH), F ffn hidden size, V vocabulary size, N rows (B*T).
 //
 // Conventions that every implementation must follow (and the CPU tests check):
-// - Activation tensors have the activation type `act` (F32 or BF16). Norm statistics, losses,
+// - Activation tensors have the activation type `act` (F32, BF16 or F16). Norm statistics, losses,
 //   attention log-sum-exp and every parameter gradient are F32.
 // - Parameter gradients ACCUMULATE (+=) into F32 buffers: gradient accumulation over micro-batches
 //   and parameter sharing need it. Activation gradients OVERWRITE their output, except where a
@@ -60,8 +60,8 @@ class Backend {
   // non-null (bias: N elements of ab_type, the weights' type).
   //   op(A) is (M,K): A stored (M,K) with leading dimension lda, or, if trans_a, stored (K,M).
   //   op(B) is (K,N): B stored (K,N) with ldb, or, if trans_b, stored (N,K).
-  // a_type and b_type must be equal (F32 or BF16); c_type is F32 or BF16. beta != 0 reads C.
-  // Accumulation is fp32.
+  // a_type and b_type must be equal (F32, BF16 or F16); c_type is any of the three. beta != 0 reads
+  // C. Accumulation is fp32.
   virtual void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                     const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type,
                     float beta, void* C, int64_t ldc, DType c_type,
@@ -147,7 +147,7 @@ class Backend {
                                   int64_t NKV, int64_t HS, DType act) = 0;
 
   // ---- loss ----------------------------------------------------------------------------------
-  // Softmax cross-entropy over logits (N, V) of logits_type (F32 or BF16; the math is fp32
+  // Softmax cross-entropy over logits (N, V) of logits_type (F32, BF16 or F16; the math is fp32
   // whatever the storage) with targets (N) int32:
   //   losses[i] = logsumexp(logits[i]) - logits[i, targets[i]]            (F32, N)
   // If dlogits is non-null it is written with dloss_scale * (softmax(logits[i]) - onehot(t_i)),
@@ -214,17 +214,20 @@ class Backend {
 
   // ---- optimizer and reductions --------------------------------------------------------------
   // out[0] = sum_i x[i]^2 over n F32 elements, accumulated in double then stored as float.
+  // Non-finite values propagate (an inf gives inf, a NaN NaN; a sum beyond fp32's range is inf):
+  // fp16 loss scaling reads its overflows from the gradient norm this computes.
   virtual void sum_squares(float* out, const float* x, int64_t n) = 0;
   // out[0] = sum_i x[i] over n F32 elements (accumulated in double).
   virtual void sum(float* out, const float* x, int64_t n) = 0;
   // In place AdamW (math::adamw_update) on n elements of fp32 master params with fp32 grads and
   // moments. If compute_copy is non-null the updated params are also written to it, rounded to
-  // compute_type (the bf16 weights the next forward reads). The grads are zeroed as they are
+  // compute_type (the bf16 or fp16 weights the next forward reads). The grads are zeroed as they are
   // consumed, which leaves the buffer ready for the next step's accumulation without a separate
   // pass over it.
   virtual void adamw(float* params, float* grads, float* m, float* v, int64_t n,
                      const math::AdamParams& hp, void* compute_copy, DType compute_type) = 0;
-  // dst = src converted between F32 and BF16 (or a copy if equal types), n elements.
+  // dst = src converted between any two of F32, BF16 and F16 (rounded to nearest even; between the
+  // two 16-bit types through fp32), or a copy if equal types, n elements.
   virtual void cast(void* dst, DType dst_type, const void* src, DType src_type, int64_t n) = 0;
 };
 

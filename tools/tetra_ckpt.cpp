@@ -1,15 +1,15 @@
 // tetra_ckpt: reads Tetra checkpoints (trainer/checkpoint/checkpoint.h) without training.
 //
 //   tetra_ckpt inspect DIR                          what the checkpoint holds, every byte verified
-//   tetra_ckpt export-hf DIR OUT [--dtype fp32|bf16]  OUT/model.safetensors + OUT/config.json
+//   tetra_ckpt export-hf DIR OUT [--dtype fp32|bf16|fp16]  OUT/model.safetensors + OUT/config.json
 //
 // DIR is a step_* directory, or a checkpoint.dir whose `latest` names one.
 //
 // `inspect` prints the step, the data position, the layout the checkpoint was saved under, the
-// model, and every tensor (global shape, slices, bytes), then verifies all of it: the manifest's
-// tensors are exactly the model's, with its shapes; each tensor's slices lie inside it, overlap
-// nowhere and together cover every element; every slice is read from its file and its CRC-32
-// compared with the manifest's. `export-hf` assembles each "model/" tensor from its slices (the
+// fp16 loss scaler's state where there is one, the model, and every tensor (global shape, slices,
+// bytes), then verifies all of it: the manifest's tensors are exactly the model's, with its
+// shapes; each tensor's slices lie inside it, overlap nowhere and together cover every element;
+// every slice is read from its file and its CRC-32 compared with the manifest's. `export-hf` assembles each "model/" tensor from its slices (the
 // same checks on the slices it reads) and writes it under Hugging Face's names and layouts
 // (trainer/checkpoint/hf_export.h).
 //
@@ -347,6 +347,8 @@ int inspect(const std::string& dir) {
   fmt::print("step:             {}\n", man.value("step", json(nullptr)).dump());
   fmt::print("consumed samples: {}\n", man.value("consumed_samples", json(nullptr)).dump());
   fmt::print("seed:             {}\n", man.value("seed", json(nullptr)).dump());
+  if (man.contains("loss_scaler"))  // fp16 runs: the dynamic loss scaler's state
+    fmt::print("loss scaler:      {}\n", man["loss_scaler"].dump());
   fmt::print("layout:           {}\n", layout_text(man.value("layout", json::object())));
   fmt::print("model:            {}\n", model_text(ck.model));
   fmt::print("parameters:       {}\n", grouped(params));
@@ -388,7 +390,7 @@ int inspect(const std::string& dir) {
 }
 
 int export_hf(const std::string& dir, const std::string& out, const std::string& dtype_name) {
-  const tetra::DType dtype = dtype_name == "bf16" ? tetra::DType::BF16 : tetra::DType::F32;
+  const tetra::DType dtype = tetra::precision_dtype(dtype_name);
   const Checkpoint ck = read_index(dir);
   const tetra::HfArch arch = tetra::hf_architecture(ck.model);  // before any work: InputError if none
   std::map<std::string, const TensorEntry*> by_key;
@@ -446,7 +448,7 @@ int main(int argc, char** argv) {
   export_cmd->add_option("DIR", dir, "a step_* directory, or a checkpoint.dir with `latest`")->required();
   export_cmd->add_option("OUT", out, "output directory (created)")->required();
   export_cmd->add_option("--dtype", dtype, "stored type of the weights")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();
   try {
     app.parse(argc, argv);

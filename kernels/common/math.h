@@ -1,6 +1,6 @@
 // Element-wise math shared by every backend.
 //
-// Each function here is the single definition of one piece of scalar math (bf16 rounding, GELU,
+// Each function here is the single definition of one piece of scalar math (bf16 and fp16 rounding, GELU,
 // SiLU, RoPE, the AdamW update, the counter-based RNG used for initialisation). The CPU kernels
 // call them from vectorised loops; CUDA kernels call the same functions from device code
 // (TETRA_HD expands to __host__ __device__ under nvcc), so the backends cannot drift apart.
@@ -11,6 +11,7 @@
 #include <cstring>
 
 #if defined(__CUDACC__)
+#include <cuda_fp16.h>
 #define TETRA_HD __host__ __device__ __forceinline__
 #else
 #define TETRA_HD inline
@@ -53,6 +54,82 @@ TETRA_HD float bf16_bits_to_f32(uint16_t b) { return bits_f32(static_cast<uint32
 
 // Round an fp32 value to the nearest bf16 and return it widened back to fp32.
 TETRA_HD float round_bf16(float x) { return bf16_bits_to_f32(f32_to_bf16_bits(x)); }
+
+// ---------------------------------------------------------------------------------------------
+// fp16: IEEE 754 binary16 (1 sign, 5 exponent bits with bias 15, 10 mantissa bits): normals from
+// 2^-14 to 65504, subnormals down to 2^-24. fp32 -> fp16 rounds to nearest, ties to even, with
+// gradual underflow: values from 65520 up (the tie above 65504 rounds to even, which is the next
+// power of two) become infinity, values up to 2^-25 become (signed) zero. A NaN stays a quiet NaN
+// keeping the top 9 bits of its payload, as x86's F16C conversion does. fp16 -> fp32 is exact.
+//
+// The host versions compute every case and select one, without branches, so the CPU's conversion
+// loops vectorise; they are integer code but for one exact product, which no floating-point mode
+// such as flush-to-zero can change. The device versions are CUDA's own conversions
+// (__float2half_rn, __half2float), which compute the same values (device NaNs come out as the
+// canonical 0x7fff; NaN bits are never compared).
+// ---------------------------------------------------------------------------------------------
+TETRA_HD uint16_t f32_to_f16_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_rn(x));
+#else
+  const uint32_t u = f32_bits(x);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7fffffffu;
+  // Normal results (|x| in [2^-14, 65520)): rebias the exponent (127 - 15 = 112) and round the
+  // 13 dropped mantissa bits to nearest even; a carry out of the mantissa bumps the exponent.
+  const uint32_t rebiased = a - 0x38000000u;
+  const uint32_t normal = (rebiased + 0x0fffu + ((rebiased >> 13) & 1u)) >> 13;
+  // Subnormal results (|x| in (2^-25, 2^-14)): the 24-bit significand m = 1.f shifted right by
+  // 126 - e (14 to 24 places for biased exponents e of 102 to 112), rounded to nearest even. A
+  // round-up to 0x400 is the smallest normal, which the bit pattern encodes as it stands.
+  const uint32_t e = a >> 23;
+  const uint32_t in_range = static_cast<uint32_t>(e >= 102u) & static_cast<uint32_t>(e <= 112u);
+  const uint32_t shift = in_range * (126u - e) + (1u - in_range) * 24u;  // 24: a harmless default
+  const uint32_t m = (a & 0x7fffffu) | 0x800000u;
+  const uint32_t q = m >> shift;
+  const uint32_t rem = m & ((1u << shift) - 1u), halfway = 1u << (shift - 1u);
+  const uint32_t round_up = static_cast<uint32_t>(rem > halfway) | (static_cast<uint32_t>(rem == halfway) & q);
+  const uint32_t subnormal = q + (round_up & 1u);
+  const uint32_t nan = 0x7e00u | ((a >> 13) & 0x3ffu);  // quiet, the payload's top bits
+  // NaN; >= 65520 (or infinity): infinity; >= 2^-14: normal; > 2^-25: subnormal; else (the tie at
+  // 2^-25 included, rounding to the even zero) zero. Chosen by masks (all ones or zero), not ?:,
+  // which compilers may keep as branches: the conversion loops vectorise.
+  const uint32_t is_nan = 0u - static_cast<uint32_t>(a > 0x7f800000u);
+  const uint32_t is_inf = ~is_nan & (0u - static_cast<uint32_t>(a >= 0x477ff000u));
+  const uint32_t is_normal = ~is_nan & ~is_inf & (0u - static_cast<uint32_t>(a >= 0x38800000u));
+  const uint32_t is_subnormal =
+      ~is_nan & ~is_inf & ~is_normal & (0u - static_cast<uint32_t>(a > 0x33000000u));
+  const uint32_t out = (nan & is_nan) | (0x7c00u & is_inf) | (normal & is_normal) | (subnormal & is_subnormal);
+  return static_cast<uint16_t>(sign | out);
+#endif
+}
+
+TETRA_HD float f16_bits_to_f32(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  const uint32_t normal = ((exp + 112u) << 23) | (mant << 13);  // rebias 15 -> 127
+  // Infinity, or a NaN made quiet.
+  const uint32_t special = 0x7f800000u | (mant << 13) | (static_cast<uint32_t>(mant != 0) << 22);
+  // Subnormal (or zero): mant * 2^-24, exact in fp32 (an integer below 2^10 times a power of two,
+  // a normal fp32 value or 0), so no mode such as flush-to-zero can change it.
+  const uint32_t subnormal = f32_bits(static_cast<float>(mant) * 5.9604644775390625e-8f);  // 2^-24
+  // The case by masks (all ones or zero), which compilers vectorise where they keep ?: as a branch.
+  const uint32_t is_special = 0u - static_cast<uint32_t>(exp == 0x1fu);
+  const uint32_t is_subnormal = 0u - static_cast<uint32_t>(exp == 0);
+  const uint32_t bits = (special & is_special) | (subnormal & is_subnormal) | (normal & ~(is_special | is_subnormal));
+  return bits_f32(sign | bits);
+#endif
+}
+
+// Round an fp32 value to the nearest fp16 and return it widened back to fp32.
+TETRA_HD float round_f16(float x) { return f16_bits_to_f32(f32_to_f16_bits(x)); }
+
+// The largest finite fp16 value.
+constexpr float kF16Max = 65504.0f;
 
 // ---------------------------------------------------------------------------------------------
 // exp(x) in fp32, within 1 ulp of expf on the normal range, written so compilers vectorise it

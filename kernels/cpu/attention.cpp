@@ -21,7 +21,7 @@
 // race and every sum runs in a fixed order whatever the thread count. Per-thread scratch is a set
 // of thread_local buffers that only grow (no allocation once the largest shape has been seen).
 //
-// Storage is float or bf16 (template T); all math is fp32. exp is a vectorised polynomial (the
+// Storage is float, bf16 or fp16 (template T); all math is fp32. exp is a vectorised polynomial (the
 // compiler does not vectorise expf without -ffast-math), accurate to a few ulp.
 
 #include <algorithm>
@@ -33,6 +33,7 @@
 
 #include "kernels/common/math.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/dispatch.h"
 #include "trainer/core/check.h"
 
 namespace tetra {
@@ -535,11 +536,6 @@ void rope_impl(T* qkv, int64_t B, int64_t T_, int64_t NH, int64_t NKV, int64_t H
   }
 }
 
-void check_act(DType act, const char* op) {
-  TETRA_CHECK(act == DType::F32 || act == DType::BF16,
-              "{}: activation type must be F32 or BF16, got {}", op, dtype_name(act));
-}
-
 void check_rope(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float theta,
                 const char* op) {
   TETRA_CHECK(B > 0 && T > 0 && NH > 0 && NKV > 0 && HS > 0,
@@ -553,49 +549,41 @@ void check_rope(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float
 
 void CpuBackend::attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T,
                                    int64_t NH, int64_t NKV, int64_t HS, DType act) {
-  check_act(act, "attention_forward");
   AttnShape s = make_shape(B, T, NH, NKV, HS, "attention_forward");
-  if (act == DType::F32)
-    attention_forward_impl(static_cast<float*>(out), lse, static_cast<const float*>(qkv), s,
-                           threads_);
-  else
-    attention_forward_impl(static_cast<bf16*>(out), lse, static_cast<const bf16*>(qkv), s,
-                           threads_);
+  cpu::with_float_type(act, "attention_forward", "activation type", [&](auto tag) {
+    using S = decltype(tag);
+    attention_forward_impl(static_cast<S*>(out), lse, static_cast<const S*>(qkv), s, threads_);
+  });
 }
 
 void CpuBackend::attention_backward(void* dqkv, const void* dout, const void* qkv,
                                     const void* out, const float* lse, int64_t B, int64_t T,
                                     int64_t NH, int64_t NKV, int64_t HS, DType act) {
-  check_act(act, "attention_backward");
   AttnShape s = make_shape(B, T, NH, NKV, HS, "attention_backward");
-  if (act == DType::F32)
-    attention_backward_impl(static_cast<float*>(dqkv), static_cast<const float*>(dout),
-                            static_cast<const float*>(qkv), static_cast<const float*>(out), lse,
-                            s, threads_);
-  else
-    attention_backward_impl(static_cast<bf16*>(dqkv), static_cast<const bf16*>(dout),
-                            static_cast<const bf16*>(qkv), static_cast<const bf16*>(out), lse, s,
+  cpu::with_float_type(act, "attention_backward", "activation type", [&](auto tag) {
+    using S = decltype(tag);
+    attention_backward_impl(static_cast<S*>(dqkv), static_cast<const S*>(dout),
+                            static_cast<const S*>(qkv), static_cast<const S*>(out), lse, s,
                             threads_);
+  });
 }
 
 void CpuBackend::rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                               int64_t HS, float theta, DType act) {
-  check_act(act, "rope_forward");
   check_rope(B, T, NH, NKV, HS, theta, "rope_forward");
-  if (act == DType::F32)
-    rope_impl(static_cast<float*>(qkv), B, T, NH, NKV, HS, theta, 1.0f, threads_);
-  else
-    rope_impl(static_cast<bf16*>(qkv), B, T, NH, NKV, HS, theta, 1.0f, threads_);
+  cpu::with_float_type(act, "rope_forward", "activation type", [&](auto tag) {
+    using S = decltype(tag);
+    rope_impl(static_cast<S*>(qkv), B, T, NH, NKV, HS, theta, 1.0f, threads_);
+  });
 }
 
 void CpuBackend::rope_backward(void* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                                int64_t HS, float theta, DType act) {
-  check_act(act, "rope_backward");
   check_rope(B, T, NH, NKV, HS, theta, "rope_backward");
-  if (act == DType::F32)
-    rope_impl(static_cast<float*>(dqkv), B, T, NH, NKV, HS, theta, -1.0f, threads_);
-  else
-    rope_impl(static_cast<bf16*>(dqkv), B, T, NH, NKV, HS, theta, -1.0f, threads_);
+  cpu::with_float_type(act, "rope_backward", "activation type", [&](auto tag) {
+    using S = decltype(tag);
+    rope_impl(static_cast<S*>(dqkv), B, T, NH, NKV, HS, theta, -1.0f, threads_);
+  });
 }
 
 }  // namespace tetra

@@ -1,7 +1,7 @@
 // Element-wise ops on the CPU: residual add, GELU and SwiGLU (forward and backward), dtype casts,
 // and the bias gradient (a column sum).
 //
-// Activations are stored as float or bf16 (template T); math is fp32 through the shared scalar
+// Activations are stored as float, bf16 or fp16 (template T); math is fp32 through the shared scalar
 // functions of kernels/common/math.h, so the CUDA kernels compute the same values. Loops are
 // flat over n elements (or rows of the SwiGLU halves) and OpenMP-parallel with a static schedule.
 // bias_backward is deterministic: each column's sum runs over the rows in order, inside one
@@ -150,14 +150,15 @@ void CpuBackend::cast(void* dst, DType dst_type, const void* src, DType src_type
     return;
   }
   const int nt = team_size(threads_);
-  if (dst_type == DType::BF16 && src_type == DType::F32) {
-    convert_impl(static_cast<bf16*>(dst), static_cast<const float*>(src), n, nt);
-  } else if (dst_type == DType::F32 && src_type == DType::BF16) {
-    convert_impl(static_cast<float*>(dst), static_cast<const bf16*>(src), n, nt);
-  } else {
-    throw Error(fmt::format("cast: unsupported conversion {} -> {}", dtype_name(src_type),
-                            dtype_name(dst_type)));
-  }
+  // Any pair of floating types; between the two 16-bit types the value passes through fp32
+  // (exact), so bf16 <-> fp16 rounds once.
+  with_float_type(dst_type, "cast", "destination type", [&](auto dtag) {
+    with_float_type(src_type, "cast", "source type", [&](auto stag) {
+      using D = decltype(dtag);
+      using S = decltype(stag);
+      convert_impl(static_cast<D*>(dst), static_cast<const S*>(src), n, nt);
+    });
+  });
 }
 
 void CpuBackend::bias_backward(float* dbias, const void* dout, int64_t N, int64_t OC, DType act) {

@@ -21,9 +21,16 @@
 // padded by one cache line: O(K N) of copying against O(M K N) of arithmetic, done only for
 // M >= 64. The bf16 (AMX / AVX512-BF16) kernels pack B differently and gain nothing from it.
 //
-// oneDNN 2.6 has no f32 x f32 -> bf16 matmul: that combination runs the f32 -> f32 primitive into
-// an fp32 staging buffer (sized on first sight of a shape, then reused), and a rounding pass adds
-// beta * C and stores bf16.
+// oneDNN 2.6 has no f32 x f32 -> bf16 (or -> f16) matmul: such a combination (any 16-bit C whose
+// type is not A's and B's) runs the primitive into an fp32 staging buffer (sized on first sight of
+// a shape, then reused), and a rounding pass adds beta * C and stores the 16-bit type.
+//
+// fp16 inputs: oneDNN 2.6 has no f16 matmul on CPUs without AVX512-FP16 / AMX-FP16 kernels (none
+// is implemented for the CPUs this runs on: creating the primitive fails). So op(A), op(B) and the
+// bias are widened to fp32 (exact: every fp16 value is an fp32 value) into planned scratch buffers
+// (grown on first sight of a shape, then reused) and the fp32 primitive runs on them. Products of
+// fp16 values are exact in fp32 and the sums are fp32, so this is the reference fp16 GEMM: the same
+// arithmetic as a tensor-core f16 x f16 -> fp32 product, up to the order of the fp32 additions.
 //
 // Creating a primitive costs far more than running a small one, so primitives are cached per
 // shape key (every field that changes the primitive). A training loop sees a fixed set of shapes:
@@ -45,6 +52,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/dispatch.h"
 #include "trainer/core/check.h"
 
 namespace tetra {
@@ -86,6 +94,7 @@ dnnl::memory::data_type dnnl_type(DType t) {
   switch (t) {
     case DType::F32: return dnnl::memory::data_type::f32;
     case DType::BF16: return dnnl::memory::data_type::bf16;
+    case DType::F16: return dnnl::memory::data_type::f16;
     default: break;
   }
   TETRA_CHECK(false, "gemm: no oneDNN type for {}", dtype_name(t));
@@ -98,8 +107,9 @@ struct CpuBackend::GemmCache {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
   std::unordered_map<GemmKey, GemmPlan, GemmKeyHash> plans;
-  std::vector<float> staging;   // (M, N) fp32 result of an f32 x f32 -> bf16 product
+  std::vector<float> staging;   // (M, N) fp32 result of a product into a 16-bit C of another type
   std::vector<char> b_staging;  // B (K, N) copied to padded rows
+  std::vector<float> a_wide, b_wide, bias_wide;  // fp16 operands widened to fp32
   // One scratchpad for every plan (they run one at a time), grown to the largest plan's need the
   // first time that plan runs. oneDNN's default would allocate it inside every execution.
   std::unique_ptr<char, decltype(&std::free)> scratch{nullptr, &std::free};
@@ -160,14 +170,34 @@ GemmPlan make_gemm_plan(const dnnl::engine& engine, const GemmKey& k, float alph
 
 }  // namespace
 
+namespace {
+
+bool gemm_type(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
+
+// The (rows, cols) fp16 matrix at src (leading dimension ld) widened into dst with leading dimension
+// `out_ld`.
+void widen_f16(std::vector<float>& dst, const void* src, int64_t rows, int64_t cols, int64_t ld,
+               int64_t out_ld, int threads) {
+  if (dst.size() < static_cast<size_t>(rows * out_ld)) dst.resize(static_cast<size_t>(rows * out_ld));
+  const f16* s = static_cast<const f16*>(src);
+  float* d = dst.data();
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) d[r * out_ld + c] = to_f32(s[r * ld + c]);
+}
+
+// Rows (leading dimension) of a widened operand: one cache line more when the plain width would put
+// rows a multiple of 1 KiB apart (the fp32 kernels' set conflicts, see the header).
+int64_t widened_ld(int64_t cols) { return (cols * 4) % 1024 == 0 ? cols + 16 : cols; }
+
+}  // namespace
+
 void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                       const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type,
                       float beta, void* C, int64_t ldc, DType c_type, const void* bias) {
-  TETRA_CHECK(ab_type == DType::F32 || ab_type == DType::BF16,
-              "gemm: A/B type must be F32 or BF16, got {}", dtype_name(ab_type));
-  TETRA_CHECK(c_type == DType::F32 || c_type == DType::BF16,
-              "gemm: C type must be F32 or BF16, got {} (A/B are {})", dtype_name(c_type),
-              dtype_name(ab_type));
+  TETRA_CHECK(gemm_type(ab_type), "gemm: A/B type must be F32, BF16 or F16, got {}", dtype_name(ab_type));
+  TETRA_CHECK(gemm_type(c_type), "gemm: C type must be F32, BF16 or F16, got {} (A/B are {})",
+              dtype_name(c_type), dtype_name(ab_type));
   TETRA_CHECK(M >= 0 && N >= 0 && K > 0, "gemm: need M, N >= 0 and K > 0, got M={} N={} K={}",
               M, N, K);
   if (M == 0 || N == 0) return;
@@ -179,23 +209,43 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
   // oneDNN runs on the calling thread's OpenMP team size; make it this backend's.
   omp_set_num_threads(threads_);
 
-  if (ab_type == DType::F32 && c_type == DType::BF16) {
+  if (ab_type == DType::F16) {
+    // A stored (M, K) or, transposed, (K, M); B stored (K, N) or (N, K): widened as stored.
+    const int64_t a_rows = trans_a ? K : M, a_cols = trans_a ? M : K;
+    const int64_t b_rows = trans_b ? N : K, b_cols = trans_b ? K : N;
+    const int64_t la = widened_ld(a_cols), lb = widened_ld(b_cols);
+    widen_f16(gemm_cache_->a_wide, A, a_rows, a_cols, lda, la, threads_);
+    widen_f16(gemm_cache_->b_wide, B, b_rows, b_cols, ldb, lb, threads_);
+    const float* wide_bias = nullptr;
+    if (bias) {
+      widen_f16(gemm_cache_->bias_wide, bias, 1, N, N, N, threads_);
+      wide_bias = gemm_cache_->bias_wide.data();
+    }
+    gemm(trans_a, trans_b, M, N, K, alpha, gemm_cache_->a_wide.data(), la, gemm_cache_->b_wide.data(), lb,
+         DType::F32, beta, C, ldc, c_type, wide_bias);
+    return;
+  }
+
+  if (c_type != DType::F32 && c_type != ab_type) {
     std::vector<float>& staging = gemm_cache_->staging;
     if (staging.size() < static_cast<size_t>(M * N)) staging.resize(M * N);
-    gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, DType::F32, 0.0f, staging.data(), N,
+    gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, ab_type, 0.0f, staging.data(), N,
          DType::F32, bias);
-    bf16* c = static_cast<bf16*>(C);
     const float* src = staging.data();
+    cpu::with_float_type(c_type, "gemm", "C type", [&](auto tag) {
+      using TC = decltype(tag);
+      TC* c = static_cast<TC*>(C);
 #pragma omp parallel for num_threads(threads_) schedule(static)
-    for (int64_t m = 0; m < M; ++m) {
-      bf16* cr = c + m * ldc;
-      const float* sr = src + m * N;
-      if (beta == 0.0f) {
-        for (int64_t n = 0; n < N; ++n) cr[n] = bf16(sr[n]);
-      } else {
-        for (int64_t n = 0; n < N; ++n) cr[n] = bf16(sr[n] + beta * static_cast<float>(cr[n]));
+      for (int64_t m = 0; m < M; ++m) {
+        TC* cr = c + m * ldc;
+        const float* sr = src + m * N;
+        if (beta == 0.0f) {
+          for (int64_t n = 0; n < N; ++n) cr[n] = from_f32<TC>(sr[n]);
+        } else {
+          for (int64_t n = 0; n < N; ++n) cr[n] = from_f32<TC>(sr[n] + beta * to_f32(cr[n]));
+        }
       }
-    }
+    });
     return;
   }
 

@@ -1,7 +1,7 @@
 // The loop GEMM (see gemm_loops.h), and, in a build without oneDNN, the CpuBackend members that
 // gemm.cpp defines otherwise (its constructor, destructor and gemm).
 //
-// How: op(A) and op(B) are first made fp32 row-major (copied when transposed or bf16; used in place
+// How: op(A) and op(B) are first made fp32 row-major (copied when transposed or 16-bit; used in place
 // when already so), then C is computed in tiles of kMb x kNb outputs, one OpenMP task per tile,
 // each accumulating in an fp32 tile on the stack over K in slices of kKb: the inner loop is an
 // axpy along a row of op(B), which the compiler vectorises. Each output sums its K products in
@@ -30,9 +30,12 @@ constexpr int64_t kNb = 256;  // columns of a tile: kMb x kNb fp32 = 32 KiB of a
 constexpr int64_t kKb = 256;  // K slice: its rows of op(B) (kKb x kNb fp32, 256 KiB) stay in L2
 
 float load(const void* p, DType t, int64_t i) {
-  return t == DType::F32 ? static_cast<const float*>(p)[i]
-                         : math::bf16_bits_to_f32(static_cast<const uint16_t*>(p)[i]);
+  if (t == DType::F32) return static_cast<const float*>(p)[i];
+  const uint16_t bits = static_cast<const uint16_t*>(p)[i];
+  return t == DType::F16 ? math::f16_bits_to_f32(bits) : math::bf16_bits_to_f32(bits);
 }
+
+bool gemm_type(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
 
 // op(X), `rows` x `cols`, as fp32 rows `ld` apart: X itself when it is fp32 and not transposed,
 // else a copy in `buf`. X is stored (rows, cols) with leading dimension ldx, or (cols, rows) when
@@ -57,9 +60,8 @@ const float* f32_rows(const void* X, int64_t ldx, bool trans, int64_t rows, int6
 void gemm_loops(int threads, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                 const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type, float beta, void* C,
                 int64_t ldc, DType c_type, const void* bias) {
-  TETRA_CHECK(ab_type == DType::F32 || ab_type == DType::BF16, "gemm: A/B type must be F32 or BF16, got {}",
-              dtype_name(ab_type));
-  TETRA_CHECK(c_type == DType::F32 || c_type == DType::BF16, "gemm: C type must be F32 or BF16, got {} (A/B are {})",
+  TETRA_CHECK(gemm_type(ab_type), "gemm: A/B type must be F32, BF16 or F16, got {}", dtype_name(ab_type));
+  TETRA_CHECK(gemm_type(c_type), "gemm: C type must be F32, BF16 or F16, got {} (A/B are {})",
               dtype_name(c_type), dtype_name(ab_type));
   TETRA_CHECK(M >= 0 && N >= 0 && K > 0, "gemm: need M, N >= 0 and K > 0, got M={} N={} K={}", M, N, K);
   if (M == 0 || N == 0) return;
@@ -102,6 +104,8 @@ void gemm_loops(int threads, bool trans_a, bool trans_b, int64_t M, int64_t N, i
           if (bias != nullptr) v += load(bias, ab_type, n0 + n);
           if (c_type == DType::F32)
             static_cast<float*>(C)[at] = v;
+          else if (c_type == DType::F16)
+            static_cast<uint16_t*>(C)[at] = math::f32_to_f16_bits(v);
           else
             static_cast<uint16_t*>(C)[at] = math::f32_to_bf16_bits(v);
         }

@@ -12,7 +12,7 @@
 namespace tetra::cpu {
 
 // Row-major C(M,N) = alpha * op(A)(M,K) · op(B)(K,N) + beta * C + bias(N), exactly as
-// Backend::gemm (kernels/backend.h): A and B of ab_type (F32 or BF16), C of c_type (F32 or BF16),
+// Backend::gemm (kernels/backend.h): A and B of ab_type (F32, BF16 or F16), C of c_type (likewise),
 // bias of ab_type or null, fp32 accumulation, C not read when beta == 0. `threads` <= 0: every
 // core. Throws tetra::Error on arguments outside the contract.
 void gemm_loops(int threads, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,

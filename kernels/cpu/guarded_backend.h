@@ -14,8 +14,8 @@
 // the argument, and copy_to_host / copy_from_host check that the host side is not backend memory
 // and that the backend side lies within one allocation.
 //
-// New allocations are filled with 0xFF bytes (NaN in fp32 and bf16, -1 in int32) instead of the
-// zeros a fresh mapping would hold, so a read of memory nothing wrote shows up rather than
+// New allocations are filled with 0xFF bytes (NaN in fp32, bf16 and fp16, -1 in int32) instead of
+// the zeros a fresh mapping would hold, so a read of memory nothing wrote shows up rather than
 // passing for zeros.
 //
 // Ops run one at a time (a mutex), since protection is per process. Numerics are the CPU

@@ -1,7 +1,7 @@
 // LayerNorm and RMSNorm, forward and backward, on the CPU.
 //
 // Both norms share one code path: RMSNorm is LayerNorm with the mean fixed at 0 (and no mean
-// saved). Activations are stored as float or bf16 (template T), weights as float or bf16
+// saved). Activations are stored as float, bf16 or fp16 (template T), weights as float or 16-bit
 // (template W); every reduction and every intermediate is fp32.
 //
 // Forward and the dx part of backward are row-parallel: each row (C elements) is independent.

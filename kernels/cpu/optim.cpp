@@ -5,7 +5,7 @@
 // into chunks whose size depends on n only, each chunk is summed in double, and the chunks'
 // partial sums are added in chunk order by one thread. AdamW is element-wise through
 // math::adamw_update (the same function the CUDA kernel calls); the optional compute copy is the
-// updated parameter rounded to the compute type (bf16 weights for the next forward).
+// updated parameter rounded to the compute type (bf16 or fp16 weights for the next forward).
 #include <omp.h>
 
 #include <algorithm>
@@ -92,13 +92,11 @@ void CpuBackend::adamw(float* params, float* grads, float* m, float* v, int64_t 
   const int nt = team_size(threads_);
   if (compute_copy == nullptr) {
     adamw_impl<float>(params, grads, m, v, n, hp, nullptr, nt);
-  } else if (compute_type == DType::F32) {
-    adamw_impl(params, grads, m, v, n, hp, static_cast<float*>(compute_copy), nt);
-  } else if (compute_type == DType::BF16) {
-    adamw_impl(params, grads, m, v, n, hp, static_cast<bf16*>(compute_copy), nt);
   } else {
-    throw Error(fmt::format("adamw: compute_type must be F32 or BF16, got {}",
-                            dtype_name(compute_type)));
+    cpu::with_float_type(compute_type, "adamw", "compute_type", [&](auto tag) {
+      using TC = decltype(tag);
+      adamw_impl(params, grads, m, v, n, hp, static_cast<TC*>(compute_copy), nt);
+    });
   }
 }
 

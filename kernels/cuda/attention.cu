@@ -1,9 +1,10 @@
 // CudaBackend's RoPE and causal attention ops (contracts in kernels/backend.h), and the choice of
 // attention path.
 //
-// Attention runs either through cuDNN's fused SDPA (attention_cudnn.cu: bf16, HS a multiple of 8
-// up to 128, where cuDNN has a plan for the shape) or through Tetra's own flash kernels
-// (attention_flash_bf16.cu, attention_flash_generic.cu: every dtype and HS up to 256). The
+// Attention runs either through cuDNN's fused SDPA (attention_cudnn.cu: bf16 or fp16, HS a multiple
+// of 8 up to 128, where cuDNN has a plan for the shape) or through Tetra's own flash kernels
+// (attention_flash_bf16.cu: bf16 and fp16 on tensor cores, HS up to 128;
+// attention_flash_generic.cu: every dtype and HS up to 256). The
 // environment variable TETRA_ATTENTION picks the path: "auto" (the default) takes cuDNN where it
 // can and the fused kernels otherwise, "fused" always the fused kernels, "cudnn" always cuDNN
 // (an Error naming the shape where cuDNN has no plan). Both paths produce the same lse (natural
@@ -54,12 +55,14 @@ namespace cuda::attn {
 
 void fused_forward(const Dims& d, DType act, void* out, float* lse, const void* qkv,
                    cudaStream_t stream) {
-  if (act == DType::BF16 && flash_bf16_supports(d)) {
-    flash_bf16_forward(d, static_cast<bf16_t*>(out), lse, static_cast<const bf16_t*>(qkv), stream);
-    return;
-  }
   with_float_type(act, "attention_forward", "act", [&](auto tag) {
     using T = decltype(tag);
+    if constexpr (!std::is_same_v<T, float>) {
+      if (flash_mma_supports(d)) {
+        flash_mma_forward<T>(d, static_cast<T*>(out), lse, static_cast<const T*>(qkv), stream);
+        return;
+      }
+    }
     flash_generic_forward<T>(d, static_cast<T*>(out), lse, static_cast<const T*>(qkv), stream);
   });
 }
@@ -70,10 +73,10 @@ void fused_backward(const Dims& d, DType act, void* dqkv, const void* dout, cons
     using T = decltype(tag);
     attention_row_dots<T>(d, d_rows, static_cast<const T*>(dout), static_cast<const T*>(out),
                           stream);
-    if constexpr (std::is_same_v<T, bf16_t>) {
-      if (flash_bf16_supports(d)) {
-        flash_bf16_backward(d, static_cast<bf16_t*>(dqkv), static_cast<const bf16_t*>(dout),
-                            static_cast<const bf16_t*>(qkv), lse, d_rows, stream);
+    if constexpr (!std::is_same_v<T, float>) {
+      if (flash_mma_supports(d)) {
+        flash_mma_backward<T>(d, static_cast<T*>(dqkv), static_cast<const T*>(dout),
+                              static_cast<const T*>(qkv), lse, d_rows, stream);
         return;
       }
     }
@@ -103,8 +106,8 @@ AttnMode attention_mode() {
 
 Dims attention_dims(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, DType act,
                     const char* op) {
-  TETRA_CHECK(act == DType::F32 || act == DType::BF16,
-              "{}: activation type must be F32 or BF16, got {}", op, dtype_name(act));
+  TETRA_CHECK(act == DType::F32 || act == DType::BF16 || act == DType::F16,
+              "{}: activation type must be F32, BF16 or F16, got {}", op, dtype_name(act));
   TETRA_CHECK(B > 0 && T > 0 && NH > 0 && NKV > 0 && HS > 0,
               "{}: sizes must be positive, got B={} T={} NH={} NKV={} HS={}", op, B, T, NH, NKV,
               HS);

@@ -1,5 +1,5 @@
 // The attention files' shared declarations: the geometry of qkv, the fused flash-attention
-// launchers (attention_flash_bf16.cu: tensor cores for bf16 with HS <= 128;
+// launchers (attention_flash_bf16.cu: tensor cores for bf16 and fp16 with HS <= 128;
 // attention_flash_generic.cu: CUDA cores for fp32 and any other HS up to 256), the cuDNN SDPA path
 // (attention_cudnn.cu) and CudaAttentionState, which attention.cu owns. Included by the attention
 // .cu files only.
@@ -34,7 +34,7 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 
 // ---- fused flash attention (never materialises the (T, T) scores) ----------------------------
 // Forward: out and lse. Backward: dqkv overwritten; d_rows is a (B, NH, T) fp32 scratch for
-// D = rowsum(dout * out). Both pick the bf16 tensor-core kernels when act is BF16 and HS <= 128,
+// D = rowsum(dout * out). Both pick the tensor-core kernels when act is BF16 or F16 and HS <= 128,
 // the generic kernels otherwise; deterministic (no atomics: every output element has one writer
 // and every sum a fixed order).
 void fused_forward(const Dims& d, DType act, void* out, float* lse, const void* qkv,
@@ -43,11 +43,13 @@ void fused_backward(const Dims& d, DType act, void* dqkv, const void* dout, cons
                     const void* out, const float* lse, float* d_rows, cudaStream_t stream);
 
 // The kernels behind them, per storage type.
-bool flash_bf16_supports(const Dims& d);  // HS <= 128
-void flash_bf16_forward(const Dims& d, bf16_t* out, float* lse, const bf16_t* qkv,
-                        cudaStream_t stream);
-void flash_bf16_backward(const Dims& d, bf16_t* dqkv, const bf16_t* dout, const bf16_t* qkv,
-                         const float* lse, const float* d_rows, cudaStream_t stream);
+bool flash_mma_supports(const Dims& d);  // HS <= 128
+// T is bf16_t or f16_t (instantiated for both).
+template <typename T>
+void flash_mma_forward(const Dims& d, T* out, float* lse, const T* qkv, cudaStream_t stream);
+template <typename T>
+void flash_mma_backward(const Dims& d, T* dqkv, const T* dout, const T* qkv, const float* lse,
+                        const float* d_rows, cudaStream_t stream);
 template <typename T>
 void flash_generic_forward(const Dims& d, T* out, float* lse, const T* qkv, cudaStream_t stream);
 template <typename T>

@@ -4,7 +4,7 @@
 // and reductions (the pattern cudnn-frontend's SDPA nodes lower to) and runs it as one fused
 // flash-attention kernel. Forward, per (b, h):
 //   S = Q K^T * scale;  S = row >= col ? S : lowest      (GEN_INDEX x 2, CMP_GE, BINARY_SELECT)
-//   M = rowmax S;  E = exp(S - M);  Z = rowsum E;  Stats = M + log Z;  O = (E / Z in bf16) V
+//   M = rowmax S;  E = exp(S - M);  Z = rowsum E;  Stats = M + log Z;  O = (E / Z in io) V
 // Stats is exactly our lse (natural log-sum-exp of the scaled scores), written to lse directly.
 // Backward recomputes P = exp(S - Stats) and forms dV = P^T dO, dP = dO V^T,
 // dS = P (dP - rowsum(dO * O)) * scale, dK = dS^T Q, dQ = dS K; with GQA (NH > NKV) the per query
@@ -16,10 +16,14 @@
 // (B, NKV, HS, T) strides (T row, HS, 1, row) from qkv + NH HS, V the same as Q from
 // qkv + (NH + NKV) HS; O / dO (B, NH, T, HS) strides (T NH HS, HS, NH HS, 1); Stats (B, NH, T, 1).
 //
-// Plans are built once per (direction, B, T, NH, NKV, HS) and cached with the largest workspace
-// any of them needs (grown, with a stream sync, only when a new shape needs more; at most 2 GiB).
-// A shape no engine accepts is remembered with the reason and the caller falls back to the fused
-// kernels.
+// The io type (bf16 or fp16, the activations') is the type of Q, K, V, O, their gradients, and of
+// P and dS before their matmuls; every other tensor of the graph is fp32. The two graphs differ in
+// that data type only.
+//
+// Plans are built once per (direction, io type, B, T, NH, NKV, HS) and cached with the largest
+// workspace any of them needs (grown, with a stream sync, only when a new shape needs more; at most
+// 2 GiB). A shape no engine accepts is remembered with the reason and the caller falls back to the
+// fused kernels.
 #include <cudnn.h>
 
 #include <array>
@@ -298,13 +302,13 @@ cudnnBackendDescriptor_t masked_scores(GraphBuilder& g, const Views& v,
   return s2;
 }
 
-std::unique_ptr<Plan> build_forward(cudnnHandle_t handle, const Dims& d) {
+std::unique_ptr<Plan> build_forward(cudnnHandle_t handle, const Dims& d, cudnnDataType_t io) {
   const Views v = views_of(d);
   GraphBuilder g;
-  auto q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, v.q_dims, v.qkv_strides);
-  auto kt = g.tensor(kK, CUDNN_DATA_BFLOAT16, v.kt_dims, v.kt_strides);
-  auto val = g.tensor(kV, CUDNN_DATA_BFLOAT16, v.kv_dims, v.qkv_strides);
-  auto o = g.tensor(kO, CUDNN_DATA_BFLOAT16, v.q_dims, v.o_strides);
+  auto q = g.tensor(kQ, io, v.q_dims, v.qkv_strides);
+  auto kt = g.tensor(kK, io, v.kt_dims, v.kt_strides);
+  auto val = g.tensor(kV, io, v.kv_dims, v.qkv_strides);
+  auto o = g.tensor(kO, io, v.q_dims, v.o_strides);
   auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, v.r_dims, v.r_strides);
   auto scale = g.scalar(kScale);
   auto lowest = g.scalar(kLowest);
@@ -321,7 +325,7 @@ std::unique_ptr<Plan> build_forward(cudnnHandle_t handle, const Dims& d) {
   auto log_z = g.virt(CUDNN_DATA_FLOAT, v.r_dims, v.r_strides);
   g.pointwise(CUDNN_POINTWISE_LOG, z, nullptr, nullptr, log_z);
   g.pointwise(CUDNN_POINTWISE_ADD, mx, log_z, nullptr, stats);
-  auto p = g.virt(CUDNN_DATA_BFLOAT16, v.s_dims, v.s_strides);
+  auto p = g.virt(io, v.s_dims, v.s_strides);
   g.pointwise(CUDNN_POINTWISE_DIV, e, z, nullptr, p);
   g.matmul(p, val, o);
   auto plan = g.build(handle);
@@ -329,20 +333,20 @@ std::unique_ptr<Plan> build_forward(cudnnHandle_t handle, const Dims& d) {
   return plan;
 }
 
-std::unique_ptr<Plan> build_backward(cudnnHandle_t handle, const Dims& d) {
+std::unique_ptr<Plan> build_backward(cudnnHandle_t handle, const Dims& d, cudnnDataType_t io) {
   const Views v = views_of(d);
   const bool gqa = d.NH != d.NKV;
   const Shape4 packed = {d.NH * d.T * d.HS, d.T * d.HS, d.HS, 1};  // (B, NH, T, HS) scratch
   GraphBuilder g;
-  auto q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, v.q_dims, v.qkv_strides);
-  auto kt = g.tensor(kK, CUDNN_DATA_BFLOAT16, v.kt_dims, v.kt_strides);
-  auto vt = g.tensor(kV, CUDNN_DATA_BFLOAT16, v.kt_dims, v.kt_strides);
-  auto o = g.tensor(kO, CUDNN_DATA_BFLOAT16, v.q_dims, v.o_strides);
-  auto d_o = g.tensor(kDO, CUDNN_DATA_BFLOAT16, v.q_dims, v.o_strides);
+  auto q = g.tensor(kQ, io, v.q_dims, v.qkv_strides);
+  auto kt = g.tensor(kK, io, v.kt_dims, v.kt_strides);
+  auto vt = g.tensor(kV, io, v.kt_dims, v.kt_strides);
+  auto o = g.tensor(kO, io, v.q_dims, v.o_strides);
+  auto d_o = g.tensor(kDO, io, v.q_dims, v.o_strides);
   auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, v.r_dims, v.r_strides);
-  auto dq = g.tensor(kDQ, CUDNN_DATA_BFLOAT16, v.q_dims, v.qkv_strides);
-  auto dk = g.tensor(kDK, CUDNN_DATA_BFLOAT16, v.kv_dims, v.qkv_strides);
-  auto dv = g.tensor(kDV, CUDNN_DATA_BFLOAT16, v.kv_dims, v.qkv_strides);
+  auto dq = g.tensor(kDQ, io, v.q_dims, v.qkv_strides);
+  auto dk = g.tensor(kDK, io, v.kv_dims, v.qkv_strides);
+  auto dv = g.tensor(kDV, io, v.kv_dims, v.qkv_strides);
   auto scale = g.scalar(kScale);
   auto lowest = g.scalar(kLowest);
   auto one = g.scalar(kOne);
@@ -361,10 +365,10 @@ std::unique_ptr<Plan> build_backward(cudnnHandle_t handle, const Dims& d) {
   g.pointwise(CUDNN_POINTWISE_SUB, s, stats, nullptr, centred);
   auto p = g.virt(CUDNN_DATA_FLOAT, v.s_dims, v.s_strides);
   g.pointwise(CUDNN_POINTWISE_EXP, centred, nullptr, nullptr, p);
-  auto pt = g.virt(CUDNN_DATA_BFLOAT16, v.s_dims, v.st_strides);
+  auto pt = g.virt(io, v.s_dims, v.st_strides);
   g.reshape(p, pt);
   if (gqa) {
-    auto dv_heads = g.virt(CUDNN_DATA_BFLOAT16, v.q_dims, packed);
+    auto dv_heads = g.virt(io, v.q_dims, packed);
     g.matmul(pt, d_o, dv_heads);
     g.reduction(CUDNN_REDUCE_TENSOR_ADD, dv_heads, dv);
   } else {
@@ -382,16 +386,16 @@ std::unique_ptr<Plan> build_backward(cudnnHandle_t handle, const Dims& d) {
   g.pointwise(CUDNN_POINTWISE_MUL, dp2, p, nullptr, dp3);
   auto ds = g.virt(CUDNN_DATA_FLOAT, v.s_dims, v.s_strides);
   g.pointwise(CUDNN_POINTWISE_MUL, dp3, scale, nullptr, ds);
-  auto dst = g.virt(CUDNN_DATA_BFLOAT16, v.s_dims, v.st_strides);
+  auto dst = g.virt(io, v.s_dims, v.st_strides);
   g.reshape(ds, dst);
   if (gqa) {
-    auto dk_heads = g.virt(CUDNN_DATA_BFLOAT16, v.q_dims, packed);
+    auto dk_heads = g.virt(io, v.q_dims, packed);
     g.matmul(dst, q, dk_heads);
     g.reduction(CUDNN_REDUCE_TENSOR_ADD, dk_heads, dk);
   } else {
     g.matmul(dst, q, dk);
   }
-  auto k = g.virt(CUDNN_DATA_BFLOAT16, v.kv_dims, v.qkv_strides);
+  auto k = g.virt(io, v.kv_dims, v.qkv_strides);
   g.reshape(kt, k);
   g.matmul(ds, k, dq);
   auto plan = g.build(handle);
@@ -399,9 +403,9 @@ std::unique_ptr<Plan> build_backward(cudnnHandle_t handle, const Dims& d) {
   return plan;
 }
 
-using PlanKey = std::array<int64_t, 6>;  // direction, B, T, NH, NKV, HS
+using PlanKey = std::array<int64_t, 7>;  // direction, io type, B, T, NH, NKV, HS
 
-// The deterministic backward keeps dP in the workspace (B NH T^2 bf16); past this size the fused
+// The deterministic backward keeps dP in the workspace (B NH T^2 16-bit values); past this size the fused
 // kernels, which need none, take the shape instead.
 constexpr int64_t kMaxWorkspaceBytes = int64_t{2} << 30;
 
@@ -434,7 +438,8 @@ std::unique_ptr<CudnnSdpa, CudnnSdpaDeleter> cudnn_sdpa_create(cudaStream_t stre
 }
 
 std::string cudnn_sdpa_eligible(const Dims& d, DType act) {
-  if (act != DType::BF16) return "cuDNN's fused SDPA is used for BF16 activations only";
+  if (act != DType::BF16 && act != DType::F16)
+    return "cuDNN's fused SDPA is used for BF16 and F16 activations only";
   if (d.HS % 8 != 0 || d.HS > 128) return "cuDNN's fused SDPA needs HS a multiple of 8, <= 128";
   return "";
 }
@@ -442,8 +447,9 @@ std::string cudnn_sdpa_eligible(const Dims& d, DType act) {
 namespace {
 
 // The cached plan for a shape (building it on first sight), or null with *why set.
-Plan* plan_for(CudnnSdpa& s, const Dims& d, bool backward, std::string* why) {
-  const PlanKey key = {backward ? 1 : 0, d.B, d.T, d.NH, d.NKV, d.HS};
+Plan* plan_for(CudnnSdpa& s, const Dims& d, DType act, bool backward, std::string* why) {
+  const cudnnDataType_t io = act == DType::F16 ? CUDNN_DATA_HALF : CUDNN_DATA_BFLOAT16;
+  const PlanKey key = {backward ? 1 : 0, static_cast<int64_t>(io), d.B, d.T, d.NH, d.NKV, d.HS};
   if (auto it = s.plans.find(key); it != s.plans.end()) return it->second.get();
   if (auto it = s.failures.find(key); it != s.failures.end()) {
     *why = it->second;
@@ -451,7 +457,7 @@ Plan* plan_for(CudnnSdpa& s, const Dims& d, bool backward, std::string* why) {
   }
   std::unique_ptr<Plan> plan;
   try {
-    plan = backward ? build_backward(s.handle, d) : build_forward(s.handle, d);
+    plan = backward ? build_backward(s.handle, d, io) : build_forward(s.handle, d, io);
     if (plan->workspace > kMaxWorkspaceBytes)
       throw GraphError{fmt::format("its workspace of {} bytes is above the {} allowed",
                                    plan->workspace, kMaxWorkspaceBytes)};
@@ -513,9 +519,9 @@ std::string cudnn_sdpa_forward(CudnnSdpa& s, const Dims& d, DType act, void* out
                                const void* qkv) {
   std::string why = eligibility(d, act, {out, lse, qkv});
   if (!why.empty()) return why;
-  Plan* plan = plan_for(s, d, false, &why);
+  Plan* plan = plan_for(s, d, act, false, &why);
   if (!plan) return why;
-  auto* base = static_cast<bf16_t*>(const_cast<void*>(qkv));
+  auto* base = static_cast<uint16_t*>(const_cast<void*>(qkv));  // 16-bit elements
   return execute(s, *plan,
                  {{kQ, base},
                   {kK, base + d.NH * d.HS},
@@ -531,10 +537,10 @@ std::string cudnn_sdpa_backward(CudnnSdpa& s, const Dims& d, DType act, void* dq
                                 const float* lse) {
   std::string why = eligibility(d, act, {dqkv, dout, qkv, out, lse});
   if (!why.empty()) return why;
-  Plan* plan = plan_for(s, d, true, &why);
+  Plan* plan = plan_for(s, d, act, true, &why);
   if (!plan) return why;
-  auto* base = static_cast<bf16_t*>(const_cast<void*>(qkv));
-  auto* dbase = static_cast<bf16_t*>(dqkv);
+  auto* base = static_cast<uint16_t*>(const_cast<void*>(qkv));  // 16-bit elements
+  auto* dbase = static_cast<uint16_t*>(dqkv);
   return execute(s, *plan,
                  {{kQ, base},
                   {kK, base + d.NH * d.HS},

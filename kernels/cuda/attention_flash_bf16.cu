@@ -1,10 +1,12 @@
-// Causal flash attention for bf16 activations on tensor cores (mma.sync m16n8k16, fp32
-// accumulation), head sizes up to 128 (padded with zeros to HSP = 32, 64, 96 or 128).
+// Causal flash attention for 16-bit activations (bf16 or fp16: template TE) on tensor cores
+// (mma.sync m16n8k16, fp32 accumulation), head sizes up to 128 (padded with zeros to HSP = 32, 64,
+// 96 or 128). The two types share every line: only the mma instruction variant and the rounding
+// of P and dS to TE differ (attention_mma.cuh).
 //
 // Forward (FlashAttention-2): one block of 4 warps per (64 queries, head, batch); each warp owns
 // 16 query rows, keeps its Q fragments in registers and walks the key blocks 0..diagonal: S = Q K^T
 // (fp32), online softmax in the log2 domain (running max m, running sum l, the output rescaled
-// by exp2(m_old - m_new)), then O += P V with P rounded to bf16 in registers.
+// by exp2(m_old - m_new)), then O += P V with P rounded to TE in registers.
 // lse = ln 2 (m + log2 l).
 //
 // Backward, deterministic without atomics, recomputing P = exp(S - lse) from the saved lse:
@@ -16,7 +18,10 @@
 //     the diagonal: S, P, dP = dO V^T, dS = P (dP - D),  dQ += dS K
 //   with dQ and dK scaled by 1/sqrt(HS) at the end. S and dP are computed twice (once per
 //   kernel): the price of giving every gradient element a single writer.
-// P and dS are rounded to bf16 before their products, as flash kernels do.
+// P and dS are rounded to TE before their products, as flash kernels do. In fp16, P (in [0, 1])
+// keeps three more mantissa bits than in bf16; dS can overflow fp16's range where the upstream
+// gradient is huge, which then shows as an infinite gradient: the overflow that dynamic loss
+// scaling detects and answers by skipping the step and lowering the scale.
 #include <cfloat>
 
 #include "kernels/cuda/attention.cuh"
@@ -28,10 +33,11 @@ namespace {
 constexpr int kThreads = 128;  // 4 warps
 constexpr float kNegInf = -INFINITY;
 
-struct Bf16Args {
-  const bf16_t* qkv;
-  const bf16_t* dout;  // backward
-  bf16_t* out;         // forward: out; backward: dqkv
+template <typename TE>
+struct MmaArgs {
+  const TE* qkv;
+  const TE* dout;  // backward
+  TE* out;         // forward: out; backward: dqkv
   float* lse;          // forward output
   const float* lse_in;  // backward input
   const float* d_rows;  // backward input (B, NH, T)
@@ -54,18 +60,18 @@ __device__ __forceinline__ float quad_sum(float v) {
 // ---------------------------------------------------------------------------------------------
 // Forward. grid (query blocks, NH, B); the last query blocks (most key blocks) start first.
 // ---------------------------------------------------------------------------------------------
-template <int HSP>
-__global__ void __launch_bounds__(kThreads) flash_fwd_kernel(Bf16Args a) {
+template <typename TE, int HSP>
+__global__ void __launch_bounds__(kThreads) flash_fwd_kernel(MmaArgs<TE> a) {
   constexpr int LD = HSP + 8, KT = HSP / 16, DT = HSP / 8;
-  __shared__ __align__(16) bf16_t s_k[64 * LD];  // Q first, then each key block
-  __shared__ __align__(16) bf16_t s_v[64 * LD];
+  __shared__ __align__(16) TE s_k[64 * LD];  // Q first, then each key block
+  __shared__ __align__(16) TE s_v[64 * LD];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int qb = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int kvh = h / a.group, i0 = qb * 64, r0 = warp * 16;
-  const bf16_t* base = a.qkv + static_cast<int64_t>(b) * a.T * a.row;
-  const bf16_t* q = base + static_cast<int64_t>(h) * a.HS;
-  const bf16_t* k = base + static_cast<int64_t>(a.NH + kvh) * a.HS;
-  const bf16_t* v = base + static_cast<int64_t>(a.NH + a.NKV + kvh) * a.HS;
+  const TE* base = a.qkv + static_cast<int64_t>(b) * a.T * a.row;
+  const TE* q = base + static_cast<int64_t>(h) * a.HS;
+  const TE* k = base + static_cast<int64_t>(a.NH + kvh) * a.HS;
+  const TE* v = base + static_cast<int64_t>(a.NH + a.NKV + kvh) * a.HS;
 
   load_tile<64, HSP, LD, kThreads>(s_k, q, a.row, i0, a.T, a.HS, a.vec_qkv);
   __syncthreads();
@@ -94,7 +100,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(Bf16Args a) {
       for (int nt = 0; nt < 8; ++nt) {
         uint32_t b0, b1;
         load_bt_frag(b0, b1, s_k, LD, nt * 8, kk * 16);
-        mma_bf16(s[nt], qf[kk], b0, b1);
+        mma<TE>(s[nt], qf[kk], b0, b1);
       }
     // Scores in log2 units; on the diagonal block keys after the query are masked (so are keys
     // >= T for real queries: the last key block is always a diagonal one).
@@ -133,21 +139,21 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(Bf16Args a) {
     // O += P V over the block's 64 keys, 16 at a time.
 #pragma unroll
     for (int kc = 0; kc < 4; ++kc) {
-      const uint32_t pa[4] = {pack_bf16x2(s[2 * kc][0], s[2 * kc][1]),
-                              pack_bf16x2(s[2 * kc][2], s[2 * kc][3]),
-                              pack_bf16x2(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                              pack_bf16x2(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+      const uint32_t pa[4] = {pack2<TE>(s[2 * kc][0], s[2 * kc][1]),
+                              pack2<TE>(s[2 * kc][2], s[2 * kc][3]),
+                              pack2<TE>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                              pack2<TE>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
 #pragma unroll
       for (int dt = 0; dt < DT; dt += 2) {
         uint32_t vb[4];
         load_b_frags_x2(vb, s_v, LD, kc * 16, dt * 8);
-        mma_bf16(o[dt], pa, vb[0], vb[1]);
-        mma_bf16(o[dt + 1], pa, vb[2], vb[3]);
+        mma<TE>(o[dt], pa, vb[0], vb[1]);
+        mma<TE>(o[dt + 1], pa, vb[2], vb[3]);
       }
     }
   }
 
-  // Normalise, stage the bf16 rows in shared memory, store them 16 bytes at a time.
+  // Normalise, stage the 16-bit rows in shared memory, store them 16 bytes at a time.
   __syncthreads();
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -161,7 +167,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(Bf16Args a) {
       a.lse[(static_cast<int64_t>(b) * a.NH + h) * a.T + qrow[r]] = (m[r] + log2f(lr)) * kLn2;
   }
   __syncthreads();
-  bf16_t* out = a.out + static_cast<int64_t>(b) * a.T * a.orow + static_cast<int64_t>(h) * a.HS;
+  TE* out = a.out + static_cast<int64_t>(b) * a.T * a.orow + static_cast<int64_t>(h) * a.HS;
   store_tile<64, HSP, LD, kThreads>(out, a.orow, s_k, i0, a.T, a.HS, a.vec_o);
 }
 
@@ -173,20 +179,20 @@ constexpr int dkdv_smem_bytes() {
   return (2 * 64 + 2 * 32) * (HSP + 8) * 2 + 2 * 32 * 4;
 }
 
-template <int HSP>
-__global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Bf16Args a) {
+template <typename TE, int HSP>
+__global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(MmaArgs<TE> a) {
   constexpr int LD = HSP + 8, KT = HSP / 16, DT = HSP / 8;
   extern __shared__ uint4 smem_dkdv[];
-  bf16_t* s_k = reinterpret_cast<bf16_t*>(smem_dkdv);  // 64 keys
-  bf16_t* s_v = s_k + 64 * LD;                          // 64 keys
-  bf16_t* s_q = s_v + 64 * LD;                          // 32 queries
-  bf16_t* s_do = s_q + 32 * LD;                         // 32 queries
+  TE* s_k = reinterpret_cast<TE*>(smem_dkdv);  // 64 keys
+  TE* s_v = s_k + 64 * LD;                          // 64 keys
+  TE* s_q = s_v + 64 * LD;                          // 32 queries
+  TE* s_do = s_q + 32 * LD;                         // 32 queries
   float* s_lse = reinterpret_cast<float*>(s_do + 32 * LD);  // lse * log2 e of the 32 queries
   float* s_d = s_lse + 32;                                  // D of the 32 queries
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int jb = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int j0 = jb * 64, r0 = warp * 16;  // this warp's keys: j0 + r0 + [0, 16)
-  const bf16_t* base = a.qkv + static_cast<int64_t>(b) * a.T * a.row;
+  const TE* base = a.qkv + static_cast<int64_t>(b) * a.T * a.row;
   load_tile<64, HSP, LD, kThreads>(s_k, base + static_cast<int64_t>(a.NH + kvh) * a.HS, a.row, j0,
                                    a.T, a.HS, a.vec_qkv);
   load_tile<64, HSP, LD, kThreads>(s_v, base + static_cast<int64_t>(a.NH + a.NKV + kvh) * a.HS,
@@ -200,8 +206,8 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Bf16Args a) {
 
   for (int gi = 0; gi < a.group; ++gi) {
     const int h = kvh * a.group + gi;
-    const bf16_t* q = base + static_cast<int64_t>(h) * a.HS;
-    const bf16_t* dout =
+    const TE* q = base + static_cast<int64_t>(h) * a.HS;
+    const TE* dout =
         a.dout + static_cast<int64_t>(b) * a.T * a.orow + static_cast<int64_t>(h) * a.HS;
     const int64_t bh = (static_cast<int64_t>(b) * a.NH + h) * a.T;
     // Query chunks before j0 see none of these keys.
@@ -232,9 +238,9 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Bf16Args a) {
         for (int nt = 0; nt < 4; ++nt) {
           uint32_t b0, b1;
           load_bt_frag(b0, b1, s_q, LD, nt * 8, kk * 16);
-          mma_bf16(st[nt], ka, b0, b1);
+          mma<TE>(st[nt], ka, b0, b1);
           load_bt_frag(b0, b1, s_do, LD, nt * 8, kk * 16);
-          mma_bf16(dpt[nt], va, b0, b1);
+          mma<TE>(dpt[nt], va, b0, b1);
         }
       }
       // P^T (zero where the query precedes the key or lies past T) and dS^T = P^T (dP^T - D).
@@ -251,23 +257,23 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Bf16Args a) {
       // dV += P^T dO and dK += dS^T Q over the 32 queries, 16 at a time.
 #pragma unroll
       for (int kc = 0; kc < 2; ++kc) {
-        const uint32_t pa[4] = {pack_bf16x2(st[2 * kc][0], st[2 * kc][1]),
-                                pack_bf16x2(st[2 * kc][2], st[2 * kc][3]),
-                                pack_bf16x2(st[2 * kc + 1][0], st[2 * kc + 1][1]),
-                                pack_bf16x2(st[2 * kc + 1][2], st[2 * kc + 1][3])};
-        const uint32_t da[4] = {pack_bf16x2(dpt[2 * kc][0], dpt[2 * kc][1]),
-                                pack_bf16x2(dpt[2 * kc][2], dpt[2 * kc][3]),
-                                pack_bf16x2(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]),
-                                pack_bf16x2(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3])};
+        const uint32_t pa[4] = {pack2<TE>(st[2 * kc][0], st[2 * kc][1]),
+                                pack2<TE>(st[2 * kc][2], st[2 * kc][3]),
+                                pack2<TE>(st[2 * kc + 1][0], st[2 * kc + 1][1]),
+                                pack2<TE>(st[2 * kc + 1][2], st[2 * kc + 1][3])};
+        const uint32_t da[4] = {pack2<TE>(dpt[2 * kc][0], dpt[2 * kc][1]),
+                                pack2<TE>(dpt[2 * kc][2], dpt[2 * kc][3]),
+                                pack2<TE>(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]),
+                                pack2<TE>(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3])};
 #pragma unroll
         for (int dt = 0; dt < DT; dt += 2) {
           uint32_t fb[4];
           load_b_frags_x2(fb, s_do, LD, kc * 16, dt * 8);
-          mma_bf16(dv[dt], pa, fb[0], fb[1]);
-          mma_bf16(dv[dt + 1], pa, fb[2], fb[3]);
+          mma<TE>(dv[dt], pa, fb[0], fb[1]);
+          mma<TE>(dv[dt + 1], pa, fb[2], fb[3]);
           load_b_frags_x2(fb, s_q, LD, kc * 16, dt * 8);
-          mma_bf16(dk[dt], da, fb[0], fb[1]);
-          mma_bf16(dk[dt + 1], da, fb[2], fb[3]);
+          mma<TE>(dk[dt], da, fb[0], fb[1]);
+          mma<TE>(dk[dt + 1], da, fb[2], fb[3]);
         }
       }
     }
@@ -285,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Bf16Args a) {
     }
   }
   __syncthreads();
-  bf16_t* dbase = a.out + static_cast<int64_t>(b) * a.T * a.row;
+  TE* dbase = a.out + static_cast<int64_t>(b) * a.T * a.row;
   store_tile<64, HSP, LD, kThreads>(dbase + static_cast<int64_t>(a.NH + kvh) * a.HS, a.row, s_k,
                                     j0, a.T, a.HS, a.vec_qkv);
   store_tile<64, HSP, LD, kThreads>(dbase + static_cast<int64_t>(a.NH + a.NKV + kvh) * a.HS, a.row,
@@ -295,21 +301,21 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Bf16Args a) {
 // ---------------------------------------------------------------------------------------------
 // Backward, dQ. grid (query blocks, NH, B).
 // ---------------------------------------------------------------------------------------------
-template <int HSP>
-__global__ void __launch_bounds__(kThreads) flash_bwd_dq_kernel(Bf16Args a) {
+template <typename TE, int HSP>
+__global__ void __launch_bounds__(kThreads) flash_bwd_dq_kernel(MmaArgs<TE> a) {
   constexpr int LD = HSP + 8, KT = HSP / 16, DT = HSP / 8;
   // Q in rows 0-63 and dO in rows 64-127 until their fragments are in registers; then each key
   // chunk: K in rows 0-31, V in rows 32-63.
-  __shared__ __align__(16) bf16_t s_buf[128 * LD];
-  bf16_t* s_kc = s_buf;
-  bf16_t* s_vc = s_buf + 32 * LD;
+  __shared__ __align__(16) TE s_buf[128 * LD];
+  TE* s_kc = s_buf;
+  TE* s_vc = s_buf + 32 * LD;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int qb = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int kvh = h / a.group, i0 = qb * 64, r0 = warp * 16;
-  const bf16_t* base = a.qkv + static_cast<int64_t>(b) * a.T * a.row;
-  const bf16_t* k = base + static_cast<int64_t>(a.NH + kvh) * a.HS;
-  const bf16_t* v = base + static_cast<int64_t>(a.NH + a.NKV + kvh) * a.HS;
-  const bf16_t* dout =
+  const TE* base = a.qkv + static_cast<int64_t>(b) * a.T * a.row;
+  const TE* k = base + static_cast<int64_t>(a.NH + kvh) * a.HS;
+  const TE* v = base + static_cast<int64_t>(a.NH + a.NKV + kvh) * a.HS;
+  const TE* dout =
       a.dout + static_cast<int64_t>(b) * a.T * a.orow + static_cast<int64_t>(h) * a.HS;
 
   load_tile<64, HSP, LD, kThreads>(s_buf, base + static_cast<int64_t>(h) * a.HS, a.row, i0, a.T,
@@ -353,9 +359,9 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq_kernel(Bf16Args a) {
       for (int nt = 0; nt < 4; ++nt) {
         uint32_t b0, b1;
         load_bt_frag(b0, b1, s_kc, LD, nt * 8, kk * 16);
-        mma_bf16(s[nt], qf[kk], b0, b1);
+        mma<TE>(s[nt], qf[kk], b0, b1);
         load_bt_frag(b0, b1, s_vc, LD, nt * 8, kk * 16);
-        mma_bf16(dp[nt], df[kk], b0, b1);
+        mma<TE>(dp[nt], df[kk], b0, b1);
       }
     // dS = P (dP - D), P zero where the key follows the query (or the query lies past T).
 #pragma unroll
@@ -370,16 +376,16 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq_kernel(Bf16Args a) {
     // dQ += dS K over the chunk's 32 keys, 16 at a time.
 #pragma unroll
     for (int kh = 0; kh < 2; ++kh) {
-      const uint32_t da[4] = {pack_bf16x2(s[2 * kh][0], s[2 * kh][1]),
-                              pack_bf16x2(s[2 * kh][2], s[2 * kh][3]),
-                              pack_bf16x2(s[2 * kh + 1][0], s[2 * kh + 1][1]),
-                              pack_bf16x2(s[2 * kh + 1][2], s[2 * kh + 1][3])};
+      const uint32_t da[4] = {pack2<TE>(s[2 * kh][0], s[2 * kh][1]),
+                              pack2<TE>(s[2 * kh][2], s[2 * kh][3]),
+                              pack2<TE>(s[2 * kh + 1][0], s[2 * kh + 1][1]),
+                              pack2<TE>(s[2 * kh + 1][2], s[2 * kh + 1][3])};
 #pragma unroll
       for (int dt = 0; dt < DT; dt += 2) {
         uint32_t kb4[4];
         load_b_frags_x2(kb4, s_kc, LD, kh * 16, dt * 8);
-        mma_bf16(dq[dt], da, kb4[0], kb4[1]);
-        mma_bf16(dq[dt + 1], da, kb4[2], kb4[3]);
+        mma<TE>(dq[dt], da, kb4[0], kb4[1]);
+        mma<TE>(dq[dt + 1], da, kb4[2], kb4[3]);
       }
     }
   }
@@ -394,15 +400,16 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq_kernel(Bf16Args a) {
               dq[dt][2 * r + 1] * a.scale);
   }
   __syncthreads();
-  bf16_t* dq_out = a.out + static_cast<int64_t>(b) * a.T * a.row + static_cast<int64_t>(h) * a.HS;
+  TE* dq_out = a.out + static_cast<int64_t>(b) * a.T * a.row + static_cast<int64_t>(h) * a.HS;
   store_tile<64, HSP, LD, kThreads>(dq_out, a.row, s_buf, i0, a.T, a.HS, a.vec_qkv);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Launchers
 // ---------------------------------------------------------------------------------------------
-Bf16Args make_args(const Dims& d) {
-  Bf16Args a{};
+template <typename TE>
+MmaArgs<TE> make_args(const Dims& d) {
+  MmaArgs<TE> a{};
   a.T = static_cast<int>(d.T);
   a.NH = static_cast<int>(d.NH);
   a.NKV = static_cast<int>(d.NKV);
@@ -421,26 +428,26 @@ void check_grid(const Dims& d, const char* op) {
               d.NH, d.T);
 }
 
-template <int HSP>
-void launch_forward(const Bf16Args& a, const Dims& d, cudaStream_t stream) {
+template <typename TE, int HSP>
+void launch_forward(const MmaArgs<TE>& a, const Dims& d, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((d.T + 63) / 64), static_cast<unsigned>(d.NH),
                   static_cast<unsigned>(d.B));
-  flash_fwd_kernel<HSP><<<grid, kThreads, 0, stream>>>(a);
+  flash_fwd_kernel<TE, HSP><<<grid, kThreads, 0, stream>>>(a);
   TETRA_CUDA_LAUNCHED();
 }
 
-template <int HSP>
-void launch_backward(const Bf16Args& a, const Dims& d, cudaStream_t stream) {
+template <typename TE, int HSP>
+void launch_backward(const MmaArgs<TE>& a, const Dims& d, cudaStream_t stream) {
   constexpr int smem = dkdv_smem_bytes<HSP>();
   if (smem > 48 * 1024)
-    TETRA_CUDA_CHECK(cudaFuncSetAttribute(flash_bwd_dkdv_kernel<HSP>,
+    TETRA_CUDA_CHECK(cudaFuncSetAttribute(flash_bwd_dkdv_kernel<TE, HSP>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const unsigned blocks = static_cast<unsigned>((d.T + 63) / 64);
-  flash_bwd_dkdv_kernel<HSP><<<dim3(blocks, static_cast<unsigned>(d.NKV),
+  flash_bwd_dkdv_kernel<TE, HSP><<<dim3(blocks, static_cast<unsigned>(d.NKV),
                                     static_cast<unsigned>(d.B)),
                                kThreads, smem, stream>>>(a);
   TETRA_CUDA_LAUNCHED();
-  flash_bwd_dq_kernel<HSP>
+  flash_bwd_dq_kernel<TE, HSP>
       <<<dim3(blocks, static_cast<unsigned>(d.NH), static_cast<unsigned>(d.B)), kThreads, 0,
          stream>>>(a);
   TETRA_CUDA_LAUNCHED();
@@ -451,29 +458,30 @@ int padded_head(int64_t HS) { return HS <= 32 ? 32 : HS <= 64 ? 64 : HS <= 96 ? 
 
 }  // namespace
 
-bool flash_bf16_supports(const Dims& d) { return d.HS <= 128; }
+bool flash_mma_supports(const Dims& d) { return d.HS <= 128; }
 
-void flash_bf16_forward(const Dims& d, bf16_t* out, float* lse, const bf16_t* qkv,
-                        cudaStream_t stream) {
+template <typename TE>
+void flash_mma_forward(const Dims& d, TE* out, float* lse, const TE* qkv, cudaStream_t stream) {
   check_grid(d, "attention_forward");
-  Bf16Args a = make_args(d);
+  MmaArgs<TE> a = make_args<TE>(d);
   a.qkv = qkv;
   a.out = out;
   a.lse = lse;
   a.vec_qkv = d.HS % 8 == 0 && aligned16(qkv);
   a.vec_o = d.HS % 8 == 0 && aligned16(out);
   switch (padded_head(d.HS)) {
-    case 32: launch_forward<32>(a, d, stream); break;
-    case 64: launch_forward<64>(a, d, stream); break;
-    case 96: launch_forward<96>(a, d, stream); break;
-    default: launch_forward<128>(a, d, stream); break;
+    case 32: launch_forward<TE, 32>(a, d, stream); break;
+    case 64: launch_forward<TE, 64>(a, d, stream); break;
+    case 96: launch_forward<TE, 96>(a, d, stream); break;
+    default: launch_forward<TE, 128>(a, d, stream); break;
   }
 }
 
-void flash_bf16_backward(const Dims& d, bf16_t* dqkv, const bf16_t* dout, const bf16_t* qkv,
-                         const float* lse, const float* d_rows, cudaStream_t stream) {
+template <typename TE>
+void flash_mma_backward(const Dims& d, TE* dqkv, const TE* dout, const TE* qkv, const float* lse,
+                        const float* d_rows, cudaStream_t stream) {
   check_grid(d, "attention_backward");
-  Bf16Args a = make_args(d);
+  MmaArgs<TE> a = make_args<TE>(d);
   a.qkv = qkv;
   a.dout = dout;
   a.out = dqkv;
@@ -482,11 +490,19 @@ void flash_bf16_backward(const Dims& d, bf16_t* dqkv, const bf16_t* dout, const 
   a.vec_qkv = d.HS % 8 == 0 && aligned16(qkv) && aligned16(dqkv);
   a.vec_o = d.HS % 8 == 0 && aligned16(dout);
   switch (padded_head(d.HS)) {
-    case 32: launch_backward<32>(a, d, stream); break;
-    case 64: launch_backward<64>(a, d, stream); break;
-    case 96: launch_backward<96>(a, d, stream); break;
-    default: launch_backward<128>(a, d, stream); break;
+    case 32: launch_backward<TE, 32>(a, d, stream); break;
+    case 64: launch_backward<TE, 64>(a, d, stream); break;
+    case 96: launch_backward<TE, 96>(a, d, stream); break;
+    default: launch_backward<TE, 128>(a, d, stream); break;
   }
 }
+
+#define TETRA_INSTANTIATE_MMA(TE)                                                              \
+  template void flash_mma_forward<TE>(const Dims&, TE*, float*, const TE*, cudaStream_t);      \
+  template void flash_mma_backward<TE>(const Dims&, TE*, const TE*, const TE*, const float*,   \
+                                       const float*, cudaStream_t);
+TETRA_INSTANTIATE_MMA(bf16_t)
+TETRA_INSTANTIATE_MMA(f16_t)
+#undef TETRA_INSTANTIATE_MMA
 
 }  // namespace tetra::cuda::attn

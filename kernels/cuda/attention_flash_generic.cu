@@ -1,5 +1,5 @@
-// Causal flash attention on CUDA cores, fp32 math for either storage type: the path for fp32
-// activations and for head sizes the bf16 tensor-core kernels do not take (HS > 128, up to 256),
+// Causal flash attention on CUDA cores, fp32 math for every storage type: the path for fp32
+// activations and for head sizes the 16-bit tensor-core kernels do not take (HS > 128, up to 256),
 // plus the D = rowsum(dO * O) pass shared by both backward paths.
 //
 // Tiles of 32 queries x 32 keys, 8 warps per block, each warp owning 4 rows of the tile; head
@@ -7,7 +7,8 @@
 // Rows read lane-wise (one row per lane) are stored with a pitch of HSP + 1 floats so that the 32
 // lanes hit 32 different banks; rows read by the whole warp at once (broadcast) are unpadded.
 //
-// Forward: online softmax as in the bf16 kernel (log2 domain, running max and sum), P stays fp32.
+// Forward: online softmax as in the tensor-core kernel (log2 domain, running max and sum), P stays
+// fp32.
 // Backward: a dK/dV kernel per (32 keys, kv head, batch) looping over the group's query heads and
 // the query chunks from the diagonal on, and a dQ kernel per (32 queries, head, batch) looping over
 // the key chunks up to the diagonal; each writes its outputs once (no atomics, fixed sum order).
@@ -446,6 +447,7 @@ void attention_row_dots(const Dims& d, float* d_rows, const T* dout, const T* ou
   template void attention_row_dots<T>(const Dims&, float*, const T*, const T*, cudaStream_t);
 TETRA_INSTANTIATE(float)
 TETRA_INSTANTIATE(bf16_t)
+TETRA_INSTANTIATE(f16_t)
 #undef TETRA_INSTANTIATE
 #undef TETRA_WITH_NX
 

@@ -7,6 +7,7 @@
 #include <string>
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "kernels/common/math.h"
@@ -26,29 +27,37 @@ inline void check_cuda(cudaError_t err, const char* what, const char* file, int 
 #define TETRA_CUDA_LAUNCHED() ::tetra::cuda::check_cuda(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
 
 using bf16_t = __nv_bfloat16;
+using f16_t = __half;
 
-// fp32 loads and stores of either storage type. bf16 stores round to nearest even, like
-// math::f32_to_bf16_bits on the host (NaN stays NaN), so both backends produce the same bits.
+// fp32 loads and stores of every storage type. bf16 and fp16 stores round to nearest even, like
+// math::f32_to_bf16_bits / math::f32_to_f16_bits on the host (NaN stays NaN; fp16 overflows to
+// infinity from 65520 up and underflows gradually), so both backends produce the same bits.
 __device__ __forceinline__ float ld(const float* p) { return *p; }
 __device__ __forceinline__ float ld(const bf16_t* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ float ld(const f16_t* p) { return __half2float(*p); }
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(bf16_t x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(f16_t x) { return __half2float(x); }
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ f16_t from_float<f16_t>(float x) { return __float2half_rn(x); }
 __device__ __forceinline__ void st(float* p, float x) { *p = x; }
 __device__ __forceinline__ void st(bf16_t* p, float x) { *p = __float2bfloat16_rn(x); }
+__device__ __forceinline__ void st(f16_t* p, float x) { *p = __float2half_rn(x); }
 
-// Calls f(float{}) or f(bf16_t{}) for a floating storage type; anything else is an Error naming
-// the op and the argument.
+// Calls f(float{}), f(bf16_t{}) or f(f16_t{}) for a floating storage type; anything else is an
+// Error naming the op and the argument.
 template <typename F>
 void with_float_type(DType t, const char* op, const char* what, F&& f) {
   if (t == DType::F32) {
     f(float{});
   } else if (t == DType::BF16) {
     f(bf16_t{});
+  } else if (t == DType::F16) {
+    f(f16_t{});
   } else {
-    throw Error(fmt::format("{}: {} must be F32 or BF16, got {}", op, what, dtype_name(t)));
+    throw Error(fmt::format("{}: {} must be F32, BF16 or F16, got {}", op, what, dtype_name(t)));
   }
 }
 

@@ -1,4 +1,4 @@
-// The CUDA backend: the product's engine. GEMMs through cuBLASLt (bf16/fp32 in, fp32 accumulate,
+// The CUDA backend: the product's engine. GEMMs through cuBLASLt (bf16/fp16/fp32 in, fp32 accumulate,
 // bias epilogue), causal attention through cuDNN's fused SDPA with Tetra's own flash-style kernel
 // as the fallback, and fused kernels for everything else; element-wise math comes from
 // kernels/common/math.h, shared with the CPU backend. Every op is enqueued on the backend's one

@@ -15,19 +15,20 @@
 // our row-major C: bias[n] on every row, as the contract says.
 //
 // Numerics. Both input types use CUBLAS_COMPUTE_32F with fp32 scale: fp32 inputs get exact fp32
-// arithmetic (never TF32: this is the reference path), bf16 inputs fp32 accumulation of exact
-// products. Split-K algorithms are allowed only with fp32 partials reduced in a separate
+// arithmetic (never TF32: this is the reference path), bf16 and fp16 inputs fp32 accumulation of
+// exact products. Split-K algorithms are allowed only with fp32 partials reduced in a separate
 // fixed-order step: reduction in the output type would round every partial to bf16, and the
 // in-place scheme's order is not ours to fix. beta == 0 never reads C (cuBLASLt's convention).
 //
-// Bias. cuBLASLt's epilogue bias has the output's type. fp32/fp32 and bf16/bf16 pass the bias
-// as it is; for bf16 inputs with an fp32 C the bf16 bias is first widened into the backend's
-// scratch area (N floats, a tiny pass) so the epilogue applies. The epilogue is used only when
+// Bias. cuBLASLt's epilogue bias has the output's type. fp32/fp32, bf16/bf16 and fp16/fp16 pass
+// the bias as it is; for 16-bit inputs with an fp32 C the 16-bit bias is first widened into the
+// backend's scratch area (N floats, a tiny pass) so the epilogue applies. The epilogue is used only when
 // alpha == 1, where alpha * A·B + beta * C + bias has no ordering question; otherwise, or when
 // cuBLASLt offers no algorithm with the epilogue, a bias kernel adds it after the product.
-// fp32 inputs with a bf16 C are no cuBLASLt type combination: the product runs fp32 -> fp32 into a
-// fixed staging buffer, tile by tile, and a rounding pass adds bias and beta * C and stores bf16
-// (the CPU backend's order).
+// A 16-bit C of another type than the inputs (fp32 x fp32 -> bf16 or fp16, bf16 -> fp16, fp16 ->
+// bf16) is no cuBLASLt type combination: the product runs into an fp32 C in a fixed staging
+// buffer, tile by tile, and a rounding pass adds bias and beta * C and stores C's type (the CPU
+// backend's order).
 //
 // Plans. A matmul descriptor, the three layouts and the heuristic's algorithm are built once per
 // key (shape, leading dimensions, transposes, types, epilogue, and the alignment of each pointer,
@@ -42,7 +43,7 @@
 // pointer is set per call like the bias pointer. Each saves a full read and write of the (M, N)
 // activation against a separate GELU kernel. cuBLASLt's GELU is the tanh approximation, applied to
 // the fp32 accumulator before the one rounding to the output type; its tanh is not documented to
-// fp32 accuracy, so the epilogues serve 16-bit activations only, where the output rounding
+// fp32 accuracy, so the epilogues serve bf16 and fp16 activations only, where the output rounding
 // (2^-8) dominates, and fp32 (the reference precision) keeps the exact GELU kernels. Where a
 // shape has no such algorithm (or N % 8 != 0) the plain product and the GELU kernels run
 // instead, the order the CPU backend uses.
@@ -69,7 +70,7 @@ inline void check_cublas(cublasStatus_t status, const char* what, const char* fi
   ::tetra::cuda::lt_gemm::check_cublas((call), #call, __FILE__, __LINE__)
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLASLt's workspace (split-K partials)
-constexpr int64_t kStagingFloats = int64_t{4} << 20;  // 16 MiB: fp32 tiles of an f32 -> bf16 GEMM
+constexpr int64_t kStagingFloats = int64_t{4} << 20;  // 16 MiB: fp32 tiles of a staged GEMM
 
 enum class LtEpilogue : uint8_t { NONE, BIAS, GELU_AUX, GELU_AUX_BIAS, DGELU };
 
@@ -136,7 +137,7 @@ struct LtPlan {
 struct CudaGemmState {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;  // kWorkspaceBytes
-  float* staging = nullptr;   // kStagingFloats, allocated at the first f32 -> bf16 GEMM
+  float* staging = nullptr;   // kStagingFloats, allocated at the first staged GEMM
   bool gelu_fused = false, gelu_unfused = false;  // which GELU paths gemm_gelu / gemm_dgelu took
   std::unordered_map<cuda::lt_gemm::LtKey, cuda::lt_gemm::LtPlan, cuda::lt_gemm::LtKeyHash> plans;
 };
@@ -162,7 +163,9 @@ CudaGemmState& CudaBackend::gemm_state() {
 namespace cuda::lt_gemm {
 namespace {
 
-cudaDataType_t lt_type(DType t) { return t == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F; }
+cudaDataType_t lt_type(DType t) {
+  return t == DType::BF16 ? CUDA_R_16BF : t == DType::F16 ? CUDA_R_16F : CUDA_R_32F;
+}
 
 // The largest power of two dividing the address, capped at 256 (cuBLASLt's default assumption).
 uint16_t alignment_of(const void* p) {
@@ -321,7 +324,7 @@ bool lt_matmul_gelu(CudaGemmState& st, cudaStream_t stream, LtEpilogue epilogue,
 
 constexpr int kThreads = 256;
 
-// dst[n] = bias[n] as fp32 (the epilogue bias of a bf16 x bf16 -> f32 product).
+// dst[n] = bias[n] as fp32 (the epilogue bias of a 16-bit x 16-bit -> f32 product).
 template <typename TB>
 __global__ void widen_kernel(float* dst, const TB* bias, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
@@ -341,17 +344,18 @@ __global__ void add_bias_kernel(TC* C, int64_t ldc, const TB* bias, int64_t M, i
   }
 }
 
-// One tile of an f32 x f32 -> bf16 product: C[m, n] = bf16((stage[m, n] + bias[n]) + beta C[m, n])
-// for the (rows, cols) tile, stage packed with row stride cols. beta == 0 does not read C.
-__global__ void round_tile_kernel(bf16_t* C, int64_t ldc, const float* stage, const float* bias,
+// One tile of a staged product: C[m, n] = TC((stage[m, n] + bias[n]) + beta C[m, n]) for the
+// (rows, cols) tile, stage packed with row stride cols. beta == 0 does not read C.
+template <typename TC, typename TB>
+__global__ void round_tile_kernel(TC* C, int64_t ldc, const float* stage, const TB* bias,
                                   float beta, int64_t rows, int64_t cols) {
   const int64_t total = rows * cols;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t m = i / cols, n = i - m * cols;
     float v = stage[i];
-    if (bias) v += bias[n];
-    bf16_t* c = C + m * ldc + n;
+    if (bias) v += ld(bias + n);
+    TC* c = C + m * ldc + n;
     if (beta != 0.0f) v += beta * ld(c);
     st(c, v);
   }
@@ -451,12 +455,10 @@ void CudaBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t
                        const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type,
                        float beta, void* C, int64_t ldc, DType c_type, const void* bias) {
   using namespace cuda::lt_gemm;
-  using cuda::bf16_t;
-  TETRA_CHECK(ab_type == DType::F32 || ab_type == DType::BF16,
-              "gemm: A/B type must be F32 or BF16, got {}", dtype_name(ab_type));
-  TETRA_CHECK(c_type == DType::F32 || c_type == DType::BF16,
-              "gemm: C type must be F32 or BF16, got {} (A/B are {})", dtype_name(c_type),
-              dtype_name(ab_type));
+  auto gemm_type = [](DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; };
+  TETRA_CHECK(gemm_type(ab_type), "gemm: A/B type must be F32, BF16 or F16, got {}", dtype_name(ab_type));
+  TETRA_CHECK(gemm_type(c_type), "gemm: C type must be F32, BF16 or F16, got {} (A/B are {})",
+              dtype_name(c_type), dtype_name(ab_type));
   TETRA_CHECK(M >= 0 && N >= 0 && K > 0, "gemm: need M, N >= 0 and K > 0, got M={} N={} K={}",
               M, N, K);
   if (M == 0 || N == 0) return;
@@ -467,41 +469,52 @@ void CudaBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t
   CudaGemmState& st = gemm_state();
   const cudaStream_t stream = cuda::as_stream(stream_);
 
-  if (ab_type == DType::F32 && c_type == DType::BF16) {
-    // No cuBLASLt f32 -> bf16 matmul: fp32 tiles of C in the staging buffer, then rounded.
+  if (c_type != DType::F32 && c_type != ab_type) {
+    // No cuBLASLt matmul into this C type: fp32 tiles of C in the staging buffer, then rounded.
     if (!st.staging)
       TETRA_CUDA_CHECK(
           cudaMalloc(&st.staging, static_cast<size_t>(kStagingFloats) * sizeof(float)));
     const int64_t tile_n = std::min(N, kStagingFloats);
     const int64_t tile_m = std::min(M, std::max<int64_t>(1, kStagingFloats / tile_n));
-    const auto* a = static_cast<const float*>(A);
-    const auto* b = static_cast<const float*>(B);
-    const auto* bias_f = static_cast<const float*>(bias);
-    auto* c = static_cast<bf16_t*>(C);
+    const size_t es = dtype_size(ab_type);
+    const auto* a = static_cast<const char*>(A);
+    const auto* b = static_cast<const char*>(B);
     for (int64_t m0 = 0; m0 < M; m0 += tile_m) {
       for (int64_t n0 = 0; n0 < N; n0 += tile_n) {
         const int64_t rows = std::min(tile_m, M - m0), cols = std::min(tile_n, N - n0);
-        const float* a_tile = trans_a ? a + m0 : a + m0 * lda;
-        const float* b_tile = trans_b ? b + n0 * ldb : b + n0;
+        const char* a_tile = a + static_cast<size_t>(trans_a ? m0 : m0 * lda) * es;
+        const char* b_tile = b + static_cast<size_t>(trans_b ? n0 * ldb : n0) * es;
         lt_matmul(st, stream, trans_a, trans_b, rows, cols, K, alpha, a_tile, lda, b_tile, ldb,
-                  DType::F32, 0.0f, st.staging, cols, DType::F32, nullptr);
-        round_tile_kernel<<<cuda::grid_for(rows * cols, kThreads), kThreads, 0, stream>>>(
-            c + m0 * ldc + n0, ldc, st.staging, bias_f ? bias_f + n0 : nullptr, beta, rows, cols);
-        TETRA_CUDA_LAUNCHED();
+                  ab_type, 0.0f, st.staging, cols, DType::F32, nullptr);
+        cuda::with_float_type(c_type, "gemm", "C type", [&](auto c_tag) {
+          using TC = decltype(c_tag);
+          cuda::with_float_type(ab_type, "gemm", "bias type", [&](auto b_tag) {
+            using TB = decltype(b_tag);
+            const TB* bias_tile = bias ? static_cast<const TB*>(bias) + n0 : nullptr;
+            round_tile_kernel<TC, TB>
+                <<<cuda::grid_for(rows * cols, kThreads), kThreads, 0, stream>>>(
+                    static_cast<TC*>(C) + m0 * ldc + n0, ldc, st.staging, bias_tile, beta, rows,
+                    cols);
+            TETRA_CUDA_LAUNCHED();
+          });
+        });
       }
     }
     return;
   }
 
-  // The epilogue bias has C's type: a bf16 bias for an fp32 C is widened into the scratch area.
+  // The epilogue bias has C's type: a 16-bit bias for an fp32 C is widened into the scratch area.
   const void* epilogue_bias = (bias && alpha == 1.0f) ? bias : nullptr;
   if (epilogue_bias && ab_type != c_type) {
     CudaScratch& sc = scratch();
     float* widened = sc.data;
     if (static_cast<size_t>(N) <= sc.floats) {
-      widen_kernel<<<cuda::grid_for(N, kThreads), kThreads, 0, stream>>>(
-          widened, static_cast<const bf16_t*>(bias), N);
-      TETRA_CUDA_LAUNCHED();
+      cuda::with_float_type(ab_type, "gemm", "bias type", [&](auto b_tag) {
+        using TB = decltype(b_tag);
+        widen_kernel<<<cuda::grid_for(N, kThreads), kThreads, 0, stream>>>(
+            widened, static_cast<const TB*>(bias), N);
+        TETRA_CUDA_LAUNCHED();
+      });
       epilogue_bias = widened;
     } else {
       epilogue_bias = nullptr;
@@ -551,7 +564,7 @@ void CudaBackend::gemm_gelu(bool trans_a, bool trans_b, int64_t M, int64_t N, in
   TETRA_CHECK(M >= 0 && N >= 0 && K > 0, "gemm_gelu: need M, N >= 0 and K > 0, got M={} N={} K={}",
               M, N, K);
   if (M == 0 || N == 0) return;
-  if (act == DType::BF16 && N % 8 == 0 &&
+  if ((act == DType::BF16 || act == DType::F16) && N % 8 == 0 &&
       lt_matmul_gelu(gemm_state(), cuda::as_stream(stream_),
                      bias ? LtEpilogue::GELU_AUX_BIAS : LtEpilogue::GELU_AUX, trans_a, trans_b, M,
                      N, K, A, lda, B, ldb, act, out, bias, pre)) {
@@ -571,7 +584,7 @@ void CudaBackend::gemm_dgelu(bool trans_a, bool trans_b, int64_t M, int64_t N, i
   TETRA_CHECK(M >= 0 && N >= 0 && K > 0, "gemm_dgelu: need M, N >= 0 and K > 0, got M={} N={} K={}",
               M, N, K);
   if (M == 0 || N == 0) return;
-  if (act == DType::BF16 && N % 8 == 0 &&
+  if ((act == DType::BF16 || act == DType::F16) && N % 8 == 0 &&
       lt_matmul_gelu(gemm_state(), cuda::as_stream(stream_), LtEpilogue::DGELU, trans_a, trans_b,
                      M, N, K, A, lda, B, ldb, act, dpre, nullptr, pre)) {
     gemm_state().gelu_fused = true;

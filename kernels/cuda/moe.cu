@@ -234,8 +234,8 @@ void CudaBackend::moe_router_backward(float* dlogits, const float* probs, const 
 void CudaBackend::moe_gather_rows(void* dst, const void* src, const int32_t* rows, int64_t M,
                                   int64_t C, DType act) {
   TETRA_CHECK(M >= 0 && C >= 0, "moe_gather_rows: M ({}) and C ({}) must be >= 0", M, C);
-  TETRA_CHECK(act == DType::F32 || act == DType::BF16,
-              "moe_gather_rows: activation type must be F32 or BF16, got {}", dtype_name(act));
+  TETRA_CHECK(act == DType::F32 || act == DType::BF16 || act == DType::F16,
+              "moe_gather_rows: activation type must be F32, BF16 or F16, got {}", dtype_name(act));
   if (M == 0 || C == 0) return;
   TETRA_CHECK(M <= 0x7fffffff, "moe_gather_rows: M ({}) too large", M);
   const cudaStream_t stream = cuda::as_stream(stream_);

@@ -1,6 +1,6 @@
 // Optimizer kernels on the GPU: the AdamW step over a flat fp32 parameter range, the two
 // reductions the optimizer needs (sum of squares for the global gradient norm, plain sum), and
-// the F32 <-> BF16 cast.
+// the casts between the floating types (F32, BF16, F16).
 //
 // Reductions are deterministic without atomics: pass 1 runs a block count that depends on n only;
 // each thread accumulates its grid-stride share in double, each block reduces its threads in a
@@ -10,7 +10,7 @@
 //
 // AdamW is element-wise through math::adamw_update, the function the CPU backend calls, with
 // 16-byte loads and stores of params, grads and both moments where all four are aligned. The
-// updated parameter is written to the compute copy (rounded to bf16, or fp32) in the same pass,
+// updated parameter is written to the compute copy (rounded to bf16 or fp16, or fp32) in the same pass,
 // and the gradient is zeroed as it is consumed. Device code follows IEEE fp32 (nvcc's default
 // precise division and square root, no fast math); the one freedom both compilers take is fusing
 // a * b + c into an FMA. nvcc fuses the same products in adamw_update as the host compiler
@@ -194,7 +194,8 @@ cast_kernel(TD* dst, const TS* src, int64_t n) {
 
 template <typename TD, typename TS>
 void launch_cast(TD* dst, const TS* src, int64_t n, cudaStream_t stream) {
-  // 16-byte accesses on the wider side: 4 floats <-> 4 bf16, or 8 bf16 <-> 8 floats.
+  // 16-byte accesses on the wider side: 4 floats <-> 4 16-bit values, or 8 16-bit values <-> 8
+  // floats (or 8 <-> 8 between the two 16-bit types).
   constexpr int kVec = sizeof(TS) == 2 ? 8 : 4;
   if (aligned_to(src, kVec * sizeof(TS)) && aligned_to(dst, kVec * sizeof(TD))) {
     cast_kernel<TD, TS, kVec>
@@ -241,14 +242,15 @@ void CudaBackend::cast(void* dst, DType dst_type, const void* src, DType src_typ
                                        cudaMemcpyDeviceToDevice, stream));
     return;
   }
-  if (dst_type == DType::BF16 && src_type == DType::F32) {
-    cuda::launch_cast(static_cast<cuda::bf16_t*>(dst), static_cast<const float*>(src), n, stream);
-  } else if (dst_type == DType::F32 && src_type == DType::BF16) {
-    cuda::launch_cast(static_cast<float*>(dst), static_cast<const cuda::bf16_t*>(src), n, stream);
-  } else {
-    throw Error(fmt::format("cast: unsupported conversion {} -> {}", dtype_name(src_type),
-                            dtype_name(dst_type)));
-  }
+  // Any pair of floating types; between the two 16-bit types the value passes through fp32
+  // (exact), so bf16 <-> fp16 rounds once (as on the CPU).
+  cuda::with_float_type(dst_type, "cast", "destination type", [&](auto dtag) {
+    cuda::with_float_type(src_type, "cast", "source type", [&](auto stag) {
+      using TD = decltype(dtag);
+      using TS = decltype(stag);
+      cuda::launch_cast(static_cast<TD*>(dst), static_cast<const TS*>(src), n, stream);
+    });
+  });
 }
 
 }  // namespace tetra

@@ -129,4 +129,33 @@ expect_no_output_files
 run_case 0 "$scratch/pipeline_layout/config.json" --set model.num_layers=30 --set parallel.pp=4 \
   --set 'parallel.stage_layers=[8, 8, 7, 7]' --dry-run
 
+# fp16 loss scaling: its keys outside fp16 (and the dynamic ones with a static scale), a floor above
+# the start, and the error-feedback compressions with fp16 are refused, each naming the key, the
+# value and the rule; every problem of one run at once. The valid fp16 combinations pass --dry-run.
+start_case loss_scaling
+write_config "$scratch/loss_scaling/config.json" ""
+run_case 2 "$scratch/loss_scaling/config.json" --set training.precision=bf16 --set training.initial_loss_scale=1024 \
+  --set training.hysteresis=3
+expect_stderr 'training.initial_loss_scale: 1024.0: loss scaling applies to training.precision "fp16" only (it is "bf16"'
+expect_stderr 'training.hysteresis: 3: loss scaling applies to training.precision "fp16" only'
+run_case 2 "$scratch/loss_scaling/config.json" --set training.precision=fp16 --set training.loss_scale=512 \
+  --set training.loss_scale_window=10
+expect_stderr 'training.loss_scale_window: 10: applies to dynamic loss scaling only, but training.loss_scale is 512.0'
+run_case 2 "$scratch/loss_scaling/config.json" --set training.precision=fp16 --set training.initial_loss_scale=8 \
+  --set training.min_loss_scale=16 --set training.hysteresis=0
+expect_stderr 'training.min_loss_scale: 16.0: must be <= training.initial_loss_scale (8.0)'
+expect_stderr 'training.hysteresis: 0: must be >= 1'
+run_case 2 "$scratch/loss_scaling/config.json" --set training.precision=fp16 --set training.loss_scale=-1
+expect_stderr 'training.loss_scale: -1.0: must be >= 0'
+run_case 2 "$scratch/loss_scaling/config.json" --set training.precision=fp16 --set parallel.dp=2 \
+  --set parallel.grad_compression=onebit
+expect_stderr 'parallel.grad_compression: "onebit": cannot be combined with training.precision "fp16"'
+run_case 2 "$scratch/loss_scaling/config.json" --set training.precision=fp16 --set parallel.dp=2 \
+  --set parallel.grad_compression=int8
+expect_stderr 'parallel.grad_compression: "int8": cannot be combined with training.precision "fp16"'
+expect_no_output_files
+run_case 0 "$scratch/loss_scaling/config.json" --set training.precision=fp16 --set training.initial_loss_scale=1024 \
+  --set training.min_loss_scale=2 --dry-run
+run_case 0 "$scratch/loss_scaling/config.json" --set training.precision=fp16 --set training.loss_scale=4096 --dry-run
+
 finish "config error checks"

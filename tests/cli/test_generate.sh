@@ -198,4 +198,20 @@ last = open(sys.argv[2], encoding="utf-8").read().splitlines()[-1]
 assert out.startswith("the cat") and out[len("the cat"):-1].replace("\n", "\\n") == last, (out, last)
 PY
 
+# ---- fp16: samples and generate compute in fp16 from the fp16 copy of the master weights ----------
+case=train_fp16
+run4="$scratch/run_fp16"
+write_config "$scratch/fp16.json" "$run4" '"dp": 1' fp16
+timeout 300 "$tetra" --config "$scratch/fp16.json" >"$scratch/fp16.out" 2>&1 || fail "exit $?: $(tail -5 "$scratch/fp16.out")"
+grep -q "loss scale 65536" "$run4/train.log" || fail "the fp16 log shows no loss scale"
+samples "$run4/train.log" >"$scratch/fp16.samples"
+[[ $(wc -l <"$scratch/fp16.samples") -eq 2 ]] || fail "samples: $(cat "$scratch/fp16.samples")"
+"$tetra" generate --config "$scratch/fp16.json" >"$scratch/gen_fp16.out" 2>&1 || fail "exit $?: $(cat "$scratch/gen_fp16.out")"
+$py - "$scratch/gen_fp16.out" "$scratch/fp16.samples" <<'PY' || fail "fp16 generate does not print the last sample"
+import sys
+out = open(sys.argv[1], encoding="utf-8").read()
+last = open(sys.argv[2], encoding="utf-8").read().splitlines()[-1]
+assert out.startswith("the cat") and out[len("the cat"):-1].replace("\n", "\\n") == last, (out, last)
+PY
+
 finish "generation cases"

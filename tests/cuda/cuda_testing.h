@@ -53,7 +53,7 @@ class Twin {
   Twin(const Twin&) = delete;
   Twin& operator=(const Twin&) = delete;
 
-  // Stores values as the twin's type (bf16: rounded to nearest even) on both backends.
+  // Stores values as the twin's type (bf16, fp16: rounded to nearest even) on both backends.
   void upload(const std::vector<float>& values) {
     REQUIRE(values.size() == n_);
     std::vector<uint8_t> host(bytes_);
@@ -62,6 +62,9 @@ class Twin {
     } else if (type_ == DType::BF16) {
       auto* p = reinterpret_cast<uint16_t*>(host.data());
       for (size_t i = 0; i < n_; ++i) p[i] = math::f32_to_bf16_bits(values[i]);
+    } else if (type_ == DType::F16) {
+      auto* p = reinterpret_cast<uint16_t*>(host.data());
+      for (size_t i = 0; i < n_; ++i) p[i] = math::f32_to_f16_bits(values[i]);
     } else {
       FAIL("upload of floats into an I32 twin");
     }
@@ -89,10 +92,10 @@ class Twin {
     for (size_t i = 0; i < n_; ++i) {
       if (type_ == DType::F32) {
         std::memcpy(&out[i], host.data() + 4 * i, 4);
-      } else if (type_ == DType::BF16) {
+      } else if (type_ == DType::BF16 || type_ == DType::F16) {
         uint16_t bits;
         std::memcpy(&bits, host.data() + 2 * i, 2);
-        out[i] = math::bf16_bits_to_f32(bits);
+        out[i] = type_ == DType::F16 ? math::f16_bits_to_f32(bits) : math::bf16_bits_to_f32(bits);
       } else {
         int32_t v;
         std::memcpy(&v, host.data() + 4 * i, 4);
@@ -107,6 +110,18 @@ class Twin {
   void* cpu_ = nullptr;
   void* gpu_ = nullptr;
 };
+
+// One unit in the last place of a 16-bit storage type, relative to the value it rounds (at most):
+// bf16 keeps 8 significant bits (2^-7), fp16 11 (2^-10, in its normal range, |v| >= 2^-14; below
+// it the ulp is 2^-24 absolute, which the tests' absolute tolerances cover); fp32 0 (the tests'
+// fp32 tolerances are their own).
+inline double storage_ulp(DType t) {
+  return t == DType::BF16 ? 1.0 / 128.0 : t == DType::F16 ? 1.0 / 1024.0 : 0.0;
+}
+
+inline const char* type_name(DType t) {
+  return t == DType::BF16 ? "bf16" : t == DType::F16 ? "f16" : t == DType::F32 ? "f32" : "i32";
+}
 
 // n values uniform in [-scale, scale), reproducible from the seed.
 inline std::vector<float> random_values(size_t n, uint64_t seed, float scale = 1.0f) {

@@ -1,5 +1,5 @@
 // The CUDA RoPE and causal attention ops against the CPU backend, on both attention paths (the
-// fused flash kernels and cuDNN's SDPA, chosen through TETRA_ATTENTION), fp32 and bf16, MHA and
+// fused flash kernels and cuDNN's SDPA, chosen through TETRA_ATTENTION), fp32, bf16 and fp16, MHA and
 // GQA, head sizes 64 / 128 / 32 / 80 (plus 20, 160 and 256 for the unvectorised and generic
 // kernels), T = 1, 17, 128, 257 and B = 1..3. Every GPU output buffer is filled with garbage
 // before the op, so an element the op fails to write cannot pass; every GPU op is run twice and
@@ -17,8 +17,11 @@
 // 5e-5 * bound + 1e-5 |ref|. bf16: the GPU kernels round P and dS to bf16 before their products
 // as flash kernels do (relative error 2^-9 of each term, so at most 2^-9 * bound; cuDNN does the
 // same), and both sides round the result to bf16, which may land one ulp (2^-7 |ref|) apart: bf16
-// allows 2^-8 * bound + 2^-7 |ref| + 1e-5. lse is an fp32 log-sum-exp on both sides:
-// 5e-5 + 1e-5 |ref|.
+// allows 2^-8 * bound + 2^-7 |ref| + 1e-5. fp16 the same with its 11-bit significand: P and dS
+// rounded to fp16 (2^-11 of each term, doubled: 2^-10 * bound), the result one fp16 ulp apart
+// (2^-10 |ref|); and where P or dS falls below fp16's normal range (2^-14) their rounding is
+// absolute, 2^-25 per term: over T = 257 keys of |v|, |k| <= 3 at most 2.3e-5, so abs 3e-5.
+// lse is an fp32 log-sum-exp on both sides: 5e-5 + 1e-5 |ref|.
 // A wrong mask, index or scale gives errors of the order of the values, far above these.
 #include <cmath>
 #include <cstdlib>
@@ -130,11 +133,12 @@ struct Tolerance {
 };
 Tolerance tolerance(DType act) {
   if (act == DType::F32) return {5e-5, 1e-5, 1e-6};
+  if (act == DType::F16) return {1.0 / 1024, 1.0 / 1024, 3e-5};
   return {1.0 / 256, 1.0 / 128, 1e-5};
 }
 
 bool cudnn_eligible(const AttnCase& c) {
-  return c.act == DType::BF16 && c.HS % 8 == 0 && c.HS <= 128;
+  return (c.act == DType::BF16 || c.act == DType::F16) && c.HS % 8 == 0 && c.HS <= 128;
 }
 // Shapes where cuDNN must have a plan (elsewhere a missing plan is reported, not failed).
 bool cudnn_required(const AttnCase& c) {
@@ -249,18 +253,23 @@ TEST_CASE("cuda attention bf16: fused and cuDNN paths match the CPU", "[cuda][at
   for (const AttnCase& c : attention_cases(DType::BF16)) check_attention_case(c, seed += 10);
 }
 
+TEST_CASE("cuda attention fp16: fused (tensor-core) and cuDNN paths match the CPU", "[cuda][attention]") {
+  uint64_t seed = 8000;
+  for (const AttnCase& c : attention_cases(DType::F16)) check_attention_case(c, seed += 10);
+}
+
 TEST_CASE("cuda attention: path selection and its errors", "[cuda][attention]") {
   CudaBackend& gpu = cuda_backend();
   const int64_t B = 1, T = 128, NH = 4, NKV = 2, HS = 64;
   const size_t n_qkv = static_cast<size_t>(B * T * (NH + 2 * NKV) * HS);
   const size_t n_out = static_cast<size_t>(B * T * NH * HS);
-  for (DType act : {DType::F32, DType::BF16}) {
+  for (DType act : {DType::F32, DType::BF16, DType::F16}) {
     Twin qkv(random_values(n_qkv, 7, 1.0f), act), out(n_out, act), lse(B * NH * T, DType::F32);
-    {  // auto (the default): cuDNN for bf16 at HS 64 (a shape it must take), fused for fp32
+    {  // auto (the default): cuDNN for bf16 / fp16 at HS 64 (a shape it must take), fused for fp32
       gpu.attention_forward(out.gpu(), lse.gpu_f32(), qkv.gpu(), B, T, NH, NKV, HS, act);
-      REQUIRE(gpu.attention_path() == (act == DType::BF16 ? "cudnn" : "fused"));
+      REQUIRE(gpu.attention_path() == (act == DType::F32 ? "fused" : "cudnn"));
       REQUIRE_THAT(gpu.kernel_report(), Catch::Contains("attention forward") &&
-                                            Catch::Contains(act == DType::BF16 ? "cudnn" : "fused"));
+                                            Catch::Contains(act == DType::F32 ? "fused" : "cudnn"));
     }
     {
       AttentionMode mode("fused");
@@ -284,7 +293,8 @@ TEST_CASE("cuda attention: path selection and its errors", "[cuda][attention]") 
 
 // RoPE: the same rotation (math::rope_rotate, inverse frequencies from math::rope_inv_freq, angle
 // float(t) * inv_freq) on both backends; only cos / sin differ (CUDA's sincosf vs the host libm,
-// each within 2 ulp), so fp32 agrees to 1e-5 on |x| <= 1 and bf16 to one bf16 ulp (2^-7 relative).
+// each within 2 ulp), so fp32 agrees to 1e-5 on |x| <= 1 and bf16 / fp16 to one ulp (2^-7 / 2^-10
+// relative).
 TEST_CASE("cuda rope: forward and backward match the CPU", "[cuda][rope]") {
   struct RopeCase {
     int64_t B, T, NH, NKV, HS;
@@ -296,12 +306,12 @@ TEST_CASE("cuda rope: forward and backward match the CPU", "[cuda][rope]") {
                             {1, 300, 2, 1, 128, 10000.0f},
                             {2, 9, 1, 1, 6, 100.0f}};
   uint64_t seed = 900;
-  for (DType act : {DType::F32, DType::BF16})
+  for (DType act : {DType::F32, DType::BF16, DType::F16})
     for (const RopeCase& c : cases) {
       INFO(dtype_name(act) << " B=" << c.B << " T=" << c.T << " NH=" << c.NH << " NKV=" << c.NKV
                            << " HS=" << c.HS << " theta=" << c.theta);
       const size_t n = static_cast<size_t>(c.B * c.T * (c.NH + 2 * c.NKV) * c.HS);
-      const double rtol = act == DType::F32 ? 1e-5 : 1.0 / 128, atol = 1e-5;
+      const double rtol = act == DType::F32 ? 1e-5 : storage_ulp(act), atol = 1e-5;
       Twin fwd(random_values(n, seed += 2, 1.0f), act);
       backends().cpu->rope_forward(fwd.cpu(), c.B, c.T, c.NH, c.NKV, c.HS, c.theta, act);
       backends().gpu->rope_forward(fwd.gpu(), c.B, c.T, c.NH, c.NKV, c.HS, c.theta, act);

@@ -1,17 +1,19 @@
 // CUDA element-wise ops (add, GELU, SwiGLU; kernels/cuda/elementwise.cu) against the CPU ops, in
-// fp32 and bf16, over sizes that exercise the vector path (16-byte chunks), the scalar head and
+// fp32, bf16 and fp16, over sizes that exercise the vector path (16-byte chunks), the scalar head and
 // tail around it, and the scalar fallback (pointers with different misalignments, widths that
 // are not multiples of the vector width), plus the aliasing the contract allows.
 //
 // Tolerances:
-// - add: exact. Both backends round the same fp32 sum a + b once (to bf16 for bf16).
+// - add: exact. Both backends round the same fp32 sum a + b once (to bf16 / fp16 for those types).
 // - GELU, SwiGLU in fp32: both evaluate the shared functions of kernels/common/math.h in fp32 in
 //   the same expression order; only the compilers' contraction of a*b+c into fused multiply-adds
 //   differs, a few ulp of each intermediate: rtol 1e-5. Near GELU's zeros (x << 0) the result is
 //   0.5 x (1 + tanh u) with 1 + tanh u cancelling, where those ulp are ulp of 1 times |x| <= 4
 //   (~5e-7): atol 2e-6.
-// - bf16 outputs: the two fp32 values (within the fp32 tolerance) may round to neighbouring bf16
-//   values: 1 bf16 ulp, which is at most 2^-7 of the value (ulp 2^(e-7) for |v| in [2^e, 2^(e+1))).
+// - bf16 / fp16 outputs: the two fp32 values (within the fp32 tolerance) may round to neighbouring
+//   16-bit values: 1 ulp, which is at most 2^-7 (bf16) or 2^-10 (fp16) of the value (ulp 2^(e-7) or
+//   2^(e-10) for |v| in [2^e, 2^(e+1))); fp16 values below its normal range have an ulp of 2^-24,
+//   under the atol.
 #include <array>
 #include <cstdint>
 #include <vector>
@@ -21,19 +23,17 @@
 namespace tetra::cuda_testing {
 namespace {
 
-constexpr double kBf16Ulp = 1.0 / 128.0;
-
 struct Tol {
   double rtol, atol;
 };
-Tol math_tol(DType t) { return t == DType::BF16 ? Tol{kBf16Ulp + 1e-5, 2e-6} : Tol{1e-5, 2e-6}; }
+Tol math_tol(DType t) { return Tol{storage_ulp(t) + 1e-5, 2e-6}; }
 
 // Element `offset` of a twin's buffer on either backend.
 void* at(void* base, int64_t offset, DType t) {
   return static_cast<uint8_t*>(base) + offset * static_cast<int64_t>(dtype_size(t));
 }
 
-const char* name(DType t) { return t == DType::BF16 ? "bf16" : "f32"; }
+const char* name(DType t) { return type_name(t); }
 
 }  // namespace
 
@@ -41,7 +41,7 @@ TEST_CASE("cuda add matches the cpu exactly, in place and at any alignment",
           "[cuda][elementwise]") {
   Backend& cpu = *backends().cpu;
   Backend& gpu = *backends().gpu;
-  for (DType t : {DType::F32, DType::BF16}) {
+  for (DType t : {DType::F32, DType::BF16, DType::F16}) {
     for (int64_t n : {1, 7, 33, 1000, 4099}) {
       // Offsets (out, a, b) in elements: all aligned, all equally misaligned (scalar head, then
       // vectors), differently misaligned (scalar path).
@@ -66,7 +66,7 @@ TEST_CASE("cuda add matches the cpu exactly, in place and at any alignment",
 TEST_CASE("cuda gelu forward and backward match the cpu, dx aliasing dy", "[cuda][elementwise]") {
   Backend& cpu = *backends().cpu;
   Backend& gpu = *backends().gpu;
-  for (DType t : {DType::F32, DType::BF16}) {
+  for (DType t : {DType::F32, DType::BF16, DType::F16}) {
     const Tol tol = math_tol(t);
     for (int64_t n : {1, 7, 33, 1000, 4099}) {
       for (int64_t offset : {0, 1}) {
@@ -106,7 +106,7 @@ TEST_CASE("cuda gelu forward and backward match the cpu, dx aliasing dy", "[cuda
 TEST_CASE("cuda swiglu forward and backward match the cpu", "[cuda][elementwise]") {
   Backend& cpu = *backends().cpu;
   Backend& gpu = *backends().gpu;
-  for (DType t : {DType::F32, DType::BF16}) {
+  for (DType t : {DType::F32, DType::BF16, DType::F16}) {
     const Tol tol = math_tol(t);
     for (int64_t N : {1, 7, 33}) {
       // F = 8, 64: vector path for both types; 1, 5, 771: scalar.
@@ -131,18 +131,19 @@ TEST_CASE("cuda swiglu with misaligned rows takes the scalar path and still matc
           "[cuda][elementwise]") {
   Backend& cpu = *backends().cpu;
   Backend& gpu = *backends().gpu;
-  const DType t = DType::BF16;
-  const int64_t N = 7, F = 64;  // vectorisable width, but the pointers start 1 element in
-  const size_t nx = static_cast<size_t>(N * 2 * F + 1), ny = static_cast<size_t>(N * F + 1);
-  Twin x(random_values(nx, 30, 4.0f), t), dy(random_values(ny, 31), t);
-  Twin y(ny, t), dx(nx, t);
-  cpu.swiglu_forward(at(y.cpu(), 1, t), at(x.cpu(), 1, t), N, F, t);
-  gpu.swiglu_forward(at(y.gpu(), 1, t), at(x.gpu(), 1, t), N, F, t);
-  const Tol tol = math_tol(t);
-  require_close(y.cpu_values(), y.gpu_values(), tol.rtol, tol.atol, "swiglu y");
-  cpu.swiglu_backward(at(dx.cpu(), 1, t), at(x.cpu(), 1, t), at(dy.cpu(), 1, t), N, F, t);
-  gpu.swiglu_backward(at(dx.gpu(), 1, t), at(x.gpu(), 1, t), at(dy.gpu(), 1, t), N, F, t);
-  require_close(dx.cpu_values(), dx.gpu_values(), tol.rtol, tol.atol, "swiglu dx");
+  for (DType t : {DType::BF16, DType::F16}) {
+    const int64_t N = 7, F = 64;  // vectorisable width, but the pointers start 1 element in
+    const size_t nx = static_cast<size_t>(N * 2 * F + 1), ny = static_cast<size_t>(N * F + 1);
+    Twin x(random_values(nx, 30, 4.0f), t), dy(random_values(ny, 31), t);
+    Twin y(ny, t), dx(nx, t);
+    cpu.swiglu_forward(at(y.cpu(), 1, t), at(x.cpu(), 1, t), N, F, t);
+    gpu.swiglu_forward(at(y.gpu(), 1, t), at(x.gpu(), 1, t), N, F, t);
+    const Tol tol = math_tol(t);
+    require_close(y.cpu_values(), y.gpu_values(), tol.rtol, tol.atol, "swiglu y");
+    cpu.swiglu_backward(at(dx.cpu(), 1, t), at(x.cpu(), 1, t), at(dy.cpu(), 1, t), N, F, t);
+    gpu.swiglu_backward(at(dx.gpu(), 1, t), at(x.gpu(), 1, t), at(dy.gpu(), 1, t), N, F, t);
+    require_close(dx.cpu_values(), dx.gpu_values(), tol.rtol, tol.atol, "swiglu dx");
+  }
 }
 
 }  // namespace tetra::cuda_testing

@@ -1,6 +1,6 @@
 // CUDA token/position embeddings (kernels/cuda/embedding.cu) against the CPU ops, for the whole
 // vocabulary and for vocab-parallel slices (v0 > 0, tokens outside the slice), with and without
-// wpe, in fp32 and bf16, at widths that take the vector path (C = 768) and the scalar one
+// wpe, in fp32, bf16 and fp16, at widths that take the vector path (C = 768) and the scalar one
 // (C = 1, 5, 771), with heavily repeated token ids.
 //
 // Tolerance: none, the results must be bitwise the CPU's.
@@ -71,14 +71,15 @@ void check_backward(DType act, int64_t B, int64_t T, int64_t C, Slice s, bool wi
   if (!with_dwpe) REQUIRE(dwpe.gpu_values() == dwpe0);
 }
 
-const char* name(DType t) { return t == DType::BF16 ? "bf16" : "f32"; }
+const char* name(DType t) { return type_name(t); }
 
 }  // namespace
 
 TEST_CASE("cuda embedding forward matches the cpu exactly", "[cuda][embedding]") {
   const Slice whole{50, 0, 50}, slice{50, 20, 17};
   for (auto [act, w] :
-       {std::pair{DType::F32, DType::F32}, {DType::BF16, DType::BF16}, {DType::BF16, DType::F32}})
+       {std::pair{DType::F32, DType::F32}, {DType::BF16, DType::BF16}, {DType::BF16, DType::F32},
+        {DType::F16, DType::F16}, {DType::F16, DType::F32}})
     for (auto [B, T] : {std::pair<int64_t, int64_t>{1, 1}, {3, 7}, {2, 33}})
       for (int64_t C : {1, 5, 768, 771})
         for (const Slice& s : {whole, slice})
@@ -92,7 +93,7 @@ TEST_CASE("cuda embedding forward matches the cpu exactly", "[cuda][embedding]")
 TEST_CASE("cuda embedding backward matches the cpu bitwise with repeated tokens",
           "[cuda][embedding]") {
   const Slice whole{50, 0, 50}, slice{50, 20, 17};
-  for (DType act : {DType::F32, DType::BF16})
+  for (DType act : {DType::F32, DType::BF16, DType::F16})
     for (auto [B, T] : {std::pair<int64_t, int64_t>{1, 1}, {3, 7}, {2, 33}})
       for (int64_t C : {1, 5, 768, 771})
         for (const Slice& s : {whole, slice})
@@ -105,6 +106,7 @@ TEST_CASE("cuda embedding backward with only one of dwte, dwpe", "[cuda][embeddi
   const Slice slice{50, 20, 17};
   SECTION("dwte only") { check_backward(DType::BF16, 3, 7, 768, slice, true, false, 5, 30); }
   SECTION("dwpe only") { check_backward(DType::BF16, 3, 7, 768, slice, false, true, 5, 31); }
+  SECTION("dwte only, f16") { check_backward(DType::F16, 3, 7, 768, slice, true, false, 5, 32); }
 }
 
 TEST_CASE("cuda embedding backward at GPT-2 scale: long runs of one id, many ids",
@@ -113,7 +115,7 @@ TEST_CASE("cuda embedding backward at GPT-2 scale: long runs of one id, many ids
   // than a block's window of 128 keys), and the same over a slice of the vocabulary.
   const int64_t V = 50257;
   for (const Slice& s : {Slice{V, 0, V}, Slice{V, 25000, V - 25000}})
-    for (DType act : {DType::F32, DType::BF16}) DYNAMIC_SECTION(name(act) << " v0=" << s.v0) {
+    for (DType act : {DType::F32, DType::BF16, DType::F16}) DYNAMIC_SECTION(name(act) << " v0=" << s.v0) {
         check_backward(act, 4, 1024, 768, s, true, true, 9, 40);
       }
   SECTION("many distinct ids") {

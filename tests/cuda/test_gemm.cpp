@@ -2,22 +2,26 @@
 //
 // gemm runs every combination of: the four transpose pairs, tight and padded leading dimensions
 // (the padding of C must stay untouched), (alpha, beta) in {(1, 0), (1, 1), (-0.5, 1)}, with and
-// without bias, F32 and BF16 inputs, F32 and BF16 outputs, over shapes with 1, 17, 65 and
-// 768 + 3 in M, N and K; then pointers off the 16-byte grid, the tiled f32 -> bf16 path and a bias
-// too long for the scratch area. With beta == 0, C starts as NaN: it must not be read.
+// without bias, F32, BF16 and F16 inputs with an F32 or a same-type output (and F32 inputs with a
+// BF16 or F16 output), over shapes with 1, 17, 65 and 768 + 3 in M, N and K; then pointers off the
+// 16-byte grid, the tiled staged path (a 16-bit C of another type than A and B: f32 -> bf16 / f16,
+// bf16 -> f16, f16 -> bf16) and a bias too long for the scratch area. With beta == 0, C starts as
+// NaN: it must not be read.
 //
 // Tolerance, per element, from S = |alpha| sum_k |a_mk| |b_kn| + |beta| |c_mn| + |bias_n|
-// (computed in double from the stored values, i.e. after rounding to bf16 where the inputs are
-// bf16). Products of bf16 values are exact in fp32, and fp32 products are rounded once, so both
+// (computed in double from the stored values, i.e. after rounding to bf16 / fp16 where the inputs
+// are 16-bit). Products of bf16 or fp16 values are exact in fp32, and fp32 products are rounded once, so both
 // backends compute an fp32 sum of the same K + 2 terms, only in different orders; any order
 // stays within (K + 2) u S of the exact sum, u = 2^-24 (tensor cores truncate instead of
 // rounding: 2u per addition). Two such results differ by at most 4 (K + 4) u S. For K = 1..65
 // that is far below TF32's 2^-11 relative error, so an fp32 product that silently used TF32
-// fails. A bf16 C adds each side's final rounding (one bf16 ulp, <= 2^-7 |ref|) and, where the
-// bias is added after the product was stored, one more rounding of the product (2^-8 S).
+// fails. A 16-bit C adds each side's final rounding (one ulp, <= 2^-7 |ref| in bf16, 2^-10 in
+// fp16) and, where the bias is added after the product was stored, one more rounding of the
+// product (half an ulp of S).
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -28,6 +32,12 @@ namespace tetra::cuda_testing {
 namespace {
 
 constexpr double kU = 1.0 / 16777216.0;  // 2^-24
+
+// (A/B type, C type): what the model uses (same-type or fp32 outputs; fp32 weights with a 16-bit
+// output), every 16-bit type.
+constexpr std::pair<DType, DType> kTypePairs[] = {
+    {DType::F32, DType::F32},  {DType::F32, DType::BF16}, {DType::BF16, DType::F32}, {DType::BF16, DType::BF16},
+    {DType::F32, DType::F16},  {DType::F16, DType::F32},  {DType::F16, DType::F16}};
 
 struct GemmCase {
   bool trans_a = false, trans_b = false;
@@ -78,6 +88,8 @@ void run_gemm_case(const GemmCase& g, uint64_t seed) {
   std::vector<float> c_in = c0;
   if (g.c == DType::BF16)
     for (float& v : c_in) v = math::round_bf16(v);
+  if (g.c == DType::F16)
+    for (float& v : c_in) v = math::round_f16(v);
   const std::vector<float> ref = C.cpu_values(), got = C.gpu_values();
   const double acc_tol = 4.0 * static_cast<double>(g.K + 4) * kU;
   size_t bad = 0, worst = 0;
@@ -100,7 +112,7 @@ void run_gemm_case(const GemmCase& g, uint64_t seed) {
       if (g.beta != 0.0f) s += std::fabs(g.beta * c_in[i]);
       if (g.bias) s += std::fabs(bv[n]);
       double tol = acc_tol * s;
-      if (g.c == DType::BF16) tol += std::fabs(ref[i]) / 128.0 + s / 256.0;
+      tol += std::fabs(ref[i]) * storage_ulp(g.c) + s * storage_ulp(g.c) / 2.0;
       const double err = std::fabs(static_cast<double>(got[i]) - ref[i]);
       const double excess = std::isfinite(err) ? err - tol : 1e300;
       if (!(err <= tol)) ++bad;
@@ -126,48 +138,59 @@ TEST_CASE("cuda gemm: transposes, leading dimensions, alpha/beta, bias and types
       for (int64_t pad : {0, 3})
         for (const auto& [alpha, beta] : scalings)
           for (bool bias : {false, true})
-            for (DType ab : {DType::F32, DType::BF16})
-              for (DType c : {DType::F32, DType::BF16}) {
-                GemmCase g;
-                g.trans_a = t & 1;
-                g.trans_b = (t >> 1) & 1;
-                g.M = sh.M, g.N = sh.N, g.K = sh.K;
-                g.pad = pad;
-                g.alpha = alpha, g.beta = beta;
-                g.bias = bias;
-                g.ab = ab, g.c = c;
-                run_gemm_case(g, seed += 10);
-              }
+            for (const auto& [ab, c] : kTypePairs) {
+              GemmCase g;
+              g.trans_a = t & 1;
+              g.trans_b = (t >> 1) & 1;
+              g.M = sh.M, g.N = sh.N, g.K = sh.K;
+              g.pad = pad;
+              g.alpha = alpha, g.beta = beta;
+              g.bias = bias;
+              g.ab = ab, g.c = c;
+              run_gemm_case(g, seed += 10);
+            }
 }
 
 TEST_CASE("cuda gemm: 768 + 3 sizes, a long K (split-K), misaligned pointers", "[cuda][gemm]") {
   uint64_t seed = 9000;
   for (int t = 0; t < 4; ++t)
-    for (DType ab : {DType::F32, DType::BF16})
-      for (DType c : {DType::F32, DType::BF16}) {
-        GemmCase g;
-        g.trans_a = t & 1, g.trans_b = (t >> 1) & 1, g.ab = ab, g.c = c;
-        g.M = 771, g.N = 65, g.K = 771, g.beta = 1.0f, g.bias = true, g.pad = 8;
-        run_gemm_case(g, seed += 10);
-        g.M = 32, g.N = 48, g.K = 4099, g.beta = 0.0f, g.bias = true, g.pad = 0;
-        run_gemm_case(g, seed += 10);
-        // A, B and C one element past a 256-byte boundary: 4- or 2-byte aligned operands.
-        g.M = 33, g.N = 40, g.K = 24, g.beta = 1.0f, g.bias = false, g.offset = 1;
-        run_gemm_case(g, seed += 10);
-      }
+    for (const auto& [ab, c] : kTypePairs) {
+      GemmCase g;
+      g.trans_a = t & 1, g.trans_b = (t >> 1) & 1, g.ab = ab, g.c = c;
+      g.M = 771, g.N = 65, g.K = 771, g.beta = 1.0f, g.bias = true, g.pad = 8;
+      run_gemm_case(g, seed += 10);
+      g.M = 32, g.N = 48, g.K = 4099, g.beta = 0.0f, g.bias = true, g.pad = 0;
+      run_gemm_case(g, seed += 10);
+      // A, B and C one element past a 256-byte boundary: 4- or 2-byte aligned operands.
+      g.M = 33, g.N = 40, g.K = 24, g.beta = 1.0f, g.bias = false, g.offset = 1;
+      run_gemm_case(g, seed += 10);
+    }
 }
 
-TEST_CASE("cuda gemm: f32 -> bf16 in several staging tiles, a bias longer than the scratch area",
+TEST_CASE("cuda gemm: the staged path between 16-bit types (bf16 -> f16, f16 -> bf16)", "[cuda][gemm]") {
+  uint64_t seed = 7100;
+  for (const auto& [ab, c] : {std::pair{DType::BF16, DType::F16}, std::pair{DType::F16, DType::BF16}})
+    for (bool bias : {false, true}) {
+      GemmCase g;
+      g.ab = ab, g.c = c, g.bias = bias, g.beta = 1.0f, g.trans_b = true;
+      g.M = 65, g.N = 129, g.K = 65;
+      run_gemm_case(g, seed += 10);
+    }
+}
+
+TEST_CASE("cuda gemm: f32 -> bf16 / f16 in several staging tiles, a bias longer than the scratch area",
           "[cuda][gemm]") {
-  GemmCase g;
-  g.ab = DType::F32, g.c = DType::BF16, g.bias = true, g.beta = 1.0f;
-  g.M = 2049, g.N = 2049, g.K = 5;  // 2049^2 > 4 Mi floats: two row tiles
-  run_gemm_case(g, 7001);
-  g.M = 2, g.N = (int64_t{4} << 20) + 3, g.K = 2, g.beta = 0.0f, g.trans_b = true;  // column tiles
-  run_gemm_case(g, 7002);
-  g.ab = DType::BF16, g.c = DType::F32, g.trans_b = false;  // bias of 1 Mi + 3 floats: no widening
-  g.M = 3, g.N = (int64_t{1} << 20) + 3, g.K = 3;
-  run_gemm_case(g, 7003);
+  for (DType c16 : {DType::BF16, DType::F16}) {
+    GemmCase g;
+    g.ab = DType::F32, g.c = c16, g.bias = true, g.beta = 1.0f;
+    g.M = 2049, g.N = 2049, g.K = 5;  // 2049^2 > 4 Mi floats: two row tiles
+    run_gemm_case(g, 7001);
+    g.M = 2, g.N = (int64_t{4} << 20) + 3, g.K = 2, g.beta = 0.0f, g.trans_b = true;  // column tiles
+    run_gemm_case(g, 7002);
+    g.ab = c16, g.c = DType::F32, g.trans_b = false;  // bias of 1 Mi + 3 floats: no widening
+    g.M = 3, g.N = (int64_t{1} << 20) + 3, g.K = 3;
+    run_gemm_case(g, 7003);
+  }
 }
 
 // bias_backward: dbias[j] += sum_i dout[i, j]. Each backend sums N + 1 fp32 terms per column in
@@ -181,7 +204,7 @@ TEST_CASE("cuda bias_backward vs cpu, deterministic", "[cuda][gemm]") {
                           {3, (int64_t{1} << 20) + 3, 0}};
   uint64_t seed = 300;
   for (const Shape& sh : shapes) {
-    for (DType act : {DType::F32, DType::BF16}) {
+    for (DType act : {DType::F32, DType::BF16, DType::F16}) {
       INFO("bias_backward N=" << sh.N << " OC=" << sh.OC << " offset=" << sh.offset << " "
                               << dtype_name(act));
       const size_t n = static_cast<size_t>(sh.offset + sh.N * sh.OC);
@@ -216,7 +239,7 @@ TEST_CASE("cuda bias_backward vs cpu, deterministic", "[cuda][gemm]") {
   }
 }
 
-// gemm_gelu / gemm_dgelu: bf16 through cuBLASLt's GELU_AUX[_BIAS] / DGELU epilogues (N % 8 == 0),
+// gemm_gelu / gemm_dgelu: bf16 and fp16 through cuBLASLt's GELU_AUX[_BIAS] / DGELU epilogues (N % 8 == 0),
 // fp32 and N % 8 != 0 through the product and the GELU kernels. Against the CPU's unfused order:
 //   pre: as gemm (acc = 4 (K + 4) u S, plus each side's bf16 rounding 2^-7 |ref| in bf16);
 //   out = gelu(pre): the GPU applies GELU to the fp32 accumulator, the CPU to its bf16-rounded
@@ -225,9 +248,10 @@ TEST_CASE("cuda bias_backward vs cpu, deterministic", "[cuda][gemm]") {
 //     0.5 |pre| 2^-11), plus each side's final rounding (2^-7 |ref|);
 //   dpre = g gelu'(pre), g = op(A)·op(B): the CPU rounds g to bf16 first (2^-8 |g|), gelu' is off
 //     by at most 2^-10 (1 + |pre|) under the approximate tanh, plus the final roundings.
+// fp16 is held to the bf16 bounds (its roundings are 8x finer; the tanh term is the same).
 // In fp32 both backends run the same shared GELU math on the same pre, so only acc counts
 // (scaled by 1.13, plus 2e-7 (1 + |pre|) for the two backends' tanh evaluation orders).
-TEST_CASE("cuda gemm_gelu / gemm_dgelu vs cpu: epilogues in bf16, unfused in fp32 and odd N",
+TEST_CASE("cuda gemm_gelu / gemm_dgelu vs cpu: epilogues in bf16 and fp16, unfused in fp32 and odd N",
           "[cuda][gemm]") {
   Backends& be = backends();
   struct Shape { int64_t M, N, K; };
@@ -236,7 +260,7 @@ TEST_CASE("cuda gemm_gelu / gemm_dgelu vs cpu: epilogues in bf16, unfused in fp3
   for (const Shape& sh : shapes)
     for (int t = 0; t < 4; ++t)
       for (bool with_bias : {false, true})
-        for (DType act : {DType::F32, DType::BF16}) {
+        for (DType act : {DType::F32, DType::BF16, DType::F16}) {
           const bool ta = t & 1, tb = (t >> 1) & 1;
           INFO("gemm_gelu ta=" << ta << " tb=" << tb << " M=" << sh.M << " N=" << sh.N << " K=" << sh.K
                                << " bias=" << with_bias << " " << dtype_name(act));

@@ -1,7 +1,7 @@
 // CUDA softmax cross-entropy (kernels/cuda/loss.cu) against the CPU ops: the fused op (losses,
 // and dlogits separate from or in place over the logits) and the three vocab-parallel passes on
-// slices of the vocabulary (v0 = 0 and v0 > 0), in fp32 and bf16 storage, at V from 1 to GPT-2's
-// 50257 (odd: rows start at every alignment, so the kernels' scalar heads and tails around the
+// slices of the vocabulary (v0 = 0 and v0 > 0), in fp32, bf16 and fp16 storage, at V from 1 to
+// GPT-2's 50257 (odd: rows start at every alignment, so the kernels' scalar heads and tails around the
 // 16-byte chunks all run), with ignored targets and a row of large logits.
 //
 // Tolerances:
@@ -13,7 +13,8 @@
 //   err by ~1e-6 absolute: atol 1e-5, rtol 1e-5.
 // - fp32 dlogits: scale * e / S, relative error that of S plus the exponential's: rtol 1e-5; the
 //   target's element e_t k - scale cancels when p_t ~ 1: atol 1e-6 (scale = 0.37).
-// - bf16 dlogits: additionally 1 bf16 ulp, at most 2^-7 of the value.
+// - bf16 / fp16 dlogits: additionally 1 ulp, at most 2^-7 (bf16) or 2^-10 (fp16) of the value; fp16
+//   gradients below 2^-14 (p ~ 1/V at V = 50257) are subnormal, their ulp 2^-24 under the atol.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -25,10 +26,9 @@
 namespace tetra::cuda_testing {
 namespace {
 
-constexpr double kBf16Ulp = 1.0 / 128.0;
 constexpr float kScale = 0.37f;
 
-double grad_rtol(DType g) { return g == DType::BF16 ? kBf16Ulp + 1e-5 : 1e-5; }
+double grad_rtol(DType g) { return storage_ulp(g) + 1e-5; }
 constexpr double kGradAtol = 1e-6;
 
 // Logits (N, V) uniform in [-4, 4), row 2 (if any) shifted by +30 (a softmax that would
@@ -57,7 +57,7 @@ std::vector<float> columns(const std::vector<float>& v, int64_t N, int64_t V, in
   return out;
 }
 
-const char* name(DType t) { return t == DType::BF16 ? "bf16" : "f32"; }
+const char* name(DType t) { return type_name(t); }
 
 enum class Grad { NONE, SEPARATE, IN_PLACE };
 const char* name(Grad g) {
@@ -67,8 +67,8 @@ const char* name(Grad g) {
 struct Types {
   DType logits, grad;
 };
-const Types kTypes[] = {
-    {DType::F32, DType::F32}, {DType::BF16, DType::BF16}, {DType::BF16, DType::F32}};
+const Types kTypes[] = {{DType::F32, DType::F32}, {DType::BF16, DType::BF16}, {DType::BF16, DType::F32},
+                        {DType::F16, DType::F16},  {DType::F16, DType::F32}};
 
 void check_cross_entropy(Types ty, Grad mode, int64_t N, int64_t V, uint64_t seed) {
   Backend& cpu = *backends().cpu;

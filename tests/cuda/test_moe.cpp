@@ -167,7 +167,7 @@ TEST_CASE("cuda moe_gather_rows vs cpu: bitwise", "[cuda][moe]") {
   uint64_t seed = 80;
   for (int64_t C : {1, 3, 8, 768, 771}) {
     for (int64_t offset : {0, 1}) {
-      for (DType act : {DType::F32, DType::BF16}) {
+      for (DType act : {DType::F32, DType::BF16, DType::F16}) {
         INFO("C=" << C << " offset=" << offset << " " << dtype_name(act));
         const int64_t R = 37, M = 53;
         std::mt19937_64 rng(seed += 3);
@@ -189,7 +189,7 @@ TEST_CASE("cuda moe_gather_rows vs cpu: bitwise", "[cuda][moe]") {
 // Combine: out = (accumulate ? out : 0) + sum_k w y[pos], an fp32 sum of K + 1 terms rounded
 // once to the activation type. Orders may differ (the kernels use the CPU's, fused the same way,
 // so in practice the bits agree): 2 (K + 1) u S, S the sum of the terms' magnitudes, plus one
-// step of the final rounding (2^-23 |ref| for fp32, 2^-7 |ref| for bf16).
+// step of the final rounding (2^-23 |ref| for fp32, 2^-7 |ref| for bf16, 2^-10 |ref| for fp16).
 TEST_CASE("cuda moe_combine vs cpu", "[cuda][moe]") {
   Backends& be = backends();
   uint64_t seed = 100;
@@ -198,7 +198,7 @@ TEST_CASE("cuda moe_combine vs cpu", "[cuda][moe]") {
       for (int64_t C : {1, 8, 768, 771}) {
         for (int variant = 0; variant < 4; ++variant) {
           const bool accumulate = variant & 1, weighted = variant & 2;
-          for (DType act : {DType::F32, DType::BF16}) {
+          for (DType act : {DType::F32, DType::BF16, DType::F16}) {
             for (int64_t offset : {0, 1}) {
               INFO("N=" << N << " K=" << K << " C=" << C << " accumulate=" << accumulate
                         << " weighted=" << weighted << " offset=" << offset << " "
@@ -217,7 +217,7 @@ TEST_CASE("cuda moe_combine vs cpu", "[cuda][moe]") {
                                   ps.gpu_i32(), weighted ? ws.gpu_f32() : nullptr, N, K, C,
                                   accumulate, act);
               const std::vector<float> ref = out.cpu_values(), got = out.gpu_values();
-              const double round = act == DType::BF16 ? 1.0 / 128.0 : 2.0 * kU;
+              const double round = act == DType::F32 ? 2.0 * kU : storage_ulp(act);
               std::vector<double> tol(ref.size(), 0.0);
               for (int64_t i = 0; i < N; ++i) {
                 for (int64_t c = 0; c < C; ++c) {
@@ -250,7 +250,7 @@ TEST_CASE("cuda moe_combine_backward vs cpu", "[cuda][moe]") {
   for (int64_t N : {1, 17, 300}) {
     for (int64_t K : {1, 2, 4}) {
       for (int64_t C : {1, 8, 768, 771}) {
-        for (DType act : {DType::F32, DType::BF16}) {
+        for (DType act : {DType::F32, DType::BF16, DType::F16}) {
           for (int64_t offset : {0, 1}) {
             INFO("N=" << N << " K=" << K << " C=" << C << " offset=" << offset << " "
                       << dtype_name(act));

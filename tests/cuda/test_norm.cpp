@@ -1,6 +1,6 @@
 // CUDA LayerNorm / RMSNorm (kernels/cuda/norm.cu) against the CPU ops: forward (out, mean, rstd)
-// and backward (dx accumulated into the residual gradient, dweight/dbias accumulated), in fp32
-// and bf16 activations with fp32 or bf16 weights, over row widths that take the vector path
+// and backward (dx accumulated into the residual gradient, dweight/dbias accumulated), in fp32,
+// bf16 and fp16 activations with fp32 or same-type weights, over row widths that take the vector path
 // (C = 768) and the scalar one (C = 1, 5, 771), row counts from 1 to past one tile per block of
 // backward's row partition, with and without bias, and bitwise reruns of backward.
 //
@@ -14,8 +14,8 @@
 //   (blocks of >= 16 rows and a tree on the GPU, blocks of >= 16 rows on the CPU). The rounding
 //   error grows like eps sqrt(depth) sqrt(N); atol 1e-5 + 2e-7 N is ~10x that at N = 33 and ~100x
 //   at N = 40000, and still far below one missing row's contribution (~0.5).
-// - bf16 outputs (out, dx): additionally 1 bf16 ulp, at most 2^-7 of the value, as both round a
-//   nearby fp32 value.
+// - bf16 / fp16 outputs (out, dx): additionally 1 ulp, at most 2^-7 (bf16) or 2^-10 (fp16) of the
+//   value, as both round a nearby fp32 value.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -25,15 +25,13 @@
 namespace tetra::cuda_testing {
 namespace {
 
-constexpr double kBf16Ulp = 1.0 / 128.0;
-
 std::vector<float> offset_values(size_t n, uint64_t seed, float offset) {
   std::vector<float> v = random_values(n, seed);
   for (float& x : v) x += offset;
   return v;
 }
 
-double out_rtol(DType act) { return act == DType::BF16 ? kBf16Ulp + 1e-5 : 1e-5; }
+double out_rtol(DType act) { return storage_ulp(act) + 1e-5; }
 constexpr double kOutAtol = 5e-5;
 
 struct Config {
@@ -44,8 +42,7 @@ struct Config {
 
 std::string describe(const Config& c, int64_t N, int64_t C) {
   return std::string(c.kind == NormKind::LAYERNORM ? "layernorm" : "rmsnorm") +
-         (c.act == DType::BF16 ? " act bf16" : " act f32") +
-         (c.w == DType::BF16 ? " w bf16" : " w f32") + (c.bias ? " bias" : "") +
+         " act " + type_name(c.act) + " w " + type_name(c.w) + (c.bias ? " bias" : "") +
          " N=" + std::to_string(N) + " C=" + std::to_string(C);
 }
 
@@ -53,7 +50,8 @@ std::vector<Config> configs() {
   std::vector<Config> out;
   for (NormKind kind : {NormKind::LAYERNORM, NormKind::RMSNORM})
     for (auto [act, w] :
-         {std::pair{DType::F32, DType::F32}, {DType::BF16, DType::BF16}, {DType::BF16, DType::F32}})
+         {std::pair{DType::F32, DType::F32}, {DType::BF16, DType::BF16}, {DType::BF16, DType::F32},
+          {DType::F16, DType::F16}, {DType::F16, DType::F32}})
       for (bool bias : {true, false}) out.push_back({kind, act, w, bias});
   return out;
 }
@@ -160,7 +158,8 @@ TEST_CASE("cuda norm backward over many rows: several row blocks and tiles per b
   // the partial sums carry over between tiles; N = 1000 gives 63 blocks, the last one short.
   const Config ln{NormKind::LAYERNORM, DType::F32, DType::F32, true};
   const Config rms{NormKind::RMSNORM, DType::BF16, DType::BF16, false};
-  for (const Config& c : {ln, rms}) {
+  const Config rms16{NormKind::RMSNORM, DType::F16, DType::F16, false};
+  for (const Config& c : {ln, rms, rms16}) {
     DYNAMIC_SECTION(describe(c, 40000, 5)) { check_backward(c, 40000, 5, 400, true, true); }
     DYNAMIC_SECTION(describe(c, 1000, 768)) { check_backward(c, 1000, 768, 500, true, true); }
     DYNAMIC_SECTION(describe(c, 40000, 5) << " forward") { check_forward(c, 40000, 5, 600); }

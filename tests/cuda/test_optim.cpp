@@ -66,6 +66,37 @@ TEST_CASE("cuda sum and sum_squares vs cpu, deterministic", "[cuda][optim]") {
   }
 }
 
+// The global gradient norm's sum of squares propagates non-finite values, which fp16 loss scaling
+// reads its overflows from: any inf gives inf, any NaN gives NaN (inf beside NaN too), whether the
+// element falls in the 16-byte path or the scalar tail; finite values whose squares sum beyond
+// fp32's range give inf as well.
+TEST_CASE("cuda sum_squares propagates inf and NaN", "[cuda][optim]") {
+  Backends& be = backends();
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t n : {1, 7, 4099, 1000003}) {
+    for (int64_t at_i : {int64_t{0}, n / 2, n - 1}) {
+      for (int64_t offset : {0, 1}) {
+        INFO("n=" << n << " at=" << at_i << " offset=" << offset);
+        std::vector<float> v = random_values(static_cast<size_t>(n + offset), 40 + n);
+        Twin out(2, DType::F32);
+        v[static_cast<size_t>(offset + at_i)] = -inf;
+        Twin x_inf(v, DType::F32);
+        be.gpu->sum_squares(at(out.gpu(), 0), at(x_inf.gpu(), offset), n);
+        v[static_cast<size_t>(offset + at_i)] = nan;
+        if (n > 1) v[static_cast<size_t>(offset + (at_i == 0 ? 1 : 0))] = inf;
+        Twin x_nan(v, DType::F32);
+        be.gpu->sum_squares(at(out.gpu(), 1), at(x_nan.gpu(), offset), n);
+        const std::vector<float> got = out.gpu_values();
+        CHECK(got[0] == inf);
+        CHECK(std::isnan(got[1]));
+      }
+    }
+  }
+  Twin big(std::vector<float>(4, 3e19f), DType::F32), out(1, DType::F32);
+  be.gpu->sum_squares(at(out.gpu(), 0), at(big.gpu(), 0), 4);
+  CHECK(out.gpu_values()[0] == inf);
+}
+
 // AdamW: both backends evaluate math::adamw_update in IEEE fp32 (precise division and square
 // root) with its multiply-adds written as fmaf (math::fused_mul_add: one rounding each, on the
 // device and on an FMA host alike), so m, v and the parameters must match bit for bit. The
@@ -86,8 +117,8 @@ TEST_CASE("cuda adamw vs cpu: moments and params bitwise, copy, zeroed grads",
   uint64_t seed = 700;
   for (int64_t n : {1, 7, 4099, 100003}) {
     for (int64_t offset : {0, 1}) {
-      for (int copy_kind = 0; copy_kind < 3; ++copy_kind) {  // none, F32, BF16
-        const DType copy_type = copy_kind == 2 ? DType::BF16 : DType::F32;
+      for (int copy_kind = 0; copy_kind < 4; ++copy_kind) {  // none, F32, BF16, F16
+        const DType copy_type = copy_kind == 2 ? DType::BF16 : copy_kind == 3 ? DType::F16 : DType::F32;
         INFO("n=" << n << " offset=" << offset << " copy=" << copy_kind);
         const size_t len = static_cast<size_t>(n + offset);
         const std::vector<float> p0 = random_values(len, seed += 5);
@@ -120,6 +151,12 @@ TEST_CASE("cuda adamw vs cpu: moments and params bitwise, copy, zeroed grads",
             const double d_copy = std::fabs(static_cast<double>(cg[i]) - cr[i]);
             copy_bad += !(d_copy <= std::fabs(cr[i]) / 128.0);
           }
+          if (copy_kind == 3) {
+            copy_bad += bits(cg[i]) != bits(math::round_f16(pg[i]));
+            // and within one fp16 ulp of the CPU's copy (2^-24 absolute below fp16's normal range)
+            const double d_copy = std::fabs(static_cast<double>(cg[i]) - cr[i]);
+            copy_bad += !(d_copy <= std::fabs(cr[i]) / 1024.0 + std::ldexp(1.0, -24));
+          }
         }
         CHECK(moment_mismatch == 0);
         CHECK(param_differ == 0);
@@ -134,8 +171,9 @@ TEST_CASE("cuda adamw vs cpu: moments and params bitwise, copy, zeroed grads",
   }
 }
 
-// cast: F32 -> BF16 rounds to nearest even on both sides (the same bits, NaN aside: both NaN);
-// BF16 -> F32 is exact; equal types copy.
+// cast: F32 -> BF16 / F16 rounds to nearest even on both sides (the same bits, NaN aside: both
+// NaN; fp16 overflows to infinity and underflows gradually alike); BF16 / F16 -> F32 is exact;
+// between the 16-bit types through fp32; equal types copy.
 TEST_CASE("cuda cast vs cpu: bitwise", "[cuda][optim]") {
   Backends& be = backends();
   const float specials[] = {0.0f, -0.0f, 1.0f, -1.5f, 1.00390625f /* tie: 1 + 2^-8 */,
@@ -143,7 +181,9 @@ TEST_CASE("cuda cast vs cpu: bitwise", "[cuda][optim]") {
                             std::numeric_limits<float>::infinity(),
                             -std::numeric_limits<float>::infinity(),
                             std::numeric_limits<float>::quiet_NaN(), 1e-40f /* denormal */,
-                            -3e-39f, 1.17549435e-38f};
+                            -3e-39f, 1.17549435e-38f, 65504.0f, 65519.0f, 65520.0f /* fp16: inf */,
+                            -70000.0f, 2.98023224e-8f /* 2^-25: fp16 tie to 0 */, 3.0e-6f /* fp16 subnormal */,
+                            1.00048828125f /* fp16 tie: 1 + 2^-11 */, 6.1035156e-5f /* 2^-14 */};
   uint64_t seed = 900;
   for (int64_t n : {1, 5, 14, 4099, 100003}) {
     for (int64_t offset : {0, 1}) {
@@ -151,8 +191,8 @@ TEST_CASE("cuda cast vs cpu: bitwise", "[cuda][optim]") {
       std::vector<float> values = random_values(static_cast<size_t>(n + offset), seed += 3, 100.0f);
       for (size_t i = 0; i < std::size(specials) && offset + i < values.size(); ++i)
         values[offset + i] = specials[i];
-      for (DType src_type : {DType::F32, DType::BF16}) {
-        for (DType dst_type : {DType::F32, DType::BF16}) {
+      for (DType src_type : {DType::F32, DType::BF16, DType::F16}) {
+        for (DType dst_type : {DType::F32, DType::BF16, DType::F16}) {
           INFO(dtype_name(src_type) << " -> " << dtype_name(dst_type));
           Twin src(values, src_type);
           Twin dst(std::vector<float>(values.size(), 7.0f), dst_type);

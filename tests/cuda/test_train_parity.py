@@ -6,6 +6,9 @@ checks:
   - fp32: the loss of every step and the gradient norms match (FP32_RTOL), and every parameter's
     step-0 gradient (dumped) matches per tensor (FP32_GRAD_RTOL);
   - bf16: the loss curves match within BF16_RTOL;
+  - fp16 (dynamic loss scaling): the loss curves match within FP16_RTOL, no step overflows at the
+    default scale on either backend; and started at initial_loss_scale 2^30 both backends skip the
+    same leading steps for overflow, halving the scale alike, before training;
   - the loss falls (the comparison is not between two runs that learn nothing).
 Where no GPU is visible, Tetra refuses training.device "cuda" with exit code 2 and says so; the
 test then exits 77, which ctest reports as skipped (never failed, never silently passed).
@@ -33,6 +36,9 @@ FP32_GRAD_RTOL = 1e-4
 # computed in different orders, so individual roundings differ by one bf16 ulp; over 20 steps the
 # loss curves stay within a few bf16 roundings of the loss: 2e-2 (the bound the layouts use).
 BF16_RTOL = 2e-2
+# fp16: the same argument with 11 significant bits (2^-12 relative per rounding, 8x finer than
+# bf16): 2e-2 / 8 = 2.5e-3, doubled for margin.
+FP16_RTOL = 5e-3
 
 STEPS = 20
 MODELS = {
@@ -77,7 +83,7 @@ def main():
     args = harness.parse_args(mpirun=False)
 
     for model in MODELS:
-        for precision in ("fp32", "bf16"):
+        for precision in ("fp32", "bf16", "fp16"):
             name = f"{model}_{precision}"
             r, gpu = run(args, name + "_cuda", config(model, precision, "cuda"))
             if gpu is None:
@@ -102,7 +108,10 @@ def main():
             gpu_losses = [s["loss"] for s in gpu[0]]
             check(len(gpu_losses) == STEPS and len(cpu_losses) == STEPS, f"{name}: {STEPS} steps logged")
             harness.check_loss_falls(checks, name, cpu_losses)
-            rtol = FP32_RTOL if precision == "fp32" else BF16_RTOL
+            rtol = {"fp32": FP32_RTOL, "bf16": BF16_RTOL, "fp16": FP16_RTOL}[precision]
+            if precision == "fp16":
+                check(not any(s["overflow"] for s in cpu[0] + gpu[0]),
+                      f"{name}: no overflow at the default loss scale on either backend")
             worst = harness.worst_step_rel(gpu[0], cpu[0])
             check(worst <= rtol, f"{name}: cuda losses of {STEPS} steps within {rtol:g} of cpu (worst {worst:.2e})")
             if precision == "fp32":
@@ -110,6 +119,29 @@ def main():
                 check(worst_norm <= 10 * FP32_RTOL, f"{name}: gradient norms within {10 * FP32_RTOL:g} "
                                                     f"(worst {worst_norm:.2e})")
                 harness.check_gradients(checks, name, cpu[1], gpu[1], FP32_GRAD_RTOL)
+        # fp16 from a scale far too large: the same leading overflow steps on both backends.
+        name = f"{model}_fp16_descent"
+        runs = {}
+        for device in ("cuda", "cpu"):
+            cfg = config(model, "fp16", device)
+            cfg["training"]["initial_loss_scale"] = 2 ** 30
+            r, got = run(args, f"{name}_{device}", cfg)
+            if got is None:
+                print(r.stdout[-3000:], r.stderr[-3000:])
+                check(False, f"{name}: {device} run exit code {r.returncode}")
+                break
+            runs[device] = got[0]
+        if len(runs) == 2:
+            def leading(rows):
+                k = 0
+                while k < len(rows) and rows[k]["overflow"]:
+                    k += 1
+                return k
+            k_gpu, k_cpu = leading(runs["cuda"]), leading(runs["cpu"])
+            check(k_gpu == k_cpu >= 3 and
+                  [s["loss_scale"] for s in runs["cuda"][:k_gpu + 1]] == [s["loss_scale"] for s in runs["cpu"][:k_cpu + 1]],
+                  f"{name}: both backends skip the first {k_cpu} (cpu) / {k_gpu} (cuda) steps for overflow, "
+                  f"with the same loss scales")
     return checks.report()
 
 

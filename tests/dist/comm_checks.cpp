@@ -46,7 +46,7 @@ double reduce_members(const std::vector<int>& members, ReduceOp op, int64_t i, i
 
 const char* op_name(ReduceOp op) { return op == ReduceOp::SUM ? "sum" : "max"; }
 
-const std::vector<DType> kAllTypes = {DType::F32, DType::BF16, DType::I32};
+const std::vector<DType> kAllTypes = {DType::F32, DType::BF16, DType::F16, DType::I32};
 const std::vector<ReduceOp> kAllOps = {ReduceOp::SUM, ReduceOp::MAX};
 
 // ---- Buf ------------------------------------------------------------------------------------------
@@ -67,8 +67,9 @@ void Buf::set(int64_t i, double v) {
   if (type_ == DType::F32) {
     const float x = static_cast<float>(v);
     std::memcpy(p, &x, 4);
-  } else if (type_ == DType::BF16) {
-    const uint16_t b = math::f32_to_bf16_bits(static_cast<float>(v));
+  } else if (type_ == DType::BF16 || type_ == DType::F16) {
+    const uint16_t b = type_ == DType::F16 ? math::f32_to_f16_bits(static_cast<float>(v))
+                                           : math::f32_to_bf16_bits(static_cast<float>(v));
     std::memcpy(p, &b, 2);
   } else {
     const int32_t x = static_cast<int32_t>(v);
@@ -83,10 +84,10 @@ double Buf::get(int64_t i) const {
     std::memcpy(&x, p, 4);
     return x;
   }
-  if (type_ == DType::BF16) {
+  if (type_ == DType::BF16 || type_ == DType::F16) {
     uint16_t b;
     std::memcpy(&b, p, 2);
-    return math::bf16_bits_to_f32(b);
+    return type_ == DType::F16 ? math::f16_bits_to_f32(b) : math::bf16_bits_to_f32(b);
   }
   int32_t x;
   std::memcpy(&x, p, 4);
@@ -161,20 +162,24 @@ void check_all_reduce(Checker& ck, Communicator& c, Backend* be, ExpectedStats& 
   ck.where = where;
 }
 
-void check_bf16_rounding(Checker& ck, Communicator& c, Backend* be, ExpectedStats& want) {
+void check_half_rounding(Checker& ck, Communicator& c, Backend* be, ExpectedStats& want) {
   if (c.size() < 2) return;
   const std::string where = ck.where;
-  // Group rank 0 gives 1, rank 1 a fraction of bf16's step at 1 (2^-7), the others 0 (exact in
-  // any combining order).
-  ck.where = where + " all_reduce bf16 rounding";
-  const double frac[3] = {3.0 / 256, 1.0 / 256, 5.0 / 512};  // 1.5, 0.5 (tie), 1.25 steps
-  const std::vector<double> rounded = {1.015625, 1.0, 1.0078125};  // even, even, nearest
+  // Group rank 0 gives 1, rank 1 a fraction of the type's step at 1 (bf16 2^-7, fp16 2^-10), the
+  // others 0 (exact in any combining order): 1.5, 0.5 (a tie) and 1.25 steps.
+  struct Case { DType type; double step; std::vector<double> rounded; };
+  const Case cases[] = {{DType::BF16, 1.0 / 128, {1.015625, 1.0, 1.0078125}},             // even, even, nearest
+                        {DType::F16, 1.0 / 1024, {1.001953125, 1.0, 1.0009765625}}};   // even, even, nearest
   const int r = c.rank();
-  Buf b(be, DType::BF16, 3);
-  for (int i = 0; i < 3; ++i) b.set(i, r == 0 ? 1.0 : (r == 1 ? frac[i] : 0.0));
-  c.all_reduce(b.upload().ptr(), 3, DType::BF16, ReduceOp::SUM);
-  want.all_reduce(3 * 2);
-  expect_values(ck, b.download().values(), rounded, "rounded sums");
+  for (const Case& k : cases) {
+    ck.where = fmt::format("{} all_reduce {} rounding", where, dtype_name(k.type));
+    const double frac[3] = {1.5 * k.step, 0.5 * k.step, 1.25 * k.step};
+    Buf b(be, k.type, 3);
+    for (int i = 0; i < 3; ++i) b.set(i, r == 0 ? 1.0 : (r == 1 ? frac[i] : 0.0));
+    c.all_reduce(b.upload().ptr(), 3, k.type, ReduceOp::SUM);
+    want.all_reduce(3 * 2);
+    expect_values(ck, b.download().values(), k.rounded, "rounded sums");
+  }
   ck.where = where;
 }
 

@@ -4,7 +4,7 @@
 //
 // Every rank fills its buffers from its global rank (val), so the result each rank expects from a
 // collective is a plain loop over the group's members, computed locally. Values are small
-// integers, exact in fp32, bf16 and i32 whatever order the communicator combines them in, so
+// integers, exact in fp32, bf16, fp16 and i32 whatever order the communicator combines them in, so
 // results are compared exactly. The accounting each call must add to the communicator's stats is
 // recomputed call by call with communicator.h's formulas (ExpectedStats).
 //
@@ -50,13 +50,13 @@ bool throws_error(F&& f) {
 }
 
 // Element i of global rank g's data: integers in [-6, 6], distinct across ranks 0..12. Sums over
-// up to 4 ranks stay within +-24: exact in bf16 (8 significant bits), fp32 and i32.
+// up to 4 ranks stay within +-24: exact in bf16 (8 significant bits), fp16 (11), fp32 and i32.
 double val(int g, int64_t i, int salt);
 // The reduction of val(., i, salt) over `members`.
 double reduce_members(const std::vector<int>& members, tetra::ReduceOp op, int64_t i, int salt);
 const char* op_name(tetra::ReduceOp op);
 
-extern const std::vector<tetra::DType> kAllTypes;     // F32, BF16, I32
+extern const std::vector<tetra::DType> kAllTypes;     // F32, BF16, F16, I32
 extern const std::vector<tetra::ReduceOp> kAllOps;    // SUM, MAX
 
 // A typed buffer addressed in doubles (every value used is exact in its type). Its elements live
@@ -116,8 +116,8 @@ void compare_stats(Checker& ck, const tetra::CommStats& got, const ExpectedStats
 // all_reduce of n elements, each type x op.
 void check_all_reduce(Checker& ck, tetra::Communicator& c, tetra::Backend* be, ExpectedStats& want, int64_t n,
                       const std::vector<tetra::DType>& types, const std::vector<tetra::ReduceOp>& ops);
-// A bf16 all_reduce sum rounds the fp32 sum to nearest even (groups of 2 and more).
-void check_bf16_rounding(Checker& ck, tetra::Communicator& c, tetra::Backend* be, ExpectedStats& want);
+// A bf16 / fp16 all_reduce sum rounds the fp32 sum to nearest even (groups of 2 and more).
+void check_half_rounding(Checker& ck, tetra::Communicator& c, tetra::Backend* be, ExpectedStats& want);
 // reduce_scatter of blocks of blk, into another buffer and in place, each type x op. With
 // `send_blocks_kept`, the other blocks of an in-place buffer must keep this rank's input (a
 // promise of the staged communicator, not of communicator.h).

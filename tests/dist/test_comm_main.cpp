@@ -7,7 +7,7 @@
 // the mp group's order, tp fastest, differs from the ranks' order); dp4 with ep2 in "dp-tp-pp";
 // pp4 (middle stages alone in their embedding group). Each grid's groups are also checked in their
 // backend-memory role, staged over guarded memory (staged_checks.h).
-// Values are small integers, exact in fp32, bf16 and i32 whatever order MPI combines them in, so
+// Values are small integers, exact in fp32, bf16, fp16 and i32 whatever order MPI combines them in, so
 // results are compared exactly; the one fp32 sum of inexact values has a stated tolerance.
 // Stats are compared with the formulas of communicator.h, recomputed here call by call.
 //
@@ -64,7 +64,7 @@ void check_communicator(Communicator& c, const std::vector<int>& grid_members) {
 
   const int64_t n = 37;  // odd, not a multiple of anything
   check_all_reduce(ck, c, nullptr, want, n, kAllTypes, kAllOps);
-  check_bf16_rounding(ck, c, nullptr, want);
+  check_half_rounding(ck, c, nullptr, want);
 
   if (p >= 2) {
     // fp32 sum of inexact values, against the double-precision sum of the same fp32 inputs: p - 1

@@ -156,7 +156,7 @@ void check_communicator(Communicator& c, Backend& be, const std::vector<int>& me
   ck.expect(m == members && member(r) == ck.rank, fmt::format("members [{}]", fmt::join(m, ",")));
 
   for (int64_t n : {int64_t{37}, (int64_t{1} << 20) + 3}) check_all_reduce(ck, c, &be, want, n, kAllTypes, kAllOps);
-  check_bf16_rounding(ck, c, &be, want);
+  check_half_rounding(ck, c, &be, want);
   check_reduce_scatter(ck, c, &be, want, /*blk=*/5, kAllTypes, kAllOps, /*send_blocks_kept=*/false);
   check_all_gather(ck, c, &be, want, /*blk=*/5, kAllTypes);
   check_all_to_all_v(ck, c, &be, want, kAllTypes);

@@ -21,7 +21,8 @@ fp32 with --dump-dir and checkpoint.dir (a checkpoint every 5 steps, both kept),
       the export of the step-5 checkpoint the loss Tetra itself reported for step 6 on the same
       batch (relative 1e-4, Tetra's fp32 against float64, as in test_parity.py);
   (e) --dtype bf16 writes each value rounded to nearest even (checked against numpy's rounding of
-      the fp32 export) and torch_dtype bfloat16;
+      the fp32 export) and torch_dtype bfloat16; --dtype fp16 writes F16 tensors, each value numpy's
+      float16 of the fp32 export (round to nearest even), and torch_dtype float16;
   (f) if transformers can be imported, from_pretrained loads each export and its logits equal (d)'s
       (relative 1e-5: transformers computes in float32); otherwise a note says it was skipped.
 
@@ -343,7 +344,7 @@ def run_config(kind, args, ckpt_tool, checks):
 
     exports = {}
     for step in (EVERY, STEPS):
-        for dtype in ("fp32", "bf16"):
+        for dtype in ("fp32", "bf16") + (("fp16",) if step == STEPS else ()):
             out = os.path.join(work, f"hf_step{step}_{dtype}")
             run_logged([ckpt_tool, "export-hf", os.path.join(ckpt, f"step_{step:08d}"), out,
                         "--dtype", dtype], out + ".log")
@@ -354,6 +355,8 @@ def run_config(kind, args, ckpt_tool, checks):
     check_config(hf_cfg, kind, spec, "float32", checks, "fp32 export")
     hf_b, hf_cfg_b = check_file(exports[STEPS, "bf16"], kind, spec, checks, "bf16 export")
     check_config(hf_cfg_b, kind, spec, "bfloat16", checks, "bf16 export")
+    hf_h, hf_cfg_h = check_file(exports[STEPS, "fp16"], kind, spec, checks, "fp16 export")
+    check_config(hf_cfg_h, kind, spec, "float16", checks, "fp16 export")
 
     # (c) mapped back = Tetra's final weights, bit for bit; the same reference loss.
     back = hf_to_tetra(hf, kind, spec.num_layers, spec.tie_embeddings)
@@ -402,6 +405,13 @@ def run_config(kind, args, ckpt_tool, checks):
     bad = [n for n in hf if n in hf_b and not np.array_equal(hf_b[n], bf16_round(hf[n]))]
     inexact = sum(int(np.count_nonzero(hf_b[n] != hf[n])) for n in hf if n in hf_b)
     checks.check(not bad and inexact > 0, f"bf16 export = fp32 export rounded to nearest even "
+                 f"(differing tensors {bad}; {inexact} values changed by rounding)")
+
+    # (e) fp16: stored as F16, each value numpy's (round to nearest even) float16 of the fp32 value.
+    bad = [n for n in hf if n in hf_h and (hf_h[n].dtype != np.float16
+                                           or not np.array_equal(hf_h[n], hf[n].astype(np.float16)))]
+    inexact = sum(int(np.count_nonzero(hf_h[n].astype(np.float32) != hf[n])) for n in hf if n in hf_h)
+    checks.check(not bad and inexact > 0, f"fp16 export = fp32 export rounded to nearest even fp16 "
                  f"(differing tensors {bad}; {inexact} values changed by rounding)")
 
     # (f)

@@ -117,6 +117,11 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.parallel.onebit_warmup_steps == b.parallel.onebit_warmup_steps);
   CHECK(a.training.device == b.training.device);
   CHECK(a.training.precision == b.training.precision);
+  CHECK(a.training.loss_scale == b.training.loss_scale);
+  CHECK(a.training.initial_loss_scale == b.training.initial_loss_scale);
+  CHECK(a.training.loss_scale_window == b.training.loss_scale_window);
+  CHECK(a.training.min_loss_scale == b.training.min_loss_scale);
+  CHECK(a.training.hysteresis == b.training.hysteresis);
   CHECK(a.training.micro_batch_size == b.training.micro_batch_size);
   CHECK(a.training.global_batch_size == b.training.global_batch_size);
   CHECK(a.training.steps == b.training.steps);
@@ -180,8 +185,9 @@ json every_key() {
     "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "order": "tp-pp-dp",
                  "sequence_parallel": true, "distributed_optimizer": true, "bucket_size": 1000,
                  "schedule": "gpipe", "virtual_stages": 1, "stage_layers": [4],
-                 "grad_compression": "onebit", "onebit_warmup_steps": 7},
-    "training": {"device": "cpu", "precision": "bf16", "micro_batch_size": 2,
+                 "grad_compression": "bf16", "onebit_warmup_steps": 7},
+    "training": {"device": "cpu", "precision": "fp16", "loss_scale": 0.0, "initial_loss_scale": 1024.0,
+                 "loss_scale_window": 500, "min_loss_scale": 0.5, "hysteresis": 3, "micro_batch_size": 2,
                  "global_batch_size": 8, "steps": 500, "seed": 18446744073709551615,
                  "eval_every": 50, "eval_steps": 5, "log_every": 10, "threads": 2,
                  "peak_gflops": 123.5, "exit_interval": 250, "exit_after_min": 90.5,
@@ -222,6 +228,11 @@ TEST_CASE("config: defaults are the documented ones and resolve as documented", 
   CHECK((c.parallel.dp == 1 && c.parallel.tp == 1 && c.parallel.pp == 1 && c.parallel.ep == 1));
   CHECK(c.training.device == "cpu");
   CHECK(c.training.precision == "fp32");
+  CHECK(c.training.loss_scale == 0.0);  // dynamic
+  CHECK(c.training.initial_loss_scale == 65536.0);
+  CHECK(c.training.loss_scale_window == 1000);
+  CHECK(c.training.min_loss_scale == 1.0);
+  CHECK(c.training.hysteresis == 2);
   CHECK(c.training.micro_batch_size == 4);
   CHECK(c.training.global_batch_size == 4);  // 0 -> micro_batch_size * dp
   CHECK(c.grad_accum_steps() == 1);
@@ -324,7 +335,7 @@ TEST_CASE("config: type checks", "[config]") {
   require_one(with(base(), "model.norm", "RMSNorm"), "model.norm: \"RMSNorm\": ",
               "must be one of layernorm, rmsnorm; did you mean \"rmsnorm\"?");
   require_one(with(base(), "training.precision", "fp8"),
-              "training.precision: \"fp8\": ", "must be one of fp32, bf16");
+              "training.precision: \"fp8\": ", "must be one of fp32, bf16, fp16");
   require_one(with(base(), "logging.level", "loud"),
               "logging.level: \"loud\": ", "must be one of trace, debug, info, warn, error");
   require_one(with(base(), "model.activation", "relu"),
@@ -423,6 +434,13 @@ TEST_CASE("config: single-value ranges", "[config]") {
       {"training.max_skipped_steps", -1, "must be >= 0"},
       {"training.spike_zscore", -0.5, "must be >= 0"},
       {"training.spike_window", 1, "must be >= 2"},
+      {"training.loss_scale", -1.0, "must be >= 0"},
+      {"training.loss_scale", 1e20, "must be <= 2^64"},
+      {"training.initial_loss_scale", 0.0, "must be > 0"},
+      {"training.initial_loss_scale", 3.7e19, "must be <= 2^64"},
+      {"training.loss_scale_window", 0, "must be >= 1"},
+      {"training.min_loss_scale", -2.0, "must be > 0"},
+      {"training.hysteresis", 0, "must be >= 1"},
       {"optimizer.lr", 0.0, "must be > 0"},
       {"optimizer.lr", -1e-3, "must be > 0"},
       {"optimizer.min_lr", -1e-5, "must be >= 0"},
@@ -585,6 +603,55 @@ TEST_CASE("config: data and evaluation rules", "[config]") {
   CHECK(problems_of(with(with(with(real, "training.eval_every", 10), "training.eval_steps", 2),
                          "data.valid", {"data/v"}))
             .empty());
+}
+
+TEST_CASE("config: fp16 loss scaling keys and their rules", "[config]") {
+  const json fp16 = with(base(), "training.precision", "fp16");
+  // Every key accepted with fp16 (dynamic), and a static scale alone.
+  CHECK(problems_of(with(with(with(with(with(fp16, "training.initial_loss_scale", 4096.0), "training.loss_scale_window", 10),
+                                   "training.min_loss_scale", 0.25), "training.hysteresis", 1),
+                         "parallel.grad_compression", "bf16")).empty());
+  CHECK(problems_of(with(fp16, "training.loss_scale", 128.0)).empty());
+  const Config c = config_from_json(with(fp16, "training.initial_loss_scale", 1099511627776.0));  // 2^40
+  CHECK(c.training.precision == "fp16");
+  CHECK(c.training.initial_loss_scale == 1099511627776.0);
+  // With another precision each key set away from its default is reported, naming the precision.
+  for (const char* precision : {"fp32", "bf16"}) {
+    const json other = with(base(), "training.precision", precision);
+    const std::vector<std::pair<std::string, json>> keys = {{"training.loss_scale", 8.0},
+                                                            {"training.initial_loss_scale", 1024.0},
+                                                            {"training.loss_scale_window", 10},
+                                                            {"training.min_loss_scale", 2.0},
+                                                            {"training.hysteresis", 3}};
+    for (const auto& [path, value] : keys) {
+      INFO(precision << " " << path);
+      require_one(with(other, path, value), path + ": " + value.dump() + ": ",
+                  std::string("loss scaling applies to training.precision \"fp16\" only (it is \"") + precision);
+    }
+    // Left at their defaults, they are no problem (a written-out config carries them all).
+    CHECK(problems_of(with(with(other, "training.initial_loss_scale", 65536.0), "training.hysteresis", 2)).empty());
+  }
+  // The dynamic keys with a static scale.
+  const json fixed = with(fp16, "training.loss_scale", 1024.0);
+  require_one(with(fixed, "training.initial_loss_scale", 4096.0), "training.initial_loss_scale: 4096.0: ",
+              "applies to dynamic loss scaling only, but training.loss_scale is 1024.0");
+  require_one(with(fixed, "training.loss_scale_window", 50), "training.loss_scale_window: 50: ",
+              "set training.loss_scale to 0 (dynamic)");
+  require_one(with(fixed, "training.hysteresis", 1), "training.hysteresis: 1: ", "a static scale");
+  require_one(with(fixed, "training.min_loss_scale", 4.0), "training.min_loss_scale: 4.0: ", "a static scale");
+  // The floor must lie below the start.
+  require_one(with(with(fp16, "training.initial_loss_scale", 16.0), "training.min_loss_scale", 32.0),
+              "training.min_loss_scale: 32.0: ", "must be <= training.initial_loss_scale (16.0)");
+  // Compressions with error feedback are refused with fp16, naming both keys.
+  for (const char* gc : {"onebit", "int8"}) {
+    INFO(gc);
+    require_one(with(with(fp16, "parallel.dp", 2), "parallel.grad_compression", gc),
+                std::string("parallel.grad_compression: \"") + gc + "\": ",
+                "cannot be combined with training.precision \"fp16\"");
+    CHECK(problems_of(with(with(with(base(), "training.precision", "bf16"), "parallel.dp", 2),
+                           "parallel.grad_compression", gc)).empty());
+  }
+  CHECK(problems_of(with(with(fp16, "parallel.dp", 2), "parallel.grad_compression", "bf16")).empty());
 }
 
 TEST_CASE("config: every problem is collected into one error, grouped by section", "[config]") {

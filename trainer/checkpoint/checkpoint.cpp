@@ -272,6 +272,14 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
     manifest["version"] = kVersion;
     manifest["step"] = state.step;
     manifest["consumed_samples"] = state.consumed_samples;
+    if (state.loss_scaler) {
+      const LossScalerState& ls = *state.loss_scaler;
+      manifest["loss_scaler"] = json{{"scale", ls.scale},
+                                     {"growth_tracker", ls.growth_tracker},
+                                     {"hysteresis_tracker", ls.hysteresis_tracker},
+                                     {"skipped_steps", ls.skipped_steps},
+                                     {"floor_overflows", ls.floor_overflows}};
+    }
     manifest["seed"] = cfg.training.seed;
     manifest["layout"] = layout_json(cfg, world.size());
     manifest["config"] = json::parse(config_to_json(cfg).dump());
@@ -487,6 +495,23 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
   CheckpointState st;
   st.step = manifest["step"].get<int64_t>();
   st.consumed_samples = manifest["consumed_samples"].get<int64_t>();
+  if (manifest.contains("loss_scaler")) {
+    const json& j = manifest["loss_scaler"];
+    try {
+      LossScalerState ls;
+      ls.scale = j.at("scale").get<double>();
+      ls.growth_tracker = j.at("growth_tracker").get<int64_t>();
+      ls.hysteresis_tracker = j.at("hysteresis_tracker").get<int64_t>();
+      ls.skipped_steps = j.at("skipped_steps").get<int64_t>();
+      ls.floor_overflows = j.at("floor_overflows").get<int64_t>();
+      if (!(ls.scale > 0.0) || ls.skipped_steps < 0 || ls.skipped_steps > st.step)
+        throw InputError(fmt::format("scale {} and skipped_steps {} (of {} steps) are out of range", ls.scale,
+                                     ls.skipped_steps, st.step));
+      st.loss_scaler = ls;
+    } catch (const std::exception& e) {
+      throw InputError(fmt::format("{}: malformed loss_scaler entry {}: {}", manifest_path, j.dump(), e.what()));
+    }
+  }
   spdlog::info("resumed from {} (step {}, {} samples consumed; saved under layout {})", path, st.step,
                st.consumed_samples, manifest["layout"].dump());
   return st;

@@ -2,7 +2,8 @@
 //
 // A checkpoint is a directory `<checkpoint.dir>/step_00001000/`:
 //   manifest.json       format and version, the resolved config, the layout it was written
-//                       under, the step, the data position (consumed samples), the seed, and the
+//                       under, the step, the data position (consumed samples), the seed, the fp16
+//                       loss scaler's state (replicated: one copy, whatever the layout), and the
 //                       tensor index: key -> global shape, dtype and slices, each slice naming the
 //                       file and tensor that hold it, its place in the global tensor
 //                       (sharding.h's SliceRegion) and a CRC-32 of its bytes;
@@ -26,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,6 +35,7 @@
 #include "trainer/config/config.h"
 #include "trainer/model/param_layout.h"
 #include "trainer/optim/grad_buffer.h"
+#include "trainer/optim/loss_scaler.h"
 
 namespace tetra {
 
@@ -40,8 +43,10 @@ struct ProcessGroups;
 
 // Training progress a checkpoint restores besides tensors.
 struct CheckpointState {
-  int64_t step = 0;              // optimizer steps completed (also the LR schedule's position)
+  int64_t step = 0;              // steps completed (the LR schedule's position, less the loss
+                                 // scaler's skipped steps in fp16)
   int64_t consumed_samples = 0;  // the data loader's position
+  std::optional<LossScalerState> loss_scaler;  // fp16 runs (absent from checkpoints of other runs)
 };
 
 // Further optimizer state of one rank (gradient compression's error feedback, compressed_exchange.h),

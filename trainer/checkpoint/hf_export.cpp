@@ -27,6 +27,9 @@ struct RecordWriter {
     r.data.resize(n * dtype_size(dtype));
     if (dtype == DType::F32) {
       std::memcpy(r.data.data(), values, n * 4);
+    } else if (dtype == DType::F16) {
+      auto* dst = reinterpret_cast<uint16_t*>(r.data.data());
+      for (size_t i = 0; i < n; ++i) dst[i] = math::f32_to_f16_bits(values[i]);
     } else {
       auto* dst = reinterpret_cast<uint16_t*>(r.data.data());
       for (size_t i = 0; i < n; ++i) dst[i] = math::f32_to_bf16_bits(values[i]);
@@ -145,8 +148,9 @@ HfArch hf_architecture(const ModelConfig& m) {
 }
 
 json hf_config(const ModelConfig& m, HfArch arch, DType dtype, int64_t eos_token_id) {
-  TETRA_CHECK(dtype == DType::F32 || dtype == DType::BF16, "export dtype {}", dtype_name(dtype));
-  const char* torch_dtype = dtype == DType::F32 ? "float32" : "bfloat16";
+  TETRA_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16, "export dtype {}",
+              dtype_name(dtype));
+  const char* torch_dtype = dtype == DType::F32 ? "float32" : dtype == DType::F16 ? "float16" : "bfloat16";
   if (arch == HfArch::LLAMA)
     return json{{"architectures", {"LlamaForCausalLM"}},
                 {"model_type", "llama"},
@@ -198,7 +202,8 @@ json hf_config(const ModelConfig& m, HfArch arch, DType dtype, int64_t eos_token
 }
 
 std::vector<TensorRecord> hf_tensors(const ModelConfig& m, HfArch arch, DType dtype, const HfWeightSource& weights) {
-  TETRA_CHECK(dtype == DType::F32 || dtype == DType::BF16, "export dtype {}", dtype_name(dtype));
+  TETRA_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16, "export dtype {}",
+              dtype_name(dtype));
   const ParamLayout layout = ParamLayout::build(m);
   RecordWriter w{dtype, {}};
   if (arch == HfArch::LLAMA)

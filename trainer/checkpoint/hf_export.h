@@ -37,7 +37,7 @@ const char* hf_model_type(HfArch arch);
 // equivalent in it (position rope selects Llama, learned selects GPT-2).
 HfArch hf_architecture(const ModelConfig& m);
 
-// config.json for `m` as `arch`, weights stored as `dtype` (F32 or BF16). `eos_token_id` < 0:
+// config.json for `m` as `arch`, weights stored as `dtype` (F32, BF16 or F16). `eos_token_id` < 0:
 // unknown (written as null).
 nlohmann::ordered_json hf_config(const ModelConfig& m, HfArch arch, DType dtype, int64_t eos_token_id = -1);
 
@@ -45,7 +45,8 @@ nlohmann::ordered_json hf_config(const ModelConfig& m, HfArch arch, DType dtype,
 // ("layers.0.attn.qkv.weight").
 using HfWeightSource = std::function<std::vector<float>(const std::string& tetra_name)>;
 
-// Every tensor of the Hugging Face state dict, in `dtype` (F32, or BF16 rounded to nearest even).
+// Every tensor of the Hugging Face state dict, in `dtype` (F32, or BF16 / F16 rounded to nearest
+// even; fp16 overflows to infinity beyond 65504).
 std::vector<TensorRecord> hf_tensors(const ModelConfig& m, HfArch arch, DType dtype, const HfWeightSource& weights);
 
 // The safetensors metadata transformers requires of a state dict file ({"format": "pt"}).

@@ -26,8 +26,9 @@ namespace {
 DType dtype_from_name(const std::string& s, const std::string& path) {
   if (s == "F32") return DType::F32;
   if (s == "BF16") return DType::BF16;
+  if (s == "F16") return DType::F16;
   if (s == "I32") return DType::I32;
-  throw InputError(fmt::format("{}: unsupported safetensors dtype \"{}\" (Tetra reads F32, BF16, I32)",
+  throw InputError(fmt::format("{}: unsupported safetensors dtype \"{}\" (Tetra reads F32, BF16, F16, I32)",
                                path, s));
 }
 

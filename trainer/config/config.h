@@ -72,9 +72,20 @@ struct ParallelConfig {
   int64_t onebit_warmup_steps = 100;      // onebit: steps of exact Adam before the variance freezes
 };
 
+// The largest loss scale (2^64): the scaler never grows past it, and no configured scale may
+// exceed it. Beyond it a gradient norm of the scaled gradients overflows fp32's sum of squares.
+inline constexpr double kMaxLossScale = 18446744073709551616.0;
+
 struct TrainingConfig {
   std::string device = "cpu";       // cpu | cuda
-  std::string precision = "fp32";   // fp32 | bf16
+  std::string precision = "fp32";   // fp32 | bf16 | fp16
+  // fp16 loss scaling (Megatron's meanings; trainer/optim/loss_scaler.h). Setting one with another
+  // precision, or a dynamic-scaling one with a static loss_scale, is a config error.
+  double loss_scale = 0.0;              // 0 = dynamic loss scaling; > 0 = this static scale
+  double initial_loss_scale = 65536.0;  // dynamic: the scale of the first step
+  int64_t loss_scale_window = 1000;     // dynamic: overflow-free steps after which the scale doubles
+  double min_loss_scale = 1.0;          // dynamic: the scale never halves below this
+  int64_t hysteresis = 2;               // dynamic: overflows tolerated before the scale first halves
   int64_t micro_batch_size = 4;
   int64_t global_batch_size = 0;    // 0 = micro_batch_size * dp (no accumulation)
   int64_t steps = 100;

@@ -29,7 +29,7 @@ const Choices kNorms = {"layernorm", "rmsnorm"};
 const Choices kActivations = {"gelu", "swiglu"};
 const Choices kPositions = {"learned", "rope"};
 const Choices kDevices = {"cpu", "cuda"};
-const Choices kPrecisions = {"fp32", "bf16"};
+const Choices kPrecisions = {"fp32", "bf16", "fp16"};
 const Choices kOrders = {"tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp"};
 const Choices kSchedules = {"1f1b", "interleaved", "gpipe"};
 const Choices kCompressions = {"none", "bf16", "onebit", "int8"};
@@ -90,6 +90,11 @@ template <class T, class V>
 void visit_training(T& t, V& v) {
   v.choice("device", t.device, kDevices);
   v.choice("precision", t.precision, kPrecisions);
+  v.number("loss_scale", t.loss_scale);
+  v.number("initial_loss_scale", t.initial_loss_scale);
+  v.integer("loss_scale_window", t.loss_scale_window);
+  v.number("min_loss_scale", t.min_loss_scale);
+  v.integer("hysteresis", t.hysteresis);
   v.integer("micro_batch_size", t.micro_batch_size);
   v.integer("global_batch_size", t.global_batch_size);
   v.integer("steps", t.steps);

@@ -119,6 +119,52 @@ void check_pipeline(const Config& c, Rules& r) {
               "with parallel.pp > 1 (sample afterwards with `tetra generate` on the final weights)");
 }
 
+// fp16 loss scaling: its keys mean something only with precision fp16 (and the dynamic ones only
+// with dynamic scaling), so a value other than the default elsewhere is reported rather than
+// ignored; and the compressions whose error feedback spans steps are refused with fp16.
+void check_loss_scaling(const Config& c, Rules& r) {
+  const TrainingConfig& t = c.training;
+  const TrainingConfig defaults;
+  const bool fp16 = t.precision == "fp16";
+  const struct {
+    const char* path;
+    bool set;  // differs from its default
+    json value;
+    bool dynamic_only;
+  } keys[] = {{"training.loss_scale", t.loss_scale != defaults.loss_scale, t.loss_scale, false},
+              {"training.initial_loss_scale", t.initial_loss_scale != defaults.initial_loss_scale,
+               t.initial_loss_scale, true},
+              {"training.loss_scale_window", t.loss_scale_window != defaults.loss_scale_window,
+               t.loss_scale_window, true},
+              {"training.min_loss_scale", t.min_loss_scale != defaults.min_loss_scale, t.min_loss_scale, true},
+              {"training.hysteresis", t.hysteresis != defaults.hysteresis, t.hysteresis, true}};
+  if (!r.ok({"training.precision"})) return;
+  for (const auto& k : keys) {
+    if (!k.set || !r.ok({k.path})) continue;
+    if (!fp16)
+      r.require(false, k.path, k.value,
+                fmt::format("loss scaling applies to training.precision \"fp16\" only (it is \"{}\", whose "
+                            "exponent range is fp32's: nothing to scale); remove {} or set training.precision "
+                            "to \"fp16\"", t.precision, k.path));
+    else if (k.dynamic_only && t.loss_scale > 0.0 && r.ok({"training.loss_scale"}))
+      r.require(false, k.path, k.value,
+                fmt::format("applies to dynamic loss scaling only, but training.loss_scale is {} (a static "
+                            "scale); remove {} or set training.loss_scale to 0 (dynamic)",
+                            json(t.loss_scale).dump(), k.path));
+  }
+  if (fp16 && t.loss_scale == 0.0 && r.ok({"training.min_loss_scale", "training.initial_loss_scale"}))
+    r.require(t.min_loss_scale <= t.initial_loss_scale, "training.min_loss_scale", t.min_loss_scale,
+              fmt::format("must be <= training.initial_loss_scale ({})", json(t.initial_loss_scale).dump()));
+  const std::string& gc = c.parallel.grad_compression;
+  if (fp16 && (gc == "onebit" || gc == "int8") && r.ok({"parallel.grad_compression"}))
+    r.require(false, "parallel.grad_compression", gc,
+              fmt::format("cannot be combined with training.precision \"fp16\": {}'s error feedback carries "
+                          "each step's compression error into later steps, where the loss scale may differ, "
+                          "and a step skipped for an fp16 overflow would already have changed it; use "
+                          "parallel.grad_compression \"none\" or \"bf16\", or training.precision \"bf16\" "
+                          "(which needs no loss scaling)", gc));
+}
+
 void check_ranges(const Config& c, Rules& r) {
   const ModelConfig& m = c.model;
   r.size("model.vocab_size", m.vocab_size, 1);
@@ -175,6 +221,15 @@ void check_ranges(const Config& c, Rules& r) {
   r.non_negative("training.exit_after_min", t.exit_after_min);
   r.non_negative("training.collective_timeout_s", t.collective_timeout_s);
   r.at_least("training.max_skipped_steps", t.max_skipped_steps, 0);
+  r.non_negative("training.loss_scale", t.loss_scale);
+  r.positive("training.initial_loss_scale", t.initial_loss_scale);
+  r.positive("training.min_loss_scale", t.min_loss_scale);
+  for (const auto& [path, v] : {std::pair{"training.loss_scale", t.loss_scale},
+                                {"training.initial_loss_scale", t.initial_loss_scale},
+                                {"training.min_loss_scale", t.min_loss_scale}})
+    r.require(v <= kMaxLossScale, path, v, "must be <= 2^64 (18446744073709551616)");
+  r.at_least("training.loss_scale_window", t.loss_scale_window, 1);
+  r.at_least("training.hysteresis", t.hysteresis, 1);
   r.non_negative("training.spike_zscore", t.spike_zscore);
   r.at_least("training.spike_window", t.spike_window, 2);
 
@@ -350,6 +405,7 @@ void check_cross_field(const Config& c, Rules& r) {
                           t.micro_batch_size, c.parallel.dp, per_step));
   }
   check_pipeline(c, r);
+  check_loss_scaling(c, r);
 
   const OptimizerConfig& o = c.optimizer;
   if (r.ok({"optimizer.lr", "optimizer.min_lr"}))

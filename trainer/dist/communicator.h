@@ -9,8 +9,8 @@
 //   issued, on every rank of the group. The blocking calls return when the result is in place.
 //   The `_async` variants return a Work handle at once; `wait()` returns when the result is in
 //   place. Between issue and wait the caller must not touch the buffers.
-// - Reductions are element-wise; BF16 is reduced in fp32 and rounded once per element per
-//   combining step, the way NCCL reduces bf16.
+// - Reductions are element-wise; BF16 and F16 are reduced in fp32 and rounded once per element per
+//   combining step, the way NCCL reduces them.
 // - group_start()/group_end() bracket point-to-point calls that must be matched as one batch
 //   (NCCL's ncclGroupStart/End): sends and receives issued inside a group may complete in any
 //   order, and group_end() returns when all of them have.

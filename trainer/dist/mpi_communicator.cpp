@@ -39,30 +39,43 @@ std::string mpi_error_text(int rc) {
   return std::string(text, static_cast<size_t>(len));
 }
 
-// BF16 reductions: inout[i] = in[i] (op) inout[i], in fp32, rounded to nearest even once per
-// combining step, as NCCL reduces bf16. MAX propagates NaN from either side.
-void bf16_sum_fn(void* in, void* inout, int* len, MPI_Datatype*) {
-  const uint16_t* a = static_cast<const uint16_t*>(in);
-  uint16_t* b = static_cast<uint16_t*>(inout);
-  for (int i = 0; i < *len; ++i)
-    b[i] = math::f32_to_bf16_bits(math::bf16_bits_to_f32(a[i]) + math::bf16_bits_to_f32(b[i]));
+// 16-bit reductions (BF16, F16): inout[i] = in[i] (op) inout[i], in fp32, rounded to nearest even
+// once per combining step, as NCCL reduces bf16 and fp16 (for fp16 the same bits as fp16
+// arithmetic: fp32's 24-bit significand is wide enough that rounding the fp32 sum to fp16 is a
+// correctly rounded fp16 sum). MAX propagates NaN from either side.
+template <bool kF16>
+float widen16(uint16_t b) {
+  return kF16 ? math::f16_bits_to_f32(b) : math::bf16_bits_to_f32(b);
+}
+template <bool kF16>
+uint16_t round16(float x) {
+  return kF16 ? math::f32_to_f16_bits(x) : math::f32_to_bf16_bits(x);
 }
 
-void bf16_max_fn(void* in, void* inout, int* len, MPI_Datatype*) {
+template <bool kF16>
+void half_sum_fn(void* in, void* inout, int* len, MPI_Datatype*) {
+  const uint16_t* a = static_cast<const uint16_t*>(in);
+  uint16_t* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = round16<kF16>(widen16<kF16>(a[i]) + widen16<kF16>(b[i]));
+}
+
+template <bool kF16>
+void half_max_fn(void* in, void* inout, int* len, MPI_Datatype*) {
   const uint16_t* a = static_cast<const uint16_t*>(in);
   uint16_t* b = static_cast<uint16_t*>(inout);
   for (int i = 0; i < *len; ++i) {
-    const float x = math::bf16_bits_to_f32(a[i]), y = math::bf16_bits_to_f32(b[i]);
+    const float x = widen16<kF16>(a[i]), y = widen16<kF16>(b[i]);
     if (x > y || x != x) b[i] = a[i];
   }
 }
 
-MPI_Op bf16_mpi_op(ReduceOp op) {
+template <bool kF16>
+MPI_Op half_mpi_op(ReduceOp op) {
   static std::once_flag once;
   static MPI_Op sum = MPI_OP_NULL, max = MPI_OP_NULL;
   std::call_once(once, [] {
-    MPI_Op_create(&bf16_sum_fn, /*commute=*/1, &sum);
-    MPI_Op_create(&bf16_max_fn, /*commute=*/1, &max);
+    MPI_Op_create(&half_sum_fn<kF16>, /*commute=*/1, &sum);
+    MPI_Op_create(&half_max_fn<kF16>, /*commute=*/1, &max);
   });
   return op == ReduceOp::SUM ? sum : max;
 }
@@ -70,14 +83,16 @@ MPI_Op bf16_mpi_op(ReduceOp op) {
 MPI_Datatype mpi_type(DType t) {
   switch (t) {
     case DType::F32: return MPI_FLOAT;
-    case DType::BF16: return MPI_UINT16_T;  // raw bits; reductions go through the bf16 ops
+    case DType::BF16: return MPI_UINT16_T;  // raw bits; reductions go through the 16-bit ops
+    case DType::F16: return MPI_UINT16_T;
     case DType::I32: return MPI_INT32_T;
   }
   return MPI_DATATYPE_NULL;
 }
 
 MPI_Op mpi_op(ReduceOp op, DType t) {
-  if (t == DType::BF16) return bf16_mpi_op(op);
+  if (t == DType::BF16) return half_mpi_op<false>(op);
+  if (t == DType::F16) return half_mpi_op<true>(op);
   return op == ReduceOp::SUM ? MPI_SUM : MPI_MAX;
 }
 

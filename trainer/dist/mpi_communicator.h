@@ -2,7 +2,7 @@
 //
 // Each communicator of two or more ranks owns an MPI communicator and a worker thread that
 // executes its operations in issue order with blocking MPI calls (comm_worker.h says why), so
-// asynchronous operations progress while the caller computes. BF16 reductions use user-defined
+// asynchronous operations progress while the caller computes. BF16 / F16 reductions use user-defined
 // MPI ops that add (or compare) in fp32 and round to nearest even at every combining step. Groups
 // of one rank get the size-1 communicator: no MPI call, no accounting.
 //

@@ -32,7 +32,7 @@
 //   once the compute stream waits for the whole batch.
 // - A group of one rank is a one-rank NCCL communicator: collectives copy where the output is not
 //   the input; sends to itself only inside a group.
-// - BF16 reduces as NCCL does (ncclBfloat16, fp32 arithmetic); F32 and I32; SUM and MAX.
+// - BF16 and F16 reduce as NCCL does (ncclBfloat16, ncclFloat16); F32 and I32; SUM and MAX.
 // - Counts are size_t in NCCL: no 2^31 limit. Zero-element operations move nothing and are still
 //   counted as calls.
 //

@@ -26,6 +26,7 @@ ncclDataType_t nccl_type(DType t) {
   switch (t) {
     case DType::F32: return ncclFloat32;
     case DType::BF16: return ncclBfloat16;
+    case DType::F16: return ncclFloat16;
     case DType::I32: return ncclInt32;
   }
   return ncclFloat32;

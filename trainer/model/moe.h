@@ -2,7 +2,8 @@
 // with expert parallelism over an EP group.
 //
 // Per MoE block, N rows h = norm2(x) (N, C), E experts, each token to K of them:
-//   logits = h W_r^T                  (N, E) fp32 (bf16 inputs are exact in fp32; fp32 accumulation)
+//   logits = h W_r^T                  (N, E) fp32 (16-bit inputs' products are exact in fp32;
+//                                     fp32 accumulation)
 //   p = softmax(logits)               (N, E) fp32; the top-K experts of each row and their
 //                                     probabilities g (N, K) are the gates (not renormalised)
 //   plan (host): assignments (i, k) sorted by expert, token order within an expert; with a

@@ -5,12 +5,12 @@
 // rank's shard of every bucket). Its moments live in two fp32 buffers holding only those ranges,
 // back to back. The fp32 master weights are either the full parameter buffer the caller passes
 // to step() (fp32 training, where they are also the weights the model reads), or, with
-// `own_master`, a compact buffer of the owned ranges kept here (bf16 training: the model reads
-// the bf16 copy that step() writes, and the master weights are sharded with the moments).
+// `own_master`, a compact buffer of the owned ranges kept here (bf16 / fp16 training: the model
+// reads the 16-bit copy that step() writes, and the master weights are sharded with the moments).
 //
 // Parameters are updated in runs of consecutive tensors that share a weight-decay setting (about
-// eight runs per transformer block), not one kernel call per tensor. In bf16 mode the update also
-// writes the rounded bf16 compute weights in the same pass.
+// eight runs per transformer block), not one kernel call per tensor. In bf16 / fp16 mode the
+// update also writes the rounded 16-bit compute weights in the same pass.
 #pragma once
 
 #include <cstdint>
@@ -37,7 +37,7 @@ class AdamW {
   AdamW& operator=(const AdamW&) = delete;
 
   // One update with learning rate `lr` of the owned ranges; grads are multiplied by `grad_scale`
-  // first (clipping), and left zeroed (in the owned ranges) for the next step's accumulation.
+  // first (clipping, and in fp16 the loss scale's removal), and left zeroed (in the owned ranges) for the next step's accumulation.
   // `master`: the full fp32 parameter buffer (ignored with own_master). `compute` (may be null)
   // receives the updated weights as `compute_type`, at the layout's offsets.
   void step(float* master, float* grads, double lr, float grad_scale, void* compute,

@@ -35,7 +35,7 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
                                bool onebit_gather_variance) {
   StepVolume v;
   const ParallelConfig& par = cfg.parallel;
-  const int64_t act_bytes = cfg.training.precision == "bf16" ? 2 : 4;
+  const int64_t act_bytes = static_cast<int64_t>(dtype_size(precision_dtype(cfg.training.precision)));
   const int64_t N = cfg.training.micro_batch_size * cfg.model.seq_len, C = cfg.model.hidden_size;
   const int64_t accum = cfg.grad_accum_steps();
   const int64_t rows = N * C * act_bytes;

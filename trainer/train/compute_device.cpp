@@ -48,7 +48,7 @@ int local_gpu_index(int count) {
   return 0;
 }
 
-ComputeDevice make_compute_device(const TrainingConfig& training, bool bf16, bool want_peak) {
+ComputeDevice make_compute_device(const TrainingConfig& training, DType act, bool want_peak) {
   ComputeDevice d;
   const bool peak_given = training.peak_gflops > 0;
   if (training.device == "cuda") {
@@ -64,10 +64,12 @@ ComputeDevice make_compute_device(const TrainingConfig& training, bool bf16, boo
     const int index = local_gpu_index(count);
     const CudaDeviceInfo info = cuda_device_info(index);
     d.backend = make_cuda_backend(index);
-    d.peak_flops = peak_given ? training.peak_gflops * 1e9 : (bf16 ? info.peak_bf16_flops : info.peak_fp32_flops);
+    // fp16 and bf16 tensor cores have the same dense rate on sm_80 and sm_90.
+    const bool half = is_half_type(act);
+    d.peak_flops = peak_given ? training.peak_gflops * 1e9 : (half ? info.peak_bf16_flops : info.peak_fp32_flops);
     d.peak_source = peak_given ? "training.peak_gflops"
                                : fmt::format("{} dense {} peak: {} SMs x {:.2f} GHz", info.name,
-                                             bf16 ? "bf16 tensor-core" : "fp32", info.sm_count, info.clock_ghz);
+                                             half ? "16-bit tensor-core" : "fp32", info.sm_count, info.clock_ghz);
     d.description = fmt::format("cuda:{} {} (sm_{}, {} SMs, {:.1f} GiB)", index, info.name, info.compute_capability,
                                 info.sm_count, info.memory_bytes / 1073741824.0);
     return d;
@@ -89,7 +91,8 @@ ComputeDevice make_compute_device(const TrainingConfig& training, bool bf16, boo
   }
   const int threads = training.threads > 0 ? static_cast<int>(training.threads) : omp_get_max_threads();
   if (want_peak) {
-    d.peak_flops = peak_given ? training.peak_gflops * 1e9 : measure_cpu_peak_gflops(threads, bf16) * 1e9;
+    d.peak_flops = peak_given ? training.peak_gflops * 1e9
+                              : measure_cpu_peak_gflops(threads, act == DType::BF16) * 1e9;
     d.peak_source = peak_given ? "training.peak_gflops" : "measured";
   }
   d.description = fmt::format("cpu, {} threads", threads);

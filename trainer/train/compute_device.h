@@ -1,6 +1,6 @@
 // The backend a run computes on (training.device) and the arithmetic peak its MFU is measured
 // against: the CPU backend with its measured FMA ceiling, or the CUDA backend on this process's
-// GPU with the GPU's dense tensor-core (bf16) or CUDA-core (fp32) peak.
+// GPU with the GPU's dense tensor-core (bf16 / fp16) or CUDA-core (fp32) peak.
 //
 // Test mode: with TETRA_TEST_GUARDED_MEMORY=1 in the environment the CPU backend sits behind the
 // guarded-memory decorator (kernels/cpu/guarded_backend.h), whose memory the host cannot touch,
@@ -28,8 +28,9 @@ struct ComputeDevice {
 
 // Throws InputError when training.device is "cuda" and this build has no CUDA backend or the
 // process sees no GPU (the message says which, and what to do). `want_peak` false skips the
-// CPU peak measurement (generation needs no MFU).
-ComputeDevice make_compute_device(const TrainingConfig& training, bool bf16, bool want_peak = true);
+// CPU peak measurement (generation needs no MFU). `act` is the run's compute type (its GEMMs' peak:
+// on the CPU, fp16 GEMMs run in fp32, oneDNN having no fp16 kernels there).
+ComputeDevice make_compute_device(const TrainingConfig& training, DType act, bool want_peak = true);
 
 // The backend-memory communicators `be` needs (ProcessGroups::use_backend_memory): none when its
 // memory is host memory (the MPI communicators serve both roles), NCCL for the CUDA backend, the

@@ -87,11 +87,11 @@ std::vector<float> load_weights(const std::string& path, const ParamLayout& layo
     global.resize(n);
     if (r.dtype == DType::F32) {
       std::memcpy(global.data(), r.data.data(), n * 4);
-    } else if (r.dtype == DType::BF16) {
+    } else if (r.dtype == DType::BF16 || r.dtype == DType::F16) {
       for (size_t i = 0; i < n; ++i) {
         uint16_t bits;
         std::memcpy(&bits, r.data.data() + 2 * i, 2);
-        global[i] = math::bf16_bits_to_f32(bits);
+        global[i] = r.dtype == DType::F16 ? math::f16_bits_to_f32(bits) : math::bf16_bits_to_f32(bits);
       }
     } else {
       throw InputError(fmt::format("{}: tensor \"{}\" is {}, not a floating-point type", path, spec.name,
@@ -122,9 +122,9 @@ GeneratedText generate_command(const Config& config, const std::string& weights_
   const ParamLayout layout = ParamLayout::build(cfg.model);
   const std::vector<float> host = load_weights(path, layout);
 
-  const DType act = cfg.training.precision == "bf16" ? DType::BF16 : DType::F32;
+  const DType act = precision_dtype(cfg.training.precision);
   std::unique_ptr<Backend> be =
-      make_compute_device(cfg.training, act == DType::BF16, /*want_peak=*/false).backend;
+      make_compute_device(cfg.training, act, /*want_peak=*/false).backend;
   // Backend buffers, freed before the backend goes.
   auto buffer = [&](size_t bytes) {
     return std::unique_ptr<void, std::function<void(void*)>>(be->alloc(bytes),

@@ -39,7 +39,7 @@ std::string generate_text(Sampler& sampler, const void* weights, const Tokenizer
 // as \\ \" \n \r \t, other control bytes as \xNN; everything else (UTF-8 included) unchanged.
 std::string escape_text(std::string_view text);
 
-// This layout's slice of every parameter, from a safetensors file of global tensors (F32 or BF16),
+// This layout's slice of every parameter, from a safetensors file of global tensors (F32, BF16 or F16),
 // as fp32 host values at the layout's offsets (layout.total elements, padding zero). Every
 // parameter must be in the file with its global shape, and the file must hold nothing else:
 // InputError naming the file and the tensor otherwise.

@@ -57,6 +57,7 @@ std::string MetricsWriter::format_line(const StepMetrics& m) {
   if (m.val_loss) line += fmt::format(" | val loss {:.4f}", *m.val_loss);
   if (m.pipeline)
     line += fmt::format(" | bubble {:.0f}% (ideal {:.0f}%)", 100.0 * m.pipeline->bubble, 100.0 * m.pipeline->ideal_bubble);
+  if (m.loss_scale) line += fmt::format(" | loss scale {}", *m.loss_scale);
   if (m.skipped) line += fmt::format(" | SKIPPED ({})", *m.skipped);
   if (m.moe)
     for (const MoeLayerStats& l : m.moe->layers) {
@@ -91,6 +92,10 @@ void MetricsWriter::write(const StepMetrics& m) {
                      {"bubble_per_rank", m.pipeline->bubble_per_rank},
                      {"peak_in_flight", m.pipeline->peak_in_flight}};
   if (m.skipped) j["skipped"] = *m.skipped;
+  if (m.loss_scale) {
+    j["loss_scale"] = *m.loss_scale;
+    j["overflow"] = m.overflow;
+  }
   if (m.moe) {
     nlohmann::ordered_json layers = nlohmann::ordered_json::array();
     for (const MoeLayerStats& l : m.moe->layers) {

@@ -52,6 +52,8 @@ struct StepMetrics {
   std::optional<PipelineMetrics> pipeline;  // pp > 1
   std::optional<std::string> sample;  // text sampled at an evaluation
   std::optional<std::string> skipped;  // why the update was skipped (step_guard.h); unset: applied
+  std::optional<double> loss_scale;   // fp16: the loss scale this step's gradients carried
+  bool overflow = false;              // fp16: they overflowed and the update was skipped
   std::optional<MoeStepStats> moe;    // MoE models: routing per MoE block (global rank 0's tokens)
 };
 

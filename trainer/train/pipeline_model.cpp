@@ -123,7 +123,7 @@ size_t PipelineModel::activation_bytes_for(const Config& cfg, int64_t pp_rank) {
   size_t n = 0;
   for (int c = 0; c < s.vp; ++c) {
     ChunkShape shape = ChunkShape::of(layout, c, std::max(1, s.max_in_flight(static_cast<int>(pp_rank), c)));
-    n += Gpt::activation_bytes_for(cfg.model, cfg.training.precision == "bf16" ? DType::BF16 : DType::F32,
+    n += Gpt::activation_bytes_for(cfg.model, precision_dtype(cfg.training.precision),
                                    cfg.training.micro_batch_size, cfg.parallel.tp, cfg.parallel.sequence_parallel,
                                    shape, cfg.parallel.ep);
   }

@@ -1,4 +1,4 @@
-// StepGuard (see step_guard.h): local judgement, one MAX all-reduce of four flags, the verdict.
+// StepGuard (see step_guard.h): local judgement, one MAX all-reduce of five flags, the verdict.
 #include "trainer/train/step_guard.h"
 
 #include <cmath>
@@ -10,7 +10,7 @@
 namespace tetra {
 
 namespace {
-enum Flag { NONFINITE_LOSS, NONFINITE_NORM, LOSS_SPIKE, NORM_SPIKE, FLAGS };
+enum Flag { NONFINITE_LOSS, NONFINITE_NORM, LOSS_SPIKE, NORM_SPIKE, OVERFLOW, FLAGS };
 }  // namespace
 
 double StepGuard::Window::zscore(double x, size_t size) const {
@@ -40,8 +40,9 @@ StepGuard::StepGuard(const TrainingConfig& tc, Communicator& world, Backend& be)
 
 StepGuard::~StepGuard() { be_.free(flags_); }
 
-StepVerdict StepGuard::check(int64_t step, double loss, double grad_norm) {
+StepVerdict StepGuard::check(int64_t step, double loss, double grad_norm, bool overflow) {
   int32_t flags[FLAGS] = {};
+  flags[OVERFLOW] = overflow ? 1 : 0;
   flags[NONFINITE_LOSS] = std::isfinite(loss) ? 0 : 1;
   flags[NONFINITE_NORM] = std::isfinite(grad_norm) ? 0 : 1;
   double z_loss = 0.0, z_norm = 0.0;
@@ -58,6 +59,11 @@ StepVerdict StepGuard::check(int64_t step, double loss, double grad_norm) {
   }
 
   StepVerdict v;
+  if (flags[OVERFLOW]) {  // the loss scaler's case: nothing else is judged, nothing counted
+    v.skip = v.overflow = true;
+    v.reason = overflow ? "fp16 gradient overflow" : "fp16 gradient overflow (seen on another rank)";
+    return v;
+  }
   auto add = [&v](const std::string& why) { v.reason += (v.reason.empty() ? "" : ", ") + why; };
   if (flags[NONFINITE_LOSS]) add(std::isfinite(loss) ? "non-finite loss (on another rank)" : fmt::format("loss {}", loss));
   if (flags[NONFINITE_NORM])

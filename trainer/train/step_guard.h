@@ -13,6 +13,11 @@
 // not a run (Megatron and OPT skip such updates); the consecutive limit keeps a real divergence
 // from being skipped forever. A skipped step still counts as a step (the LR schedule, the data
 // and the optimizer's step counter move on), so a resumed run sees the same schedule.
+//
+// fp16 loss scaling (trainer/optim/loss_scaler.h) reports a gradient overflow through the same
+// agreement: an overflow on any rank skips the step on every rank, as an overflow (verdict.overflow)
+// that the loss scaler handles, not judged here nor counted as a skip in a row (an overflow is the
+// scale's fault, not the batch's).
 #pragma once
 
 #include <cstdint>
@@ -27,6 +32,7 @@ namespace tetra {
 
 struct StepVerdict {
   bool skip = false;
+  bool overflow = false;  // skipped for an fp16 gradient overflow (the loss scaler's case)
   std::string reason;  // why it is skipped: "non-finite loss", "loss spike (z = 9.3)", ...
 };
 
@@ -37,9 +43,10 @@ class StepGuard {
   StepGuard(const StepGuard&) = delete;
   StepGuard& operator=(const StepGuard&) = delete;
 
-  // Collective over `world`. `step` is 1-based. Throws tetra::Error when this skip is one more
+  // Collective over `world`. `step` is 1-based. `overflow`: this rank saw an fp16 gradient overflow
+  // (a non-finite norm of the loss-scaled gradients). Throws tetra::Error when this skip is one more
   // than training.max_skipped_steps in a row.
-  StepVerdict check(int64_t step, double loss, double grad_norm);
+  StepVerdict check(int64_t step, double loss, double grad_norm, bool overflow = false);
 
  private:
   struct Window {

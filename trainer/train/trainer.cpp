@@ -41,7 +41,7 @@ namespace {
 
 constexpr int64_t kMaxDumpedSteps = 100;
 
-DType activation_type(const Config& cfg) { return cfg.training.precision == "bf16" ? DType::BF16 : DType::F32; }
+DType activation_type(const Config& cfg) { return precision_dtype(cfg.training.precision); }
 
 // Processes of this job on this machine (they share its memory).
 int64_t local_ranks() {
@@ -80,7 +80,7 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   const DType act = activation_type(cfg);
   const int64_t B = cfg.training.micro_batch_size, T = cfg.model.seq_len;
   const size_t n = static_cast<size_t>(layout.total);
-  // The distributed optimizer keeps Adam's moments (and, in bf16, the fp32 master weights) for
+  // The distributed optimizer keeps Adam's moments (and, in bf16 / fp16, the fp32 master weights) for
   // this rank's 1/dp of the buffer only.
   const size_t shard = cfg.parallel.distributed_optimizer ? n / static_cast<size_t>(cfg.parallel.dp) : n;
   MemoryPlan m;
@@ -148,7 +148,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   if (samples_enabled(cfg)) tokenizer_ = load_sampling_tokenizer(cfg);
   train_loader_ = std::make_unique<DataLoader>(train_source_, T, B, groups.coord.dp, cfg.parallel.dp);
   // The device too (no GPU, or a build without CUDA, is an input error; nothing is written).
-  ComputeDevice device = make_compute_device(cfg.training, act_ == DType::BF16);
+  ComputeDevice device = make_compute_device(cfg.training, act_);
   // The checkpoint to resume from is found (or refused) before any file is written.
   const std::string resume = checkpoint_to_resume(cfg.checkpoint);
   if (writer_) {
@@ -196,7 +196,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   model_ = std::make_unique<PipelineModel>(cfg, layout_, *be_, act_, groups, accum_, tokens_, targets_, losses_);
   grad_buffer_ = std::make_unique<GradBuffers>(layout_, *be_, grads_, groups, cfg.parallel.distributed_optimizer,
                                                cfg.parallel.bucket_size, cfg.parallel.grad_compression == "bf16");
-  // bf16 with the distributed optimizer: the fp32 master weights live sharded in the optimizer.
+  // bf16 / fp16 with the distributed optimizer: the fp32 master weights live sharded in the optimizer.
   const bool optimizer_owns_master = shard_optimizer && act_ != DType::F32;
   optimizer_ = std::make_unique<AdamW>(cfg.optimizer, layout_, *be_, grad_buffer_->owned(),
                                        optimizer_owns_master, master_);
@@ -204,6 +204,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     onebit_ = std::make_unique<OnebitAdam>(cfg, layout_, *be_, *grad_buffer_, *optimizer_, groups);
   if (cfg.parallel.grad_compression == "int8")
     int8_ = std::make_unique<CompressedReduction>(cfg, *be_, *grad_buffer_, groups);
+  if (act_ == DType::F16) scaler_ = std::make_unique<LossScaler>(cfg.training);
   if (optimizer_owns_master) {
     be_->free(master_);
     master_ = nullptr;
@@ -218,7 +219,12 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                       st.step, cfg.training.steps);
     start_step_ = st.step;
     train_loader_->set_consumed_samples(st.consumed_samples);
-    optimizer_->set_steps_taken(st.step);
+    if (scaler_ && st.loss_scaler) scaler_->restore(*st.loss_scaler);
+    if (scaler_ && !st.loss_scaler)
+      spdlog::info("{} holds no loss scaler state (saved by a run not in fp16): loss scaling starts afresh at {}",
+                   resume, scaler_->scale());
+    // Steps skipped for an fp16 overflow made no update (loss_scaler.h).
+    optimizer_->set_steps_taken(st.step - (scaler_ ? scaler_->skipped_steps() : 0));
   }
   if (tokenizer_) {
     // Without sequence parallelism: for one row of T tokens it would save little, and it would
@@ -230,6 +236,12 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     sampler_ = std::make_unique<Sampler>(*sample_model_, *be_, tp);
   }
   predicted_ = predict_step_volume(cfg, layout_);
+  if (scaler_)
+    spdlog::info("loss scaling: {}", scaler_->dynamic()
+                                         ? fmt::format("dynamic, scale {} (window {}, hysteresis {}, min {})",
+                                                       scaler_->scale(), cfg.training.loss_scale_window,
+                                                       cfg.training.hysteresis, cfg.training.min_loss_scale)
+                                         : fmt::format("static, scale {}", scaler_->scale()));
 
   const double rank_peak = device.peak_flops;
   peak_flops_ = rank_peak * static_cast<double>(groups.grid.world());
@@ -383,7 +395,9 @@ double Trainer::train_step(int64_t s) {
   // The step's loss is the mean over its global batch; each micro-batch's gradient is scaled so
   // the accumulated gradient, summed over the DP ranks, is that mean's gradient.
   const int64_t tokens = rows_ * accum_ * cfg_.parallel.dp;
-  const float dloss_scale = 1.0f / static_cast<float>(tokens);
+  // fp16: the loss gradient carries the loss scale (loss_scaler.h).
+  const float dloss_scale = scaler_ ? static_cast<float>(scaler_->scale() / static_cast<double>(tokens))
+                                    : 1.0f / static_cast<float>(tokens);
   for (int64_t j = 0; j < accum_; ++j) {
     load_micro_batch(*train_loader_, j);
     if (!dump_dir_.empty() && s < kMaxDumpedSteps && cfg_.parallel.dp == 1)
@@ -528,10 +542,20 @@ void Trainer::run() {
     if (int8_) int8_->reduce(grads_, s);  // the step's gradient reduction, compressed
     // Compressed: the unreduced local gradient's norm, times the group size, as an estimate (onebit_adam.h).
     const double dp = static_cast<double>(cfg_.parallel.dp);
-    const double norm = compressed ? grad_buffer_->norm(grads_, dp, dp / static_cast<double>(cfg_.parallel.ep))
-                                   : grad_buffer_->norm(grads_);
-    // A non-finite or spiking loss or norm: the update is skipped, the gradients dropped.
-    const StepVerdict verdict = guard.check(s + 1, loss, norm);
+    const double raw_norm = compressed ? grad_buffer_->norm(grads_, dp, dp / static_cast<double>(cfg_.parallel.ep))
+                                       : grad_buffer_->norm(grads_);
+    // fp16: the gradients carry the loss scale; a non-finite norm is an overflow (loss_scaler.h).
+    const double step_scale = scaler_ ? scaler_->scale() : 1.0;
+    const double norm = raw_norm / step_scale;
+    // A non-finite or spiking loss or norm, or an fp16 overflow: the update is skipped, the
+    // gradients dropped.
+    const bool overflow_here = scaler_ && !std::isfinite(raw_norm);
+    const StepVerdict verdict = guard.check(s + 1, loss, norm, overflow_here);
+    // A step skipped for an overflow is no update: the LR schedule advances with updates (loss_scaler.h).
+    const int64_t updates_before = s - (scaler_ ? scaler_->skipped_steps() : 0);
+    const LossScaleUpdate scaling = scaler_ ? scaler_->update(s + 1, verdict.overflow) : LossScaleUpdate{};
+    const std::string skip_reason = !verdict.overflow ? verdict.reason
+                                    : scaling.describe() + (overflow_here ? "" : " (seen on another rank)");
     if (!dump_dir_.empty() && s == 0) {
       // Debugging output, not part of the step: its communication is not accounted.
       const std::vector<CommStats> saved = comm_snapshot();
@@ -539,25 +563,29 @@ void Trainer::run() {
         float* whole = static_cast<float*>(be_->alloc(static_cast<size_t>(layout_.total) * 4));
         be_->copy(whole, grads_, static_cast<size_t>(layout_.total) * 4);
         grad_buffer_->gather_params(whole, DType::F32);
-        dump_tensors(dump_dir_ + "/grads_step0.safetensors", whole);
+        dump_tensors(dump_dir_ + "/grads_step0.safetensors", whole, 1.0 / step_scale);
         be_->free(whole);
       } else {
-        dump_tensors(dump_dir_ + "/grads_step0.safetensors", grads_);
+        dump_tensors(dump_dir_ + "/grads_step0.safetensors", grads_, 1.0 / step_scale);
       }
       const std::vector<AccountedGroup> accounted = accounted_groups(cfg_, predicted_);
       for (size_t i = 0; i < accounted.size(); ++i)
         if (accounted[i].active) groups_.set_stats(accounted[i].kind, saved[i]);
     }
-    const double lr = learning_rate(cfg_.optimizer, tc.steps, s);
+    const double lr = learning_rate(cfg_.optimizer, tc.steps, updates_before);
     const float clip = verdict.skip || compressed ? 1.0f : clip_factor(norm, cfg_.optimizer.grad_clip);
     if (verdict.skip) {
       be_->memset_zero(grads_, static_cast<size_t>(layout_.total) * 4);
-      optimizer_->set_steps_taken(optimizer_->steps_taken() + 1);  // the step counts (step_guard.h)
-      if (writer_) spdlog::warn("step {}: update skipped: {}", s + 1, verdict.reason);
+      // A guard's skip counts as a step (step_guard.h); an overflow's does not (loss_scaler.h).
+      if (!verdict.overflow) optimizer_->set_steps_taken(optimizer_->steps_taken() + 1);
+      if (writer_)
+        spdlog::warn("step {}: update skipped: {}", s + 1, skip_reason);
     } else if (compressed) {
       onebit_->step(master_, grads_, lr, act_ == DType::F32 ? nullptr : compute_, act_);
     } else {
-      optimizer_->step(master_, grads_, lr, clip, act_ == DType::F32 ? nullptr : compute_, act_);
+      // The loss scale comes off with the clipping factor, in AdamW's one multiply.
+      const float grad_scale = scaler_ ? static_cast<float>(clip / step_scale) : clip;
+      optimizer_->step(master_, grads_, lr, grad_scale, act_ == DType::F32 ? nullptr : compute_, act_);
     }
     if (shard_optimizer && !verdict.skip) {
       // The optimizer zeroed the shards it consumed; the rest of the buffer holds this rank's
@@ -578,7 +606,11 @@ void Trainer::run() {
     m.lr = lr;
     m.grad_norm = norm;
     m.clip = clip;
-    if (verdict.skip) m.skipped = verdict.reason;
+    if (verdict.skip) m.skipped = skip_reason;
+    if (scaler_) {
+      m.loss_scale = step_scale;
+      m.overflow = verdict.overflow;
+    }
     m.ms = step_s * 1e3;
     m.tokens_per_s = tokens_per_step / step_s;
     m.mfu = stats.train_flops_per_token * m.tokens_per_s / peak_flops_;
@@ -612,8 +644,9 @@ void Trainer::run() {
     const bool at_exit = cfg_.checkpoint.save_on_exit && (last || stop);
     if (!cfg_.checkpoint.dir.empty() && (periodic || at_exit)) {
       const auto c0 = std::chrono::steady_clock::now();
-      const std::string path = save_checkpoint(cfg_.checkpoint.dir, cfg_, groups_, *be_, checkpoint_buffers(),
-                                               CheckpointState{s + 1, train_loader_->consumed_samples()});
+      CheckpointState state{s + 1, train_loader_->consumed_samples(), std::nullopt};
+      if (scaler_) state.loss_scaler = scaler_->state();
+      const std::string path = save_checkpoint(cfg_.checkpoint.dir, cfg_, groups_, *be_, checkpoint_buffers(), state);
       spdlog::info("checkpoint {} saved in {:.2f} s", path, seconds_since(c0));
     }
     if (stop) {

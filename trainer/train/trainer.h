@@ -24,6 +24,7 @@
 #include "trainer/parallel/pipeline_runner.h"
 #include "trainer/optim/grad_buffers.h"
 #include "trainer/optim/compressed_reduction.h"
+#include "trainer/optim/loss_scaler.h"
 #include "trainer/optim/onebit_adam.h"
 #include "trainer/train/metrics.h"
 
@@ -88,8 +89,9 @@ class Trainer {
   // Next micro-batch of `loader` into micro-batch slot `j` of tokens_ / targets_ (and host_batch_).
   void load_micro_batch(DataLoader& loader, int64_t j);
   // Writes `buffer` (this rank's fp32 parameter-sized buffer, whole on every DP rank) as global
-  // tensors: the TP slices are gathered to the writing rank (TP rank 0 of DP rank 0).
-  void dump_tensors(const std::string& file, const float* buffer);
+  // tensors: the TP slices are gathered to the writing rank (TP rank 0 of DP rank 0). The values
+  // are multiplied by `scale` (fp16 gradients: 1 / the loss scale).
+  void dump_tensors(const std::string& file, const float* buffer, double scale = 1.0);
   // The final weights (fp32) as global tensors to final_weights_path() (every rank calls it).
   void save_final_weights();
   // Snapshots of every group's communication counters (tp, dp, pp, embedding, edp, ep).
@@ -128,6 +130,7 @@ class Trainer {
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<OnebitAdam> onebit_;  // parallel.grad_compression onebit
   std::unique_ptr<CompressedReduction> int8_;  // parallel.grad_compression int8
+  std::unique_ptr<LossScaler> scaler_;  // training.precision fp16
   GroupDoneHook group_done_;
   StepVolume predicted_;
   std::shared_ptr<SampleSource> train_source_, valid_source_;

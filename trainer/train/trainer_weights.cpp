@@ -14,16 +14,18 @@
 
 namespace tetra {
 
-void Trainer::dump_tensors(const std::string& file, const float* buffer) {
-  // Memory: a tensor held whole by this rank is written straight from the buffer (host memory) or
-  // from one host copy of it (a GPU's); only TP/EP-split tensors are assembled, one at a time into
-  // storage kept until the write. The writing rank holds at most one model-sized copy beyond the
-  // run's own buffers (on a GPU: the host copy), not two.
+void Trainer::dump_tensors(const std::string& file, const float* buffer, double scale) {
+  // Memory: a tensor held whole by this rank is written straight from the buffer (host memory,
+  // scale 1) or from one host copy of it (a GPU's, or scaled); only TP/EP-split tensors are
+  // assembled, one at a time into storage kept until the write. The writing rank holds at most one
+  // model-sized copy beyond the run's own buffers, not two.
   std::vector<float> host_copy;
   const float* host = buffer;
-  if (!be_->host_memory()) {
+  if (!be_->host_memory() || scale != 1.0) {
     host_copy.resize(static_cast<size_t>(layout_.total));
     be_->copy_to_host(host_copy.data(), buffer, host_copy.size() * 4);
+    if (scale != 1.0)
+      for (float& x : host_copy) x = static_cast<float>(x * scale);
     host = host_copy.data();
   }
   Communicator& tp = *groups_.tp;
@@ -99,7 +101,7 @@ void Trainer::save_final_weights() {
   const float* weights = master_;
   float* whole = nullptr;
   if (!master_) {
-    // bf16 with the distributed optimizer: each DP rank's optimizer holds the fp32 master weights
+    // bf16 / fp16 with the distributed optimizer: each DP rank's optimizer holds the fp32 master weights
     // of its shards, back to back; every DP rank takes part in gathering them.
     whole = static_cast<float*>(be_->alloc(static_cast<size_t>(layout_.total) * 4));
     const float* shard = optimizer_->master_shard();
