@@ -19,7 +19,9 @@
 #
 # Usage: scripts/bench_cpu.sh
 # Environment: TETRA_BIN (skip the build), TETRA_BUILD_DIR (default build-release), BENCH_WARMUP
-# (2), BENCH_STEPS (5 timed steps), BENCH_SEQ_LENS ("64 256"), BENCH_PRECISIONS ("fp32 bf16"),
+# (2), BENCH_STEPS (5 timed steps), BENCH_ROUNDS (2: Tetra and torch alternate this many times per
+# case, so a burst of load on the machine hits both), BENCH_SEQ_LENS ("64 256"),
+# BENCH_PRECISIONS ("fp32 bf16"),
 # TCMALLOC (a libtcmalloc*.so to preload), TORCH_BLAS_DIR (a directory holding libblas.so.3).
 set -euo pipefail
 
@@ -27,6 +29,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${TETRA_BUILD_DIR:-$REPO/build-release}
 WARMUP=${BENCH_WARMUP:-2}
 STEPS=${BENCH_STEPS:-5}
+ROUNDS=${BENCH_ROUNDS:-2}
 SEQ_LENS=${BENCH_SEQ_LENS:-"64 256"}
 PRECISIONS=${BENCH_PRECISIONS:-"fp32 bf16"}
 THREADS=2
@@ -207,35 +210,47 @@ for T in $SEQ_LENS; do
   "logging": {"dir": "$case_dir/logs"}
 }
 EOF
-    echo "  T=$T $P: tetra ..." >&2
-    if ! /usr/bin/time -f "%M" -o "$case_dir/tetra.rss" \
-        "$TETRA_BIN" --config "$case_dir/config.json" >"$case_dir/tetra.log" 2>&1; then
-      echo "bench_cpu: tetra failed on T=$T $P; last lines:" >&2
-      tail -5 "$case_dir/tetra.log" >&2
-      exit 1
-    fi
-    echo "  T=$T $P: torch ..." >&2
-    if ! "${torch_env[@]}" /usr/bin/time -f "%M" -o "$case_dir/torch.rss" \
-        "$PY" "$REPO/tools/bench_torch_gpt.py" --seq-len "$T" --batch "$BATCH" --precision "$P" \
-        --steps "$STEPS" --warmup "$WARMUP" --threads "$THREADS" >"$case_dir/torch.json" \
-        2>"$case_dir/torch.err"; then
-      echo "bench_cpu: torch peer failed on T=$T $P:" >&2
-      tail -5 "$case_dir/torch.err" >&2
-      exit 1
-    fi
-    "$PY" - "$case_dir" "$T" "$P" "$WARMUP" "$BATCH" >>"$results" <<'EOF'
+    for R in $(seq "$ROUNDS"); do
+      echo "  T=$T $P round $R/$ROUNDS: tetra ..." >&2
+      rm -rf "$case_dir/logs"
+      if ! /usr/bin/time -f "%M" -o "$case_dir/tetra$R.rss" \
+          "$TETRA_BIN" --config "$case_dir/config.json" >"$case_dir/tetra.log" 2>&1; then
+        echo "bench_cpu: tetra failed on T=$T $P; last lines:" >&2
+        tail -5 "$case_dir/tetra.log" >&2
+        exit 1
+      fi
+      cp "$case_dir/logs/metrics.jsonl" "$case_dir/metrics$R.jsonl"
+      echo "  T=$T $P round $R/$ROUNDS: torch ..." >&2
+      if ! "${torch_env[@]}" /usr/bin/time -f "%M" -o "$case_dir/torch$R.rss" \
+          "$PY" "$REPO/tools/bench_torch_gpt.py" --seq-len "$T" --batch "$BATCH" --precision "$P" \
+          --steps "$STEPS" --warmup "$WARMUP" --threads "$THREADS" >"$case_dir/torch$R.json" \
+          2>"$case_dir/torch.err"; then
+        echo "bench_cpu: torch peer failed on T=$T $P:" >&2
+        tail -5 "$case_dir/torch.err" >&2
+        exit 1
+      fi
+    done
+    "$PY" - "$case_dir" "$T" "$P" "$WARMUP" "$BATCH" "$ROUNDS" >>"$results" <<'EOF'
 import json, statistics, sys
 case, t, p = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-warmup, batch = int(sys.argv[4]), int(sys.argv[5])
-rows = [json.loads(l) for l in open(f"{case}/logs/metrics.jsonl") if l.strip()]
-ms = [r["ms"] for r in rows if "loss" in r and r["step"] > warmup]
-torch = json.loads(open(f"{case}/torch.json").read().strip().splitlines()[-1])
+warmup, batch, rounds = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 rss = lambda f: int(open(f).read().split()[-1]) / 1024  # /usr/bin/time %M: KiB
-print(json.dumps({"T": t, "precision": p, "tetra_ms": statistics.median(ms),
-                  "tetra_spread": max(ms) / min(ms),
-                  "torch_spread": max(torch["ms_all"]) / min(torch["ms_all"]),
-                  "tetra_rss": rss(f"{case}/tetra.rss"), "tetra_loss": rows[-1].get("loss"),
-                  "torch_ms": torch["ms_per_step"], "torch_rss": rss(f"{case}/torch.rss"),
+tetra_ms, torch_ms, round_ratios, loss = [], [], [], None
+for r in range(1, rounds + 1):
+    rows = [json.loads(l) for l in open(f"{case}/metrics{r}.jsonl") if l.strip()]
+    ms = [x["ms"] for x in rows if "loss" in x and x["step"] > warmup]
+    torch = json.loads(open(f"{case}/torch{r}.json").read().strip().splitlines()[-1])
+    tetra_ms += ms
+    torch_ms += torch["ms_all"]
+    round_ratios.append(statistics.median(torch["ms_all"]) / statistics.median(ms))
+    loss = rows[-1].get("loss")
+print(json.dumps({"T": t, "precision": p, "tetra_ms": statistics.median(tetra_ms),
+                  "tetra_spread": max(tetra_ms) / min(tetra_ms),
+                  "torch_spread": max(torch_ms) / min(torch_ms),
+                  "round_ratios": round_ratios,
+                  "tetra_rss": max(rss(f"{case}/tetra{r}.rss") for r in range(1, rounds + 1)),
+                  "tetra_loss": loss, "torch_ms": statistics.median(torch_ms),
+                  "torch_rss": max(rss(f"{case}/torch{r}.rss") for r in range(1, rounds + 1)),
                   "torch_blas": torch["blas"], "torch_alloc": torch["allocator"], "batch": batch}))
 EOF
   done
@@ -250,7 +265,7 @@ L, C, V = 12, 768, 50257
 n_matmul = L * 12 * C * C + V * C
 print()
 print(f"{'':10} | {'ms/step':^19} | {'tokens/s':^26} | {'GFLOP/s (% of fp32 FMA ceiling)':^37} | "
-      f"{'peak RSS MiB':^15}")
+      f"{'peak RSS MiB':^15} | ratio per round")
 print(f"{'T':>4} {'prec':>5} | {'tetra':>9} {'torch':>9} | {'tetra':>8} {'torch':>8} "
       f"{'ratio':>8} | "
       f"{'tetra':>9} {'':>8} {'torch':>9} {'':>8} | {'tetra':>7} {'torch':>7}")
@@ -263,10 +278,11 @@ for r in rows:
     pct = lambda g: f"{100 * g / ceil:5.1f}%" if ceil > 0 else "   n/a"
     print(f"{t:>4} {p:>5} | {r['tetra_ms']:9.0f} {r['torch_ms']:9.0f} | {tt:8.1f} {to:8.1f} "
           f"{tt / to:8.2f} | {gt:9.1f} ({pct(gt)}) {go:9.1f} ({pct(go)}) | {r['tetra_rss']:7.0f} "
-          f"{r['torch_rss']:7.0f}")
-print(f"\nms/step: median of the timed steps; ratio: Tetra tokens/s / torch tokens/s (> 1: Tetra "
-      f"faster); FLOPs/token = 6*{n_matmul} + 12*L*T*C; % of the fp32 FMA ceiling "
-      f"({ceil:.0f} GFLOP/s) in every row.")
+          f"{r['torch_rss']:7.0f} | " + " ".join(f"{x:.2f}" for x in r["round_ratios"]))
+print(f"\nms/step: median of the timed steps of every round (Tetra and torch alternate, one run "
+      f"each per round); peak RSS: the largest of the rounds; ratio: Tetra tokens/s / torch "
+      f"tokens/s (> 1: Tetra faster), overall and per round; FLOPs/token = 6*{n_matmul} + "
+      f"12*L*T*C; % of the fp32 FMA ceiling ({ceil:.0f} GFLOP/s) in every row.")
 # A step time that varies by more than 25% within one run means the machine was busy (another
 # process took a core: with 2 threads, every OpenMP barrier then waits for the descheduled one).
 noisy = [f"T={r['T']} {r['precision']} {impl} (slowest/fastest step {r[impl + '_spread']:.2f})"
