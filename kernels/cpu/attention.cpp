@@ -1,4 +1,6 @@
-// Causal self-attention (forward and backward) and RoPE on the CPU.
+// Causal self-attention (forward and backward) and RoPE on the CPU. bf16 attention runs on AMX
+// tiles instead where the CPU has them (attention_amx.cpp; CpuBackend::set_amx_attention); these
+// kernels are the path for fp32 and fp16, and for bf16 elsewhere.
 //
 // qkv (B, T, (NH + 2*NKV) * HS) holds per token NH query heads, then NKV key heads, then NKV value
 // heads; query head h reads kv head h / (NH / NKV) (grouped-query attention). Scores are scaled by
@@ -32,6 +34,7 @@
 #include <vector>
 
 #include "kernels/common/math.h"
+#include "kernels/cpu/attention_amx.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/dispatch.h"
 #include "trainer/core/check.h"
@@ -550,6 +553,13 @@ void check_rope(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float
 void CpuBackend::attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T,
                                    int64_t NH, int64_t NKV, int64_t HS, DType act) {
   AttnShape s = make_shape(B, T, NH, NKV, HS, "attention_forward");
+  if (act == DType::BF16 && amx_attention_ && cpu::amx_attention_available()) {
+    cpu::amx_attention_forward(static_cast<bf16*>(out), lse, static_cast<const bf16*>(qkv), B, T,
+                               NH, NKV, HS, threads_);
+    attention_forward_kernel_ = "amx (bf16 tiles)";
+    return;
+  }
+  attention_forward_kernel_ = "flash (fp32 tiles)";
   cpu::with_float_type(act, "attention_forward", "activation type", [&](auto tag) {
     using S = decltype(tag);
     attention_forward_impl(static_cast<S*>(out), lse, static_cast<const S*>(qkv), s, threads_);
@@ -560,12 +570,28 @@ void CpuBackend::attention_backward(void* dqkv, const void* dout, const void* qk
                                     const void* out, const float* lse, int64_t B, int64_t T,
                                     int64_t NH, int64_t NKV, int64_t HS, DType act) {
   AttnShape s = make_shape(B, T, NH, NKV, HS, "attention_backward");
+  if (act == DType::BF16 && amx_attention_ && cpu::amx_attention_available()) {
+    cpu::amx_attention_backward(static_cast<bf16*>(dqkv), static_cast<const bf16*>(dout),
+                                static_cast<const bf16*>(qkv), static_cast<const bf16*>(out), lse,
+                                B, T, NH, NKV, HS, threads_);
+    attention_backward_kernel_ = "amx (bf16 tiles)";
+    return;
+  }
+  attention_backward_kernel_ = "flash (fp32 tiles)";
   cpu::with_float_type(act, "attention_backward", "activation type", [&](auto tag) {
     using S = decltype(tag);
     attention_backward_impl(static_cast<S*>(dqkv), static_cast<const S*>(dout),
                             static_cast<const S*>(qkv), static_cast<const S*>(out), lse, s,
                             threads_);
   });
+}
+
+std::string CpuBackend::kernel_report() const {
+  if (attention_forward_kernel_ == nullptr) return "";
+  std::string report = std::string("attention forward ") + attention_forward_kernel_;
+  if (attention_backward_kernel_ != nullptr)
+    report += std::string(", backward ") + attention_backward_kernel_;
+  return report;
 }
 
 void CpuBackend::rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,

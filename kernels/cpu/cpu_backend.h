@@ -5,6 +5,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "kernels/backend.h"
 
@@ -17,6 +18,11 @@ class CpuBackend final : public Backend {
   std::string name() const override { return "cpu"; }
   bool host_memory() const override { return true; }
   int threads() const { return threads_; }
+  // bf16 attention runs on AMX tiles where the CPU has them (attention_amx.cpp), else on the fp32
+  // flash kernels (attention.cpp). Off forces the flash kernels (tests compare the two).
+  void set_amx_attention(bool on) { amx_attention_ = on; }
+  // Which attention kernels the last attention op ran, e.g. "attention forward amx, backward amx".
+  std::string kernel_report() const override;
 
   void* alloc(size_t bytes) override;
   void free(void* ptr) override;
@@ -103,6 +109,9 @@ class CpuBackend final : public Backend {
 
  private:
   int threads_;
+  bool amx_attention_ = true;
+  const char* attention_forward_kernel_ = nullptr;  // what the last attention ops ran
+  const char* attention_backward_kernel_ = nullptr;
   struct GemmCache;                     // oneDNN engine, stream and primitives cached per shape
   std::unique_ptr<GemmCache> gemm_cache_;
 };

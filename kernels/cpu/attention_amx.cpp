@@ -1,0 +1,487 @@
+// Causal attention in bf16 on AMX tiles (Intel Advanced Matrix Extensions), where the CPU has them.
+//
+// The fp32 flash kernels in attention.cpp multiply at the fp32 FMA rate; AMX multiplies bf16 tiles
+// with fp32 accumulation several times faster. This path takes bf16 attention when the CPU and the
+// OS allow AMX (amx_attention_available()); elsewhere the flash kernels run.
+//
+// Every product is C (M, N) (+)= A (M, K) · B (K, N) on whole tiles (M, N multiples of 32, K of
+// 32): A row-major bf16, B in the tiles' pair-interleaved ("VNNI") layout, B32[k/2][n] = the bf16
+// pair (B[k][n], B[k+1][n]) in one 32-bit word; C fp32. Shapes are padded with zeros: HS to HSp (a
+// multiple of 32), T to Tp (a multiple of 64), and padded keys are masked like future ones.
+//
+// Forward, one task per (b, head), query blocks of 64 rows [r0, r0 + 64) against keys [0, r0 + 64):
+//   S = Q_blk K^T (fp32)   P = softmax(scale S), keys j > i masked   lse_i = max + log(sum)
+//   O_blk = P V            with P rounded to bf16, as GPU flash attention does.
+// Backward, one task per (b, kv head) (it owns dK and dV: GQA heads never race), per query head of
+// the group and query block, P recomputed from the saved lse:
+//   dV += P^T dO_blk   dP = dO_blk V^T   dS = P (dP - D), D_i = dO_i · O_i
+//   dQ_blk = scale dS K   dK += scale dS^T Q_blk          with dS rounded to bf16.
+// dK and dV accumulate in fp32 tiles over the whole group and are rounded once. Scores and
+// softmax statistics are fp32. The orders are fixed, so results do not depend on the threads.
+//
+// The precision differs from the flash kernels (which keep P and dS in fp32) by those two bf16
+// roundings: the unit tests bound it (tests/unit/test_kernels_gemm_attention.cpp).
+#include "kernels/cpu/attention_amx.h"
+
+#include "trainer/core/check.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+// GCC 12's AVX-512 headers build several intrinsics on _mm512_undefined_*(), which its own
+// -Wuninitialized then reports at the header's lines (a false positive, gone in later GCC). The
+// pragma applies to the header's lines only: diagnostics state is per source location.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels/common/math.h"
+
+#define TETRA_AMX_TARGET \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq")))
+
+namespace tetra::cpu {
+namespace {
+
+constexpr int64_t kQBlock = 64;  // query rows per block (and the key padding unit)
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// ---------------------------------------------------------------------------------------------
+// Availability: the CPU reports AMX-TILE and AMX-BF16 (CPUID.(7,0):EDX bits 24 and 22) and Linux
+// grants this process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA;
+// without it the first tile instruction faults).
+// ---------------------------------------------------------------------------------------------
+bool detect_amx() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool tile = (edx >> 24) & 1u, bf16 = (edx >> 22) & 1u;
+  if (!tile || !bf16) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// Tile configuration (palette 1): every tile 16 rows of 64 bytes. tmm0-3 hold a 32 x 32 fp32 block
+// of C, tmm4-5 two 16 x 32 bf16 blocks of A, tmm6-7 two 16-pair x 16 blocks of B.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) {
+      colsb[t] = 64;
+      rows[t] = 16;
+    }
+  }
+};
+static_assert(sizeof(TileConfig) == 64);
+
+// C (M, N) fp32 (ldc) = [C +] A (M, K) bf16 (lda) · B, B given as B32 (K/2, N) words (ldb words).
+// M, N multiples of 32, K a multiple of 32. The tile configuration must be loaded.
+TETRA_AMX_TARGET void tile_product(float* c, int64_t ldc, const bf16* a, int64_t lda,
+                                   const uint32_t* b, int64_t ldb, int64_t M, int64_t N,
+                                   int64_t K, bool accumulate) {
+  const int64_t sc = ldc * 4, sa = lda * 2, sb = ldb * 4;
+  for (int64_t m = 0; m < M; m += 32) {
+    for (int64_t n = 0; n < N; n += 32) {
+      float* c00 = c + m * ldc + n;
+      if (accumulate) {
+        _tile_loadd(0, c00, sc);
+        _tile_loadd(1, c00 + 16, sc);
+        _tile_loadd(2, c00 + 16 * ldc, sc);
+        _tile_loadd(3, c00 + 16 * ldc + 16, sc);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t k = 0; k < K; k += 32) {
+        _tile_loadd(4, a + m * lda + k, sa);
+        _tile_loadd(5, a + (m + 16) * lda + k, sa);
+        _tile_loadd(6, b + (k / 2) * ldb + n, sb);
+        _tile_loadd(7, b + (k / 2) * ldb + n + 16, sb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c00, sc);
+      _tile_stored(1, c00 + 16, sc);
+      _tile_stored(2, c00 + 16 * ldc, sc);
+      _tile_stored(3, c00 + 16 * ldc + 16, sc);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Operand layouts. Rows of one head lie `ld` elements apart in qkv / out; rows >= `rows` and
+// columns >= `cols` are padding (zero).
+// ---------------------------------------------------------------------------------------------
+// dst (rows_p, HSp) bf16 row-major = src rows [0, rows), columns [0, cols), zero-padded.
+void copy_rows(bf16* dst, int64_t HSp, int64_t rows_p, const bf16* src, int64_t ld, int64_t rows,
+               int64_t cols) {
+  for (int64_t r = 0; r < rows_p; ++r) {
+    bf16* d = dst + r * HSp;
+    if (r < rows) {
+      std::memcpy(d, src + r * ld, sizeof(bf16) * cols);
+      std::memset(d + cols, 0, sizeof(bf16) * (HSp - cols));
+    } else {
+      std::memset(d, 0, sizeof(bf16) * HSp);
+    }
+  }
+}
+
+// B32 (rows_p / 2, HSp) = pairs of consecutive rows of X (rows_p, HSp) row-major: the tile layout
+// of X as the B operand (X's rows are the product's K dimension).
+TETRA_AMX_TARGET void pair_rows(uint32_t* dst, const bf16* x, int64_t rows_p, int64_t HSp) {
+  for (int64_t kp = 0; kp < rows_p / 2; ++kp) {
+    const uint16_t* r0 = reinterpret_cast<const uint16_t*>(x + 2 * kp * HSp);
+    const uint16_t* r1 = r0 + HSp;
+    uint32_t* d = dst + kp * HSp;
+    for (int64_t n = 0; n < HSp; n += 16) {
+      const __m512i lo =
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + n)));
+      const __m512i hi =
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + n)));
+      _mm512_storeu_si512(d + n, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
+// B32 (HSp / 2, rows_p) of X^T for X (rows_p, HSp) row-major: word [dp][r] is X's pair
+// (X[r][2dp], X[r][2dp + 1]), i.e. X viewed as (rows_p, HSp / 2) words, transposed. The product's
+// K dimension is then X's columns (head dimension), N its rows.
+TETRA_AMX_TARGET void pair_columns(uint32_t* dst, int64_t ldd, const bf16* x, int64_t rows_p,
+                                   int64_t HSp) {
+  const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x);
+  const int64_t w = HSp / 2;  // words per row
+  const __m512i idx = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(w)));
+  for (int64_t r = 0; r < rows_p; r += 16) {
+    const uint32_t* base = x32 + r * w;
+    for (int64_t dp = 0; dp < w; ++dp) {
+      const __m512i v = _mm512_i32gather_epi32(idx, base + dp, 4);
+      _mm512_storeu_si512(dst + dp * ldd + r, v);
+    }
+  }
+}
+
+// dst (cols, rows) = src (rows, cols)^T, 16-bit, rows a multiple of 8 and cols of 32.
+TETRA_AMX_TARGET void transpose_8x32(uint16_t* dst, int64_t ldd, const uint16_t* src,
+                                     int64_t lds) {
+  __m512i r[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm512_loadu_si512(src + i * lds);
+  const __m512i t0 = _mm512_unpacklo_epi16(r[0], r[1]), t1 = _mm512_unpackhi_epi16(r[0], r[1]);
+  const __m512i t2 = _mm512_unpacklo_epi16(r[2], r[3]), t3 = _mm512_unpackhi_epi16(r[2], r[3]);
+  const __m512i t4 = _mm512_unpacklo_epi16(r[4], r[5]), t5 = _mm512_unpackhi_epi16(r[4], r[5]);
+  const __m512i t6 = _mm512_unpacklo_epi16(r[6], r[7]), t7 = _mm512_unpackhi_epi16(r[6], r[7]);
+  const __m512i u0 = _mm512_unpacklo_epi32(t0, t2), u1 = _mm512_unpackhi_epi32(t0, t2);
+  const __m512i u2 = _mm512_unpacklo_epi32(t1, t3), u3 = _mm512_unpackhi_epi32(t1, t3);
+  const __m512i u4 = _mm512_unpacklo_epi32(t4, t6), u5 = _mm512_unpackhi_epi32(t4, t6);
+  const __m512i u6 = _mm512_unpacklo_epi32(t5, t7), u7 = _mm512_unpackhi_epi32(t5, t7);
+  // Within each 128-bit lane L, v[i] holds column 8 L + i of the 8 rows.
+  const __m512i v[8] = {_mm512_unpacklo_epi64(u0, u4), _mm512_unpackhi_epi64(u0, u4),
+                        _mm512_unpacklo_epi64(u1, u5), _mm512_unpackhi_epi64(u1, u5),
+                        _mm512_unpacklo_epi64(u2, u6), _mm512_unpackhi_epi64(u2, u6),
+                        _mm512_unpacklo_epi64(u3, u7), _mm512_unpackhi_epi64(u3, u7)};
+  for (int i = 0; i < 8; ++i) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i * ldd), _mm512_castsi512_si128(v[i]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (8 + i) * ldd),
+                     _mm512_extracti32x4_epi32(v[i], 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (16 + i) * ldd),
+                     _mm512_extracti32x4_epi32(v[i], 2));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (24 + i) * ldd),
+                     _mm512_extracti32x4_epi32(v[i], 3));
+  }
+}
+
+TETRA_AMX_TARGET void transpose16(bf16* dst, int64_t ldd, const bf16* src, int64_t lds,
+                                  int64_t rows, int64_t cols) {
+  auto* d = reinterpret_cast<uint16_t*>(dst);
+  const auto* s = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t c0 = 0; c0 < cols; c0 += 32)
+    for (int64_t r0 = 0; r0 < rows; r0 += 8)
+      transpose_8x32(d + c0 * ldd + r0, ldd, s + r0 * lds + c0, lds);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shapes and per-thread scratch
+// ---------------------------------------------------------------------------------------------
+struct Dims {
+  int64_t B, T, NH, NKV, HS, G, row, HSp, Tp;
+  float scale;
+  int64_t q_at(int64_t b, int64_t t, int64_t h) const { return (b * T + t) * row + h * HS; }
+  int64_t k_at(int64_t b, int64_t t, int64_t kvh) const {
+    return (b * T + t) * row + (NH + kvh) * HS;
+  }
+  int64_t v_at(int64_t b, int64_t t, int64_t kvh) const {
+    return (b * T + t) * row + (NH + NKV + kvh) * HS;
+  }
+  int64_t o_at(int64_t b, int64_t t, int64_t h) const { return (b * T + t) * NH * HS + h * HS; }
+};
+
+Dims make_dims(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+  return Dims{B,          T, NH, NKV, HS, NH / NKV, (NH + 2 * NKV) * HS, round_up(HS, 32),
+              round_up(T, kQBlock), 1.0f / std::sqrt(static_cast<float>(HS))};
+}
+
+template <typename V>
+V* grow(std::vector<V>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+  return v.data();
+}
+
+struct Scratch {
+  std::vector<bf16> k, v, qb, dob, p, pt;           // rows (padded), P / dS and their transposes
+  std::vector<uint32_t> kt32, vt32, k32, v32, q32, do32;  // B operands
+  std::vector<float> s, dp, acc, dk, dv;
+};
+Scratch& scratch() {
+  static thread_local Scratch w;
+  return w;
+}
+
+// Row i (absolute query r0 + i) of a score block: P over keys [0, n), live keys j <= r0 + i.
+// shift = the row max (forward) or the saved lse (backward); returns the sum of the exps.
+inline float exp_row(float* s, int64_t live, int64_t n, float scale, float shift) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < live; ++j) {
+    const float e = math::exp_fast(s[j] * scale - shift);
+    s[j] = e;
+    sum += e;
+  }
+  for (int64_t j = live; j < n; ++j) s[j] = 0.0f;
+  return sum;
+}
+
+// max of s[0, n), n >= 1, in 16 independent lanes (a single running max is one long dependency
+// chain, which the compiler does not vectorise without fast-math).
+inline float row_max(const float* s, int64_t n) {
+  float lanes[16];
+  for (int l = 0; l < 16; ++l) lanes[l] = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] = s[j + l] > lanes[l] ? s[j + l] : lanes[l];
+  for (int l = 0; j < n; ++j, ++l) lanes[l] = s[j] > lanes[l] ? s[j] : lanes[l];
+  float mx = lanes[0];
+  for (int l = 1; l < 16; ++l) mx = lanes[l] > mx ? lanes[l] : mx;
+  return mx;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+// ---------------------------------------------------------------------------------------------
+void forward_head(bf16* out, float* lse, const bf16* qkv, const Dims& d, int64_t b, int64_t h,
+                  Scratch& w) {
+  const int64_t kvh = h / d.G, HSp = d.HSp, Tp = d.Tp;
+  bf16* k = grow(w.k, Tp * HSp);
+  bf16* v = grow(w.v, Tp * HSp);
+  uint32_t* kt32 = grow(w.kt32, HSp / 2 * Tp);
+  uint32_t* v32 = grow(w.v32, Tp / 2 * HSp);
+  bf16* qb = grow(w.qb, kQBlock * HSp);
+  bf16* p = grow(w.p, kQBlock * Tp);
+  float* s = grow(w.s, kQBlock * Tp);
+  float* acc = grow(w.acc, kQBlock * HSp);
+  copy_rows(k, HSp, Tp, qkv + d.k_at(b, 0, kvh), d.row, d.T, d.HS);
+  copy_rows(v, HSp, Tp, qkv + d.v_at(b, 0, kvh), d.row, d.T, d.HS);
+  pair_columns(kt32, Tp, k, Tp, HSp);
+  pair_rows(v32, v, Tp, HSp);
+  for (int64_t r0 = 0; r0 < d.T; r0 += kQBlock) {
+    const int64_t nq = std::min(kQBlock, d.T - r0), nk = r0 + kQBlock;  // keys [0, nk)
+    copy_rows(qb, HSp, kQBlock, qkv + d.q_at(b, r0, h), d.row, nq, d.HS);
+    tile_product(s, Tp, qb, HSp, kt32, Tp, kQBlock, nk, HSp, false);
+    for (int64_t i = 0; i < kQBlock; ++i) {
+      float* si = s + i * Tp;
+      bf16* pi = p + i * Tp;
+      if (i >= nq) {  // padded query row: P = 0
+        std::memset(pi, 0, sizeof(bf16) * nk);
+        continue;
+      }
+      const int64_t live = r0 + i + 1;
+      const float mx = row_max(si, live) * d.scale;
+      const float sum = exp_row(si, live, nk, d.scale, mx);
+      const float inv = 1.0f / sum;
+#pragma omp simd
+      for (int64_t j = 0; j < nk; ++j) pi[j] = from_f32<bf16>(si[j] * inv);
+      lse[(b * d.NH + h) * d.T + r0 + i] = mx + std::log(sum);
+    }
+    tile_product(acc, HSp, p, Tp, v32, HSp, kQBlock, HSp, nk, false);
+    for (int64_t i = 0; i < nq; ++i) {
+      bf16* o = out + d.o_at(b, r0 + i, h);
+      const float* a = acc + i * HSp;
+#pragma omp simd
+      for (int64_t x = 0; x < d.HS; ++x) o[x] = from_f32<bf16>(a[x]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward
+// ---------------------------------------------------------------------------------------------
+void backward_kv_head(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out,
+                      const float* lse, const Dims& d, int64_t b, int64_t kvh, Scratch& w) {
+  const int64_t HSp = d.HSp, Tp = d.Tp;
+  bf16* k = grow(w.k, Tp * HSp);
+  bf16* v = grow(w.v, Tp * HSp);
+  uint32_t* kt32 = grow(w.kt32, HSp / 2 * Tp);
+  uint32_t* vt32 = grow(w.vt32, HSp / 2 * Tp);
+  uint32_t* k32 = grow(w.k32, Tp / 2 * HSp);
+  uint32_t* q32 = grow(w.q32, kQBlock / 2 * HSp);
+  uint32_t* do32 = grow(w.do32, kQBlock / 2 * HSp);
+  bf16* qb = grow(w.qb, kQBlock * HSp);
+  bf16* dob = grow(w.dob, kQBlock * HSp);
+  bf16* p = grow(w.p, kQBlock * Tp);
+  bf16* pt = grow(w.pt, Tp * kQBlock);
+  float* s = grow(w.s, kQBlock * Tp);
+  float* dp = grow(w.dp, kQBlock * Tp);
+  float* acc = grow(w.acc, kQBlock * HSp);
+  float* dk = grow(w.dk, Tp * HSp);
+  float* dv = grow(w.dv, Tp * HSp);
+  copy_rows(k, HSp, Tp, qkv + d.k_at(b, 0, kvh), d.row, d.T, d.HS);
+  copy_rows(v, HSp, Tp, qkv + d.v_at(b, 0, kvh), d.row, d.T, d.HS);
+  pair_columns(kt32, Tp, k, Tp, HSp);
+  pair_columns(vt32, Tp, v, Tp, HSp);
+  pair_rows(k32, k, Tp, HSp);
+  std::memset(dk, 0, sizeof(float) * Tp * HSp);
+  std::memset(dv, 0, sizeof(float) * Tp * HSp);
+  float dsum[kQBlock];
+  for (int64_t h = kvh * d.G; h < (kvh + 1) * d.G; ++h) {
+    for (int64_t r0 = 0; r0 < d.T; r0 += kQBlock) {
+      const int64_t nq = std::min(kQBlock, d.T - r0), nk = r0 + kQBlock;
+      copy_rows(qb, HSp, kQBlock, qkv + d.q_at(b, r0, h), d.row, nq, d.HS);
+      copy_rows(dob, HSp, kQBlock, dout + d.o_at(b, r0, h), d.NH * d.HS, nq, d.HS);
+      pair_rows(q32, qb, kQBlock, HSp);
+      pair_rows(do32, dob, kQBlock, HSp);
+      for (int64_t i = 0; i < kQBlock; ++i) {
+        float acc_d = 0.0f;
+        if (i < nq) {
+          const bf16* oi = out + d.o_at(b, r0 + i, h);
+          const bf16* doi = dob + i * HSp;
+#pragma omp simd reduction(+ : acc_d)
+          for (int64_t x = 0; x < d.HS; ++x) acc_d += to_f32(doi[x]) * to_f32(oi[x]);
+        }
+        dsum[i] = acc_d;
+      }
+      // P, recomputed from the saved log-sum-exp.
+      tile_product(s, Tp, qb, HSp, kt32, Tp, kQBlock, nk, HSp, false);
+      const float* lse_row = lse + (b * d.NH + h) * d.T + r0;
+      for (int64_t i = 0; i < kQBlock; ++i) {
+        float* si = s + i * Tp;
+        if (i < nq)
+          exp_row(si, r0 + i + 1, nk, d.scale, lse_row[i]);
+        else
+          std::memset(si, 0, sizeof(float) * nk);
+        bf16* pi = p + i * Tp;
+#pragma omp simd
+        for (int64_t j = 0; j < nk; ++j) pi[j] = from_f32<bf16>(si[j]);
+      }
+      // dV[0, nk) += P^T dO_blk
+      transpose16(pt, kQBlock, p, Tp, kQBlock, nk);
+      tile_product(dv, HSp, pt, kQBlock, do32, HSp, nk, HSp, kQBlock, true);
+      // dP = dO_blk V^T;  dS = P (dP - D)
+      tile_product(dp, Tp, dob, HSp, vt32, Tp, kQBlock, nk, HSp, false);
+      for (int64_t i = 0; i < kQBlock; ++i) {
+        const float* si = s + i * Tp;
+        const float* dpi = dp + i * Tp;
+        bf16* dsi = p + i * Tp;
+        const float di = dsum[i];
+#pragma omp simd
+        for (int64_t j = 0; j < nk; ++j) dsi[j] = from_f32<bf16>(si[j] * (dpi[j] - di));
+      }
+      // dQ_blk = scale dS K  (each query row written once: dqkv is overwritten)
+      tile_product(acc, HSp, p, Tp, k32, HSp, kQBlock, HSp, nk, false);
+      for (int64_t i = 0; i < nq; ++i) {
+        bf16* dq = dqkv + d.q_at(b, r0 + i, h);
+        const float* a = acc + i * HSp;
+#pragma omp simd
+        for (int64_t x = 0; x < d.HS; ++x) dq[x] = from_f32<bf16>(a[x] * d.scale);
+      }
+      // dK[0, nk) += dS^T Q_blk  (scaled once at the end)
+      transpose16(pt, kQBlock, p, Tp, kQBlock, nk);
+      tile_product(dk, HSp, pt, kQBlock, q32, HSp, nk, HSp, kQBlock, true);
+    }
+  }
+  for (int64_t t = 0; t < d.T; ++t) {
+    bf16* dkt = dqkv + d.k_at(b, t, kvh);
+    bf16* dvt = dqkv + d.v_at(b, t, kvh);
+    for (int64_t x = 0; x < d.HS; ++x) dkt[x] = from_f32<bf16>(dk[t * HSp + x] * d.scale);
+    for (int64_t x = 0; x < d.HS; ++x) dvt[x] = from_f32<bf16>(dv[t * HSp + x]);
+  }
+}
+
+// Runs fn on each thread of the team with the tile configuration loaded, and releases the tiles
+// after (oneDNN's AMX kernels load their own configuration on every call).
+template <typename Fn>
+TETRA_AMX_TARGET void with_tiles(Fn&& fn) {
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+  fn();
+  _tile_release();
+}
+
+}  // namespace
+
+bool amx_attention_available() {
+  static const bool available = detect_amx();
+  return available;
+}
+
+void amx_attention_forward(bf16* out, float* lse, const bf16* qkv, int64_t B, int64_t T,
+                           int64_t NH, int64_t NKV, int64_t HS, int threads) {
+  TETRA_CHECK(amx_attention_available(), "attention: AMX is not available on this CPU");
+  const Dims d = make_dims(B, T, NH, NKV, HS);
+  const int64_t tasks = B * NH;
+#pragma omp parallel num_threads(threads)
+  with_tiles([&] {
+    Scratch& w = scratch();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task)
+      forward_head(out, lse, qkv, d, task / NH, task % NH, w);
+  });
+}
+
+void amx_attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out,
+                            const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                            int64_t HS, int threads) {
+  TETRA_CHECK(amx_attention_available(), "attention: AMX is not available on this CPU");
+  const Dims d = make_dims(B, T, NH, NKV, HS);
+  const int64_t tasks = B * NKV;
+#pragma omp parallel num_threads(threads)
+  with_tiles([&] {
+    Scratch& w = scratch();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task)
+      backward_kv_head(dqkv, dout, qkv, out, lse, d, task / NKV, task % NKV, w);
+  });
+}
+
+}  // namespace tetra::cpu
+
+#else  // not x86-64 with GCC/Clang: no AMX
+
+namespace tetra::cpu {
+bool amx_attention_available() { return false; }
+void amx_attention_forward(bf16*, float*, const bf16*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           int) {
+  TETRA_CHECK(false, "attention: AMX is not available on this CPU");
+}
+void amx_attention_backward(bf16*, const bf16*, const bf16*, const bf16*, const float*, int64_t,
+                            int64_t, int64_t, int64_t, int64_t, int) {
+  TETRA_CHECK(false, "attention: AMX is not available on this CPU");
+}
+}  // namespace tetra::cpu
+
+#endif
