@@ -221,6 +221,7 @@ TETRA_AMX_TARGET void transpose16(bf16* dst, int64_t ldd, const bf16* src, int64
 // ---------------------------------------------------------------------------------------------
 struct Dims {
   int64_t B, T, NH, NKV, HS, G, row, HSp, Tp;
+  int64_t ld;  // rows of score blocks and of K^T / V^T: Tp + 32, so rows never lie 4 KiB apart
   float scale;
   int64_t q_at(int64_t b, int64_t t, int64_t h) const { return (b * T + t) * row + h * HS; }
   int64_t k_at(int64_t b, int64_t t, int64_t kvh) const {
@@ -233,8 +234,9 @@ struct Dims {
 };
 
 Dims make_dims(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
-  return Dims{B,          T, NH, NKV, HS, NH / NKV, (NH + 2 * NKV) * HS, round_up(HS, 32),
-              round_up(T, kQBlock), 1.0f / std::sqrt(static_cast<float>(HS))};
+  const int64_t Tp = round_up(T, kQBlock);
+  return Dims{B,  T,       NH, NKV, HS, NH / NKV, (NH + 2 * NKV) * HS, round_up(HS, 32),
+              Tp, Tp + 32, 1.0f / std::sqrt(static_cast<float>(HS))};
 }
 
 template <typename V>
@@ -286,26 +288,26 @@ inline float row_max(const float* s, int64_t n) {
 // ---------------------------------------------------------------------------------------------
 void forward_head(bf16* out, float* lse, const bf16* qkv, const Dims& d, int64_t b, int64_t h,
                   Scratch& w) {
-  const int64_t kvh = h / d.G, HSp = d.HSp, Tp = d.Tp;
+  const int64_t kvh = h / d.G, HSp = d.HSp, Tp = d.Tp, L = d.ld;
   bf16* k = grow(w.k, Tp * HSp);
   bf16* v = grow(w.v, Tp * HSp);
-  uint32_t* kt32 = grow(w.kt32, HSp / 2 * Tp);
+  uint32_t* kt32 = grow(w.kt32, HSp / 2 * L);
   uint32_t* v32 = grow(w.v32, Tp / 2 * HSp);
   bf16* qb = grow(w.qb, kQBlock * HSp);
-  bf16* p = grow(w.p, kQBlock * Tp);
-  float* s = grow(w.s, kQBlock * Tp);
+  bf16* p = grow(w.p, kQBlock * L);
+  float* s = grow(w.s, kQBlock * L);
   float* acc = grow(w.acc, kQBlock * HSp);
   copy_rows(k, HSp, Tp, qkv + d.k_at(b, 0, kvh), d.row, d.T, d.HS);
   copy_rows(v, HSp, Tp, qkv + d.v_at(b, 0, kvh), d.row, d.T, d.HS);
-  pair_columns(kt32, Tp, k, Tp, HSp);
+  pair_columns(kt32, L, k, Tp, HSp);
   pair_rows(v32, v, Tp, HSp);
   for (int64_t r0 = 0; r0 < d.T; r0 += kQBlock) {
     const int64_t nq = std::min(kQBlock, d.T - r0), nk = r0 + kQBlock;  // keys [0, nk)
     copy_rows(qb, HSp, kQBlock, qkv + d.q_at(b, r0, h), d.row, nq, d.HS);
-    tile_product(s, Tp, qb, HSp, kt32, Tp, kQBlock, nk, HSp, false);
+    tile_product(s, L, qb, HSp, kt32, L, kQBlock, nk, HSp, false);
     for (int64_t i = 0; i < kQBlock; ++i) {
-      float* si = s + i * Tp;
-      bf16* pi = p + i * Tp;
+      float* si = s + i * L;
+      bf16* pi = p + i * L;
       if (i >= nq) {  // padded query row: P = 0
         std::memset(pi, 0, sizeof(bf16) * nk);
         continue;
@@ -318,7 +320,7 @@ void forward_head(bf16* out, float* lse, const bf16* qkv, const Dims& d, int64_t
       for (int64_t j = 0; j < nk; ++j) pi[j] = from_f32<bf16>(si[j] * inv);
       lse[(b * d.NH + h) * d.T + r0 + i] = mx + std::log(sum);
     }
-    tile_product(acc, HSp, p, Tp, v32, HSp, kQBlock, HSp, nk, false);
+    tile_product(acc, HSp, p, L, v32, HSp, kQBlock, HSp, nk, false);
     for (int64_t i = 0; i < nq; ++i) {
       bf16* o = out + d.o_at(b, r0 + i, h);
       const float* a = acc + i * HSp;
@@ -333,27 +335,27 @@ void forward_head(bf16* out, float* lse, const bf16* qkv, const Dims& d, int64_t
 // ---------------------------------------------------------------------------------------------
 void backward_kv_head(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out,
                       const float* lse, const Dims& d, int64_t b, int64_t kvh, Scratch& w) {
-  const int64_t HSp = d.HSp, Tp = d.Tp;
+  const int64_t HSp = d.HSp, Tp = d.Tp, L = d.ld;
   bf16* k = grow(w.k, Tp * HSp);
   bf16* v = grow(w.v, Tp * HSp);
-  uint32_t* kt32 = grow(w.kt32, HSp / 2 * Tp);
-  uint32_t* vt32 = grow(w.vt32, HSp / 2 * Tp);
+  uint32_t* kt32 = grow(w.kt32, HSp / 2 * L);
+  uint32_t* vt32 = grow(w.vt32, HSp / 2 * L);
   uint32_t* k32 = grow(w.k32, Tp / 2 * HSp);
   uint32_t* q32 = grow(w.q32, kQBlock / 2 * HSp);
   uint32_t* do32 = grow(w.do32, kQBlock / 2 * HSp);
   bf16* qb = grow(w.qb, kQBlock * HSp);
   bf16* dob = grow(w.dob, kQBlock * HSp);
-  bf16* p = grow(w.p, kQBlock * Tp);
+  bf16* p = grow(w.p, kQBlock * L);
   bf16* pt = grow(w.pt, Tp * kQBlock);
-  float* s = grow(w.s, kQBlock * Tp);
-  float* dp = grow(w.dp, kQBlock * Tp);
+  float* s = grow(w.s, kQBlock * L);
+  float* dp = grow(w.dp, kQBlock * L);
   float* acc = grow(w.acc, kQBlock * HSp);
   float* dk = grow(w.dk, Tp * HSp);
   float* dv = grow(w.dv, Tp * HSp);
   copy_rows(k, HSp, Tp, qkv + d.k_at(b, 0, kvh), d.row, d.T, d.HS);
   copy_rows(v, HSp, Tp, qkv + d.v_at(b, 0, kvh), d.row, d.T, d.HS);
-  pair_columns(kt32, Tp, k, Tp, HSp);
-  pair_columns(vt32, Tp, v, Tp, HSp);
+  pair_columns(kt32, L, k, Tp, HSp);
+  pair_columns(vt32, L, v, Tp, HSp);
   pair_rows(k32, k, Tp, HSp);
   std::memset(dk, 0, sizeof(float) * Tp * HSp);
   std::memset(dv, 0, sizeof(float) * Tp * HSp);
@@ -376,33 +378,33 @@ void backward_kv_head(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16*
         dsum[i] = acc_d;
       }
       // P, recomputed from the saved log-sum-exp.
-      tile_product(s, Tp, qb, HSp, kt32, Tp, kQBlock, nk, HSp, false);
+      tile_product(s, L, qb, HSp, kt32, L, kQBlock, nk, HSp, false);
       const float* lse_row = lse + (b * d.NH + h) * d.T + r0;
       for (int64_t i = 0; i < kQBlock; ++i) {
-        float* si = s + i * Tp;
+        float* si = s + i * L;
         if (i < nq)
           exp_row(si, r0 + i + 1, nk, d.scale, lse_row[i]);
         else
           std::memset(si, 0, sizeof(float) * nk);
-        bf16* pi = p + i * Tp;
+        bf16* pi = p + i * L;
 #pragma omp simd
         for (int64_t j = 0; j < nk; ++j) pi[j] = from_f32<bf16>(si[j]);
       }
       // dV[0, nk) += P^T dO_blk
-      transpose16(pt, kQBlock, p, Tp, kQBlock, nk);
+      transpose16(pt, kQBlock, p, L, kQBlock, nk);
       tile_product(dv, HSp, pt, kQBlock, do32, HSp, nk, HSp, kQBlock, true);
       // dP = dO_blk V^T;  dS = P (dP - D)
-      tile_product(dp, Tp, dob, HSp, vt32, Tp, kQBlock, nk, HSp, false);
+      tile_product(dp, L, dob, HSp, vt32, L, kQBlock, nk, HSp, false);
       for (int64_t i = 0; i < kQBlock; ++i) {
-        const float* si = s + i * Tp;
-        const float* dpi = dp + i * Tp;
-        bf16* dsi = p + i * Tp;
+        const float* si = s + i * L;
+        const float* dpi = dp + i * L;
+        bf16* dsi = p + i * L;
         const float di = dsum[i];
 #pragma omp simd
         for (int64_t j = 0; j < nk; ++j) dsi[j] = from_f32<bf16>(si[j] * (dpi[j] - di));
       }
       // dQ_blk = scale dS K  (each query row written once: dqkv is overwritten)
-      tile_product(acc, HSp, p, Tp, k32, HSp, kQBlock, HSp, nk, false);
+      tile_product(acc, HSp, p, L, k32, HSp, kQBlock, HSp, nk, false);
       for (int64_t i = 0; i < nq; ++i) {
         bf16* dq = dqkv + d.q_at(b, r0 + i, h);
         const float* a = acc + i * HSp;
@@ -410,7 +412,7 @@ void backward_kv_head(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16*
         for (int64_t x = 0; x < d.HS; ++x) dq[x] = from_f32<bf16>(a[x] * d.scale);
       }
       // dK[0, nk) += dS^T Q_blk  (scaled once at the end)
-      transpose16(pt, kQBlock, p, Tp, kQBlock, nk);
+      transpose16(pt, kQBlock, p, L, kQBlock, nk);
       tile_product(dk, HSp, pt, kQBlock, q32, HSp, nk, HSp, kQBlock, true);
     }
   }
