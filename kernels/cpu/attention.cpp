@@ -35,6 +35,7 @@
 
 #include "kernels/common/math.h"
 #include "kernels/cpu/attention_amx.h"
+#include "kernels/cpu/attention_layout.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/dispatch.h"
 #include "trainer/core/check.h"
@@ -150,22 +151,11 @@ float* scratch(std::vector<float>& buf, size_t n) {
 }
 
 // Geometry of qkv / out shared by forward and backward.
-struct AttnShape {
-  int64_t B, T, NH, NKV, HS;
+struct AttnShape : cpu::QkvLayout {
   int64_t HSP;    // HS rounded up to 16: scratch rows are padded with zeros to whole vectors
   int64_t G;      // query heads per kv head
-  int64_t row;    // elements per token in qkv: (NH + 2 * NKV) * HS
   int64_t n_qb;   // query (= key) blocks per sequence
   float scale;    // 1 / sqrt(HS)
-  // Offsets of head h's vector at token t of batch b.
-  int64_t q_at(int64_t b, int64_t t, int64_t h) const { return (b * T + t) * row + h * HS; }
-  int64_t k_at(int64_t b, int64_t t, int64_t kvh) const {
-    return (b * T + t) * row + (NH + kvh) * HS;
-  }
-  int64_t v_at(int64_t b, int64_t t, int64_t kvh) const {
-    return (b * T + t) * row + (NH + NKV + kvh) * HS;
-  }
-  int64_t o_at(int64_t b, int64_t t, int64_t h) const { return (b * T + t) * NH * HS + h * HS; }
 };
 
 AttnShape make_shape(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, const char* op) {
@@ -173,7 +163,7 @@ AttnShape make_shape(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, 
               "{}: sizes must be positive, got B={} T={} NH={} NKV={} HS={}", op, B, T, NH, NKV,
               HS);
   TETRA_CHECK(NH % NKV == 0, "{}: NH ({}) must be a multiple of NKV ({})", op, NH, NKV);
-  AttnShape s{B, T, NH, NKV, HS, round_up(HS, 16), NH / NKV, (NH + 2 * NKV) * HS,
+  AttnShape s{cpu::qkv_layout(B, T, NH, NKV, HS), round_up(HS, 16), NH / NKV,
               (T + kBlock - 1) / kBlock, 1.0f / std::sqrt(static_cast<float>(HS))};
   return s;
 }

@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "kernels/common/math.h"
+#include "kernels/cpu/attention_layout.h"
 
 #define TETRA_AMX_TARGET \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq")))
@@ -219,24 +220,16 @@ TETRA_AMX_TARGET void transpose16(bf16* dst, int64_t ldd, const bf16* src, int64
 // ---------------------------------------------------------------------------------------------
 // Shapes and per-thread scratch
 // ---------------------------------------------------------------------------------------------
-struct Dims {
-  int64_t B, T, NH, NKV, HS, G, row, HSp, Tp;
+struct Dims : QkvLayout {
+  int64_t G, HSp, Tp;
   int64_t ld;  // rows of score blocks and of K^T / V^T: Tp + 32, so rows never lie 4 KiB apart
   float scale;
-  int64_t q_at(int64_t b, int64_t t, int64_t h) const { return (b * T + t) * row + h * HS; }
-  int64_t k_at(int64_t b, int64_t t, int64_t kvh) const {
-    return (b * T + t) * row + (NH + kvh) * HS;
-  }
-  int64_t v_at(int64_t b, int64_t t, int64_t kvh) const {
-    return (b * T + t) * row + (NH + NKV + kvh) * HS;
-  }
-  int64_t o_at(int64_t b, int64_t t, int64_t h) const { return (b * T + t) * NH * HS + h * HS; }
 };
 
 Dims make_dims(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
   const int64_t Tp = round_up(T, kQBlock);
-  return Dims{B,  T,       NH, NKV, HS, NH / NKV, (NH + 2 * NKV) * HS, round_up(HS, 32),
-              Tp, Tp + 32, 1.0f / std::sqrt(static_cast<float>(HS))};
+  return Dims{qkv_layout(B, T, NH, NKV, HS), NH / NKV, round_up(HS, 32), Tp, Tp + 32,
+              1.0f / std::sqrt(static_cast<float>(HS))};
 }
 
 template <typename V>
@@ -424,14 +417,20 @@ void backward_kv_head(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16*
   }
 }
 
-// Runs fn on each thread of the team with the tile configuration loaded, and releases the tiles
-// after (oneDNN's AMX kernels load their own configuration on every call).
-template <typename Fn>
-TETRA_AMX_TARGET void with_tiles(Fn&& fn) {
+// Runs task(i, scratch) for i in [0, n) on the team's threads (dynamically: a thread that loses
+// its core holds no one up), each thread with the tile configuration loaded, and releases the
+// tiles after (oneDNN's AMX kernels load their own configuration on every call).
+template <typename Task>
+TETRA_AMX_TARGET void run_tasks(int64_t n, int threads, Task&& task) {
   static const TileConfig config;
-  _tile_loadconfig(&config);
-  fn();
-  _tile_release();
+#pragma omp parallel num_threads(threads)
+  {
+    _tile_loadconfig(&config);
+    Scratch& w = scratch();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) task(i, w);
+    _tile_release();
+  }
 }
 
 }  // namespace
@@ -445,13 +444,8 @@ void amx_attention_forward(bf16* out, float* lse, const bf16* qkv, int64_t B, in
                            int64_t NH, int64_t NKV, int64_t HS, int threads) {
   TETRA_CHECK(amx_attention_available(), "attention: AMX is not available on this CPU");
   const Dims d = make_dims(B, T, NH, NKV, HS);
-  const int64_t tasks = B * NH;
-#pragma omp parallel num_threads(threads)
-  with_tiles([&] {
-    Scratch& w = scratch();
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; ++task)
-      forward_head(out, lse, qkv, d, task / NH, task % NH, w);
+  run_tasks(B * NH, threads, [&](int64_t task, Scratch& w) {
+    forward_head(out, lse, qkv, d, task / NH, task % NH, w);
   });
 }
 
@@ -460,13 +454,8 @@ void amx_attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const
                             int64_t HS, int threads) {
   TETRA_CHECK(amx_attention_available(), "attention: AMX is not available on this CPU");
   const Dims d = make_dims(B, T, NH, NKV, HS);
-  const int64_t tasks = B * NKV;
-#pragma omp parallel num_threads(threads)
-  with_tiles([&] {
-    Scratch& w = scratch();
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; ++task)
-      backward_kv_head(dqkv, dout, qkv, out, lse, d, task / NKV, task % NKV, w);
+  run_tasks(B * NKV, threads, [&](int64_t task, Scratch& w) {
+    backward_kv_head(dqkv, dout, qkv, out, lse, d, task / NKV, task % NKV, w);
   });
 }
 

@@ -79,6 +79,26 @@ struct AttnDims {
   int64_t o(int64_t b, int64_t t, int64_t h) const { return (b * T + t) * NH * HS + h * HS; }
 };
 
+// p[0, i] = the softmax over keys j <= i of query i's scaled scores (head h, batch b), in double;
+// returns their log-sum-exp.
+template <typename X>
+inline double softmax_row(const AttnDims& d, const std::vector<X>& qkv, int64_t b, int64_t h,
+                          int64_t i, std::vector<double>& p) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d.HS));
+  double mx = -1e300;
+  for (int64_t j = 0; j <= i; ++j) {
+    double acc = 0.0;
+    for (int64_t x = 0; x < d.HS; ++x)
+      acc += static_cast<double>(qkv[d.q(b, i, h) + x]) * qkv[d.k(b, j, h) + x];
+    p[j] = acc * scale;
+    mx = std::max(mx, p[j]);
+  }
+  double sum = 0.0;
+  for (int64_t j = 0; j <= i; ++j) sum += std::exp(p[j] - mx);
+  for (int64_t j = 0; j <= i; ++j) p[j] = std::exp(p[j] - mx) / sum;
+  return mx + std::log(sum);
+}
+
 // out, lse of causal softmax attention; with dout non-null, also dqkv from the softmax Jacobian
 // (ds_j = p_j (dp_j - sum_k p_k dp_k)), written independently of the kernel's lse formulation.
 template <typename X>
@@ -89,22 +109,12 @@ inline void naive_attention(const AttnDims& d, const std::vector<X>& qkv,
   if (out) out->assign(d.out_size(), 0.0);
   if (lse) lse->assign(d.lse_size(), 0.0);
   if (dqkv) dqkv->assign(d.qkv_size(), 0.0);
-  std::vector<double> s(d.T), p(d.T), dp(d.T);
+  std::vector<double> p(d.T), dp(d.T);
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < d.NH; ++h)
       for (int64_t i = 0; i < d.T; ++i) {
-        double mx = -1e300;
-        for (int64_t j = 0; j <= i; ++j) {
-          double acc = 0.0;
-          for (int64_t x = 0; x < d.HS; ++x)
-            acc += static_cast<double>(qkv[d.q(b, i, h) + x]) * qkv[d.k(b, j, h) + x];
-          s[j] = acc * scale;
-          mx = std::max(mx, s[j]);
-        }
-        double sum = 0.0;
-        for (int64_t j = 0; j <= i; ++j) sum += std::exp(s[j] - mx);
-        for (int64_t j = 0; j <= i; ++j) p[j] = std::exp(s[j] - mx) / sum;
-        if (lse) (*lse)[(b * d.NH + h) * d.T + i] = mx + std::log(sum);
+        const double row_lse = softmax_row(d, qkv, b, h, i, p);
+        if (lse) (*lse)[(b * d.NH + h) * d.T + i] = row_lse;
         if (out)
           for (int64_t j = 0; j <= i; ++j)
             for (int64_t x = 0; x < d.HS; ++x)

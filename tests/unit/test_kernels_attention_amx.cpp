@@ -32,23 +32,13 @@ void term_magnitudes(const AttnDims& d, const std::vector<float>& qkv, const std
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.HS));
   out_abs->assign(d.out_size(), 0.0);
   grad_abs->assign(d.qkv_size(), 0.0);
-  std::vector<double> s(d.T), p(d.T), o(d.HS);
+  std::vector<double> p(d.T), o(d.HS);
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < d.NH; ++h)
       for (int64_t i = 0; i < d.T; ++i) {
-        double mx = -1e300;
-        for (int64_t j = 0; j <= i; ++j) {
-          double acc = 0.0;
-          for (int64_t x = 0; x < d.HS; ++x)
-            acc += static_cast<double>(qkv[d.q(b, i, h) + x]) * qkv[d.k(b, j, h) + x];
-          s[j] = acc * scale;
-          mx = std::max(mx, s[j]);
-        }
-        double sum = 0.0;
-        for (int64_t j = 0; j <= i; ++j) sum += std::exp(s[j] - mx);
+        softmax_row(d, qkv, b, h, i, p);
         std::fill(o.begin(), o.end(), 0.0);
         for (int64_t j = 0; j <= i; ++j) {
-          p[j] = std::exp(s[j] - mx) / sum;
           for (int64_t x = 0; x < d.HS; ++x) {
             o[x] += p[j] * qkv[d.v(b, j, h) + x];
             (*out_abs)[d.o(b, i, h) + x] += p[j] * std::fabs(qkv[d.v(b, j, h) + x]);
@@ -73,13 +63,19 @@ void term_magnitudes(const AttnDims& d, const std::vector<float>& qkv, const std
       }
 }
 
+// Whether the AMX path can run here; if not, says so in the test's output.
+bool amx_or_warn() {
+  if (cpu::amx_attention_available()) return true;
+  WARN("this CPU (or OS) has no AMX: the AMX attention path is not exercised here");
+  return false;
+}
+
 }  // namespace
 
 TEST_CASE("attention: bf16 on AMX tiles matches the double reference within its roundings",
           "[kernels]") {
   CpuBackend be(0);
-  if (!cpu::amx_attention_available()) {
-    WARN("this CPU (or OS) has no AMX: the AMX attention path is not exercised here");
+  if (!amx_or_warn()) {
     std::vector<float> qkv = round_bf16(random_floats(AttnDims{1, 8, 2, 2, 8}.qkv_size(), 1));
     run_attention(be, AttnDims{1, 8, 2, 2, 8}, qkv, nullptr, DType::BF16);
     CHECK(be.kernel_report() == "attention forward flash (fp32 tiles)");
@@ -118,10 +114,7 @@ TEST_CASE("attention: bf16 on AMX tiles matches the double reference within its 
 }
 
 TEST_CASE("attention: AMX results do not depend on the number of threads", "[kernels]") {
-  if (!cpu::amx_attention_available()) {
-    WARN("this CPU (or OS) has no AMX: the AMX attention path is not exercised here");
-    return;
-  }
+  if (!amx_or_warn()) return;
   const AttnDims d{2, 150, 4, 2, 24};
   const std::vector<float> qkv = round_bf16(random_floats(d.qkv_size(), 11, -2.0f, 2.0f));
   const std::vector<float> R = round_bf16(random_floats(d.out_size(), 12));
@@ -136,10 +129,7 @@ TEST_CASE("attention: AMX results do not depend on the number of threads", "[ker
 }
 
 TEST_CASE("attention: AMX and the bf16 flash kernels agree on a GPT-2 head", "[kernels]") {
-  if (!cpu::amx_attention_available()) {
-    WARN("this CPU (or OS) has no AMX: the AMX attention path is not exercised here");
-    return;
-  }
+  if (!amx_or_warn()) return;
   // The two paths differ only by the roundings of P and dS (the flash kernels keep them fp32):
   // the same bound as against the reference, with the flash result as the reference.
   const AttnDims d{2, 256, 2, 2, 64};
