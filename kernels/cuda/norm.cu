@@ -2,7 +2,7 @@
 // numerical reference in kernels/cpu/norm.cpp, whose formulas and expression order these kernels
 // follow). RMSNorm is LayerNorm with the mean fixed at 0 and none saved; as on the CPU, a non-null
 // bias is added (and its gradient accumulated) for RMSNORM too. Activations T and weights W are
-// F32 or BF16; every statistic and intermediate is fp32.
+// F32, BF16 or F16; every statistic and intermediate is fp32.
 //
 // Forward: one warp per row (rows of a GPT are C = 768..8192 wide: 3..32 16-byte chunks per
 // lane), mean then centred variance by warp shuffles, no shared memory and no block barrier. The

@@ -12,10 +12,10 @@
 // 16-byte loads and stores of params, grads and both moments where all four are aligned. The
 // updated parameter is written to the compute copy (rounded to bf16 or fp16, or fp32) in the same pass,
 // and the gradient is zeroed as it is consumed. Device code follows IEEE fp32 (nvcc's default
-// precise division and square root, no fast math); the one freedom both compilers take is fusing
-// a * b + c into an FMA. nvcc fuses the same products in adamw_update as the host compiler
-// (b1 m, b2 v, wd p), so the moments match the CPU bit for bit; the final p - lr x is left to
-// ptxas to fuse or not, at most an ulp or two apart (tests/cuda/test_optim.cpp).
+// precise division and square root, no fast math), and adamw_update writes its four
+// multiply-adds as fmaf (math::fused_mul_add) with no other a * b + c left for a compiler to
+// contract, so parameters, moments and the compute copy match the CPU bit for bit
+// (tests/cuda/test_optim.cpp).
 #include <algorithm>
 #include <cstdint>
 
