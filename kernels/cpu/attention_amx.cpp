@@ -20,7 +20,7 @@
 // softmax statistics are fp32. The orders are fixed, so results do not depend on the threads.
 //
 // The precision differs from the flash kernels (which keep P and dS in fp32) by those two bf16
-// roundings: the unit tests bound it (tests/unit/test_kernels_gemm_attention.cpp).
+// roundings: tests/unit/test_kernels_attention_amx.cpp bounds it.
 #include "kernels/cpu/attention_amx.h"
 
 #include "trainer/core/check.h"
