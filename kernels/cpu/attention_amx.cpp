@@ -9,7 +9,8 @@
 // pair (B[k][n], B[k+1][n]) in one 32-bit word; C fp32. Shapes are padded with zeros: HS to HSp (a
 // multiple of 32), T to Tp (a multiple of 64), and padded keys are masked like future ones.
 //
-// Forward, one task per (b, head), query blocks of 64 rows [r0, r0 + 64) against keys [0, r0 + 64):
+// Forward, one task per (b, head) (K and V packed once per kv head), query blocks of 64 rows
+// [r0, r0 + 64) against keys [0, r0 + 64):
 //   S = Q_blk K^T (fp32)   P = softmax(scale S), keys j > i masked   lse_i = max + log(sum)
 //   O_blk = P V            with P rounded to bf16, as GPU flash attention does.
 // Backward, one task per (b, kv head) (it owns dK and dV: GQA heads never race), per query head of
@@ -242,6 +243,7 @@ struct Scratch {
   std::vector<bf16> k, v, qb, dob, p, pt;           // rows (padded), P / dS and their transposes
   std::vector<uint32_t> kt32, vt32, k32, v32, q32, do32;  // B operands
   std::vector<float> s, dp, acc, dk, dv;
+  int64_t packed_b = -1, packed_kvh = -1;  // forward: whose K^T and V are in kt32 / v32
 };
 Scratch& scratch() {
   static thread_local Scratch w;
@@ -290,10 +292,14 @@ void forward_head(bf16* out, float* lse, const bf16* qkv, const Dims& d, int64_t
   bf16* p = grow(w.p, kQBlock * L);
   float* s = grow(w.s, kQBlock * L);
   float* acc = grow(w.acc, kQBlock * HSp);
-  copy_rows(k, HSp, Tp, qkv + d.k_at(b, 0, kvh), d.row, d.T, d.HS);
-  copy_rows(v, HSp, Tp, qkv + d.v_at(b, 0, kvh), d.row, d.T, d.HS);
-  pair_columns(kt32, L, k, Tp, HSp);
-  pair_rows(v32, v, Tp, HSp);
+  if (w.packed_b != b || w.packed_kvh != kvh) {  // the G query heads of a kv head pack it once
+    copy_rows(k, HSp, Tp, qkv + d.k_at(b, 0, kvh), d.row, d.T, d.HS);
+    copy_rows(v, HSp, Tp, qkv + d.v_at(b, 0, kvh), d.row, d.T, d.HS);
+    pair_columns(kt32, L, k, Tp, HSp);
+    pair_rows(v32, v, Tp, HSp);
+    w.packed_b = b;
+    w.packed_kvh = kvh;
+  }
   for (int64_t r0 = 0; r0 < d.T; r0 += kQBlock) {
     const int64_t nq = std::min(kQBlock, d.T - r0), nk = r0 + kQBlock;  // keys [0, nk)
     copy_rows(qb, HSp, kQBlock, qkv + d.q_at(b, r0, h), d.row, nq, d.HS);
@@ -417,17 +423,19 @@ void backward_kv_head(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16*
   }
 }
 
-// Runs task(i, scratch) for i in [0, n) on the team's threads (dynamically: a thread that loses
-// its core holds no one up), each thread with the tile configuration loaded, and releases the
-// tiles after (oneDNN's AMX kernels load their own configuration on every call).
+// Runs task(i, scratch) for i in [0, n) on the team's threads, `chunk` consecutive tasks at a time
+// (dynamically: a thread that loses its core holds no one up), each thread with the tile
+// configuration loaded, and releases the tiles after (oneDNN's AMX kernels load their own
+// configuration on every call). Packed operands cached by an earlier call are stale.
 template <typename Task>
-TETRA_AMX_TARGET void run_tasks(int64_t n, int threads, Task&& task) {
+TETRA_AMX_TARGET void run_tasks(int64_t n, int64_t chunk, int threads, Task&& task) {
   static const TileConfig config;
 #pragma omp parallel num_threads(threads)
   {
     _tile_loadconfig(&config);
     Scratch& w = scratch();
-#pragma omp for schedule(dynamic, 1)
+    w.packed_b = w.packed_kvh = -1;
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t i = 0; i < n; ++i) task(i, w);
     _tile_release();
   }
@@ -444,7 +452,8 @@ void amx_attention_forward(bf16* out, float* lse, const bf16* qkv, int64_t B, in
                            int64_t NH, int64_t NKV, int64_t HS, int threads) {
   TETRA_CHECK(amx_attention_available(), "attention: AMX is not available on this CPU");
   const Dims d = make_dims(B, T, NH, NKV, HS);
-  run_tasks(B * NH, threads, [&](int64_t task, Scratch& w) {
+  // Tasks (b, h), a kv head's G query heads together, so their thread packs K and V once.
+  run_tasks(B * NH, d.G, threads, [&](int64_t task, Scratch& w) {
     forward_head(out, lse, qkv, d, task / NH, task % NH, w);
   });
 }
@@ -454,7 +463,7 @@ void amx_attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const
                             int64_t HS, int threads) {
   TETRA_CHECK(amx_attention_available(), "attention: AMX is not available on this CPU");
   const Dims d = make_dims(B, T, NH, NKV, HS);
-  run_tasks(B * NKV, threads, [&](int64_t task, Scratch& w) {
+  run_tasks(B * NKV, 1, threads, [&](int64_t task, Scratch& w) {
     backward_kv_head(dqkv, dout, qkv, out, lse, d, task / NKV, task % NKV, w);
   });
 }
