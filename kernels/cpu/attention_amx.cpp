@@ -452,8 +452,10 @@ void amx_attention_forward(bf16* out, float* lse, const bf16* qkv, int64_t B, in
                            int64_t NH, int64_t NKV, int64_t HS, int threads) {
   TETRA_CHECK(amx_attention_available(), "attention: AMX is not available on this CPU");
   const Dims d = make_dims(B, T, NH, NKV, HS);
-  // Tasks (b, h), a kv head's G query heads together, so their thread packs K and V once.
-  run_tasks(B * NH, d.G, threads, [&](int64_t task, Scratch& w) {
+  // Tasks (b, h), a kv head's G query heads together where that leaves every thread work, so
+  // their thread packs K and V once.
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(d.G, B * NH / threads));
+  run_tasks(B * NH, chunk, threads, [&](int64_t task, Scratch& w) {
     forward_head(out, lse, qkv, d, task / NH, task % NH, w);
   });
 }
