@@ -19,7 +19,9 @@
 // collide in the same L1 sets and the whole product runs up to 2.5x slower (1024x768 · 768x3072
 // on one core: 70 ms with ldb = 3072, 27 ms with ldb = 3088). Such a B is first copied to rows
 // padded by one cache line: O(K N) of copying against O(M K N) of arithmetic, done only for
-// M >= 64. The bf16 (AMX / AVX512-BF16) kernels pack B differently and gain nothing from it.
+// M >= 64, and at most kMaxPaddedRows rows of K at a time (a taller B is multiplied in slices of K
+// that accumulate into C). The bf16 (AMX / AVX512-BF16) kernels pack B differently and gain nothing
+// from it.
 //
 // oneDNN 2.6 has no f32 x f32 -> bf16 (or -> f16) matmul: such a combination (any 16-bit C whose
 // type is not A's and B's) runs the primitive into an fp32 staging buffer (sized on first sight of
@@ -42,6 +44,7 @@
 #if defined(TETRA_HAVE_DNNL)
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -186,6 +189,10 @@ void widen_f16(std::vector<float>& dst, const void* src, int64_t rows, int64_t c
     for (int64_t c = 0; c < cols; ++c) d[r * out_ld + c] = to_f32(s[r * ld + c]);
 }
 
+// The padded copy of B (see the header) holds at most this many rows of K: 8192 x (N + 16) floats,
+// 26 MB at N = 768, where the whole output layer's weight would be 158 MB.
+constexpr int64_t kMaxPaddedRows = 8192;
+
 // Rows (leading dimension) of a widened operand: one cache line more when the plain width would put
 // rows a multiple of 1 KiB apart (the fp32 kernels' set conflicts, see the header).
 int64_t widened_ld(int64_t cols) { return (cols * 4) % 1024 == 0 ? cols + 16 : cols; }
@@ -251,6 +258,17 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
 
   if (ab_type == DType::F32 && !trans_b && (ldb * 4) % 1024 == 0 && M >= 64) {
     const int64_t es = 4, ldp = N + 16;  // one cache line more per row
+    if (K > kMaxPaddedRows) {
+      // A B this tall (the tied output layer's weight, K = vocabulary) is padded and multiplied
+      // kMaxPaddedRows rows of K at a time, accumulating into C, so the staging stays small.
+      for (int64_t k0 = 0; k0 < K; k0 += kMaxPaddedRows) {
+        const int64_t kc = std::min(kMaxPaddedRows, K - k0);
+        const float* a = static_cast<const float*>(A) + (trans_a ? k0 * lda : k0);
+        gemm(trans_a, false, M, N, kc, alpha, a, lda, static_cast<const float*>(B) + k0 * ldb, ldb,
+             ab_type, k0 == 0 ? beta : 1.0f, C, ldc, c_type, k0 == 0 ? bias : nullptr);
+      }
+      return;
+    }
     std::vector<char>& packed = gemm_cache_->b_staging;
     if (packed.size() < static_cast<size_t>(K * ldp * es)) packed.resize(K * ldp * es);
     const char* src = static_cast<const char*>(B);

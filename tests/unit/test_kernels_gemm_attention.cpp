@@ -171,6 +171,23 @@ TEST_CASE("gemm: fp32 against a triple loop, every transpose, odd sizes, ld, alp
   for (const GemmCase& g : gemm_cases()) run_gemm_case(*be, g, DType::F32, DType::F32, seed += 7);
 }
 
+TEST_CASE("gemm: fp32 with a B too tall for one padded copy, multiplied in slices of K",
+          "[kernels]") {
+  // B (K, N) with rows 1 KiB apart (ldb = 256 floats) is copied to padded rows at most 8192 rows
+  // at a time (the tied output layer's dX GEMM, K = vocabulary): K = 2 * 8192 + 100 takes three
+  // slices, whose products accumulate into C. alpha scales each slice, beta and the bias count
+  // once. N is small to keep the double reference quick.
+  auto be = make_cpu_backend(0);
+  const int64_t M = 64, N = 16, K = 2 * 8192 + 100, ldb = 256;
+  uint32_t seed = 900;
+  for (int ta = 0; ta < 2; ++ta)
+    for (float beta : {0.0f, 0.5f}) {
+      INFO("trans_a=" << ta << " beta=" << beta);
+      const GemmCase g{ta == 1, false, M, N, K, ta ? M : K, ldb, N + 3, 0.75f, beta, true};
+      run_gemm_case(*be, g, DType::F32, DType::F32, seed += 7);
+    }
+}
+
 TEST_CASE("gemm: bf16 inputs against the loop on bf16-rounded inputs, F32 and BF16 outputs",
           "[kernels]") {
   auto be = make_cpu_backend(0);
