@@ -543,7 +543,7 @@ void check_rope(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float
 void CpuBackend::attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T,
                                    int64_t NH, int64_t NKV, int64_t HS, DType act) {
   AttnShape s = make_shape(B, T, NH, NKV, HS, "attention_forward");
-  if (act == DType::BF16 && amx_attention_ && cpu::amx_attention_available()) {
+  if (act == DType::BF16 && amx_attention_ && cpu::amx_available()) {
     cpu::amx_attention_forward(static_cast<bf16*>(out), lse, static_cast<const bf16*>(qkv), B, T,
                                NH, NKV, HS, threads_);
     attention_forward_kernel_ = "amx (bf16 tiles)";
@@ -560,7 +560,7 @@ void CpuBackend::attention_backward(void* dqkv, const void* dout, const void* qk
                                     const void* out, const float* lse, int64_t B, int64_t T,
                                     int64_t NH, int64_t NKV, int64_t HS, DType act) {
   AttnShape s = make_shape(B, T, NH, NKV, HS, "attention_backward");
-  if (act == DType::BF16 && amx_attention_ && cpu::amx_attention_available()) {
+  if (act == DType::BF16 && amx_attention_ && cpu::amx_available()) {
     cpu::amx_attention_backward(static_cast<bf16*>(dqkv), static_cast<const bf16*>(dout),
                                 static_cast<const bf16*>(qkv), static_cast<const bf16*>(out), lse,
                                 B, T, NH, NKV, HS, threads_);
@@ -577,12 +577,17 @@ void CpuBackend::attention_backward(void* dqkv, const void* dout, const void* qk
 }
 
 std::string CpuBackend::kernel_report() const {
-  if (attention_forward_kernel_ == nullptr) return "";
-  std::string report = std::string("attention forward ") + attention_forward_kernel_;
-  if (attention_backward_kernel_ != nullptr)
-    report += std::string(", backward ") + attention_backward_kernel_;
+  std::string report;
+  if (attention_forward_kernel_ != nullptr) {
+    report = std::string("attention forward ") + attention_forward_kernel_;
+    if (attention_backward_kernel_ != nullptr)
+      report += std::string(", backward ") + attention_backward_kernel_;
+  }
+  if (bf16_gemm_kernel_ != nullptr)
+    report += (report.empty() ? "" : "; ") + std::string("bf16 gemm ") + bf16_gemm_kernel_;
   return report;
 }
+
 
 void CpuBackend::rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                               int64_t HS, float theta, DType act) {

@@ -2,7 +2,7 @@
 //
 // The fp32 flash kernels in attention.cpp multiply at the fp32 FMA rate; AMX multiplies bf16 tiles
 // with fp32 accumulation several times faster. This path takes bf16 attention when the CPU and the
-// OS allow AMX (amx_attention_available()); elsewhere the flash kernels run.
+// OS allow AMX (amx_available()); elsewhere the flash kernels run.
 //
 // Every product is C (M, N) (+)= A (M, K) · B (K, N) on whole tiles (M, N multiples of 32, K of
 // 32): A row-major bf16, B in the tiles' pair-interleaved ("VNNI") layout, B32[k/2][n] = the bf16
@@ -26,19 +26,9 @@
 
 #include "trainer/core/check.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <cpuid.h>
-// GCC 12's AVX-512 headers build several intrinsics on _mm512_undefined_*(), which its own
-// -Wuninitialized then reports at the header's lines (a false positive, gone in later GCC). The
-// pragma applies to the header's lines only: diagnostics state is per source location.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "kernels/cpu/amx.h"
 
+#if defined(TETRA_AMX_COMPILED)
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -48,45 +38,12 @@
 #include "kernels/common/math.h"
 #include "kernels/cpu/attention_layout.h"
 
-#define TETRA_AMX_TARGET \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq")))
-
 namespace tetra::cpu {
 namespace {
 
 constexpr int64_t kQBlock = 64;  // query rows per block (and the key padding unit)
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// ---------------------------------------------------------------------------------------------
-// Availability: the CPU reports AMX-TILE and AMX-BF16 (CPUID.(7,0):EDX bits 24 and 22) and Linux
-// grants this process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA;
-// without it the first tile instruction faults).
-// ---------------------------------------------------------------------------------------------
-bool detect_amx() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-  const bool tile = (edx >> 24) & 1u, bf16 = (edx >> 22) & 1u;
-  if (!tile || !bf16) return false;
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-// Tile configuration (palette 1): every tile 16 rows of 64 bytes. tmm0-3 hold a 32 x 32 fp32 block
-// of C, tmm4-5 two 16 x 32 bf16 blocks of A, tmm6-7 two 16-pair x 16 blocks of B.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 8; ++t) {
-      colsb[t] = 64;
-      rows[t] = 16;
-    }
-  }
-};
-static_assert(sizeof(TileConfig) == 64);
 
 // C (M, N) fp32 (ldc) = [C +] A (M, K) bf16 (lda) · B, B given as B32 (K/2, N) words (ldb words).
 // M, N multiples of 32, K a multiple of 32. The tile configuration must be loaded.
@@ -177,35 +134,6 @@ TETRA_AMX_TARGET void pair_columns(uint32_t* dst, int64_t ldd, const bf16* x, in
       const __m512i v = _mm512_i32gather_epi32(idx, base + dp, 4);
       _mm512_storeu_si512(dst + dp * ldd + r, v);
     }
-  }
-}
-
-// dst (cols, rows) = src (rows, cols)^T, 16-bit, rows a multiple of 8 and cols of 32.
-TETRA_AMX_TARGET void transpose_8x32(uint16_t* dst, int64_t ldd, const uint16_t* src,
-                                     int64_t lds) {
-  __m512i r[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm512_loadu_si512(src + i * lds);
-  const __m512i t0 = _mm512_unpacklo_epi16(r[0], r[1]), t1 = _mm512_unpackhi_epi16(r[0], r[1]);
-  const __m512i t2 = _mm512_unpacklo_epi16(r[2], r[3]), t3 = _mm512_unpackhi_epi16(r[2], r[3]);
-  const __m512i t4 = _mm512_unpacklo_epi16(r[4], r[5]), t5 = _mm512_unpackhi_epi16(r[4], r[5]);
-  const __m512i t6 = _mm512_unpacklo_epi16(r[6], r[7]), t7 = _mm512_unpackhi_epi16(r[6], r[7]);
-  const __m512i u0 = _mm512_unpacklo_epi32(t0, t2), u1 = _mm512_unpackhi_epi32(t0, t2);
-  const __m512i u2 = _mm512_unpacklo_epi32(t1, t3), u3 = _mm512_unpackhi_epi32(t1, t3);
-  const __m512i u4 = _mm512_unpacklo_epi32(t4, t6), u5 = _mm512_unpackhi_epi32(t4, t6);
-  const __m512i u6 = _mm512_unpacklo_epi32(t5, t7), u7 = _mm512_unpackhi_epi32(t5, t7);
-  // Within each 128-bit lane L, v[i] holds column 8 L + i of the 8 rows.
-  const __m512i v[8] = {_mm512_unpacklo_epi64(u0, u4), _mm512_unpackhi_epi64(u0, u4),
-                        _mm512_unpacklo_epi64(u1, u5), _mm512_unpackhi_epi64(u1, u5),
-                        _mm512_unpacklo_epi64(u2, u6), _mm512_unpackhi_epi64(u2, u6),
-                        _mm512_unpacklo_epi64(u3, u7), _mm512_unpackhi_epi64(u3, u7)};
-  for (int i = 0; i < 8; ++i) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i * ldd), _mm512_castsi512_si128(v[i]));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (8 + i) * ldd),
-                     _mm512_extracti32x4_epi32(v[i], 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (16 + i) * ldd),
-                     _mm512_extracti32x4_epi32(v[i], 2));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (24 + i) * ldd),
-                     _mm512_extracti32x4_epi32(v[i], 3));
   }
 }
 
@@ -443,14 +371,9 @@ TETRA_AMX_TARGET void run_tasks(int64_t n, int64_t chunk, int threads, Task&& ta
 
 }  // namespace
 
-bool amx_attention_available() {
-  static const bool available = detect_amx();
-  return available;
-}
-
 void amx_attention_forward(bf16* out, float* lse, const bf16* qkv, int64_t B, int64_t T,
                            int64_t NH, int64_t NKV, int64_t HS, int threads) {
-  TETRA_CHECK(amx_attention_available(), "attention: AMX is not available on this CPU");
+  TETRA_CHECK(amx_available(), "attention: AMX is not available on this CPU");
   const Dims d = make_dims(B, T, NH, NKV, HS);
   // Tasks (b, h), a kv head's G query heads together where that leaves every thread work, so
   // their thread packs K and V once.
@@ -463,7 +386,7 @@ void amx_attention_forward(bf16* out, float* lse, const bf16* qkv, int64_t B, in
 void amx_attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out,
                             const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                             int64_t HS, int threads) {
-  TETRA_CHECK(amx_attention_available(), "attention: AMX is not available on this CPU");
+  TETRA_CHECK(amx_available(), "attention: AMX is not available on this CPU");
   const Dims d = make_dims(B, T, NH, NKV, HS);
   run_tasks(B * NKV, 1, threads, [&](int64_t task, Scratch& w) {
     backward_kv_head(dqkv, dout, qkv, out, lse, d, task / NKV, task % NKV, w);
@@ -475,7 +398,6 @@ void amx_attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const
 #else  // not x86-64 with GCC/Clang: no AMX
 
 namespace tetra::cpu {
-bool amx_attention_available() { return false; }
 void amx_attention_forward(bf16*, float*, const bf16*, int64_t, int64_t, int64_t, int64_t, int64_t,
                            int) {
   TETRA_CHECK(false, "attention: AMX is not available on this CPU");

@@ -1,15 +1,14 @@
 // Causal attention in bf16 on AMX tiles: see attention_amx.cpp. The CPU backend's attention ops
-// take this path for bf16 activations where amx_attention_available() (the CPU has AMX-BF16 and
+// take this path for bf16 activations where amx_available() (the CPU has AMX-BF16 and
 // the OS grants this process the tile state), and the fp32 flash kernels elsewhere.
 #pragma once
 
 #include <cstdint>
 
+#include "kernels/cpu/amx.h"
 #include "trainer/core/dtype.h"
 
 namespace tetra::cpu {
-
-bool amx_attention_available();
 
 // The contracts of Backend::attention_forward / attention_backward (kernels/backend.h) for bf16.
 void amx_attention_forward(bf16* out, float* lse, const bf16* qkv, int64_t B, int64_t T,

@@ -21,7 +21,11 @@ class CpuBackend final : public Backend {
   // bf16 attention runs on AMX tiles where the CPU has them (attention_amx.cpp), else on the fp32
   // flash kernels (attention.cpp). Off forces the flash kernels (tests compare the two).
   void set_amx_attention(bool on) { amx_attention_ = on; }
-  // Which attention kernels the last attention op ran, e.g. "attention forward amx, backward amx".
+  // bf16 GEMMs (bf16 A and B, fp32 or bf16 C) run on AMX tiles where the CPU has them
+  // (gemm_amx.cpp), else through oneDNN (gemm.cpp). Off forces oneDNN.
+  void set_amx_gemm(bool on) { amx_gemm_ = on; }
+  // Which kernels the last attention ops and bf16 GEMM ran, e.g. "attention forward amx (bf16
+  // tiles), backward amx (bf16 tiles); bf16 gemm amx (bf16 tiles)".
   std::string kernel_report() const override;
 
   void* alloc(size_t bytes) override;
@@ -110,6 +114,12 @@ class CpuBackend final : public Backend {
  private:
   int threads_;
   bool amx_attention_ = true;
+  bool amx_gemm_ = true;
+  const char* bf16_gemm_kernel_ = nullptr;  // what the last bf16 GEMM ran
+  // Runs a bf16 GEMM on AMX tiles if it is one and they are available and enabled.
+  bool gemm_amx(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type, float beta,
+                void* C, int64_t ldc, DType c_type, const void* bias);
   const char* attention_forward_kernel_ = nullptr;  // what the last attention ops ran
   const char* attention_backward_kernel_ = nullptr;
   struct GemmCache;                     // oneDNN engine, stream and primitives cached per shape

@@ -213,6 +213,10 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
               "ldb={} ldc={}",
               trans_a, trans_b, M, N, K, lda, ldb, ldc);
 
+  if (gemm_amx(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, ab_type, beta, C, ldc, c_type,
+               bias))
+    return;
+
   // oneDNN runs on the calling thread's OpenMP team size; make it this backend's.
   omp_set_num_threads(threads_);
 

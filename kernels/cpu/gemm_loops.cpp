@@ -129,6 +129,9 @@ CpuBackend::~CpuBackend() = default;
 void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void* A,
                       int64_t lda, const void* B, int64_t ldb, DType ab_type, float beta, void* C, int64_t ldc,
                       DType c_type, const void* bias) {
+  if (M > 0 && N > 0 && K > 0 &&
+      gemm_amx(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, ab_type, beta, C, ldc, c_type, bias))
+    return;
   static std::once_flag announced;
   std::call_once(announced, [] {
     std::fprintf(stderr, "warning: this tetra was built without oneDNN: CPU GEMMs run on the slow loop fallback "

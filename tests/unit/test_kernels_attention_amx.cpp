@@ -65,7 +65,7 @@ void term_magnitudes(const AttnDims& d, const std::vector<float>& qkv, const std
 
 // Whether the AMX path can run here; if not, says so in the test's output.
 bool amx_or_warn() {
-  if (cpu::amx_attention_available()) return true;
+  if (cpu::amx_available()) return true;
   WARN("this CPU (or OS) has no AMX: the AMX attention path is not exercised here");
   return false;
 }

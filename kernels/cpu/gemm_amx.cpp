@@ -1,0 +1,483 @@
+// bf16 GEMM on AMX tiles, C (M, N) = alpha * op(A) · op(B) + beta * C + bias, fp32 accumulation.
+//
+// oneDNN 2.6 runs bf16 matmuls on AMX too, but at GPT-2's shapes on two cores it reaches ~1.2
+// TFLOP/s, a sixth of the tile units' rate on this class of CPU (~3.7 TFLOP/s per core, measured
+// with register-resident tiles). This kernel is a plain BLIS-style blocking around a 32 x 32
+// micro-kernel:
+//
+//   micro-kernel  C (32, 32) fp32 in tmm0-3 += A (32, kc) [tmm4-5] · B (kc, 32) [tmm6-7], k by 32:
+//                 four tile loads per four tile products.
+//   B             packed per chunk of columns into the tiles' pair-interleaved layout, panels of
+//                 16 columns each (kc/2 rows of 16 32-bit pairs, contiguous), sized to stay in L2.
+//   A             read in place when it is row-major, its rows start on cache lines and the block
+//                 is whole; otherwise (a transposed A, a partial block of rows, a ragged end of K)
+//                 packed row-major: per pass by all threads together where a block is used more
+//                 than once, else per block.
+//   K             in passes of at most kMaxKPass (the tied output layer's dX has K = vocabulary);
+//                 several passes accumulate in fp32 (in C itself when C is fp32 and the epilogue
+//                 is trivial, else in a buffer).
+//   epilogue      alpha * acc + beta * C + bias, in that order, rounded once to C's type (bf16:
+//                 to nearest even, as math::f32_to_bf16_bits).
+//
+// Threads split C by whole 32-wide blocks, along M or N (whichever has more blocks); every
+// element's sum runs over the same K passes in the same order on one thread, so results do not
+// depend on the thread count. Padding (ragged M, N, K) is zero-filled in the packed operands.
+#include "kernels/cpu/gemm_amx.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "kernels/cpu/cpu_backend.h"
+#include "trainer/core/check.h"
+
+#if defined(TETRA_AMX_COMPILED)
+
+namespace tetra::cpu {
+namespace {
+
+constexpr int64_t kBlock = 32;               // rows and columns of C per micro-kernel call
+constexpr int64_t kMaxKPass = 4096;          // K per pass
+constexpr int64_t kPackBytes = 1536 * 1024;  // a thread's packed B chunk: within its L2
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+// Tile rows must start on cache lines: a tile load or store of rows that straddle two lines runs
+// 2-4x slower. Scratch is 64-byte aligned; operands in place only where their rows are.
+template <typename T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <typename U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    TETRA_CHECK(p != nullptr, "gemm: scratch of {} bytes", n * sizeof(T));
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { std::free(p); }
+  bool operator==(const Aligned64&) const { return true; }
+};
+template <typename T>
+using Buffer = std::vector<T, Aligned64<T>>;
+
+template <typename V>
+typename V::value_type* grow(V& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+  return v.data();
+}
+
+bool lines(const void* p, int64_t ld_bytes) {
+  return reinterpret_cast<uintptr_t>(p) % 64 == 0 && ld_bytes % 64 == 0;
+}
+
+struct ThreadScratch {
+  Buffer<uint32_t> b;  // packed B chunk
+  Buffer<bf16> a;      // one packed 32-row block of A
+  Buffer<float> c;     // one 32 x 32 block of C
+};
+ThreadScratch& thread_scratch() {
+  static thread_local ThreadScratch s;
+  return s;
+}
+
+struct Shared {
+  Buffer<bf16> a;    // the whole of op(A), packed row-major (transposed A, several chunks)
+  Buffer<float> acc;  // fp32 accumulator across K passes
+  Buffer<uint32_t> b[2];  // B chunks packed by all threads together (threads split the rows)
+};
+Shared& shared() {
+  static Shared s;
+  return s;
+}
+
+struct Problem {
+  bool trans_a, trans_b;
+  int64_t M, N, K;
+  float alpha, beta;
+  const bf16 *A, *B, *bias;
+  int64_t lda, ldb, ldc;
+  void* C;
+  DType c_type;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Packing
+// ---------------------------------------------------------------------------------------------
+// 16 x 16 transpose of 32-bit words: out[c] = (r[0][c], ..., r[15][c]).
+TETRA_AMX_TARGET inline void transpose_16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4 g + s], lane L = rows 4g..4g+3 of column 4 L + s.
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int s = 0; s < 4; ++s) {
+    const __m512i p01 = _mm512_shuffle_i32x4(u[s], u[4 + s], 0x44);
+    const __m512i p23 = _mm512_shuffle_i32x4(u[s], u[4 + s], 0xEE);
+    const __m512i q01 = _mm512_shuffle_i32x4(u[8 + s], u[12 + s], 0x44);
+    const __m512i q23 = _mm512_shuffle_i32x4(u[8 + s], u[12 + s], 0xEE);
+    r[0 + s] = _mm512_shuffle_i32x4(p01, q01, 0x88);
+    r[4 + s] = _mm512_shuffle_i32x4(p01, q01, 0xDD);
+    r[8 + s] = _mm512_shuffle_i32x4(p23, q23, 0x88);
+    r[12 + s] = _mm512_shuffle_i32x4(p23, q23, 0xDD);
+  }
+}
+
+inline __mmask32 mask32(int64_t n) {  // the low n of 32 bits, n clamped to [0, 32]
+  return n <= 0 ? 0u : n >= 32 ? ~__mmask32{0} : (__mmask32{1} << n) - 1u;
+}
+
+// Packs op(B) rows [k0, k0 + kc) and columns [n0, n0 + ncols) (ncols a multiple of 16; kc of 32)
+// into panels of 16 columns: panel p at dst + p * (kc / 2) * 16, word [kp][c] = the pair
+// (op(B)[k0 + 2kp][n0 + 16p + c], op(B)[k0 + 2kp + 1][n0 + 16p + c]). Outside op(B): zeros.
+TETRA_AMX_TARGET void pack_b(uint32_t* dst, const Problem& g, int64_t k0, int64_t kc, int64_t n0,
+                             int64_t ncols) {
+  const int64_t panel = kc / 2 * 16;
+  const uint16_t* B = reinterpret_cast<const uint16_t*>(g.B);
+  if (!g.trans_b) {  // stored (K, N): interleave pairs of rows
+    for (int64_t kp = 0; kp < kc / 2; ++kp) {
+      const int64_t k = k0 + 2 * kp;
+      const uint16_t* r0 = k < g.K ? B + k * g.ldb : nullptr;
+      const uint16_t* r1 = k + 1 < g.K ? B + (k + 1) * g.ldb : nullptr;
+      for (int64_t p = 0; p < ncols / 16; ++p) {
+        const int64_t c0 = n0 + 16 * p;
+        const __mmask16 m = static_cast<__mmask16>(mask32(g.N - c0));
+        const __m512i lo = r0 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0 + c0))
+                              : _mm512_setzero_si512();
+        const __m512i hi = r1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r1 + c0))
+                              : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + p * panel + kp * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    }
+    return;
+  }
+  // stored (N, K): word (kp, c) is the pair at row n0 + 16p + c, columns k0 + 2kp, +1: 16 x 16
+  // word transposes.
+  for (int64_t p = 0; p < ncols / 16; ++p) {
+    const int64_t c0 = n0 + 16 * p;
+    for (int64_t kp0 = 0; kp0 < kc / 2; kp0 += 16) {
+      const int64_t k = k0 + 2 * kp0;
+      const __mmask32 km = mask32(g.K - k);
+      __m512i r[16];
+      for (int c = 0; c < 16; ++c)
+        r[c] = c0 + c < g.N ? _mm512_maskz_loadu_epi16(km, B + (c0 + c) * g.ldb + k)
+                            : _mm512_setzero_si512();
+      transpose_16x16(r);
+      uint32_t* d = dst + p * panel + kp0 * 16;
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(d + i * 16, r[i]);
+    }
+  }
+}
+
+// Packs op(A) rows [m0, m0 + 32) and columns [k0, k0 + kc) row-major into dst (ld elements per
+// row); outside op(A): zeros.
+TETRA_AMX_TARGET void pack_a(bf16* dst, int64_t ld, const Problem& g, int64_t m0, int64_t k0,
+                             int64_t kc) {
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+  const uint16_t* A = reinterpret_cast<const uint16_t*>(g.A);
+  const int64_t rows = std::min<int64_t>(kBlock, g.M - m0);
+  if (!g.trans_a) {
+    for (int64_t r = 0; r < kBlock; ++r)
+      for (int64_t k = 0; k < kc; k += 32) {
+        const __mmask32 m = r < rows ? mask32(g.K - k0 - k) : 0u;
+        _mm512_storeu_si512(d + r * ld + k, _mm512_maskz_loadu_epi16(m, A + (m0 + r) * g.lda + k0 + k));
+      }
+    return;
+  }
+  // stored (K, M): op(A)[m][k] = A[k][m]. Whole 8 x 32 pieces by the SIMD transpose, the rest
+  // element by element.
+  const int64_t kfull = std::max<int64_t>(0, std::min<int64_t>(kc, g.K - k0)) / 8 * 8;
+  if (rows == kBlock) {
+    for (int64_t k = 0; k < kfull; k += 8)
+      transpose_8x32(d + k, ld, A + (k0 + k) * g.lda + m0, g.lda);
+  }
+  for (int64_t r = 0; r < kBlock; ++r) {
+    for (int64_t k = rows == kBlock ? kfull : 0; k < kc; ++k) {
+      const bool in = r < rows && k0 + k < g.K;
+      d[r * ld + k] = in ? A[(k0 + k) * g.lda + m0 + r] : uint16_t{0};
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Micro-kernel and epilogue
+// ---------------------------------------------------------------------------------------------
+// c (32 x 32 fp32, ldc floats) = [c +] a (32 x kc bf16, lda) · b (panels b0, b1: kc/2 x 16 words).
+TETRA_AMX_TARGET inline void micro(float* c, int64_t ldc, bool load, const bf16* a, int64_t lda,
+                                   const uint32_t* b0, const uint32_t* b1, int64_t kc) {
+  const int64_t sc = ldc * 4, sa = lda * 2;
+  if (load) {
+    _tile_loadd(0, c, sc);
+    _tile_loadd(1, c + 16, sc);
+    _tile_loadd(2, c + 16 * ldc, sc);
+    _tile_loadd(3, c + 16 * ldc + 16, sc);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const bf16* a1 = a + 16 * lda;
+  for (int64_t k = 0; k < kc; k += 32) {
+    _tile_loadd(4, a + k, sa);
+    _tile_loadd(6, b0 + k * 8, 64);
+    _tile_loadd(5, a1 + k, sa);
+    _tile_loadd(7, b1 + k * 8, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, sc);
+  _tile_stored(1, c + 16, sc);
+  _tile_stored(2, c + 16 * ldc, sc);
+  _tile_stored(3, c + 16 * ldc + 16, sc);
+}
+
+// fp32 -> bf16 bits, to nearest even, NaN kept NaN (math::f32_to_bf16_bits), in the high half of
+// each 32-bit lane.
+TETRA_AMX_TARGET inline __m512i round_bf16_high(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
+}
+
+// Two vectors of 16 fp32 as 32 bf16, in order.
+TETRA_AMX_TARGET inline __m512i to_bf16(__m512 lo, __m512 hi) {
+  const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35,
+                                       33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  return _mm512_permutex2var_epi16(round_bf16_high(lo), odd, round_bf16_high(hi));
+}
+
+TETRA_AMX_TARGET inline __m512 from_bf16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// C rows [m0, m0 + rows), columns [n0, n0 + cols) = alpha * acc + beta * C + bias, 32 columns (one
+// 64-byte store of bf16) at a time.
+TETRA_AMX_TARGET void epilogue(const Problem& g, const float* acc, int64_t ld, int64_t m0,
+                               int64_t n0, int64_t rows, int64_t cols) {
+  const __m512 alpha = _mm512_set1_ps(g.alpha), beta = _mm512_set1_ps(g.beta);
+  const uint16_t* bias = reinterpret_cast<const uint16_t*>(g.bias);
+  const bool f32 = g.c_type == DType::F32;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* a = acc + r * ld;
+    const int64_t at = (m0 + r) * g.ldc + n0;
+    float* C32 = static_cast<float*>(g.C) + at;
+    uint16_t* C16 = static_cast<uint16_t*>(g.C) + at;
+    for (int64_t c = 0; c < cols; c += 32) {
+      __m512 v[2];
+      for (int h = 0; h < 2; ++h) {
+        const int64_t j = c + 16 * h;
+        const __mmask16 m = static_cast<__mmask16>(mask32(cols - j));
+        v[h] = _mm512_maskz_loadu_ps(m, a + j);
+        if (g.alpha != 1.0f) v[h] = _mm512_mul_ps(v[h], alpha);
+        if (g.beta != 0.0f) {
+          const __m512 c0 = f32 ? _mm512_maskz_loadu_ps(m, C32 + j)
+                                : from_bf16(_mm256_maskz_loadu_epi16(m, C16 + j));
+          v[h] = _mm512_add_ps(v[h], _mm512_mul_ps(beta, c0));
+        }
+        if (bias) v[h] = _mm512_add_ps(v[h], from_bf16(_mm256_maskz_loadu_epi16(m, bias + n0 + j)));
+        if (f32) _mm512_mask_storeu_ps(C32 + j, m, v[h]);
+      }
+      if (!f32) _mm512_mask_storeu_epi16(C16 + c, mask32(cols - c), to_bf16(v[0], v[1]));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Driver
+// ---------------------------------------------------------------------------------------------
+struct Plan {
+  int64_t Mb, Nb;         // blocks of 32 rows / columns of C
+  int64_t passes, kc;     // K in `passes` passes of kc (a multiple of 32; the last may be ragged)
+  int64_t chunk_blocks;   // column blocks per packed B chunk
+  bool split_m;           // threads split the rows (else the columns)
+  bool c_is_acc;          // C is fp32 and its own accumulator (alpha 1, no bias, beta 0 or 1)
+  bool acc_buffer;        // several passes into a C that is not its own accumulator
+  bool prepack_a;         // each pass's op(A) packed once, by all threads, before its products
+};
+
+TETRA_AMX_TARGET void run(const Problem& g, int threads) {
+  Plan p;
+  p.Mb = ceil_div(g.M, kBlock);
+  p.Nb = ceil_div(g.N, kBlock);
+  const int64_t Kp = round_up(g.K, 32);
+  p.passes = ceil_div(Kp, kMaxKPass);
+  p.kc = round_up(ceil_div(Kp, p.passes), 32);
+  p.passes = ceil_div(Kp, p.kc);
+  p.chunk_blocks = std::max<int64_t>(1, kPackBytes / (p.kc * 2 * kBlock));
+  p.split_m = p.Mb >= p.Nb;
+  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, p.split_m ? p.Mb : p.Nb)));
+  p.c_is_acc = g.c_type == DType::F32 && g.alpha == 1.0f && g.bias == nullptr &&
+               (g.beta == 0.0f || g.beta == 1.0f);
+  p.acc_buffer = p.passes > 1 && !p.c_is_acc;
+  // A block of op(A) rows is used once per chunk of B columns of every thread that needs it: where
+  // that is more than once and A cannot be read in place, each pass's op(A) is packed once first.
+  const bool a_in_place = !g.trans_a && lines(g.A, g.lda * 2);
+  const int64_t my_cols = p.split_m ? p.Nb : ceil_div(p.Nb, threads);
+  const int64_t uses = ceil_div(my_cols, p.chunk_blocks) * (p.split_m ? 1 : threads);
+  p.prepack_a = !a_in_place && uses > 1;
+  const int64_t a_ld = p.kc + 32;  // packed rows of op(A): one cache line more than kc
+
+  Shared& sh = shared();
+  bf16* a_pass = p.prepack_a ? grow(sh.a, p.Mb * kBlock * a_ld) : nullptr;
+  const int64_t acc_ld = p.Nb * kBlock + 16;
+  float* acc = p.acc_buffer ? grow(sh.acc, p.Mb * kBlock * acc_ld) : nullptr;
+
+  const bool c_in_place = lines(g.C, g.ldc * 4);
+  // Threads that split the rows all need every chunk of B: they pack it together, into one of two
+  // shared buffers in turn (the barrier after packing chunk c + 1 also means every thread is done
+  // with chunk c, so its buffer may be packed again).
+  const bool shared_b = p.split_m && threads > 1;
+  uint32_t* b_shared[2] = {nullptr, nullptr};
+  if (shared_b)
+    for (int i = 0; i < 2; ++i) b_shared[i] = grow(sh.b[i], p.chunk_blocks * kBlock * p.kc / 2);
+  static const TileConfig config;
+#pragma omp parallel num_threads(threads)
+  {
+    _tile_loadconfig(&config);
+    ThreadScratch& w = thread_scratch();
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t mb0 = p.split_m ? p.Mb * t / nt : 0, mb1 = p.split_m ? p.Mb * (t + 1) / nt : p.Mb;
+    const int64_t nb0 = p.split_m ? 0 : p.Nb * t / nt, nb1 = p.split_m ? p.Nb : p.Nb * (t + 1) / nt;
+    // Even chunks of this thread's columns.
+    const int64_t chunks = ceil_div(nb1 - nb0, p.chunk_blocks);
+    bf16* a_blk = grow(w.a, kBlock * a_ld);
+    float* cbuf = grow(w.c, kBlock * kBlock);
+    int64_t turn = 0;
+    for (int64_t pass = 0; pass < p.passes; ++pass) {
+      const int64_t k0 = pass * p.kc;
+      const bool first = pass == 0, last = pass + 1 == p.passes;
+      if (p.prepack_a) {
+        if (!first) {
+#pragma omp barrier
+        }
+#pragma omp for schedule(static)
+        for (int64_t mb = 0; mb < p.Mb; ++mb)
+          pack_a(a_pass + mb * kBlock * a_ld, a_ld, g, mb * kBlock, k0, p.kc);
+      }
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        const int64_t cb0 = nb0 + (nb1 - nb0) * ch / chunks, cb1 = nb0 + (nb1 - nb0) * (ch + 1) / chunks;
+        if (cb1 == cb0) continue;
+        const int64_t panel = p.kc / 2 * 16;
+        uint32_t* bp;
+        if (shared_b) {
+          bp = b_shared[turn++ % 2];
+          const int64_t panels = (cb1 - cb0) * 2, p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+          pack_b(bp + p0 * panel, g, k0, p.kc, cb0 * kBlock + 16 * p0, 16 * (p1 - p0));
+#pragma omp barrier
+        } else {
+          bp = grow(w.b, (cb1 - cb0) * kBlock * p.kc / 2);
+          pack_b(bp, g, k0, p.kc, cb0 * kBlock, (cb1 - cb0) * kBlock);
+        }
+        for (int64_t mb = mb0; mb < mb1; ++mb) {
+          const int64_t m0 = mb * kBlock, rows = std::min<int64_t>(kBlock, g.M - m0);
+          const bf16* a;
+          int64_t lda;
+          if (p.prepack_a) {
+            a = a_pass + m0 * a_ld;
+            lda = a_ld;
+          } else if (a_in_place && rows == kBlock && k0 + p.kc <= g.K) {
+            a = g.A + m0 * g.lda + k0;
+            lda = g.lda;
+          } else {
+            pack_a(a_blk, a_ld, g, m0, k0, p.kc);
+            a = a_blk;
+            lda = a_ld;
+          }
+          for (int64_t nb = cb0; nb < cb1; ++nb) {
+            const int64_t n0 = nb * kBlock, cols = std::min<int64_t>(kBlock, g.N - n0);
+            const uint32_t* b0 = bp + (nb - cb0) * 2 * panel;
+            if (p.acc_buffer) {
+              float* c = acc + m0 * acc_ld + n0;
+              micro(c, acc_ld, !first, a, lda, b0, b0 + panel, p.kc);
+              if (last) epilogue(g, c, acc_ld, m0, n0, rows, cols);
+            } else if (p.c_is_acc) {
+              const bool load = !first || g.beta != 0.0f;
+              float* C = static_cast<float*>(g.C) + m0 * g.ldc + n0;
+              if (c_in_place && rows == kBlock && cols == kBlock) {
+                micro(C, g.ldc, load, a, lda, b0, b0 + panel, p.kc);
+              } else {
+                for (int64_t r = 0; r < rows && load; ++r)
+                  std::memcpy(cbuf + r * kBlock, C + r * g.ldc, sizeof(float) * cols);
+                micro(cbuf, kBlock, load, a, lda, b0, b0 + panel, p.kc);
+                for (int64_t r = 0; r < rows; ++r)
+                  std::memcpy(C + r * g.ldc, cbuf + r * kBlock, sizeof(float) * cols);
+              }
+            } else {  // one pass, then the epilogue
+              micro(cbuf, kBlock, false, a, lda, b0, b0 + panel, p.kc);
+              epilogue(g, cbuf, kBlock, m0, n0, rows, cols);
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+
+}  // namespace
+
+void amx_gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                   const bf16* A, int64_t lda, const bf16* B, int64_t ldb, float beta, void* C,
+                   int64_t ldc, DType c_type, const bf16* bias, int threads) {
+  TETRA_CHECK(amx_available(), "gemm: AMX is not available on this CPU");
+  TETRA_CHECK(c_type == DType::F32 || c_type == DType::BF16,
+              "gemm: the AMX path writes an F32 or BF16 C, got {}", dtype_name(c_type));
+  if (M == 0 || N == 0) return;
+  const Problem g{trans_a, trans_b, M, N, K, alpha, beta, A, B, bias, lda, ldb, ldc, C, c_type};
+  run(g, threads);
+}
+
+}  // namespace tetra::cpu
+
+#else  // not x86-64 with GCC/Clang: no AMX
+
+namespace tetra::cpu {
+void amx_gemm_bf16(bool, bool, int64_t, int64_t, int64_t, float, const bf16*, int64_t, const bf16*,
+                   int64_t, float, void*, int64_t, DType, const bf16*, int) {
+  TETRA_CHECK(false, "gemm: AMX is not available on this CPU");
+}
+}  // namespace tetra::cpu
+
+#endif
+
+namespace tetra {
+
+#if defined(TETRA_HAVE_DNNL)
+constexpr const char* kFallback = "onednn";
+#else
+constexpr const char* kFallback = "loops";
+#endif
+
+bool CpuBackend::gemm_amx(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                          float alpha, const void* A, int64_t lda, const void* B, int64_t ldb,
+                          DType ab_type, float beta, void* C, int64_t ldc, DType c_type,
+                          const void* bias) {
+  if (ab_type != DType::BF16 || (c_type != DType::F32 && c_type != DType::BF16)) return false;
+  if (!amx_gemm_ || !cpu::amx_available()) {
+    bf16_gemm_kernel_ = kFallback;
+    return false;
+  }
+  bf16_gemm_kernel_ = "amx (bf16 tiles)";
+  cpu::amx_gemm_bf16(trans_a, trans_b, M, N, K, alpha, static_cast<const bf16*>(A), lda,
+                     static_cast<const bf16*>(B), ldb, beta, C, ldc, c_type,
+                     static_cast<const bf16*>(bias), threads_);
+  return true;
+}
+
+}  // namespace tetra
