@@ -180,10 +180,12 @@ TETRA_AMX_TARGET void pack_b(uint32_t* dst, const Problem& g, int64_t k0, int64_
   }
 }
 
-// Packs op(A) rows [m0, m0 + 32) and columns [k0, k0 + kc) row-major into dst (ld elements per
-// row); outside op(A): zeros.
-TETRA_AMX_TARGET void pack_a(bf16* dst, int64_t ld, const Problem& g, int64_t m0, int64_t k0,
-                             int64_t kc) {
+// Packs op(A) rows [m0, m0 + 32) and columns [k0, k0 + kc) into dst in tile order: per 32 columns
+// (step s) a 32 x 32 block, rows 32 elements apart, at dst + 1024 s, so each of its two tiles is
+// 1 KiB of consecutive lines. Outside op(A): zeros.
+constexpr int64_t kAStep = kBlock * 32;  // elements of one step of packed A
+
+TETRA_AMX_TARGET void pack_a(bf16* dst, const Problem& g, int64_t m0, int64_t k0, int64_t kc) {
   uint16_t* d = reinterpret_cast<uint16_t*>(dst);
   const uint16_t* A = reinterpret_cast<const uint16_t*>(g.A);
   const int64_t rows = std::min<int64_t>(kBlock, g.M - m0);
@@ -191,32 +193,41 @@ TETRA_AMX_TARGET void pack_a(bf16* dst, int64_t ld, const Problem& g, int64_t m0
     for (int64_t r = 0; r < kBlock; ++r)
       for (int64_t k = 0; k < kc; k += 32) {
         const __mmask32 m = r < rows ? mask32(g.K - k0 - k) : 0u;
-        _mm512_storeu_si512(d + r * ld + k, _mm512_maskz_loadu_epi16(m, A + (m0 + r) * g.lda + k0 + k));
+        _mm512_store_si512(d + k * kBlock + r * 32,
+                           _mm512_maskz_loadu_epi16(m, A + (m0 + r) * g.lda + k0 + k));
       }
     return;
   }
-  // stored (K, M): op(A)[m][k] = A[k][m]. Whole 8 x 32 pieces by the SIMD transpose, the rest
-  // element by element.
+  // stored (K, M): op(A)[m][k] = A[k][m]. Whole 8 x 32 pieces by the SIMD transpose (8 columns
+  // never straddle a step), the rest element by element.
   const int64_t kfull = std::max<int64_t>(0, std::min<int64_t>(kc, g.K - k0)) / 8 * 8;
   if (rows == kBlock) {
     for (int64_t k = 0; k < kfull; k += 8)
-      transpose_8x32(d + k, ld, A + (k0 + k) * g.lda + m0, g.lda);
+      transpose_8x32(d + k / 32 * kAStep + k % 32, 32, A + (k0 + k) * g.lda + m0, g.lda);
   }
   for (int64_t r = 0; r < kBlock; ++r) {
     for (int64_t k = rows == kBlock ? kfull : 0; k < kc; ++k) {
       const bool in = r < rows && k0 + k < g.K;
-      d[r * ld + k] = in ? A[(k0 + k) * g.lda + m0 + r] : uint16_t{0};
+      d[k / 32 * kAStep + r * 32 + k % 32] = in ? A[(k0 + k) * g.lda + m0 + r] : uint16_t{0};
     }
   }
 }
 
+// Where a micro-kernel finds op(A)'s 32 rows: tile 0 (rows 0-15) of step s at a + s * step,
+// tile 1 at + second, rows `stride` bytes apart. In place: step 32, second 16 lda, stride 2 lda;
+// packed: step kAStep, second 512, stride 64.
+struct ABlock {
+  const bf16* a;
+  int64_t step, second, stride;
+};
+
 // ---------------------------------------------------------------------------------------------
 // Micro-kernel and epilogue
 // ---------------------------------------------------------------------------------------------
-// c (32 x 32 fp32, ldc floats) = [c +] a (32 x kc bf16, lda) · b (panels b0, b1: kc/2 x 16 words).
-TETRA_AMX_TARGET inline void micro(float* c, int64_t ldc, bool load, const bf16* a, int64_t lda,
+// c (32 x 32 fp32, ldc floats) = [c +] op(A) block (32 x kc) · b (panels b0, b1: kc/2 x 16 words).
+TETRA_AMX_TARGET inline void micro(float* c, int64_t ldc, bool load, const ABlock& ab,
                                    const uint32_t* b0, const uint32_t* b1, int64_t kc) {
-  const int64_t sc = ldc * 4, sa = lda * 2;
+  const int64_t sc = ldc * 4, sa = ab.stride;
   if (load) {
     _tile_loadd(0, c, sc);
     _tile_loadd(1, c + 16, sc);
@@ -228,11 +239,12 @@ TETRA_AMX_TARGET inline void micro(float* c, int64_t ldc, bool load, const bf16*
     _tile_zero(2);
     _tile_zero(3);
   }
-  const bf16* a1 = a + 16 * lda;
-  for (int64_t k = 0; k < kc; k += 32) {
-    _tile_loadd(4, a + k, sa);
+  const bf16* a0 = ab.a;
+  const bf16* a1 = ab.a + ab.second;
+  for (int64_t k = 0, s = 0; k < kc; k += 32, s += ab.step) {
+    _tile_loadd(4, a0 + s, sa);
     _tile_loadd(6, b0 + k * 8, 64);
-    _tile_loadd(5, a1 + k, sa);
+    _tile_loadd(5, a1 + s, sa);
     _tile_loadd(7, b1 + k * 8, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
@@ -331,10 +343,10 @@ TETRA_AMX_TARGET void run(const Problem& g, int threads) {
   const int64_t my_cols = p.split_m ? p.Nb : ceil_div(p.Nb, threads);
   const int64_t uses = ceil_div(my_cols, p.chunk_blocks) * (p.split_m ? 1 : threads);
   p.prepack_a = !a_in_place && uses > 1;
-  const int64_t a_ld = p.kc + 32;  // packed rows of op(A): one cache line more than kc
+  const int64_t a_block = kBlock * p.kc;  // elements of one packed 32-row block of op(A)
 
   Shared& sh = shared();
-  bf16* a_pass = p.prepack_a ? grow(sh.a, p.Mb * kBlock * a_ld) : nullptr;
+  bf16* a_pass = p.prepack_a ? grow(sh.a, p.Mb * a_block) : nullptr;
   const int64_t acc_ld = p.Nb * kBlock + 16;
   float* acc = p.acc_buffer ? grow(sh.acc, p.Mb * kBlock * acc_ld) : nullptr;
 
@@ -356,7 +368,7 @@ TETRA_AMX_TARGET void run(const Problem& g, int threads) {
     const int64_t nb0 = p.split_m ? 0 : p.Nb * t / nt, nb1 = p.split_m ? p.Nb : p.Nb * (t + 1) / nt;
     // Even chunks of this thread's columns.
     const int64_t chunks = ceil_div(nb1 - nb0, p.chunk_blocks);
-    bf16* a_blk = grow(w.a, kBlock * a_ld);
+    bf16* a_blk = grow(w.a, a_block);
     float* cbuf = grow(w.c, kBlock * kBlock);
     int64_t turn = 0;
     for (int64_t pass = 0; pass < p.passes; ++pass) {
@@ -368,7 +380,7 @@ TETRA_AMX_TARGET void run(const Problem& g, int threads) {
         }
 #pragma omp for schedule(static)
         for (int64_t mb = 0; mb < p.Mb; ++mb)
-          pack_a(a_pass + mb * kBlock * a_ld, a_ld, g, mb * kBlock, k0, p.kc);
+          pack_a(a_pass + mb * a_block, g, mb * kBlock, k0, p.kc);
       }
       for (int64_t ch = 0; ch < chunks; ++ch) {
         const int64_t cb0 = nb0 + (nb1 - nb0) * ch / chunks, cb1 = nb0 + (nb1 - nb0) * (ch + 1) / chunks;
@@ -386,40 +398,36 @@ TETRA_AMX_TARGET void run(const Problem& g, int threads) {
         }
         for (int64_t mb = mb0; mb < mb1; ++mb) {
           const int64_t m0 = mb * kBlock, rows = std::min<int64_t>(kBlock, g.M - m0);
-          const bf16* a;
-          int64_t lda;
+          ABlock a{nullptr, kAStep, 512, 64};
           if (p.prepack_a) {
-            a = a_pass + m0 * a_ld;
-            lda = a_ld;
+            a.a = a_pass + mb * a_block;
           } else if (a_in_place && rows == kBlock && k0 + p.kc <= g.K) {
-            a = g.A + m0 * g.lda + k0;
-            lda = g.lda;
+            a = ABlock{g.A + m0 * g.lda + k0, 32, 16 * g.lda, 2 * g.lda};
           } else {
-            pack_a(a_blk, a_ld, g, m0, k0, p.kc);
-            a = a_blk;
-            lda = a_ld;
+            pack_a(a_blk, g, m0, k0, p.kc);
+            a.a = a_blk;
           }
           for (int64_t nb = cb0; nb < cb1; ++nb) {
             const int64_t n0 = nb * kBlock, cols = std::min<int64_t>(kBlock, g.N - n0);
             const uint32_t* b0 = bp + (nb - cb0) * 2 * panel;
             if (p.acc_buffer) {
               float* c = acc + m0 * acc_ld + n0;
-              micro(c, acc_ld, !first, a, lda, b0, b0 + panel, p.kc);
+              micro(c, acc_ld, !first, a, b0, b0 + panel, p.kc);
               if (last) epilogue(g, c, acc_ld, m0, n0, rows, cols);
             } else if (p.c_is_acc) {
               const bool load = !first || g.beta != 0.0f;
               float* C = static_cast<float*>(g.C) + m0 * g.ldc + n0;
               if (c_in_place && rows == kBlock && cols == kBlock) {
-                micro(C, g.ldc, load, a, lda, b0, b0 + panel, p.kc);
+                micro(C, g.ldc, load, a, b0, b0 + panel, p.kc);
               } else {
                 for (int64_t r = 0; r < rows && load; ++r)
                   std::memcpy(cbuf + r * kBlock, C + r * g.ldc, sizeof(float) * cols);
-                micro(cbuf, kBlock, load, a, lda, b0, b0 + panel, p.kc);
+                micro(cbuf, kBlock, load, a, b0, b0 + panel, p.kc);
                 for (int64_t r = 0; r < rows; ++r)
                   std::memcpy(C + r * g.ldc, cbuf + r * kBlock, sizeof(float) * cols);
               }
             } else {  // one pass, then the epilogue
-              micro(cbuf, kBlock, false, a, lda, b0, b0 + panel, p.kc);
+              micro(cbuf, kBlock, false, a, b0, b0 + panel, p.kc);
               epilogue(g, cbuf, kBlock, m0, n0, rows, cols);
             }
           }
