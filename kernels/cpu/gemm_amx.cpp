@@ -41,7 +41,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;               // rows and columns of C per micro-kernel call
 constexpr int64_t kMaxKPass = 4096;          // K per pass
-constexpr int64_t kPackBytes = 1536 * 1024;  // a thread's packed B chunk: within its L2
+constexpr int64_t kPackBytes = 1024 * 1024;  // a thread's packed B chunk: half its L2
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
