@@ -341,6 +341,14 @@ TETRA_AMX_TARGET void run(const Problem& g, int threads) {
   // that is more than once and A cannot be read in place, each pass's op(A) is packed once first.
   const bool a_in_place = !g.trans_a && lines(g.A, g.lda * 2);
   const int64_t my_cols = p.split_m ? p.Nb : ceil_div(p.Nb, threads);
+  // An A that is not read in place and would be used by several chunks is packed whole, once per
+  // pass, below. Where that copy would be large (the output layer's weight gradient: A is the
+  // logits' gradient, 103 MB in bf16 for GPT-2 at 1024 tokens), one chunk of up to twice the
+  // size holding every column of the thread packs each A block once instead.
+  constexpr int64_t kMaxPackedA = 16 << 20;
+  if (!a_in_place && p.Mb * kBlock * p.kc * 2 > kMaxPackedA &&
+      my_cols * kBlock * p.kc * 2 <= 2 * kPackBytes)
+    p.chunk_blocks = my_cols;
   const int64_t uses = ceil_div(my_cols, p.chunk_blocks) * (p.split_m ? 1 : threads);
   p.prepack_a = !a_in_place && uses > 1;
   const int64_t a_block = kBlock * p.kc;  // elements of one packed 32-row block of op(A)
