@@ -50,6 +50,48 @@ struct alignas(64) TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64);
 
+// Where a 32 x 32 block product finds one operand's two tiles for k step s (32 values of k):
+// tile 0 at base0 + s * step, tile 1 at base1 + s * step (bytes), rows `stride` bytes apart. For
+// A the tiles are rows 0-15 and 16-31 (16 x 32 bf16), for B columns 0-15 and 16-31 (16 pairs of
+// k x 16 words in the pair-interleaved layout).
+struct TilePair {
+  const char* base0;
+  const char* base1;
+  int64_t step, stride;
+};
+
+// C (32 x 32 fp32 at c, rows ldc floats apart) = [C +] A · B over `steps` k steps of 32, on tmm0-7
+// (the configuration must be loaded): four tile loads per four tile products.
+TETRA_AMX_TARGET inline void tile_block(float* c, int64_t ldc, bool accumulate, const TilePair& a,
+                                        const TilePair& b, int64_t steps) {
+  const int64_t sc = ldc * 4;
+  if (accumulate) {
+    _tile_loadd(0, c, sc);
+    _tile_loadd(1, c + 16, sc);
+    _tile_loadd(2, c + 16 * ldc, sc);
+    _tile_loadd(3, c + 16 * ldc + 16, sc);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, a.base0 + s * a.step, a.stride);
+    _tile_loadd(6, b.base0 + s * b.step, b.stride);
+    _tile_loadd(5, a.base1 + s * a.step, a.stride);
+    _tile_loadd(7, b.base1 + s * b.step, b.stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, sc);
+  _tile_stored(1, c + 16, sc);
+  _tile_stored(2, c + 16 * ldc, sc);
+  _tile_stored(3, c + 16 * ldc + 16, sc);
+}
+
 // dst (32, 8) = src (8, 32)^T, 16-bit elements; src rows lds apart, dst rows ldd apart.
 TETRA_AMX_TARGET inline void transpose_8x32(uint16_t* dst, int64_t ldd, const uint16_t* src,
                                             int64_t lds) {

@@ -50,35 +50,13 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 TETRA_AMX_TARGET void tile_product(float* c, int64_t ldc, const bf16* a, int64_t lda,
                                    const uint32_t* b, int64_t ldb, int64_t M, int64_t N,
                                    int64_t K, bool accumulate) {
-  const int64_t sc = ldc * 4, sa = lda * 2, sb = ldb * 4;
+  const char* A = reinterpret_cast<const char*>(a);
+  const char* Bw = reinterpret_cast<const char*>(b);
   for (int64_t m = 0; m < M; m += 32) {
+    const TilePair at{A + m * lda * 2, A + (m + 16) * lda * 2, 64, lda * 2};
     for (int64_t n = 0; n < N; n += 32) {
-      float* c00 = c + m * ldc + n;
-      if (accumulate) {
-        _tile_loadd(0, c00, sc);
-        _tile_loadd(1, c00 + 16, sc);
-        _tile_loadd(2, c00 + 16 * ldc, sc);
-        _tile_loadd(3, c00 + 16 * ldc + 16, sc);
-      } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-      }
-      for (int64_t k = 0; k < K; k += 32) {
-        _tile_loadd(4, a + m * lda + k, sa);
-        _tile_loadd(5, a + (m + 16) * lda + k, sa);
-        _tile_loadd(6, b + (k / 2) * ldb + n, sb);
-        _tile_loadd(7, b + (k / 2) * ldb + n + 16, sb);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      _tile_stored(0, c00, sc);
-      _tile_stored(1, c00 + 16, sc);
-      _tile_stored(2, c00 + 16 * ldc, sc);
-      _tile_stored(3, c00 + 16 * ldc + 16, sc);
+      const TilePair bt{Bw + n * 4, Bw + (n + 16) * 4, 16 * ldb * 4, ldb * 4};
+      tile_block(c + m * ldc + n, ldc, accumulate, at, bt, K / 32);
     }
   }
 }

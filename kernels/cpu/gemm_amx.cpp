@@ -227,34 +227,10 @@ struct ABlock {
 // c (32 x 32 fp32, ldc floats) = [c +] op(A) block (32 x kc) · b (panels b0, b1: kc/2 x 16 words).
 TETRA_AMX_TARGET inline void micro(float* c, int64_t ldc, bool load, const ABlock& ab,
                                    const uint32_t* b0, const uint32_t* b1, int64_t kc) {
-  const int64_t sc = ldc * 4, sa = ab.stride;
-  if (load) {
-    _tile_loadd(0, c, sc);
-    _tile_loadd(1, c + 16, sc);
-    _tile_loadd(2, c + 16 * ldc, sc);
-    _tile_loadd(3, c + 16 * ldc + 16, sc);
-  } else {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  const bf16* a0 = ab.a;
-  const bf16* a1 = ab.a + ab.second;
-  for (int64_t k = 0, s = 0; k < kc; k += 32, s += ab.step) {
-    _tile_loadd(4, a0 + s, sa);
-    _tile_loadd(6, b0 + k * 8, 64);
-    _tile_loadd(5, a1 + s, sa);
-    _tile_loadd(7, b1 + k * 8, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-  _tile_stored(0, c, sc);
-  _tile_stored(1, c + 16, sc);
-  _tile_stored(2, c + 16 * ldc, sc);
-  _tile_stored(3, c + 16 * ldc + 16, sc);
+  const char* a = reinterpret_cast<const char*>(ab.a);
+  const TilePair at{a, a + ab.second * 2, ab.step * 2, ab.stride};
+  const TilePair bt{reinterpret_cast<const char*>(b0), reinterpret_cast<const char*>(b1), 1024, 64};
+  tile_block(c, ldc, load, at, bt, kc / 32);
 }
 
 // fp32 -> bf16 bits, to nearest even, NaN kept NaN (math::f32_to_bf16_bits), in the high half of
