@@ -180,6 +180,30 @@ TETRA_AMX_TARGET void pack_b(uint32_t* dst, const Problem& g, int64_t k0, int64_
   }
 }
 
+// dst (32 x 32, rows 32 apart, 64-byte aligned) = src (32 x 32, rows lds apart)^T, 16-bit: rows
+// of src paired into words (the pair-interleaved layout), then two 16 x 16 word transposes, so
+// every store is a whole line.
+TETRA_AMX_TARGET void transpose_step(uint16_t* dst, const uint16_t* src, int64_t lds) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56,
+                                      24, 55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17,
+                                      48, 16);
+  __m512i w0[16], w1[16];  // word (kp, m) = (src[2kp][m], src[2kp + 1][m]), m < 16 and m >= 16
+  for (int kp = 0; kp < 16; ++kp) {
+    const __m512i r0 = _mm512_loadu_si512(src + 2 * kp * lds);
+    const __m512i r1 = _mm512_loadu_si512(src + (2 * kp + 1) * lds);
+    w0[kp] = _mm512_permutex2var_epi16(r0, lo, r1);
+    w1[kp] = _mm512_permutex2var_epi16(r0, hi, r1);
+  }
+  transpose_16x16(w0);
+  transpose_16x16(w1);
+  for (int m = 0; m < 16; ++m) {
+    _mm512_store_si512(dst + m * 32, w0[m]);
+    _mm512_store_si512(dst + (16 + m) * 32, w1[m]);
+  }
+}
+
 // Packs op(A) rows [m0, m0 + 32) and columns [k0, k0 + kc) into dst in tile order: per 32 columns
 // (step s) a 32 x 32 block, rows 32 elements apart, at dst + 1024 s, so each of its two tiles is
 // 1 KiB of consecutive lines. Outside op(A): zeros.
@@ -198,11 +222,15 @@ TETRA_AMX_TARGET void pack_a(bf16* dst, const Problem& g, int64_t m0, int64_t k0
       }
     return;
   }
-  // stored (K, M): op(A)[m][k] = A[k][m]. Whole 8 x 32 pieces by the SIMD transpose (8 columns
-  // never straddle a step), the rest element by element.
-  const int64_t kfull = std::max<int64_t>(0, std::min<int64_t>(kc, g.K - k0)) / 8 * 8;
+  // stored (K, M): op(A)[m][k] = A[k][m]. Whole steps by the 32 x 32 transpose, whole 8 x 32
+  // pieces of a ragged last step by the 8 x 32 one (8 columns never straddle a step), the rest
+  // element by element.
+  const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(kc, g.K - k0));
+  const int64_t ksteps = valid / 32 * 32, kfull = valid / 8 * 8;
   if (rows == kBlock) {
-    for (int64_t k = 0; k < kfull; k += 8)
+    for (int64_t k = 0; k < ksteps; k += 32)
+      transpose_step(d + k / 32 * kAStep, A + (k0 + k) * g.lda + m0, g.lda);
+    for (int64_t k = ksteps; k < kfull; k += 8)
       transpose_8x32(d + k / 32 * kAStep + k % 32, 32, A + (k0 + k) * g.lda + m0, g.lda);
   }
   for (int64_t r = 0; r < kBlock; ++r) {
