@@ -6,13 +6,14 @@
 // micro-kernel:
 //
 //   micro-kernel  C (32, 32) fp32 in tmm0-3 += A (32, kc) [tmm4-5] · B (kc, 32) [tmm6-7], k by 32:
-//                 four tile loads per four tile products.
-//   B             packed per chunk of columns into the tiles' pair-interleaved layout, panels of
-//                 16 columns each (kc/2 rows of 16 32-bit pairs, contiguous), sized to stay in L2.
+//                 four tile loads per four tile products (amx.h, tile_block).
+//   B             packed per chunk of columns (1 MiB, half a core's L2) into the tiles'
+//                 pair-interleaved layout, panels of 16 columns each (kc/2 rows of 16 32-bit
+//                 pairs, contiguous); a B stored transposed by 16 x 16 word transposes.
 //   A             read in place when it is row-major, its rows start on cache lines and the block
 //                 is whole; otherwise (a transposed A, a partial block of rows, a ragged end of K)
-//                 packed row-major: per pass by all threads together where a block is used more
-//                 than once, else per block.
+//                 packed in tile order (a transposed A by 32 x 32 transposes): per pass by all
+//                 threads together where a block is used more than once, else per block.
 //   K             in passes of at most kMaxKPass (the tied output layer's dX has K = vocabulary);
 //                 several passes accumulate in fp32 (in C itself when C is fp32 and the epilogue
 //                 is trivial, else in a buffer).
