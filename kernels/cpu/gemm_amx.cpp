@@ -139,6 +139,17 @@ inline __mmask32 mask32(int64_t n) {  // the low n of 32 bits, n clamped to [0, 
   return n <= 0 ? 0u : n >= 32 ? ~__mmask32{0} : (__mmask32{1} << n) - 1u;
 }
 
+// w[0], w[1] = the words (a[i], b[i]) of 16-bit elements i = 0-15 and 16-31 (a in the low half).
+TETRA_AMX_TARGET inline void pair_words(__m512i a, __m512i b, __m512i w[2]) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56,
+                                      24, 55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17,
+                                      48, 16);
+  w[0] = _mm512_permutex2var_epi16(a, lo, b);
+  w[1] = _mm512_permutex2var_epi16(a, hi, b);
+}
+
 // Packs op(B) rows [k0, k0 + kc) and columns [n0, n0 + ncols) (ncols a multiple of 16; kc of 32)
 // into panels of 16 columns: panel p at dst + p * (kc / 2) * 16, word [kp][c] = the pair
 // (op(B)[k0 + 2kp][n0 + 16p + c], op(B)[k0 + 2kp + 1][n0 + 16p + c]). Outside op(B): zeros.
@@ -146,19 +157,21 @@ TETRA_AMX_TARGET void pack_b(uint32_t* dst, const Problem& g, int64_t k0, int64_
                              int64_t ncols) {
   const int64_t panel = kc / 2 * 16;
   const uint16_t* B = reinterpret_cast<const uint16_t*>(g.B);
-  if (!g.trans_b) {  // stored (K, N): interleave pairs of rows
+  if (!g.trans_b) {  // stored (K, N): interleave pairs of rows, 32 columns (two panels) at a time
+    const int64_t panels = ncols / 16;
     for (int64_t kp = 0; kp < kc / 2; ++kp) {
       const int64_t k = k0 + 2 * kp;
       const uint16_t* r0 = k < g.K ? B + k * g.ldb : nullptr;
       const uint16_t* r1 = k + 1 < g.K ? B + (k + 1) * g.ldb : nullptr;
-      for (int64_t p = 0; p < ncols / 16; ++p) {
+      for (int64_t p = 0; p < panels; p += 2) {
         const int64_t c0 = n0 + 16 * p;
-        const __mmask16 m = static_cast<__mmask16>(mask32(g.N - c0));
-        const __m512i lo = r0 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0 + c0))
-                              : _mm512_setzero_si512();
-        const __m512i hi = r1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r1 + c0))
-                              : _mm512_setzero_si512();
-        _mm512_storeu_si512(dst + p * panel + kp * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        const __mmask32 m = mask32(std::min<int64_t>(g.N - c0, 16 * (panels - p)));
+        const __m512i a = r0 ? _mm512_maskz_loadu_epi16(m, r0 + c0) : _mm512_setzero_si512();
+        const __m512i b = r1 ? _mm512_maskz_loadu_epi16(m, r1 + c0) : _mm512_setzero_si512();
+        __m512i w[2];
+        pair_words(a, b, w);
+        _mm512_storeu_si512(dst + p * panel + kp * 16, w[0]);
+        if (p + 1 < panels) _mm512_storeu_si512(dst + (p + 1) * panel + kp * 16, w[1]);
       }
     }
     return;
@@ -185,17 +198,13 @@ TETRA_AMX_TARGET void pack_b(uint32_t* dst, const Problem& g, int64_t k0, int64_
 // of src paired into words (the pair-interleaved layout), then two 16 x 16 word transposes, so
 // every store is a whole line.
 TETRA_AMX_TARGET void transpose_step(uint16_t* dst, const uint16_t* src, int64_t lds) {
-  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56,
-                                      24, 55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17,
-                                      48, 16);
   __m512i w0[16], w1[16];  // word (kp, m) = (src[2kp][m], src[2kp + 1][m]), m < 16 and m >= 16
   for (int kp = 0; kp < 16; ++kp) {
-    const __m512i r0 = _mm512_loadu_si512(src + 2 * kp * lds);
-    const __m512i r1 = _mm512_loadu_si512(src + (2 * kp + 1) * lds);
-    w0[kp] = _mm512_permutex2var_epi16(r0, lo, r1);
-    w1[kp] = _mm512_permutex2var_epi16(r0, hi, r1);
+    __m512i w[2];
+    pair_words(_mm512_loadu_si512(src + 2 * kp * lds), _mm512_loadu_si512(src + (2 * kp + 1) * lds),
+               w);
+    w0[kp] = w[0];
+    w1[kp] = w[1];
   }
   transpose_16x16(w0);
   transpose_16x16(w1);
