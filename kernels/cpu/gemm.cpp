@@ -56,6 +56,7 @@
 
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/dispatch.h"
+#include "kernels/cpu/gemm_loops.h"
 #include "trainer/core/check.h"
 
 namespace tetra {
@@ -175,8 +176,6 @@ GemmPlan make_gemm_plan(const dnnl::engine& engine, const GemmKey& k, float alph
 
 namespace {
 
-bool gemm_type(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
-
 // The (rows, cols) fp16 matrix at src (leading dimension ld) widened into dst with leading dimension
 // `out_ld`.
 void widen_f16(std::vector<float>& dst, const void* src, int64_t rows, int64_t cols, int64_t ld,
@@ -202,16 +201,8 @@ int64_t widened_ld(int64_t cols) { return (cols * 4) % 1024 == 0 ? cols + 16 : c
 void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                       const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type,
                       float beta, void* C, int64_t ldc, DType c_type, const void* bias) {
-  TETRA_CHECK(gemm_type(ab_type), "gemm: A/B type must be F32, BF16 or F16, got {}", dtype_name(ab_type));
-  TETRA_CHECK(gemm_type(c_type), "gemm: C type must be F32, BF16 or F16, got {} (A/B are {})",
-              dtype_name(c_type), dtype_name(ab_type));
-  TETRA_CHECK(M >= 0 && N >= 0 && K > 0, "gemm: need M, N >= 0 and K > 0, got M={} N={} K={}",
-              M, N, K);
+  cpu::check_gemm_args(trans_a, trans_b, M, N, K, lda, ldb, ldc, ab_type, c_type);
   if (M == 0 || N == 0) return;
-  TETRA_CHECK(lda >= (trans_a ? M : K) && ldb >= (trans_b ? K : N) && ldc >= N,
-              "gemm: leading dimensions too small: trans_a={} trans_b={} M={} N={} K={} lda={} "
-              "ldb={} ldc={}",
-              trans_a, trans_b, M, N, K, lda, ldb, ldc);
 
   if (gemm_amx(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, ab_type, beta, C, ldc, c_type,
                bias))

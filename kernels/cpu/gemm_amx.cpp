@@ -30,9 +30,11 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/gemm_loops.h"
 #include "trainer/core/check.h"
 
 #if defined(TETRA_AMX_COMPILED)
@@ -86,13 +88,15 @@ ThreadScratch& thread_scratch() {
   return s;
 }
 
+// Buffers a call's threads share, one set per calling (host) thread: two backends driven from two
+// host threads each have their own.
 struct Shared {
-  Buffer<bf16> a;    // the whole of op(A), packed row-major (transposed A, several chunks)
-  Buffer<float> acc;  // fp32 accumulator across K passes
+  Buffer<bf16> a;         // a pass's op(A), packed by all threads together
+  Buffer<float> acc;      // fp32 accumulator across K passes
   Buffer<uint32_t> b[2];  // B chunks packed by all threads together (threads split the rows)
 };
 Shared& shared() {
-  static Shared s;
+  static thread_local Shared s;
   return s;
 }
 
@@ -380,6 +384,25 @@ TETRA_AMX_TARGET void run(const Problem& g, int threads) {
   uint32_t* b_shared[2] = {nullptr, nullptr};
   if (shared_b)
     for (int i = 0; i < 2; ++i) b_shared[i] = grow(sh.b[i], p.chunk_blocks * kBlock * p.kc / 2);
+  // Each thread's scratch is grown here, in a region without barriers, so that an allocation
+  // failure is an exception on the caller's thread rather than a throw inside the product's region
+  // (where it would end the process).
+  const int64_t b_words = shared_b ? 0 : p.chunk_blocks * kBlock * p.kc / 2;
+  std::exception_ptr failed;
+#pragma omp parallel num_threads(threads)
+  {
+    try {
+      ThreadScratch& w = thread_scratch();
+      grow(w.a, a_block);
+      grow(w.c, kBlock * kBlock);
+      grow(w.b, b_words);
+    } catch (...) {
+#pragma omp critical(tetra_amx_gemm_scratch)
+      failed = std::current_exception();
+    }
+  }
+  if (failed) std::rethrow_exception(failed);
+
   static const TileConfig config;
 #pragma omp parallel num_threads(threads)
   {
@@ -466,6 +489,7 @@ void amx_gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, 
                    const bf16* A, int64_t lda, const bf16* B, int64_t ldb, float beta, void* C,
                    int64_t ldc, DType c_type, const bf16* bias, int threads) {
   TETRA_CHECK(amx_available(), "gemm: AMX is not available on this CPU");
+  check_gemm_args(trans_a, trans_b, M, N, K, lda, ldb, ldc, DType::BF16, c_type);
   TETRA_CHECK(c_type == DType::F32 || c_type == DType::BF16,
               "gemm: the AMX path writes an F32 or BF16 C, got {}", dtype_name(c_type));
   if (M == 0 || N == 0) return;

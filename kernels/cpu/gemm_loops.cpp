@@ -57,9 +57,8 @@ const float* f32_rows(const void* X, int64_t ldx, bool trans, int64_t rows, int6
 
 }  // namespace
 
-void gemm_loops(int threads, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
-                const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type, float beta, void* C,
-                int64_t ldc, DType c_type, const void* bias) {
+void check_gemm_args(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, int64_t lda,
+                     int64_t ldb, int64_t ldc, DType ab_type, DType c_type) {
   TETRA_CHECK(gemm_type(ab_type), "gemm: A/B type must be F32, BF16 or F16, got {}", dtype_name(ab_type));
   TETRA_CHECK(gemm_type(c_type), "gemm: C type must be F32, BF16 or F16, got {} (A/B are {})",
               dtype_name(c_type), dtype_name(ab_type));
@@ -68,6 +67,13 @@ void gemm_loops(int threads, bool trans_a, bool trans_b, int64_t M, int64_t N, i
   TETRA_CHECK(lda >= (trans_a ? M : K) && ldb >= (trans_b ? K : N) && ldc >= N,
               "gemm: leading dimensions too small: trans_a={} trans_b={} M={} N={} K={} lda={} ldb={} ldc={}",
               trans_a, trans_b, M, N, K, lda, ldb, ldc);
+}
+
+void gemm_loops(int threads, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type, float beta, void* C,
+                int64_t ldc, DType c_type, const void* bias) {
+  check_gemm_args(trans_a, trans_b, M, N, K, lda, ldb, ldc, ab_type, c_type);
+  if (M == 0 || N == 0) return;
 
   const int nt = team_size(threads);
   std::vector<float> a_copy, b_copy;
@@ -129,8 +135,9 @@ CpuBackend::~CpuBackend() = default;
 void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void* A,
                       int64_t lda, const void* B, int64_t ldb, DType ab_type, float beta, void* C, int64_t ldc,
                       DType c_type, const void* bias) {
-  if (M > 0 && N > 0 && K > 0 &&
-      gemm_amx(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, ab_type, beta, C, ldc, c_type, bias))
+  cpu::check_gemm_args(trans_a, trans_b, M, N, K, lda, ldb, ldc, ab_type, c_type);
+  if (M == 0 || N == 0) return;
+  if (gemm_amx(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, ab_type, beta, C, ldc, c_type, bias))
     return;
   static std::once_flag announced;
   std::call_once(announced, [] {

@@ -15,6 +15,12 @@ namespace tetra::cpu {
 // Backend::gemm (kernels/backend.h): A and B of ab_type (F32, BF16 or F16), C of c_type (likewise),
 // bias of ab_type or null, fp32 accumulation, C not read when beta == 0. `threads` <= 0: every
 // core. Throws tetra::Error on arguments outside the contract.
+// Throws tetra::Error, naming the values, unless the arguments are inside the contract of
+// Backend::gemm: A/B and C types F32, BF16 or F16, M, N >= 0, K > 0, and leading dimensions at
+// least the rows' lengths (when M and N are not 0). Every CPU GEMM path checks this first.
+void check_gemm_args(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, int64_t lda,
+                     int64_t ldb, int64_t ldc, DType ab_type, DType c_type);
+
 void gemm_loops(int threads, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                 const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type, float beta, void* C,
                 int64_t ldc, DType c_type, const void* bias);

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <thread>
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
@@ -165,6 +166,28 @@ TEST_CASE("gemm: bf16 on AMX tiles is bitwise independent of the thread count", 
     const std::vector<float> c1 = run_gemm(one, g, o), c2 = run_gemm(two, g, o);
     REQUIRE(std::memcmp(c1.data(), c2.data(), c1.size() * sizeof(float)) == 0);
   }
+}
+
+TEST_CASE("gemm: bf16 on AMX tiles from two host threads at once, two backends", "[kernels]") {
+  if (!amx_or_warn()) return;
+  // K over one pass and a bf16 C: the calls use the packing buffers their threads share and the
+  // fp32 accumulator, which must be per calling thread.
+  const Case g{false, false, 128, 96, 9000, 1.0f, 0.0f, false, DType::BF16, 1};
+  // Different operands on each thread, so that a shared buffer would mix the two products.
+  const Operands o[2] = {make_operands(g, 4242), make_operands(g, 4343)};
+  CpuBackend reference(2);
+  const std::vector<float> want[2] = {run_gemm(reference, g, o[0]), run_gemm(reference, g, o[1])};
+  int mismatches[2] = {0, 0};
+  std::vector<std::thread> host;
+  for (int t = 0; t < 2; ++t)
+    host.emplace_back([&, t] {
+      CpuBackend be(1);
+      for (int i = 0; i < 40; ++i)
+        if (run_gemm(be, g, o[t]) != want[t]) ++mismatches[t];
+    });
+  for (std::thread& h : host) h.join();
+  CHECK(mismatches[0] == 0);
+  CHECK(mismatches[1] == 0);
 }
 
 TEST_CASE("gemm: the bf16 kernel in use is reported, and oneDNN's agrees with AMX's", "[kernels]") {

@@ -214,6 +214,16 @@ TEST_CASE("gemm: unsupported types and bad leading dimensions are rejected", "[k
   CHECK_THROWS_AS(be->gemm(false, true, 4, 4, 4, 1.0f, a.data(), 4, b.data(), 4, DType::F32,
                            0.0f, c.data(), 3, DType::F32),
                   Error);
+  // bf16 too (on CPUs with AMX it takes another kernel, which must not run on bad arguments).
+  CHECK_THROWS_AS(be->gemm(false, false, 4, 4, 4, 1.0f, a.data(), 3, b.data(), 4, DType::BF16,
+                           0.0f, c.data(), 4, DType::F32),
+                  Error);
+  CHECK_THROWS_AS(be->gemm(true, false, 4, 4, 4, 1.0f, a.data(), 4, b.data(), 3, DType::BF16,
+                           0.0f, c.data(), 4, DType::BF16),
+                  Error);
+  CHECK_THROWS_AS(be->gemm(false, true, 4, 4, 4, 1.0f, a.data(), 4, b.data(), 4, DType::BF16,
+                           0.0f, c.data(), 3, DType::BF16),
+                  Error);
 }
 
 TEST_CASE("attention: forward matches a naive loop (MHA, GQA, MQA, one and several blocks)",
