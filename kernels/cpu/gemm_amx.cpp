@@ -356,13 +356,12 @@ TETRA_AMX_TARGET void run(const Problem& g, int threads) {
                (g.beta == 0.0f || g.beta == 1.0f);
   p.acc_buffer = p.passes > 1 && !p.c_is_acc;
   // A block of op(A) rows is used once per chunk of B columns of every thread that needs it: where
-  // that is more than once and A cannot be read in place, each pass's op(A) is packed once first.
+  // that is more than once and A cannot be read in place, each pass's op(A) is packed whole first,
+  // once. Where that copy would be large (the output layer's weight gradient: A is the logits'
+  // gradient, 103 MB in bf16 for GPT-2 at 1024 tokens), one chunk of up to twice the size that
+  // holds every column of the thread packs each A block once instead.
   const bool a_in_place = !g.trans_a && lines(g.A, g.lda * 2);
   const int64_t my_cols = p.split_m ? p.Nb : ceil_div(p.Nb, threads);
-  // An A that is not read in place and would be used by several chunks is packed whole, once per
-  // pass, below. Where that copy would be large (the output layer's weight gradient: A is the
-  // logits' gradient, 103 MB in bf16 for GPT-2 at 1024 tokens), one chunk of up to twice the
-  // size holding every column of the thread packs each A block once instead.
   constexpr int64_t kMaxPackedA = 16 << 20;
   if (!a_in_place && p.Mb * kBlock * p.kc * 2 > kMaxPackedA &&
       my_cols * kBlock * p.kc * 2 <= 2 * kPackBytes)
