@@ -1,5 +1,6 @@
 // CpuBackend::gemm through oneDNN's matmul primitive, plus the backend's constructor/destructor
-// (they own the primitive cache, whose type is complete only here).
+// (they own the primitive cache, whose type is complete only here). bf16 operands go to our own
+// AMX kernel instead where the CPU has AMX (gemm_amx.cpp); everything below is the rest.
 //
 //   C(M,N) = alpha * op(A)(M,K) · op(B)(K,N) + beta * C + bias(N)   (row-major, fp32 accumulate)
 //
