@@ -43,8 +43,6 @@ namespace {
 
 constexpr int64_t kQBlock = 64;  // query rows per block (and the key padding unit)
 
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
 // C (M, N) fp32 (ldc) = [C +] A (M, K) bf16 (lda) · B, B given as B32 (K/2, N) words (ldb words).
 // M, N multiples of 32, K a multiple of 32. The tile configuration must be loaded.
 TETRA_AMX_TARGET void tile_product(float* c, int64_t ldc, const bf16* a, int64_t lda,
@@ -139,16 +137,10 @@ Dims make_dims(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
               1.0f / std::sqrt(static_cast<float>(HS))};
 }
 
-template <typename V>
-V* grow(std::vector<V>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
-  return v.data();
-}
-
 struct Scratch {
-  std::vector<bf16> k, v, qb, dob, p, pt;           // rows (padded), P / dS and their transposes
-  std::vector<uint32_t> kt32, vt32, k32, v32, q32, do32;  // B operands
-  std::vector<float> s, dp, acc, dk, dv;
+  Buffer<bf16> k, v, qb, dob, p, pt;               // rows (padded), P / dS and their transposes
+  Buffer<uint32_t> kt32, vt32, k32, v32, q32, do32;  // B operands
+  Buffer<float> s, dp, acc, dk, dv;
   int64_t packed_b = -1, packed_kvh = -1;  // forward: whose K^T and V are in kt32 / v32
 };
 Scratch& scratch() {

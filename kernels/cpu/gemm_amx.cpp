@@ -28,7 +28,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <vector>
@@ -46,34 +45,8 @@ constexpr int64_t kBlock = 32;               // rows and columns of C per micro-
 constexpr int64_t kMaxKPass = 4096;          // K per pass
 constexpr int64_t kPackBytes = 1024 * 1024;  // a thread's packed B chunk: half its L2
 
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
-
-// Tile rows must start on cache lines: a tile load or store of rows that straddle two lines runs
-// 2-4x slower. Scratch is 64-byte aligned; operands in place only where their rows are.
-template <typename T>
-struct Aligned64 {
-  using value_type = T;
-  Aligned64() = default;
-  template <typename U>
-  Aligned64(const Aligned64<U>&) {}
-  T* allocate(size_t n) {
-    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
-    TETRA_CHECK(p != nullptr, "gemm: scratch of {} bytes", n * sizeof(T));
-    return static_cast<T*>(p);
-  }
-  void deallocate(T* p, size_t) { std::free(p); }
-  bool operator==(const Aligned64&) const { return true; }
-};
-template <typename T>
-using Buffer = std::vector<T, Aligned64<T>>;
-
-template <typename V>
-typename V::value_type* grow(V& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
-  return v.data();
-}
-
+// Tile rows must start on cache lines (amx.h, Buffer): operands are read in place only where
+// their rows do.
 bool lines(const void* p, int64_t ld_bytes) {
   return reinterpret_cast<uintptr_t>(p) % 64 == 0 && ld_bytes % 64 == 0;
 }
