@@ -1,5 +1,5 @@
 // What the CPU kernels that run on AMX tiles (Intel Advanced Matrix Extensions) share: the
-// availability check, aligned scratch, the tile configuration, the target attribute, a 32 x 32
+// availability check, the tile configuration, the target attribute, a 32 x 32
 // block product and a 16-bit transpose.
 //
 // Every tile product is C (16, 16) fp32 += A (16, 32) bf16 · B (32, 16) bf16, A row-major and B in
@@ -10,10 +10,8 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
-#include <vector>
 
-#include "trainer/core/check.h"
+#include "kernels/cpu/host_memory.h"  // Buffer, grow: the kernels' 64-byte-aligned scratch
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define TETRA_AMX_COMPILED 1
@@ -38,32 +36,6 @@ bool amx_available();
 
 inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 inline int64_t round_up(int64_t x, int64_t m) { return ceil_div(x, m) * m; }
-
-// Scratch for tile operands: a tile load or store of rows that straddle two cache lines runs 2-4x
-// slower, so the kernels' buffers are 64-byte aligned.
-template <typename T>
-struct Aligned64 {
-  using value_type = T;
-  Aligned64() = default;
-  template <typename U>
-  Aligned64(const Aligned64<U>&) {}
-  T* allocate(size_t n) {
-    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
-    TETRA_CHECK(p != nullptr, "AMX kernels: scratch of {} bytes", n * sizeof(T));
-    return static_cast<T*>(p);
-  }
-  void deallocate(T* p, size_t) { std::free(p); }
-  bool operator==(const Aligned64&) const { return true; }
-};
-template <typename T>
-using Buffer = std::vector<T, Aligned64<T>>;
-
-// v's data, grown (never shrunk) to at least n elements.
-template <typename V>
-typename V::value_type* grow(V& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
-  return v.data();
-}
 
 #if defined(TETRA_AMX_COMPILED)
 

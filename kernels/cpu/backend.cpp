@@ -1,41 +1,29 @@
-// The CPU backend's memory ops and its factory. Backend memory is ordinary host memory: buffers
-// are 64-byte aligned (one cache line, one AVX-512 vector) so vectorised kernels and oneDNN never
-// split a vector across lines, and every "device" copy is a memcpy. Ops run to completion before
-// returning, so synchronize() has nothing to wait for.
+// The CPU backend's memory ops and its factory. Backend memory is host memory (host_memory.h:
+// 64-byte aligned, large blocks on huge pages), and every "device" copy is a memcpy. Ops run to
+// completion before returning, so synchronize() has nothing to wait for.
 //
 // The constructor and destructor live in gemm.cpp: they create and destroy the oneDNN GEMM cache,
 // whose type is complete only there.
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/dispatch.h"
+#include "kernels/cpu/host_memory.h"
 #include "trainer/core/check.h"
 
 namespace tetra {
 
-namespace {
-constexpr size_t kAlignment = 64;
-}  // namespace
+void* CpuBackend::alloc(size_t bytes) { return cpu::host_alloc(bytes, "a backend buffer"); }
 
-void* CpuBackend::alloc(size_t bytes) {
-  // aligned_alloc wants a size that is a multiple of the alignment; a zero-byte request still
-  // returns a unique pointer that free() accepts.
-  size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
-  if (rounded == 0) rounded = kAlignment;
-  void* ptr = std::aligned_alloc(kAlignment, rounded);
-  TETRA_CHECK(ptr != nullptr, "cpu alloc of {} bytes ({} rounded) failed", bytes, rounded);
-  return ptr;
-}
-
-void CpuBackend::free(void* ptr) { std::free(ptr); }
+void CpuBackend::free(void* ptr) { cpu::host_free(ptr); }
 
 namespace {
 
 // Large fills and copies are split over the team: one core does not saturate memory bandwidth
 // (zeroing GPT-2's 0.5 GB gradient buffer: 55 ms on one thread, about half on two).
 constexpr size_t kParallelBytes = size_t{1} << 20;
+constexpr size_t kLine = 64;
 
 template <typename F>
 void for_each_chunk(size_t bytes, int threads, F&& f) {
@@ -45,7 +33,7 @@ void for_each_chunk(size_t bytes, int threads, F&& f) {
   }
   const int nt = cpu::team_size(threads);
   const size_t share = (bytes + nt - 1) / nt;  // ceil: nt chunks always cover every byte
-  const size_t chunk = (share + kAlignment - 1) / kAlignment * kAlignment;
+  const size_t chunk = (share + kLine - 1) / kLine * kLine;  // chunks start on cache lines
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int i = 0; i < nt; ++i) {
     const size_t begin = std::min(bytes, static_cast<size_t>(i) * chunk);

@@ -58,6 +58,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/dispatch.h"
 #include "kernels/cpu/gemm_loops.h"
+#include "kernels/cpu/host_memory.h"
 #include "trainer/core/check.h"
 
 namespace tetra {
@@ -112,13 +113,12 @@ struct CpuBackend::GemmCache {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
   std::unordered_map<GemmKey, GemmPlan, GemmKeyHash> plans;
-  std::vector<float> staging;   // (M, N) fp32 result of a product into a 16-bit C of another type
-  std::vector<char> b_staging;  // B (K, N) copied to padded rows
-  std::vector<float> a_wide, b_wide, bias_wide;  // fp16 operands widened to fp32
+  cpu::Buffer<float> staging;   // (M, N) fp32 result of a product into a 16-bit C of another type
+  cpu::Buffer<char> b_staging;  // B (K, N) copied to padded rows
+  cpu::Buffer<float> a_wide, b_wide, bias_wide;  // fp16 operands widened to fp32
   // One scratchpad for every plan (they run one at a time), grown to the largest plan's need the
   // first time that plan runs. oneDNN's default would allocate it inside every execution.
-  std::unique_ptr<char, decltype(&std::free)> scratch{nullptr, &std::free};
-  size_t scratch_bytes = 0;
+  cpu::Buffer<char> scratch;
 };
 
 CpuBackend::CpuBackend(int threads)
@@ -179,7 +179,7 @@ namespace {
 
 // The (rows, cols) fp16 matrix at src (leading dimension ld) widened into dst with leading dimension
 // `out_ld`.
-void widen_f16(std::vector<float>& dst, const void* src, int64_t rows, int64_t cols, int64_t ld,
+void widen_f16(cpu::Buffer<float>& dst, const void* src, int64_t rows, int64_t cols, int64_t ld,
                int64_t out_ld, int threads) {
   if (dst.size() < static_cast<size_t>(rows * out_ld)) dst.resize(static_cast<size_t>(rows * out_ld));
   const f16* s = static_cast<const f16*>(src);
@@ -230,7 +230,7 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
   }
 
   if (c_type != DType::F32 && c_type != ab_type) {
-    std::vector<float>& staging = gemm_cache_->staging;
+    cpu::Buffer<float>& staging = gemm_cache_->staging;
     if (staging.size() < static_cast<size_t>(M * N)) staging.resize(M * N);
     gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, ab_type, 0.0f, staging.data(), N,
          DType::F32, bias);
@@ -265,7 +265,7 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
       }
       return;
     }
-    std::vector<char>& packed = gemm_cache_->b_staging;
+    cpu::Buffer<char>& packed = gemm_cache_->b_staging;
     if (packed.size() < static_cast<size_t>(K * ldp * es)) packed.resize(K * ldp * es);
     const char* src = static_cast<const char*>(B);
     char* dst = packed.data();
@@ -287,13 +287,8 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
   plan.b.set_data_handle(const_cast<void*>(B));
   plan.c.set_data_handle(C);
   if (bias != nullptr) plan.bias.set_data_handle(const_cast<void*>(bias));
-  if (plan.scratch_bytes > gemm_cache_->scratch_bytes) {
-    const size_t bytes = (plan.scratch_bytes + 63) / 64 * 64;
-    gemm_cache_->scratch.reset(static_cast<char*>(std::aligned_alloc(64, bytes)));
-    TETRA_CHECK(gemm_cache_->scratch != nullptr, "gemm: scratchpad of {} bytes", bytes);
-    gemm_cache_->scratch_bytes = bytes;
-  }
-  plan.scratch.set_data_handle(gemm_cache_->scratch.get());
+  plan.scratch.set_data_handle(
+      cpu::grow(gemm_cache_->scratch, static_cast<int64_t>(plan.scratch_bytes)));
   plan.prim.execute(gemm_cache_->stream, plan.args);
   gemm_cache_->stream.wait();
 }

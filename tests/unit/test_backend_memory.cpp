@@ -1,8 +1,11 @@
-// The CPU backend's memory ops: alignment, and large fills and copies split over threads, at
-// sizes that do not divide evenly into the threads' chunks.
+// The CPU backend's memory ops: alignment, huge pages for large blocks, and large fills and copies
+// split over threads, at sizes that do not divide evenly into the threads' chunks.
 #include <catch2/catch.hpp>
 
 #include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <string>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -41,4 +44,53 @@ TEST_CASE("cpu backend: aligned alloc, zero-fill and copy of every size", "[back
       be->free(b);
     }
   }
+}
+
+namespace {
+
+// The VmFlags line of the /proc/self/smaps mapping that holds p ("" where none does).
+std::string vm_flags_of(const void* p) {
+  std::ifstream smaps("/proc/self/smaps");
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+  std::string line;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find('-') < line.find(' ')) {
+      inside = lo <= at && at < hi;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line;
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("cpu backend: blocks of 4 MiB and more are 2 MiB aligned and advised onto huge pages",
+          "[backend]") {
+  auto be = make_cpu_backend(2);
+  const size_t two_mib = size_t{2} << 20;
+  for (size_t bytes : {(size_t{4} << 20), (size_t{4} << 20) + 1, (size_t{37} << 20) + 4097}) {
+    INFO("bytes " << bytes);
+    auto* p = static_cast<uint8_t*>(be->alloc(bytes));
+    CHECK(reinterpret_cast<uintptr_t>(p) % two_mib == 0);
+    be->memset_zero(p, bytes);  // every byte is usable
+    p[bytes - 1] = 1;
+    // Linux records the advice as the mapping's "hg" flag wherever THP is built into the kernel
+    // (its sysfs directory exists), whatever mode THP is in.
+    std::ifstream thp("/sys/kernel/mm/transparent_hugepage/enabled");
+    if (thp) {
+      const std::string flags = vm_flags_of(p);
+      INFO("smaps " << flags);
+      CHECK(flags.find(" hg") != std::string::npos);
+    } else {
+      WARN("this kernel has no transparent huge pages: only the alignment is checked");
+    }
+    be->free(p);
+  }
+  // Smaller blocks keep the cache-line alignment only.
+  void* small = be->alloc((size_t{4} << 20) - 64);
+  CHECK(reinterpret_cast<uintptr_t>(small) % 64 == 0);
+  be->free(small);
 }
