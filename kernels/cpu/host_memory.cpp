@@ -2,6 +2,7 @@
 #include "kernels/cpu/host_memory.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 
 #if defined(__linux__)
@@ -21,6 +22,8 @@ void* host_alloc(size_t bytes, const char* what) {
   // aligned_alloc wants a size that is a multiple of the alignment.
   const bool huge = bytes >= kHugeBytes;
   const size_t align = huge ? kHugePageBytes : kLine;
+  TETRA_CHECK(bytes <= SIZE_MAX - align, "cpu: {} bytes of host memory requested for {}: more than "
+              "the address space holds", bytes, what);
   const size_t rounded = std::max(round_up_bytes(bytes, align), align);
   void* ptr = std::aligned_alloc(align, rounded);
   TETRA_CHECK(ptr != nullptr, "cpu: allocating {} bytes of host memory for {} failed (out of memory)",

@@ -89,6 +89,8 @@ TEST_CASE("cpu backend: blocks of 4 MiB and more are 2 MiB aligned and advised o
     }
     be->free(p);
   }
+  // A size the address space cannot hold is an error, not a wrapped-around small block.
+  CHECK_THROWS_WITH(be->alloc(SIZE_MAX - 5), Catch::Contains("more than the address space holds"));
   // Smaller blocks keep the cache-line alignment only.
   void* small = be->alloc((size_t{4} << 20) - 64);
   CHECK(reinterpret_cast<uintptr_t>(small) % 64 == 0);
