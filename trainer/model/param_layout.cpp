@@ -275,6 +275,7 @@ void init_params(const ParamLayout& layout, const ModelConfig& m, uint64_t seed,
   const float std = static_cast<float>(m.init_std);
   // GPT-2 / Megatron: output projections of residual branches scaled by 1/sqrt(2 L).
   const float scaled_std = std / std::sqrt(2.0f * static_cast<float>(m.num_layers));
+#pragma omp parallel for schedule(static)  // the buffer's first touch: page faults on every thread
   for (int64_t i = 0; i < layout.total; ++i) master[i] = 0.0f;
   for (const ParamSpec& p : layout.params) {
     float* w = master + p.offset;
