@@ -41,6 +41,9 @@ class Backend {
   // For ops with more than one implementation: which ones have run so far, in words (e.g. the
   // CUDA backend's attention path, cuDNN or its own kernels). Empty where there is no choice.
   virtual std::string kernel_report() const { return ""; }
+  // How the backend's memory is held, in words, where that affects speed (the CPU backend: how
+  // much of the process sits on huge pages). Empty where there is nothing to say.
+  virtual std::string memory_report() const { return ""; }
 
   // ---- memory ------------------------------------------------------------------------------
   // Allocations happen while the run is planned, never inside the step loop.

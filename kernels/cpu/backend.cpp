@@ -18,6 +18,8 @@ void* CpuBackend::alloc(size_t bytes) { return cpu::host_alloc(bytes, "a backend
 
 void CpuBackend::free(void* ptr) { cpu::host_free(ptr); }
 
+std::string CpuBackend::memory_report() const { return cpu::huge_page_report(); }
+
 namespace {
 
 // Large fills and copies are split over the team: one core does not saturate memory bandwidth

@@ -27,6 +27,9 @@ class CpuBackend final : public Backend {
   // Which kernels the last attention ops and bf16 GEMM ran, e.g. "attention forward amx (bf16
   // tiles), backward amx (bf16 tiles); bf16 gemm amx (bf16 tiles)".
   std::string kernel_report() const override;
+  // e.g. "host memory: 2582 MiB of the process on 2 MiB pages (transparent huge pages: madvise)"
+  // (host_memory.h).
+  std::string memory_report() const override;
 
   void* alloc(size_t bytes) override;
   void free(void* ptr) override;

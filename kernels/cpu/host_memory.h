@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace tetra::cpu {
@@ -26,6 +27,12 @@ inline constexpr size_t kHugeBytes = size_t{4} << 20;
 // `what` when the system has none left.
 void* host_alloc(size_t bytes, const char* what);
 void host_free(void* ptr);
+
+// What the process has on huge pages, for the log: the THP mode (the bracketed word of
+// /sys/kernel/mm/transparent_hugepage/enabled) and AnonHugePages of /proc/self/smaps_rollup.
+std::string huge_page_report();
+// The same from those two files' text ("" where a file could not be read).
+std::string describe_huge_pages(const std::string& thp_enabled, const std::string& smaps_rollup);
 
 // std::vector storage from host_alloc.
 template <typename T>

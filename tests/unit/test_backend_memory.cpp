@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/cpu/host_memory.h"
 
 using namespace tetra;
 
@@ -95,4 +96,23 @@ TEST_CASE("cpu backend: blocks of 4 MiB and more are 2 MiB aligned and advised o
   void* small = be->alloc((size_t{4} << 20) - 64);
   CHECK(reinterpret_cast<uintptr_t>(small) % 64 == 0);
   be->free(small);
+}
+
+TEST_CASE("cpu backend: the memory report reads the THP mode and the process's huge pages",
+          "[backend]") {
+  CHECK(cpu::describe_huge_pages("always [madvise] never\n",
+                                 "Rss:  2900000 kB\nAnonHugePages:   2768896 kB\nShmemHugePages: 0 kB\n") ==
+        "host memory: 2704 MiB of the process on 2 MiB pages (transparent huge pages: madvise)");
+  CHECK(cpu::describe_huge_pages("[always] madvise never\n", "AnonHugePages: 0 kB\n") ==
+        "host memory: 0 MiB of the process on 2 MiB pages (transparent huge pages: always)");
+  CHECK_THAT(cpu::describe_huge_pages("always madvise [never]\n", "AnonHugePages: 0 kB\n"),
+             Catch::StartsWith("host memory on 4 KiB pages: transparent huge pages are off ('never')") &&
+                 Catch::Contains("/sys/kernel/mm/transparent_hugepage/enabled"));
+  CHECK_THAT(cpu::describe_huge_pages("", ""),
+             Catch::StartsWith("host memory on 4 KiB pages: transparent huge pages are not available"));
+  CHECK(cpu::describe_huge_pages("always [madvise] never\n", "") ==
+        "host memory: transparent huge pages madvise");
+  // This process, read live.
+  auto be = make_cpu_backend(1);
+  CHECK_THAT(be->memory_report(), Catch::StartsWith("host memory"));
 }

@@ -633,6 +633,8 @@ void Trainer::run() {
     if (s == start_step_ && writer_) {  // which implementations the first step ran, where there is a choice
       const std::string kernels = be_->kernel_report();
       if (!kernels.empty()) spdlog::info("kernels: {}", kernels);
+      const std::string memory = be_->memory_report();
+      if (!memory.empty()) spdlog::info("{}", memory);
     }
     if (m.sample)
       spdlog::info("sample: \"{}\" -> \"{}\"", escape_text(cfg_.sample.prompt), escape_text(*m.sample));
