@@ -188,6 +188,12 @@ AMX_NOTE="no AMX"
 grep -qw amx_bf16 /proc/cpuinfo && AMX_NOTE="AMX-BF16 present: bf16 GEMMs using it can beat both"
 echo "  ceiling (this machine, $THREADS threads): fp32 FMA $CEIL_FP32 GFLOP/s," \
      "bf16 dot product (vdpbf16ps) $CEIL_BF16 GFLOP/s; $AMX_NOTE"
+# Tetra advises its large buffers onto transparent huge pages; Linux honours that in the modes
+# "madvise" and "always" (kernels/cpu/host_memory.h). The torch peer asks for none (its
+# AnonHugePages stayed 0 kB under tcmalloc, measured at T=256).
+THP_MODE=$(sed -n 's/.*\[\([a-z]*\)\].*/\1/p' /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null || true)
+echo "  transparent huge pages: ${THP_MODE:-not available}" \
+     "(Tetra's large buffers are on 2 MiB pages in the modes madvise and always)"
 
 # ---- the runs ------------------------------------------------------------------------------------
 results=$WORK/results.jsonl
