@@ -181,9 +181,8 @@ namespace {
 // `out_ld`.
 void widen_f16(cpu::Buffer<float>& dst, const void* src, int64_t rows, int64_t cols, int64_t ld,
                int64_t out_ld, int threads) {
-  if (dst.size() < static_cast<size_t>(rows * out_ld)) dst.resize(static_cast<size_t>(rows * out_ld));
   const f16* s = static_cast<const f16*>(src);
-  float* d = dst.data();
+  float* d = cpu::grow(dst, rows * out_ld);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) d[r * out_ld + c] = to_f32(s[r * ld + c]);
@@ -230,11 +229,10 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
   }
 
   if (c_type != DType::F32 && c_type != ab_type) {
-    cpu::Buffer<float>& staging = gemm_cache_->staging;
-    if (staging.size() < static_cast<size_t>(M * N)) staging.resize(M * N);
-    gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, ab_type, 0.0f, staging.data(), N,
+    float* staging = cpu::grow(gemm_cache_->staging, M * N);
+    gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, ab_type, 0.0f, staging, N,
          DType::F32, bias);
-    const float* src = staging.data();
+    const float* src = staging;
     cpu::with_float_type(c_type, "gemm", "C type", [&](auto tag) {
       using TC = decltype(tag);
       TC* c = static_cast<TC*>(C);
@@ -265,10 +263,8 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
       }
       return;
     }
-    cpu::Buffer<char>& packed = gemm_cache_->b_staging;
-    if (packed.size() < static_cast<size_t>(K * ldp * es)) packed.resize(K * ldp * es);
     const char* src = static_cast<const char*>(B);
-    char* dst = packed.data();
+    char* dst = cpu::grow(gemm_cache_->b_staging, K * ldp * es);
 #pragma omp parallel for num_threads(threads_) schedule(static)
     for (int64_t k = 0; k < K; ++k) std::memcpy(dst + k * ldp * es, src + k * ldb * es, N * es);
     B = dst;
