@@ -13,6 +13,7 @@
 // the file and line; 1 any other failure.
 #include <unistd.h>
 
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -184,9 +185,20 @@ int main(int argc, char** argv) {
       ->required();
   from_llmc->add_option("--output", llmc.output_prefix, "output prefix: writes PREFIX.bin, .idx")
       ->required();
-  from_llmc->add_option("--eot", llmc.eot,
-                        "the token that starts every document (default: 50256 for gpt-2 shards, "
-                        "128000 for llama-3 shards)");
+  from_llmc
+      ->add_option("--eot", llmc.eot,
+                   "the token that starts every document (default: 50256 for gpt-2 shards, "
+                   "128000 for llama-3 shards)")
+      ->check(CLI::Validator(
+          [](std::string& v) {  // -1 would silently mean the default (LlmcOptions::eot)
+            int64_t id = 0;
+            const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), id);
+            if (ec == std::errc() && end == v.data() + v.size() && id < 0)
+              return fmt::format("{}: a token id is at least 0 (leave --eot out for the shards' own: "
+                                 "50256 in gpt-2 shards, 128000 in llama-3 ones)", v);
+            return std::string();
+          },
+          "ID >= 0"));
 
   try {
     app.parse(argc, argv);

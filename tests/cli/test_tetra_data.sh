@@ -198,4 +198,12 @@ bad missing_output "--output" "$out" -- tokenize --tokenizer "$spm" --input "$sc
 bad json_key_needs_jsonl "--jsonl" "$out" -- \
   tokenize --tokenizer "$spm" --input "$scratch/corpus" --json-key body --output "$out"
 
+# --eot: a negative id is refused (it used to mean the default), as is one past the shards' token type.
+bad llmc_negative_eot "--eot: -7: a token id is at least 0" "$out" -- \
+  from-llmc --input "$scratch/shard_000000.bin" --output "$out" --eot -7
+bad llmc_negative_eot_equals "--eot: -1: a token id is at least 0" "$out" -- \
+  from-llmc --input "$scratch/shard_000000.bin" --output "$out" --eot=-1
+bad llmc_eot_past_uint16 "--eot 70000 cannot occur in gpt-2 shards (tokens up to 65535)" "$out" -- \
+  from-llmc --input "$scratch/shard_000000.bin" --output "$out" --eot 70000
+
 finish "tetra_data cases"
