@@ -1,8 +1,9 @@
 #include "trainer/checkpoint/checkpoint.h"
 
-#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -17,6 +18,8 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "trainer/checkpoint/commit.h"
+#include "trainer/checkpoint/manifest.h"
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/checkpoint/sharding.h"
 #include "trainer/core/check.h"
@@ -32,36 +35,6 @@ namespace {
 constexpr const char* kFormat = "tetra-checkpoint";
 constexpr int kVersion = 1;
 const char* const kKinds[] = {"model", "optim/exp_avg", "optim/exp_avg_sq"};
-
-void fsync_path(const std::string& path, bool directory) {
-  const int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
-  if (fd < 0) throw Error(fmt::format("{}: cannot open to sync: {}", path, std::strerror(errno)));
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) throw Error(fmt::format("{}: fsync failed: {}", path, std::strerror(errno)));
-}
-
-// Writes `text` to `path` atomically (temp file, fsync, rename, fsync of the directory).
-void write_file_atomic(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f << text;
-    f.flush();
-    if (!f) throw Error(fmt::format("{}: cannot write", tmp));
-  }
-  fsync_path(tmp, false);
-  fs::rename(tmp, path);
-  fsync_path(fs::path(path).parent_path().string(), true);
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw InputError(fmt::format("{}: cannot read", path));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 // Every rank's string, on every rank (the world's host-memory communicator): lengths, then
 // padded bytes.
@@ -106,19 +79,20 @@ json layout_json(const Config& cfg, int world) {
               {"distributed_optimizer", cfg.parallel.distributed_optimizer}};
 }
 
-// Complete checkpoints under `dir`, oldest first.
-std::vector<std::string> complete_checkpoints(const std::string& dir) {
-  std::vector<std::string> names;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    if (n.rfind("step_", 0) == 0 && fs::exists(e.path() / "manifest.json")) names.push_back(n);
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
 }  // namespace
+
+void check_same_model(const Manifest& manifest, const Config& cfg) {
+  const json want_model = json::parse(config_to_json(cfg).dump())["model"];
+  const json have_model = manifest.config.contains("model") ? manifest.config["model"] : json::object();
+  if (have_model == want_model) return;
+  std::string diff;
+  for (auto it = want_model.begin(); it != want_model.end(); ++it)
+    if (!have_model.contains(it.key()) || have_model[it.key()] != it.value())
+      diff += fmt::format("{}model.{}: checkpoint {}, config {}", diff.empty() ? "" : "; ", it.key(),
+                          have_model.contains(it.key()) ? have_model[it.key()].dump() : "absent", it.value().dump());
+  throw InputError(fmt::format("{}: the checkpoint holds another model ({}); resume with its model "
+                               "config or set checkpoint.resume to \"none\"", manifest.path, diff));
+}
 
 std::string checkpoint_name(int64_t step) { return fmt::format("step_{:08d}", step); }
 
@@ -159,10 +133,16 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
   const std::string name = checkpoint_name(state.step);
   const std::string final_dir = (fs::path(dir) / name).string();
   const std::string tmp_dir = (fs::path(dir) / ("." + name + ".tmp")).string();
+  CheckpointSaveScope scope;  // commit.h: the protocol's states, and its fault-injection points
   if (rank0) {
-    fs::create_directories(dir);
-    fs::remove_all(tmp_dir);  // a save of this step that a crash interrupted
-    fs::create_directories(tmp_dir);
+    checkpoint_io_point("mkdir", dir);
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) throw Error(fmt::format("checkpoint.dir: cannot create {}: {}", dir, ec.message()));
+    recover_checkpoint_dir(dir);  // state 1: what crashed saves left
+    checkpoint_io_point("mkdir", tmp_dir);
+    if (::mkdir(tmp_dir.c_str(), 0755) != 0)
+      throw Error(fmt::format("checkpoint.dir: cannot create {}: {}", tmp_dir, std::strerror(errno)));
   }
   world.barrier();
 
@@ -304,66 +284,20 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
         tensors[key]["slices"].push_back(slice);
       }
     manifest["tensors"] = tensors;
-    write_file_atomic((fs::path(tmp_dir) / "manifest.json").string(), manifest.dump(1));
-    fsync_path(tmp_dir, true);
-    if (fs::exists(final_dir)) fs::remove_all(final_dir);  // this step saved before: replace it
-    fs::rename(tmp_dir, final_dir);
-    fsync_path(dir, true);
-    write_file_atomic((fs::path(dir) / "latest").string(), name + "\n");
-    if (cfg.checkpoint.keep > 0) {
-      std::vector<std::string> done = complete_checkpoints(dir);
-      for (size_t i = 0; i + static_cast<size_t>(cfg.checkpoint.keep) < done.size(); ++i)
-        if (done[i] != name) fs::remove_all(fs::path(dir) / done[i]);
-    }
+    write_file_atomic((fs::path(tmp_dir) / "manifest.json").string(), manifest.dump(1));  // state 3
+    commit_checkpoint(dir, name, tmp_dir);                      // states 4 and 5
+    rotate_checkpoints(dir, cfg.checkpoint.keep, name);         // state 6
   }
   world.barrier();
   return final_dir;
 }
 
-std::string checkpoint_to_resume(const CheckpointConfig& cfg) {
-  if (cfg.resume == "none") return "";
-  if (cfg.resume != "auto") {
-    if (!fs::exists(fs::path(cfg.resume) / "manifest.json"))
-      throw InputError(fmt::format("checkpoint.resume: {} is not a checkpoint (no manifest.json); give a "
-                                   "step_* directory, \"auto\" or \"none\"", cfg.resume));
-    return cfg.resume;
-  }
-  if (cfg.dir.empty()) return "";
-  const fs::path latest = fs::path(cfg.dir) / "latest";
-  if (!fs::exists(latest)) return "";
-  std::string name = read_text(latest.string());
-  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-  const fs::path path = fs::path(cfg.dir) / name;
-  if (name.empty() || !fs::exists(path / "manifest.json"))
-    throw InputError(fmt::format("{} names \"{}\", which is not a complete checkpoint; set checkpoint.resume "
-                                 "to another step_* directory or \"none\"", latest.string(), name));
-  return path.string();
-}
-
 CheckpointState load_checkpoint(const std::string& path, const Config& cfg, ProcessGroups& groups, Backend& be,
                                 const CheckpointBuffers& b) {
   const ParamLayout& layout = *b.layout;
-  const std::string manifest_path = (fs::path(path) / "manifest.json").string();
-  json manifest;
-  try {
-    manifest = json::parse(read_text(manifest_path));
-  } catch (const json::exception& e) {
-    throw InputError(fmt::format("{}: malformed manifest: {}", manifest_path, e.what()));
-  }
-  if (manifest.value("format", "") != kFormat || manifest.value("version", 0) != kVersion)
-    throw InputError(fmt::format("{}: not a {} version {} manifest", manifest_path, kFormat, kVersion));
-  const json want_model = json::parse(config_to_json(cfg).dump())["model"];
-  const json have_model = manifest["config"]["model"];
-  if (have_model != want_model) {
-    std::string diff;
-    for (auto it = want_model.begin(); it != want_model.end(); ++it)
-      if (!have_model.contains(it.key()) || have_model[it.key()] != it.value())
-        diff += fmt::format("{}model.{}: checkpoint {}, config {}", diff.empty() ? "" : "; ", it.key(),
-                            have_model.contains(it.key()) ? have_model[it.key()].dump() : "absent", it.value().dump());
-    throw InputError(fmt::format("{}: the checkpoint holds another model ({}); resume with its model "
-                                 "config or set checkpoint.resume to \"none\"", manifest_path, diff));
-  }
-
+  const Manifest manifest = read_manifest(path);
+  const std::string& manifest_path = manifest.path;
+  check_same_model(manifest, cfg);
   std::map<std::string, std::unique_ptr<SafetensorsReader>> files;
   auto reader = [&](const std::string& file) -> SafetensorsReader& {
     auto& r = files[file];
@@ -377,41 +311,32 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
   const int64_t state_numel = b.owned->empty() ? 0 : starts.back() + b.owned->back().numel;
   std::vector<float> m(static_cast<size_t>(state_numel)), v(static_cast<size_t>(state_numel));
   std::vector<float> values;
-  const json& tensors = manifest["tensors"];
   // Reads the local elements [lo, hi) of `ranges` of parameter p's tensor `key` into `local` (p.numel).
   auto read_local = [&](const std::string& key, const ParamSpec& p,
                         const std::vector<std::pair<int64_t, int64_t>>& ranges, std::vector<float>& local) {
-    if (!tensors.contains(key)) throw InputError(fmt::format("{}: tensor {} is missing", manifest_path, key));
-    const json& t = tensors[key];
-    if (t["shape"].get<std::vector<int64_t>>() != p.global_shape)
-      throw InputError(fmt::format("{}: tensor {} has shape {}, the model's is {}", manifest_path, key,
-                                   t["shape"].dump(), json(p.global_shape).dump()));
+    const ManifestTensor* t = manifest.find(key);
+    if (!t) throw InputError(fmt::format("{}: tensor {} is missing", manifest_path, key));
     if (ranges.empty()) return;
     local.assign(static_cast<size_t>(p.numel), 0.0f);
     std::vector<uint8_t> filled(static_cast<size_t>(p.numel), 0);
-    for (const json& s : t["slices"]) {
-      const auto reg = s["region"].get<std::vector<int64_t>>();
-      const auto rng = s["range"].get<std::vector<int64_t>>();
-      const SliceRegion region{reg[0], reg[1], reg[2], reg[3], rng[0], rng[1]};
-      if (!may_intersect(p, region)) continue;  // only slices holding elements of this rank's
-      const std::string file = s["file"].get<std::string>();
-      SafetensorsReader& f = reader(file);
-      const SafetensorsReader::Entry* e = f.find(s["tensor"].get<std::string>());
-      if (!e || e->dtype != DType::F32 || e->end - e->begin != static_cast<uint64_t>(region.numel()) * 4)
-        throw InputError(fmt::format("{}: slice {} of tensor {} is missing or of the wrong size", f.path(),
-                                     s["tensor"].get<std::string>(), key));
-      values.resize(static_cast<size_t>(region.numel()));
+    for (const ManifestSlice& s : t->slices) {
+      if (!may_intersect(p, s.region)) continue;  // only slices holding elements of this rank's
+      SafetensorsReader& f = reader(s.file);
+      const SafetensorsReader::Entry* e = f.find(s.tensor);
+      if (!e || e->dtype != DType::F32 || e->end - e->begin != static_cast<uint64_t>(s.region.numel()) * 4)
+        throw InputError(fmt::format("{}: slice {} of tensor {} is missing or of the wrong size", f.path(), s.tensor,
+                                     key));
+      values.resize(static_cast<size_t>(s.region.numel()));
       f.read(*e, values.data());
-      if (crc32(values.data(), values.size() * 4) != s["crc32"].get<uint32_t>())
-        throw InputError(fmt::format("{}: slice {} of tensor {} fails its checksum: the file is corrupt",
-                                     f.path(), s["tensor"].get<std::string>(), key));
+      if (crc32(values.data(), values.size() * 4) != s.crc)
+        throw InputError(fmt::format("{}: slice {} of tensor {} fails its checksum: the file is corrupt", f.path(),
+                                     s.tensor, key));
       int64_t overlaps = 0;
       for (const auto& [lo, hi] : ranges)
-        overlaps += scatter_slice(p, lo, hi, region, values.data(), local.data(), filled);
+        overlaps += scatter_slice(p, lo, hi, s.region, values.data(), local.data(), filled);
       if (overlaps > 0)
         throw InputError(fmt::format("{}: slice {} of tensor {} overlaps another slice ({} elements): the "
-                                     "manifest is corrupt", manifest_path, s["tensor"].get<std::string>(), key,
-                                     overlaps));
+                                     "manifest is corrupt", manifest_path, s.tensor, key, overlaps));
     }
     for (const auto& [lo, hi] : ranges)
       for (int64_t i = lo; i < hi; ++i)
@@ -461,7 +386,7 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
     const ParamSpec* first = nullptr;
     for (const ParamSpec& p : layout.params)
       if (!first && !local_ranges(p, x.ranges).empty()) first = &p;
-    const bool present = first && tensors.contains(x.kind + "/" + first->name);
+    const bool present = first && manifest.find(x.kind + "/" + first->name);
     if (first && !present) {
       if (warned.insert(x.kind).second)
         spdlog::warn("{} holds no {} (saved without it, or under another data-parallel layout, to which it "
@@ -493,27 +418,11 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
   groups.world->barrier();
 
   CheckpointState st;
-  st.step = manifest["step"].get<int64_t>();
-  st.consumed_samples = manifest["consumed_samples"].get<int64_t>();
-  if (manifest.contains("loss_scaler")) {
-    const json& j = manifest["loss_scaler"];
-    try {
-      LossScalerState ls;
-      ls.scale = j.at("scale").get<double>();
-      ls.growth_tracker = j.at("growth_tracker").get<int64_t>();
-      ls.hysteresis_tracker = j.at("hysteresis_tracker").get<int64_t>();
-      ls.skipped_steps = j.at("skipped_steps").get<int64_t>();
-      ls.floor_overflows = j.at("floor_overflows").get<int64_t>();
-      if (!(ls.scale > 0.0) || ls.skipped_steps < 0 || ls.skipped_steps > st.step)
-        throw InputError(fmt::format("scale {} and skipped_steps {} (of {} steps) are out of range", ls.scale,
-                                     ls.skipped_steps, st.step));
-      st.loss_scaler = ls;
-    } catch (const std::exception& e) {
-      throw InputError(fmt::format("{}: malformed loss_scaler entry {}: {}", manifest_path, j.dump(), e.what()));
-    }
-  }
+  st.step = manifest.step;
+  st.consumed_samples = manifest.consumed_samples;
+  st.loss_scaler = manifest.loss_scaler;
   spdlog::info("resumed from {} (step {}, {} samples consumed; saved under layout {})", path, st.step,
-               st.consumed_samples, manifest["layout"].dump());
+               st.consumed_samples, manifest.layout.dump());
   return st;
 }
 

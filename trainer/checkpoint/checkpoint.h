@@ -14,13 +14,14 @@
 // Each element is written once: by TP rank 0 for parameters replicated over TP, and by DP rank 0
 // unless the distributed optimizer shards the state over DP (then each DP rank writes its shard).
 //
-// Commit protocol (a crash at any moment leaves the previous checkpoint loadable and `latest`
-// naming a complete one): rank 0 creates `.step_00001000.tmp/`; every rank writes and fsyncs its
-// file there (barrier); rank 0 writes manifest.json, fsyncs, renames the directory to
-// `step_00001000`, fsyncs the parent, then replaces `latest` (a one-line file) by rename, and only
-// then deletes checkpoints beyond `checkpoint.keep`.
+// Commit protocol (commit.h, a state machine: a crash at any moment leaves `latest` naming a
+// complete checkpoint, or the resolver falling back to the newest complete one): rank 0 recovers
+// what crashed saves left and creates `.step_00001000.tmp/`; every rank writes and fsyncs its file
+// there (barrier); rank 0 writes manifest.json, fsyncs, moves the directory into place (atomically
+// exchanging it with an earlier save of the same step), then replaces `latest` (a one-line file)
+// by rename, and only then rotates checkpoints beyond `checkpoint.keep` away.
 //
-// Loading reads the manifest, checks that it holds this model (the `model` config section must be
+// Loading reads the manifest (manifest.h, the one reader), checks that it holds this model (the `model` config section must be
 // equal), and has each rank read only the slices that intersect what its layout holds, verifying
 // each slice's checksum; every element the rank needs must be found. The same layout resumes
 // bitwise exactly; another layout continues the same training.
@@ -32,6 +33,8 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "trainer/checkpoint/commit.h"
+#include "trainer/checkpoint/manifest.h"
 #include "trainer/config/config.h"
 #include "trainer/model/param_layout.h"
 #include "trainer/optim/grad_buffer.h"
@@ -79,9 +82,8 @@ struct CheckpointBuffers {
 std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGroups& groups, Backend& be,
                             const CheckpointBuffers& buffers, const CheckpointState& state);
 
-// The checkpoint checkpoint.resume asks for: "" when there is none (resume "none", or "auto"
-// without `dir/latest`). InputError when an explicit path or `latest` names no checkpoint.
-std::string checkpoint_to_resume(const CheckpointConfig& cfg);
+// That the checkpoint holds the model `cfg` describes: InputError naming each differing key.
+void check_same_model(const Manifest& manifest, const Config& cfg);
 
 // Loads `path` into the buffers (collective). InputError naming the file (and tensor) when the
 // checkpoint is of another model, incomplete or corrupt.

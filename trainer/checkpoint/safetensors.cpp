@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "trainer/checkpoint/commit.h"
 #include "trainer/core/check.h"
 
 namespace tetra {
@@ -67,12 +68,14 @@ void write_safetensors(const std::string& path, const std::vector<TensorView>& t
   for (int i = 0; i < 8; ++i) length_le[i] = static_cast<uint8_t>(n >> (8 * i));
 
   const std::string tmp = path + ".tmp";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  checkpoint_io_point("create", tmp);  // fault-injection points of a checkpoint save (commit.h)
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw InputError(fmt::format("{}: cannot create: {}", tmp, std::strerror(errno)));
   try {
     write_all(fd, length_le, 8, tmp);
     write_all(fd, text.data(), text.size(), tmp);
     for (size_t i = 0; i < tensors.size(); ++i) write_all(fd, tensors[i].data, sizes[i], tmp);
+    checkpoint_io_point("fsync", tmp);
     if (::fsync(fd) != 0) throw Error(fmt::format("{}: fsync failed: {}", tmp, std::strerror(errno)));
   } catch (...) {
     ::close(fd);
@@ -80,9 +83,15 @@ void write_safetensors(const std::string& path, const std::vector<TensorView>& t
     throw;
   }
   if (::close(fd) != 0) throw Error(fmt::format("{}: close failed: {}", tmp, std::strerror(errno)));
-  std::filesystem::rename(tmp, path);
+  checkpoint_io_point("rename", tmp + " -> " + path);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    std::filesystem::remove(tmp);
+    throw Error(fmt::format("cannot rename {} to {}: {}", tmp, path, std::strerror(err)));
+  }
   // Make the rename itself durable: fsync the directory that holds the file.
   const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  checkpoint_io_point("fsync", parent.string());
   int dir = ::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY);
   if (dir >= 0) {
     ::fsync(dir);

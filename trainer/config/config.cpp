@@ -9,6 +9,8 @@
 // before it is parsed, so an overridden value goes through exactly the same checks as one in the
 // file. The value is parsed as JSON (10, 3e-4, true, ["a","b"]); if it is not valid JSON it is
 // taken as a string, so `logging.dir=runs/a` needs no quotes.
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -20,17 +22,18 @@
 #include <sstream>
 
 #include "trainer/config/config_detail.h"
+#include "trainer/core/format.h"
 
 namespace tetra {
 namespace config_detail {
 
 void Problems::add(const std::string& path, const std::string& value, const std::string& rule) {
-  lines_.push_back({path, path + ": " + value + ": " + rule});
+  lines_.push_back({path, printable(path + ": " + value + ": " + rule)});
   bad_.insert(path);
 }
 
 void Problems::add_plain(const std::string& path, const std::string& message) {
-  lines_.push_back({path, path + ": " + message});
+  lines_.push_back({path, printable(path + ": " + message)});
   bad_.insert(path);
 }
 
@@ -77,9 +80,14 @@ Config build(const json& j, Problems& problems) {
 }
 
 std::string read_file(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
-    throw ConfigError({path + ": cannot read the config file: it is a directory"});
+  // Only a regular file is opened: a named pipe would block forever, a directory reads as nothing.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0)
+    throw ConfigError({path + ": cannot read the config file: " + std::strerror(errno)});
+  if (S_ISDIR(st.st_mode)) throw ConfigError({path + ": cannot read the config file: it is a directory"});
+  if (!S_ISREG(st.st_mode))
+    throw ConfigError({path + ": cannot read the config file: it is not a regular file (a named pipe, a device or "
+                              "a socket); give a JSON file"});
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ConfigError({path + ": cannot read the config file: " + std::strerror(errno)});
   std::ostringstream text;
@@ -104,6 +112,42 @@ std::string syntax_error(const std::string& path, const std::string& text,
   const size_t colon = at == std::string::npos ? std::string::npos : why.find(": ", at);
   if (colon != std::string::npos) why = why.substr(colon + 2);
   return fmt::format("{}:{}:{}: invalid JSON: {}", path, line, column, why);
+}
+
+// "file:line:column" of byte offset `pos` of `text` (1-based line and column).
+std::string text_position(const std::string& path, const std::string& text, size_t pos) {
+  pos = std::min(pos, text.size());
+  size_t line = 1, line_start = 0;
+  for (size_t i = 0; i < pos; ++i)
+    if (text[i] == '\n') ++line, line_start = i + 1;
+  return fmt::format("{}:{}:{}", path, line, pos - line_start + 1);
+}
+
+// The byte offset at which the parser stops on `text` (the end of the token it refused): a SAX
+// parse that records the position of its error. nlohmann reports a number too large for a double
+// (1e999) as out_of_range, without a position.
+size_t error_offset(const std::string& text) {
+  struct Locator : nlohmann::json_sax<json> {
+    size_t at = 0;
+    bool null() override { return true; }
+    bool boolean(bool) override { return true; }
+    bool number_integer(number_integer_t) override { return true; }
+    bool number_unsigned(number_unsigned_t) override { return true; }
+    bool number_float(number_float_t, const string_t&) override { return true; }
+    bool string(string_t&) override { return true; }
+    bool binary(binary_t&) override { return true; }
+    bool start_object(std::size_t) override { return true; }
+    bool key(string_t&) override { return true; }
+    bool end_object() override { return true; }
+    bool start_array(std::size_t) override { return true; }
+    bool end_array() override { return true; }
+    bool parse_error(std::size_t position, const std::string&, const nlohmann::detail::exception&) override {
+      at = position;
+      return false;
+    }
+  } locator;
+  json::sax_parse(text, &locator, json::input_format_t::json, /*strict=*/true, /*ignore_comments=*/true);
+  return locator.at;
 }
 
 // Parses `text`, reporting every key that appears twice in one object.
@@ -139,6 +183,8 @@ json parse_text(const std::string& path, const std::string& text, Problems& prob
       case event::key: {
         Frame& f = stack.back();
         f.key = parsed.get<std::string>();
+        if (f.key.find('\0') != std::string::npos)
+          problems.add_plain(location(), "the key contains a NUL character (\\u0000); remove it");
         if (!f.keys.insert(f.key).second)
           problems.add_plain(location(),
                              "duplicate key; the later value would silently replace "
@@ -147,6 +193,9 @@ json parse_text(const std::string& path, const std::string& text, Problems& prob
       }
       case event::value:
         element_starts();
+        // A NUL cannot be part of a path or a name: the system would silently cut the string there.
+        if (parsed.is_string() && parsed.get_ref<const std::string&>().find('\0') != std::string::npos)
+          problems.add_plain(location(), "the string contains a NUL character (\\u0000); remove it");
         break;
     }
     return true;
@@ -155,6 +204,13 @@ json parse_text(const std::string& path, const std::string& text, Problems& prob
     return json::parse(text, callback, /*allow_exceptions=*/true, /*ignore_comments=*/true);
   } catch (const nlohmann::json::parse_error& e) {
     throw ConfigError({syntax_error(path, text, e)});
+  } catch (const nlohmann::json::exception& e) {  // a number out of range: 1e999, -1e999
+    std::string why = e.what();
+    const size_t bracket = why.find("] ");
+    if (bracket != std::string::npos) why = why.substr(bracket + 2);
+    const size_t end = error_offset(text);
+    throw ConfigError({fmt::format("{}: invalid JSON: {} (a double holds at most about 1.8e308)",
+                                   text_position(path, text, end > 0 ? end - 1 : 0), why)});
   }
 }
 

@@ -77,6 +77,11 @@ void check_pipeline(const Config& c, Rules& r) {
     return;
   const int64_t pp = p.pp, vp = p.virtual_stages, L = c.model.num_layers, stages = pp * vp;
   if (p.schedule == "interleaved")
+    r.require(pp >= 2, "parallel.schedule", p.schedule,
+              fmt::format("the interleaved schedule splits each pipeline rank's layers into chunks and needs "
+                          "parallel.pp >= 2 (it is {}); with pp 1 use \"1f1b\" (the default) and "
+                          "parallel.virtual_stages 1", pp));
+  if (p.schedule == "interleaved")
     r.require(vp >= 2, "parallel.virtual_stages", vp,
               "the interleaved schedule needs parallel.virtual_stages >= 2 model chunks per pipeline rank "
               "(with 1 it is the 1f1b schedule)");

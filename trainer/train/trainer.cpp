@@ -18,6 +18,7 @@
 #include <spdlog/spdlog.h>
 
 #include "trainer/checkpoint/checkpoint.h"
+#include "trainer/core/output_path.h"
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/core/check.h"
 #include "trainer/core/log.h"
@@ -110,6 +111,21 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   return m;
 }
 
+namespace {
+
+// Every directory the run writes, checked before anything is: logging.dir (train.log,
+// metrics.jsonl, the final weights), checkpoint.dir (one checkpoint's fp32 weights and moments),
+// --dump-dir. Rank 0 writes them.
+void check_output_paths(const Config& cfg, const std::string& dump_dir) {
+  const uint64_t params = static_cast<uint64_t>(ParamLayout::build(cfg.model).total);
+  if (!cfg.logging.dir.empty()) check_output_dir("logging.dir", cfg.logging.dir, params * 4);
+  const bool saves = cfg.checkpoint.every > 0 || cfg.checkpoint.save_on_exit;
+  if (!cfg.checkpoint.dir.empty() && saves) check_output_dir("checkpoint.dir", cfg.checkpoint.dir, params * 12);
+  if (!dump_dir.empty()) check_output_dir("--dump-dir", dump_dir, params * 8);
+}
+
+}  // namespace
+
 Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroups& groups, std::string dump_dir)
     : cfg_(cfg),
       groups_(groups),
@@ -149,14 +165,17 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   train_loader_ = std::make_unique<DataLoader>(train_source_, T, B, groups.coord.dp, cfg.parallel.dp);
   // The device too (no GPU, or a build without CUDA, is an input error; nothing is written).
   ComputeDevice device = make_compute_device(cfg.training, act_);
-  // The checkpoint to resume from is found (or refused) before any file is written.
+  // The checkpoint to resume from is found (or refused) and its manifest checked against this
+  // model before any file is written; so is every path the run will write.
   const std::string resume = checkpoint_to_resume(cfg.checkpoint);
-  if (writer_) {
-    log_to_file(cfg.logging.dir);
-    metrics_ = std::make_unique<MetricsWriter>(cfg.logging.dir);
-  } else {
-    metrics_ = std::make_unique<MetricsWriter>("");
+  if (!resume.empty()) {
+    const Manifest manifest = read_manifest(resume);
+    check_same_model(manifest, cfg);
+    TETRA_INPUT_CHECK(manifest.step <= cfg.training.steps,
+                      "{} is at step {}, beyond training.steps ({}): raise training.steps to train on", resume,
+                      manifest.step, cfg.training.steps);
   }
+  check_output_paths(cfg, dump_dir_);
   spdlog::info("config {}: {}", config_path, config_to_json(cfg).dump());
   spdlog::info("data: train {}{}", train_source_->describe(),
                valid_source_ ? ", valid " + valid_source_->describe() : std::string());
@@ -181,7 +200,11 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     be_->cast(compute_, act_, master_, DType::F32, layout_.total);
   }
   if (!dump_dir_.empty()) {
-    if (writer_) std::filesystem::create_directories(dump_dir_);
+    if (writer_) {
+      std::error_code ec;
+      std::filesystem::create_directories(dump_dir_, ec);
+      TETRA_INPUT_CHECK(!ec, "--dump-dir: cannot create {}: {}", dump_dir_, ec.message());
+    }
     dump_tensors(dump_dir_ + "/params_init.safetensors", master_);
   }
   tokens_ = static_cast<int32_t*>(be_->alloc(static_cast<size_t>(accum_ * rows_) * 4));
@@ -225,6 +248,14 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                    resume, scaler_->scale());
     // Steps skipped for an fp16 overflow made no update (loss_scaler.h).
     optimizer_->set_steps_taken(st.step - (scaler_ ? scaler_->skipped_steps() : 0));
+  }
+  // The run directory, once everything it depends on has been read and checked (train.log starts
+  // with the lines logged so far).
+  if (writer_) {
+    log_to_file(cfg.logging.dir);
+    metrics_ = std::make_unique<MetricsWriter>(cfg.logging.dir);
+  } else {
+    metrics_ = std::make_unique<MetricsWriter>("");
   }
   if (tokenizer_) {
     // Without sequence parallelism: for one row of T tokens it would save little, and it would

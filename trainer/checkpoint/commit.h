@@ -1,0 +1,93 @@
+// How a checkpoint becomes durable, and how a run finds the one to resume: the commit protocol.
+//
+// The protocol is a state machine over the names in `checkpoint.dir` (D). For a save of step N
+// (name S = step_0000000N), each state is what D holds when a crash (kill -9, power loss) stops
+// the save there, and what the next `resume: auto` then does:
+//
+//   state                     D holds (besides older steps)           resume: auto
+//   ------------------------  --------------------------------------  -----------------------------
+//   0 idle                    latest -> P (complete), maybe S (old)   P
+//   1 recovered               stale .*.tmp / .*.del removed;          P
+//                             a set-aside .S.old whose S is missing
+//                             renamed back to S
+//   2 staging                 .S.tmp/ (rank files being written)      P (.S.tmp is never read)
+//   3 staged                  .S.tmp/ complete: every rank file,      P
+//                             fsync'd, then manifest.json, fsync'd
+//   4 placed                  S complete (the new one)                latest -> P, or the newest
+//                               fresh step: rename .S.tmp -> S        complete step_* if P is gone
+//                               re-save: renameat2(RENAME_EXCHANGE)   (S counts from here on)
+//                               swaps .S.tmp and S atomically, so S
+//                               is complete at every instant (the old
+//                               copy is now in .S.tmp, removed next);
+//                               where the filesystem cannot exchange:
+//                               S -> .S.old, then .S.tmp -> S (a crash
+//                               between leaves .S.old, read as step N)
+//   5 published               latest -> S (written to latest.tmp,     S
+//                             fsync'd, renamed over latest, the
+//                             directory fsync'd)
+//   6 rotated                 checkpoints beyond checkpoint.keep      S
+//                             (oldest steps first, never S) renamed
+//                             to .step_*.del, then removed
+//
+// So at every instant `latest` names a complete checkpoint or one that is about to be replaced
+// atomically, and the resolver never depends on `latest` alone: when it is missing, or names a
+// directory that is not a complete checkpoint, the newest complete step_* (or set-aside .S.old)
+// is resumed, and the log says so. `latest` must name a directory of D itself (no '/', no "..").
+//
+// Fault injection (tests): with TETRA_FAULT_SAVE_AT=K in the environment, the process kills
+// itself with SIGKILL at the K-th filesystem call of its checkpoint saves (counted from 1 over the
+// process's life); with TETRA_FAULT_SAVE_LOG=FILE each such call appends "<n> <op> <path>" to
+// FILE, which is how a test learns how many calls a save makes.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "trainer/config/config.h"
+
+namespace tetra {
+
+// One filesystem call of a checkpoint save, about to be made (a fault-injection point).
+void checkpoint_io_point(const char* op, const std::string& path);
+
+// Marks the scope of a save: only calls inside it are fault-injection points.
+class CheckpointSaveScope {
+ public:
+  CheckpointSaveScope();
+  ~CheckpointSaveScope();
+  CheckpointSaveScope(const CheckpointSaveScope&) = delete;
+  CheckpointSaveScope& operator=(const CheckpointSaveScope&) = delete;
+};
+
+// A checkpoint directory of D: its name, its step, whether it was set aside by a re-save.
+struct CheckpointEntry {
+  std::string name;   // "step_00000008" or ".step_00000008.old"
+  int64_t step = 0;
+  bool set_aside = false;
+};
+
+// The complete checkpoints of `dir` (those whose save committed: a manifest.json), by step, oldest
+// first; a set-aside copy only where its step_* is not complete.
+std::vector<CheckpointEntry> complete_checkpoints(const std::string& dir);
+
+// State 1: removes what crashed saves left (.*.tmp, .*.del) and renames a set-aside .S.old back to
+// S where S is missing. Rank 0 only.
+void recover_checkpoint_dir(const std::string& dir);
+
+// States 4 and 5: moves the staged `tmp_dir` to `dir/name` and points `latest` at it. Rank 0 only.
+void commit_checkpoint(const std::string& dir, const std::string& name, const std::string& tmp_dir);
+
+// State 6: removes the complete checkpoints beyond the `keep` newest steps, never `current`.
+void rotate_checkpoints(const std::string& dir, int64_t keep, const std::string& current);
+
+// Writes `text` to `path` atomically: path.tmp, fsync, rename, fsync of the directory.
+void write_file_atomic(const std::string& path, const std::string& text);
+
+// The checkpoint checkpoint.resume asks for: "" when there is none to resume ("none", or "auto"
+// with no checkpoint in `dir`). "auto" takes what `latest` names, or else the newest complete
+// checkpoint (saying so in the log). InputError when an explicit path is not a checkpoint, or when
+// `latest` names a directory outside `dir`, or names an incomplete one and no complete one exists.
+std::string checkpoint_to_resume(const CheckpointConfig& cfg);
+
+}  // namespace tetra

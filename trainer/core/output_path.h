@@ -1,0 +1,23 @@
+// Paths a run will write, checked before it starts working: a run that trained for a day must
+// not find at its first save that checkpoint.dir is a file, on a read-only mount, or on a full
+// disk.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace tetra {
+
+// That `path` (named in messages as `what`: a config key such as "checkpoint.dir", or an option
+// such as "--dump-dir") is, or can be created as, a directory this process can write into, on a
+// filesystem with at least `bytes_needed` bytes free (0: not checked). Creates nothing.
+// InputError naming `what`, the path and the reason otherwise: a NUL in the path, an existing
+// file that is not a directory (or a parent that is not one), no write permission or a read-only
+// filesystem, too little free space.
+void check_output_dir(const std::string& what, const std::string& path, uint64_t bytes_needed = 0);
+
+// That `path` is a regular file that can be opened for reading without blocking (not a FIFO, a
+// directory or a device): InputError "<what>: <path> is a directory, not a file; ..." otherwise.
+void check_input_file(const std::string& what, const std::string& path);
+
+}  // namespace tetra
