@@ -202,6 +202,90 @@ for style in llama gpt2; do
   fi
 done
 
+# ---- export-hf's OUT: new or empty, a non-empty one only with --force, checked before any work --
+if [[ -f "$scratch/llama/ckpt/$step_dir/manifest.json" ]]; then
+  llama="$scratch/llama/ckpt"
+  case=export_out_not_empty
+  out="$scratch/out/full"
+  mkdir -p "$out"
+  echo "someone's weights" >"$out/model.safetensors"
+  echo '{"mine": true}' >"$out/config.json"
+  echo "notes" >"$out/README.md"
+  names=("$out" "not empty" "--force" "empty")
+  expect_refusal "$ckpt" export-hf "$llama" "$out"
+  [[ "$(cat "$out/model.safetensors")" == "someone's weights" ]] || fail "model.safetensors was overwritten"
+  [[ "$(cat "$out/config.json")" == '{"mine": true}' ]] || fail "config.json was overwritten"
+  [[ ! -e "$out/model.safetensors.tmp" ]] || fail "model.safetensors.tmp written"
+
+  case=export_out_other_files
+  mkdir -p "$scratch/out/other"
+  echo "notes" >"$scratch/out/other/notes.txt"
+  names=("$scratch/out/other" "not empty" "notes.txt" "--force")
+  expect_refusal "$ckpt" export-hf "$llama" "$scratch/out/other"
+  [[ $(ls "$scratch/out/other") == notes.txt ]] || fail "wrote into OUT: $(ls "$scratch/out/other")"
+
+  case=export_out_force
+  "$ckpt" export-hf "$llama" "$out" --force >"$scratch/$case.out" 2>"$scratch/$case.err" ||
+    fail "exit $?: $(cat "$scratch/$case.err")"
+  check_export "$out" "$scratch/llama/logs/model.safetensors" llama '{}' || fail "the forced export is wrong"
+  [[ "$(cat "$out/README.md")" == notes ]] || fail "--force touched another file of OUT"
+
+  case=export_out_empty_dir
+  mkdir -p "$scratch/out/empty"
+  "$ckpt" export-hf "$llama" "$scratch/out/empty" --dtype fp16 >"$scratch/$case.out" 2>"$scratch/$case.err" ||
+    fail "exit $?: $(cat "$scratch/$case.err")"
+  [[ -s "$scratch/out/empty/model.safetensors" && -s "$scratch/out/empty/config.json" ]] || fail "nothing written"
+  grep -q "^exported as: .*float16$" "$scratch/$case.out" || fail "not reported as float16: $(cat "$scratch/$case.out")"
+  grep -q '"torch_dtype": "float16"' "$scratch/out/empty/config.json" || fail "config.json: not float16"
+
+  case=export_out_is_file
+  echo "a file" >"$scratch/out/file"
+  for force in "" --force; do
+    names=("$scratch/out/file" "not a directory")
+    expect_refusal "$ckpt" export-hf "$llama" "$scratch/out/file" $force
+    [[ "$(cat "$scratch/out/file")" == "a file" ]] || fail "the file was changed ($force)"
+  done
+
+  case=export_out_under_file
+  names=("$scratch/out/file/hf" "$scratch/out/file is a regular file, not a directory")
+  expect_refusal "$ckpt" export-hf "$llama" "$scratch/out/file/hf"
+
+  case=export_out_dangling_link
+  ln -sfn "$scratch/out/nowhere" "$scratch/out/link"
+  names=("$scratch/out/link" "symbolic link to nothing")
+  expect_refusal "$ckpt" export-hf "$llama" "$scratch/out/link"
+  [[ ! -e "$scratch/out/nowhere" ]] || fail "created the link's target"
+
+  case=export_out_force_dir_entry  # --force replaces files, never a directory in their place
+  mkdir -p "$scratch/out/dir_entry/config.json"
+  names=("$scratch/out/dir_entry/config.json" "a directory" "regular files only")
+  expect_refusal "$ckpt" export-hf "$llama" "$scratch/out/dir_entry" --force
+  [[ ! -e "$scratch/out/dir_entry/model.safetensors" ]] || fail "wrote model.safetensors"
+
+  case=export_out_unwritable  # root writes anywhere: as root, the check runs as nobody
+  as_user=()
+  [[ $(id -u) -eq 0 ]] && as_user=(setpriv --reuid=65534 --regid=65534 --clear-groups)
+  if [[ ${#as_user[@]} -eq 0 ]] || "${as_user[@]}" test -r "$llama/$step_dir/manifest.json" 2>/dev/null; then
+    mkdir -p "$scratch/out/locked"
+    chmod 555 "$scratch/out/locked"
+    names=("$scratch/out/locked/hf" "$scratch/out/locked is not writable")
+    expect_refusal "${as_user[@]}" "$ckpt" export-hf "$llama" "$scratch/out/locked/hf"
+    names=("$scratch/out/locked" "the output directory is not writable")
+    expect_refusal "${as_user[@]}" "$ckpt" export-hf "$llama" "$scratch/out/locked"
+    chmod 755 "$scratch/out/locked"
+    [[ -z "$(ls "$scratch/out/locked")" ]] || fail "wrote into the locked directory"
+  else
+    echo "note [$case]: skipped (cannot run as another user here)"
+  fi
+
+  # Before any work: OUT is refused before DIR is read (which is not a checkpoint here).
+  case=export_out_checked_first
+  mkdir -p "$scratch/out/not_a_checkpoint"
+  names=("$scratch/out/file" "not a directory")
+  expect_refusal "$ckpt" export-hf "$scratch/out/not_a_checkpoint" "$scratch/out/file"
+  grep -q "not a checkpoint" "$scratch/$case.err" && fail "read DIR before checking OUT"
+fi
+
 # ---- dp = 2 with the distributed optimizer: two rank files of sharded slices -------------------
 case=inspect_dp2
 dp2=(--set parallel.dp=2 --set parallel.distributed_optimizer=true)

@@ -1,6 +1,12 @@
 #include "trainer/checkpoint/hf_export.h"
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <system_error>
 
 #include <fmt/format.h>
 
@@ -214,5 +220,93 @@ std::vector<TensorRecord> hf_tensors(const ModelConfig& m, HfArch arch, DType dt
 }
 
 std::map<std::string, std::string> hf_metadata() { return {{"format", "pt"}}; }
+
+namespace {
+
+const char* file_type_name(std::filesystem::file_type t) {
+  using std::filesystem::file_type;
+  switch (t) {
+    case file_type::regular: return "a regular file";
+    case file_type::directory: return "a directory";
+    case file_type::symlink: return "a symbolic link";
+    case file_type::block: return "a block device";
+    case file_type::character: return "a character device";
+    case file_type::fifo: return "a FIFO";
+    case file_type::socket: return "a socket";
+    default: return "not a regular file";
+  }
+}
+
+// "" when the directory `dir` can take new entries, else why not.
+std::string not_writable(const std::filesystem::path& dir) {
+  if (::access(dir.c_str(), W_OK | X_OK) == 0) return {};
+  return std::strerror(errno);
+}
+
+}  // namespace
+
+void hf_check_output_dir(const std::string& out, bool force) {
+  namespace fs = std::filesystem;
+  if (out.empty())
+    throw InputError("OUT is empty: name a new or empty directory to write model.safetensors and config.json in");
+  std::error_code ec;
+  const fs::file_status st = fs::status(out, ec);
+  if (st.type() == fs::file_type::not_found && fs::is_symlink(fs::symlink_status(out, ec)))
+    throw InputError(fmt::format("{}: is a symbolic link to nothing ({}): choose a new or empty directory for OUT",
+                                 out, fs::read_symlink(out, ec).string()));
+  if (st.type() == fs::file_type::not_found) {
+    // Created later with its missing parents: the nearest existing ancestor must take them.
+    fs::path at = fs::absolute(out, ec);
+    if (ec) throw InputError(fmt::format("{}: cannot resolve the output directory: {}", out, ec.message()));
+    fs::file_status a;
+    do {
+      at = at.parent_path();
+      a = fs::status(at, ec);
+    } while (a.type() == fs::file_type::not_found && at != at.root_path() && !at.empty());
+    if (a.type() != fs::file_type::directory)
+      throw InputError(fmt::format("{}: cannot create the output directory: {} is {}, not a directory; choose "
+                                   "another OUT",
+                                   out, at.string(),
+                                   a.type() == fs::file_type::not_found || a.type() == fs::file_type::none
+                                       ? "unreachable (" + ec.message() + ")"
+                                       : file_type_name(a.type())));
+    const std::string why = not_writable(at);
+    if (!why.empty())
+      throw InputError(fmt::format("{}: cannot create the output directory: {} is not writable ({}); choose "
+                                   "another OUT",
+                                   out, at.string(), why));
+    return;
+  }
+  if (st.type() == fs::file_type::none || st.type() == fs::file_type::unknown)
+    throw InputError(fmt::format("{}: cannot check the output directory: {}", out, ec.message()));
+  if (st.type() != fs::file_type::directory)
+    throw InputError(fmt::format("{}: exists and is {}, not a directory: choose a new or empty directory for "
+                                 "OUT (--force replaces files in a directory only)",
+                                 out, file_type_name(st.type())));
+  const std::string why = not_writable(out);
+  if (!why.empty())
+    throw InputError(fmt::format("{}: the output directory is not writable ({}); choose another OUT", out, why));
+  std::vector<std::string> held;
+  for (fs::directory_iterator it(out, ec), end; !ec && it != end; it.increment(ec))
+    held.push_back(it->path().filename().string());
+  if (ec) throw InputError(fmt::format("{}: cannot list the output directory: {}", out, ec.message()));
+  if (!held.empty() && !force) {
+    std::sort(held.begin(), held.end());
+    std::string list;
+    for (size_t i = 0; i < held.size() && i < 3; ++i) list += (i ? ", " : "") + held[i];
+    if (held.size() > 3) list += fmt::format(" and {} more", held.size() - 3);
+    throw InputError(fmt::format("{}: the output directory is not empty (it holds {}): pass --force to replace "
+                                 "model.safetensors and config.json in it, or choose an empty or new directory",
+                                 out, list));
+  }
+  for (const char* name : {"model.safetensors", "config.json"}) {
+    const fs::path p = fs::path(out) / name;
+    const fs::file_status f = fs::status(p, ec);
+    if (f.type() != fs::file_type::not_found && f.type() != fs::file_type::regular)
+      throw InputError(fmt::format("{}: exists and is {}: --force replaces regular files only; remove it or "
+                                   "choose another OUT",
+                                   p.string(), file_type_name(f.type())));
+  }
+}
 
 }  // namespace tetra

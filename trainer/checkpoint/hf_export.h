@@ -52,4 +52,12 @@ std::vector<TensorRecord> hf_tensors(const ModelConfig& m, HfArch arch, DType dt
 // The safetensors metadata transformers requires of a state dict file ({"format": "pt"}).
 std::map<std::string, std::string> hf_metadata();
 
+// Checks the output directory of an export before anything is read or written (it creates
+// nothing): `out` that does not exist must be creatable (its nearest existing ancestor a writable
+// directory); one that exists must be a writable directory, and empty unless `force` (which then
+// replaces OUT/model.safetensors and OUT/config.json, each a regular file if present, and leaves
+// the rest). InputError naming `out` and what would fix it otherwise; the messages name the
+// option `--force` (tetra_ckpt export-hf's).
+void hf_check_output_dir(const std::string& out, bool force);
+
 }  // namespace tetra
