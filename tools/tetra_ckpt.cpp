@@ -17,8 +17,11 @@
 // files and leaves the rest. Nothing is written unless the whole export succeeds up to the write.
 //
 // Exit codes: 0 success; 2 a bad checkpoint or bad input, the message naming the file, tensor and
-// slice of the first problem; 1 any other failure.
+// slice of the first problem; 1 any other failure. A filesystem or JSON exception that escapes
+// the commands is reported as "error: <file>: <what>", exit 2 where the error is the input's (a
+// missing or unreadable file, a bad path, a malformed manifest), 1 otherwise.
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -27,6 +30,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -271,6 +275,46 @@ int export_hf(const std::string& dir, const std::string& out, const std::string&
   return 0;
 }
 
+// ---- errors that escape the commands -----------------------------------------------------------
+
+// Whether a filesystem error is the input's (exit 2: a path that is missing, not what it should
+// be, or not accessible) rather than a failure of the machine (exit 1: I/O, space, ...).
+bool input_error(const std::error_code& ec) {
+  if (ec.category() != std::generic_category() && ec.category() != std::system_category()) return false;
+  switch (ec.value()) {
+    case ENOENT: case ENOTDIR: case EISDIR: case EACCES: case EPERM: case ENAMETOOLONG: case ELOOP:
+    case EEXIST: case ENOTEMPTY: case EROFS: case EINVAL:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// "<path1>: <operation>: <reason>[ (and <path2>)]" from libstdc++'s "filesystem error: <operation>:
+// <reason> [<path1>] [<path2>]".
+std::string filesystem_message(const fs::filesystem_error& e) {
+  std::string what = e.what();
+  const std::string prefix = "filesystem error: ";
+  if (what.rfind(prefix, 0) == 0) what.erase(0, prefix.size());
+  for (const fs::path* p : {&e.path2(), &e.path1()}) {
+    const std::string tail = " [" + p->string() + "]";
+    if (!p->empty() && what.size() >= tail.size() && what.compare(what.size() - tail.size(), tail.size(), tail) == 0)
+      what.erase(what.size() - tail.size());
+  }
+  const std::string file = e.path1().empty() ? std::string("(no path)") : e.path1().string();
+  return e.path2().empty() ? fmt::format("{}: {}", file, what)
+                           : fmt::format("{}: {} (and {})", file, what, e.path2().string());
+}
+
+// The manifest a JSON error is about: the only JSON tetra_ckpt reads is DIR's manifest.json.
+std::string manifest_of(const std::string& dir) {
+  try {
+    return (fs::path(resolve_checkpoint(dir)) / "manifest.json").string();
+  } catch (const std::exception&) {
+    return (fs::path(dir) / "manifest.json").string();
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -302,6 +346,14 @@ int main(int argc, char** argv) {
   } catch (const InputError& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  } catch (const fs::filesystem_error& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "error: %s\n", filesystem_message(e).c_str());
+    return input_error(e.code()) ? 2 : 1;
+  } catch (const nlohmann::json::exception& e) {  // the manifest's values, read where a type differs
+    std::fflush(stdout);
+    std::fprintf(stderr, "error: %s: malformed manifest: %s\n", manifest_of(dir).c_str(), e.what());
     return 2;
   } catch (const std::exception& e) {
     std::fflush(stdout);

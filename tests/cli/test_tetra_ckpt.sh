@@ -385,4 +385,40 @@ mkdir -p "$scratch/empty"
 names=("$scratch/empty" "not a checkpoint")
 expect_refusal "$ckpt" inspect "$scratch/empty"
 
+# ---- filesystem and JSON errors: "error: <file>: <what>", exit 2, never the library's raw text ---
+case=path_too_long
+long="$scratch/$(printf 'x%.0s' {1..300})"
+names=("error: $long/" "File name too long")
+expect_refusal "$ckpt" inspect "$long"
+grep -q "filesystem error" "$scratch/$case.err" && fail "the raw exception: $(cat "$scratch/$case.err")"
+
+if [[ -f "$scratch/llama/ckpt/$step_dir/manifest.json" ]]; then
+  case=manifest_value_of_another_type  # config.data a number: export-hf reads data.tokenizer from it
+  dir=$(damaged llama)
+  $py - "$dir/manifest.json" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))
+m["config"]["data"] = 5
+json.dump(m, open(sys.argv[1], "w"), indent=1)
+PY
+  names=("error: $dir/manifest.json: malformed manifest" "type_error")
+  expect_refusal "$ckpt" export-hf "$dir" "$scratch/damaged/$case/hf"
+  [[ ! -e "$scratch/damaged/$case/hf" ]] || fail "export-hf created $scratch/damaged/$case/hf"
+
+  case=unreadable_checkpoint  # a directory the user may not enter (as root: checked as nobody)
+  dir=$(damaged llama)
+  as_user=()
+  [[ $(id -u) -eq 0 ]] && as_user=(setpriv --reuid=65534 --regid=65534 --clear-groups)
+  if [[ ${#as_user[@]} -eq 0 ]] || "${as_user[@]}" test -x "$ckpt" 2>/dev/null; then
+    chmod 700 "$dir"
+    [[ $(id -u) -ne 0 ]] && chmod 000 "$dir"
+    names=("error: $dir" "Permission denied")
+    expect_refusal "${as_user[@]}" "$ckpt" inspect "$dir"
+    grep -q "filesystem error" "$scratch/$case.err" && fail "the raw exception: $(cat "$scratch/$case.err")"
+    chmod 755 "$dir"
+  else
+    echo "note [$case]: skipped (cannot run as another user here)"
+  fi
+fi
+
 finish "tetra_ckpt checks"
