@@ -34,12 +34,12 @@ MODEL = {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 32, "n
          "num_kv_heads": 2, "ffn_hidden_size": 64}
 
 
-def config(path, out, ckpt, steps, dp, resume="auto"):
+def config(path, out, ckpt, steps, dp, resume="auto", exit_at=0):
     cfg = {
         "model": MODEL,
         "parallel": {"dp": dp, "distributed_optimizer": dp > 1},
         "training": {"micro_batch_size": 2, "global_batch_size": 4, "steps": steps, "threads": 1,
-                     "peak_gflops": 10, "seed": 5},
+                     "peak_gflops": 10, "seed": 5, "exit_interval": exit_at},
         "data": {"synthetic": True},
         "checkpoint": {"dir": ckpt, "every": 2, "keep": 2, "resume": resume, "save_on_exit": True},
         "logging": {"dir": out, "level": "warn"},
@@ -74,8 +74,9 @@ def scenario(args, name, dp, resave):
         return
     want = rank_files_digest(os.path.join(ref_ck, "step_00000006"))
     pristine = os.path.join(w, "pristine")
+    # (training.steps is 6 in every run: the learning-rate schedule depends on it)
     r = run(args, config(os.path.join(w, "seed", "config.json"), os.path.join(w, "seed", "logs"), pristine,
-                         6 if resave else 4, dp), dp)
+                         6, dp, exit_at=0 if resave else 4), dp)
     check(r.returncode == 0, f"{name}: the run that makes the starting checkpoints (exit {r.returncode})")
     if r.returncode != 0:
         return
