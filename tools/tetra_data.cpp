@@ -10,17 +10,21 @@
 // the summary on stdout.
 //
 // Exit codes: 0 success; 2 bad input (command line, input files, output path), the message naming
-// the file and line; 1 any other failure.
+// the file and line (and column, for JSON); 1 any other failure. No exception reaches the user
+// raw: main maps each kind to one "error: ..." line.
 #include <unistd.h>
 
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <new>
 #include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "trainer/core/check.h"
 #include "trainer/core/format.h"
@@ -241,8 +245,25 @@ int main(int argc, char** argv) {
   } catch (const tetra::InputError& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 2;
+  } catch (const nlohmann::json::exception& e) {
+    // The library maps JSON errors to InputErrors naming file and line; one that slips through
+    // still comes from an input file (a JSONL corpus, encoder.json).
+    std::fprintf(stderr, "error: an input file is not the JSON expected: %s\n", e.what());
+    return 2;
+  } catch (const std::filesystem::filesystem_error& e) {
+    // A path given on the command line that cannot be read (permissions, a vanished directory).
+    const std::string p1 = e.path1().string(), p2 = e.path2().string();
+    std::fprintf(stderr, "error: %s%s%s: %s; check the path and its permissions\n", p1.c_str(),
+                 p2.empty() ? "" : " and ", p2.c_str(), e.code().message().c_str());
+    return 2;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "error: out of memory; use fewer --threads or a machine with more memory\n");
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  } catch (...) {
+    std::fprintf(stderr, "error: an unknown exception\n");
     return 1;
   }
 }

@@ -159,8 +159,13 @@ bad jsonl_no_key 'nokey.jsonl:2: the object has no "text" field' "$out" -- \
   tokenize --tokenizer "$spm" --input "$scratch/bad/nokey.jsonl" --jsonl --output "$out"
 
 printf '{"text": "ok"}\n{"text": "ok"}\n{"text": \n' >"$scratch/bad/broken.jsonl"
-bad jsonl_not_json "broken.jsonl:3: the line is not JSON" "$out" -- \
+bad jsonl_not_json "broken.jsonl:3:10: the line is not JSON (syntax error" "$out" -- \
   tokenize --tokenizer "$spm" --input "$scratch/bad/broken.jsonl" --jsonl --output "$out"
+
+# A number beyond a double's range: nlohmann's out_of_range, mapped to exit 2 and file:line:col.
+printf '{"text": "ok"}\n{"text": "a", "x": 1e999}\n' >"$scratch/bad/huge.jsonl"
+bad jsonl_number_overflow "huge.jsonl:2:20: the number 1e999 is too large for a double" "$out" -- \
+  tokenize --tokenizer "$spm" --input "$scratch/bad/huge.jsonl" --jsonl --output "$out"
 
 printf '{"text": ["a", "list"]}\n' >"$scratch/bad/list.jsonl"
 bad jsonl_not_string 'list.jsonl:1: field "text" is a JSON array, not a string' "$out" -- \

@@ -391,7 +391,20 @@ TEST_CASE("prepare: bad input is an InputError naming file and line, leaving no 
   }
   SECTION("a line that is not JSON") {
     const std::string msg = jsonl_error("notjson.jsonl", "{\"text\": \"a\"}\n{\"text\": \"b\"\n");
-    CHECK_THAT(msg, Contains("notjson.jsonl:2: the line is not JSON"));
+    // Line 2 is 12 bytes long: the parser runs out of input at column 13.
+    CHECK_THAT(msg, Contains("notjson.jsonl:2:13: the line is not JSON (syntax error"));
+    CHECK_THAT(msg, !Contains("json.exception"));
+  }
+  SECTION("a number too large for a double: file, line and the number's column") {
+    // nlohmann throws out_of_range.406 for these, with no position: mapped to an InputError.
+    std::string msg = jsonl_error("huge.jsonl", "{\"text\": \"ok\"}\n{\"text\": \"a\", \"x\": 1e999}\n");
+    CHECK_THAT(msg, Contains("huge.jsonl:2:20: the number 1e999 is too large for a double"));
+    CHECK_THAT(msg, !Contains("json.exception"));
+    msg = jsonl_error("huge_text.jsonl", "  {\"text\": -1e400}\n");
+    CHECK_THAT(msg, Contains("huge_text.jsonl:1:12: the number -1e400 is too large"));
+    std::string digits(400, '9');
+    msg = jsonl_error("digits.jsonl", "{\"text\": \"a\", \"n\": [1, " + digits + "]}\n");
+    CHECK_THAT(msg, Contains("digits.jsonl:1:24: the number 999"));
   }
   SECTION("a line without the text field lists the fields it has") {
     const std::string msg = jsonl_error("nokey.jsonl", "{\"body\": \"x\", \"id\": 3}\n");

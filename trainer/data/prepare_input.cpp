@@ -48,6 +48,42 @@ std::string show_bytes(std::string_view s, size_t at) {
   return out;
 }
 
+// nlohmann's DOM builder, but a failure is kept rather than thrown, with its byte column: the
+// exceptions nlohmann throws carry no position for a number that overflows a double
+// (out_of_range.406) and only an English sentence for the rest. sax_parse calls parse_error on
+// this class (a template parameter, not a virtual call), so the DOM builder's own, which throws,
+// is hidden.
+class JsonLineParser : public nlohmann::detail::json_sax_dom_parser<nlohmann::json> {
+ public:
+  struct Failure {
+    int64_t column = 0;  // 1-based byte column where the parser stopped
+    std::string token;   // what it last read
+    std::string why;     // nlohmann's message without its "[json.exception...] " tag or position
+    bool overflow = false;
+  };
+
+  explicit JsonLineParser(nlohmann::json& result) : json_sax_dom_parser(result, false) {}
+
+  template <class Exception>
+  bool parse_error(std::size_t position, const std::string& last_token, const Exception& ex) {
+    failed = true;
+    failure.column = static_cast<int64_t>(position);
+    failure.token = last_token;
+    failure.overflow = ex.id == 406;  // out_of_range.406: "number overflow parsing"
+    std::string why = ex.what();
+    size_t cut = why.find("] ");
+    if (cut != std::string::npos) why = why.substr(cut + 2);
+    // "parse error at line 1, column 4: syntax error ..." -> "syntax error ...".
+    if (why.rfind("parse error at line ", 0) == 0 && (cut = why.find(": ")) != std::string::npos)
+      why = why.substr(cut + 2);
+    failure.why = std::move(why);
+    return false;
+  }
+
+  bool failed = false;
+  Failure failure;
+};
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -284,17 +320,23 @@ std::string_view document_text(const RawDocument& doc, DocumentFormat format,
   if (format == DocumentFormat::TEXT) return doc.data;
 
   nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(doc.data.begin(), doc.data.end());
-  } catch (const nlohmann::json::parse_error& e) {
-    // e.what() is "[json.exception.parse_error.101] parse error at line 1, column 4: ...".
-    std::string why = e.what();
-    const size_t cut = why.find("] ");
-    if (cut != std::string::npos) why = why.substr(cut + 2);
+  JsonLineParser parser(j);
+  if (!nlohmann::json::sax_parse(doc.data.begin(), doc.data.end(), &parser)) {
+    TETRA_CHECK(parser.failed, "{}:{}: the JSON parser stopped without an error", doc.file,
+                doc.line);
+    const JsonLineParser::Failure& f = parser.failure;
+    if (f.overflow) {
+      // nlohmann reports the position of the number's last byte; the message names its first.
+      const int64_t column = f.column - static_cast<int64_t>(f.token.size()) + 1;
+      throw InputError(fmt::format(
+          "{}:{}:{}: the number {} is too large for a double (its magnitude exceeds 1.8e308); write "
+          "it as a string (\"{}\") or a smaller number",
+          doc.file, doc.line, column, f.token, f.token));
+    }
     throw InputError(
-        fmt::format("{}:{}: the line is not JSON ({}); each line must be an "
+        fmt::format("{}:{}:{}: the line is not JSON ({}); each line must be an "
                     "object such as {{\"{}\": \"...\"}}",
-                    doc.file, doc.line, why, json_key));
+                    doc.file, doc.line, f.column, f.why, json_key));
   }
   TETRA_INPUT_CHECK(j.is_object(),
                     "{}:{}: the line is a JSON {}, not an object; each line must be an object "
