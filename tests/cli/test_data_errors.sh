@@ -32,7 +32,8 @@ run_case() {
   local prefix="$2" expected="$3" text="$4" dir="$scratch/$1"
   mkdir -p "$dir"
   config "$prefix" "$dir/logs" >"$dir/config.json"
-  "$tetra" --config "$dir/config.json" >"$dir/stdout" 2>"$dir/stderr"
+  # timeout: a file that blocks the run (a named pipe) fails the case instead of hanging the test.
+  timeout 120 "$tetra" --config "$dir/config.json" >"$dir/stdout" 2>"$dir/stderr"
   local rc=$?
   [[ $rc -eq $expected ]] || fail "exit code $rc, expected $expected; stderr: $(cat "$dir/stderr")"
   grep -qF -- "$text" "$dir/stderr" || fail "stderr lacks '$text': $(cat "$dir/stderr")"
@@ -61,6 +62,21 @@ run_case truncated_bin "$scratch/short" 2 "short.bin"
 head -c 40 "$scratch/good.idx" >"$scratch/cut.idx"
 cp "$scratch/good.bin" "$scratch/cut.bin"
 run_case truncated_idx "$scratch/cut" 2 "cut.idx"
+
+# Not regular files: a named pipe must not block the run (it did, forever), a directory must not
+# fail as "No such device".
+mkfifo "$scratch/fifo.idx"
+cp "$scratch/good.bin" "$scratch/fifo.bin"
+run_case fifo_idx "$scratch/fifo" 2 "fifo.idx is a named pipe (FIFO), not a regular file"
+cp "$scratch/good.idx" "$scratch/fifo_bin.idx"
+mkfifo "$scratch/fifo_bin.bin"
+run_case fifo_bin "$scratch/fifo_bin" 2 "fifo_bin.bin is a named pipe (FIFO), not a regular file"
+cp "$scratch/good.idx" "$scratch/dir.idx"
+mkdir "$scratch/dir.bin"
+run_case dir_bin "$scratch/dir" 2 "dir.bin is a directory, not a regular file"
+mkdir "$scratch/dir_idx.idx"
+cp "$scratch/good.bin" "$scratch/dir_idx.bin"
+run_case dir_idx "$scratch/dir_idx" 2 "dir_idx.idx is a directory, not a regular file"
 
 # An .idx that belongs to another .bin (more tokens than this .bin holds).
 /usr/bin/python3 - "$src/tools" "$scratch/other" <<'PY'

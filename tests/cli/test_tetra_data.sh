@@ -137,7 +137,8 @@ bad() {
   case="$1"
   local text="$2" prefix="$3"
   shift 4
-  "$data" "$@" >"$scratch/$case.out" 2>"$scratch/$case.err"
+  # timeout: an input that blocks (a named pipe) fails the case instead of hanging the test.
+  timeout 120 "$data" "$@" >"$scratch/$case.out" 2>"$scratch/$case.err"
   local rc=$?
   [[ $rc -eq 2 ]] || fail "exit code $rc, expected 2; stderr: $(cat "$scratch/$case.err")"
   grep -qF -- "$text" "$scratch/$case.err" ||
@@ -176,6 +177,19 @@ bad unwritable_output "does not exist" "$scratch/no/such/dir/out" -- \
 
 bad missing_input "nowhere.txt does not exist" "$out" -- \
   tokenize --tokenizer "$spm" --input "$scratch/nowhere.txt" --output "$out"
+
+# Inputs that are not regular files are refused without reading them (a named pipe blocked).
+mkfifo "$scratch/bad/pipe.txt"
+bad fifo_input "input $scratch/bad/pipe.txt is a named pipe (FIFO), not a regular file or a directory" \
+  "$out" -- tokenize --tokenizer "$spm" --input "$scratch/bad/pipe.txt" --output "$out"
+mkdir -p "$scratch/bad/gpt2_fifo"
+mkfifo "$scratch/bad/gpt2_fifo/encoder.json"
+bad gpt2_fifo "encoder.json is a named pipe (FIFO), not a regular file" "$out" -- \
+  tokenize --tokenizer "gpt2:$scratch/bad/gpt2_fifo" --input "$scratch/corpus" --output "$out"
+mkfifo "$scratch/bad/pipe.model"
+bad spm_fifo "pipe.model is a named pipe (FIFO), not a regular file" "$out" -- \
+  tokenize --tokenizer "sentencepiece:$scratch/bad/pipe.model" --input "$scratch/corpus" \
+  --output "$out"
 
 bad bad_tokenizer "nowhere.model" "$out" -- \
   tokenize --tokenizer "sentencepiece:$scratch/nowhere.model" --input "$scratch/corpus" \

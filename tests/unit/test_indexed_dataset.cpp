@@ -1,5 +1,13 @@
 // The Megatron indexed dataset format: files written by hand, by the C++ writer and by
 // tools/indexed_dataset.py, and every validation error.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
 #include "tests/unit/data_testing.h"
 
 using namespace tetra;
@@ -255,3 +263,82 @@ TEST_CASE("indexed dataset: every malformed input is an InputError naming the fi
 // =============================================================================================
 // Sample sources
 // =============================================================================================
+
+// =============================================================================================
+// Files that are not regular files, and a .bin that shrinks under a reader
+// =============================================================================================
+namespace {
+
+// Runs `f` on a thread. Should it still be running after 20 s (an open() blocked on a named pipe,
+// the defect this guards against), opens `fifo` for writing, which releases the blocked reader,
+// and fails the test instead of hanging it.
+std::string input_error_without_blocking(const std::function<void()>& f, const std::string& fifo) {
+  std::string msg;
+  std::thread t([&] { msg = input_error(f); });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  bool released = false;
+  std::atomic<bool> done{false};
+  std::thread watch([&] {
+    while (!done && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (!done) {
+      released = true;
+      const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+      if (fd >= 0) ::close(fd);
+    }
+  });
+  t.join();
+  done = true;
+  watch.join();
+  CHECK_FALSE(released);  // open() blocked on the FIFO
+  return msg;
+}
+
+}  // namespace
+
+TEST_CASE("indexed dataset: only regular files are opened; a FIFO, a directory, a device is an "
+          "InputError naming it",
+          "[data]") {
+  namespace fs = std::filesystem;
+  const std::vector<std::vector<int64_t>> docs = {{1, 2, 3}, {4, 5}};
+  const std::string p = tmp_dir() + "/special";
+  fs::remove_all(p + ".idx");
+  fs::remove_all(p + ".bin");
+  const std::string idx = p + ".idx", bin = p + ".bin";
+  const auto open = [&] { IndexedDataset::open(p); };
+
+  SECTION("a named pipe as the .idx does not block") {
+    REQUIRE(::mkfifo(idx.c_str(), 0600) == 0);
+    write_file(bin, bin_bytes<int32_t>(docs));
+    CHECK_THAT(input_error_without_blocking(open, idx),
+               Contains(idx + " is a named pipe (FIFO), not a regular file") &&
+                   Contains("PREFIX.idx and PREFIX.bin"));
+  }
+  SECTION("a named pipe as the .bin does not block") {
+    write_file(idx, idx_bytes(docs, 4, 4));
+    REQUIRE(::mkfifo(bin.c_str(), 0600) == 0);
+    CHECK_THAT(input_error_without_blocking(open, bin),
+               Contains(bin + " is a named pipe (FIFO), not a regular file"));
+  }
+  SECTION("a directory as the .idx or the .bin") {
+    fs::create_directories(idx);
+    write_file(bin, bin_bytes<int32_t>(docs));
+    std::string m = input_error(open);
+    CHECK_THAT(m, Contains(idx + " is a directory, not a regular file"));
+    CHECK_THAT(m, !Contains("No such device"));
+    fs::remove_all(idx);
+    write_file(idx, idx_bytes(docs, 4, 4));
+    fs::remove_all(bin);
+    fs::create_directories(bin);
+    m = input_error(open);
+    CHECK_THAT(m, Contains(bin + " is a directory, not a regular file"));
+    CHECK_THAT(m, !Contains("No such device"));
+  }
+  SECTION("a character device (a link to /dev/zero) as the .bin") {
+    write_file(idx, idx_bytes(docs, 4, 4));
+    fs::create_symlink("/dev/zero", bin);
+    CHECK_THAT(input_error(open), Contains(bin + " is a character device, not a regular file"));
+  }
+  fs::remove_all(idx);
+  fs::remove_all(bin);
+}

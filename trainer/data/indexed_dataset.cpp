@@ -10,9 +10,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <exception>
 #include <limits>
 
 #include "trainer/core/check.h"
+#include "trainer/data/regular_file.h"
 
 namespace tetra {
 
@@ -92,14 +94,19 @@ IndexedDType token_dtype_for_vocab(int64_t vocab_size) {
   return vocab_size <= 65536 ? IndexedDType::U16 : IndexedDType::I32;
 }
 
+// What to give instead of a directory, a named pipe or a device.
+constexpr const char* kRegularFileHint =
+    "a dataset is two regular files, PREFIX.idx and PREFIX.bin: give the prefix of such a pair "
+    "(a named pipe or a directory cannot be a dataset)";
+
 // ---------------------------------------------------------------------------------------------
-// Read-only mapping of a whole file. A zero-byte file maps to nothing (mmap refuses length 0).
+// Read-only mapping of a whole regular file. A zero-byte file maps to nothing (mmap refuses
+// length 0).
 // ---------------------------------------------------------------------------------------------
 class IndexedDataset::Mapping {
  public:
   Mapping(const std::string& path, const char* role) {
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    TETRA_INPUT_CHECK(fd >= 0, "cannot open {} ({}): {}", path, role, std::strerror(errno));
+    const int fd = open_regular_file(path, role, kRegularFileHint);
     struct stat st;
     if (::fstat(fd, &st) != 0) {
       int err = errno;

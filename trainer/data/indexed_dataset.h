@@ -20,7 +20,9 @@
 // sequences [0, i), so the .bin is exactly the concatenation of all sequences and global token t
 // sits at byte t * dtype_size. read() therefore spans sequence boundaries with one linear copy.
 //
-// Every problem with the files is an InputError naming the file and what would fix it.
+// Every problem with the files is an InputError naming the file and what would fix it. Both must
+// be regular files: a named pipe, a directory or a device is refused at open without reading it
+// (open never blocks on a FIFO).
 #pragma once
 
 #include <cstdint>

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "trainer/core/check.h"
+#include "trainer/data/regular_file.h"
 
 namespace tetra {
 
@@ -35,6 +36,19 @@ int64_t file_size(const fs::path& p) {
   const uintmax_t size = fs::file_size(p, ec);
   TETRA_INPUT_CHECK(!ec, "cannot read the size of {}: {}", p.string(), ec.message());
   return static_cast<int64_t>(size);
+}
+
+// An input file for reading; InputError if it cannot be opened or is no longer a regular file
+// (replaced by a named pipe since it was listed: never block on it).
+std::FILE* open_input(const std::string& path) {
+  const int fd = open_regular_file(path, "input", "");
+  std::FILE* f = ::fdopen(fd, "rb");
+  if (f == nullptr) {
+    const int err = errno;
+    ::close(fd);
+    throw InputError(fmt::format("cannot open input {}: {}", path, std::strerror(err)));
+  }
+  return f;
 }
 
 // The lead byte at `s[at]` and the continuation bytes after it, as "0xE2 0x82", for messages.
@@ -101,16 +115,24 @@ std::vector<InputFile> list_input_files(const std::vector<std::string>& inputs,
       files.push_back({input, file_size(input)});
       continue;
     }
-    TETRA_INPUT_CHECK(fs::is_directory(st), "input {} is neither a regular file nor a directory",
-                      input);
+    if (!fs::is_directory(st)) {
+      struct stat raw;
+      const bool known = ::stat(input.c_str(), &raw) == 0;
+      throw InputError(fmt::format(
+          "input {} is {}, not a regular file or a directory; give the files themselves (a named "
+          "pipe or a device cannot be read twice or sized; copy its contents into a file first)",
+          input, known ? file_kind_name(raw.st_mode) : "not a file"));
+    }
     std::vector<std::string> found;
     for (auto it = fs::recursive_directory_iterator(input, ec);
          !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+      // The error_code forms: the throwing ones would let a filesystem_error out.
+      std::error_code type_ec;
       if (hidden(it->path())) {
-        if (it->is_directory()) it.disable_recursion_pending();
+        if (it->is_directory(type_ec)) it.disable_recursion_pending();
         continue;
       }
-      if (!it->is_regular_file()) continue;
+      if (!it->is_regular_file(type_ec)) continue;  // pipes, sockets, devices, dangling links
       const std::string path = it->path().string();
       if (dir_extension.empty() || ends_with(path, dir_extension)) found.push_back(path);
     }
@@ -249,8 +271,7 @@ bool DocumentReader::next_document(RawDocument& doc) {
   if (format_ == DocumentFormat::JSONL) return next_line(doc);
   if (next_file_ == files_.size()) return false;
   const InputFile& f = files_[next_file_++];
-  std::FILE* in = std::fopen(f.path.c_str(), "rb");
-  TETRA_INPUT_CHECK(in != nullptr, "cannot open {}: {}", f.path, std::strerror(errno));
+  std::FILE* in = open_input(f.path);
   struct stat st;
   const bool sized = ::fstat(::fileno(in), &st) == 0;
   doc.data.resize(sized ? static_cast<size_t>(st.st_size) : 0);
@@ -273,8 +294,7 @@ bool DocumentReader::next_line(RawDocument& doc) {
       if (next_file_ == files_.size()) return false;
       current_index_ = next_file_++;
       const std::string& path = files_[current_index_].path;
-      current_ = std::fopen(path.c_str(), "rb");
-      TETRA_INPUT_CHECK(current_ != nullptr, "cannot open {}: {}", path, std::strerror(errno));
+      current_ = open_input(path);
       line_ = 0;
       offset_ = 0;
       documents_in_file_ = 0;

@@ -3,6 +3,7 @@
 #include "trainer/data/prepare_llmc.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
@@ -13,6 +14,7 @@
 
 #include "trainer/core/check.h"
 #include "trainer/data/indexed_dataset.h"
+#include "trainer/data/regular_file.h"
 
 namespace tetra {
 
@@ -30,8 +32,13 @@ struct FileCloser {
 using File = std::unique_ptr<std::FILE, FileCloser>;
 
 File open_shard(const std::string& path) {
-  File f(std::fopen(path.c_str(), "rb"));
-  TETRA_INPUT_CHECK(f != nullptr, "cannot open {}: {}", path, std::strerror(errno));
+  const int fd = open_regular_file(path, "llm.c shard", "");  // never blocks on a named pipe
+  File f(::fdopen(fd, "rb"));
+  if (f == nullptr) {
+    const int err = errno;
+    ::close(fd);
+    throw InputError(fmt::format("cannot open {}: {}", path, std::strerror(err)));
+  }
   return f;
 }
 

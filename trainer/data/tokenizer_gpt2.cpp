@@ -28,20 +28,21 @@
 // tokenizer's serial number so that two tokenizers never see each other's entries.
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <array>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <queue>
-#include <sstream>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
 
 #include "trainer/core/check.h"
+#include "trainer/data/regular_file.h"
 #include "trainer/data/tokenizer.h"
 
 namespace tetra {
@@ -104,13 +105,26 @@ bool unmap_token(std::string_view s, const std::unordered_map<uint32_t, uint8_t>
 }
 
 std::string read_whole_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  TETRA_INPUT_CHECK(f.good(), "{}: cannot open GPT-2 tokenizer file ({}); {}", path,
-                    std::strerror(errno), kFetchHint);
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  TETRA_INPUT_CHECK(!f.bad(), "{}: read error; {}", path, kFetchHint);
-  return ss.str();
+  // A regular file only: a named pipe would block, a directory reads as nothing.
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0)
+    throw InputError(fmt::format("{}: cannot open GPT-2 tokenizer file ({}); {}", path,
+                                 std::strerror(errno), kFetchHint));
+  const int fd = open_regular_file(path, "GPT-2 tokenizer file", kFetchHint);
+  std::string text;
+  char buf[1 << 16];
+  for (;;) {
+    const ssize_t got = ::read(fd, buf, sizeof(buf));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      const int err = errno;
+      ::close(fd);
+      TETRA_INPUT_CHECK(got == 0, "{}: read error ({}); {}", path, std::strerror(err),
+                        kFetchHint);
+      return text;
+    }
+    text.append(buf, static_cast<size_t>(got));
+  }
 }
 
 // (left id, right id) -> (rank, merged id), open addressing with linear probing.

@@ -24,6 +24,7 @@
 
 #include "trainer/core/check.h"
 #include "trainer/data/prepare_input.h"
+#include "trainer/data/regular_file.h"
 #include "trainer/data/tokenizer.h"
 
 namespace tetra {
@@ -36,6 +37,7 @@ constexpr unsigned kTrainingSeed = 20240601;  // sampling of max_sentences is re
 class SentencePieceTokenizer final : public Tokenizer {
  public:
   explicit SentencePieceTokenizer(const std::string& model_file) : model_file_(model_file) {
+    check_not_special_file(model_file, "SentencePiece model", "give the .model file itself");
     std::error_code ec;
     TETRA_INPUT_CHECK(std::filesystem::is_regular_file(model_file, ec),
                       "{}: no such SentencePiece model file; train one (train_sentencepiece "

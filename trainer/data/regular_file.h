@@ -1,0 +1,31 @@
+// Opening input files that must be regular files. A named pipe given where a file is expected
+// blocks open() until a writer appears (forever, in practice); a directory opens but cannot be
+// read or mapped ("Is a directory", "No such device"); a device reads endlessly. So every data
+// input is opened without blocking and checked with fstat before a byte is read: anything but a
+// regular file is an InputError that says what the path is.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+#include <string_view>
+
+namespace tetra {
+
+// What a non-regular file is, for messages: "a directory", "a named pipe (FIFO)", "a character
+// device", "a block device", "a socket", "a symbolic link"; "a regular file" for one.
+std::string_view file_kind_name(mode_t mode);
+
+// Opens `path` read-only (O_CLOEXEC) and returns the descriptor, which the caller closes.
+// InputError, naming `role` and `path`, if it cannot be opened or is not a regular file:
+//   "<role> <path> is a named pipe (FIFO), not a regular file; <fix>"
+// `fix` says what to give instead (e.g. "give the dataset's prefix"); may be empty.
+// Never blocks: a FIFO is opened with O_NONBLOCK, seen by fstat, and closed again.
+int open_regular_file(const std::string& path, std::string_view role, std::string_view fix);
+
+// The same check by path (stat, following symbolic links), for files another library opens.
+// InputError if `path` exists and is not a regular file; a missing path passes (the caller
+// reports that in its own words).
+void check_not_special_file(const std::string& path, std::string_view role, std::string_view fix);
+
+}  // namespace tetra
