@@ -342,3 +342,45 @@ TEST_CASE("indexed dataset: only regular files are opened; a FIFO, a directory, 
   fs::remove_all(idx);
   fs::remove_all(bin);
 }
+
+TEST_CASE("indexed dataset: a .bin cut short after open is an InputError naming it, not SIGBUS",
+          "[data]") {
+  // 64 documents of 1000 tokens: 128 KB of uint16, 256 KB of int32 (pages well past the cut).
+  std::vector<std::vector<int64_t>> docs(64);
+  for (size_t d = 0; d < docs.size(); ++d)
+    for (int64_t i = 0; i < 1000; ++i) docs[d].push_back((static_cast<int64_t>(d) * 7 + i) % 500);
+  for (const bool wide : {false, true}) {
+    const std::string p = tmp_prefix(wide ? "cut_under_reader_i32" : "cut_under_reader_u16");
+    if (wide)
+      write_by_hand<int32_t>(p, docs, 4);
+    else
+      write_by_hand<uint16_t>(p, docs, 8);
+    const std::string bin = p + ".bin";
+    auto ds = std::make_shared<const IndexedDataset>(IndexedDataset::open(p));
+    IndexedSamples samples(ds, 999, 500);  // reads the whole file once (the token range scan)
+    std::vector<int32_t> out(1000);
+    samples.sample(3, out.data());
+    CHECK(out[0] == docs[2][997]);  // sample 3 starts at token 3 * 999 = 2997
+
+    // Another process truncates the file to 4 KiB while this one still reads it.
+    REQUIRE(::truncate(bin.c_str(), 4096) == 0);
+    samples.sample(0, out.data());  // still inside the first 4 KiB for uint16 ... and int32
+    CHECK(out[0] == docs[0][0]);
+    const std::string m = input_error([&] { samples.sample(40, out.data()); });
+    CHECK_THAT(m, Contains("dataset tokens " + bin + " were cut short while in use") &&
+                      Contains(wide ? "bytes [159840, 163840) are gone"
+                                    : "bytes [79920, 81920) are gone") &&
+                      Contains(wide ? "had 256000 bytes" : "had 128000 bytes") &&
+                      Contains("has 4096 now") && Contains("must not change while a job reads it"));
+    // The first scan of a dataset cut short before it: the same error, from any thread.
+    const std::string p2 = tmp_prefix(wide ? "cut_before_scan_i32" : "cut_before_scan_u16");
+    if (wide)
+      write_by_hand<int32_t>(p2, docs, 4);
+    else
+      write_by_hand<uint16_t>(p2, docs, 8);
+    const IndexedDataset ds2 = IndexedDataset::open(p2);
+    REQUIRE(::truncate((p2 + ".bin").c_str(), 100) == 0);
+    CHECK_THAT(input_error([&] { ds2.max_token(); }),
+               Contains("dataset tokens " + p2 + ".bin were cut short"));
+  }
+}

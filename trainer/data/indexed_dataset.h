@@ -1,5 +1,6 @@
-// Megatron-LM's indexed dataset format ("MMapIndexedDataset"), read through read-only memory maps,
-// and a writer for it. Datasets tokenised for Megatron (tools/preprocess_data.py) load unchanged,
+// Megatron-LM's indexed dataset format ("MMapIndexedDataset") and a writer for it. The .idx is
+// read through a read-only memory map; the .bin with pread (a .bin cut short under a running job
+// is then an InputError naming it, not a SIGBUS: see BinFile in indexed_dataset.cpp). Datasets tokenised for Megatron (tools/preprocess_data.py) load unchanged,
 // and tools/indexed_dataset.py writes and reads the same files from numpy.
 //
 // A dataset is two files sharing a prefix:
@@ -72,7 +73,8 @@ class IndexedDataset {
   // Global token offset of sequence i's first token in the concatenation of all sequences.
   int64_t sequence_offset(int64_t i) const;
 
-  // Tokens [start, start + count) of the concatenation of all sequences, as int32.
+  // Tokens [start, start + count) of the concatenation of all sequences, as int32. Thread-safe.
+  // InputError naming the .bin if the file has lost those bytes since open (cut short).
   void read(int64_t start, int64_t count, int32_t* out) const;  // out: (count,)
 
   // Largest / smallest token id in the whole .bin. The first call scans the file (parallel),
@@ -82,19 +84,20 @@ class IndexedDataset {
 
  private:
   class Mapping;  // a read-only mmap of one file, unmapped on destruction
+  class BinFile;  // the open .bin, read with pread
   IndexedDataset() = default;
   void scan_token_range() const;
+  template <typename T> void scan_range_as(int64_t& lo, int64_t& hi) const;
 
   std::string prefix_;
   std::unique_ptr<Mapping> idx_map_;
-  std::unique_ptr<Mapping> bin_map_;
+  std::unique_ptr<BinFile> bin_;
   IndexedDType dtype_ = IndexedDType::I32;
   int64_t num_sequences_ = 0;
   int64_t num_documents_ = 0;
   int64_t num_tokens_ = 0;
   const uint8_t* lengths_ = nullptr;   // int32 (S,) inside the .idx mapping, unaligned
   const uint8_t* pointers_ = nullptr;  // int64 (S,) inside the .idx mapping, unaligned
-  const uint8_t* tokens_ = nullptr;    // (num_tokens * dtype_size,) bytes: the .bin mapping
   mutable bool range_known_ = false;
   mutable int64_t min_token_ = 0;
   mutable int64_t max_token_ = 0;
