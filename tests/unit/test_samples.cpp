@@ -1,5 +1,7 @@
 // Samples: windows over documents, the synthetic stream, the shuffle, the blend, and the per-DP-rank
 // loader order.
+#include <chrono>
+
 #include "tests/unit/data_testing.h"
 
 using namespace tetra;
@@ -195,6 +197,122 @@ TEST_CASE("BlendedSamples: Megatron's greedy blend, exact to one sample at every
   CHECK_THAT(input_error([&] { BlendedSamples b(two, {1.0, 0.0}, 10); }), Contains("weight 0"));
 }
 
+namespace {
+
+// The plain greedy over `steps` samples, written out again: (source, count before the pick).
+std::vector<std::pair<int32_t, int64_t>> eager_blend(const std::vector<double>& raw,
+                                                     int64_t steps) {
+  const double sum = std::accumulate(raw.begin(), raw.end(), 0.0);
+  std::vector<int64_t> counts(raw.size(), 0);
+  std::vector<std::pair<int32_t, int64_t>> out;
+  out.reserve(static_cast<size_t>(steps));
+  for (int64_t k = 0; k < steps; ++k) {
+    size_t best = 0;
+    double best_err = -1e300;
+    for (size_t i = 0; i < raw.size(); ++i) {
+      const double err = raw[i] / sum * (k + 1) - counts[i];
+      if (err > best_err) best_err = err, best = i;
+    }
+    out.push_back({static_cast<int32_t>(best), counts[best]++});
+  }
+  return out;
+}
+
+std::vector<std::shared_ptr<SampleSource>> counting_sources(size_t n, int64_t samples) {
+  std::vector<std::shared_ptr<SampleSource>> s;
+  for (size_t i = 0; i < n; ++i)
+    s.push_back(std::make_shared<CountingSource>(samples, 3, static_cast<int32_t>(i)));
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("BlendedSamples: the lazy table equals the eager greedy over chunks and checkpoints",
+          "[data]") {
+  const std::vector<double> raw = {0.45, 0.35, 0.2};
+  constexpr int64_t C = BlendedSamples::kChunk, P = BlendedSamples::kCheckpoint;
+  const int64_t total = 2 * P + 3 * C + 17;
+  const int64_t n = int64_t{1} << 40;  // sources this large never wrap: the counts are exposed
+  const auto expect = eager_blend(raw, total + 2 * C);  // and a little past the nominal total
+  const auto check_order = [&](BlendedSamples& blend, const std::vector<int64_t>& ks) {
+    for (int64_t k : ks) {
+      INFO("sample " << k);
+      REQUIRE(blend.locate(k) == expect[static_cast<size_t>(k)]);
+    }
+  };
+  SECTION("read forward, as training does") {
+    BlendedSamples blend(counting_sources(3, n), raw, total);
+    std::vector<std::pair<int32_t, int64_t>> got;
+    for (int64_t k = 0; k < total; ++k) got.push_back(blend.locate(k));
+    CHECK(got == std::vector<std::pair<int32_t, int64_t>>(expect.begin(), expect.begin() + total));
+  }
+  SECTION("jumps forward past checkpoints not reached, back to ones reached, across boundaries") {
+    BlendedSamples blend(counting_sources(3, n), raw, total);
+    check_order(blend, {2 * P + 5, C - 1, C, C + 1, P - 1, P, P + 1, 0, 2 * P - 1, 2 * P,
+                        P + C - 1, P + C, 2 * P + 3 * C + 16, 3 * C, total + C + 3, 17});
+    // A resume in the middle, then forward over a checkpoint boundary.
+    BlendedSamples resumed(counting_sources(3, n), raw, total);
+    std::vector<int64_t> ks;
+    for (int64_t k = P - 3 * C + 7; k < P + 3 * C; ++k) ks.push_back(k);
+    check_order(resumed, ks);
+  }
+  SECTION("the strided reads of one data-parallel rank") {
+    BlendedSamples blend(counting_sources(3, n), raw, total);
+    std::vector<int64_t> ks;  // dp = 8, micro_batch_size 300, rank 5: a 2400-sample stride
+    for (int64_t c = 0; c + 2400 <= total; c += 2400)
+      for (int64_t b = 0; b < 300; ++b) ks.push_back(c + 5 * 300 + b);
+    check_order(blend, ks);
+  }
+}
+
+TEST_CASE("BlendedSamples: for 2^31 - 1 steps, construction is instant and small", "[data]") {
+  const std::vector<double> raw = {0.5, 0.3, 0.2};
+  // training.steps = 2^31 - 1 (with training.exit_after_min), global_batch_size 512: 2^40 samples.
+  const int64_t total = ((int64_t{1} << 31) - 1) * 512;
+  const auto t0 = std::chrono::steady_clock::now();
+  BlendedSamples blend(counting_sources(3, 1000), raw, total);
+  std::vector<std::pair<int32_t, int64_t>> first;
+  for (int64_t k = 0; k < 10000; ++k) first.push_back(blend.locate(k));
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(secs < 0.5);                     // it was minutes
+  CHECK(blend.table_bytes() < 64 * 1024);  // it was S * 8 bytes per 1024 samples: 24 GiB
+  CHECK(blend.num_samples() == total);
+  // The order does not depend on the total.
+  BlendedSamples small(counting_sources(3, 1000), raw, 10000);
+  for (int64_t k = 0; k < 10000; ++k) REQUIRE(small.locate(k) == first[static_cast<size_t>(k)]);
+  // A resume 10^7 samples in replays the greedy once; the tables stay small.
+  blend.locate(10'000'000);
+  CHECK(blend.table_bytes() < 64 * 1024);
+}
+
+TEST_CASE("BlendedSamples: weights whose sum overflows keep their ratios", "[data]") {
+  // 1e308 + 1e308 is inf: w / inf made every weight 0 and the blend a round robin.
+  BlendedSamples blend(counting_sources(3, 100), {1e308, 1e308, 1.0}, 1000);
+  CHECK(blend.weights()[0] == 0.5);
+  CHECK(blend.weights()[1] == 0.5);
+  CHECK(blend.weights()[2] > 0.0);
+  CHECK(blend.weights()[2] < 1e-300);
+  std::vector<int64_t> count(3, 0);
+  for (int64_t k = 0; k < 1000; ++k) {
+    const auto [i, j] = blend.locate(k);
+    REQUIRE(i == static_cast<int32_t>(k % 2));  // 0, 1, 0, 1, ...: source 2's share is 5e-309
+    ++count[i];
+  }
+  CHECK(count == std::vector<int64_t>{500, 500, 0});
+  // Huge weights that overflow only together: the shares of their ratios 6 : 3 : 1.
+  BlendedSamples big(counting_sources(3, 100), {1.2e308, 0.6e308, 0.2e308}, 1000);
+  CHECK(big.weights()[0] == Approx(0.6));
+  CHECK(big.weights()[1] == Approx(0.3));
+  CHECK(big.weights()[2] == Approx(0.1));
+  // A weight that normalises to 0 next to a huge one is refused, not silently dropped.
+  CHECK_THAT(input_error([&] { BlendedSamples b(counting_sources(2, 100), {1e308, 4e-324}, 10); }),
+             Contains("too small a share") && Contains("raise it or remove the entry"));
+  // data.split weights likewise.
+  CHECK(split_document_bounds({1e308, 1e308, 1e308}, 99) == std::array<int64_t, 4>{0, 33, 66, 99});
+  CHECK(split_document_bounds({1.7e308, 1.7e308, 0.0}, 10) == std::array<int64_t, 4>{0, 5, 10, 10});
+}
+
 // =============================================================================================
 // Loader and factory
 // =============================================================================================
@@ -276,9 +394,10 @@ TEST_CASE("make_train_source / make_valid_source build the configured stack", "[
         windows.insert(std::vector<int32_t>(all.begin() + i * 4, all.begin() + i * 4 + 5));
     cfg.data.train = {{pa, 1.0}, {pb, 3.0}};
     auto train = make_train_source(cfg, 400);
-    REQUIRE(dynamic_cast<ShuffledSamples*>(train.get()) != nullptr);
+    // A blend of shuffled datasets (not a shuffle of the blend, a table of total_samples).
+    REQUIRE(dynamic_cast<BlendedSamples*>(train.get()) != nullptr);
     CHECK(train->num_samples() == 400);
-    for (int64_t g = 0; g < 800; ++g) {  // two epochs of the blend
+    for (int64_t g = 0; g < 800; ++g) {  // past the nominal total: the blend goes on
       train->sample(g, x.data());
       REQUIRE(windows.count(x) == 1);
     }
@@ -293,6 +412,26 @@ TEST_CASE("make_train_source / make_valid_source build the configured stack", "[
                Contains("data.train[1]") && Contains(tmp_dir() + "/missing.idx"));
     cfg.data.train.clear();
     CHECK_THAT(input_error([&] { make_train_source(cfg, 400); }), Contains("data.train is empty"));
+  }
+  SECTION("a blend for training.steps = 2^31 - 1: no table proportional to the steps") {
+    const auto docs_a = make_docs(300, 3), docs_b = make_docs(300, 4);
+    const std::string pa = tmp_prefix("factory_big_a"), pb = tmp_prefix("factory_big_b");
+    write_by_hand<uint16_t>(pa, docs_a, 8);
+    write_by_hand<uint16_t>(pb, docs_b, 8);
+    cfg.data.train = {{pa, 1.0}, {pb, 3.0}};
+    const int64_t total = ((int64_t{1} << 31) - 1) * 8;  // global_batch_size 8
+    const auto t0 = std::chrono::steady_clock::now();
+    auto train = make_train_source(cfg, total);  // was: minutes, then "cannot shuffle"
+    for (int64_t g = 0; g < 1000; ++g) train->sample(g, x.data());
+    CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 0.5);
+    CHECK(train->num_samples() == total);
+    // The first samples do not depend on the total either.
+    auto small = make_train_source(cfg, 1000);
+    for (int64_t g = 0; g < 1000; ++g) {
+      train->sample(g, x.data());
+      small->sample(g, y.data());
+      REQUIRE(x == y);
+    }
   }
 }
 

@@ -72,11 +72,20 @@ std::shared_ptr<SampleSource> make_indexed_stack(const Config& cfg,
     }
     weights.push_back(list[i].weight);
   }
-  std::shared_ptr<SampleSource> source = sources[0];
-  if (sources.size() > 1)
-    source =
-        std::make_shared<BlendedSamples>(std::move(sources), std::move(weights), total_samples);
-  return std::make_shared<ShuffledSamples>(std::move(source), shuffle_seed);
+  // Each dataset is shuffled on its own, then the blend interleaves them (Megatron's order: each
+  // GPTDataset shuffles, the BlendedDataset interleaves). Every table is then bounded by the
+  // datasets' sizes: a shuffle over the blend would be a permutation of total_samples entries,
+  // proportional to training.steps. Dataset i's seed is shuffle_seed + i (ShuffledSamples mixes
+  // it), so a single dataset is shuffled with shuffle_seed itself.
+  if (sources.size() == 1) return std::make_shared<ShuffledSamples>(sources[0], shuffle_seed);
+  for (size_t i = 0; i < sources.size(); ++i)
+    sources[i] = std::make_shared<ShuffledSamples>(std::move(sources[i]), shuffle_seed + i);
+  try {
+    return std::make_shared<BlendedSamples>(std::move(sources), std::move(weights),
+                                            total_samples);
+  } catch (const InputError& e) {
+    throw InputError(fmt::format("{}: {}", key, e.what()));
+  }
 }
 
 }  // namespace

@@ -40,9 +40,10 @@ class DataLoader {
 };
 
 // data.synthetic: SyntheticSamples(vocab, seq_len, training.seed, stream 0).
-// Otherwise data.train: one IndexedSamples per entry, a BlendedSamples over them (with their
-// weights, for total_samples) when there are several, and a ShuffledSamples on top seeded with
-// training.seed. With data.split, each entry contributes only its train part (documents
+// Otherwise data.train: one IndexedSamples per entry, each in a ShuffledSamples (entry i seeded
+// with training.seed + i), and a BlendedSamples over them (with their weights, for
+// total_samples) when there are several. No table grows with total_samples: the shuffles are
+// bounded by the datasets' sizes, the blend is computed lazily. With data.split, each entry contributes only its train part (documents
 // [0, a) of split_document_bounds). InputError when the list is empty or a dataset (or its
 // part) is bad.
 std::shared_ptr<SampleSource> make_train_source(const Config& cfg, int64_t total_samples);

@@ -40,9 +40,18 @@ std::array<int64_t, 4> split_document_bounds(const std::vector<double>& weights,
                                              int64_t num_documents) {
   TETRA_CHECK(weights.size() == 3 && num_documents >= 0, "{} split weights, {} documents",
               weights.size(), num_documents);
-  const double sum = weights[0] + weights[1] + weights[2];
-  TETRA_CHECK(sum > 0 && weights[0] >= 0 && weights[1] >= 0 && weights[2] >= 0,
+  TETRA_CHECK(std::isfinite(weights[0]) && std::isfinite(weights[1]) &&
+                  std::isfinite(weights[2]) && weights[0] >= 0 && weights[1] >= 0 &&
+                  weights[2] >= 0 && weights[0] + weights[1] + weights[2] > 0,
               "split weights {}, {}, {}", weights[0], weights[1], weights[2]);
+  // Weights whose sum overflows (near 1e308) are scaled by the largest first: the same ratios.
+  // Only then: otherwise the division below is Megatron's, bit for bit.
+  std::vector<double> w = weights;
+  if (!std::isfinite(w[0] + w[1] + w[2])) {
+    const double max = std::max({w[0], w[1], w[2]});
+    for (double& x : w) x /= max;
+  }
+  const double sum = w[0] + w[1] + w[2];
   // Megatron (blended_megatron_dataset_builder): bookends = cumulative sums of the normalised
   // weights, boundary = int(round(bookend * n)). std::nearbyint in the default rounding mode
   // rounds ties to even, as Python's round does (2.5 -> 2, 3.5 -> 4).
@@ -50,7 +59,7 @@ std::array<int64_t, 4> split_document_bounds(const std::vector<double>& weights,
   double cum = 0.0;
   std::array<int64_t, 4> bounds{0, 0, 0, num_documents};
   for (int p = 0; p < 2; ++p) {
-    cum += weights[p] / sum;
+    cum += w[p] / sum;
     bounds[p + 1] = std::clamp(static_cast<int64_t>(std::nearbyint(cum * n)), bounds[p],
                                num_documents);
   }
@@ -214,6 +223,24 @@ inline int32_t blend_choose(const std::vector<double>& w, const int64_t* counts,
   return best;
 }
 
+// w / sum(w); when the sum overflows (weights near 1e308), (w / max) / sum(w / max) instead, the
+// same ratios without the overflow. The plain form otherwise: it is what Megatron computes, and
+// what the order of existing runs was computed with, bit for bit.
+std::vector<double> normalise_weights(std::vector<double> w) {
+  double sum = 0.0, max = 0.0;
+  for (double x : w) {
+    sum += x;
+    max = std::max(max, x);
+  }
+  if (!std::isfinite(sum)) {
+    for (double& x : w) x /= max;
+    sum = 0.0;
+    for (double x : w) sum += x;
+  }
+  for (double& x : w) x /= sum;
+  return w;
+}
+
 }  // namespace
 
 BlendedSamples::BlendedSamples(std::vector<std::shared_ptr<SampleSource>> sources,
@@ -223,46 +250,84 @@ BlendedSamples::BlendedSamples(std::vector<std::shared_ptr<SampleSource>> source
               sources_.size(), weights_.size());
   TETRA_CHECK(total_samples_ >= 1, "total_samples {}", total_samples_);
   seq_len_ = sources_[0]->seq_len();
-  double sum = 0.0;
   for (size_t i = 0; i < sources_.size(); ++i) {
     TETRA_CHECK(sources_[i]->seq_len() == seq_len_, "source {} has seq_len {}, source 0 has {}", i,
                 sources_[i]->seq_len(), seq_len_);
     TETRA_INPUT_CHECK(std::isfinite(weights_[i]) && weights_[i] > 0.0,
                       "data weight {} of {} must be a positive number", weights_[i],
                       sources_[i]->describe());
-    sum += weights_[i];
+    wraps_.push_back(!sources_[i]->takes_any_index());
   }
-  for (double& w : weights_) w /= sum;
-
+  const std::vector<double> raw = weights_;
+  weights_ = normalise_weights(raw);
+  for (size_t i = 0; i < sources_.size(); ++i)
+    TETRA_INPUT_CHECK(weights_[i] > 0.0,
+                      "data weight {} of {} is too small a share of the total weight to draw "
+                      "any sample from (it normalises to 0: the largest weight is over 1e308 "
+                      "times larger); raise it or remove the entry",
+                      raw[i], sources_[i]->describe());
   const size_t S = sources_.size();
-  const int64_t num_chunks = (total_samples_ + kChunk - 1) / kChunk;
-  chunk_counts_.assign(static_cast<size_t>(num_chunks) * S, 0);
-  std::vector<int64_t> counts(S, 0);
-  for (int64_t k = 0; k < total_samples_; ++k) {
-    if (k % kChunk == 0) std::copy(counts.begin(), counts.end(), &chunk_counts_[(k / kChunk) * S]);
-    ++counts[blend_choose(weights_, counts.data(), k)];
-  }
+  checkpoints_.assign(S, 0);  // before sample 0: nothing taken
+  frontier_counts_.assign(S, 0);
   cached_source_.resize(kChunk);
   cached_index_.resize(kChunk);
 }
 
+void BlendedSamples::keep_checkpoint(int64_t k, const std::vector<int64_t>& counts) {
+  const size_t S = sources_.size();
+  if (k % kCheckpoint == 0 && static_cast<size_t>(k / kCheckpoint) == checkpoints_.size() / S)
+    checkpoints_.insert(checkpoints_.end(), counts.begin(), counts.end());
+}
+
+void BlendedSamples::advance(int64_t& k, std::vector<int64_t>& counts, int64_t end) {
+  while (k < end) {
+    keep_checkpoint(k, counts);
+    // Up to the next checkpoint boundary (or `end`) without looking at boundaries.
+    const int64_t stop = std::min(end, (k / kCheckpoint + 1) * kCheckpoint);
+    for (; k < stop; ++k) ++counts[blend_choose(weights_, counts.data(), k)];
+  }
+  keep_checkpoint(k, counts);
+}
+
 void BlendedSamples::load_chunk(int64_t chunk) {
   const size_t S = sources_.size();
-  std::vector<int64_t> counts(&chunk_counts_[chunk * S], &chunk_counts_[chunk * S] + S);
-  const int64_t begin = chunk * kChunk, end = std::min(total_samples_, begin + kChunk);
-  for (int64_t k = begin; k < end; ++k) {
+  const int64_t begin = chunk * kChunk, end = begin + kChunk;
+  // Start from the later of: the frontier (if not past `begin`) and the last checkpoint at or
+  // before `begin` that has been reached.
+  const int64_t reached = static_cast<int64_t>(checkpoints_.size() / S);
+  const int64_t c = std::min(begin / kCheckpoint, reached - 1);
+  int64_t k = c * kCheckpoint;
+  std::vector<int64_t> counts(checkpoints_.begin() + c * S, checkpoints_.begin() + (c + 1) * S);
+  if (frontier_k_ <= begin && frontier_k_ > k) {
+    k = frontier_k_;
+    counts = frontier_counts_;
+  }
+  advance(k, counts, begin);
+  for (; k < end; ++k) {
     const int32_t i = blend_choose(weights_, counts.data(), k);
     cached_source_[k - begin] = i;
     cached_index_[k - begin] = counts[i]++;
   }
+  keep_checkpoint(k, counts);
+  frontier_k_ = k;
+  frontier_counts_ = std::move(counts);
   cached_chunk_ = chunk;
 }
 
 std::pair<int32_t, int64_t> BlendedSamples::locate(int64_t k) {
-  TETRA_CHECK(k >= 0 && k < total_samples_, "blended sample {} of {}", k, total_samples_);
+  TETRA_CHECK(k >= 0, "blended sample {}", k);
   if (k / kChunk != cached_chunk_) load_chunk(k / kChunk);
   const int32_t i = cached_source_[k % kChunk];
-  return {i, cached_index_[k % kChunk] % sources_[i]->num_samples()};
+  const int64_t index = cached_index_[k % kChunk];
+  return {i, wraps_[i] ? index % sources_[i]->num_samples() : index};
+}
+
+int64_t BlendedSamples::table_bytes() const {
+  return static_cast<int64_t>(checkpoints_.capacity() * sizeof(int64_t) +
+                              frontier_counts_.capacity() * sizeof(int64_t) +
+                              cached_source_.capacity() * sizeof(int32_t) +
+                              cached_index_.capacity() * sizeof(int64_t) + wraps_.size() / 8 +
+                              weights_.capacity() * sizeof(double));
 }
 
 void BlendedSamples::sample(int64_t k, int32_t* out) {
