@@ -12,8 +12,10 @@
 // coordinates and ends the whole job (MPI_Abort), so no rank waits forever in a collective.
 // Exit code 3: the watchdog (trainer/dist/watchdog.h) ended a job in which a step or a collective
 // lasted longer than training.collective_timeout_s.
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -144,7 +146,8 @@ CLI::Validator at_least(double lo) {
       fmt::format(">= {}", lo));
 }
 
-// `tetra generate`'s command line: sampling settings override the config's sample section.
+// `tetra generate`'s command line: sampling settings override the config's sample section, under
+// the config's own rules for them: "--seed: -1: ...".
 struct GenerateArgs {
   CLI::App* cmd = nullptr;
   std::string config_path, weights, prompt;
@@ -154,6 +157,23 @@ struct GenerateArgs {
   uint64_t seed = 0;
   CLI::Option *prompt_opt = nullptr, *max_tokens_opt = nullptr, *temperature_opt = nullptr, *top_k_opt = nullptr,
               *seed_opt = nullptr;
+
+  // A seed: a whole number from 0 to 2^64 - 1 (a negative one would wrap around).
+  static CLI::Validator seed_number() {
+    return CLI::Validator(
+        [](std::string& v) {
+          const uint64_t hi = std::numeric_limits<uint64_t>::max();
+          if (!v.empty() && v[0] == '-')
+            return fmt::format("{}: must be at least 0 (a seed is a whole number from 0 to {})", v, hi);
+          uint64_t x = 0;
+          const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+          if (ec == std::errc::result_out_of_range) return fmt::format("{}: out of range: at most {}", v, hi);
+          if (ec != std::errc() || end != v.data() + v.size())
+            return fmt::format("{}: not a whole number (a seed is a whole number from 0 to {})", v, hi);
+          return std::string();
+        },
+        "UINT64");
+  }
 
   void add_to(CLI::App& app) {
     cmd = app.add_subcommand("generate", "write text with trained weights (one process, tp 1); prints the "
@@ -170,7 +190,7 @@ struct GenerateArgs {
                                       "sample.temperature)")->check(at_least(0));
     top_k_opt = cmd->add_option("--top-k", top_k, "sample among the k likeliest tokens, 0 = all (default: "
                                 "sample.top_k)")->check(at_least(0));
-    seed_opt = cmd->add_option("--seed", seed, "sampling seed (default: sample.seed)");
+    seed_opt = cmd->add_option("--seed", seed, "sampling seed (default: sample.seed)")->check(seed_number());
   }
   void apply(tetra::SampleConfig& s) const {
     if (prompt_opt->count()) s.prompt = prompt;

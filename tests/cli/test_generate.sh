@@ -151,6 +151,11 @@ grep -qF 'tensor "layers.1.' "$scratch/extra_tensor.err" || fail "no layers.1 te
 bad no_tokenizer "data.tokenizer" --set data.tokenizer= --set sample.prompt=
 bad bad_option "--max-tokens" --max-tokens 0
 
+# Numeric options under the config's rules: a negative seed does not wrap.
+bad seed_negative "--seed: -1: must be at least 0" --seed -1
+bad seed_negative_equals "--seed: -1: must be at least 0" --seed=-1
+bad seed_too_big "--seed: 18446744073709551616: out of range" --seed 18446744073709551616
+
 case=generate_under_mpirun
 timeout 120 "$mpirun" --oversubscribe -np 2 "$tetra" generate --config "$scratch/tp1.json" \
   >"$scratch/mpi_gen.out" 2>"$scratch/mpi_gen.err"
