@@ -13,6 +13,7 @@
 // Exit code 3: the watchdog (trainer/dist/watchdog.h) ended a job in which a step or a collective
 // lasted longer than training.collective_timeout_s.
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
@@ -147,7 +148,7 @@ CLI::Validator at_least(double lo) {
 }
 
 // `tetra generate`'s command line: sampling settings override the config's sample section, under
-// the config's own rules for them: "--seed: -1: ...".
+// the config's own rules for them (finite numbers, whole numbers in range): "--seed: -1: ...".
 struct GenerateArgs {
   CLI::App* cmd = nullptr;
   std::string config_path, weights, prompt;
@@ -158,6 +159,32 @@ struct GenerateArgs {
   CLI::Option *prompt_opt = nullptr, *max_tokens_opt = nullptr, *temperature_opt = nullptr, *top_k_opt = nullptr,
               *seed_opt = nullptr;
 
+  // A whole number in int64_t (CLI11 would wrap, round or misreport what does not fit).
+  static CLI::Validator whole_number() {
+    return CLI::Validator(
+        [](std::string& v) {
+          int64_t x = 0;
+          const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+          if (ec == std::errc::result_out_of_range)
+            return fmt::format("{}: out of range: at most {}", v, std::numeric_limits<int64_t>::max());
+          if (ec != std::errc() || end != v.data() + v.size()) return fmt::format("{}: not a whole number", v);
+          return std::string();
+        },
+        "INTEGER");
+  }
+  // A finite number: inf and nan are no temperature (the config refuses them too).
+  static CLI::Validator finite_number() {
+    return CLI::Validator(
+        [](std::string& v) {
+          char* end = nullptr;
+          const double x = std::strtod(v.c_str(), &end);
+          if (end == v.c_str() || *end != '\0') return fmt::format("{}: not a number", v);
+          return std::isfinite(x) ? std::string()
+                                  : fmt::format("{}: must be a finite number (0 = greedy, 1 = the model's own "
+                                                "distribution, higher = flatter)", v);
+        },
+        "NUMBER");
+  }
   // A seed: a whole number from 0 to 2^64 - 1 (a negative one would wrap around).
   static CLI::Validator seed_number() {
     return CLI::Validator(
@@ -185,11 +212,11 @@ struct GenerateArgs {
                                           "<logging.dir>/model.safetensors, written by training)");
     prompt_opt = cmd->add_option("--prompt", prompt, "text to continue (default: sample.prompt)");
     max_tokens_opt = cmd->add_option("--max-tokens", max_tokens, "most tokens to generate (default: "
-                                     "sample.max_tokens)")->check(at_least(1));
+                                     "sample.max_tokens)")->check(whole_number())->check(at_least(1));
     temperature_opt = cmd->add_option("--temperature", temperature, "0 = greedy (default: "
-                                      "sample.temperature)")->check(at_least(0));
+                                      "sample.temperature)")->check(finite_number())->check(at_least(0));
     top_k_opt = cmd->add_option("--top-k", top_k, "sample among the k likeliest tokens, 0 = all (default: "
-                                "sample.top_k)")->check(at_least(0));
+                                "sample.top_k)")->check(whole_number())->check(at_least(0));
     seed_opt = cmd->add_option("--seed", seed, "sampling seed (default: sample.seed)")->check(seed_number());
   }
   void apply(tetra::SampleConfig& s) const {

@@ -151,10 +151,21 @@ grep -qF 'tensor "layers.1.' "$scratch/extra_tensor.err" || fail "no layers.1 te
 bad no_tokenizer "data.tokenizer" --set data.tokenizer= --set sample.prompt=
 bad bad_option "--max-tokens" --max-tokens 0
 
-# Numeric options under the config's rules: a negative seed does not wrap.
+# Numeric options under the config's rules: a negative seed does not wrap, no inf / nan, whole
+# numbers that fit.
 bad seed_negative "--seed: -1: must be at least 0" --seed -1
 bad seed_negative_equals "--seed: -1: must be at least 0" --seed=-1
 bad seed_too_big "--seed: 18446744073709551616: out of range" --seed 18446744073709551616
+bad temperature_inf "--temperature: inf: must be a finite number" --temperature inf
+bad temperature_nan "--temperature: nan: must be a finite number" --temperature nan
+bad temperature_overflow "--temperature: 1e400: must be a finite number" --temperature 1e400
+bad temperature_negative "--temperature: -0.5: must be at least 0" --temperature -0.5
+bad top_k_huge "--top-k: 99999999999999999999: out of range" --top-k 99999999999999999999
+bad top_k_fraction "--top-k: 1.5: not a whole number" --top-k 1.5
+bad top_k_negative "--top-k: -1: must be at least 0" --top-k -1
+bad max_tokens_huge "--max-tokens: 99999999999999999999: out of range" --max-tokens 99999999999999999999
+bad max_tokens_negative "--max-tokens: -5: must be at least 1" --max-tokens -5
+bad max_tokens_exponent "--max-tokens: 1e30: not a whole number" --max-tokens 1e30
 
 case=generate_under_mpirun
 timeout 120 "$mpirun" --oversubscribe -np 2 "$tetra" generate --config "$scratch/tp1.json" \
