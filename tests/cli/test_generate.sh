@@ -167,6 +167,26 @@ bad max_tokens_huge "--max-tokens: 99999999999999999999: out of range" --max-tok
 bad max_tokens_negative "--max-tokens: -5: must be at least 1" --max-tokens -5
 bad max_tokens_exponent "--max-tokens: 1e30: not a whole number" --max-tokens 1e30
 
+# --weights that is no safetensors file: named, and said what it is, before anything is opened.
+bad weights_directory "$run1: is a directory; the weights are a .safetensors file" --weights "$run1"
+grep -qF -- "--weights $run1/model.safetensors" "$scratch/weights_directory.err" ||
+  fail "no hint of the file inside: $(cat "$scratch/weights_directory.err")"
+bad weights_directory_without "$scratch/corpus: is a directory" --weights "$scratch/corpus"
+mkdir -p "$scratch/dir_as_weights/model.safetensors"
+bad default_weights_directory "$scratch/dir_as_weights/model.safetensors: is a directory" \
+  --set logging.dir="$scratch/dir_as_weights"
+: >"$scratch/empty.safetensors"
+bad weights_empty "$scratch/empty.safetensors: the file is empty (0 bytes)" --weights "$scratch/empty.safetensors"
+bad weights_device "/dev/null: is a character device, not a regular file" --weights /dev/null
+case=weights_fifo  # opening a FIFO would wait for a writer forever
+mkfifo "$scratch/fifo.safetensors"
+timeout 60 "$tetra" generate --config "$scratch/tp1.json" --weights "$scratch/fifo.safetensors" \
+  >"$scratch/$case.out" 2>"$scratch/$case.err"
+rc=$?
+[[ $rc -eq 2 ]] || fail "exit code $rc, expected 2 (124: it blocked); stderr: $(cat "$scratch/$case.err")"
+grep -qF -- "$scratch/fifo.safetensors: is a FIFO, not a regular file" "$scratch/$case.err" ||
+  fail "stderr: $(cat "$scratch/$case.err")"
+
 case=generate_under_mpirun
 timeout 120 "$mpirun" --oversubscribe -np 2 "$tetra" generate --config "$scratch/tp1.json" \
   >"$scratch/mpi_gen.out" 2>"$scratch/mpi_gen.err"

@@ -63,7 +63,47 @@ std::string escape_text(std::string_view text) {
   return out;
 }
 
+void check_weights_file(const std::string& path, const std::string& missing_hint) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);  // stat: nothing is opened (a FIFO would block)
+  switch (st.type()) {
+    case fs::file_type::regular: break;
+    case fs::file_type::not_found:
+      throw InputError(fmt::format("{}: no such file: {}", path, missing_hint));
+    case fs::file_type::directory: {
+      const fs::path inside = fs::path(path) / "model.safetensors";
+      throw InputError(fmt::format("{}: is a directory; the weights are a .safetensors file{}", path,
+                                   fs::is_regular_file(inside, ec)
+                                       ? fmt::format(" (this one holds {}: pass --weights {})", inside.string(),
+                                                     inside.string())
+                                       : std::string(" (training writes <logging.dir>/model.safetensors)")));
+    }
+    case fs::file_type::none:
+    case fs::file_type::unknown:
+      throw InputError(fmt::format("{}: cannot read the weights: {}", path, ec.message()));
+    default:
+      throw InputError(fmt::format("{}: is {}, not a regular file; the weights are a .safetensors file (training "
+                                   "writes <logging.dir>/model.safetensors)",
+                                   path,
+                                   st.type() == fs::file_type::fifo        ? "a FIFO"
+                                   : st.type() == fs::file_type::socket    ? "a socket"
+                                   : st.type() == fs::file_type::block     ? "a block device"
+                                   : st.type() == fs::file_type::character ? "a character device"
+                                                                           : "a special file"));
+  }
+  const uintmax_t size = fs::file_size(path, ec);
+  if (!ec && size == 0)
+    throw InputError(fmt::format("{}: the file is empty (0 bytes), not a safetensors file of weights (an export "
+                                 "that did not finish?)",
+                                 path));
+  if (!ec && size < 8)
+    throw InputError(fmt::format("{}: not a safetensors file ({} bytes, shorter than its 8-byte header length)",
+                                 path, size));
+}
+
 std::vector<float> load_weights(const std::string& path, const ParamLayout& layout) {
+  check_weights_file(path, "expected the safetensors file of the model's weights");
   std::vector<TensorRecord> records = read_safetensors(path);
   std::map<std::string, const TensorRecord*> by_name;
   for (const TensorRecord& r : records) by_name[r.name] = &r;
@@ -114,10 +154,11 @@ GeneratedText generate_command(const Config& config, const std::string& weights_
   if (path.empty())
     throw InputError("no weights to generate with: the config has no logging.dir (where training writes "
                      "model.safetensors); pass --weights FILE");
-  if (!std::filesystem::exists(path))
-    throw InputError(fmt::format("{}: no such file: train first (tetra --config <run.json> writes it at the end "
-                                 "of training when logging.dir is set) or pass --weights FILE",
-                                 path));
+  check_weights_file(path, weights_path.empty()
+                               ? "train first (tetra --config <run.json> writes it at the end of training when "
+                                 "logging.dir is set) or pass --weights FILE"
+                               : "give --weights the safetensors file training wrote "
+                                 "(<logging.dir>/model.safetensors)");
   std::unique_ptr<Tokenizer> tokenizer = load_sampling_tokenizer(cfg);
   const ParamLayout layout = ParamLayout::build(cfg.model);
   const std::vector<float> host = load_weights(path, layout);

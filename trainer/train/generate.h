@@ -39,10 +39,14 @@ std::string generate_text(Sampler& sampler, const void* weights, const Tokenizer
 // as \\ \" \n \r \t, other control bytes as \xNN; everything else (UTF-8 included) unchanged.
 std::string escape_text(std::string_view text);
 
+// Checks a weights file before it is opened (a FIFO would block the open): a regular file, not
+// empty. InputError naming `path` otherwise; `missing_hint` ends the message for a missing one.
+void check_weights_file(const std::string& path, const std::string& missing_hint);
+
 // This layout's slice of every parameter, from a safetensors file of global tensors (F32, BF16 or F16),
 // as fp32 host values at the layout's offsets (layout.total elements, padding zero). Every
 // parameter must be in the file with its global shape, and the file must hold nothing else:
-// InputError naming the file and the tensor otherwise.
+// InputError naming the file and the tensor otherwise (check_weights_file's first).
 std::vector<float> load_weights(const std::string& path, const ParamLayout& layout);
 
 struct GeneratedText {
