@@ -13,7 +13,8 @@ rank 0 or rank 1 at each of its calls):
   - fresh step: resume (auto) from step 4, train to 6: step 6 is saved for the first time and
     step 2 is rotated away (keep 2);
   - re-saved step: resume explicitly from step 4 while step 6 exists, train to 6: step 6 is saved
-    again over the complete one (the exchange, or set-aside, path).
+    again over the complete one (the exchange path; and, on one rank, with TETRA_FAULT_NO_EXCHANGE,
+    the set-aside path of filesystems that cannot exchange two names).
 
 Usage: /usr/bin/python3 test_checkpoint_commit.py --tetra BIN --workdir DIR [--mpirun MPIRUN]
 """
@@ -63,7 +64,7 @@ def rank_files_digest(step_dir):
     return h.hexdigest()
 
 
-def scenario(args, name, dp, resave):
+def scenario(args, name, dp, resave, env=None):
     w = os.path.join(args.workdir, name)
     os.makedirs(w)
     # The pristine directory: steps 2 and 4 (fresh) or 4 and 6 (re-save); the reference step 6.
@@ -88,19 +89,20 @@ def scenario(args, name, dp, resave):
     # Count the calls of the save: the command once, uninterrupted, on a copy.
     shutil.copytree(pristine, ck)
     log = os.path.join(w, "calls.log")
-    r = run(args, cfg, dp, env={"TETRA_FAULT_SAVE_LOG": log})
+    r = run(args, cfg, dp, env={**(env or {}), "TETRA_FAULT_SAVE_LOG": log})
     calls = max(int(line.split()[0]) for line in open(log)) if os.path.exists(log) else 0
     check(r.returncode == 0 and calls >= 10, f"{name}: the uninterrupted save makes {calls} filesystem calls")
     if resave:
         ops = open(log).read()
-        check(" exchange " in ops or ".old" in ops, f"{name}: the save replaces an existing step")
+        how = ".old" if env else " exchange "
+        check(how in ops, f"{name}: the save replaces the existing step ({'set aside' if env else 'exchanged'})")
     shutil.rmtree(ck)
 
     failures = []
     for k in range(1, calls + 1):
         shutil.copytree(pristine, ck)
-        killed = run(args, cfg, dp, env={"TETRA_FAULT_SAVE_AT": str(k)})
-        rerun = run(args, cfg, dp)
+        killed = run(args, cfg, dp, env={**(env or {}), "TETRA_FAULT_SAVE_AT": str(k)})
+        rerun = run(args, cfg, dp, env=env)
         latest = open(os.path.join(ck, "latest")).read().strip() if os.path.exists(os.path.join(ck, "latest")) else ""
         problems = []
         if killed.returncode == 0:
@@ -131,6 +133,8 @@ def main():
     for dp in (1, 2):
         for resave in (False, True):
             scenario(args, f"{'resave' if resave else 'fresh'}_dp{dp}", dp, resave)
+    # A filesystem that cannot exchange two names: the re-save sets the old copy aside.
+    scenario(args, "resave_set_aside_dp1", 1, True, env={"TETRA_FAULT_NO_EXCHANGE": "1"})
     return checks.report()
 
 

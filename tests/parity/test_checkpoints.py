@@ -191,6 +191,9 @@ def main():
         last = max(done) if done else 0
         check(proc.returncode == 0 and saved == f"step_{last:08d}" and 0 < last < 100000,
               f"{signame}: exit {proc.returncode} after step {last}, checkpoint {saved or 'missing'}")
+        # Rank 0's last lines reach the job's output (the README's advice: SIGUSR1 to mpirun).
+        check(f"stopping after step {last}" in out_text,
+              f"{signame}: rank 0's closing lines are printed")
 
     # Corruption: each refused with the file named, nothing changed on disk.
     base = os.path.join(w, "ck_from_dp2tp2")

@@ -63,6 +63,11 @@ void remove_tree(const fs::path& path) {
 
 // Swaps two directory entries atomically; false where the filesystem cannot (EINVAL, ENOSYS).
 bool exchange_paths(const std::string& a, const std::string& b) {
+  static const bool disabled = [] {
+    const char* v = std::getenv("TETRA_FAULT_NO_EXCHANGE");
+    return v && *v && std::string(v) != "0";
+  }();
+  if (disabled) return false;
   checkpoint_io_point("exchange", a + " <-> " + b);
 #ifdef RENAME_EXCHANGE
   if (::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE) == 0) return true;

@@ -37,7 +37,9 @@
 // Fault injection (tests): with TETRA_FAULT_SAVE_AT=K in the environment, the process kills
 // itself with SIGKILL at the K-th filesystem call of its checkpoint saves (counted from 1 over the
 // process's life); with TETRA_FAULT_SAVE_LOG=FILE each such call appends "<n> <op> <path>" to
-// FILE, which is how a test learns how many calls a save makes.
+// FILE, which is how a test learns how many calls a save makes. TETRA_FAULT_NO_EXCHANGE=1 takes
+// the path of a filesystem that cannot exchange two names (NFS, some FUSE mounts): the set-aside
+// re-save.
 #pragma once
 
 #include <cstdint>
