@@ -388,7 +388,7 @@ expect_refusal "$ckpt" inspect "$scratch/empty"
 # ---- filesystem and JSON errors: "error: <file>: <what>", exit 2, never the library's raw text ---
 case=path_too_long
 long="$scratch/$(printf 'x%.0s' {1..300})"
-names=("error: $long/" "File name too long")
+names=("error: $long" "File name too long")
 expect_refusal "$ckpt" inspect "$long"
 grep -q "filesystem error" "$scratch/$case.err" && fail "the raw exception: $(cat "$scratch/$case.err")"
 
