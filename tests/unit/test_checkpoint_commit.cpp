@@ -44,7 +44,8 @@ TEST_CASE("checkpoint names: the step a directory's name holds", "[checkpoint]")
   CHECK(tetra::step_of_checkpoint_name(".step_00000012.old") == 12);
   CHECK(tetra::step_of_checkpoint_name("step_") == -1);
   CHECK(tetra::step_of_checkpoint_name("step_12a") == -1);
-  CHECK(tetra::step_of_checkpoint_name(".step_00000012.tmp") == -1);
+  CHECK(tetra::step_of_checkpoint_name(".step_00000012.tmp") == 12);
+  CHECK(tetra::step_of_checkpoint_name(".step_00000012.del") == -1);
   CHECK(tetra::step_of_checkpoint_name("best") == -1);
 }
 
@@ -94,17 +95,35 @@ TEST_CASE("resume auto: a copy a re-save set aside counts where its step is miss
   CHECK(!fs::exists(fs::path(d) / ".step_00000006.old"));
 }
 
-TEST_CASE("rotation keeps the newest steps and never the current one", "[checkpoint]") {
+TEST_CASE("rotation keeps the newest steps of this run's line, never the current one nor a later one",
+          "[checkpoint]") {
   const std::string d = fresh_dir("rotate");
   for (const char* n : {"step_00000002", "step_00000004", "step_00000008", "step_00000010"}) make_checkpoint(d, n);
-  // A run resumed from step 4 saves step 6 while 8 and 10 exist: keep 2 keeps 8 and 10 (the
-  // newest steps) and 6 (the one just saved).
+  // A run resumed from step 4 saves step 6 while 8 and 10 (of the run it rolled back from) exist:
+  // keep 2 keeps 4 and 6, its own newest; 8 and 10 stay until its saves reach them.
   make_checkpoint(d, "step_00000006");
   tetra::rotate_checkpoints(d, 2, "step_00000006");
   CHECK(!fs::exists(fs::path(d) / "step_00000002"));
-  CHECK(!fs::exists(fs::path(d) / "step_00000004"));
+  CHECK(fs::exists(fs::path(d) / "step_00000004"));
   CHECK(fs::exists(fs::path(d) / "step_00000006"));
   CHECK(fs::exists(fs::path(d) / "step_00000008"));
   CHECK(fs::exists(fs::path(d) / "step_00000010"));
   for (const auto& e : fs::directory_iterator(d)) CHECK(e.path().filename().string().rfind(".step_", 0) != 0);
+}
+
+TEST_CASE("resume auto: a staged copy that finished writing is preferred to a set-aside one", "[checkpoint]") {
+  // A re-save without exchange, stopped between its two renames: step_6 is missing, the old copy
+  // is .step_6.old and the new one, complete, .step_6.tmp.
+  const std::string d = fresh_dir("staged");
+  make_checkpoint(d, "step_00000004");
+  make_checkpoint(d, ".step_00000006.old");
+  make_checkpoint(d, ".step_00000006.tmp");
+  fs::create_directories(fs::path(d) / ".step_00000008.tmp");  // a staging that did not finish
+  write(d + "/latest", "step_00000006\n");
+  CHECK(tetra::checkpoint_to_resume(auto_resume(d)) == (fs::path(d) / ".step_00000006.tmp").string());
+  tetra::recover_checkpoint_dir(d);
+  CHECK(fs::exists(fs::path(d) / "step_00000006" / "manifest.json"));
+  for (const char* n : {".step_00000006.old", ".step_00000006.tmp", ".step_00000008.tmp"})
+    CHECK(!fs::exists(fs::path(d) / n));
+  CHECK(tetra::checkpoint_to_resume(auto_resume(d)) == (fs::path(d) / "step_00000006").string());
 }

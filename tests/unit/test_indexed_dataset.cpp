@@ -296,8 +296,8 @@ std::string input_error_without_blocking(const std::function<void()>& f, const s
 
 }  // namespace
 
-TEST_CASE("indexed dataset: only regular files are opened; a FIFO, a directory, a device is an "
-          "InputError naming it",
+TEST_CASE("indexed dataset: only regular files are opened (a FIFO, a directory, a device is an "
+          "InputError naming it)",
           "[data]") {
   namespace fs = std::filesystem;
   const std::vector<std::vector<int64_t>> docs = {{1, 2, 3}, {4, 5}};

@@ -82,16 +82,36 @@ json layout_json(const Config& cfg, int world) {
 }  // namespace
 
 void check_same_model(const Manifest& manifest, const Config& cfg) {
-  const json want_model = json::parse(config_to_json(cfg).dump())["model"];
-  const json have_model = manifest.config.contains("model") ? manifest.config["model"] : json::object();
+  // Compared as unordered JSON (key order is no difference), each key either side has named.
+  const nlohmann::json want_model = nlohmann::json::parse(config_to_json(cfg).dump())["model"];
+  const nlohmann::json have_model =
+      nlohmann::json::parse(manifest.config.contains("model") ? manifest.config["model"].dump() : "{}");
   if (have_model == want_model) return;
   std::string diff;
-  for (auto it = want_model.begin(); it != want_model.end(); ++it)
-    if (!have_model.contains(it.key()) || have_model[it.key()] != it.value())
-      diff += fmt::format("{}model.{}: checkpoint {}, config {}", diff.empty() ? "" : "; ", it.key(),
-                          have_model.contains(it.key()) ? have_model[it.key()].dump() : "absent", it.value().dump());
-  throw InputError(fmt::format("{}: the checkpoint holds another model ({}); resume with its model "
-                               "config or set checkpoint.resume to \"none\"", manifest.path, diff));
+  std::set<std::string> keys;
+  for (auto it = want_model.begin(); it != want_model.end(); ++it) keys.insert(it.key());
+  for (auto it = have_model.begin(); it != have_model.end(); ++it) keys.insert(it.key());
+  for (const std::string& k : keys) {
+    const bool have = have_model.contains(k), want = want_model.contains(k);
+    if (have && want && have_model[k] == want_model[k]) continue;
+    diff += fmt::format("{}model.{}: checkpoint {}, config {}", diff.empty() ? "" : "; ", k,
+                        have ? have_model[k].dump() : "absent", want ? want_model[k].dump() : "absent");
+  }
+  throw InputError(fmt::format("{}: the checkpoint holds another model ({}); resume with its model config, or "
+                               "give a run of another model its own checkpoint.dir", manifest.path, diff));
+}
+
+std::string agree_checkpoint_to_resume(const CheckpointConfig& cfg, ProcessGroups& groups) {
+  // Rank 0 decides; every rank takes its answer (a rank whose view of the directory lags behind,
+  // as network filesystems' caches can, must not load another step), and must see it.
+  const std::string mine = groups.rank == 0 ? checkpoint_to_resume(cfg) : std::string();
+  const std::string chosen = all_gather_strings(*groups.world, mine)[0];
+  struct stat st {};
+  if (!chosen.empty() && ::stat((fs::path(chosen) / "manifest.json").c_str(), &st) != 0)
+    throw InputError(fmt::format("checkpoint {} (the one rank 0 resumes from) is not visible from rank {}: {}; "
+                                 "checkpoint.dir must be one directory shared by every node", chosen, groups.rank,
+                                 std::strerror(errno)));
+  return chosen;
 }
 
 std::string checkpoint_name(int64_t step) { return fmt::format("step_{:08d}", step); }
@@ -132,7 +152,7 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
   const bool rank0 = groups.rank == 0;
   const std::string name = checkpoint_name(state.step);
   const std::string final_dir = (fs::path(dir) / name).string();
-  const std::string tmp_dir = (fs::path(dir) / ("." + name + ".tmp")).string();
+  const std::string tmp_dir = (fs::path(dir) / fmt::format(".{}.tmp", name)).string();
   CheckpointSaveScope scope;  // commit.h: the protocol's states, and its fault-injection points
   if (rank0) {
     checkpoint_io_point("mkdir", dir);
@@ -145,6 +165,12 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
       throw Error(fmt::format("checkpoint.dir: cannot create {}: {}", tmp_dir, std::strerror(errno)));
   }
   world.barrier();
+  {
+    struct stat st {};
+    if (::stat(tmp_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+      throw Error(fmt::format("checkpoint.dir: {} (created by rank 0) is not visible from rank {}: checkpoint.dir "
+                              "must be one directory shared by every node", tmp_dir, groups.rank));
+  }
 
   // This rank's values: the master weights (whole buffer, or the owned ranges) and the moments,
   // read in place when backend memory is host memory, else copied to the host once.

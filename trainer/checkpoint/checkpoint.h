@@ -85,6 +85,10 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
 // That the checkpoint holds the model `cfg` describes: InputError naming each differing key.
 void check_same_model(const Manifest& manifest, const Config& cfg);
 
+// The checkpoint to resume (commit.h's checkpoint_to_resume) as rank 0 finds it, on every rank
+// (collective): all ranks load the same step. InputError on a rank that cannot see it.
+std::string agree_checkpoint_to_resume(const CheckpointConfig& cfg, ProcessGroups& groups);
+
 // Loads `path` into the buffers (collective). InputError naming the file (and tensor) when the
 // checkpoint is of another model, incomplete or corrupt.
 CheckpointState load_checkpoint(const std::string& path, const Config& cfg, ProcessGroups& groups, Backend& be,

@@ -44,8 +44,19 @@ void fsync_path(const std::string& path, bool directory) {
   const int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
   if (fd < 0) throw Error(fmt::format("{}: cannot open to sync: {}", path, std::strerror(errno)));
   const int rc = ::fsync(fd);
+  const int err = errno;
   ::close(fd);
-  if (rc != 0) throw Error(fmt::format("{}: fsync failed: {}", path, std::strerror(errno)));
+  if (rc == 0) return;
+  // Some network and FUSE filesystems cannot sync a directory (EINVAL): the rename is then as
+  // durable as that filesystem makes it, which is not a reason to fail the save.
+  if (directory && (err == EINVAL || err == ENOTSUP)) {
+    static bool warned = false;
+    if (!warned) spdlog::warn("{}: the filesystem cannot fsync a directory ({}); renames rely on its own "
+                              "ordering", path, std::strerror(err));
+    warned = true;
+    return;
+  }
+  throw Error(fmt::format("{}: fsync failed: {}", path, std::strerror(err)));
 }
 
 void rename_path(const std::string& from, const std::string& to) {
@@ -54,11 +65,13 @@ void rename_path(const std::string& from, const std::string& to) {
     throw Error(fmt::format("cannot rename {} to {}: {}", from, to, std::strerror(errno)));
 }
 
+// Removes what a save no longer needs: best effort (a failure is logged, and the next save's
+// recovery tries again), so that leftovers on a difficult filesystem never fail a save.
 void remove_tree(const fs::path& path) {
   checkpoint_io_point("remove", path.string());
   std::error_code ec;
   fs::remove_all(path, ec);
-  if (ec) throw Error(fmt::format("cannot remove {}: {}", path.string(), ec.message()));
+  if (ec) spdlog::warn("cannot remove {}: {} (the next save tries again)", path.string(), ec.message());
 }
 
 // Swaps two directory entries atomically; false where the filesystem cannot (EINVAL, ENOSYS).
@@ -78,9 +91,10 @@ bool exchange_paths(const std::string& a, const std::string& b) {
 #endif
 }
 
+// A directory, following a symbolic link (checkpoint.dir is often a link to a shared filesystem).
 bool is_dir(const fs::path& p) {
   struct stat st {};
-  return ::lstat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+  return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
 // A checkpoint whose save committed: manifest.json is written last, inside the staging directory,
@@ -89,7 +103,29 @@ bool is_dir(const fs::path& p) {
 // checkpoint is refused loudly, never skipped for an older one).
 bool complete(const fs::path& p) {
   struct stat st {};
-  return is_dir(p) && ::stat((p / "manifest.json").c_str(), &st) == 0 && S_ISREG(st.st_mode);
+  return ::lstat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && ::stat((p / "manifest.json").c_str(), &st) == 0 &&
+         S_ISREG(st.st_mode);
+}
+
+// The names in `dir`; an Error naming it when it cannot be listed (never a silent empty list,
+// which would start a run afresh beside its checkpoints).
+std::vector<std::string> list_dir(const std::string& dir) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec), end;
+  for (; !ec && it != end; it.increment(ec)) names.push_back(it->path().filename().string());
+  if (ec) throw Error(fmt::format("checkpoint.dir: cannot list {}: {}", dir, ec.message()));
+  return names;
+}
+
+CheckpointEntry::Kind kind_of_name(const std::string& n) {
+  if (n[0] != '.') return CheckpointEntry::NAMED;
+  return n.compare(n.size() - 4, 4, ".tmp") == 0 ? CheckpointEntry::STAGED : CheckpointEntry::SET_ASIDE;
+}
+
+bool exists_nofollow(const fs::path& p) {
+  struct stat st {};
+  return ::lstat(p.c_str(), &st) == 0;
 }
 
 std::string trim(std::string s) {
@@ -117,13 +153,27 @@ CheckpointSaveScope::~CheckpointSaveScope() { --g_save_depth; }
 void write_file_atomic(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp";
   checkpoint_io_point("write", tmp);
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f << text;
-    f.flush();
-    if (!f) throw Error(fmt::format("{}: cannot write: {}", tmp, std::strerror(errno)));
+  // One descriptor writes, syncs and closes: a write-back error is reported on it.
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw Error(fmt::format("{}: cannot create: {}", tmp, std::strerror(errno)));
+  size_t at = 0;
+  while (at < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + at, text.size() - at);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      ::close(fd);
+      throw Error(fmt::format("{}: cannot write: {}", tmp, std::strerror(err)));
+    }
+    at += static_cast<size_t>(n);
   }
-  fsync_path(tmp, false);
+  checkpoint_io_point("fsync", tmp);
+  if (::fsync(fd) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw Error(fmt::format("{}: fsync failed: {}", tmp, std::strerror(err)));
+  }
+  if (::close(fd) != 0) throw Error(fmt::format("{}: close failed: {}", tmp, std::strerror(errno)));
   rename_path(tmp, path);
   const std::string parent = fs::path(path).parent_path().string();
   fsync_path(parent.empty() ? "." : parent, true);
@@ -131,84 +181,99 @@ void write_file_atomic(const std::string& path, const std::string& text) {
 
 std::vector<CheckpointEntry> complete_checkpoints(const std::string& dir) {
   std::vector<CheckpointEntry> found;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
+  for (const std::string& n : list_dir(dir)) {
     const int64_t step = step_of_checkpoint_name(n);
-    if (step < 0 || !complete(e.path())) continue;
-    found.push_back({n, step, n[0] == '.'});
+    if (step < 0 || !complete(fs::path(dir) / n)) continue;
+    found.push_back({n, step, kind_of_name(n)});
   }
-  // A set-aside copy counts only where its step_* is not complete.
-  std::vector<CheckpointEntry> out;
-  for (const CheckpointEntry& c : found) {
-    const bool shadowed = c.set_aside && std::any_of(found.begin(), found.end(), [&](const CheckpointEntry& o) {
-                            return !o.set_aside && o.step == c.step;
-                          });
-    if (!shadowed) out.push_back(c);
-  }
-  std::sort(out.begin(), out.end(), [](const CheckpointEntry& a, const CheckpointEntry& b) {
-    return a.step != b.step ? a.step < b.step : a.name < b.name;
+  // One entry per step: its step_* where complete, else a complete staged copy (the newer
+  // state: a save that finished writing), else a set-aside one.
+  std::sort(found.begin(), found.end(), [](const CheckpointEntry& a, const CheckpointEntry& b) {
+    return a.step != b.step ? a.step < b.step : a.kind < b.kind;
   });
+  std::vector<CheckpointEntry> out;
+  for (const CheckpointEntry& c : found)
+    if (out.empty() || out.back().step != c.step) out.push_back(c);
   return out;
 }
 
 void recover_checkpoint_dir(const std::string& dir) {
-  std::vector<fs::path> stale, aside;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
+  std::vector<std::string> names = list_dir(dir);
+  std::sort(names.begin(), names.end());
+  std::vector<fs::path> stale;
+  bool renamed = false;
+  for (const std::string& n : names) {
     if (n.rfind(".step_", 0) != 0) continue;
-    if (n.size() > 4 && (n.compare(n.size() - 4, 4, ".tmp") == 0 || n.compare(n.size() - 4, 4, ".del") == 0))
-      stale.push_back(e.path());
-    else if (step_of_checkpoint_name(n) >= 0)
-      aside.push_back(e.path());
-  }
-  for (const fs::path& p : aside) {
-    const fs::path named = fs::path(dir) / fmt::format("step_{:08d}", step_of_checkpoint_name(p.filename().string()));
-    if (complete(named)) {
+    const fs::path p = fs::path(dir) / n;
+    if (n.size() > 4 && n.compare(n.size() - 4, 4, ".del") == 0) {
       stale.push_back(p);
-    } else if (complete(p)) {
-      if (fs::exists(named)) {  // an incomplete step_*: keep nothing of it, the set-aside copy is whole
-        const fs::path del = fs::path(dir) / fmt::format(".{}.del", named.filename().string());
-        rename_path(named.string(), del.string());
-        stale.push_back(del);
-      }
-      rename_path(p.string(), named.string());
-      spdlog::info("checkpoint {}: restored from {}, set aside by an interrupted save", named.string(), p.string());
+      continue;
     }
+    const int64_t step = step_of_checkpoint_name(n);
+    if (step < 0) continue;
+    const fs::path named = fs::path(dir) / fmt::format("step_{:08d}", step);
+    const bool staged = kind_of_name(n) == CheckpointEntry::STAGED;
+    const fs::path other = fs::path(dir) / fmt::format(".step_{:08d}{}", step, staged ? ".old" : ".tmp");
+    // Where step_* is missing or incomplete, the best complete copy takes its name: the staged
+    // one (a save that finished writing), else the set-aside one.
+    const bool take = !complete(named) && complete(p) && (staged || !complete(other));
+    if (!take) {
+      stale.push_back(p);
+      continue;
+    }
+    if (exists_nofollow(named)) {  // an incomplete step_*: set it aside for removal
+      const fs::path del = fs::path(dir) / fmt::format(".step_{:08d}.del", step);
+      if (exists_nofollow(del)) remove_tree(del);
+      rename_path(named.string(), del.string());
+      stale.push_back(del);
+    }
+    rename_path(p.string(), named.string());
+    renamed = true;
+    spdlog::warn("checkpoint {}: restored from {}, left by an interrupted save", named.string(), p.string());
   }
-  for (const fs::path& p : stale) remove_tree(p);
-  if (!stale.empty()) fsync_path(dir, true);
+  if (renamed) fsync_path(dir, true);
+  for (const fs::path& p : stale)
+    if (exists_nofollow(p)) remove_tree(p);
 }
 
 void commit_checkpoint(const std::string& dir, const std::string& name, const std::string& tmp_dir) {
   const std::string final_dir = (fs::path(dir) / name).string();
-  if (!fs::exists(final_dir)) {
+  std::string leftover;  // the copy a re-save replaced, removed once `latest` names the new one
+  if (!exists_nofollow(final_dir)) {
     rename_path(tmp_dir, final_dir);
   } else if (exchange_paths(tmp_dir, final_dir)) {
-    fsync_path(dir, true);
-    remove_tree(tmp_dir);  // the copy it replaced
+    leftover = tmp_dir;
   } else {
     const std::string aside = (fs::path(dir) / fmt::format(".{}.old", name)).string();
-    if (fs::exists(aside)) remove_tree(aside);
+    if (exists_nofollow(aside)) {
+      remove_tree(aside);
+      if (exists_nofollow(aside)) throw Error(fmt::format("cannot remove {}, which a re-save of {} needs", aside, name));
+    }
     rename_path(final_dir, aside);
     rename_path(tmp_dir, final_dir);
-    fsync_path(dir, true);
-    remove_tree(aside);
+    leftover = aside;
   }
   fsync_path(dir, true);
   write_file_atomic((fs::path(dir) / "latest").string(), name + "\n");
+  if (!leftover.empty()) remove_tree(leftover);
 }
 
 void rotate_checkpoints(const std::string& dir, int64_t keep, const std::string& current) {
   if (keep <= 0) return;
-  std::vector<CheckpointEntry> done = complete_checkpoints(dir);
-  if (done.size() <= static_cast<size_t>(keep)) return;
+  const int64_t now = step_of_checkpoint_name(current);
+  // This run's line of checkpoints: steps up to the one just saved. Steps beyond it (left by a run
+  // this one rolled back from) are never rotated away; the saves that reach them replace them.
+  std::vector<CheckpointEntry> line;
+  for (const CheckpointEntry& c : complete_checkpoints(dir))
+    if (c.kind == CheckpointEntry::NAMED && c.step <= now) line.push_back(c);
+  if (line.size() <= static_cast<size_t>(keep)) return;
   std::vector<fs::path> doomed;
-  for (size_t i = 0; i + static_cast<size_t>(keep) < done.size(); ++i) {
-    if (done[i].name == current) continue;
-    const fs::path del = fs::path(dir) / fmt::format(".step_{:08d}{}.del", done[i].step, done[i].set_aside ? ".old" : "");
-    rename_path((fs::path(dir) / done[i].name).string(), del.string());
+  for (size_t i = 0; i + static_cast<size_t>(keep) < line.size(); ++i) {
+    if (line[i].name == current) continue;
+    const fs::path del = fs::path(dir) / fmt::format(".step_{:08d}.del", line[i].step);
+    if (exists_nofollow(del)) remove_tree(del);
+    rename_path((fs::path(dir) / line[i].name).string(), del.string());
+    spdlog::info("checkpoint {}: removed (checkpoint.keep = {})", (fs::path(dir) / line[i].name).string(), keep);
     doomed.push_back(del);
   }
   if (doomed.empty()) return;
@@ -216,13 +281,29 @@ void rotate_checkpoints(const std::string& dir, int64_t keep, const std::string&
   for (const fs::path& p : doomed) remove_tree(p);
 }
 
+namespace {
+
+// Complete steps newer than `step`: a run resuming from an older step is told which checkpoints
+// its saves will replace.
+void warn_newer(const std::vector<CheckpointEntry>& done, int64_t step, const std::string& dir) {
+  std::string newer;
+  for (const CheckpointEntry& c : done)
+    if (c.step > step) newer += (newer.empty() ? "" : ", ") + c.name;
+  if (!newer.empty())
+    spdlog::warn("{} holds checkpoints newer than step {} ({}): this run's saves replace those of the steps "
+                 "they reach; the others stay until then", dir, step, newer);
+}
+
+}  // namespace
+
 std::string checkpoint_to_resume(const CheckpointConfig& cfg) {
   if (cfg.resume != "auto" && cfg.resume != "none") {
-    struct stat st {};
-    if (::stat(cfg.resume.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) ||
-        !fs::exists(fs::path(cfg.resume) / "manifest.json"))
+    if (!is_dir(cfg.resume) || !complete(cfg.resume))
       throw InputError(fmt::format("checkpoint.resume: {} is not a checkpoint (no manifest.json); give a "
                                    "step_* directory, \"auto\" or \"none\"", cfg.resume));
+    if (!cfg.dir.empty() && is_dir(cfg.dir))
+      warn_newer(complete_checkpoints(cfg.dir), step_of_checkpoint_name(fs::path(cfg.resume).filename().string()),
+                 cfg.dir);
     return cfg.resume;
   }
   if (cfg.dir.empty() || !is_dir(cfg.dir)) return "";
@@ -244,16 +325,24 @@ std::string checkpoint_to_resume(const CheckpointConfig& cfg) {
       throw InputError(fmt::format("{} is not a regular file; remove it (it is rewritten at the next save)",
                                    latest.string()));
     std::ifstream f(latest, std::ios::binary);
+    if (!f) throw InputError(fmt::format("{}: cannot read: {}", latest.string(), std::strerror(errno)));
     std::stringstream ss;
     ss << f.rdbuf();
     named = trim(ss.str());
-    if (named.empty() || named.find('/') != std::string::npos || named == "." || named == ".." ||
+    if (named.empty() || named.find('/') != std::string::npos || named[0] == '.' ||
         named.find('\0') != std::string::npos || step_of_checkpoint_name(named) < 0)
       throw InputError(fmt::format("{} names \"{}\", which is not a checkpoint directory of {} (a step_* name "
                                    "with no '/'); fix or remove {}, or set checkpoint.resume to a step_* directory",
                                    latest.string(), named, cfg.dir, latest.string()));
+    const int64_t step = step_of_checkpoint_name(named);
     for (const CheckpointEntry& c : done)
-      if (c.name == named) return (fs::path(cfg.dir) / named).string();
+      if (c.step == step) {
+        if (c.name != named)
+          spdlog::warn("checkpoint.resume auto: {} names {}, which an interrupted save left as {}: resuming from it",
+                       latest.string(), named, c.name);
+        warn_newer(done, step, cfg.dir);
+        return (fs::path(cfg.dir) / c.name).string();
+      }
   }
   if (done.empty()) {
     if (named.empty()) return "";
@@ -262,7 +351,7 @@ std::string checkpoint_to_resume(const CheckpointConfig& cfg) {
                                  named, cfg.dir));
   }
   const std::string path = (fs::path(cfg.dir) / done.back().name).string();
-  spdlog::info("checkpoint.resume auto: {}; resuming from the newest complete checkpoint, {} (step {})",
+  spdlog::warn("checkpoint.resume auto: {}; resuming from the newest complete checkpoint, {} (step {})",
                named.empty() ? fmt::format("{} is missing", latest.string())
                              : fmt::format("{} names \"{}\", which is not a complete checkpoint", latest.string(), named),
                path, done.back().step);

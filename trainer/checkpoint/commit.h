@@ -62,25 +62,29 @@ class CheckpointSaveScope {
   CheckpointSaveScope& operator=(const CheckpointSaveScope&) = delete;
 };
 
-// A checkpoint directory of D: its name, its step, whether it was set aside by a re-save.
+// A checkpoint directory of D: its name, its step, and which kind of name it has.
 struct CheckpointEntry {
-  std::string name;   // "step_00000008" or ".step_00000008.old"
+  enum Kind { NAMED = 0, STAGED = 1, SET_ASIDE = 2 };  // step_N, a complete .step_N.tmp, .step_N.old
+  std::string name;   // "step_00000008", ".step_00000008.tmp" or ".step_00000008.old"
   int64_t step = 0;
-  bool set_aside = false;
+  Kind kind = NAMED;
 };
 
 // The complete checkpoints of `dir` (those whose save committed: a manifest.json), by step, oldest
-// first; a set-aside copy only where its step_* is not complete.
+// first, one per step: its step_* where complete, else a complete staged or set-aside copy.
+// Error naming `dir` if it cannot be listed.
 std::vector<CheckpointEntry> complete_checkpoints(const std::string& dir);
 
-// State 1: removes what crashed saves left (.*.tmp, .*.del) and renames a set-aside .S.old back to
-// S where S is missing. Rank 0 only.
+// State 1: where a step_* is missing or incomplete, gives its name to the best complete copy an
+// interrupted save left (.S.tmp, else .S.old); removes every other leftover (.*.tmp, .*.old,
+// .*.del). Rank 0 only.
 void recover_checkpoint_dir(const std::string& dir);
 
 // States 4 and 5: moves the staged `tmp_dir` to `dir/name` and points `latest` at it. Rank 0 only.
 void commit_checkpoint(const std::string& dir, const std::string& name, const std::string& tmp_dir);
 
-// State 6: removes the complete checkpoints beyond the `keep` newest steps, never `current`.
+// State 6: removes this run's checkpoints beyond the `keep` newest steps up to `current` (never
+// `current`, never a step beyond it: those a rolled-back run left are replaced by its saves).
 void rotate_checkpoints(const std::string& dir, int64_t keep, const std::string& current);
 
 // Writes `text` to `path` atomically: path.tmp, fsync, rename, fsync of the directory.

@@ -108,7 +108,8 @@ int64_t step_of_checkpoint_name(const std::string& name) {
   std::string digits;
   if (name.rfind("step_", 0) == 0)
     digits = name.substr(5);
-  else if (name.rfind(".step_", 0) == 0 && name.size() > 10 && name.compare(name.size() - 4, 4, ".old") == 0)
+  else if (name.rfind(".step_", 0) == 0 && name.size() > 10 &&
+           (name.compare(name.size() - 4, 4, ".old") == 0 || name.compare(name.size() - 4, 4, ".tmp") == 0))
     digits = name.substr(6, name.size() - 10);
   if (digits.empty() || digits.size() > 18) return -1;
   for (char c : digits)

@@ -72,8 +72,9 @@ inline const char* const kCheckpointKinds[] = {"model", "optim/exp_avg", "optim/
 // Reads and checks `checkpoint_dir`/manifest.json (see the header comment). InputError otherwise.
 Manifest read_manifest(const std::string& checkpoint_dir);
 
-// The step a checkpoint directory's name says it holds: "step_00000008" -> 8, and the name a
-// re-save sets aside, ".step_00000008.old" -> 8; -1 for any other name.
+// The step a checkpoint directory's name says it holds: "step_00000008" -> 8, and the names a
+// save stages and sets aside, ".step_00000008.tmp" and ".step_00000008.old" -> 8; -1 for any
+// other name.
 int64_t step_of_checkpoint_name(const std::string& name);
 
 // "<dir>/<file>: tensor <key>, slice 2 of 4 ("<entry>": rows [..), columns [..), elements [..))"

@@ -70,7 +70,7 @@ void write_safetensors(const std::string& path, const std::vector<TensorView>& t
   const std::string tmp = path + ".tmp";
   checkpoint_io_point("create", tmp);  // fault-injection points of a checkpoint save (commit.h)
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw InputError(fmt::format("{}: cannot create: {}", tmp, std::strerror(errno)));
+  if (fd < 0) throw Error(fmt::format("{}: cannot create: {}", tmp, std::strerror(errno)));
   try {
     write_all(fd, length_le, 8, tmp);
     write_all(fd, text.data(), text.size(), tmp);
@@ -79,14 +79,16 @@ void write_safetensors(const std::string& path, const std::vector<TensorView>& t
     if (::fsync(fd) != 0) throw Error(fmt::format("{}: fsync failed: {}", tmp, std::strerror(errno)));
   } catch (...) {
     ::close(fd);
-    std::filesystem::remove(tmp);
+    std::error_code ec;
+    std::filesystem::remove(tmp, ec);
     throw;
   }
   if (::close(fd) != 0) throw Error(fmt::format("{}: close failed: {}", tmp, std::strerror(errno)));
   checkpoint_io_point("rename", tmp + " -> " + path);
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     const int err = errno;
-    std::filesystem::remove(tmp);
+    std::error_code ec;
+    std::filesystem::remove(tmp, ec);
     throw Error(fmt::format("cannot rename {} to {}: {}", tmp, path, std::strerror(err)));
   }
   // Make the rename itself durable: fsync the directory that holds the file.

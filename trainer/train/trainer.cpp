@@ -116,12 +116,13 @@ namespace {
 // Every directory the run writes, checked before anything is: logging.dir (train.log,
 // metrics.jsonl, the final weights), checkpoint.dir (one checkpoint's fp32 weights and moments),
 // --dump-dir. Rank 0 writes them.
-void check_output_paths(const Config& cfg, const std::string& dump_dir) {
+// Every rank writes its slices into checkpoint.dir; only the writer the others.
+void check_output_paths(const Config& cfg, const std::string& dump_dir, bool writer) {
   const uint64_t params = static_cast<uint64_t>(ParamLayout::build(cfg.model).total);
-  if (!cfg.logging.dir.empty()) check_output_dir("logging.dir", cfg.logging.dir, params * 4);
+  if (writer && !cfg.logging.dir.empty()) check_output_dir("logging.dir", cfg.logging.dir, params * 4);
   const bool saves = cfg.checkpoint.every > 0 || cfg.checkpoint.save_on_exit;
   if (!cfg.checkpoint.dir.empty() && saves) check_output_dir("checkpoint.dir", cfg.checkpoint.dir, params * 12);
-  if (!dump_dir.empty()) check_output_dir("--dump-dir", dump_dir, params * 8);
+  if (writer && !dump_dir.empty()) check_output_dir("--dump-dir", dump_dir, params * 8);
 }
 
 }  // namespace
@@ -167,7 +168,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   ComputeDevice device = make_compute_device(cfg.training, act_);
   // The checkpoint to resume from is found (or refused) and its manifest checked against this
   // model before any file is written; so is every path the run will write.
-  const std::string resume = checkpoint_to_resume(cfg.checkpoint);
+  const std::string resume = agree_checkpoint_to_resume(cfg.checkpoint, groups);
   if (!resume.empty()) {
     const Manifest manifest = read_manifest(resume);
     check_same_model(manifest, cfg);
@@ -175,7 +176,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                       "{} is at step {}, beyond training.steps ({}): raise training.steps to train on", resume,
                       manifest.step, cfg.training.steps);
   }
-  check_output_paths(cfg, dump_dir_);
+  check_output_paths(cfg, dump_dir_, writer_);
   spdlog::info("config {}: {}", config_path, config_to_json(cfg).dump());
   spdlog::info("data: train {}{}", train_source_->describe(),
                valid_source_ ? ", valid " + valid_source_->describe() : std::string());
