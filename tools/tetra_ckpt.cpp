@@ -20,8 +20,11 @@
 // slice of the first problem; 1 any other failure. A filesystem or JSON exception that escapes
 // the commands is reported as "error: <file>: <what>", exit 2 where the error is the input's (a
 // missing or unreadable file, a bad path, a malformed manifest), 1 otherwise.
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -73,9 +76,15 @@ int64_t slice_elements(const TensorEntry& t) {
 // The step_* directory DIR names: itself, or what DIR/latest names (the trainer's resolver: a
 // `latest` that is missing or names an incomplete checkpoint falls back to the newest complete one).
 std::string resolve_checkpoint(const std::string& dir) {
-  if (fs::exists(fs::path(dir) / "manifest.json")) return dir;
-  if (!fs::is_directory(dir))
-    throw InputError(fmt::format("{}: not a checkpoint directory (no such directory)", dir));
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0)
+    throw InputError(fmt::format("{}: cannot read the checkpoint: {}", dir, std::strerror(errno)));
+  if (!S_ISDIR(st.st_mode))
+    throw InputError(fmt::format("{}: not a checkpoint directory (not a directory)", dir));
+  const std::string manifest = (fs::path(dir) / "manifest.json").string();
+  if (::stat(manifest.c_str(), &st) == 0) return dir;
+  if (errno != ENOENT)
+    throw InputError(fmt::format("{}: cannot read the checkpoint: {}", dir, std::strerror(errno)));
   tetra::CheckpointConfig cfg;
   cfg.dir = dir;
   cfg.resume = "auto";

@@ -16,16 +16,19 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include "trainer/config/config.h"
 #include "trainer/core/check.h"
+#include "trainer/core/format.h"
 #include "trainer/core/log.h"
 #include "trainer/dist/bootstrap.h"
 #include "trainer/dist/process_groups.h"
@@ -127,6 +130,21 @@ void print_dry_run(const tetra::Config& cfg) {
     fmt::print("  ep ({} ranks)      {} (plus the routed tokens: all-to-all payload depends on the routing)\n",
                par.ep, v.ep.describe());
   }
+}
+
+// What a failure says to the user: Tetra's own errors as they are; a library's exception that
+// escaped (a filesystem call, a JSON access) with the path or value it concerns, never the
+// library's bare wording alone.
+std::string describe_failure(const std::exception& e) {
+  if (const auto* fe = dynamic_cast<const std::filesystem::filesystem_error*>(&e)) {
+    std::string paths = fe->path1().string();
+    if (!fe->path2().empty()) paths += " -> " + fe->path2().string();
+    return fmt::format("{}: {} (a filesystem call failed: {})", paths.empty() ? "?" : paths, fe->code().message(),
+                       fe->what());
+  }
+  if (dynamic_cast<const nlohmann::json::exception*>(&e))
+    return fmt::format("unexpected JSON value: {}", e.what());
+  return e.what();
 }
 
 // The log level of a rank: rank 0 logs at the configured level, the others warnings and errors.
@@ -305,8 +323,8 @@ int run(int argc, char** argv, const tetra::ProcessInfo& proc) {
     sizes.ep = cfg.parallel.ep;
     sizes.order = cfg.parallel.order;
     grid = tetra::RankGrid::build(sizes);
-  } catch (const tetra::InputError& e) {
-    if (rank0) std::fprintf(stderr, "error: %s\n", e.what());
+  } catch (const std::exception& e) {  // every rank read the same input: report once, exit 2
+    if (rank0) std::fprintf(stderr, "error: %s\n", tetra::printable(describe_failure(e)).c_str());
     return 2;
   }
 
@@ -328,7 +346,7 @@ int run(int argc, char** argv, const tetra::ProcessInfo& proc) {
   } catch (const std::exception& e) {
     const int code = dynamic_cast<const tetra::InputError*>(&e) ? 2 : 1;
     std::fprintf(stderr, "error: %s %s\n", tetra::rank_prefix({c.tp, c.pp, c.dp, c.ep, proc.rank}).c_str(),
-                 e.what());
+                 tetra::printable(describe_failure(e)).c_str());
     std::fflush(stderr);
     if (proc.size > 1) tetra::dist_abort(code);
     return code;
