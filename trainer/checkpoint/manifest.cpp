@@ -119,9 +119,15 @@ int64_t step_of_checkpoint_name(const std::string& name) {
 
 std::string describe_slice(const Manifest& m, const ManifestTensor& t, const ManifestSlice& s) {
   const SliceRegion& r = s.region;
+  // The region may not be validated yet (this describes bad ones too): ends saturate, never overflow.
+  auto end = [](int64_t a, int64_t n) {
+    if (n > 0 && a > std::numeric_limits<int64_t>::max() - n) return std::numeric_limits<int64_t>::max();
+    if (n < 0 && a < std::numeric_limits<int64_t>::min() - n) return std::numeric_limits<int64_t>::min();
+    return a + n;
+  };
   return fmt::format("{}: tensor {}, slice {} of {} (\"{}\": rows [{}, {}), columns [{}, {}), elements [{}, {}))",
                      (fs::path(m.dir) / s.file).string(), t.key, s.index + 1, t.slices.size(), s.tensor, r.row0,
-                     r.row0 + r.rows, r.col0, r.col0 + r.cols, r.begin, r.end);
+                     end(r.row0, r.rows), r.col0, end(r.col0, r.cols), r.begin, r.end);
 }
 
 Manifest read_manifest(const std::string& checkpoint_dir) {
@@ -164,10 +170,12 @@ Manifest read_manifest(const std::string& checkpoint_dir) {
     const json& ls = j["loss_scaler"];
     LossScalerState s;
     s.scale = f.number(ls, "scale", "loss_scaler.scale");
-    s.growth_tracker = f.integer(ls, "growth_tracker", "loss_scaler.growth_tracker");
-    s.hysteresis_tracker = f.integer(ls, "hysteresis_tracker", "loss_scaler.hysteresis_tracker");
+    // The trackers are counters that may run below zero (hysteresis past its last overflow).
+    constexpr int64_t kAny = std::numeric_limits<int64_t>::min();
+    s.growth_tracker = f.integer(ls, "growth_tracker", "loss_scaler.growth_tracker", kAny);
+    s.hysteresis_tracker = f.integer(ls, "hysteresis_tracker", "loss_scaler.hysteresis_tracker", kAny);
     s.skipped_steps = f.integer(ls, "skipped_steps", "loss_scaler.skipped_steps", 0, m.step);
-    s.floor_overflows = f.integer(ls, "floor_overflows", "loss_scaler.floor_overflows");
+    s.floor_overflows = f.integer(ls, "floor_overflows", "loss_scaler.floor_overflows", kAny);
     if (!(s.scale > 0.0) || !std::isfinite(s.scale))
       throw InputError(fmt::format("{}: field loss_scaler.scale is {}, not a positive finite number", m.path, s.scale));
     m.loss_scaler = s;
