@@ -7,6 +7,7 @@
 #  - `latest` missing beside complete step_* directories: resume from the newest, say so, rotate
 #    nothing away; `latest` naming a directory outside checkpoint.dir: exit 2;
 #  - checkpoint.resume "none" into a directory that holds checkpoints: exit 2, nothing touched;
+#  - a checkpoint.dir that another run holds (its .lock): exit 2 naming it; free, the run goes on;
 #  - manifest fields of the wrong type, a step that disagrees with the directory's name, a slice
 #    outside its tensor: exit 2 naming manifest and field, from tetra and tetra_ckpt alike;
 #  - a checkpoint problem found at resume writes no logging.dir;
@@ -147,6 +148,19 @@ manifest_case "slice outside its tensor" \
 manifest_case "slice file outside the checkpoint" \
   'k = next(iter(m["tensors"])); m["tensors"][k]["slices"][0]["file"] = "../x.safetensors"' \
   'is not a file of the checkpoint'
+
+case="two runs on one checkpoint.dir"
+d="$scratch/locked"
+config "$d" 8 '"resume": "auto"'
+cp -r "$base/ckpt" "$d/ckpt"
+exec 9>"$d/ckpt/.lock"  # another run holds the directory: this shell, on descriptor 9
+flock -n 9 || fail "the test could not take the lock itself"
+train "$d"
+exec 9>&-
+expect_input_error "$d" "checkpoint.dir .* is in use by another run"
+[[ "$(cat "$d/ckpt/latest")" == step_00000006 ]] || fail "latest changed to $(cat "$d/ckpt/latest")"
+train "$d"  # once it is free, the run goes on
+[[ $rc -eq 0 ]] || fail "with the lock free: exit $rc; $(tail -3 "$d/err")"
 
 case="checkpoint of another model writes no logging.dir"
 d="$scratch/othermodel"

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -279,6 +280,39 @@ void rotate_checkpoints(const std::string& dir, int64_t keep, const std::string&
   if (doomed.empty()) return;
   fsync_path(dir, true);
   for (const fs::path& p : doomed) remove_tree(p);
+}
+
+int lock_checkpoint_dir(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw InputError(fmt::format("checkpoint.dir: cannot create {}: {}", dir, ec.message()));
+  const std::string path = (fs::path(dir) / ".lock").string();
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) throw InputError(fmt::format("checkpoint.dir: cannot create {}: {}", path, std::strerror(errno)));
+  if (::flock(fd, LOCK_EX | LOCK_NB) == 0) {
+    // Who holds it, for the message another run would print (best effort).
+    char host[256] = {};
+    ::gethostname(host, sizeof(host) - 1);
+    const std::string who = fmt::format("pid {} on {}\n", ::getpid(), host);
+    if (::ftruncate(fd, 0) == 0) {
+      [[maybe_unused]] const ssize_t written = ::pwrite(fd, who.data(), who.size(), 0);
+    }
+    return fd;
+  }
+  const int err = errno;
+  if (err == EWOULDBLOCK) {
+    char buf[300] = {};
+    const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+    ::close(fd);
+    throw InputError(fmt::format("checkpoint.dir {} is in use by another run ({} holds {}): two runs on one "
+                                 "directory would overwrite each other's checkpoints; wait for it to end, or give "
+                                 "this run its own checkpoint.dir", dir, n > 0 ? trim(std::string(buf, static_cast<size_t>(n))) : "a process",
+                                 path));
+  }
+  ::close(fd);
+  spdlog::warn("checkpoint.dir {}: the filesystem cannot lock {} ({}): nothing keeps a second run off this "
+               "directory", dir, path, std::strerror(err));
+  return -1;
 }
 
 namespace {

@@ -87,6 +87,12 @@ void commit_checkpoint(const std::string& dir, const std::string& name, const st
 // `current`, never a step beyond it: those a rolled-back run left are replaced by its saves).
 void rotate_checkpoints(const std::string& dir, int64_t keep, const std::string& current);
 
+// Takes `dir`/.lock (creating `dir` if needed) for as long as the returned descriptor stays open:
+// two runs on one checkpoint.dir would delete each other's staging and rewrite each other's
+// `latest`. InputError naming the lock when another process holds it; -1 (with a warning) where
+// the filesystem has no locks (some Lustre mounts), so the run goes on unprotected. Rank 0 only.
+int lock_checkpoint_dir(const std::string& dir);
+
 // Writes `text` to `path` atomically: path.tmp, fsync, rename, fsync of the directory.
 void write_file_atomic(const std::string& path, const std::string& text);
 

@@ -250,8 +250,10 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     // Steps skipped for an fp16 overflow made no update (loss_scaler.h).
     optimizer_->set_steps_taken(st.step - (scaler_ ? scaler_->skipped_steps() : 0));
   }
-  // The run directory, once everything it depends on has been read and checked (train.log starts
-  // with the lines logged so far).
+  // This run's hold on checkpoint.dir, then the run directory, once everything they depend on has
+  // been read and checked (train.log starts with the lines logged so far).
+  if (writer_ && !cfg.checkpoint.dir.empty() && (cfg.checkpoint.every > 0 || cfg.checkpoint.save_on_exit))
+    checkpoint_lock_ = lock_checkpoint_dir(cfg.checkpoint.dir);
   if (writer_) {
     log_to_file(cfg.logging.dir);
     metrics_ = std::make_unique<MetricsWriter>(cfg.logging.dir);
@@ -340,6 +342,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
 }
 
 Trainer::~Trainer() {
+  if (checkpoint_lock_ >= 0) ::close(checkpoint_lock_);
   sampler_.reset();
   sample_model_.reset();
   onebit_.reset();

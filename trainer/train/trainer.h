@@ -106,6 +106,7 @@ class Trainer {
   ProcessGroups& groups_;
   bool writer_;  // global rank 0: log file, metrics, dumps
   std::string dump_dir_;
+  int checkpoint_lock_ = -1;  // rank 0's lock on checkpoint.dir (commit.h), held for the run
   ParamLayout layout_;
   std::unique_ptr<Backend> be_;
   DType act_;
