@@ -5,7 +5,8 @@ For each scenario the save's filesystem calls are first counted (TETRA_FAULT_SAV
 every call k, a fresh copy of the checkpoint directory is taken, the command runs with
 TETRA_FAULT_SAVE_AT=k (the process kills itself with SIGKILL just before its k-th call), and the
 very same command runs again without the fault. That rerun must succeed, and what it leaves must
-be the uninterrupted run's: `latest` names the final step, whose rank files are bitwise those of
+be the uninterrupted run's: right after the kill `latest` names a complete checkpoint (the
+protocol's invariant); after the rerun it names the final step, whose rank files are bitwise those of
 a run that was never interrupted, and `tetra_ckpt inspect` verifies every step_* directory.
 
 Scenarios, on one rank and on dp 2 (under mpirun: every rank has its own count, so the kill hits
@@ -102,11 +103,18 @@ def scenario(args, name, dp, resave, env=None):
     for k in range(1, calls + 1):
         shutil.copytree(pristine, ck)
         killed = run(args, cfg, dp, env={**(env or {}), "TETRA_FAULT_SAVE_AT": str(k)})
+        # At the instant of the kill, `latest` names a complete checkpoint (on a filesystem that
+        # cannot exchange names, possibly its set-aside or staged copy, which the resolver reads).
+        named = open(os.path.join(ck, "latest")).read().strip() if os.path.exists(os.path.join(ck, "latest")) else ""
+        copies = [named] + ([f".{named}.tmp", f".{named}.old"] if env else [])
+        latest_complete = any(os.path.exists(os.path.join(ck, c, "manifest.json")) for c in copies)
         rerun = run(args, cfg, dp, env=env)
         latest = open(os.path.join(ck, "latest")).read().strip() if os.path.exists(os.path.join(ck, "latest")) else ""
         problems = []
         if killed.returncode == 0:
             problems.append("the fault did not stop the run")
+        if not latest_complete:
+            problems.append(f"after the kill, latest names '{named}', which is not a complete checkpoint")
         if rerun.returncode != 0:
             problems.append(f"the rerun exited {rerun.returncode}: {rerun.stderr.strip()[-300:]}")
         if latest != "step_00000006":

@@ -34,7 +34,6 @@ namespace {
 
 constexpr const char* kFormat = "tetra-checkpoint";
 constexpr int kVersion = 1;
-const char* const kKinds[] = {"model", "optim/exp_avg", "optim/exp_avg_sq"};
 
 // Every rank's string, on every rank (the world's host-memory communicator): lengths, then
 // padded bytes.
@@ -206,7 +205,7 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
       int64_t local = lo;  // local element of the slice's first value
       for (const SliceRegion& s : slices_of(p, lo, hi)) {
         const int64_t compact = starts[o] + (p.offset + local - r.offset);
-        for (const char* kind : kKinds) {
+        for (const char* kind : kCheckpointKinds) {
           const std::string k(kind);
           const float* src;
           if (k == "model")
@@ -292,7 +291,7 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
     json tensors = json::object();
     const ParamLayout whole = ParamLayout::build(cfg.model);
     for (const ParamSpec& p : whole.params)
-      for (const char* kind : kKinds)
+      for (const char* kind : kCheckpointKinds)
         tensors[std::string(kind) + "/" + p.name] = json{{"shape", p.global_shape}, {"dtype", "F32"}, {"slices", json::array()}};
     for (const std::string& s : all)
       for (auto& slice : json::parse(s)) {
@@ -391,7 +390,7 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
   };
   std::vector<float> local;
   for (const ParamSpec& p : layout.params) {
-    for (const char* kind : kKinds) {
+    for (const char* kind : kCheckpointKinds) {
       const std::string key = std::string(kind) + "/" + p.name;
       const bool model = std::string(kind) == "model";
       const auto ranges = model ? std::vector<std::pair<int64_t, int64_t>>{{0, p.numel}} : local_ranges(p, *b.owned);

@@ -16,18 +16,6 @@ namespace tetra {
 
 namespace fs = std::filesystem;
 
-namespace {
-
-std::string kind_of(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a named pipe";
-  if (S_ISCHR(mode) || S_ISBLK(mode)) return "a device";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "not a regular file";
-}
-
-}  // namespace
-
 void check_output_dir(const std::string& what, const std::string& path, uint64_t bytes_needed) {
   if (path.find('\0') != std::string::npos)
     throw InputError(fmt::format("{}: the path contains a NUL character; give a path without one", what));
@@ -65,16 +53,6 @@ void check_output_dir(const std::string& what, const std::string& path, uint64_t
     throw InputError(fmt::format("{}: {} has {:.1f} MiB free, but this run writes {:.1f} MiB there; free space or "
                                  "choose another directory", what, at.string(), avail / 1048576.0,
                                  bytes_needed / 1048576.0));
-}
-
-void check_input_file(const std::string& what, const std::string& path) {
-  if (path.find('\0') != std::string::npos)
-    throw InputError(fmt::format("{}: the path contains a NUL character", what));
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0)
-    throw InputError(fmt::format("{}: cannot open {}: {}", what, path, std::strerror(errno)));
-  if (!S_ISREG(st.st_mode))
-    throw InputError(fmt::format("{}: {} is {}, not a file; give a regular file", what, path, kind_of(st.st_mode)));
 }
 
 }  // namespace tetra

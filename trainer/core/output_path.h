@@ -16,8 +16,4 @@ namespace tetra {
 // filesystem, too little free space.
 void check_output_dir(const std::string& what, const std::string& path, uint64_t bytes_needed = 0);
 
-// That `path` is a regular file that can be opened for reading without blocking (not a FIFO, a
-// directory or a device): InputError "<what>: <path> is a directory, not a file; ..." otherwise.
-void check_input_file(const std::string& what, const std::string& path);
-
 }  // namespace tetra
