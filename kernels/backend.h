@@ -23,7 +23,7 @@
 #include <memory>
 #include <string>
 
-#include "trainer/core/dtype.h"
+#include "kernels/common/dtype.h"
 
 namespace tetra {
 

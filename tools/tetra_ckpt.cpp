@@ -46,9 +46,9 @@
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/checkpoint/sharding.h"
 #include "trainer/config/config.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 #include "trainer/core/format.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/params/param_layout.h"
 
 namespace {
 

@@ -26,7 +26,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 #include "trainer/core/format.h"
 #include "trainer/data/prepare.h"
 #include "trainer/data/prepare_input.h"

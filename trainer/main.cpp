@@ -10,7 +10,7 @@
 // same config, so a config or layout error is printed once (by rank 0) and every rank exits 2
 // without a collective. A failure after that may hit one rank only: it prints the error with its
 // coordinates and ends the whole job (MPI_Abort), so no rank waits forever in a collective.
-// Exit code 3: the watchdog (trainer/dist/watchdog.h) ended a job in which a step or a collective
+// Exit code 3: the watchdog (trainer/comm/watchdog.h) ended a job in which a step or a collective
 // lasted longer than training.collective_timeout_s.
 #include <charconv>
 #include <cmath>
@@ -27,16 +27,16 @@
 #include <spdlog/spdlog.h>
 
 #include "trainer/config/config.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 #include "trainer/core/format.h"
 #include "trainer/core/log.h"
-#include "trainer/dist/bootstrap.h"
-#include "trainer/dist/process_groups.h"
-#include "trainer/dist/rank_grid.h"
-#include "trainer/dist/watchdog.h"
+#include "trainer/comm/bootstrap.h"
+#include "trainer/comm/process_groups.h"
+#include "trainer/comm/rank_grid.h"
+#include "trainer/comm/watchdog.h"
 #include "trainer/parallel/comm_volume.h"
 #include "trainer/model/flops.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/params/param_layout.h"
 #include "trainer/train/generate.h"
 #include "trainer/train/pipeline_model.h"
 #include "trainer/train/trainer.h"

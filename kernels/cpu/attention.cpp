@@ -38,7 +38,7 @@
 #include "kernels/cpu/attention_layout.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/dispatch.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace tetra {
 namespace {

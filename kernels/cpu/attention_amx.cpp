@@ -24,7 +24,7 @@
 // roundings: tests/unit/test_kernels_attention_amx.cpp bounds it.
 #include "kernels/cpu/attention_amx.h"
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 #include "kernels/cpu/amx.h"
 

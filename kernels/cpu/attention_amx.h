@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/amx.h"
-#include "trainer/core/dtype.h"
+#include "kernels/common/dtype.h"
 
 namespace tetra::cpu {
 

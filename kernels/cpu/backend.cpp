@@ -10,7 +10,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/dispatch.h"
 #include "kernels/cpu/host_memory.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace tetra {
 

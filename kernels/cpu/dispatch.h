@@ -6,8 +6,8 @@
 
 #include <fmt/format.h>
 
-#include "trainer/core/check.h"
-#include "trainer/core/dtype.h"
+#include "kernels/common/check.h"
+#include "kernels/common/dtype.h"
 
 namespace tetra::cpu {
 

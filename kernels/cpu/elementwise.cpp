@@ -14,7 +14,7 @@
 #include "kernels/common/math.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/dispatch.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace tetra {
 namespace {

@@ -59,7 +59,7 @@
 #include "kernels/cpu/dispatch.h"
 #include "kernels/cpu/gemm_loops.h"
 #include "kernels/cpu/host_memory.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace tetra {
 

@@ -34,7 +34,7 @@
 
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/gemm_loops.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 #if defined(TETRA_AMX_COMPILED)
 

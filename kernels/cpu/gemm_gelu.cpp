@@ -4,7 +4,7 @@
 // order the contract names (the product rounded to act, then the GELU), and this is the
 // reference the CUDA backend's fused epilogues are checked against.
 #include "kernels/cpu/cpu_backend.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace tetra {
 

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "trainer/core/dtype.h"
+#include "kernels/common/dtype.h"
 
 namespace tetra::cpu {
 

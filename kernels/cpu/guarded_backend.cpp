@@ -17,7 +17,7 @@
 #include <map>
 #include <mutex>
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace tetra {
 

@@ -13,7 +13,7 @@
 #include <sys/mman.h>
 #endif
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace tetra::cpu {
 

@@ -11,8 +11,8 @@
 #include <cuda_runtime.h>
 
 #include "kernels/common/math.h"
-#include "trainer/core/check.h"
-#include "trainer/core/dtype.h"
+#include "kernels/common/check.h"
+#include "kernels/common/dtype.h"
 
 namespace tetra::cuda {
 

@@ -53,7 +53,7 @@ grep -q "done: 200 steps" "$dir/stdout" || fail "the run did not finish: $(tail 
 [[ $(losses "$dir/logs/metrics.jsonl" | wc -l) -eq 200 ]] || fail "metrics.jsonl does not hold 200 steps"
 reference="$dir/logs/metrics.jsonl"
 
-# The fallback bootstrap for a Slurm without PMIx (trainer/dist/rendezvous.h): srun --mpi=none
+# The fallback bootstrap for a Slurm without PMIx (trainer/comm/rendezvous.h): srun --mpi=none
 # and a rendezvous directory; the same 4-rank run, loss for loss.
 case=rendezvous
 dir="$scratch/$case"
@@ -71,7 +71,7 @@ pgrep -f "ompi-server --no-daemonize -r $dir/" >/dev/null && fail "rank 0 left i
 [[ -z "$(ls -A "$dir/rendezvous")" ]] || fail "rank 0 left files in the rendezvous directory: $(ls -R "$dir/rendezvous")"
 
 # No silent hangs under srun either: rank 2 hangs at the start of step 3 (test-only, see
-# trainer/dist/watchdog.h); the watchdog (4 s) ends the step with exit 3 and srun reports it,
+# trainer/comm/watchdog.h); the watchdog (4 s) ends the step with exit 3 and srun reports it,
 # with pmix and with the rendezvous bootstrap (whose singletons need --kill-on-bad-exit).
 # Margin: start-up (~1 s) + timeout + the watchdog's grace (1 s) + srun's teardown, ~8 s on an
 # idle machine; the bound is 45 s because ctest runs this beside other tests on 2 cores (4 ranks
@@ -107,7 +107,7 @@ case=sbatch
 dir="$scratch/$case"
 write_config "$dir" 200
 job_state() { scontrol -o show job "$1" | sed 's/.*JobState=\([A-Z_]*\).*/\1/'; }
-# Rank 0 pauses 6 s at the start of step 50 (test-only, trainer/dist/watchdog.h), so the signal
+# Rank 0 pauses 6 s at the start of step 50 (test-only, trainer/comm/watchdog.h), so the signal
 # surely lands mid-run; the resumed run starts after step 50 and does not pause.
 job=$(cd "$dir" && TETRA_BIN="$tetra" TETRA_TEST_HANG_RANK=0 TETRA_TEST_HANG_STEP=50 TETRA_TEST_HANG_SECONDS=6 \
   sbatch --parsable --ntasks-per-node=4 --job-name=tetra-test "$src/scripts/slurm/train.sbatch" \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # No silent hangs, under mpirun with 4 ranks (dp 2 x tp 2):
 #  - hang: one rank sleeps at the start of a step (test-only TETRA_TEST_HANG_RANK/STEP, see
-#    trainer/dist/watchdog.h); the watchdog ends the job with exit code 3 within the timeout plus a
+#    trainer/comm/watchdog.h); the watchdog ends the job with exit code 3 within the timeout plus a
 #    margin, the hung rank reports that it is stuck in its own work, and a waiting rank names the
 #    collective and group it waits in.
 #  - kill: kill -9 one rank mid-run; the job exits non-zero within the timeout plus a margin with a

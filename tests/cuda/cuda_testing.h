@@ -16,7 +16,7 @@
 #include <catch2/catch.hpp>
 
 #include "kernels/backend.h"
-#include "trainer/core/dtype.h"
+#include "kernels/common/dtype.h"
 
 namespace tetra::cuda_testing {
 

@@ -30,7 +30,7 @@
 
 #include "kernels/cuda/cuda_backend.h"
 #include "tests/cuda/cuda_testing.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace tetra::cuda_testing {
 namespace {

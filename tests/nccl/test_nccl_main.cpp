@@ -2,7 +2,7 @@
 // singleton run (a one-rank NCCL communicator). Exits 77 (ctest: skipped) without a GPU, or with
 // fewer GPUs than ranks (NCCL refuses two ranks on one device).
 //
-// The collectives are checked as tests/dist checks MPI, by the same code (tests/dist/comm_checks.h):
+// The collectives are checked as tests/dist checks MPI, by the same code (tests/comm/comm_checks.h):
 // every rank fills its buffers from its global rank, and the result it expects from each
 // collective is a plain loop over the members, computed on the host. Buffers are device memory of
 // the CUDA backend: uploaded with copy_from_host, read back with copy_to_host (which synchronises
@@ -29,11 +29,11 @@
 #include <fmt/ranges.h>
 
 #include "kernels/cuda/cuda_backend.h"
-#include "tests/dist/comm_checks.h"
-#include "trainer/core/check.h"
-#include "trainer/dist/bootstrap.h"
-#include "trainer/dist/mpi_communicator.h"
-#include "trainer/dist/nccl_communicator.h"
+#include "tests/comm/comm_checks.h"
+#include "kernels/common/check.h"
+#include "trainer/comm/bootstrap.h"
+#include "trainer/comm/mpi_communicator.h"
+#include "trainer/comm/nccl_communicator.h"
 
 using namespace tetra;
 

@@ -2,9 +2,9 @@
 
 On a GPU, memory from Backend::alloc is device memory: the host may read or write it only through
 copy_to_host / copy_from_host, and collectives on it go through the backend-memory communicators
-(trainer/dist/process_groups.h). TETRA_TEST_GUARDED_MEMORY=1 makes the CPU backend's memory
+(trainer/comm/process_groups.h). TETRA_TEST_GUARDED_MEMORY=1 makes the CPU backend's memory
 PROT_NONE outside its own ops (kernels/cpu/guarded_backend.h) and stages the backend-memory
-collectives through host buffers (trainer/dist/staged_communicator.h), so any host access the
+collectives through host buffers (trainer/comm/staged_communicator.h), so any host access the
 trainer makes to backend memory kills the run, and any backend op given host memory fails it.
 
 Each configuration runs twice, plainly and guarded, and must give bitwise-identical results (the
@@ -227,7 +227,7 @@ def main():
                                             training={"global_batch_size": 8}), checkpoints=(2, 4), resume_at=2)
 
     # The watchdog sees waits on the backend-memory communicators: rank 1 hangs at the start of
-    # step 2 (trainer/dist/watchdog.h's test hook); rank 0, waiting in a tensor-parallel collective
+    # step 2 (trainer/comm/watchdog.h's test hook); rank 0, waiting in a tensor-parallel collective
     # on activations (a staged one), is reported by the watchdog, which ends the job with exit code 3.
     hang = config(GPT2, 20, parallel={"tp": 2}, training={"collective_timeout_s": 3, "log_every": 100})
     out = os.path.join(w, "watchdog")

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 #include <catch2/catch.hpp>
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 #include "trainer/data/data_loader.h"
 #include "trainer/data/indexed_dataset.h"
 #include "trainer/data/sample_source.h"

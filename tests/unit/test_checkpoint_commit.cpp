@@ -10,7 +10,7 @@
 
 #include "trainer/checkpoint/commit.h"
 #include "trainer/checkpoint/manifest.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace fs = std::filesystem;
 

@@ -8,7 +8,7 @@
 
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/sharding.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/params/param_layout.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// fp16 conversions (kernels/common/math.h: f32_to_f16_bits, f16_bits_to_f32; trainer/core/dtype.h's
+// fp16 conversions (kernels/common/math.h: f32_to_f16_bits, f16_bits_to_f32; kernels/common/dtype.h's
 // f16) against two independent references: the format's definition and a nearest-value search
 // (tests/unit/f16_reference.h), and the CPU's own F16C instructions (vcvtps2ph / vcvtph2ps, IEEE
 // round to nearest even) where the build targets a CPU that has them.
@@ -25,8 +25,8 @@
 #include "tests/unit/f16_reference.h"
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/config/config.h"
-#include "trainer/core/dtype.h"
-#include "trainer/model/param_layout.h"
+#include "kernels/common/dtype.h"
+#include "trainer/params/param_layout.h"
 #include "trainer/train/generate.h"
 
 using namespace tetra;

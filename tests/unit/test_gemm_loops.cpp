@@ -17,7 +17,7 @@
 #include "kernels/common/math.h"
 #include "kernels/cpu/gemm_loops.h"
 #include "tests/unit/kernel_testing.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 using namespace tetra;
 

@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "kernels/backend.h"
-#include "trainer/dist/communicator.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/comm/communicator.h"
+#include "trainer/params/param_layout.h"
 #include "trainer/optim/grad_buffer.h"
 
 namespace {

@@ -19,7 +19,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/guarded_backend.h"
 #include "kernel_testing.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 using namespace tetra;
 using Catch::Matchers::Contains;

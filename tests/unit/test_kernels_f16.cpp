@@ -22,7 +22,7 @@
 #include "kernels/common/math.h"
 #include "tests/unit/f16_reference.h"
 #include "tests/unit/kernel_testing.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 using namespace tetra;
 using tetra_test::expect_bitwise_equal;

@@ -17,7 +17,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "tests/unit/attention_testing.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 using namespace tetra;
 using namespace tetra::attn_testing;

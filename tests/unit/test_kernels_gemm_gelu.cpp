@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "kernels/backend.h"
-#include "trainer/core/check.h"
-#include "trainer/core/dtype.h"
+#include "kernels/common/check.h"
+#include "kernels/common/dtype.h"
 
 using namespace tetra;
 

@@ -24,7 +24,7 @@
 
 #include "kernels/backend.h"
 #include "tests/unit/kernel_testing.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace {
 

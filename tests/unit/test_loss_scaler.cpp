@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 #include "trainer/optim/loss_scaler.h"
 
 using namespace tetra;

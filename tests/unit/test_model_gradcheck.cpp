@@ -8,7 +8,7 @@
 
 #include "kernels/backend.h"
 #include "trainer/model/gpt.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/params/param_layout.h"
 
 using namespace tetra;
 

@@ -9,7 +9,7 @@
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/config/config.h"
 #include "trainer/model/flops.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/params/param_layout.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/optim/lr_schedule.h"
 

@@ -13,7 +13,7 @@
 #include "tests/unit/kernel_testing.h"
 #include "trainer/model/gpt.h"
 #include "trainer/model/moe.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/params/param_layout.h"
 
 using namespace tetra;
 

@@ -5,7 +5,7 @@
 
 #include <algorithm>
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 #include "trainer/parallel/pipeline_schedule.h"
 
 using namespace tetra;

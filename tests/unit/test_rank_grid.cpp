@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "trainer/core/check.h"
-#include "trainer/dist/rank_grid.h"
+#include "kernels/common/check.h"
+#include "trainer/comm/rank_grid.h"
 
 using namespace tetra;
 

@@ -11,7 +11,7 @@
 
 #include "kernels/backend.h"
 #include "trainer/model/gpt.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/params/param_layout.h"
 #include "trainer/model/sampler.h"
 #include "trainer/train/generate.h"
 

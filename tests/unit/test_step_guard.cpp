@@ -8,8 +8,8 @@
 
 #include "kernels/backend.h"
 #include "trainer/config/config.h"
-#include "trainer/core/check.h"
-#include "trainer/dist/self_communicator.h"
+#include "kernels/common/check.h"
+#include "trainer/comm/self_communicator.h"
 #include "trainer/train/step_guard.h"
 
 namespace {

@@ -20,7 +20,7 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 #include "trainer/data/tokenizer.h"
 #include "tests/unit/data_testing.h"
 

@@ -22,8 +22,8 @@
 #include "trainer/checkpoint/manifest.h"
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/checkpoint/sharding.h"
-#include "trainer/core/check.h"
-#include "trainer/dist/process_groups.h"
+#include "kernels/common/check.h"
+#include "trainer/comm/process_groups.h"
 
 namespace tetra {
 

@@ -36,9 +36,7 @@
 #include "trainer/checkpoint/commit.h"
 #include "trainer/checkpoint/manifest.h"
 #include "trainer/config/config.h"
-#include "trainer/model/param_layout.h"
-#include "trainer/optim/grad_buffer.h"
-#include "trainer/optim/loss_scaler.h"
+#include "trainer/params/param_layout.h"
 
 namespace tetra {
 

@@ -19,7 +19,7 @@
 #include <spdlog/spdlog.h>
 
 #include "trainer/checkpoint/manifest.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace tetra {
 

@@ -10,8 +10,8 @@
 
 #include <fmt/format.h>
 
-#include "trainer/core/check.h"
-#include "trainer/model/param_layout.h"
+#include "kernels/common/check.h"
+#include "trainer/params/param_layout.h"
 
 namespace tetra {
 

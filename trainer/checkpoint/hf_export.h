@@ -24,7 +24,7 @@
 
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/config/config.h"
-#include "trainer/core/dtype.h"
+#include "kernels/common/dtype.h"
 
 namespace tetra {
 

@@ -26,9 +26,19 @@
 
 #include "trainer/checkpoint/sharding.h"
 #include "trainer/config/config.h"
-#include "trainer/optim/loss_scaler.h"
 
 namespace tetra {
+
+// The fp16 dynamic loss scaler's state (trainer/optim/loss_scaler.h), as a checkpoint records it: the
+// checkpoint layer stores and validates it, the optimizer layer gives it meaning.
+struct LossScalerState {
+  double scale = 1.0;
+  int64_t growth_tracker = 0;      // overflow-free steps since the last overflow or growth
+  int64_t hysteresis_tracker = 1;  // overflows left before the scale halves
+  int64_t skipped_steps = 0;       // overflow steps skipped since the run began (resumes included)
+  int64_t floor_overflows = 0;     // overflows in a row at the lowest scale (the divergence limit)
+  bool operator==(const LossScalerState&) const = default;
+};
 
 struct ManifestSlice {
   size_t index = 0;           // in its tensor's list of slices (messages count from 1)

@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "trainer/checkpoint/commit.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace tetra {
 

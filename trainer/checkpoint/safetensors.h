@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "trainer/core/dtype.h"
+#include "kernels/common/dtype.h"
 
 namespace tetra {
 

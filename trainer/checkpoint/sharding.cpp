@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace tetra {
 

@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "trainer/model/param_layout.h"
+#include "trainer/params/param_layout.h"
 
 namespace tetra {
 

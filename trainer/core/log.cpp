@@ -1,6 +1,6 @@
 #include "trainer/core/log.h"
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 #include <algorithm>
 #include <filesystem>

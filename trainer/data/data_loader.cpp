@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace tetra {
 

@@ -10,7 +10,7 @@
 #include <mutex>
 #include <thread>
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 #include "trainer/data/indexed_dataset.h"
 #include "trainer/data/tokenizer.h"
 

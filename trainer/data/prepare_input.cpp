@@ -13,7 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 #include "trainer/data/regular_file.h"
 
 namespace tetra {

@@ -12,7 +12,7 @@
 #include <limits>
 #include <memory>
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 #include "trainer/data/indexed_dataset.h"
 #include "trainer/data/regular_file.h"
 

@@ -8,7 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace tetra {
 

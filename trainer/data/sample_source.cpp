@@ -6,7 +6,7 @@
 #include <cmath>
 
 #include "kernels/common/math.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace tetra {
 

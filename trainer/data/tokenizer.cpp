@@ -1,7 +1,7 @@
 // load_tokenizer: the spec strings of configs and the command line ("gpt2:<dir>",
 // "sentencepiece:<model file>") to a tokenizer. The tokenizers themselves live in
 // tokenizer_gpt2.cpp and tokenizer_sentencepiece.cpp.
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 #include "trainer/data/tokenizer.h"
 
 namespace tetra {

@@ -41,7 +41,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 #include "trainer/data/regular_file.h"
 #include "trainer/data/tokenizer.h"
 

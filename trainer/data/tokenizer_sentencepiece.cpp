@@ -22,7 +22,7 @@
 #include <thread>
 #include <unordered_map>
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 #include "trainer/data/prepare_input.h"
 #include "trainer/data/regular_file.h"
 #include "trainer/data/tokenizer.h"

@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #include "trainer/config/config.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/params/param_layout.h"
 
 namespace tetra {
 

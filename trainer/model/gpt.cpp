@@ -2,8 +2,8 @@
 
 #include <vector>
 
-#include "trainer/core/check.h"
-#include "trainer/dist/communicator.h"
+#include "kernels/common/check.h"
+#include "trainer/comm/communicator.h"
 #include "trainer/model/moe.h"
 
 namespace tetra {

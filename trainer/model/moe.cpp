@@ -6,8 +6,8 @@
 #include <chrono>
 #include <cmath>
 
-#include "trainer/core/check.h"
-#include "trainer/dist/communicator.h"
+#include "kernels/common/check.h"
+#include "trainer/comm/communicator.h"
 
 namespace tetra {
 

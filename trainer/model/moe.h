@@ -45,7 +45,7 @@
 
 #include "kernels/backend.h"
 #include "trainer/config/config.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/params/param_layout.h"
 
 namespace tetra {
 

@@ -6,8 +6,8 @@
 #include <numeric>
 
 #include "kernels/common/math.h"
-#include "trainer/core/check.h"
-#include "trainer/dist/communicator.h"
+#include "kernels/common/check.h"
+#include "trainer/comm/communicator.h"
 #include "trainer/model/gpt.h"
 
 namespace tetra {

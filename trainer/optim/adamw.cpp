@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "trainer/core/check.h"
-#include "trainer/dist/communicator.h"
+#include "kernels/common/check.h"
+#include "trainer/comm/communicator.h"
 
 namespace tetra {
 

@@ -5,8 +5,8 @@
 
 #include <fmt/format.h>
 
-#include "trainer/core/check.h"
-#include "trainer/dist/communicator.h"
+#include "kernels/common/check.h"
+#include "trainer/comm/communicator.h"
 
 namespace tetra {
 

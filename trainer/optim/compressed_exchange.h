@@ -55,7 +55,7 @@
 
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/config/config.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/params/param_layout.h"
 #include "trainer/optim/compression.h"
 #include "trainer/optim/grad_buffer.h"
 

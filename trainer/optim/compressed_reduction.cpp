@@ -2,8 +2,8 @@
 
 #include <fmt/format.h>
 
-#include "trainer/dist/communicator.h"
-#include "trainer/dist/process_groups.h"
+#include "trainer/comm/communicator.h"
+#include "trainer/comm/process_groups.h"
 #include "trainer/optim/grad_buffers.h"
 
 namespace tetra {

@@ -26,7 +26,7 @@
 #include "kernels/backend.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/config/config.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/params/param_layout.h"
 #include "trainer/optim/compressed_exchange.h"
 
 namespace tetra {

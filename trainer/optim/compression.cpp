@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "kernels/common/math.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace tetra {
 

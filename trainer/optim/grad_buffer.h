@@ -33,16 +33,12 @@
 #include <vector>
 
 #include "kernels/backend.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/params/param_layout.h"
 
 namespace tetra {
 
 class Communicator;
 class Work;
-
-struct GradRange {
-  int64_t offset = 0, numel = 0;  // elements of the parameter buffer
-};
 
 // The buckets for `layout`: ranges of whole groups, in the order backward completes them (from
 // the end of the buffer), each of at least `bucket_size` elements except possibly the last.

@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "trainer/dist/process_groups.h"
+#include "trainer/comm/process_groups.h"
 
 namespace tetra {
 

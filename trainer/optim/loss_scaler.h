@@ -38,18 +38,10 @@
 #include <cstdint>
 #include <string>
 
+#include "trainer/checkpoint/manifest.h"  // LossScalerState: the state a checkpoint records
 #include "trainer/config/config.h"
 
 namespace tetra {
-
-struct LossScalerState {
-  double scale = 1.0;
-  int64_t growth_tracker = 0;      // overflow-free steps since the last overflow or growth
-  int64_t hysteresis_tracker = 1;  // overflows left before the scale halves
-  int64_t skipped_steps = 0;       // overflow steps skipped since the run began (resumes included)
-  int64_t floor_overflows = 0;     // overflows in a row at the lowest scale (the divergence limit)
-  bool operator==(const LossScalerState&) const = default;
-};
 
 // One step's outcome.
 struct LossScaleUpdate {

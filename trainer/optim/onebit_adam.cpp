@@ -2,9 +2,9 @@
 
 #include <fmt/format.h>
 
-#include "trainer/core/check.h"
-#include "trainer/dist/communicator.h"
-#include "trainer/dist/process_groups.h"
+#include "kernels/common/check.h"
+#include "trainer/comm/communicator.h"
+#include "trainer/comm/process_groups.h"
 #include "trainer/optim/grad_buffers.h"
 
 namespace tetra {

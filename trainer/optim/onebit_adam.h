@@ -67,7 +67,7 @@
 #include "kernels/backend.h"
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/config/config.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/params/param_layout.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/optim/compressed_exchange.h"
 

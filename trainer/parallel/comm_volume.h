@@ -44,8 +44,8 @@
 #include <string>
 
 #include "trainer/config/config.h"
-#include "trainer/dist/communicator.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/comm/communicator.h"
+#include "trainer/params/param_layout.h"
 
 namespace tetra {
 

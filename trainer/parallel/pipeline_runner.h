@@ -18,7 +18,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "trainer/core/dtype.h"
+#include "kernels/common/dtype.h"
 #include "trainer/parallel/pipeline_schedule.h"
 
 namespace tetra {

@@ -11,11 +11,11 @@
 
 #include "kernels/cpu/guarded_backend.h"
 #include "kernels/cpu/peak.h"
-#include "trainer/core/check.h"
-#include "trainer/dist/staged_communicator.h"
+#include "kernels/common/check.h"
+#include "trainer/comm/staged_communicator.h"
 #if defined(TETRA_HAVE_CUDA)
 #include "kernels/cuda/cuda_backend.h"
-#include "trainer/dist/nccl_communicator.h"
+#include "trainer/comm/nccl_communicator.h"
 #endif
 
 namespace tetra {

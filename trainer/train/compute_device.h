@@ -15,7 +15,7 @@
 
 #include "kernels/backend.h"
 #include "trainer/config/config.h"
-#include "trainer/dist/process_groups.h"
+#include "trainer/comm/process_groups.h"
 
 namespace tetra {
 
@@ -34,7 +34,7 @@ ComputeDevice make_compute_device(const TrainingConfig& training, DType act, boo
 
 // The backend-memory communicators `be` needs (ProcessGroups::use_backend_memory): none when its
 // memory is host memory (the MPI communicators serve both roles), NCCL for the CUDA backend, the
-// staged communicator (trainer/dist/staged_communicator.h) around each host one otherwise (the
+// staged communicator (trainer/comm/staged_communicator.h) around each host one otherwise (the
 // guarded test backend). `be` must outlive them.
 BackendCommFactory backend_comm_factory(Backend& be);
 

@@ -11,7 +11,7 @@
 
 #include "kernels/backend.h"
 #include "trainer/checkpoint/safetensors.h"
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 #include "trainer/data/tokenizer.h"
 #include "trainer/model/gpt.h"
 #include "trainer/model/sampler.h"

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "trainer/config/config.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/params/param_layout.h"
 
 namespace tetra {
 

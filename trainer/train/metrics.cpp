@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace tetra {
 

@@ -1,8 +1,8 @@
 #include "trainer/train/pipeline_model.h"
 
-#include "trainer/core/check.h"
-#include "trainer/dist/communicator.h"
-#include "trainer/dist/process_groups.h"
+#include "kernels/common/check.h"
+#include "trainer/comm/communicator.h"
+#include "trainer/comm/process_groups.h"
 
 namespace tetra {
 

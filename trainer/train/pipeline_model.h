@@ -23,7 +23,7 @@
 #include "kernels/backend.h"
 #include "trainer/config/config.h"
 #include "trainer/model/gpt.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/params/param_layout.h"
 #include "trainer/parallel/pipeline_runner.h"
 #include "trainer/parallel/pipeline_schedule.h"
 

@@ -5,7 +5,7 @@
 
 #include <fmt/format.h>
 
-#include "trainer/core/check.h"
+#include "kernels/common/check.h"
 
 namespace tetra {
 

@@ -26,7 +26,7 @@
 
 #include "kernels/backend.h"
 #include "trainer/config/config.h"
-#include "trainer/dist/communicator.h"
+#include "trainer/comm/communicator.h"
 
 namespace tetra {
 

@@ -18,7 +18,7 @@
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/config/config.h"
 #include "trainer/model/gpt.h"
-#include "trainer/model/param_layout.h"
+#include "trainer/params/param_layout.h"
 #include "trainer/optim/adamw.h"
 #include "trainer/optim/grad_buffer.h"
 #include "trainer/parallel/pipeline_runner.h"

@@ -8,7 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include "trainer/checkpoint/safetensors.h"
-#include "trainer/dist/process_groups.h"
+#include "trainer/comm/process_groups.h"
 #include "trainer/train/generate.h"
 #include "trainer/train/trainer.h"
 
