@@ -5,6 +5,8 @@
 #include "kernels/common/check.h"
 #include "trainer/comm/communicator.h"
 #include "trainer/model/moe.h"
+#include "trainer/parallel/tensor_parallel.h"
+#include "trainer/parallel/vocab_parallel.h"
 
 namespace tetra {
 
@@ -173,8 +175,9 @@ size_t Gpt::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micr
 
 Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
          Communicator* tp, int chunk, int64_t slots, Communicator* ep)
-    : cfg_(cfg), layout_(layout), be_(be), tp_(tp && tp->size() > 1 ? tp : nullptr), act_(act) {
-  const int64_t tp_size = tp_ ? tp_->size() : 1, tp_rank = tp_ ? tp_->rank() : 0;
+    : cfg_(cfg), layout_(layout), be_(be), act_(act) {
+  if (tp && tp->size() <= 1) tp = nullptr;
+  const int64_t tp_size = tp ? tp->size() : 1, tp_rank = tp ? tp->rank() : 0;
   TETRA_CHECK(layout.slicing.tp == tp_size && layout.slicing.tp_rank == tp_rank,
               "the parameter layout is for TP rank {} of {}, the model for rank {} of {}",
               layout.slicing.tp_rank, layout.slicing.tp, tp_rank, tp_size);
@@ -182,8 +185,7 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   const ChunkShape shape = ChunkShape::of(layout, chunk, slots);
   TETRA_CHECK(slots >= 1, "a model chunk needs at least one activation slot, not {}", slots);
   apply_shape(d_, shape);
-  TETRA_CHECK(!d_.sp || d_.N() % tp_size == 0, "sequence parallelism needs B*T ({}) divisible by tp ({})",
-              d_.N(), tp_size);
+  tp_ = std::make_unique<TensorParallel>(tp, layout.slicing.sequence_parallel, be, act, d_.N(), d_.C);
   norm_ = cfg.norm == "rmsnorm" ? NormKind::RMSNORM : NormKind::LAYERNORM;
   eps_ = static_cast<float>(cfg.norm_eps);
   rope_ = cfg.position == "rope";
@@ -200,7 +202,7 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   if (cfg.moe.enabled()) {
     // Each in-flight micro-batch keeps its own routing and expert activations.
     for (int64_t s = 0; s < slots; ++s) {
-      moe_.push_back(std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep, tp_));
+      moe_.push_back(std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep, tp));
       arena_bytes_ += moe_.back()->activation_bytes();
     }
   }
@@ -215,42 +217,6 @@ const void* Gpt::w(const void* weights, int64_t offset) const {
   return static_cast<const char*>(weights) + static_cast<size_t>(offset) * dtype_size(act_);
 }
 
-void Gpt::row_parallel_output(void* out, void* y, const void* residual) {
-  const int64_t C = d_.C;
-  if (!tp_) return;  // y == out, residual and bias already added
-  if (!d_.sp) {
-    tp_->all_reduce(out, d_.N() * C, act_);  // g: all-reduce forward
-    return;
-  }
-  tp_->reduce_scatter(out, y, d_.Ns * C, act_);  // g: reduce-scatter to the sequence shards
-  if (residual) be_.add(out, out, residual, d_.Ns * C, act_);
-}
-
-void Gpt::column_parallel_input_grad(void* dx_partial) {
-  if (!tp_) return;                                                  // dx_partial == a_->dc
-  if (!d_.sp)
-    tp_->all_reduce(dx_partial, d_.N() * d_.C, act_);               // f backward: all-reduce
-  else
-    tp_->reduce_scatter(a_->dc, dx_partial, d_.Ns * d_.C, act_);    // all-gather's conjugate
-}
-
-void Gpt::vocab_parallel_loss(float* losses, void* logits, const int32_t* targets, float dloss_scale) {
-  const ModelDims& d = d_;
-  const int64_t N = d.N();
-  Acts& a = *a_;
-  void* dlogits = dloss_scale != 0.0f ? logits : nullptr;
-  if (!tp_) {
-    be_.cross_entropy(losses, dlogits, act_, logits, act_, targets, N, d.V, dloss_scale);
-    return;
-  }
-  be_.vocab_ce_max(a.ce_max, logits, act_, N, d.V);
-  tp_->all_reduce(a.ce_max, N, DType::F32, ReduceOp::MAX);
-  be_.vocab_ce_sums(a.ce_sums, a.ce_sums + N, logits, act_, a.ce_max, targets, d.v0, N, d.V);
-  tp_->all_reduce(a.ce_sums, 2 * N, DType::F32, ReduceOp::SUM);
-  be_.vocab_ce_finish(losses, dlogits, act_, logits, act_, a.ce_max, a.ce_sums, a.ce_sums + N,
-                      targets, d.v0, N, d.V, dloss_scale);
-}
-
 void Gpt::forward(const void* weights, int64_t slot, const int32_t* tokens, const int32_t* targets,
                   float* losses, float dloss_scale) {
   moe_loss_weight_ = dloss_scale * static_cast<float>(d_.N());
@@ -258,7 +224,8 @@ void Gpt::forward(const void* weights, int64_t slot, const int32_t* tokens, cons
   moe_loss_weight_ = 0.0f;
   if (!d_.last) return;
   forward_head(weights, slot);
-  vocab_parallel_loss(losses, a_->slots[static_cast<size_t>(slot)].logits, targets, dloss_scale);
+  vocab_parallel_cross_entropy(*tp_, be_, vocab(), losses, a_->slots[static_cast<size_t>(slot)].logits, targets,
+                               dloss_scale, a_->ce_max, a_->ce_sums);
 }
 
 const void* Gpt::logits() const { return a_->slots[0].logits; }
@@ -282,126 +249,91 @@ void Gpt::forward_logits(const void* weights, const int32_t* tokens) {
 
 void Gpt::forward_blocks(const void* weights, int64_t slot, const int32_t* tokens) {
   const ModelDims& d = d_;
-  const int64_t N = d.N(), Ns = d.Ns;
+  const int64_t Ns = d.Ns;
   const DType t = act_;
+  TensorParallel& tp = *tp_;
   Acts& a = *a_;
   Acts::Slot& sl = a.slots.at(static_cast<size_t>(slot));
-  const bool rank0 = d.tp_rank == 0;
-  const size_t shard_bytes = static_cast<size_t>(Ns * d.C) * dtype_size(t);
-  // With sequence parallelism a norm writes its rows of the gathered (N, C) buffer in place.
-  auto shard_of = [&](void* full) -> void* {
-    return d.sp ? static_cast<char*>(full) + static_cast<size_t>(d.tp_rank) * shard_bytes : full;
-  };
-  auto gather = [&](void* full) {  // f: identity, or all-gather of the sequence shards
-    if (d.sp) tp_->all_gather(full, shard_of(full), Ns * d.C, t);
-  };
-  // Row-parallel GEMM target: the output itself, or the (N, C) partial product to reduce-scatter.
-  auto row_target = [&](void* out) -> void* { return d.sp ? a.dfull : out; };
+  auto lin = [&](int64_t wo, int64_t bo) { return LinearWeights{w(weights, wo), w(weights, bo)}; };
 
-  // Vocab-parallel embedding: each rank looks up its vocabulary rows (zero elsewhere); TP rank 0
-  // adds the position embedding; g sums the ranks' rows.
-  if (d.first) {
-    void* emb = row_target(sl.res[0]);
-    be_.embedding_forward(emb, tokens, w(weights, layout_.wte), rank0 ? w(weights, layout_.wpe) : nullptr,
-                          d.B, d.T, d.C, d.v0, d.V, t, t);
-    row_parallel_output(sl.res[0], emb, /*residual=*/nullptr);
-  }
+  if (d.first)  // x = wte[tokens] + wpe                vocab-parallel          (Ns, C)
+    vocab_parallel_embedding_forward(tp, be_, vocab(), tokens, d.B, d.T, w(weights, layout_.wte),
+                                     w(weights, layout_.wpe), sl.res[0], a.dfull);
   for (int64_t l = 0; l < d.L; ++l) {
     const BlockParams& p = layout_.blocks[static_cast<size_t>(d.l0 + l)];
     Acts::Layer& s = sl.layers[l];
     const void* x = sl.res[l];
-    be_.norm_forward(norm_, shard_of(s.ln1), s.ln1_mean, s.ln1_rstd, x, w(weights, p.norm1_w),
+    // ln1 = norm1(x) on this rank's rows, then f                                 (N, C)
+    be_.norm_forward(norm_, tp.shard_of(s.ln1), s.ln1_mean, s.ln1_rstd, x, w(weights, p.norm1_w),
                      w(weights, p.norm1_b), Ns, d.C, eps_, t, t);
-    gather(s.ln1);
+    tp.copy_to_region(s.ln1);
     // qkv = ln1 W_qkv^T + b        column-parallel: this rank's heads          (N, QKV)
-    be_.gemm(false, true, N, d.QKV, d.C, 1.0f, s.ln1, d.C, w(weights, p.qkv_w), d.C, t, 0.0f,
-             s.qkv, d.QKV, t, w(weights, p.qkv_b));
+    column_parallel_linear_forward(tp, be_, s.ln1, d.C, lin(p.qkv_w, p.qkv_b), s.qkv, d.QKV);
     if (rope_)
       be_.rope_forward(s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, static_cast<float>(cfg_.rope_theta), t);
     be_.attention_forward(s.att, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, t);
-    // res_mid = x + att W_o^T + b  row-parallel                                 (Ns, C)
-    const int64_t A = d.NH * d.HS;
-    void* y = row_target(s.res_mid);
-    const bool fused_residual = !d.sp && rank0;
-    if (fused_residual) be_.copy(y, x, shard_bytes);
-    be_.gemm(false, true, N, d.C, A, 1.0f, s.att, A, w(weights, p.attn_proj_w), A, t,
-             fused_residual ? 1.0f : 0.0f, y, d.C, t, rank0 ? w(weights, p.attn_proj_b) : nullptr);
-    row_parallel_output(s.res_mid, y, x);
-    be_.norm_forward(norm_, shard_of(s.ln2), s.ln2_mean, s.ln2_rstd, s.res_mid, w(weights, p.norm2_w),
+    // res_mid = x + att W_o^T + b  row-parallel, then g                          (Ns, C)
+    row_parallel_linear_forward(tp, be_, s.att, d.NH * d.HS, lin(p.attn_proj_w, p.attn_proj_b), x, s.res_mid,
+                                a.dfull);
+    // ln2 = norm2(res_mid), then f                                              (N, C)
+    be_.norm_forward(norm_, tp.shard_of(s.ln2), s.ln2_mean, s.ln2_rstd, s.res_mid, w(weights, p.norm2_w),
                      w(weights, p.norm2_b), Ns, d.C, eps_, t, t);
-    gather(s.ln2);
+    tp.copy_to_region(s.ln2);
     if (p.moe) {  // res[l+1] = res_mid + MoE(ln2); the experts' TP slices reduced like a row-parallel output
-      y = row_target(sl.res[l + 1]);
-      moe_[static_cast<size_t>(slot)]->forward(d.l0 + l, weights, s.ln2, fused_residual ? s.res_mid : nullptr, y,
-                                               moe_loss_weight_);
-      row_parallel_output(sl.res[l + 1], y, s.res_mid);
+      void* y = tp.product_target(sl.res[l + 1], a.dfull);
+      moe_[static_cast<size_t>(slot)]->forward(d.l0 + l, weights, s.ln2, tp.residual_in_product() ? s.res_mid : nullptr,
+                                               y, moe_loss_weight_);
+      tp.reduce_from_region(sl.res[l + 1], y, s.res_mid);
       continue;
     }
     // fc = ln2 W_fc^T + b          column-parallel                              (N, FC)
     // act = swiglu(fc) (N, F), or gelu(fc) with the GELU in the GEMM's epilogue where it can be
-    if (swiglu_) {
-      be_.gemm(false, true, N, d.FC, d.C, 1.0f, s.ln2, d.C, w(weights, p.fc_w), d.C, t, 0.0f, s.fc,
-               d.FC, t, w(weights, p.fc_b));
-      be_.swiglu_forward(s.act, s.fc, N, d.F, t);
-    } else {
-      be_.gemm_gelu(false, true, N, d.FC, d.C, s.ln2, d.C, w(weights, p.fc_w), d.C, w(weights, p.fc_b),
-                    s.fc, s.act, t);
-    }
-    // res[l+1] = res_mid + act W_p^T + b   row-parallel                        (Ns, C)
-    y = row_target(sl.res[l + 1]);
-    if (fused_residual) be_.copy(y, s.res_mid, shard_bytes);
-    be_.gemm(false, true, N, d.C, d.F, 1.0f, s.act, d.F, w(weights, p.mlp_proj_w), d.F, t,
-             fused_residual ? 1.0f : 0.0f, y, d.C, t, rank0 ? w(weights, p.mlp_proj_b) : nullptr);
-    row_parallel_output(sl.res[l + 1], y, s.res_mid);
+    column_parallel_linear_forward(tp, be_, s.ln2, d.C, lin(p.fc_w, p.fc_b), s.fc, d.FC, swiglu_ ? nullptr : s.act);
+    if (swiglu_) be_.swiglu_forward(s.act, s.fc, d.N(), d.F, t);
+    // res[l+1] = res_mid + act W_p^T + b   row-parallel, then g                 (Ns, C)
+    row_parallel_linear_forward(tp, be_, s.act, d.F, lin(p.mlp_proj_w, p.mlp_proj_b), s.res_mid, sl.res[l + 1],
+                                a.dfull);
   }
 }
 
 void Gpt::forward_head(const void* weights, int64_t slot) {
   const ModelDims& d = d_;
-  const int64_t N = d.N(), Ns = d.Ns;
   const DType t = act_;
+  TensorParallel& tp = *tp_;
   Acts::Slot& sl = a_->slots.at(static_cast<size_t>(slot));
-  const size_t shard_bytes = static_cast<size_t>(Ns * d.C) * dtype_size(t);
-  void* lnf_shard = d.sp ? static_cast<char*>(sl.lnf) + static_cast<size_t>(d.tp_rank) * shard_bytes : sl.lnf;
-  be_.norm_forward(norm_, lnf_shard, sl.lnf_mean, sl.lnf_rstd, sl.res[d.L], w(weights, layout_.final_norm_w),
-                   w(weights, layout_.final_norm_b), Ns, d.C, eps_, t, t);
-  if (d.sp) tp_->all_gather(sl.lnf, lnf_shard, Ns * d.C, t);
-  // logits = lnf W_out^T                                                 (N, V)
+  be_.norm_forward(norm_, tp.shard_of(sl.lnf), sl.lnf_mean, sl.lnf_rstd, sl.res[d.L], w(weights, layout_.final_norm_w),
+                   w(weights, layout_.final_norm_b), d.Ns, d.C, eps_, t, t);
+  tp.copy_to_region(sl.lnf);
+  // logits = lnf W_out^T           column-parallel over the vocabulary          (N, V)
   // Stored in the activation type (bf16 halves the largest tensor of the step, as in Megatron);
   // the loss's softmax and log-sum-exp are fp32 whatever the storage.
-  be_.gemm(false, true, N, d.V, d.C, 1.0f, sl.lnf, d.C, w(weights, layout_.output_weight()), d.C, t,
-           0.0f, sl.logits, d.V, t);
+  column_parallel_linear_forward(tp, be_, sl.lnf, d.C, LinearWeights{w(weights, layout_.output_weight()), nullptr},
+                                 sl.logits, d.V);
 }
 
 void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_t* tokens,
                    const GroupDoneHook* on_group_done, void* input_grad) {
   const ModelDims& d = d_;
-  const int64_t N = d.N(), Ns = d.Ns;
+  const int64_t Ns = d.Ns;
   const DType t = act_;
+  TensorParallel& tp = *tp_;
   Acts& a = *a_;
   Acts::Slot& sl = a.slots.at(static_cast<size_t>(slot));
   auto g = [&](int64_t offset) -> float* { return offset < 0 ? nullptr : grads + offset; };
+  auto lin = [&](int64_t wo, int64_t bo) { return LinearWeights{w(weights, wo), w(weights, bo)}; };
+  auto grad = [&](int64_t wo, int64_t bo) { return LinearGrads{g(wo), g(bo)}; };
   auto done = [&](int group) {
     if (on_group_done) (*on_group_done)(group);
   };
-  // Input gradients of column-parallel GEMMs go here, then column_parallel_input_grad sums them.
+  // The partial input gradients of column-parallel layers (N, C); f's backward sums them into a.dc.
   void* dx = d.sp ? a.dfull : a.dc;
-  // The full-row gradient of a row-parallel output: all-gathered from the shards (sequence
-  // parallelism), else the residual gradient itself (identical on every TP rank).
-  auto full_dres = [&]() -> const void* {
-    if (!d.sp) return a.dres;
-    tp_->all_gather(a.dfull, a.dres, Ns * d.C, t);
-    return a.dfull;
-  };
 
   if (d.last) {
-    // Output projection: dlnf = dlogits W_out (N, C); dW_out += dlogits^T lnf (V, C).
+    // Output layer: dlnf = dlogits W_out (N, C); dW_out += dlogits^T lnf (V, C).
     const void* dlogits = sl.logits;  // the loss wrote the gradient over the logits
-    be_.gemm(false, false, N, d.C, d.V, 1.0f, dlogits, d.V, w(weights, layout_.output_weight()), d.C,
-             t, 0.0f, dx, d.C, t);
-    be_.gemm(true, false, d.V, d.C, N, 1.0f, dlogits, d.V, sl.lnf, d.C, t, 1.0f,
-             g(layout_.output_weight()), d.C, DType::F32);
-    column_parallel_input_grad(dx);
+    column_parallel_linear_backward(tp, be_, dlogits, d.V, sl.lnf, d.C,
+                                    LinearWeights{w(weights, layout_.output_weight()), nullptr},
+                                    LinearGrads{g(layout_.output_weight()), nullptr}, dx, a.dc);
     be_.memset_zero(a.dres, static_cast<size_t>(Ns * d.C) * dtype_size(t));
     be_.norm_backward(norm_, a.dres, g(layout_.final_norm_w), g(layout_.final_norm_b), a.dc, sl.res[d.L],
                       w(weights, layout_.final_norm_w), sl.lnf_mean, sl.lnf_rstd, Ns, d.C, t, t);
@@ -411,52 +343,34 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
   for (int64_t l = d.L - 1; l >= 0; --l) {
     const BlockParams& p = layout_.blocks[static_cast<size_t>(d.l0 + l)];
     Acts::Layer& s = sl.layers[l];
-    // MLP: res[l+1] = res_mid + act W_p^T + b.
-    const void* dout = full_dres();
+    // MLP: res[l+1] = res_mid + act W_p^T + b; g's backward gives every row's gradient.
+    const void* dout = tp.reduce_from_region_backward(a.dfull, a.dres);
     if (p.moe) {
       moe_[static_cast<size_t>(slot)]->backward(d.l0 + l, weights, grads, s.ln2, dout, dx);
       done(p.expert_group);
+      tp.copy_to_region_backward(a.dc, dx);
     } else {
-      // dfc = swiglu'(dout W_p) through dact, or gelu'(fc) * (dout W_p) in the GEMM's epilogue
-      if (swiglu_) {
-        be_.gemm(false, false, N, d.F, d.C, 1.0f, dout, d.C, w(weights, p.mlp_proj_w), d.F, t, 0.0f,
-                 a.dact, d.F, t);
-        be_.swiglu_backward(a.dfc, s.fc, a.dact, N, d.F, t);
-      } else {
-        be_.gemm_dgelu(false, false, N, d.F, d.C, dout, d.C, w(weights, p.mlp_proj_w), d.F, s.fc, a.dfc, t);
-      }
-      be_.gemm(true, false, d.C, d.F, N, 1.0f, dout, d.C, s.act, d.F, t, 1.0f, g(p.mlp_proj_w), d.F,
-               DType::F32);
-      if (p.mlp_proj_b >= 0) be_.bias_backward(g(p.mlp_proj_b), dout, N, d.C, t);
-      be_.gemm(false, false, N, d.C, d.FC, 1.0f, a.dfc, d.FC, w(weights, p.fc_w), d.C, t, 0.0f, dx,
-               d.C, t);
-      be_.gemm(true, false, d.FC, d.C, N, 1.0f, a.dfc, d.FC, s.ln2, d.C, t, 1.0f, g(p.fc_w), d.C,
-               DType::F32);
-      if (p.fc_b >= 0) be_.bias_backward(g(p.fc_b), a.dfc, N, d.FC, t);
+      // dact = dout W_p (swiglu: then through the swiglu), or dfc = gelu'(fc) * (dout W_p) in one GEMM
+      row_parallel_linear_backward(tp, be_, dout, s.act, d.F, lin(p.mlp_proj_w, p.mlp_proj_b),
+                                   grad(p.mlp_proj_w, p.mlp_proj_b), swiglu_ ? a.dact : a.dfc,
+                                   swiglu_ ? nullptr : s.fc);
+      if (swiglu_) be_.swiglu_backward(a.dfc, s.fc, a.dact, d.N(), d.F, t);
+      column_parallel_linear_backward(tp, be_, a.dfc, d.FC, s.ln2, d.C, lin(p.fc_w, p.fc_b), grad(p.fc_w, p.fc_b),
+                                      dx, a.dc);
     }
-    column_parallel_input_grad(dx);
     be_.norm_backward(norm_, a.dres, g(p.norm2_w), g(p.norm2_b), a.dc, s.res_mid, w(weights, p.norm2_w),
                       s.ln2_mean, s.ln2_rstd, Ns, d.C, t, t);
 
     // Attention: res_mid = res[l] + att W_o^T + b.
     const int64_t A = d.NH * d.HS;
-    dout = full_dres();
-    void* datt = a.datt;
-    be_.gemm(false, false, N, A, d.C, 1.0f, dout, d.C, w(weights, p.attn_proj_w), A, t, 0.0f, datt,
-             A, t);
-    be_.gemm(true, false, d.C, A, N, 1.0f, dout, d.C, s.att, A, t, 1.0f, g(p.attn_proj_w), A,
-             DType::F32);
-    if (p.attn_proj_b >= 0) be_.bias_backward(g(p.attn_proj_b), dout, N, d.C, t);
-    void* dqkv = a.dqkv;
-    be_.attention_backward(dqkv, datt, s.qkv, s.att, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, t);
+    dout = tp.reduce_from_region_backward(a.dfull, a.dres);
+    row_parallel_linear_backward(tp, be_, dout, s.att, A, lin(p.attn_proj_w, p.attn_proj_b),
+                                 grad(p.attn_proj_w, p.attn_proj_b), a.datt);
+    be_.attention_backward(a.dqkv, a.datt, s.qkv, s.att, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, t);
     if (rope_)
-      be_.rope_backward(dqkv, d.B, d.T, d.NH, d.NKV, d.HS, static_cast<float>(cfg_.rope_theta), t);
-    be_.gemm(false, false, N, d.C, d.QKV, 1.0f, dqkv, d.QKV, w(weights, p.qkv_w), d.C, t, 0.0f, dx,
-             d.C, t);
-    be_.gemm(true, false, d.QKV, d.C, N, 1.0f, dqkv, d.QKV, s.ln1, d.C, t, 1.0f, g(p.qkv_w), d.C,
-             DType::F32);
-    if (p.qkv_b >= 0) be_.bias_backward(g(p.qkv_b), dqkv, N, d.QKV, t);
-    column_parallel_input_grad(dx);
+      be_.rope_backward(a.dqkv, d.B, d.T, d.NH, d.NKV, d.HS, static_cast<float>(cfg_.rope_theta), t);
+    column_parallel_linear_backward(tp, be_, a.dqkv, d.QKV, s.ln1, d.C, lin(p.qkv_w, p.qkv_b), grad(p.qkv_w, p.qkv_b),
+                                    dx, a.dc);
     be_.norm_backward(norm_, a.dres, g(p.norm1_w), g(p.norm1_b), a.dc, sl.res[l], w(weights, p.norm1_w),
                       s.ln1_mean, s.ln1_rstd, Ns, d.C, t, t);
     done(layout_.layer_group[static_cast<size_t>(d.l0 + l)]);
@@ -466,8 +380,8 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
     be_.copy(input_grad, a.dres, static_cast<size_t>(Ns * d.C) * dtype_size(t));
     return;
   }
-  const void* demb = full_dres();
-  be_.embedding_backward(g(layout_.wte), g(layout_.wpe), demb, tokens, d.B, d.T, d.C, d.v0, d.V, t);
+  vocab_parallel_embedding_backward(tp, be_, vocab(), tokens, d.B, d.T, a.dres, a.dfull, g(layout_.wte),
+                                    g(layout_.wpe));
   done(layout_.embedding_group);
 }
 

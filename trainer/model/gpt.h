@@ -17,16 +17,11 @@
 // the logits' gradient in place while computing the loss, so the logits are written once.
 //
 // Tensor parallel over p ranks (param_layout.h says which slice each rank holds): W_qkv and W_fc
-// are column-parallel, W_o and W_p row-parallel, the embedding and W_out vocab-parallel. Every
-// rank computes its heads / MLP columns / vocabulary rows; the conjugate pairs of communication:
-//   before a column-parallel GEMM   f: identity forward, all-reduce of dX backward
-//   after a row-parallel GEMM       g: all-reduce forward, identity backward
-// (the residual and the row-parallel bias are added by TP rank 0 only, before the all-reduce).
-// The loss is the vocab-parallel cross-entropy: all-reduces of the row max and of the sums, never
-// the (N, V) logits. With sequence parallelism the residual stream, norms and their statistics
-// live on N/p-row shards; f becomes an all-gather (backward: reduce-scatter) and g a
-// reduce-scatter (backward: all-gather). Shards are blocks of the flattened B*T rows: every op on
-// the residual stream is row-wise, so any row partition is a valid "sequence" split.
+// are column-parallel, W_o and W_p row-parallel, the embedding and W_out vocab-parallel. The
+// communication around them, the conjugate pairs f and g, the sequence-parallel shards of the
+// residual stream and the rank-0 rule for biases and residuals are trainer/parallel/'s
+// (tensor_parallel.h, vocab_parallel.h): this file is the single-device block calling them by
+// name, and every call is the identity without a TP group.
 //
 // Pipeline parallelism: a Gpt is one model chunk of a pipeline rank (layers [l0, l0 + L) of the
 // model, ParamLayout::stage), with the embedding only on the first stage and the final norm,
@@ -48,6 +43,8 @@
 #include "kernels/backend.h"
 #include "trainer/config/config.h"
 #include "trainer/model/moe.h"
+#include "trainer/parallel/tensor_parallel.h"
+#include "trainer/parallel/vocab_parallel.h"
 #include "trainer/params/param_layout.h"
 
 namespace tetra {
@@ -153,19 +150,12 @@ class Gpt {
   void forward_blocks(const void* weights, int64_t slot, const int32_t* tokens);
   // Final norm and output layer (last stage): the logits of slot `slot`.
   void forward_head(const void* weights, int64_t slot);
-  void vocab_parallel_loss(float* losses, void* logits, const int32_t* targets, float dloss_scale);
-  // Row-parallel output: y (N, C) holds this rank's partial product (rank 0 added the bias, and
-  // without sequence parallelism the residual too, y == out); `out` (Ns, C) = the sum over the
-  // TP group (+ residual, if non-null, with sequence parallelism).
-  void row_parallel_output(void* out, void* y, const void* residual);
-  // Input gradient of a column-parallel GEMM: dx_partial (N, C) summed over the group, into
-  // a_->dc (Ns, C).
-  void column_parallel_input_grad(void* dx_partial);
+  VocabSlice vocab() const { return {d_.v0, d_.V}; }  // this rank's vocabulary rows
 
   const ModelConfig& cfg_;
   const ParamLayout& layout_;
   Backend& be_;
-  Communicator* tp_;  // null without tensor parallelism
+  std::unique_ptr<TensorParallel> tp_;  // the TP group's communication (identity without one)
   DType act_;
   ModelDims d_;
   NormKind norm_;

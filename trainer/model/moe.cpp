@@ -8,6 +8,7 @@
 
 #include "kernels/common/check.h"
 #include "trainer/comm/communicator.h"
+#include "trainer/parallel/expert_dispatch.h"
 
 namespace tetra {
 
@@ -96,9 +97,8 @@ struct MoeLayers::Layer {
   int32_t* ungroup;   // (R_max) source-major row -> expert-major row (ep > 1)
   // Host.
   MoeRoutingPlan plan;
-  std::vector<int64_t> expert_rows;  // (El) rows of each local expert
-  std::vector<int64_t> send_rows, recv_rows;  // (ep) rows to / from each EP rank
-  int64_t M = 0, R = 0;
+  ExpertExchange x;  // rows to / from each EP rank, rows of each local expert (R in all)
+  int64_t M = 0;
   float loss_weight = 0.0f;
 };
 
@@ -224,6 +224,7 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   N_ = z.N, C_ = z.C, E_ = z.E, K_ = z.K, El_ = z.El, F_ = z.F, FC_ = z.FC, cap_ = z.cap;
   M_max_ = z.M_max, R_max_ = z.R_max;
   e0_ = layout.slicing.ep_rank * El_;
+  dispatcher_ = std::make_unique<ExpertDispatcher>(ep_, be, act, C_, E_);
   swiglu_ = cfg.activation == "swiglu";
   std::vector<Layer*> ptrs;
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
@@ -289,6 +290,11 @@ void MoeStepStats::merge(const MoeStepStats& other) {
 
 MoeStepStats MoeLayers::take_stats() {
   MoeStepStats out = stats_;
+  const ExpertTraffic traffic = dispatcher_->take_traffic();
+  out.dispatch_s += traffic.dispatch_s;
+  out.combine_s += traffic.combine_s;
+  out.dispatch_bytes += traffic.dispatch_bytes;
+  out.combine_bytes += traffic.combine_bytes;
   for (MoeLayerStats& l : out.layers)
     if (l.micro_batches > 0) {
       l.aux_loss /= static_cast<double>(l.micro_batches);
@@ -302,39 +308,6 @@ MoeStepStats MoeLayers::take_stats() {
   stats_.expert_s = stats_.dispatch_s = stats_.combine_s = 0.0;
   stats_.dispatch_bytes = stats_.combine_bytes = 0;
   return out;
-}
-
-// Rows sent to EP rank r: the blocks of its experts, contiguous in x_perm's expert order.
-void MoeLayers::dispatch(Layer& s, const void* send, void* recv_expert_major) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const int ep = ep_->size();
-  std::vector<int64_t> sc(ep), so(ep), rc(ep), ro(ep);
-  int64_t at = 0, rat = 0;
-  for (int r = 0; r < ep; ++r) {
-    sc[r] = s.send_rows[r] * C_, so[r] = at, at += sc[r];
-    rc[r] = s.recv_rows[r] * C_, ro[r] = rat, rat += rc[r];
-  }
-  ep_->all_to_all_v(send, sc, so, sc_->src, rc, ro, act_);
-  be_.moe_gather_rows(recv_expert_major, sc_->src, s.regroup, s.R, C_, act_);
-  stats_.dispatch_s += since(t0);
-  for (int r = 0; r < ep; ++r)
-    if (r != ep_->rank()) stats_.dispatch_bytes += sc[r] * static_cast<int64_t>(dtype_size(act_));
-}
-
-void MoeLayers::combine(Layer& s, const void* expert_major, void* local) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const int ep = ep_->size();
-  be_.moe_gather_rows(sc_->src, expert_major, s.ungroup, s.R, C_, act_);
-  std::vector<int64_t> sc(ep), so(ep), rc(ep), ro(ep);
-  int64_t at = 0, rat = 0;
-  for (int r = 0; r < ep; ++r) {
-    sc[r] = s.recv_rows[r] * C_, so[r] = at, at += sc[r];
-    rc[r] = s.send_rows[r] * C_, ro[r] = rat, rat += rc[r];
-  }
-  ep_->all_to_all_v(sc_->src, sc, so, local, rc, ro, act_);
-  stats_.combine_s += since(t0);
-  for (int r = 0; r < ep; ++r)
-    if (r != ep_->rank()) stats_.combine_bytes += sc[r] * static_cast<int64_t>(dtype_size(act_));
 }
 
 void MoeLayers::experts_forward(Layer& s, const BlockParams& p, const void* weights) {
@@ -351,21 +324,21 @@ void MoeLayers::experts_forward(Layer& s, const BlockParams& p, const void* weig
   const bool tp0 = !tp_ || tp_->rank() == 0;  // the proj bias once over the TP partial sums
   int64_t o = 0;
   for (int64_t j = 0; j < El_; ++j) {  // fc = x W1_j^T + b1_j            (n, FC)
-    const int64_t n = s.expert_rows[j];
+    const int64_t n = s.x.expert_rows[j];
     if (n > 0)
       be_.gemm(false, true, n, FC_, C_, 1.0f, x + o * C_ * es, C_, w(p.experts_fc_w, j, FC_ * C_), C_, act_, 0.0f,
                fc + o * FC_ * es, FC_, act_, w(p.experts_fc_b, j, FC_));
     o += n;
   }
-  if (s.R > 0) {
+  if (s.x.R > 0) {
     if (swiglu_)
-      be_.swiglu_forward(a, fc, s.R, F_, act_);
+      be_.swiglu_forward(a, fc, s.x.R, F_, act_);
     else
-      be_.gelu_forward(a, fc, s.R * F_, act_);
+      be_.gelu_forward(a, fc, s.x.R * F_, act_);
   }
   o = 0;
   for (int64_t j = 0; j < El_; ++j) {  // y = a W2_j^T + b2_j             (n, C)
-    const int64_t n = s.expert_rows[j];
+    const int64_t n = s.x.expert_rows[j];
     if (n > 0)
       be_.gemm(false, true, n, C_, F_, 1.0f, a + o * F_ * es, F_, w(p.experts_proj_w, j, C_ * F_), F_, act_, 0.0f,
                y + o * C_ * es, C_, act_, tp0 ? w(p.experts_proj_b, j, C_) : nullptr);
@@ -392,7 +365,7 @@ void MoeLayers::experts_backward(Layer& s, const BlockParams& p, const void* wei
   char* dx = static_cast<char*>(sc_->dx_exp);
   int64_t o = 0;
   for (int64_t j = 0; j < El_; ++j) {
-    const int64_t n = s.expert_rows[j];
+    const int64_t n = s.x.expert_rows[j];
     if (n > 0) {
       // dact = dy W2_j (n, F); dW2_j += dy^T a (C, F); db2_j += colsum dy.
       be_.gemm(false, false, n, F_, C_, 1.0f, dy + o * C_ * es, C_, w(p.experts_proj_w, j, C_ * F_), F_, act_,
@@ -403,15 +376,15 @@ void MoeLayers::experts_backward(Layer& s, const BlockParams& p, const void* wei
     }
     o += n;
   }
-  if (s.R > 0) {
+  if (s.x.R > 0) {
     if (swiglu_)
-      be_.swiglu_backward(dfc, fc, dact, s.R, F_, act_);
+      be_.swiglu_backward(dfc, fc, dact, s.x.R, F_, act_);
     else
-      be_.gelu_backward(dfc, fc, dact, s.R * F_, act_);
+      be_.gelu_backward(dfc, fc, dact, s.x.R * F_, act_);
   }
   o = 0;
   for (int64_t j = 0; j < El_; ++j) {
-    const int64_t n = s.expert_rows[j];
+    const int64_t n = s.x.expert_rows[j];
     if (n > 0) {
       // dx = dfc W1_j (n, C); dW1_j += dfc^T x (FC, C); db1_j += colsum dfc.
       be_.gemm(false, false, n, C_, FC_, 1.0f, dfc + o * FC_ * es, FC_, w(p.experts_fc_w, j, FC_ * C_), C_, act_,
@@ -446,59 +419,21 @@ void MoeLayers::forward(int64_t l, const void* weights, const void* h, const voi
 
   if (!ep_) {
     be_.moe_gather_rows(s.x_exp, h, s.rows, s.M, C_, act_);
-    s.expert_rows = s.plan.kept;
-    s.R = s.M;
+    s.x.expert_rows = s.plan.kept;
+    s.x.R = s.M;
   } else {
-    const int ep = ep_->size();
-    // Counts first: rank r sends each EP rank the kept counts of that rank's experts.
-    const auto t0 = std::chrono::steady_clock::now();
-    std::vector<int32_t>& counts = sc_->h_counts;
-    for (int64_t e = 0; e < E_; ++e) counts[e] = static_cast<int32_t>(s.plan.kept[e]);
-    be_.copy_from_host(sc_->counts, counts.data(), static_cast<size_t>(E_) * 4);
-    std::vector<int64_t> n(ep, El_), off(ep);
-    for (int r = 0; r < ep; ++r) off[r] = r * El_;
-    ep_->all_to_all_v(sc_->counts, n, off, sc_->counts + E_, n, off, DType::I32);
-    be_.copy_to_host(counts.data() + E_, sc_->counts + E_, static_cast<size_t>(ep * El_) * 4);
-    stats_.dispatch_s += since(t0);
-    // recv[q][j]: rows source q sends to local expert j.
-    s.send_rows.assign(ep, 0);
-    s.recv_rows.assign(ep, 0);
-    s.expert_rows.assign(static_cast<size_t>(El_), 0);
-    for (int r = 0; r < ep; ++r)
-      for (int64_t j = 0; j < El_; ++j) {
-        s.send_rows[r] += s.plan.kept[r * El_ + j];
-        const int64_t c = counts[E_ + r * El_ + j];
-        s.recv_rows[r] += c;
-        s.expert_rows[j] += c;
-      }
-    s.R = 0;
-    for (int r = 0; r < ep; ++r) s.R += s.recv_rows[r];
-    TETRA_CHECK(s.R <= R_max_, "MoE dispatch: {} rows for this rank's experts, planned for at most {}", s.R, R_max_);
-    // Regrouping between source-major (as received) and expert-major (one block per expert).
-    std::vector<int32_t>& regroup = sc_->h_regroup;  // first R entries
-    std::vector<int32_t>& ungroup = sc_->h_ungroup;
-    std::vector<int64_t> src_start(ep, 0), exp_start(static_cast<size_t>(El_), 0);
-    for (int r = 1; r < ep; ++r) src_start[r] = src_start[r - 1] + s.recv_rows[r - 1];
-    for (int64_t j = 1; j < El_; ++j) exp_start[j] = exp_start[j - 1] + s.expert_rows[j - 1];
-    std::vector<int64_t> fill = exp_start;
-    for (int r = 0; r < ep; ++r) {
-      int64_t sp = src_start[r];
-      for (int64_t j = 0; j < El_; ++j)
-        for (int64_t t = 0; t < counts[E_ + r * El_ + j]; ++t, ++sp) {
-          const int64_t q = fill[j]++;
-          regroup[q] = static_cast<int32_t>(sp);
-          ungroup[sp] = static_cast<int32_t>(q);
-        }
-    }
-    if (s.R > 0) {
-      be_.copy_from_host(s.regroup, regroup.data(), static_cast<size_t>(s.R) * 4);
-      be_.copy_from_host(s.ungroup, ungroup.data(), static_cast<size_t>(s.R) * 4);
+    s.x = dispatcher_->exchange_counts(s.plan.kept, sc_->counts, sc_->h_counts, sc_->h_regroup, sc_->h_ungroup);
+    TETRA_CHECK(s.x.R <= R_max_, "MoE dispatch: {} rows for this rank's experts, planned for at most {}", s.x.R,
+                R_max_);
+    if (s.x.R > 0) {
+      be_.copy_from_host(s.regroup, sc_->h_regroup.data(), static_cast<size_t>(s.x.R) * 4);
+      be_.copy_from_host(s.ungroup, sc_->h_ungroup.data(), static_cast<size_t>(s.x.R) * 4);
     }
     be_.moe_gather_rows(sc_->send, h, s.rows, s.M, C_, act_);
-    dispatch(s, sc_->send, s.x_exp);
+    dispatcher_->dispatch(s.x, sc_->send, sc_->src, s.regroup, s.x_exp);
   }
   experts_forward(s, p, weights);
-  if (ep_) combine(s, sc_->y_exp, s.y_local);
+  if (ep_) dispatcher_->combine(s.x, sc_->y_exp, sc_->src, s.ungroup, s.y_local);
   if (!residual)
     be_.memset_zero(out, static_cast<size_t>(N_ * C_) * es);
   else if (out != residual)
@@ -535,9 +470,9 @@ void MoeLayers::backward(int64_t l, const void* weights, float* grads, const voi
   // Combine: dy = g dout at each kept assignment's row; the gates' gradient <dout, y>.
   be_.moe_combine_backward(sc_->dy_local, sc_->dgates, dout, s.y_local, s.pos, s.topk_prob, N_, K_, C_, act_);
   if (tp_) tp_->all_reduce(sc_->dgates, N_ * K_, DType::F32);  // y was this rank's partial sum
-  if (ep_) dispatch(s, sc_->dy_local, sc_->dy_exp);
+  if (ep_) dispatcher_->dispatch(s.x, sc_->dy_local, sc_->src, s.regroup, sc_->dy_exp);
   experts_backward(s, p, weights, grads);
-  if (ep_) combine(s, sc_->dx_exp, sc_->dx_local);
+  if (ep_) dispatcher_->combine(s.x, sc_->dx_exp, sc_->src, s.ungroup, sc_->dx_local);
   be_.moe_combine(dh, sc_->dx_local, s.pos, nullptr, N_, K_, C_, /*accumulate=*/false, act_);
 
   // Router: the gates' gradient, the load-balancing loss (the same additive term on p[:, e] for

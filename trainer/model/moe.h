@@ -19,7 +19,8 @@
 //   z   = mean_i lse_i^2                            (ST-MoE router z-loss)
 // objective += aux_loss_coeff aux + z_loss_coeff z.
 //
-// Expert parallelism (ep ranks, carved out of DP): rank r holds experts [r E/ep, (r+1) E/ep).
+// Expert parallelism (ep ranks, carved out of DP; the exchanges are trainer/parallel/expert_dispatch.h):
+// rank r holds experts [r E/ep, (r+1) E/ep).
 // Each rank routes its own tokens (capacity counted on them, so drops do not depend on ep), then:
 //   1. all_to_all_v of the per-expert counts (each rank learns how many rows it will receive),
 //   2. all_to_all_v of x_perm's expert blocks to their owners (dispatch),
@@ -50,6 +51,7 @@
 namespace tetra {
 
 class Communicator;
+class ExpertDispatcher;
 
 // The routing of one micro-batch on one rank (host side), from the router's top-K choice.
 struct MoeRoutingPlan {
@@ -113,8 +115,6 @@ class MoeLayers {
   struct Layer;  // per-block saved state (moe.cpp)
 
  private:
-  void dispatch(Layer& s, const void* send, void* recv_expert_major);
-  void combine(Layer& s, const void* expert_major, void* local);
   void experts_forward(Layer& s, const BlockParams& p, const void* weights);
   void experts_backward(Layer& s, const BlockParams& p, const void* weights, float* grads);
 
@@ -124,6 +124,7 @@ class MoeLayers {
   DType act_;
   Communicator* ep_;  // null without expert parallelism
   Communicator* tp_;  // null without tensor parallelism
+  std::unique_ptr<ExpertDispatcher> dispatcher_;  // the EP exchanges (parallel/expert_dispatch.h)
   int64_t N_, C_, E_, K_, El_, e0_, F_, FC_, cap_, M_max_, R_max_;
   bool swiglu_;
   std::vector<int> index_of_layer_;  // block -> index into layers_, -1 for dense blocks
