@@ -234,6 +234,44 @@ class Backend {
   virtual void cast(void* dst, DType dst_type, const void* src, DType src_type, int64_t n) = 0;
 };
 
+// Backend memory with one owner: allocated at construction, freed by the destructor (or reset),
+// moved, never copied. Every buffer the trainer keeps past a function is one of these, so no code
+// path (an exception during set-up included) can leak or double-free backend memory.
+class BackendBuffer {
+ public:
+  BackendBuffer() = default;
+  BackendBuffer(Backend& be, size_t bytes) : be_(&be), ptr_(be.alloc(bytes)), bytes_(bytes) {}
+  ~BackendBuffer() { reset(); }
+  BackendBuffer(BackendBuffer&& o) noexcept : be_(o.be_), ptr_(o.ptr_), bytes_(o.bytes_) { o.release(); }
+  BackendBuffer& operator=(BackendBuffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      be_ = o.be_, ptr_ = o.ptr_, bytes_ = o.bytes_;
+      o.release();
+    }
+    return *this;
+  }
+  BackendBuffer(const BackendBuffer&) = delete;
+  BackendBuffer& operator=(const BackendBuffer&) = delete;
+
+  void* get() const { return ptr_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+  explicit operator bool() const { return ptr_ != nullptr; }
+  // Frees the memory now (nothing if empty).
+  void reset() {
+    if (ptr_) be_->free(ptr_);
+    release();
+  }
+
+ private:
+  void release() { be_ = nullptr, ptr_ = nullptr, bytes_ = 0; }
+  Backend* be_ = nullptr;
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 // The CPU backend (kernels/cpu). `threads` <= 0 means all available cores.
 std::unique_ptr<Backend> make_cpu_backend(int threads = 0);
 

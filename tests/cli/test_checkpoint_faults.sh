@@ -186,7 +186,7 @@ mkdir -p "$d"
 mkfifo "$d/config.json"
 train "$d"
 [[ $rc -eq 124 ]] && fail "tetra blocked on the named pipe"
-expect_input_error "$d" "config.json: cannot read the config file: it is not a regular file"
+expect_input_error "$d" "config.json is a named pipe (FIFO), not a regular file; give a JSON file"
 
 case="a NUL in a config key"
 d="$scratch/nulkey"

@@ -85,7 +85,7 @@ expect_no_output_files
 
 start_case missing_file
 run_case 2 "$scratch/missing_file/no_such_config.json"
-expect_stderr "error: $scratch/missing_file/no_such_config.json: cannot read the config file"
+expect_stderr "error: cannot open config file $scratch/missing_file/no_such_config.json: No such file or directory"
 expect_no_output_files
 
 # training.device "cuda" without a usable GPU: refused before anything is written, naming the

@@ -129,14 +129,18 @@ def last_run(out):
 # ---- comparisons --------------------------------------------------------------------------------
 
 def worst_step_rel(steps, ref_steps, key="loss"):
-    """The largest relative difference of `key` between paired step records (zip's pairs)."""
+    """The largest relative difference of `key` between paired step records; infinite when the two
+    runs logged different numbers of steps (or none), so that a short curve can never pass."""
+    if len(steps) != len(ref_steps) or not steps:
+        return float("inf")
     return max(rel(s[key], r[key]) for s, r in zip(steps, ref_steps))
 
 
 def check_loss_curve(checks, name, steps, ref_steps, n_steps, rtol, norm_rtol=None):
     """A run's step records against the reference run's: n_steps logged, every step's loss within
     rtol, and (with norm_rtol) every step's gradient norm within norm_rtol."""
-    checks.check(len(steps) == n_steps, f"{name}: {len(steps)} steps logged")
+    checks.check(len(steps) == n_steps and len(ref_steps) == n_steps,
+                 f"{name}: {len(steps)} steps logged, the reference {len(ref_steps)}, {n_steps} expected")
     worst = worst_step_rel(steps, ref_steps)
     checks.check(worst <= rtol, f"{name}: losses of {n_steps} steps within {rtol:g} (worst {worst:.2e})")
     if norm_rtol is not None:

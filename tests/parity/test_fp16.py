@@ -184,7 +184,8 @@ def compare(name, ref, got, k, injected, init):
           f"{name}: on every rank the injected steps {injected} changed nothing: checkpoint {injected[-1]} = "
           f"checkpoint {injected[0] - 1} bit for bit ({len(same)} of {len(before)} tensors; {moved} weights had "
           f"moved since step {k})")
-    worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(rows, rows_r))
+    worst = (max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(rows, rows_r))
+             if len(rows) == len(rows_r) and rows else float("inf"))  # a short curve never passes
     check(worst < FP16_LAYOUT_RTOL, f"{name}: losses within {FP16_LAYOUT_RTOL:g} of single-rank fp16 (worst {worst:.2e})")
     bad = [n for n, a in w.items() if not np.all(np.isfinite(a))]
     check(len(w) == len(init) and not bad, f"{name}: final weights complete and finite {bad}")

@@ -398,9 +398,8 @@ TEST_CASE("config: load_config applies overrides", "[config]") {
 TEST_CASE("config: file errors name the file, syntax errors the line and column", "[config]") {
   const std::string missing = tmp_dir() + "/no_such_config.json";
   std::filesystem::remove(missing);
-  CHECK(load_error(missing) ==
-        missing + ": cannot read the config file: No such file or directory");
-  CHECK(load_error(tmp_dir()) == tmp_dir() + ": cannot read the config file: it is a directory");
+  CHECK(load_error(missing) == "cannot open config file " + missing + ": No such file or directory");
+  CHECK(load_error(tmp_dir()) == "config file " + tmp_dir() + " is a directory, not a regular file; give a JSON file");
   CHECK_THROWS_AS(load_config(missing, {}), InputError);
 
   // A trailing comma: the parser stops at the '}' on line 4, column 3.

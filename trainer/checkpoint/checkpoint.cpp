@@ -19,6 +19,7 @@
 #include <spdlog/spdlog.h>
 
 #include "trainer/checkpoint/commit.h"
+#include "trainer/core/files.h"
 #include "trainer/checkpoint/manifest.h"
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/checkpoint/sharding.h"
@@ -309,7 +310,7 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
         tensors[key]["slices"].push_back(slice);
       }
     manifest["tensors"] = tensors;
-    write_file_atomic((fs::path(tmp_dir) / "manifest.json").string(), manifest.dump(1));  // state 3
+    write_file_atomic((fs::path(tmp_dir) / "manifest.json").string(), manifest.dump(1), checkpoint_io_point);  // state 3
     commit_checkpoint(dir, name, tmp_dir);                      // states 4 and 5
     rotate_checkpoints(dir, cfg.checkpoint.keep, name);         // state 6
   }
@@ -430,14 +431,18 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
       be.copy_from_host(x.data, host.data(), host.size() * 4);
   }
   // Into backend memory: master weights (whole or shard), compute weights, moments.
+  BackendBuffer own_staging;  // when there is no whole fp32 buffer to stage in
   float* staging = b.master_full;
-  if (!staging) staging = static_cast<float*>(be.alloc(total * 4));
+  if (!staging) {
+    own_staging = BackendBuffer(be, total * 4);
+    staging = own_staging.as<float>();
+  }
   be.copy_from_host(staging, weights.data(), total * 4);
   if (b.compute && b.compute != staging) be.cast(b.compute, b.compute_type, staging, DType::F32, layout.total);
   if (b.master_shard)
     for (size_t o = 0; o < b.owned->size(); ++o)
       be.copy(b.master_shard + starts[o], staging + (*b.owned)[o].offset, static_cast<size_t>((*b.owned)[o].numel) * 4);
-  if (staging != b.master_full) be.free(staging);
+  own_staging.reset();
   be.copy_from_host(b.exp_avg, m.data(), m.size() * 4);
   be.copy_from_host(b.exp_avg_sq, v.data(), v.size() * 4);
   groups.world->barrier();

@@ -19,6 +19,7 @@
 #include <spdlog/spdlog.h>
 
 #include "trainer/checkpoint/manifest.h"
+#include "trainer/core/files.h"
 #include "kernels/common/check.h"
 
 namespace tetra {
@@ -151,35 +152,6 @@ void checkpoint_io_point(const char* op, const std::string& path) {
 CheckpointSaveScope::CheckpointSaveScope() { ++g_save_depth; }
 CheckpointSaveScope::~CheckpointSaveScope() { --g_save_depth; }
 
-void write_file_atomic(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  checkpoint_io_point("write", tmp);
-  // One descriptor writes, syncs and closes: a write-back error is reported on it.
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw Error(fmt::format("{}: cannot create: {}", tmp, std::strerror(errno)));
-  size_t at = 0;
-  while (at < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + at, text.size() - at);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = errno;
-      ::close(fd);
-      throw Error(fmt::format("{}: cannot write: {}", tmp, std::strerror(err)));
-    }
-    at += static_cast<size_t>(n);
-  }
-  checkpoint_io_point("fsync", tmp);
-  if (::fsync(fd) != 0) {
-    const int err = errno;
-    ::close(fd);
-    throw Error(fmt::format("{}: fsync failed: {}", tmp, std::strerror(err)));
-  }
-  if (::close(fd) != 0) throw Error(fmt::format("{}: close failed: {}", tmp, std::strerror(errno)));
-  rename_path(tmp, path);
-  const std::string parent = fs::path(path).parent_path().string();
-  fsync_path(parent.empty() ? "." : parent, true);
-}
-
 std::vector<CheckpointEntry> complete_checkpoints(const std::string& dir) {
   std::vector<CheckpointEntry> found;
   for (const std::string& n : list_dir(dir)) {
@@ -255,7 +227,7 @@ void commit_checkpoint(const std::string& dir, const std::string& name, const st
     leftover = aside;
   }
   fsync_path(dir, true);
-  write_file_atomic((fs::path(dir) / "latest").string(), name + "\n");
+  write_file_atomic((fs::path(dir) / "latest").string(), name + "\n", checkpoint_io_point);
   if (!leftover.empty()) remove_tree(leftover);
 }
 
@@ -358,11 +330,7 @@ std::string checkpoint_to_resume(const CheckpointConfig& cfg) {
     if (!S_ISREG(st.st_mode))
       throw InputError(fmt::format("{} is not a regular file; remove it (it is rewritten at the next save)",
                                    latest.string()));
-    std::ifstream f(latest, std::ios::binary);
-    if (!f) throw InputError(fmt::format("{}: cannot read: {}", latest.string(), std::strerror(errno)));
-    std::stringstream ss;
-    ss << f.rdbuf();
-    named = trim(ss.str());
+    named = trim(read_text(latest.string(), "checkpoint pointer file"));
     if (named.empty() || named.find('/') != std::string::npos || named[0] == '.' ||
         named.find('\0') != std::string::npos || step_of_checkpoint_name(named) < 0)
       throw InputError(fmt::format("{} names \"{}\", which is not a checkpoint directory of {} (a step_* name "

@@ -93,8 +93,7 @@ void rotate_checkpoints(const std::string& dir, int64_t keep, const std::string&
 // the filesystem has no locks (some Lustre mounts), so the run goes on unprotected. Rank 0 only.
 int lock_checkpoint_dir(const std::string& dir);
 
-// Writes `text` to `path` atomically: path.tmp, fsync, rename, fsync of the directory.
-void write_file_atomic(const std::string& path, const std::string& text);
+// (A file written atomically: trainer/core/files.h's write_file_atomic, given checkpoint_io_point.)
 
 // The checkpoint checkpoint.resume asks for: "" when there is none to resume ("none", or "auto"
 // with no checkpoint in `dir`). "auto" takes what `latest` names, or else the newest complete

@@ -16,6 +16,7 @@
 
 #include "kernels/common/check.h"
 #include "trainer/params/param_layout.h"
+#include "trainer/core/files.h"
 
 namespace tetra {
 
@@ -30,17 +31,6 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
-std::string read_manifest_text(const std::string& path) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0)
-    throw InputError(fmt::format("{}: cannot read: {}", path, std::strerror(errno)));
-  if (!S_ISREG(st.st_mode)) throw InputError(fmt::format("{}: not a regular file", path));
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw InputError(fmt::format("{}: cannot read", path));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 // Typed access to manifest fields: a missing field or one of another type is an InputError naming
 // the manifest, the field and what it holds.
@@ -137,7 +127,7 @@ Manifest read_manifest(const std::string& checkpoint_dir) {
   const Fields f(m.path);
   json j;
   try {
-    j = json::parse(read_manifest_text(m.path));
+    j = json::parse(read_text(m.path, "checkpoint manifest"));
   } catch (const json::exception& e) {
     throw InputError(fmt::format("{}: malformed manifest: {}", m.path, e.what()));
   }

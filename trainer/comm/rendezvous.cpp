@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 
 #include "kernels/common/check.h"
+#include "trainer/core/files.h"
 
 extern char** environ;
 
@@ -41,16 +42,8 @@ std::vector<std::pair<std::string, std::string>> g_hidden;  // Slurm/PMI variabl
 pid_t g_server = -1;                                          // rank 0: the ompi-server child
 std::string g_dir;                                            // rank 0: the files to remove at the end
 
-void write_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << text << '\n';
-    out.flush();
-    TETRA_CHECK(out.good(), "rendezvous: cannot write {}", tmp);
-  }
-  std::filesystem::rename(tmp, path);
-}
+// A note other ranks poll for: one line, written atomically (trainer/core/files.h).
+void write_atomically(const std::string& path, const std::string& text) { write_file_atomic(path, text + "\n"); }
 
 // The file's first line once it exists and is complete (written by write_atomically or, for the
 // server address, ending in a newline); `accept` may reject a content to keep waiting.

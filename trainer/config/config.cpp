@@ -23,6 +23,7 @@
 
 #include "trainer/config/config_detail.h"
 #include "trainer/core/format.h"
+#include "trainer/core/files.h"
 
 namespace tetra {
 namespace config_detail {
@@ -80,21 +81,13 @@ Config build(const json& j, Problems& problems) {
 }
 
 std::string read_file(const std::string& path) {
-  // Only a regular file is opened: a named pipe would block forever, a directory reads as nothing.
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0)
-    throw ConfigError({path + ": cannot read the config file: " + std::strerror(errno)});
-  if (S_ISDIR(st.st_mode)) throw ConfigError({path + ": cannot read the config file: it is a directory"});
-  if (!S_ISREG(st.st_mode))
-    throw ConfigError({path + ": cannot read the config file: it is not a regular file (a named pipe, a device or "
-                              "a socket); give a JSON file"});
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError({path + ": cannot read the config file: " + std::strerror(errno)});
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad())
-    throw ConfigError({path + ": cannot read the config file: " + std::strerror(errno)});
-  return text.str();
+  try {
+    return read_text(path, "config file", "give a JSON file");
+  } catch (const ConfigError&) {
+    throw;
+  } catch (const InputError& e) {
+    throw ConfigError({e.what()});
+  }
 }
 
 // "file:line:column: invalid JSON: <what the parser says>", from the offset of the last byte the

@@ -14,7 +14,7 @@
 #include <limits>
 
 #include "kernels/common/check.h"
-#include "trainer/data/regular_file.h"
+#include "trainer/core/files.h"
 
 namespace tetra {
 

@@ -42,7 +42,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kernels/common/check.h"
-#include "trainer/data/regular_file.h"
+#include "trainer/core/files.h"
 #include "trainer/data/tokenizer.h"
 
 namespace tetra {

@@ -24,7 +24,7 @@
 
 #include "kernels/common/check.h"
 #include "trainer/data/prepare_input.h"
-#include "trainer/data/regular_file.h"
+#include "trainer/core/files.h"
 #include "trainer/data/tokenizer.h"
 
 namespace tetra {

@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "kernels/common/check.h"
+#include "trainer/core/arena.h"
 #include "trainer/comm/communicator.h"
 #include "trainer/model/moe.h"
 #include "trainer/parallel/tensor_parallel.h"
@@ -73,27 +74,6 @@ struct Gpt::Acts {
   void* dact;                 // (N, F) t
 };
 
-namespace {
-
-// Carves the arena; run once with base == nullptr to measure it.
-class Carver {
- public:
-  explicit Carver(char* base) : base_(base) {}
-  void* take(int64_t numel, DType t) {
-    size_t bytes = (static_cast<size_t>(numel) * dtype_size(t) + 63) / 64 * 64;
-    void* p = base_ ? base_ + used_ : nullptr;
-    used_ += bytes;
-    return p;
-  }
-  float* take_f32(int64_t numel) { return static_cast<float*>(take(numel, DType::F32)); }
-  size_t used() const { return used_; }
-
- private:
-  char* base_;
-  size_t used_ = 0;
-};
-
-}  // namespace
 
 ChunkShape ChunkShape::of(const ParamLayout& layout, int chunk, int64_t slots) {
   const auto& chunks = layout.stage.chunks;
@@ -108,7 +88,7 @@ ChunkShape ChunkShape::of(const ParamLayout& layout, int chunk, int64_t slots) {
   return s;
 }
 
-static void layout_slot(Carver& c, const ModelDims& d, DType act, Gpt::Acts::Slot& a) {
+static void layout_slot(ArenaCarver& c, const ModelDims& d, DType act, Gpt::Acts::Slot& a) {
   const int64_t N = d.N(), Ns = d.Ns;
   a.res.resize(d.L + 1);
   for (auto& r : a.res) r = c.take(Ns * d.C, act);
@@ -116,32 +96,32 @@ static void layout_slot(Carver& c, const ModelDims& d, DType act, Gpt::Acts::Slo
   for (auto& l : a.layers) {
     l.res_mid = c.take(Ns * d.C, act);
     l.ln1 = c.take(N * d.C, act);
-    l.ln1_mean = c.take_f32(Ns);
-    l.ln1_rstd = c.take_f32(Ns);
+    l.ln1_mean = c.f32(Ns);
+    l.ln1_rstd = c.f32(Ns);
     l.qkv = c.take(N * d.QKV, act);
     l.att = c.take(N * d.NH * d.HS, act);
-    l.lse = c.take_f32(d.B * d.NH * d.T);
+    l.lse = c.f32(d.B * d.NH * d.T);
     l.ln2 = c.take(N * d.C, act);
-    l.ln2_mean = c.take_f32(Ns);
-    l.ln2_rstd = c.take_f32(Ns);
+    l.ln2_mean = c.f32(Ns);
+    l.ln2_rstd = c.f32(Ns);
     l.fc = c.take(N * d.FC, act);
     l.act = c.take(N * d.F, act);
   }
   if (d.last) {
     a.lnf = c.take(N * d.C, act);
-    a.lnf_mean = c.take_f32(Ns);
-    a.lnf_rstd = c.take_f32(Ns);
+    a.lnf_mean = c.f32(Ns);
+    a.lnf_rstd = c.f32(Ns);
     a.logits = c.take(N * d.V, act);
   }
 }
 
 // `slots` copies of a Slot, then the scratch; returns the bytes.
-static size_t layout_acts(Carver& c, const ModelDims& d, DType act, int64_t slots, Gpt::Acts& a) {
+static size_t layout_acts(ArenaCarver& c, const ModelDims& d, DType act, int64_t slots, Gpt::Acts& a) {
   const int64_t N = d.N(), Ns = d.Ns;
   a.slots.resize(static_cast<size_t>(slots));
   for (Gpt::Acts::Slot& s : a.slots) layout_slot(c, d, act, s);
-  a.ce_max = d.tp > 1 ? c.take_f32(N) : nullptr;
-  a.ce_sums = d.tp > 1 ? c.take_f32(2 * N) : nullptr;
+  a.ce_max = d.tp > 1 ? c.f32(N) : nullptr;
+  a.ce_sums = d.tp > 1 ? c.f32(2 * N) : nullptr;
   a.dres = c.take(Ns * d.C, act);
   a.dc = c.take(Ns * d.C, act);
   a.dfull = d.tp > 1 ? c.take(N * d.C, act) : nullptr;
@@ -163,7 +143,7 @@ static void apply_shape(ModelDims& d, const ChunkShape& shape) {
 
 size_t Gpt::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch, int64_t tp,
                                  bool sequence_parallel, const ChunkShape& shape, int64_t ep) {
-  Carver c(nullptr);
+  ArenaCarver c(nullptr);
   Acts a;
   ModelDims d = ModelDims::from(cfg, micro_batch, tp, 0, sequence_parallel);
   apply_shape(d, shape);
@@ -191,13 +171,13 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   rope_ = cfg.position == "rope";
   swiglu_ = cfg.activation == "swiglu";
   {
-    Carver measure(nullptr);
+    ArenaCarver measure(nullptr);
     Acts unused;
     arena_bytes_ = layout_acts(measure, d_, act_, slots, unused);
   }
-  arena_ = be_.alloc(arena_bytes_);
+  arena_ = BackendBuffer(be_, arena_bytes_);
   a_ = std::make_unique<Acts>();
-  Carver c(static_cast<char*>(arena_));
+  ArenaCarver c(arena_.as<char>());
   layout_acts(c, d_, act_, slots, *a_);
   if (cfg.moe.enabled()) {
     // Each in-flight micro-batch keeps its own routing and expert activations.
@@ -208,9 +188,7 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   }
 }
 
-Gpt::~Gpt() {
-  if (arena_) be_.free(arena_);
-}
+Gpt::~Gpt() = default;
 
 const void* Gpt::w(const void* weights, int64_t offset) const {
   if (offset < 0) return nullptr;

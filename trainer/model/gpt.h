@@ -163,7 +163,7 @@ class Gpt {
   bool rope_;    // position == "rope"
   bool swiglu_;  // activation == "swiglu"
   size_t arena_bytes_ = 0;
-  void* arena_ = nullptr;
+  BackendBuffer arena_;
   std::unique_ptr<Acts> a_;
   std::vector<std::unique_ptr<MoeLayers>> moe_;  // per activation slot: a micro-batch's routing state
   float moe_loss_weight_ = 0.0f;  // forward(): the weight of the micro-batch's mean loss

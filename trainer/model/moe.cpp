@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "kernels/common/check.h"
+#include "trainer/core/arena.h"
 #include "trainer/comm/communicator.h"
 #include "trainer/parallel/expert_dispatch.h"
 
@@ -55,23 +56,6 @@ double MoeStepStats::objective(const MoeConfig& moe) const {
 
 namespace {
 
-class Carver {
- public:
-  explicit Carver(char* base) : base_(base) {}
-  void* take(int64_t numel, DType t) {
-    const size_t bytes = (static_cast<size_t>(numel) * dtype_size(t) + 63) / 64 * 64;
-    void* p = base_ ? base_ + used_ : nullptr;
-    used_ += bytes;
-    return p;
-  }
-  float* f32(int64_t n) { return static_cast<float*>(take(n, DType::F32)); }
-  int32_t* i32(int64_t n) { return static_cast<int32_t*>(take(n, DType::I32)); }
-  size_t used() const { return used_; }
-
- private:
-  char* base_;
-  size_t used_ = 0;
-};
 
 double since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -152,7 +136,7 @@ Sizes sizes_of(const ModelConfig& cfg, int64_t N, int64_t ep, int64_t tp) {
 
 
 template <class L, class S>
-size_t carve_all(Carver& c, const Sizes& z, DType act, int64_t moe_blocks, std::vector<L*>& layers, S* sc) {
+size_t carve_all(ArenaCarver& c, const Sizes& z, DType act, int64_t moe_blocks, std::vector<L*>& layers, S* sc) {
   for (int64_t j = 0; j < moe_blocks; ++j) {
     L tmp;
     L& s = layers.empty() ? tmp : *layers[j];
@@ -200,7 +184,7 @@ int64_t count_moe_blocks(const ModelConfig& cfg) {
 
 size_t MoeLayers::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp) {
   if (!cfg.moe.enabled()) return 0;
-  Carver c(nullptr);
+  ArenaCarver c(nullptr);
   std::vector<Layer*> none;
   return carve_all<Layer, Scratch>(c, sizes_of(cfg, N, ep, tp), act, count_moe_blocks(cfg), none, nullptr);
 }
@@ -243,8 +227,8 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   sc_->h_lse.resize(static_cast<size_t>(N_));
   sc_->h_eg.resize(static_cast<size_t>(E_));
   bytes_ = activation_bytes_for(cfg, act, N, ep_size, tp_size);
-  arena_ = be_.alloc(bytes_);
-  Carver c(static_cast<char*>(arena_));
+  arena_ = BackendBuffer(be_, bytes_);
+  ArenaCarver c(arena_.as<char>());
   carve_all<Layer, Scratch>(c, z, act, static_cast<int64_t>(ptrs.size()), ptrs, sc_.get());
   for (const auto& s : layers_) {
     MoeLayerStats st;
@@ -254,9 +238,7 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   }
 }
 
-MoeLayers::~MoeLayers() {
-  if (arena_) be_.free(arena_);
-}
+MoeLayers::~MoeLayers() = default;
 
 void MoeStepStats::merge(const MoeStepStats& other) {
   for (const MoeLayerStats& o : other.layers) {

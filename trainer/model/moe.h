@@ -130,7 +130,7 @@ class MoeLayers {
   std::vector<int> index_of_layer_;  // block -> index into layers_, -1 for dense blocks
   std::vector<std::unique_ptr<Layer>> layers_;
   size_t bytes_ = 0;
-  void* arena_ = nullptr;
+  BackendBuffer arena_;
   struct Scratch;
   std::unique_ptr<Scratch> sc_;
   MoeStepStats stats_;

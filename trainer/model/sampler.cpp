@@ -83,18 +83,17 @@ Sampler::Sampler(Gpt& model, Backend& be, Communicator* tp)
   TETRA_CHECK(d.B == 1, "the sampling model must be built with micro_batch 1, not {}", d.B);
   TETRA_CHECK(d.tp == (tp_ ? tp_->size() : 1), "the sampling model is split over {} ranks, its group has {}",
               d.tp, tp_ ? tp_->size() : 1);
-  tokens_ = static_cast<int32_t*>(be_.alloc(static_cast<size_t>(d.T) * 4));
-  row_ = static_cast<float*>(be_.alloc(static_cast<size_t>(d.V) * 4));
-  full_ = tp_ ? static_cast<float*>(be_.alloc(static_cast<size_t>(d.V * d.tp) * 4)) : row_;
+  tokens_buf_ = BackendBuffer(be_, static_cast<size_t>(d.T) * 4);
+  row_buf_ = BackendBuffer(be_, static_cast<size_t>(d.V) * 4);
+  if (tp_) full_buf_ = BackendBuffer(be_, static_cast<size_t>(d.V * d.tp) * 4);
+  tokens_ = tokens_buf_.as<int32_t>();
+  row_ = row_buf_.as<float>();
+  full_ = tp_ ? full_buf_.as<float>() : row_;
   host_tokens_.resize(static_cast<size_t>(d.T));
   host_row_.resize(static_cast<size_t>(d.V * d.tp));
 }
 
-Sampler::~Sampler() {
-  be_.free(tokens_);
-  be_.free(row_);
-  if (full_ != row_) be_.free(full_);
-}
+Sampler::~Sampler() = default;
 
 std::vector<int32_t> Sampler::generate(const void* weights, std::span<const int32_t> context,
                                        const SampleConfig& s, int32_t eod, int64_t vocab_limit) {

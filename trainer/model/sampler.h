@@ -56,9 +56,10 @@ class Sampler {
   Gpt& model_;
   Backend& be_;
   Communicator* tp_;
+  BackendBuffer tokens_buf_, row_buf_, full_buf_;  // own the three below (full_buf_ with tp > 1)
   int32_t* tokens_ = nullptr;  // (1, T) backend memory
   float* row_ = nullptr;       // (V_local) fp32: this rank's slice of the row that is read
-  float* full_ = nullptr;      // (V) fp32: the whole row, gathered over tp
+  float* full_ = nullptr;      // (V) fp32: the whole row, gathered over tp (row_ itself without)
   std::vector<int32_t> host_tokens_;
   std::vector<float> host_row_;
 };

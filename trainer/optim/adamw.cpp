@@ -49,12 +49,15 @@ AdamW::AdamW(const OptimizerConfig& cfg, const ParamLayout& layout, Backend& be,
     state_numel_ += o.numel;
   }
   const size_t bytes = static_cast<size_t>(state_numel_) * sizeof(float);
-  m_ = static_cast<float*>(be_.alloc(bytes));
-  v_ = static_cast<float*>(be_.alloc(bytes));
+  m_buf_ = BackendBuffer(be_, bytes);
+  v_buf_ = BackendBuffer(be_, bytes);
+  m_ = m_buf_.as<float>();
+  v_ = v_buf_.as<float>();
   be_.memset_zero(m_, bytes);
   be_.memset_zero(v_, bytes);
   if (own_master) {
-    master_ = static_cast<float*>(be_.alloc(bytes));
+    master_buf_ = BackendBuffer(be_, bytes);
+    master_ = master_buf_.as<float>();
     int64_t at = 0;
     for (const GradRange& o : owned) {
       be_.copy(master_ + at, initial_master + o.offset, static_cast<size_t>(o.numel) * 4);
@@ -63,11 +66,7 @@ AdamW::AdamW(const OptimizerConfig& cfg, const ParamLayout& layout, Backend& be,
   }
 }
 
-AdamW::~AdamW() {
-  be_.free(m_);
-  be_.free(v_);
-  if (master_) be_.free(master_);
-}
+AdamW::~AdamW() = default;
 
 size_t AdamW::state_bytes() const {
   return (master_ ? 3 : 2) * static_cast<size_t>(state_numel_) * sizeof(float);
@@ -136,10 +135,11 @@ GradNorm::GradNorm(const ParamLayout& layout, const std::vector<GradRange>& owne
       const int64_t b = std::max(c.offset, o.offset), e = std::min(c.offset + c.numel, o.offset + o.numel);
       if (b < e) append_merged(ranges_, b, e - b);
     }
-  scratch_ = static_cast<float*>(be_.alloc(64));
+  scratch_buf_ = BackendBuffer(be_, 64);
+  scratch_ = scratch_buf_.as<float>();
 }
 
-GradNorm::~GradNorm() { be_.free(scratch_); }
+GradNorm::~GradNorm() = default;
 
 double GradNorm::compute(const float* grads) {
   double total = 0.0;

@@ -71,6 +71,7 @@ class AdamW {
   Backend& be_;
   int64_t state_numel_ = 0;
   std::vector<Run> runs_;
+  BackendBuffer m_buf_, v_buf_, master_buf_;  // own the three below
   float* m_ = nullptr;
   float* v_ = nullptr;
   float* master_ = nullptr;  // own_master: the owned ranges' fp32 weights
@@ -96,7 +97,8 @@ class GradNorm {
   Communicator* pp_;
   Communicator* dp_;
   std::vector<GradRange> ranges_;  // merged
-  float* scratch_ = nullptr;
+  BackendBuffer scratch_buf_;
+  float* scratch_ = nullptr;  // scratch_buf_'s
 };
 
 // torch.nn.utils.clip_grad_norm_'s factor: min(1, max_norm / (norm + 1e-6)); 1 when clip <= 0.

@@ -66,15 +66,19 @@ GradBuffer::GradBuffer(const ParamLayout& layout, Backend& be, float* grads, Com
       scratch = std::max(scratch, n);
     }
   }
-  if (scratch > 0) sp_scratch_ = static_cast<float*>(be_.alloc(static_cast<size_t>(scratch) * 4));
-  if (bf16_wire_) wire_ = static_cast<uint16_t*>(be_.alloc(static_cast<size_t>(layout.total) * 2));
+  if (scratch > 0) {
+    sp_scratch_buf_ = BackendBuffer(be_, static_cast<size_t>(scratch) * 4);
+    sp_scratch_ = sp_scratch_buf_.as<float>();
+  }
+  if (bf16_wire_) {
+    wire_buf_ = BackendBuffer(be_, static_cast<size_t>(layout.total) * 2);
+    wire_ = wire_buf_.as<uint16_t>();
+  }
 }
 
 GradBuffer::~GradBuffer() {
   for (Bucket& b : buckets_)
     if (b.work) b.work->wait();
-  if (sp_scratch_) be_.free(sp_scratch_);
-  if (wire_) be_.free(wire_);
 }
 
 int64_t GradBuffer::owned_numel() const {

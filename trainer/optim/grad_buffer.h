@@ -93,6 +93,7 @@ class GradBuffer {
   bool sharded_;
   bool bf16_wire_;
   bool reduce_ = true;
+  BackendBuffer wire_buf_, sp_scratch_buf_;  // own wire_ and sp_scratch_
   uint16_t* wire_ = nullptr;  // bf16_wire: the whole buffer in bf16, at the same element offsets
   std::vector<Bucket> buckets_;
   std::vector<int> bucket_of_group_;

@@ -39,7 +39,8 @@ GradBuffers::GradBuffers(const ParamLayout& layout, Backend& be, float* grads, P
   if (groups.pp->size() > 1) {
     pp_ = &groups.backend(GroupKind::PP);
     be_ = &be;
-    scratch_ = static_cast<float*>(be.alloc(64));
+    scratch_buf_ = BackendBuffer(be, 64);
+    scratch_ = scratch_buf_.as<float>();
   }
   if (!expert_layout_.groups.empty()) {
     experts_ = std::make_unique<GradBuffer>(expert_layout_, be, grads, &groups.backend(GroupKind::EDP), tp,
@@ -52,9 +53,7 @@ GradBuffers::GradBuffers(const ParamLayout& layout, Backend& be, float* grads, P
   }
 }
 
-GradBuffers::~GradBuffers() {
-  if (scratch_) be_->free(scratch_);
-}
+GradBuffers::~GradBuffers() = default;
 
 void GradBuffers::group_done(int group) {
   if (group < dense_groups_)

@@ -58,7 +58,8 @@ class GradBuffers {
   std::vector<GradRange> owned_;
   Communicator* pp_ = nullptr;  // pipeline group (size > 1), for the norm
   Backend* be_ = nullptr;
-  float* scratch_ = nullptr;
+  BackendBuffer scratch_buf_;
+  float* scratch_ = nullptr;  // scratch_buf_'s
 };
 
 // The dense part of `layout` (groups [0, dense_groups)) or its experts (the later groups,

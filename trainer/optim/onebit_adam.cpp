@@ -33,7 +33,10 @@ OnebitAdam::OnebitAdam(const Config& cfg, const ParamLayout& layout, Backend& be
         fmt::format("edp{}of{}_ep{}", edp.rank(), edp.size(), cfg.parallel.ep), 1);
   TETRA_CHECK(dense_->momentum() == !sharded_, "the exchange yields the {} but the optimizer state is {}",
               dense_->momentum() ? "momentum" : "gradient", sharded_ ? "sharded" : "whole");
-  if (sharded_) v_full_ = static_cast<float*>(be_.alloc(static_cast<size_t>(total_) * 4));
+  if (sharded_) {
+    v_full_buf_ = BackendBuffer(be_, static_cast<size_t>(total_) * 4);
+    v_full_ = v_full_buf_.as<float>();
+  }
   if (!be_.host_memory()) {
     host_grads_.resize(static_cast<size_t>(total_));
     host_v_.resize(static_cast<size_t>(total_));
@@ -41,9 +44,7 @@ OnebitAdam::OnebitAdam(const Config& cfg, const ParamLayout& layout, Backend& be
   }
 }
 
-OnebitAdam::~OnebitAdam() {
-  if (v_full_) be_.free(v_full_);
-}
+OnebitAdam::~OnebitAdam() = default;
 
 float* OnebitAdam::host_view(const float* buf, std::vector<float>& staging) {
   if (be_.host_memory()) return const_cast<float*>(buf);

@@ -118,6 +118,7 @@ class OnebitAdam {
   bool sharded_;
   std::unique_ptr<CompressedExchange> dense_, experts_;
   Backend& be_;
+  BackendBuffer v_full_buf_;       // owns v_full_
   float* v_full_ = nullptr;        // sharded: the whole frozen variance (total, backend memory), gathered once
   // Host views (compressed_exchange.h runs on host memory): the frozen variance (total; set at
   // the process's first compressed step and kept: AdamW::step_frozen_variance leaves v as it is), and,

@@ -1,3 +1,7 @@
+// Files: opening inputs that must be regular files, reading whole small files (configs, manifests,
+// pointer files), and the one atomic writer, so that every caller refuses the same non-files in
+// the same words and no reader can ever see half a file.
+//
 // Opening input files that must be regular files. A named pipe given where a file is expected
 // blocks open() until a writer appears (forever, in practice); a directory opens but cannot be
 // read or mapped ("Is a directory", "No such device"); a device reads endlessly. So every data
@@ -7,10 +11,12 @@
 
 #include <sys/types.h>
 
+#include <functional>
 #include <string>
 #include <string_view>
 
 namespace tetra {
+
 
 // What a non-regular file is, for messages: "a directory", "a named pipe (FIFO)", "a character
 // device", "a block device", "a socket", "a symbolic link"; "a regular file" for one.
@@ -27,5 +33,17 @@ int open_regular_file(const std::string& path, std::string_view role, std::strin
 // InputError if `path` exists and is not a regular file; a missing path passes (the caller
 // reports that in its own words).
 void check_not_special_file(const std::string& path, std::string_view role, std::string_view fix);
+
+
+// The whole content of the regular file `path`, opened by open_regular_file (the same refusals,
+// in the same words, naming `role` and `fix`).
+std::string read_text(const std::string& path, std::string_view role, std::string_view fix = "");
+
+// Writes `text` to `path` atomically and durably: into `path`.tmp, fsync'd, renamed over `path`,
+// the directory fsync'd. A reader sees the old content or the new, never a part. Error (a runtime
+// failure) naming the file and the reason. `io_point`, if given, is called before each step that
+// touches the disk ("write" / "fsync" with the path): the checkpoint fault tests kill there.
+using IoPoint = std::function<void(const char* op, const std::string& path)>;
+void write_file_atomic(const std::string& path, const std::string& text, const IoPoint& io_point = nullptr);
 
 }  // namespace tetra
