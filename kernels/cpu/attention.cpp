@@ -21,16 +21,20 @@
 // Parallelism and determinism: forward runs one task per (b, head, query block); backward one
 // task per (b, kv head), which owns dk and dv of that kv head, so the GQA heads sharing it never
 // race and every sum runs in a fixed order whatever the thread count. Per-thread scratch is a set
-// of thread_local buffers that only grow (no allocation once the largest shape has been seen).
+// of buffers that only grow (no allocation once the largest shape has been seen), one set per
+// thread of the backend's team, owned by the backend (scratch.h).
 //
 // Storage is float, bf16 or fp16 (template T); all math is fp32. exp is a vectorised polynomial (the
 // compiler does not vectorise expf without -ffast-math), accurate to a few ulp.
+
+#include <omp.h>
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <span>
 #include <vector>
 
 #include "kernels/common/math.h"
@@ -332,11 +336,12 @@ void attention_forward_block(T* out, float* lse, const T* qkv, const AttnShape& 
 }
 
 template <typename T>
-void attention_forward_impl(T* out, float* lse, const T* qkv, const AttnShape& s, int nt) {
+void attention_forward_impl(T* out, float* lse, const T* qkv, const AttnShape& s, int nt,
+                            std::span<FwdScratch> scratch) {
   const int64_t n_tasks = s.B * s.NH * s.n_qb;
 #pragma omp parallel num_threads(nt)
   {
-    thread_local FwdScratch w;
+    FwdScratch& w = scratch[omp_get_thread_num()];
     w.b = -1;  // K/V cached by an earlier call are stale
     // Tasks ordered (b, h, qb), qb fastest, handed out a whole head at a time: a thread walks
     // the query blocks of a head in order, reusing the converted K/V (and keeps them for the
@@ -463,11 +468,12 @@ void attention_backward_kv_head(T* dqkv, const T* dout, const T* qkv, const T* o
 
 template <typename T>
 void attention_backward_impl(T* dqkv, const T* dout, const T* qkv, const T* out,
-                             const float* lse, const AttnShape& s, int nt) {
+                             const float* lse, const AttnShape& s, int nt,
+                             std::span<BwdScratch> scratch) {
   const int64_t n_tasks = s.B * s.NKV;
 #pragma omp parallel num_threads(nt)
   {
-    thread_local BwdScratch w;
+    BwdScratch& w = scratch[omp_get_thread_num()];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n_tasks; ++task)
       attention_backward_kv_head(dqkv, dout, qkv, out, lse, s, task / s.NKV, task % s.NKV, w);
@@ -479,15 +485,14 @@ void attention_backward_impl(T* dqkv, const T* dout, const T* qkv, const T* out,
 // ---------------------------------------------------------------------------------------------
 // cos/sin of pos * inv_freq(i) for pos < T, i < HS/2, each (T, HS/2). The angle is formed in
 // fp32 exactly as a device kernel would: float(pos) * inv_freq. A model calls RoPE with the same
-// (T, HS, theta) in every layer, so the calling thread keeps the last table.
+// (T, HS, theta) in every layer, so the backend keeps the last table.
 struct RopeTable {
   int64_t T = 0, HS = 0;
   float theta = 0.0f;
   std::vector<float> cos_t, sin_t;
 };
 
-const RopeTable& rope_table(int64_t T, int64_t HS, float theta) {
-  thread_local RopeTable table;
+const RopeTable& rope_table(RopeTable& table, int64_t T, int64_t HS, float theta) {
   if (table.T == T && table.HS == HS && table.theta == theta) return table;
   const int64_t half = HS / 2;
   table.cos_t.resize(T * half);
@@ -509,8 +514,8 @@ const RopeTable& rope_table(int64_t T, int64_t HS, float theta) {
 // Rotates the NH query and NKV key heads of every token; sign = +1 forward, -1 the inverse.
 template <typename T>
 void rope_impl(T* qkv, int64_t B, int64_t T_, int64_t NH, int64_t NKV, int64_t HS, float theta,
-               float sign, int nt) {
-  const RopeTable& table = rope_table(T_, HS, theta);
+               float sign, int nt, RopeTable& cache) {
+  const RopeTable& table = rope_table(cache, T_, HS, theta);
   const int64_t half = HS / 2, row = (NH + 2 * NKV) * HS, heads = NH + NKV;
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int64_t bt = 0; bt < B * T_; ++bt) {
@@ -545,14 +550,15 @@ void CpuBackend::attention_forward(void* out, float* lse, const void* qkv, int64
   AttnShape s = make_shape(B, T, NH, NKV, HS, "attention_forward");
   if (act == DType::BF16 && amx_attention_ && cpu::amx_available()) {
     cpu::amx_attention_forward(static_cast<bf16*>(out), lse, static_cast<const bf16*>(qkv), B, T,
-                               NH, NKV, HS, threads_);
+                               NH, NKV, HS, threads_, scratch_);
     attention_forward_kernel_ = "amx (bf16 tiles)";
     return;
   }
   attention_forward_kernel_ = "flash (fp32 tiles)";
   cpu::with_float_type(act, "attention_forward", "activation type", [&](auto tag) {
     using S = decltype(tag);
-    attention_forward_impl(static_cast<S*>(out), lse, static_cast<const S*>(qkv), s, threads_);
+    attention_forward_impl(static_cast<S*>(out), lse, static_cast<const S*>(qkv), s, threads_,
+                           scratch_.per_thread<FwdScratch>());
   });
 }
 
@@ -563,7 +569,7 @@ void CpuBackend::attention_backward(void* dqkv, const void* dout, const void* qk
   if (act == DType::BF16 && amx_attention_ && cpu::amx_available()) {
     cpu::amx_attention_backward(static_cast<bf16*>(dqkv), static_cast<const bf16*>(dout),
                                 static_cast<const bf16*>(qkv), static_cast<const bf16*>(out), lse,
-                                B, T, NH, NKV, HS, threads_);
+                                B, T, NH, NKV, HS, threads_, scratch_);
     attention_backward_kernel_ = "amx (bf16 tiles)";
     return;
   }
@@ -572,7 +578,7 @@ void CpuBackend::attention_backward(void* dqkv, const void* dout, const void* qk
     using S = decltype(tag);
     attention_backward_impl(static_cast<S*>(dqkv), static_cast<const S*>(dout),
                             static_cast<const S*>(qkv), static_cast<const S*>(out), lse, s,
-                            threads_);
+                            threads_, scratch_.per_thread<BwdScratch>());
   });
 }
 
@@ -594,7 +600,8 @@ void CpuBackend::rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64
   check_rope(B, T, NH, NKV, HS, theta, "rope_forward");
   cpu::with_float_type(act, "rope_forward", "activation type", [&](auto tag) {
     using S = decltype(tag);
-    rope_impl(static_cast<S*>(qkv), B, T, NH, NKV, HS, theta, 1.0f, threads_);
+    rope_impl(static_cast<S*>(qkv), B, T, NH, NKV, HS, theta, 1.0f, threads_,
+              scratch_.shared<RopeTable>());
   });
 }
 
@@ -603,7 +610,8 @@ void CpuBackend::rope_backward(void* dqkv, int64_t B, int64_t T, int64_t NH, int
   check_rope(B, T, NH, NKV, HS, theta, "rope_backward");
   cpu::with_float_type(act, "rope_backward", "activation type", [&](auto tag) {
     using S = decltype(tag);
-    rope_impl(static_cast<S*>(dqkv), B, T, NH, NKV, HS, theta, -1.0f, threads_);
+    rope_impl(static_cast<S*>(dqkv), B, T, NH, NKV, HS, theta, -1.0f, threads_,
+              scratch_.shared<RopeTable>());
   });
 }
 

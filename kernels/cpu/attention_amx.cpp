@@ -29,10 +29,13 @@
 #include "kernels/cpu/amx.h"
 
 #if defined(TETRA_AMX_COMPILED)
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <span>
 #include <vector>
 
 #include "kernels/common/math.h"
@@ -137,16 +140,13 @@ Dims make_dims(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
               1.0f / std::sqrt(static_cast<float>(HS))};
 }
 
+// One per thread of the backend's team (CpuScratch::per_thread), grown only.
 struct Scratch {
   Buffer<bf16> k, v, qb, dob, p, pt;               // rows (padded), P / dS and their transposes
   Buffer<uint32_t> kt32, vt32, k32, v32, q32, do32;  // B operands
   Buffer<float> s, dp, acc, dk, dv;
   int64_t packed_b = -1, packed_kvh = -1;  // forward: whose K^T and V are in kt32 / v32
 };
-Scratch& scratch() {
-  static thread_local Scratch w;
-  return w;
-}
 
 // Row i (absolute query r0 + i) of a score block: P over keys [0, n), live keys j <= r0 + i.
 // shift = the row max (forward) or the saved lse (backward); returns the sum of the exps.
@@ -323,15 +323,17 @@ void backward_kv_head(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16*
 
 // Runs task(i, scratch) for i in [0, n) on the team's threads, `chunk` consecutive tasks at a time
 // (dynamically: a thread that loses its core holds no one up), each thread with the tile
-// configuration loaded, and releases the tiles after (oneDNN's AMX kernels load their own
-// configuration on every call). Packed operands cached by an earlier call are stale.
+// configuration loaded and its own Scratch, and releases the tiles after (oneDNN's AMX kernels
+// load their own configuration on every call). Packed operands cached by an earlier call are stale.
 template <typename Task>
-TETRA_AMX_TARGET void run_tasks(int64_t n, int64_t chunk, int threads, Task&& task) {
+TETRA_AMX_TARGET void run_tasks(int64_t n, int64_t chunk, int threads, CpuScratch& scratch,
+                                Task&& task) {
   static const TileConfig config;
+  const std::span<Scratch> slots = scratch.per_thread<Scratch>();
 #pragma omp parallel num_threads(threads)
   {
     _tile_loadconfig(&config);
-    Scratch& w = scratch();
+    Scratch& w = slots[omp_get_thread_num()];
     w.packed_b = w.packed_kvh = -1;
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t i = 0; i < n; ++i) task(i, w);
@@ -342,23 +344,24 @@ TETRA_AMX_TARGET void run_tasks(int64_t n, int64_t chunk, int threads, Task&& ta
 }  // namespace
 
 void amx_attention_forward(bf16* out, float* lse, const bf16* qkv, int64_t B, int64_t T,
-                           int64_t NH, int64_t NKV, int64_t HS, int threads) {
+                           int64_t NH, int64_t NKV, int64_t HS, int threads,
+                           CpuScratch& scratch) {
   TETRA_CHECK(amx_available(), "attention: AMX is not available on this CPU");
   const Dims d = make_dims(B, T, NH, NKV, HS);
   // Tasks (b, h), a kv head's G query heads together where that leaves every thread work, so
   // their thread packs K and V once.
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(d.G, B * NH / threads));
-  run_tasks(B * NH, chunk, threads, [&](int64_t task, Scratch& w) {
+  run_tasks(B * NH, chunk, threads, scratch, [&](int64_t task, Scratch& w) {
     forward_head(out, lse, qkv, d, task / NH, task % NH, w);
   });
 }
 
 void amx_attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out,
                             const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                            int64_t HS, int threads) {
+                            int64_t HS, int threads, CpuScratch& scratch) {
   TETRA_CHECK(amx_available(), "attention: AMX is not available on this CPU");
   const Dims d = make_dims(B, T, NH, NKV, HS);
-  run_tasks(B * NKV, 1, threads, [&](int64_t task, Scratch& w) {
+  run_tasks(B * NKV, 1, threads, scratch, [&](int64_t task, Scratch& w) {
     backward_kv_head(dqkv, dout, qkv, out, lse, d, task / NKV, task % NKV, w);
   });
 }
@@ -369,11 +372,11 @@ void amx_attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const
 
 namespace tetra::cpu {
 void amx_attention_forward(bf16*, float*, const bf16*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                           int) {
+                           int, CpuScratch&) {
   TETRA_CHECK(false, "attention: AMX is not available on this CPU");
 }
 void amx_attention_backward(bf16*, const bf16*, const bf16*, const bf16*, const float*, int64_t,
-                            int64_t, int64_t, int64_t, int64_t, int) {
+                            int64_t, int64_t, int64_t, int64_t, int, CpuScratch&) {
   TETRA_CHECK(false, "attention: AMX is not available on this CPU");
 }
 }  // namespace tetra::cpu

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kernels/backend.h"
+#include "kernels/cpu/scratch.h"
 
 namespace tetra {
 
@@ -127,6 +128,7 @@ class CpuBackend final : public Backend {
   const char* attention_backward_kernel_ = nullptr;
   struct GemmCache;                     // oneDNN engine, stream and primitives cached per shape
   std::unique_ptr<GemmCache> gemm_cache_;
+  cpu::CpuScratch scratch_;  // the kernels' grow-only buffers, one slot per thread (scratch.h)
 };
 
 }  // namespace tetra

@@ -123,7 +123,7 @@ struct CpuBackend::GemmCache {
 
 CpuBackend::CpuBackend(int threads)
     : threads_(threads > 0 ? threads : omp_get_max_threads()),
-      gemm_cache_(std::make_unique<GemmCache>()) {
+      gemm_cache_(std::make_unique<GemmCache>()), scratch_(threads_) {
   omp_set_num_threads(threads_);
 }
 

@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <span>
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
@@ -51,27 +52,20 @@ bool lines(const void* p, int64_t ld_bytes) {
   return reinterpret_cast<uintptr_t>(p) % 64 == 0 && ld_bytes % 64 == 0;
 }
 
+// Each thread's own buffers, one set per thread of the backend's team (CpuScratch::per_thread).
 struct ThreadScratch {
   Buffer<uint32_t> b;  // packed B chunk
   Buffer<bf16> a;      // one packed 32-row block of A
   Buffer<float> c;     // one 32 x 32 block of C
 };
-ThreadScratch& thread_scratch() {
-  static thread_local ThreadScratch s;
-  return s;
-}
 
-// Buffers a call's threads share, one set per calling (host) thread: two backends driven from two
-// host threads each have their own.
+// Buffers a call's threads share, one set per backend (CpuScratch::shared): two backends driven
+// from two host threads each have their own.
 struct Shared {
   Buffer<bf16> a;         // a pass's op(A), packed by all threads together
   Buffer<float> acc;      // fp32 accumulator across K passes
   Buffer<uint32_t> b[2];  // B chunks packed by all threads together (threads split the rows)
 };
-Shared& shared() {
-  static thread_local Shared s;
-  return s;
-}
 
 struct Problem {
   bool trans_a, trans_b;
@@ -314,7 +308,7 @@ struct Plan {
   bool prepack_a;         // each pass's op(A) packed once, by all threads, before its products
 };
 
-TETRA_AMX_TARGET void run(const Problem& g, int threads) {
+TETRA_AMX_TARGET void run(const Problem& g, int threads, CpuScratch& scratch) {
   Plan p;
   p.Mb = ceil_div(g.M, kBlock);
   p.Nb = ceil_div(g.N, kBlock);
@@ -343,7 +337,8 @@ TETRA_AMX_TARGET void run(const Problem& g, int threads) {
   p.prepack_a = !a_in_place && uses > 1;
   const int64_t a_block = kBlock * p.kc;  // elements of one packed 32-row block of op(A)
 
-  Shared& sh = shared();
+  Shared& sh = scratch.shared<Shared>();
+  const std::span<ThreadScratch> slots = scratch.per_thread<ThreadScratch>();
   bf16* a_pass = p.prepack_a ? grow(sh.a, p.Mb * a_block) : nullptr;
   const int64_t acc_ld = p.Nb * kBlock + 16;
   float* acc = p.acc_buffer ? grow(sh.acc, p.Mb * kBlock * acc_ld) : nullptr;
@@ -364,7 +359,7 @@ TETRA_AMX_TARGET void run(const Problem& g, int threads) {
 #pragma omp parallel num_threads(threads)
   {
     try {
-      ThreadScratch& w = thread_scratch();
+      ThreadScratch& w = slots[omp_get_thread_num()];
       grow(w.a, a_block);
       grow(w.c, kBlock * kBlock);
       grow(w.b, b_words);
@@ -379,7 +374,7 @@ TETRA_AMX_TARGET void run(const Problem& g, int threads) {
 #pragma omp parallel num_threads(threads)
   {
     _tile_loadconfig(&config);
-    ThreadScratch& w = thread_scratch();
+    ThreadScratch& w = slots[omp_get_thread_num()];
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t mb0 = p.split_m ? p.Mb * t / nt : 0, mb1 = p.split_m ? p.Mb * (t + 1) / nt : p.Mb;
     const int64_t nb0 = p.split_m ? 0 : p.Nb * t / nt, nb1 = p.split_m ? p.Nb : p.Nb * (t + 1) / nt;
@@ -459,14 +454,15 @@ TETRA_AMX_TARGET void run(const Problem& g, int threads) {
 
 void amx_gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                    const bf16* A, int64_t lda, const bf16* B, int64_t ldb, float beta, void* C,
-                   int64_t ldc, DType c_type, const bf16* bias, int threads) {
+                   int64_t ldc, DType c_type, const bf16* bias, int threads,
+                   CpuScratch& scratch) {
   TETRA_CHECK(amx_available(), "gemm: AMX is not available on this CPU");
   check_gemm_args(trans_a, trans_b, M, N, K, lda, ldb, ldc, DType::BF16, c_type);
   TETRA_CHECK(c_type == DType::F32 || c_type == DType::BF16,
               "gemm: the AMX path writes an F32 or BF16 C, got {}", dtype_name(c_type));
   if (M == 0 || N == 0) return;
   const Problem g{trans_a, trans_b, M, N, K, alpha, beta, A, B, bias, lda, ldb, ldc, C, c_type};
-  run(g, threads);
+  run(g, threads, scratch);
 }
 
 }  // namespace tetra::cpu
@@ -475,7 +471,7 @@ void amx_gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, 
 
 namespace tetra::cpu {
 void amx_gemm_bf16(bool, bool, int64_t, int64_t, int64_t, float, const bf16*, int64_t, const bf16*,
-                   int64_t, float, void*, int64_t, DType, const bf16*, int) {
+                   int64_t, float, void*, int64_t, DType, const bf16*, int, CpuScratch&) {
   TETRA_CHECK(false, "gemm: AMX is not available on this CPU");
 }
 }  // namespace tetra::cpu
@@ -502,7 +498,7 @@ bool CpuBackend::gemm_amx(bool trans_a, bool trans_b, int64_t M, int64_t N, int6
   bf16_gemm_kernel_ = "amx (bf16 tiles)";
   cpu::amx_gemm_bf16(trans_a, trans_b, M, N, K, alpha, static_cast<const bf16*>(A), lda,
                      static_cast<const bf16*>(B), ldb, beta, C, ldc, c_type,
-                     static_cast<const bf16*>(bias), threads_);
+                     static_cast<const bf16*>(bias), threads_, scratch_);
   return true;
 }
 

@@ -126,7 +126,9 @@ namespace tetra {
 struct CpuBackend::GemmCache {};  // the loops cache nothing
 
 CpuBackend::CpuBackend(int threads)
-    : threads_(threads > 0 ? threads : omp_get_max_threads()), gemm_cache_(std::make_unique<GemmCache>()) {
+    : threads_(threads > 0 ? threads : omp_get_max_threads()),
+      gemm_cache_(std::make_unique<GemmCache>()),
+      scratch_(threads_) {
   omp_set_num_threads(threads_);
 }
 

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <type_traits>
 #include <vector>
 
@@ -49,11 +50,16 @@ inline int64_t slice_col(int32_t t, int64_t v0, int64_t Vl) {
   return t >= 0 && c >= 0 && c < Vl ? c : -1;
 }
 
+// A thread's row of exp(l - max) for a 16-bit gradient (CpuScratch::per_thread), grown only.
+struct ExpRow {
+  std::vector<float> e;
+};
+
 // logits (N, V) of type L; losses (N); dlogits (N, V) of type G, may be null, may alias logits
 // if L == G (each element is read before it is written, and rows are disjoint).
 template <typename L, typename G>
 void cross_entropy_impl(float* losses, G* dlogits, const L* logits, const int32_t* targets,
-                        int64_t N, int64_t V, float scale, int nt) {
+                        int64_t N, int64_t V, float scale, int nt, std::span<ExpRow> rows) {
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int64_t i = 0; i < N; ++i) {
     const L* l = logits + i * V;
@@ -69,7 +75,7 @@ void cross_entropy_impl(float* losses, G* dlogits, const L* logits, const int32_
       if constexpr (std::is_same_v<G, float>) {
         e = dlogits + i * V;  // in place over float logits: l[j] is read before e[j] is written
       } else {
-        thread_local std::vector<float> row;
+        std::vector<float>& row = rows[omp_get_thread_num()].e;
         row.resize(static_cast<size_t>(V));
         e = row.data();
       }
@@ -174,16 +180,19 @@ void CpuBackend::cross_entropy(float* losses, void* dlogits, DType dlogits_type,
               "cross_entropy: dlogits ({}) may alias logits ({}) only when both types are equal",
               dtype_name(dlogits_type), dtype_name(logits_type));
   const int nt = team_size(threads_);
+  const std::span<ExpRow> rows = scratch_.per_thread<ExpRow>();
   with_float_type(logits_type, "cross_entropy", "logits type", [&](auto ltag) {
     using L = decltype(ltag);
     const L* l = static_cast<const L*>(logits);
     if (dlogits == nullptr) {
-      cross_entropy_impl(losses, static_cast<float*>(nullptr), l, targets, N, V, dloss_scale, nt);
+      cross_entropy_impl(losses, static_cast<float*>(nullptr), l, targets, N, V, dloss_scale, nt,
+                         rows);
       return;
     }
     with_float_type(dlogits_type, "cross_entropy", "dlogits type", [&](auto gtag) {
       using G = decltype(gtag);
-      cross_entropy_impl(losses, static_cast<G*>(dlogits), l, targets, N, V, dloss_scale, nt);
+      cross_entropy_impl(losses, static_cast<G*>(dlogits), l, targets, N, V, dloss_scale, nt,
+                         rows);
     });
   });
 }

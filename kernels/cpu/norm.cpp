@@ -79,6 +79,11 @@ RowBlocks row_blocks(int64_t N) {
   return {rows, (N + rows - 1) / rows};
 }
 
+// The blocks' partial sums of dweight and dbias, kept by the backend (CpuScratch::shared).
+struct Partials {
+  std::vector<float> sums;
+};
+
 // dx (N, C) accumulates; dweight, dbias (C) F32 accumulate (either may be null).
 //   xhat = (x - mean) * rstd,  dn = dout * weight
 //   dx  += rstd * (dn - mean_j(dn) - xhat * mean_j(dn * xhat))     (LayerNorm)
@@ -87,13 +92,13 @@ RowBlocks row_blocks(int64_t N) {
 template <typename T, typename W>
 void norm_backward_impl(bool subtract_mean, T* dx, float* dweight, float* dbias, const T* dout,
                         const T* x, const W* weight, const float* mean, const float* rstd,
-                        int64_t N, int64_t C, int nt) {
+                        int64_t N, int64_t C, int nt, Partials& scratch) {
   const float inv_c = 1.0f / static_cast<float>(C);
   const RowBlocks blocks = row_blocks(N);
   const bool param_grads = dweight != nullptr || dbias != nullptr;
   // Partials: for block b, pw = part[(2b) C ...], pb = part[(2b+1) C ...]. Reused across calls
   // (grows to the largest N, C seen), so the step loop does not allocate.
-  thread_local std::vector<float> partials;
+  std::vector<float>& partials = scratch.sums;
   if (param_grads) partials.resize(static_cast<size_t>(blocks.count * 2 * C));
   float* part = partials.data();
 
@@ -187,7 +192,8 @@ void CpuBackend::norm_backward(NormKind kind, void* dx, float* dweight, float* d
       using W = decltype(b);
       norm_backward_impl<T, W>(layernorm, static_cast<T*>(dx), dweight, dbias,
                                static_cast<const T*>(dout), static_cast<const T*>(x),
-                               static_cast<const W*>(weight), mean, rstd, N, C, nt);
+                               static_cast<const W*>(weight), mean, rstd, N, C, nt,
+                               scratch_.shared<Partials>());
     });
   });
 }

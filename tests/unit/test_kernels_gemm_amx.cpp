@@ -171,7 +171,7 @@ TEST_CASE("gemm: bf16 on AMX tiles is bitwise independent of the thread count", 
 TEST_CASE("gemm: bf16 on AMX tiles from two host threads at once, two backends", "[kernels]") {
   if (!amx_or_warn()) return;
   // K over one pass and a bf16 C: the calls use the packing buffers their threads share and the
-  // fp32 accumulator, which must be per calling thread.
+  // fp32 accumulator, which each backend must have to itself.
   const Case g{false, false, 128, 96, 9000, 1.0f, 0.0f, false, DType::BF16, 1};
   // Different operands on each thread, so that a shared buffer would mix the two products.
   const Operands o[2] = {make_operands(g, 4242), make_operands(g, 4343)};
