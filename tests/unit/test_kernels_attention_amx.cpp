@@ -2,8 +2,8 @@
 // error bounds derived from the kernel's roundings; the bf16 flash kernels (the path where the CPU
 // has no AMX) stay covered by test_kernels_gemm_attention.cpp, which turns AMX off.
 //
-// On a CPU without AMX these cases say so (a Catch2 WARN) and check only that the backend falls
-// back to the flash kernels and reports it.
+// The cases tagged [amx] need AMX: on a CPU without it they say so and return, and ctest lists them
+// as skipped (kernel_testing.h, amx_or_skip). One case checks the fallback to the flash kernels.
 #include <catch2/catch.hpp>
 
 #include <omp.h>
@@ -15,6 +15,7 @@
 #include "kernels/cpu/attention_amx.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "tests/unit/attention_testing.h"
+#include "tests/unit/kernel_testing.h"
 
 using namespace tetra;
 using namespace tetra::attn_testing;
@@ -63,24 +64,23 @@ void term_magnitudes(const AttnDims& d, const std::vector<float>& qkv, const std
       }
 }
 
-// Whether the AMX path can run here; if not, says so in the test's output.
-bool amx_or_warn() {
-  if (cpu::amx_available()) return true;
-  WARN("this CPU (or OS) has no AMX: the AMX attention path is not exercised here");
-  return false;
-}
+constexpr const char* kPath = "the AMX attention path";
 
 }  // namespace
 
-TEST_CASE("attention: bf16 on AMX tiles matches the double reference within its roundings",
+TEST_CASE("attention: bf16 runs the flash kernels where AMX is absent or off, and says so",
           "[kernels]") {
   CpuBackend be(0);
-  if (!amx_or_warn()) {
-    std::vector<float> qkv = round_bf16(random_floats(AttnDims{1, 8, 2, 2, 8}.qkv_size(), 1));
-    run_attention(be, AttnDims{1, 8, 2, 2, 8}, qkv, nullptr, DType::BF16);
-    CHECK(be.kernel_report() == "attention forward flash (fp32 tiles)");
-    return;
-  }
+  if (cpu::amx_available()) be.set_amx_attention(false);
+  const std::vector<float> qkv = round_bf16(random_floats(AttnDims{1, 8, 2, 2, 8}.qkv_size(), 1));
+  run_attention(be, AttnDims{1, 8, 2, 2, 8}, qkv, nullptr, DType::BF16);
+  CHECK(be.kernel_report() == "attention forward flash (fp32 tiles)");
+}
+
+TEST_CASE("attention: bf16 on AMX tiles matches the double reference within its roundings",
+          "[kernels][amx]") {
+  if (!tetra_test::amx_or_skip(kPath)) return;
+  CpuBackend be(0);
   // Odd T (one block, a partial last block, exactly one and two blocks), HS not a multiple of 32
   // (padded), MHA / GQA / MQA, and the GPT-2 head size.
   const AttnDims dims[] = {{2, 19, 4, 2, 8},   {1, 150, 4, 2, 24}, {2, 130, 2, 2, 16},
@@ -113,8 +113,8 @@ TEST_CASE("attention: bf16 on AMX tiles matches the double reference within its 
   }
 }
 
-TEST_CASE("attention: AMX results do not depend on the number of threads", "[kernels]") {
-  if (!amx_or_warn()) return;
+TEST_CASE("attention: AMX results do not depend on the number of threads", "[kernels][amx]") {
+  if (!tetra_test::amx_or_skip(kPath)) return;
   const AttnDims d{2, 150, 4, 2, 24};
   const std::vector<float> qkv = round_bf16(random_floats(d.qkv_size(), 11, -2.0f, 2.0f));
   const std::vector<float> R = round_bf16(random_floats(d.out_size(), 12));
@@ -128,8 +128,8 @@ TEST_CASE("attention: AMX results do not depend on the number of threads", "[ker
   CHECK(std::memcmp(r1.dqkv.data(), r3.dqkv.data(), r1.dqkv.size() * sizeof(float)) == 0);
 }
 
-TEST_CASE("attention: AMX and the bf16 flash kernels agree on a GPT-2 head", "[kernels]") {
-  if (!amx_or_warn()) return;
+TEST_CASE("attention: AMX and the bf16 flash kernels agree on a GPT-2 head", "[kernels][amx]") {
+  if (!tetra_test::amx_or_skip(kPath)) return;
   // The two paths differ only by the roundings of P and dS (the flash kernels keep them fp32):
   // the same bound as against the reference, with the flash result as the reference.
   const AttnDims d{2, 256, 2, 2, 64};

@@ -13,6 +13,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/gemm_amx.h"
 #include "tests/unit/attention_testing.h"
+#include "tests/unit/kernel_testing.h"
 
 using namespace tetra;
 using namespace tetra::attn_testing;
@@ -71,17 +72,14 @@ std::vector<float> run_gemm(CpuBackend& be, const Case& g, const Operands& o) {
   return to_f32(c16);
 }
 
-bool amx_or_warn() {
-  if (cpu::amx_available()) return true;
-  WARN("this CPU (or OS) has no AMX: the AMX GEMM path is not exercised here");
-  return false;
-}
+constexpr const char* kPath = "the AMX GEMM path";
 
 }  // namespace
 
-TEST_CASE("gemm: bf16 on AMX tiles matches a double loop within fp32 accumulation", "[kernels]") {
+TEST_CASE("gemm: bf16 on AMX tiles matches a double loop within fp32 accumulation",
+          "[kernels][amx]") {
+  if (!tetra_test::amx_or_skip(kPath)) return;
   CpuBackend be(2);
-  if (!amx_or_warn()) return;
   // Every transpose combination over: whole tiles; ragged M, N and K (K odd, so a pair is half
   // padding); one row / column; K over the kernel's 4096-long pass (fp32 accumulation across
   // passes, into a buffer or into C itself); alpha, beta and bias; fp32 and bf16 C; rows off
@@ -146,8 +144,9 @@ TEST_CASE("gemm: bf16 on AMX tiles matches a double loop within fp32 accumulatio
       }
 }
 
-TEST_CASE("gemm: bf16 on AMX tiles is bitwise independent of the thread count", "[kernels]") {
-  if (!amx_or_warn()) return;
+TEST_CASE("gemm: bf16 on AMX tiles is bitwise independent of the thread count",
+          "[kernels][amx]") {
+  if (!tetra_test::amx_or_skip(kPath)) return;
   CpuBackend one(1), two(2);
   // The GPT-2 MLP shapes, cut down: forward (B stored transposed, bias, bf16 C), dX, and the
   // weight gradient accumulating into fp32 (A transposed, beta 1); plus a K over one pass.
@@ -168,8 +167,9 @@ TEST_CASE("gemm: bf16 on AMX tiles is bitwise independent of the thread count", 
   }
 }
 
-TEST_CASE("gemm: bf16 on AMX tiles from two host threads at once, two backends", "[kernels]") {
-  if (!amx_or_warn()) return;
+TEST_CASE("gemm: bf16 on AMX tiles from two host threads at once, two backends",
+          "[kernels][amx]") {
+  if (!tetra_test::amx_or_skip(kPath)) return;
   // K over one pass and a bf16 C: the calls use the packing buffers their threads share and the
   // fp32 accumulator, which each backend must have to itself.
   const Case g{false, false, 128, 96, 9000, 1.0f, 0.0f, false, DType::BF16, 1};
@@ -190,15 +190,24 @@ TEST_CASE("gemm: bf16 on AMX tiles from two host threads at once, two backends",
   CHECK(mismatches[1] == 0);
 }
 
-TEST_CASE("gemm: the bf16 kernel in use is reported, and oneDNN's agrees with AMX's", "[kernels]") {
-  CpuBackend amx(2), other(2);
+// The product both bf16 cases below run: B transposed, a bias, an fp32 C.
+constexpr Case kReported{false, true, 96, 160, 200, 1.0f, 0.0f, true, DType::F32};
+
+TEST_CASE("gemm: bf16 with AMX off runs on oneDNN (or the loops) and says so", "[kernels]") {
+  CpuBackend other(2);
   other.set_amx_gemm(false);
-  const Case g{false, true, 96, 160, 200, 1.0f, 0.0f, true, DType::F32};
-  const Operands o = make_operands(g, 77);
-  const std::vector<float> c_other = run_gemm(other, g, o);
+  run_gemm(other, kReported, make_operands(kReported, 77));
   CHECK_THAT(other.kernel_report(), Catch::Equals("bf16 gemm onednn") ||
                                         Catch::Equals("bf16 gemm loops"));
-  if (!amx_or_warn()) return;
+}
+
+TEST_CASE("gemm: bf16 on AMX tiles is reported, and agrees with oneDNN's", "[kernels][amx]") {
+  if (!tetra_test::amx_or_skip(kPath)) return;
+  CpuBackend amx(2), other(2);
+  other.set_amx_gemm(false);
+  const Case& g = kReported;
+  const Operands o = make_operands(g, 77);
+  const std::vector<float> c_other = run_gemm(other, g, o);
   const std::vector<float> c_amx = run_gemm(amx, g, o);
   CHECK(amx.kernel_report() == "bf16 gemm amx (bf16 tiles)");
   // Both sum exact products in fp32, in different orders: within twice the fp32 bound of each.
