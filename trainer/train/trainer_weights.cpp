@@ -104,7 +104,7 @@ void Trainer::save_final_weights() {
     // bf16 / fp16 with the distributed optimizer: each DP rank's optimizer holds the fp32 master weights
     // of its shards, back to back; every DP rank takes part in gathering them.
     whole = static_cast<float*>(be_->alloc(static_cast<size_t>(layout_.total) * 4));
-    const float* shard = optimizer_->master_shard();
+    const float* shard = updater_->master_shard();
     int64_t at = 0;
     for (const GradRange& o : grad_buffer_->owned()) {
       be_->copy(whole + o.offset, shard + at, static_cast<size_t>(o.numel) * 4);

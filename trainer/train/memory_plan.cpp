@@ -1,0 +1,100 @@
+#include "trainer/train/memory_plan.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include <fmt/format.h>
+
+#include "kernels/common/check.h"
+#include "kernels/common/dtype.h"
+#include "trainer/model/gpt.h"
+#include "trainer/train/pipeline_model.h"
+
+namespace tetra {
+
+namespace {
+
+// Processes of this job on this machine (they share its memory).
+int64_t local_ranks() {
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"}) {
+    const char* v = std::getenv(var);
+    if (v && std::atoll(v) > 0) return std::atoll(v);  // Slurm's "4(x2)" reads as 4
+  }
+  return 1;
+}
+
+}  // namespace
+
+bool samples_enabled(const Config& cfg) {
+  return !cfg.sample.prompt.empty() && !cfg.data.tokenizer.empty() && cfg.training.eval_steps > 0;
+}
+
+ParamLayout rank_layout(const Config& cfg, int64_t tp_rank, int64_t pp_rank, int64_t ep_rank) {
+  TensorSlicing slicing;
+  slicing.tp = cfg.parallel.tp;
+  slicing.tp_rank = tp_rank;
+  slicing.ep = cfg.parallel.ep;
+  slicing.ep_rank = ep_rank;
+  slicing.sequence_parallel = cfg.parallel.sequence_parallel;
+  // Buckets split into dp aligned shards: the distributed optimizer's, and onebit's and int8's chunks.
+  const bool shards = cfg.parallel.distributed_optimizer || cfg.parallel.grad_compression == "onebit" ||
+                      cfg.parallel.grad_compression == "int8";
+  slicing.group_align = shards ? 16 * cfg.parallel.dp : 16;
+  return ParamLayout::build(cfg.model, slicing, stage_slice(cfg, pp_rank));
+}
+
+MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_rank) {
+  const DType act = precision_dtype(cfg.training.precision);
+  const int64_t B = cfg.training.micro_batch_size, T = cfg.model.seq_len;
+  const size_t n = static_cast<size_t>(layout.total);
+  // The distributed optimizer keeps Adam's moments (and, in bf16 / fp16, the fp32 master weights) for
+  // this rank's 1/dp of the buffer only.
+  const size_t shard = cfg.parallel.distributed_optimizer ? n / static_cast<size_t>(cfg.parallel.dp) : n;
+  MemoryPlan m;
+  m.master = act == DType::F32 ? n * 4 : shard * 4;
+  m.compute = act == DType::F32 ? 0 : n * dtype_size(act);
+  m.grads = n * 4;
+  m.optimizer = shard * 8;
+  // Gradient compression's buffers (grad_buffer.h, compressed_exchange.h): the bf16 copy of the buffer
+  // (backend memory); onebit / int8 on the host: the worker error and the scaled input (n each), the
+  // server error and average (n / dp each), the two messages (1 bit or 1 byte per element) and, for
+  // sharded onebit, the whole frozen variance; on a GPU also the host staging of the gradient (and
+  // for onebit of the variance, and for plain onebit of the momentum).
+  const size_t dp = static_cast<size_t>(cfg.parallel.dp);
+  m.on_device = cfg.training.device != "cpu";
+  if (dp > 1 && cfg.parallel.grad_compression == "bf16") m.grads += n * 2;
+  const bool onebit = cfg.parallel.grad_compression == "onebit", int8 = cfg.parallel.grad_compression == "int8";
+  if (dp > 1 && (onebit || int8)) {
+    m.compression = 2 * n * 4 + 2 * (n / dp) * 4 + (onebit ? n / 2 : 2 * n);
+    if (onebit && cfg.parallel.distributed_optimizer) m.compression += n * 4;
+    if (m.on_device) m.compression += n * 4 + (onebit ? n * 4 : 0) + (onebit && !cfg.parallel.distributed_optimizer ? n * 4 : 0);
+  }
+  m.activations = PipelineModel::activation_bytes_for(cfg, pp_rank);
+  m.batch = static_cast<size_t>(cfg.grad_accum_steps() * B * T) * 12;  // tokens, targets, losses
+  if (samples_enabled(cfg))  // the sampling model's arena and its (T) ids and two logit rows
+    m.sampling = Gpt::activation_bytes_for(cfg.model, act, 1, cfg.parallel.tp) +
+                 static_cast<size_t>(T) * 4 + static_cast<size_t>(cfg.model.vocab_size) * 8;
+  return m;
+}
+
+void check_host_memory(const Config& cfg, const MemoryPlan& plan, int64_t world) {
+  const double physical = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  const double ranks_here = static_cast<double>(std::min<int64_t>(world, local_ranks()));
+  if (physical > 0 && static_cast<double>(plan.host_bytes()) * ranks_here > 0.95 * physical)
+    throw InputError(fmt::format(
+        "the run needs {:.1f} GiB of host memory per rank x {} ranks on this machine ({}) but it has "
+        "{:.1f} GiB of memory: {}",
+        plan.host_bytes() / 1073741824.0, ranks_here,
+        plan.on_device ? "gradient compression's buffers"
+                       : fmt::format("{:.1f} GiB of activations for training.micro_batch_size {}",
+                                     plan.activations / 1073741824.0, cfg.training.micro_batch_size),
+        physical / 1073741824.0,
+        plan.on_device ? "use parallel.grad_compression bf16 or none, or more ranks per model (tp, pp)"
+                       : "lower training.micro_batch_size (use global_batch_size for gradient accumulation), "
+                         "model.seq_len or the model size, or use more tensor parallelism / the distributed "
+                         "optimizer"));
+}
+
+}  // namespace tetra

@@ -1,0 +1,181 @@
+#include "trainer/train/run_report.h"
+
+#include <iterator>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "trainer/parallel/pipeline_schedule.h"
+#include "trainer/train/generate.h"
+#include "trainer/train/pipeline_model.h"
+
+namespace tetra {
+
+namespace {
+
+std::string human_count(double n) {
+  if (n >= 1e12) return fmt::format("{:.2f}T", n / 1e12);
+  if (n >= 1e9) return fmt::format("{:.2f}B", n / 1e9);
+  if (n >= 1e6) return fmt::format("{:.2f}M", n / 1e6);
+  if (n >= 1e3) return fmt::format("{:.2f}K", n / 1e3);
+  return fmt::format("{:.0f}", n);
+}
+
+std::string mib(size_t bytes) { return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / 1048576.0); }
+
+}  // namespace
+
+RunReport describe_run(const Config& cfg, const ParamLayout& layout, int64_t pp_rank) {
+  RunReport r;
+  r.cfg = &cfg;
+  r.model = model_stats(cfg.model, ParamLayout::build(cfg.model));
+  r.pp_rank = pp_rank;
+  r.layout = layout;
+  r.memory = plan_memory(cfg, layout, pp_rank);
+  r.predicted = predict_step_volume(cfg, layout);
+  return r;
+}
+
+void log_run_report(const RunReport& report, const RunEnvironment& env) {
+  const Config& cfg = *report.cfg;
+  const ModelStats& stats = report.model;
+  const MemoryPlan& plan = report.memory;
+  const StepVolume& predicted = report.predicted;
+  const int64_t B = cfg.training.micro_batch_size, T = cfg.model.seq_len;
+  spdlog::info("model: {} parameters ({} in matmuls), {} layers, hidden {}, heads {}/{} (q/kv), ffn {}, "
+               "vocab {}, seq_len {}, {} + {} + {} positions",
+               stats.params, stats.matmul_params, cfg.model.num_layers, cfg.model.hidden_size,
+               cfg.model.num_heads, cfg.model.num_kv_heads, cfg.model.ffn_hidden_size,
+               cfg.model.vocab_size, cfg.model.seq_len, cfg.model.norm, cfg.model.activation,
+               cfg.model.position);
+  if (cfg.model.moe.enabled())
+    spdlog::info("moe: {} experts (ffn {}), top-{}, every {} blocks, {}; {} active parameters per token; ep {}",
+                 cfg.model.moe.num_experts, cfg.model.moe.ffn_hidden_size, cfg.model.moe.top_k, cfg.model.moe.every,
+                 cfg.model.moe.capacity_factor ? fmt::format("capacity factor {}", *cfg.model.moe.capacity_factor)
+                                               : std::string("dropless"),
+                 stats.active_params, cfg.parallel.ep);
+  spdlog::info("layout: {} ranks = tp {} x pp {} x dp {} (order {}){}{}; {} gradient bucket(s)",
+               env.world, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.order,
+               cfg.parallel.sequence_parallel ? ", sequence parallel" : "",
+               cfg.parallel.distributed_optimizer ? ", distributed optimizer" : "", env.gradient_buckets);
+  spdlog::info("run: backend {} per rank, precision {}, micro-batch {} x {} accumulation "
+               "x dp {} = global batch {} ({} tokens/step), {} steps, {:.2f} GFLOP/token",
+               env.backend, cfg.training.precision, B, cfg.grad_accum_steps(), cfg.parallel.dp,
+               cfg.training.global_batch_size, cfg.training.global_batch_size * T, cfg.training.steps,
+               stats.train_flops_per_token / 1e9);
+  spdlog::info("memory per rank: {:.1f} MiB (weights {:.1f}, grads {:.1f}, optimizer {:.1f}, activations "
+               "{:.1f}{}); peak {:.1f} GFLOP/s per rank ({})",
+               plan.total() / 1048576.0, (plan.master + plan.compute) / 1048576.0, plan.grads / 1048576.0,
+               plan.optimizer / 1048576.0, plan.activations / 1048576.0,
+               plan.compression ? fmt::format(", gradient compression {:.1f}{}", plan.compression / 1048576.0,
+                                              plan.on_device ? " on the host" : "")
+                                : std::string(),
+               env.rank_peak_flops / 1e9, env.peak_source);
+  if (env.samples)
+    spdlog::info("samples: at each evaluation, up to {} tokens after \"{}\" (temperature {}, top-k {}, "
+                 "seed {}, tokenizer {})",
+                 cfg.sample.max_tokens, escape_text(cfg.sample.prompt), cfg.sample.temperature,
+                 cfg.sample.top_k, cfg.sample.seed, cfg.data.tokenizer);
+  else if (!cfg.sample.prompt.empty() && cfg.training.eval_steps == 0)
+    spdlog::info("samples: none during training (sample.prompt is set but training.eval_steps is 0)");
+  if (env.world > 1)
+    spdlog::info("communication per step (predicted): tp: {}; dp: {}{}", predicted.tp.describe(),
+                 predicted.dp.describe(),
+                 cfg.model.moe.enabled()
+                     ? fmt::format("; edp: {}; ep: {} + the routed tokens", predicted.edp.describe(),
+                                   predicted.ep.describe())
+                     : std::string());
+  if (env.onebit_compresses) {
+    const StepVolume compressed = predict_step_volume(cfg, report.layout, true);
+    spdlog::info("communication per step after the {} warm-up steps of onebit (predicted): dp: {}{}",
+                 cfg.parallel.onebit_warmup_steps, compressed.dp.describe(),
+                 cfg.model.moe.enabled() ? "; edp: " + compressed.edp.describe() : "");
+  }
+}
+
+std::string dry_run_report(const Config& cfg) {
+  const RunReport report = describe_run(cfg, rank_layout(cfg, 0), 0);
+  const ModelStats& stats = report.model;
+  const MemoryPlan& mem = report.memory;
+  const StepVolume& v = report.predicted;
+  const ParallelConfig& par = cfg.parallel;
+  const MoeConfig& moe = cfg.model.moe;
+  const double tokens = static_cast<double>(cfg.training.global_batch_size * cfg.model.seq_len);
+  std::string text;
+  auto out = std::back_inserter(text);
+  fmt::format_to(out, "parameters:        {} ({}; {} in matmuls)\n", stats.params, human_count(stats.params),
+                 human_count(stats.matmul_params));
+  if (moe.enabled())
+    fmt::format_to(out, "active parameters: {} per token ({} in matmuls; {} experts, top-{}, every {} blocks)\n",
+                   human_count(stats.active_params), human_count(stats.active_matmul_params), moe.num_experts,
+                   moe.top_k, moe.every);
+  fmt::format_to(out, "FLOPs per token:   {} (training step: 6 x {}matmul params + 12 L C T)\n",
+                 human_count(stats.train_flops_per_token), moe.enabled() ? "active " : "");
+  fmt::format_to(out, "FLOPs per step:    {} ({} tokens, {} micro-batches of {} on each of {} DP ranks)\n",
+                 human_count(stats.train_flops_per_token * tokens), tokens, cfg.grad_accum_steps(),
+                 cfg.training.micro_batch_size, par.dp);
+  fmt::format_to(out, "layout:            {} ranks = tp {} x pp {} x dp {}{}, order {}{}{}\n",
+                 par.tp * par.pp * par.dp, par.tp, par.pp, par.dp,
+                 par.ep > 1 ? fmt::format(" (ep {} x edp {})", par.ep, par.dp / par.ep) : "", par.order,
+                 par.sequence_parallel ? ", sequence parallel" : "",
+                 par.distributed_optimizer ? ", distributed optimizer" : "");
+  if (par.pp > 1) {
+    const PipelineSchedule schedule = make_schedule(cfg, cfg.grad_accum_steps());
+    fmt::format_to(out, "pipeline:          schedule {}, {} stages ({} x {} chunk(s)), {} micro-batches per step, "
+                   "ideal bubble {:.1f}%\n",
+                   par.schedule, par.pp * par.virtual_stages, par.pp, par.virtual_stages, cfg.grad_accum_steps(),
+                   100.0 * schedule.ideal_bubble());
+    for (int64_t r = 0; r < par.pp; ++r) {
+      const StageSlice st = stage_slice(cfg, r);
+      std::string layers;
+      for (const auto& [b, e] : st.chunks)
+        layers += (layers.empty() ? "" : ", ") + (e > b ? fmt::format("{}-{}", b, e - 1) : std::string("none"));
+      fmt::format_to(out, "  rank {:<3}         layers {}{}{}; {} micro-batch(es) in flight; {}\n", r, layers,
+                     st.first ? " + embedding" : "", st.last ? " + output layer and loss" : "",
+                     schedule.max_in_flight(static_cast<int>(r)),
+                     mib(plan_memory(cfg, rank_layout(cfg, 0, r), r).total()));
+    }
+  }
+  fmt::format_to(out, "memory per rank:   {}{}{}\n", mib(mem.total()), par.pp > 1 ? " (pipeline rank 0)" : "",
+                 mem.on_device && mem.compression
+                     ? fmt::format(": {} on the GPU, {} on the host", mib(mem.device_bytes()), mib(mem.host_bytes()))
+                     : std::string());
+  fmt::format_to(out, "  master weights   {} (fp32{})\n", mib(mem.master),
+                 par.distributed_optimizer && cfg.training.precision != "fp32" ? ", 1/dp shard" : "");
+  if (mem.compute) fmt::format_to(out, "  compute weights  {} ({})\n", mib(mem.compute), cfg.training.precision);
+  fmt::format_to(out, "  gradients        {} (fp32)\n", mib(mem.grads));
+  fmt::format_to(out, "  optimizer        {} (AdamW moments, fp32{})\n", mib(mem.optimizer),
+                 par.distributed_optimizer ? ", 1/dp shard" : "");
+  if (par.distributed_optimizer && par.dp > 1) {
+    Config plain = cfg;
+    plain.parallel.distributed_optimizer = false;
+    const MemoryPlan without = plan_memory(plain, rank_layout(plain, 0));
+    fmt::format_to(out, "    the distributed optimizer saves {} per rank ({} without it)\n",
+                   mib(without.total() - mem.total()), mib(without.total()));
+  }
+  fmt::format_to(out, "  activations      {} (micro-batch {}, logits included)\n", mib(mem.activations),
+                 cfg.training.micro_batch_size);
+  if (mem.compression)
+    fmt::format_to(out, "  compression      {} ({}: error feedback and messages{}, host memory)\n",
+                   mib(mem.compression), par.grad_compression,
+                   mem.on_device ? ", staging of the gradient and moments" : "");
+  fmt::format_to(out, "  batch buffers    {}\n", mib(mem.batch));
+  if (mem.sampling)
+    fmt::format_to(out, "  sampling         {} (micro-batch 1 model for the text samples)\n", mib(mem.sampling));
+  fmt::format_to(out, "communication per step and rank (payload; sent under ring algorithms ~ 2(p-1)/p of an "
+                 "all-reduce's, (p-1)/p of the others'):\n");
+  fmt::format_to(out, "  tp ({} ranks)      {}\n", par.tp, v.tp.describe());
+  fmt::format_to(out, "  dp ({} ranks)      {}\n", par.dp, v.dp.describe());
+  if (par.pp > 1) {
+    fmt::format_to(out, "  pp ({} ranks)      {}\n", par.pp, v.pp.describe());
+    fmt::format_to(out, "  embedding         {}\n", v.embedding.describe());
+  }
+  if (moe.enabled()) {
+    fmt::format_to(out, "  edp ({} ranks)     {}\n", par.dp / par.ep, v.edp.describe());
+    fmt::format_to(out, "  ep ({} ranks)      {} (plus the routed tokens: all-to-all payload depends on the routing)\n",
+                   par.ep, v.ep.describe());
+  }
+  return text;
+}
+
+}  // namespace tetra
