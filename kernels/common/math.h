@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #include <cuda_fp16.h>
@@ -305,6 +306,21 @@ TETRA_HD uint64_t fnv1a64(const char* s) {
     h *= 1099511628211ull;
   }
   return h;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Integer rounding of sizes, counts and grid dimensions (x >= 0, m > 0), in x's type (m is
+// converted to it): ceil_div(x, m) = ceil(x / m); round_up(x, m) = x rounded up to a multiple of m.
+// ---------------------------------------------------------------------------------------------
+template <typename I, typename M>
+TETRA_HD constexpr I ceil_div(I x, M m) {
+  static_assert(std::is_integral_v<I> && std::is_integral_v<M>, "ceil_div takes integers");
+  return (x + static_cast<I>(m) - 1) / static_cast<I>(m);
+}
+
+template <typename I, typename M>
+TETRA_HD constexpr I round_up(I x, M m) {
+  return ceil_div(x, m) * static_cast<I>(m);
 }
 
 }  // namespace tetra::math

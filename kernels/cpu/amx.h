@@ -34,9 +34,6 @@ namespace tetra::cpu {
 // (checked once; without the grant the first tile instruction faults).
 bool amx_available();
 
-inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
-inline int64_t round_up(int64_t x, int64_t m) { return ceil_div(x, m) * m; }
-
 #if defined(TETRA_AMX_COMPILED)
 
 // Tile configuration (palette 1): every tile 16 rows of 64 bytes. The kernels use tmm0-3 for a

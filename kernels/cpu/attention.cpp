@@ -51,8 +51,6 @@ constexpr int64_t kBlock = 64;  // queries and keys per tile; a multiple of 16 (
 constexpr int64_t kRows = 4;    // rows of one register block of tile_gemm
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
 // ---------------------------------------------------------------------------------------------
 // 16-lane fp32 vectors
 // ---------------------------------------------------------------------------------------------
@@ -128,7 +126,7 @@ void tile_gemm(float* c, int64_t ldc, const float* a, int64_t a_rs, int64_t a_ks
     switch (causal) {
       case Causal::K_UPTO_ROW: k1 = std::min(K, m0 + kRows); break;
       case Causal::K_FROM_ROW: k0 = std::min(K, m0); break;
-      case Causal::N_UPTO_ROW: n_end = std::min(N, round_up(m0 + kRows, 16)); break;
+      case Causal::N_UPTO_ROW: n_end = std::min(N, math::round_up(m0 + kRows, 16)); break;
       case Causal::N_FROM_ROW: n_begin = m0 / 16 * 16; break;
       case Causal::NONE: break;
     }
@@ -167,8 +165,8 @@ AttnShape make_shape(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, 
               "{}: sizes must be positive, got B={} T={} NH={} NKV={} HS={}", op, B, T, NH, NKV,
               HS);
   TETRA_CHECK(NH % NKV == 0, "{}: NH ({}) must be a multiple of NKV ({})", op, NH, NKV);
-  AttnShape s{cpu::qkv_layout(B, T, NH, NKV, HS), round_up(HS, 16), NH / NKV,
-              (T + kBlock - 1) / kBlock, 1.0f / std::sqrt(static_cast<float>(HS))};
+  AttnShape s{cpu::qkv_layout(B, T, NH, NKV, HS), math::round_up(HS, 16), NH / NKV,
+              math::ceil_div(T, kBlock), 1.0f / std::sqrt(static_cast<float>(HS))};
   return s;
 }
 
@@ -288,7 +286,8 @@ void attention_forward_block(T* out, float* lse, const T* qkv, const AttnShape& 
   }
 
   for (int64_t kbi = 0; kbi <= qb; ++kbi) {
-    const int64_t j0 = kbi * kBlock, nk = std::min(kBlock, s.T - j0), nkr = round_up(nk, kRows);
+    const int64_t j0 = kbi * kBlock, nk = std::min(kBlock, s.T - j0);
+    const int64_t nkr = math::round_up(nk, kRows);
     const float* kb = kc + j0 * HSP;
     const float* vb = vc + j0 * HSP;
     const bool diagonal = kbi == qb;  // j0 == i0
@@ -320,7 +319,7 @@ void attention_forward_block(T* out, float* lse, const T* qkv, const AttnShape& 
         for (int64_t x = 0; x < HSP; ++x) a[x] *= corr[i];
       }
     }
-    tile_gemm(acc, HSP, st, 1, kBlock, vb, HSP, round_up(nq, kRows), HSP, nkr, false,
+    tile_gemm(acc, HSP, st, 1, kBlock, vb, HSP, math::round_up(nq, kRows), HSP, nkr, false,
               diagonal ? Causal::K_UPTO_ROW : Causal::NONE);
   }
 
@@ -400,7 +399,8 @@ void attention_backward_kv_head(T* dqkv, const T* dout, const T* qkv, const T* o
   for (int64_t g = 0; g < s.G; ++g) {
     const int64_t h = kvh * s.G + g;
     for (int64_t qb = 0; qb < s.n_qb; ++qb) {
-      const int64_t i0 = qb * kBlock, nq = std::min(kBlock, T_ - i0), nqr = round_up(nq, kRows);
+      const int64_t i0 = qb * kBlock, nq = std::min(kBlock, T_ - i0);
+      const int64_t nqr = math::round_up(nq, kRows);
       load_rows(q, HSP, kBlock, qkv + s.q_at(b, i0, h), s.row, nq, HS, s.scale);
       load_rows(dob, HSP, kBlock, dout + s.o_at(b, i0, h), s.NH * HS, nq, HS, 1.0f);
       load_rows(ob, HSP, kBlock, out + s.o_at(b, i0, h), s.NH * HS, nq, HS, 1.0f);
@@ -428,7 +428,7 @@ void attention_backward_kv_head(T* dqkv, const T* dout, const T* qkv, const T* o
           float* pr = p + i * kBlock;
           float* dsr = dp + i * kBlock;
           const v16 li = splat16(lsev[i]), di = splat16(dvec[i]);
-          for (int64_t j = 0; j < round_up(valid, 16); j += 16) {
+          for (int64_t j = 0; j < math::round_up(valid, 16); j += 16) {
             v16 pj = exp16(load16(pr + j) - li);
             store16(pr + j, pj);
             store16(dsr + j, pj * (load16(dsr + j) - di));

@@ -135,8 +135,8 @@ struct Dims : QkvLayout {
 };
 
 Dims make_dims(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
-  const int64_t Tp = round_up(T, kQBlock);
-  return Dims{qkv_layout(B, T, NH, NKV, HS), NH / NKV, round_up(HS, 32), Tp, Tp + 32,
+  const int64_t Tp = math::round_up(T, kQBlock);
+  return Dims{qkv_layout(B, T, NH, NKV, HS), NH / NKV, math::round_up(HS, 32), Tp, Tp + 32,
               1.0f / std::sqrt(static_cast<float>(HS))};
 }
 

@@ -11,6 +11,7 @@
 #include "kernels/cpu/dispatch.h"
 #include "kernels/cpu/host_memory.h"
 #include "kernels/common/check.h"
+#include "kernels/common/math.h"
 
 namespace tetra {
 
@@ -34,8 +35,8 @@ void for_each_chunk(size_t bytes, int threads, F&& f) {
     return;
   }
   const int nt = cpu::team_size(threads);
-  const size_t share = (bytes + nt - 1) / nt;  // ceil: nt chunks always cover every byte
-  const size_t chunk = (share + kLine - 1) / kLine * kLine;  // chunks start on cache lines
+  const size_t share = math::ceil_div(bytes, nt);  // nt chunks always cover every byte
+  const size_t chunk = math::round_up(share, kLine);  // chunks start on cache lines
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int i = 0; i < nt; ++i) {
     const size_t begin = std::min(bytes, static_cast<size_t>(i) * chunk);

@@ -83,7 +83,7 @@ void convert_impl(D* dst, const S* src, int64_t n, int nt) {
 template <typename T>
 void bias_backward_impl(float* dbias, const T* dout, int64_t N, int64_t OC, int nt) {
   constexpr int64_t kTile = 128;
-  const int64_t tiles = (OC + kTile - 1) / kTile;
+  const int64_t tiles = math::ceil_div(OC, kTile);
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const int64_t j0 = tile * kTile;

@@ -19,6 +19,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/dispatch.h"
 #include "kernels/common/check.h"
+#include "kernels/common/math.h"
 
 namespace tetra {
 namespace {
@@ -68,8 +69,8 @@ void embedding_backward_impl(float* dwte, float* dwpe, const T* dout, const int3
                              int64_t B, int64_t T_len, int64_t C, int64_t v0, int64_t Vl, int nt) {
   if (dwte) {
     // Column ranges of 16 floats (a 64-byte line) or more, so no two threads share a cache line.
-    const int64_t per_thread = (C + nt - 1) / nt;
-    const int64_t width = std::max<int64_t>(16, (per_thread + 15) / 16 * 16);
+    const int64_t per_thread = math::ceil_div(C, nt);
+    const int64_t width = std::max<int64_t>(16, math::round_up(per_thread, 16));
 #pragma omp parallel num_threads(nt)
     {
       const int64_t j0 = std::min(C, omp_get_thread_num() * width);

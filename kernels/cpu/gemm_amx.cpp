@@ -36,6 +36,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/gemm_loops.h"
 #include "kernels/common/check.h"
+#include "kernels/common/math.h"
 
 #if defined(TETRA_AMX_COMPILED)
 
@@ -310,12 +311,12 @@ struct Plan {
 
 TETRA_AMX_TARGET void run(const Problem& g, int threads, CpuScratch& scratch) {
   Plan p;
-  p.Mb = ceil_div(g.M, kBlock);
-  p.Nb = ceil_div(g.N, kBlock);
-  const int64_t Kp = round_up(g.K, 32);
-  p.passes = ceil_div(Kp, kMaxKPass);
-  p.kc = round_up(ceil_div(Kp, p.passes), 32);
-  p.passes = ceil_div(Kp, p.kc);
+  p.Mb = math::ceil_div(g.M, kBlock);
+  p.Nb = math::ceil_div(g.N, kBlock);
+  const int64_t Kp = math::round_up(g.K, 32);
+  p.passes = math::ceil_div(Kp, kMaxKPass);
+  p.kc = math::round_up(math::ceil_div(Kp, p.passes), 32);
+  p.passes = math::ceil_div(Kp, p.kc);
   p.chunk_blocks = std::max<int64_t>(1, kPackBytes / (p.kc * 2 * kBlock));
   p.split_m = p.Mb >= p.Nb;
   threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, p.split_m ? p.Mb : p.Nb)));
@@ -328,12 +329,12 @@ TETRA_AMX_TARGET void run(const Problem& g, int threads, CpuScratch& scratch) {
   // gradient, 103 MB in bf16 for GPT-2 at 1024 tokens), one chunk of up to twice the size that
   // holds every column of the thread packs each A block once instead.
   const bool a_in_place = !g.trans_a && lines(g.A, g.lda * 2);
-  const int64_t my_cols = p.split_m ? p.Nb : ceil_div(p.Nb, threads);
+  const int64_t my_cols = p.split_m ? p.Nb : math::ceil_div(p.Nb, threads);
   constexpr int64_t kMaxPackedA = 16 << 20;
   if (!a_in_place && p.Mb * kBlock * p.kc * 2 > kMaxPackedA &&
       my_cols * kBlock * p.kc * 2 <= 2 * kPackBytes)
     p.chunk_blocks = my_cols;
-  const int64_t uses = ceil_div(my_cols, p.chunk_blocks) * (p.split_m ? 1 : threads);
+  const int64_t uses = math::ceil_div(my_cols, p.chunk_blocks) * (p.split_m ? 1 : threads);
   p.prepack_a = !a_in_place && uses > 1;
   const int64_t a_block = kBlock * p.kc;  // elements of one packed 32-row block of op(A)
 
@@ -379,7 +380,7 @@ TETRA_AMX_TARGET void run(const Problem& g, int threads, CpuScratch& scratch) {
     const int64_t mb0 = p.split_m ? p.Mb * t / nt : 0, mb1 = p.split_m ? p.Mb * (t + 1) / nt : p.Mb;
     const int64_t nb0 = p.split_m ? 0 : p.Nb * t / nt, nb1 = p.split_m ? p.Nb : p.Nb * (t + 1) / nt;
     // Even chunks of this thread's columns.
-    const int64_t chunks = ceil_div(nb1 - nb0, p.chunk_blocks);
+    const int64_t chunks = math::ceil_div(nb1 - nb0, p.chunk_blocks);
     bf16* a_blk = grow(w.a, a_block);
     float* cbuf = grow(w.c, kBlock * kBlock);
     int64_t turn = 0;

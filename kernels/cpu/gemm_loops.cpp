@@ -80,7 +80,7 @@ void gemm_loops(int threads, bool trans_a, bool trans_b, int64_t M, int64_t N, i
   int64_t la = 0, lb = 0;
   const float* a = f32_rows(A, lda, trans_a, M, K, ab_type, a_copy, la, nt);
   const float* b = f32_rows(B, ldb, trans_b, K, N, ab_type, b_copy, lb, nt);
-  const int64_t m_tiles = (M + kMb - 1) / kMb, n_tiles = (N + kNb - 1) / kNb;
+  const int64_t m_tiles = math::ceil_div(M, kMb), n_tiles = math::ceil_div(N, kNb);
 
 #pragma omp parallel for collapse(2) num_threads(nt) schedule(static)
   for (int64_t ti = 0; ti < m_tiles; ++ti)

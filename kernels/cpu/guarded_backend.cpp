@@ -18,6 +18,7 @@
 #include <mutex>
 
 #include "kernels/common/check.h"
+#include "kernels/common/math.h"
 
 namespace tetra {
 
@@ -68,7 +69,7 @@ class GuardedBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mutex_);
     Region r;
     r.bytes = bytes;
-    r.span = std::max<size_t>(1, (bytes + page_ - 1) / page_) * page_;
+    r.span = std::max<size_t>(1, math::ceil_div(bytes, page_)) * page_;
     r.mapped = r.span + 2 * page_;
     void* map = mmap(nullptr, r.mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     TETRA_CHECK(map != MAP_FAILED, "cpu-guarded alloc of {} bytes: mmap failed: {}", bytes, std::strerror(errno));

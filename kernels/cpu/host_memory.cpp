@@ -14,12 +14,12 @@
 #endif
 
 #include "kernels/common/check.h"
+#include "kernels/common/math.h"
 
 namespace tetra::cpu {
 
 namespace {
 constexpr size_t kLine = 64;
-size_t round_up_bytes(size_t x, size_t m) { return (x + m - 1) / m * m; }
 }  // namespace
 
 void* host_alloc(size_t bytes, const char* what) {
@@ -28,7 +28,7 @@ void* host_alloc(size_t bytes, const char* what) {
   const size_t align = huge ? kHugePageBytes : kLine;
   TETRA_CHECK(bytes <= SIZE_MAX - align, "cpu: {} bytes of host memory requested for {}: more than "
               "the address space holds", bytes, what);
-  const size_t rounded = std::max(round_up_bytes(bytes, align), align);
+  const size_t rounded = std::max(math::round_up(bytes, align), align);
   void* ptr = std::aligned_alloc(align, rounded);
   TETRA_CHECK(ptr != nullptr, "cpu: allocating {} bytes of host memory for {} failed (out of memory)",
               bytes, what);

@@ -21,6 +21,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/dispatch.h"
 #include "kernels/common/check.h"
+#include "kernels/common/math.h"
 
 namespace tetra {
 namespace {
@@ -75,8 +76,8 @@ struct RowBlocks {
 
 RowBlocks row_blocks(int64_t N) {
   constexpr int64_t kMinRows = 16, kMaxBlocks = 64;
-  int64_t rows = std::max(kMinRows, (N + kMaxBlocks - 1) / kMaxBlocks);
-  return {rows, (N + rows - 1) / rows};
+  int64_t rows = std::max(kMinRows, math::ceil_div(N, kMaxBlocks));
+  return {rows, math::ceil_div(N, rows)};
 }
 
 // The blocks' partial sums of dweight and dbias, kept by the backend (CpuScratch::shared).

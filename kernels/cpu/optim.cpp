@@ -24,8 +24,8 @@ using cpu::team_size;
 template <bool kSquare>
 double chunked_sum(const float* x, int64_t n, int nt) {
   constexpr int64_t kMinChunk = 8192, kMaxChunks = 256;
-  const int64_t chunk = std::max(kMinChunk, (n + kMaxChunks - 1) / kMaxChunks);
-  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t chunk = std::max(kMinChunk, math::ceil_div(n, kMaxChunks));
+  const int64_t chunks = math::ceil_div(n, chunk);
   double partial[kMaxChunks];
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int64_t c = 0; c < chunks; ++c) {

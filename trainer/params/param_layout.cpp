@@ -13,8 +13,6 @@ namespace {
 
 constexpr int64_t kAlign = 16;
 
-int64_t round_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
-
 struct LayoutBuilder {
   ParamLayout& layout;
   int group = 0;
@@ -46,7 +44,7 @@ struct LayoutBuilder {
     p.init = init;
     p.weight_decay = decay;
     p.matmul = matmul;
-    layout.total += round_up(p.numel, kAlign);
+    layout.total += math::round_up(p.numel, kAlign);
     layout.params.push_back(std::move(p));
     return layout.params.back().offset;
   }
@@ -104,7 +102,7 @@ struct LayoutBuilder {
   }
   void end_group() {
     const int64_t begin = layout.groups.empty() ? 0 : layout.groups.back().second;
-    layout.total = round_up(layout.total, layout.slicing.group_align);
+    layout.total = math::round_up(layout.total, layout.slicing.group_align);
     layout.groups.emplace_back(begin, layout.total);
     ++group;
   }
