@@ -88,9 +88,7 @@ std::string read_text(const std::string& path, std::string_view role, std::strin
   return text;
 }
 
-namespace {
-
-void fsync_dir(const std::string& dir, const IoPoint& io_point) {
+void fsync_directory(const std::string& dir, const IoPoint& io_point) {
   if (io_point) io_point("fsync", dir);
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) throw Error(fmt::format("{}: cannot open to sync: {}", dir, std::strerror(errno)));
@@ -110,7 +108,11 @@ void fsync_dir(const std::string& dir, const IoPoint& io_point) {
   throw Error(fmt::format("{}: fsync failed: {}", dir, std::strerror(err)));
 }
 
-}  // namespace
+void rename_path(const std::string& from, const std::string& to, const IoPoint& io_point) {
+  if (io_point) io_point("rename", from + " -> " + to);
+  if (::rename(from.c_str(), to.c_str()) != 0)
+    throw Error(fmt::format("cannot rename {} to {}: {}", from, to, std::strerror(errno)));
+}
 
 void write_file_atomic(const std::string& path, const std::string& text, const IoPoint& io_point) {
   const std::string tmp = path + ".tmp";
@@ -136,11 +138,9 @@ void write_file_atomic(const std::string& path, const std::string& text, const I
     throw Error(fmt::format("{}: fsync failed: {}", tmp, std::strerror(err)));
   }
   if (::close(fd) != 0) throw Error(fmt::format("{}: close failed: {}", tmp, std::strerror(errno)));
-  if (io_point) io_point("rename", tmp + " -> " + path);
-  if (::rename(tmp.c_str(), path.c_str()) != 0)
-    throw Error(fmt::format("cannot rename {} to {}: {}", tmp, path, std::strerror(errno)));
+  rename_path(tmp, path, io_point);
   const std::string parent = fs::path(path).parent_path().string();
-  fsync_dir(parent.empty() ? "." : parent, io_point);
+  fsync_directory(parent.empty() ? "." : parent, io_point);
 }
 
 }  // namespace tetra

@@ -46,4 +46,12 @@ std::string read_text(const std::string& path, std::string_view role, std::strin
 using IoPoint = std::function<void(const char* op, const std::string& path)>;
 void write_file_atomic(const std::string& path, const std::string& text, const IoPoint& io_point = nullptr);
 
+// The two steps of a durable rename, for callers that move whole directories (checkpoints):
+// rename(2) (io point "rename", "from -> to") and the fsync of a directory (io point "fsync"), so
+// that the rename survives a power loss. A filesystem that cannot sync a directory (EINVAL, some
+// network and FUSE mounts) gets one warning: the rename is then as durable as it makes it.
+// Error naming the paths and the reason.
+void rename_path(const std::string& from, const std::string& to, const IoPoint& io_point = nullptr);
+void fsync_directory(const std::string& dir, const IoPoint& io_point = nullptr);
+
 }  // namespace tetra

@@ -13,6 +13,19 @@ double since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// The element counts and offsets of an all_to_all_v side that moves rows[r] rows of width C to
+// (or from) each rank r, back to back.
+void row_extents(const std::vector<int64_t>& rows, int64_t C, std::vector<int64_t>& counts,
+                 std::vector<int64_t>& offsets) {
+  counts.resize(rows.size());
+  offsets.resize(rows.size());
+  int64_t at = 0;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    counts[r] = rows[r] * C, offsets[r] = at;
+    at += counts[r];
+  }
+}
+
 }  // namespace
 
 ExpertExchange plan_expert_exchange(const std::vector<int64_t>& kept, const int32_t* recv_counts, int ep, int64_t El,
@@ -80,12 +93,9 @@ void ExpertDispatcher::dispatch(const ExpertExchange& x, const void* send, void*
                                 void* recv) {
   const auto t0 = std::chrono::steady_clock::now();
   const int ep = ep_->size();
-  std::vector<int64_t> sc(ep), so(ep), rc(ep), ro(ep);
-  int64_t at = 0, rat = 0;
-  for (int r = 0; r < ep; ++r) {
-    sc[r] = x.send_rows[r] * C_, so[r] = at, at += sc[r];
-    rc[r] = x.recv_rows[r] * C_, ro[r] = rat, rat += rc[r];
-  }
+  std::vector<int64_t> sc, so, rc, ro;
+  row_extents(x.send_rows, C_, sc, so);
+  row_extents(x.recv_rows, C_, rc, ro);
   ep_->all_to_all_v(send, sc, so, src, rc, ro, act_);
   be_.moe_gather_rows(recv, src, regroup, x.R, C_, act_);
   traffic_.dispatch_s += since(t0);
@@ -98,12 +108,9 @@ void ExpertDispatcher::combine(const ExpertExchange& x, const void* expert_major
   const auto t0 = std::chrono::steady_clock::now();
   const int ep = ep_->size();
   be_.moe_gather_rows(src, expert_major, ungroup, x.R, C_, act_);
-  std::vector<int64_t> sc(ep), so(ep), rc(ep), ro(ep);
-  int64_t at = 0, rat = 0;
-  for (int r = 0; r < ep; ++r) {
-    sc[r] = x.recv_rows[r] * C_, so[r] = at, at += sc[r];
-    rc[r] = x.send_rows[r] * C_, ro[r] = rat, rat += rc[r];
-  }
+  std::vector<int64_t> sc, so, rc, ro;
+  row_extents(x.recv_rows, C_, sc, so);
+  row_extents(x.send_rows, C_, rc, ro);
   ep_->all_to_all_v(src, sc, so, local, rc, ro, act_);
   traffic_.combine_s += since(t0);
   for (int r = 0; r < ep; ++r)
