@@ -17,7 +17,7 @@ bash scripts/setup.sh
 
 BUILD_DIR=${TETRA_BUILD_DIR:-build}
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${TETRA_CMAKE_ARGS:-} >/dev/null
-cmake --build "$BUILD_DIR" -j "$(nproc)" --target tetra tetra_data
+cmake --build "$BUILD_DIR" -j "$(nproc)" --target tetra
 
 bash scripts/data.sh
 DATA_DIR=$(bash scripts/data.sh --print-dir)
@@ -31,7 +31,7 @@ mkdir -p "$PREP"
 if [ ! -f "$TOKENIZER.model" ]; then
   echo "run.sh: training a 4096-piece BPE tokenizer on $DATA_DIR/sotu"
   rm -f "$DATASET"_* "$PREP"/.tokenizer.*  # datasets made with an earlier tokenizer; a partial try
-  "$BUILD_DIR/tetra_data" train-tokenizer --input "$DATA_DIR/sotu" --vocab-size 4096 \
+  "$BUILD_DIR/tetra" data train-tokenizer --input "$DATA_DIR/sotu" --vocab-size 4096 \
     --output "$PREP/.tokenizer"
   # SentencePiece writes its files in place: rename them only once both are complete, the model
   # last, so that an interrupted run trains again.
@@ -45,8 +45,8 @@ datasets_present() {
 }
 if ! datasets_present; then
   echo "run.sh: tokenizing $DATA_DIR/sotu (98% of the addresses to train on, 2% to validate)"
-  # tetra_data writes every part under a temporary name and renames them all at the end.
-  "$BUILD_DIR/tetra_data" tokenize --tokenizer "sentencepiece:$TOKENIZER.model" \
+  # `tetra data` writes every part under a temporary name and renames them all at the end.
+  "$BUILD_DIR/tetra" data tokenize --tokenizer "sentencepiece:$TOKENIZER.model" \
     --input "$DATA_DIR/sotu" --output "$DATASET" --split 98,2
 fi
 

@@ -1,369 +1,104 @@
-// tetra: start MPI, parse the command line, load and validate the config, build the rank grid and
-// its process groups, run. Nothing else lives here.
+// tetra: one binary, four commands (trainer/cli/cli.h):
 //
-// Launch: `tetra --config run.json` (one process), `mpirun -np N tetra ...`, `srun tetra ...`.
-// Training is the command without a subcommand (its options are the top-level ones);
-// `tetra generate --config run.json [...]` writes text with the weights training exported
-// (one process).
-// Exit codes: 0 success; 1 a runtime failure; 2 bad input (command line, config, layout, data
-// files) — reported before anything is allocated or written. Every rank reads and checks the
-// same config, so a config or layout error is printed once (by rank 0) and every rank exits 2
-// without a collective. A failure after that may hit one rank only: it prints the error with its
-// coordinates and ends the whole job (MPI_Abort), so no rank waits forever in a collective.
-// Exit code 3: the watchdog (trainer/comm/watchdog.h) ended a job in which a step or a collective
-// lasted longer than training.collective_timeout_s.
-#include <charconv>
-#include <cmath>
+//   tetra train --config run.json [options]   (`tetra --config run.json [options]` is the same)
+//   tetra generate --config run.json [options]
+//   tetra data tokenize | train-tokenizer | from-llmc ...
+//   tetra ckpt inspect | export-hf ...
+//
+// This file only parses the command line and dispatches: a line that starts with an option (or is
+// empty) is `train`'s, a word names the command, an unknown word is exit 2 naming it and the
+// commands there are. Help and parse errors are printed once per job (by the launcher's rank 0)
+// and exit 0 and 2. Nothing here starts MPI: `train` does, when it runs.
 #include <cstdio>
-#include <cstdlib>
-#include <filesystem>
-#include <limits>
+#include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
-#include <spdlog/spdlog.h>
 
-#include "trainer/config/config.h"
-#include "kernels/common/check.h"
-#include "trainer/core/format.h"
-#include "trainer/core/log.h"
-#include "trainer/comm/bootstrap.h"
-#include "trainer/comm/process_groups.h"
-#include "trainer/comm/rank_grid.h"
-#include "trainer/comm/watchdog.h"
-#include "trainer/parallel/comm_volume.h"
-#include "trainer/model/flops.h"
-#include "trainer/params/param_layout.h"
-#include "trainer/train/generate.h"
-#include "trainer/train/pipeline_model.h"
-#include "trainer/train/trainer.h"
+#include "trainer/cli/cli.h"
+#include "trainer/comm/launcher.h"
 
 namespace {
 
-std::string human_count(double n) {
-  if (n >= 1e12) return fmt::format("{:.2f}T", n / 1e12);
-  if (n >= 1e9) return fmt::format("{:.2f}B", n / 1e9);
-  if (n >= 1e6) return fmt::format("{:.2f}M", n / 1e6);
-  if (n >= 1e3) return fmt::format("{:.2f}K", n / 1e3);
-  return fmt::format("{:.0f}", n);
+// "a, b and c" (`last` "and"), "a, b or c"
+std::string listed(const std::vector<std::string>& names, const char* last) {
+  std::string s;
+  for (size_t i = 0; i < names.size(); ++i)
+    s += (i == 0 ? "" : i + 1 == names.size() ? fmt::format(" {} ", last) : ", ") + names[i];
+  return s;
 }
 
-std::string mib(size_t bytes) { return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / 1048576.0); }
-
-void print_dry_run(const tetra::Config& cfg) {
-  const tetra::ParamLayout whole = tetra::ParamLayout::build(cfg.model);
-  const tetra::ParamLayout layout = tetra::rank_layout(cfg, 0);
-  const tetra::ModelStats stats = tetra::model_stats(cfg.model, whole);
-  const tetra::MemoryPlan mem = tetra::plan_memory(cfg, layout);
-  const tetra::ParallelConfig& par = cfg.parallel;
-  const double tokens = static_cast<double>(cfg.training.global_batch_size * cfg.model.seq_len);
-  fmt::print("parameters:        {} ({}; {} in matmuls)\n", stats.params, human_count(stats.params),
-             human_count(stats.matmul_params));
-  if (cfg.model.moe.enabled())
-    fmt::print("active parameters: {} per token ({} in matmuls; {} experts, top-{}, every {} blocks)\n",
-               human_count(stats.active_params), human_count(stats.active_matmul_params),
-               cfg.model.moe.num_experts, cfg.model.moe.top_k, cfg.model.moe.every);
-  fmt::print("FLOPs per token:   {} (training step: 6 x {}matmul params + 12 L C T)\n",
-             human_count(stats.train_flops_per_token), cfg.model.moe.enabled() ? "active " : "");
-  fmt::print("FLOPs per step:    {} ({} tokens, {} micro-batches of {} on each of {} DP ranks)\n",
-             human_count(stats.train_flops_per_token * tokens), tokens, cfg.grad_accum_steps(),
-             cfg.training.micro_batch_size, par.dp);
-  fmt::print("layout:            {} ranks = tp {} x pp {} x dp {}{}, order {}{}{}\n", par.tp * par.pp * par.dp,
-             par.tp, par.pp, par.dp, par.ep > 1 ? fmt::format(" (ep {} x edp {})", par.ep, par.dp / par.ep) : "",
-             par.order, par.sequence_parallel ? ", sequence parallel" : "",
-             par.distributed_optimizer ? ", distributed optimizer" : "");
-  if (par.pp > 1) {
-    const tetra::PipelineSchedule schedule = tetra::make_schedule(cfg, cfg.grad_accum_steps());
-    fmt::print("pipeline:          schedule {}, {} stages ({} x {} chunk(s)), {} micro-batches per step, "
-               "ideal bubble {:.1f}%\n", par.schedule, par.pp * par.virtual_stages, par.pp, par.virtual_stages,
-               cfg.grad_accum_steps(), 100.0 * schedule.ideal_bubble());
-    for (int64_t r = 0; r < par.pp; ++r) {
-      const tetra::StageSlice st = tetra::stage_slice(cfg, r);
-      std::string layers;
-      for (const auto& [b, e] : st.chunks)
-        layers += (layers.empty() ? "" : ", ") + (e > b ? fmt::format("{}-{}", b, e - 1) : std::string("none"));
-      fmt::print("  rank {:<3}         layers {}{}{}; {} micro-batch(es) in flight; {}\n", r, layers,
-                 st.first ? " + embedding" : "", st.last ? " + output layer and loss" : "",
-                 schedule.max_in_flight(static_cast<int>(r)),
-                 mib(tetra::plan_memory(cfg, tetra::rank_layout(cfg, 0, r), r).total()));
-    }
-  }
-  fmt::print("memory per rank:   {}{}{}\n", mib(mem.total()), par.pp > 1 ? " (pipeline rank 0)" : "",
-             mem.on_device && mem.compression
-                 ? fmt::format(": {} on the GPU, {} on the host", mib(mem.device_bytes()), mib(mem.host_bytes()))
-                 : std::string());
-  fmt::print("  master weights   {} (fp32{})\n", mib(mem.master),
-             par.distributed_optimizer && cfg.training.precision != "fp32" ? ", 1/dp shard" : "");
-  if (mem.compute) fmt::print("  compute weights  {} ({})\n", mib(mem.compute), cfg.training.precision);
-  fmt::print("  gradients        {} (fp32)\n", mib(mem.grads));
-  fmt::print("  optimizer        {} (AdamW moments, fp32{})\n", mib(mem.optimizer),
-             par.distributed_optimizer ? ", 1/dp shard" : "");
-  if (par.distributed_optimizer && par.dp > 1) {
-    tetra::Config plain = cfg;
-    plain.parallel.distributed_optimizer = false;
-    const tetra::MemoryPlan without = tetra::plan_memory(plain, tetra::rank_layout(plain, 0));
-    fmt::print("    the distributed optimizer saves {} per rank ({} without it)\n",
-               mib(without.total() - mem.total()), mib(without.total()));
-  }
-  fmt::print("  activations      {} (micro-batch {}, logits included)\n", mib(mem.activations),
-             cfg.training.micro_batch_size);
-  if (mem.compression)
-    fmt::print("  compression      {} ({}: error feedback and messages{}, host memory)\n", mib(mem.compression),
-               par.grad_compression, mem.on_device ? ", staging of the gradient and moments" : "");
-  fmt::print("  batch buffers    {}\n", mib(mem.batch));
-  if (mem.sampling)
-    fmt::print("  sampling         {} (micro-batch 1 model for the text samples)\n", mib(mem.sampling));
-  const tetra::StepVolume v = tetra::predict_step_volume(cfg, layout);
-  fmt::print("communication per step and rank (payload; sent under ring algorithms ~ 2(p-1)/p of an "
-             "all-reduce's, (p-1)/p of the others'):\n");
-  fmt::print("  tp ({} ranks)      {}\n", par.tp, v.tp.describe());
-  fmt::print("  dp ({} ranks)      {}\n", par.dp, v.dp.describe());
-  if (par.pp > 1) {
-    fmt::print("  pp ({} ranks)      {}\n", par.pp, v.pp.describe());
-    fmt::print("  embedding         {}\n", v.embedding.describe());
-  }
-  if (cfg.model.moe.enabled()) {
-    fmt::print("  edp ({} ranks)     {}\n", par.dp / par.ep, v.edp.describe());
-    fmt::print("  ep ({} ranks)      {} (plus the routed tokens: all-to-all payload depends on the routing)\n",
-               par.ep, v.ep.describe());
-  }
+std::vector<std::string> subcommand_names(const CLI::App& app) {
+  std::vector<std::string> names;
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+    names.push_back(sub->get_name());
+  return names;
 }
 
-// What a failure says to the user: Tetra's own errors as they are; a library's exception that
-// escaped (a filesystem call, a JSON access) with the path or value it concerns, never the
-// library's bare wording alone.
-std::string describe_failure(const std::exception& e) {
-  if (const auto* fe = dynamic_cast<const std::filesystem::filesystem_error*>(&e)) {
-    std::string paths = fe->path1().string();
-    if (!fe->path2().empty()) paths += " -> " + fe->path2().string();
-    return fmt::format("{}: {} (a filesystem call failed: {})", paths.empty() ? "?" : paths, fe->code().message(),
-                       fe->what());
-  }
-  if (dynamic_cast<const nlohmann::json::exception*>(&e))
-    return fmt::format("unexpected JSON value: {}", e.what());
-  return e.what();
-}
-
-// The log level of a rank: rank 0 logs at the configured level, the others warnings and errors.
-std::string rank_log_level(const std::string& level, int rank) {
-  if (rank == 0 || level == "error" || level == "warn") return level;
-  return "warn";
-}
-
-// A check for a numeric option: "--top-k: -1: must be at least 0".
-CLI::Validator at_least(double lo) {
-  return CLI::Validator(
-      [lo](std::string& v) {
-        char* end = nullptr;
-        const double x = std::strtod(v.c_str(), &end);
-        if (end == v.c_str() || *end != '\0') return fmt::format("{}: not a number", v);
-        return x >= lo ? std::string() : fmt::format("{}: must be at least {}", v, lo);
-      },
-      fmt::format(">= {}", lo));
-}
-
-// `tetra generate`'s command line: sampling settings override the config's sample section, under
-// the config's own rules for them (finite numbers, whole numbers in range): "--seed: -1: ...".
-struct GenerateArgs {
-  CLI::App* cmd = nullptr;
-  std::string config_path, weights, prompt;
-  std::vector<std::string> overrides;
-  int64_t max_tokens = 0, top_k = 0;
-  double temperature = 0.0;
-  uint64_t seed = 0;
-  CLI::Option *prompt_opt = nullptr, *max_tokens_opt = nullptr, *temperature_opt = nullptr, *top_k_opt = nullptr,
-              *seed_opt = nullptr;
-
-  // A whole number in int64_t (CLI11 would wrap, round or misreport what does not fit).
-  static CLI::Validator whole_number() {
-    return CLI::Validator(
-        [](std::string& v) {
-          int64_t x = 0;
-          const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
-          if (ec == std::errc::result_out_of_range)
-            return fmt::format("{}: out of range: at most {}", v, std::numeric_limits<int64_t>::max());
-          if (ec != std::errc() || end != v.data() + v.size()) return fmt::format("{}: not a whole number", v);
-          return std::string();
-        },
-        "INTEGER");
-  }
-  // A finite number: inf and nan are no temperature (the config refuses them too).
-  static CLI::Validator finite_number() {
-    return CLI::Validator(
-        [](std::string& v) {
-          char* end = nullptr;
-          const double x = std::strtod(v.c_str(), &end);
-          if (end == v.c_str() || *end != '\0') return fmt::format("{}: not a number", v);
-          return std::isfinite(x) ? std::string()
-                                  : fmt::format("{}: must be a finite number (0 = greedy, 1 = the model's own "
-                                                "distribution, higher = flatter)", v);
-        },
-        "NUMBER");
-  }
-  // A seed: a whole number from 0 to 2^64 - 1 (a negative one would wrap around).
-  static CLI::Validator seed_number() {
-    return CLI::Validator(
-        [](std::string& v) {
-          const uint64_t hi = std::numeric_limits<uint64_t>::max();
-          if (!v.empty() && v[0] == '-')
-            return fmt::format("{}: must be at least 0 (a seed is a whole number from 0 to {})", v, hi);
-          uint64_t x = 0;
-          const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
-          if (ec == std::errc::result_out_of_range) return fmt::format("{}: out of range: at most {}", v, hi);
-          if (ec != std::errc() || end != v.data() + v.size())
-            return fmt::format("{}: not a whole number (a seed is a whole number from 0 to {})", v, hi);
-          return std::string();
-        },
-        "UINT64");
-  }
-
-  void add_to(CLI::App& app) {
-    cmd = app.add_subcommand("generate", "write text with trained weights (one process, tp 1); prints the "
-                                         "prompt and its continuation");
-    cmd->add_option("-c,--config", config_path, "run configuration (JSON): model, data.tokenizer, sample")
-        ->required();
-    cmd->add_option("--set", overrides, "override a config key: section.key=value (repeatable)");
-    cmd->add_option("--weights", weights, "safetensors of the global tensors (default: "
-                                          "<logging.dir>/model.safetensors, written by training)");
-    prompt_opt = cmd->add_option("--prompt", prompt, "text to continue (default: sample.prompt)");
-    max_tokens_opt = cmd->add_option("--max-tokens", max_tokens, "most tokens to generate (default: "
-                                     "sample.max_tokens)")->check(whole_number())->check(at_least(1));
-    temperature_opt = cmd->add_option("--temperature", temperature, "0 = greedy (default: "
-                                      "sample.temperature)")->check(finite_number())->check(at_least(0));
-    top_k_opt = cmd->add_option("--top-k", top_k, "sample among the k likeliest tokens, 0 = all (default: "
-                                "sample.top_k)")->check(whole_number())->check(at_least(0));
-    seed_opt = cmd->add_option("--seed", seed, "sampling seed (default: sample.seed)")->check(seed_number());
-  }
-  void apply(tetra::SampleConfig& s) const {
-    if (prompt_opt->count()) s.prompt = prompt;
-    if (max_tokens_opt->count()) s.max_tokens = max_tokens;
-    if (temperature_opt->count()) s.temperature = temperature;
-    if (top_k_opt->count()) s.top_k = top_k;
-    if (seed_opt->count()) s.seed = seed;
-  }
-};
-
-// `tetra generate`: one process; exit 0, 1 (runtime failure) or 2 (bad input).
-int run_generate(const GenerateArgs& args, const tetra::ProcessInfo& proc) {
-  if (proc.size > 1) {
-    if (proc.rank == 0)
-      std::fprintf(stderr, "error: tetra generate runs as one process (launched with %d); run it without "
-                   "mpirun/srun\n", proc.size);
-    return 2;
-  }
-  try {
-    tetra::Config cfg = tetra::load_config(args.config_path, args.overrides);
-    args.apply(cfg.sample);
-    const tetra::GeneratedText text = tetra::generate_command(cfg, args.weights);
-    fmt::print("{}{}\n", text.prompt, text.continuation);
-    std::fflush(stdout);
-    return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return dynamic_cast<const tetra::InputError*>(&e) ? 2 : 1;
-  }
-}
-
-int run(int argc, char** argv, const tetra::ProcessInfo& proc) {
-  CLI::App app{"tetra: trains decoder-only Transformers from a JSON config"};
-  // Training: the top-level options, no subcommand.
-  std::string config_path, dump_dir;
-  std::vector<std::string> overrides;
-  bool print_config = false, dry_run = false;
-  CLI::Option* config_opt =
-      app.add_option("-c,--config", config_path, "run configuration (JSON), required to train");
-  CLI::Option* set_opt =
-      app.add_option("--set", overrides, "override a config key: section.key=value (repeatable)");
-  CLI::Option* print_opt =
-      app.add_flag("--print-config", print_config, "print the resolved config (every key) and exit");
-  CLI::Option* dry_opt = app.add_flag(
-      "--dry-run", dry_run, "validate, print parameters, FLOPs, memory and communication per rank, and exit");
-  CLI::Option* dump_opt = app.add_option(
-      "--dump-dir", dump_dir, "write initial weights, step-0 gradients and the batches of the run here");
-  GenerateArgs generate;
-  generate.add_to(app);
-  for (CLI::Option* o : {config_opt, set_opt, print_opt, dry_opt, dump_opt}) generate.cmd->excludes(o);
-  const bool rank0 = proc.rank == 0;
-  try {
-    app.parse(argc, argv);
-    // --config is required of training alone (a subcommand has its own).
-    if (!generate.cmd->parsed() && config_opt->count() == 0) throw CLI::RequiredError(config_opt->get_name());
-  } catch (const CLI::ParseError& e) {
-    const int code = rank0 ? app.exit(e) : e.get_exit_code();
-    return code == 0 ? 0 : 2;
-  }
-  if (generate.cmd->parsed()) return run_generate(generate, proc);
-
-  // Phase 1: identical on every rank (config, layout): report once, exit 2 everywhere.
-  tetra::Config cfg;
-  tetra::RankGrid grid;
-  try {
-    cfg = tetra::load_config(config_path, overrides);
-    if (print_config || dry_run) {
-      if (rank0) {
-        if (print_config) fmt::print("{}\n", tetra::config_to_json(cfg).dump(2));
-        else print_dry_run(cfg);
-      }
-      return 0;
-    }
-    const tetra::ParallelConfig& par = cfg.parallel;
-    if (!tetra::dist_has_mpi() && (par.tp > 1 || par.pp > 1 || par.dp > 1 || par.ep > 1))
-      throw tetra::InputError(fmt::format(
-          "parallel: tp {} x pp {} x dp {} (ep {}) needs several processes, but this tetra was built without "
-          "MPI and runs as one: set parallel.tp, pp, dp and ep to 1, or build it with MPI (cmake -DTETRA_MPI=ON)",
-          par.tp, par.pp, par.dp, par.ep));
-    tetra::GridSizes sizes;
-    sizes.world = proc.size;
-    sizes.tp = cfg.parallel.tp;
-    sizes.pp = cfg.parallel.pp;
-    sizes.dp = cfg.parallel.dp;
-    sizes.ep = cfg.parallel.ep;
-    sizes.order = cfg.parallel.order;
-    grid = tetra::RankGrid::build(sizes);
-  } catch (const std::exception& e) {  // every rank read the same input: report once, exit 2
-    if (rank0) std::fprintf(stderr, "error: %s\n", tetra::printable(describe_failure(e)).c_str());
-    return 2;
-  }
-
-  // Phase 2: may fail on some ranks only.
-  const tetra::GridCoord c = grid.coord(proc.rank);
-  tetra::init_logging(rank_log_level(cfg.logging.level, proc.rank),
-                      tetra::RankCoords{c.tp, c.pp, c.dp, c.ep, proc.rank});
-  tetra::watchdog_start(cfg.training.collective_timeout_s, proc.rank,
-                        tetra::rank_prefix({c.tp, c.pp, c.dp, c.ep, proc.rank}));
-  struct StopWatchdog {
-    ~StopWatchdog() { tetra::watchdog_stop(); }
-  } stop_watchdog;
-  try {
-    tetra::ProcessGroups groups = tetra::ProcessGroups::create(grid, proc.rank);
-    tetra::Trainer trainer(cfg, config_path, groups, dump_dir);
-    trainer.run();
-    groups.world->barrier();
-    return 0;
-  } catch (const std::exception& e) {
-    const int code = dynamic_cast<const tetra::InputError*>(&e) ? 2 : 1;
-    std::fprintf(stderr, "error: %s %s\n", tetra::rank_prefix({c.tp, c.pp, c.dp, c.ep, proc.rank}).c_str(),
-                 tetra::printable(describe_failure(e)).c_str());
-    std::fflush(stderr);
-    if (proc.size > 1) tetra::dist_abort(code);
-    return code;
+// The command words of `args` (after the program name), checked before CLI11 parses them: each
+// word where a command is expected must name one ("" when all do), and a command made of
+// subcommands (`tetra data`) needs one of them.
+std::string check_command_words(const CLI::App& tetra, const std::vector<std::string>& args) {
+  const CLI::App* at = &tetra;
+  std::string path = "tetra";
+  for (size_t i = 0;; ++i) {
+    const std::vector<std::string> names = subcommand_names(*at);
+    if (names.empty()) return "";
+    if (i == args.size())
+      return fmt::format("{} needs a subcommand: {} ({} --help says more)", path, listed(names, "or"), path);
+    const std::string& word = args[i];
+    if (word.starts_with("-")) return "";
+    const CLI::App* next = nullptr;
+    for (const CLI::App* sub : at->get_subcommands([](const CLI::App*) { return true; }))
+      if (sub->get_name() == word) next = sub;
+    if (next == nullptr)
+      return fmt::format("unknown command \"{}\" of {}: the commands are {} ({} --help says more)", word, path,
+                         listed(names, "and"), path);
+    at = next;
+    path += " " + word;
   }
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  tetra::ProcessInfo proc;
+  CLI::App app{"tetra: trains decoder-only Transformers from a JSON config, prepares their datasets and reads "
+               "their checkpoints"};
+  app.require_subcommand(1);
+  std::vector<std::unique_ptr<tetra::cli::Command>> commands;
+  commands.push_back(tetra::cli::add_train_command(app));
+  commands.push_back(tetra::cli::add_generate_command(app));
+  commands.push_back(tetra::cli::add_data_command(app));
+  commands.push_back(tetra::cli::add_ckpt_command(app));
+  CLI::App& train = commands.front()->app();
+  app.footer([&app, &train] {
+    return "Without a command, tetra trains: `tetra --config run.json` is `tetra train --config run.json`.\n\n" +
+           train.help(app.get_name());
+  });
+
+  // The line as CLI11 parses it: `train` named when the line starts with an option of its own.
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || (args[0].starts_with("-") && args[0] != "-h" && args[0] != "--help"))
+    args.insert(args.begin(), "train");
+  std::vector<char*> line{argv[0]};
+  for (std::string& a : args) line.push_back(a.data());
+
+  // Under a launcher every process parses the same line: one of them speaks.
+  const bool speaks = tetra::launch_environment().rank == 0;
   try {
-    proc = tetra::dist_init(&argc, &argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: cannot start MPI: %s\n", e.what());
-    return 1;
+    if (const std::string error = check_command_words(app, args); !error.empty()) {
+      if (speaks) std::fprintf(stderr, "error: %s\n", error.c_str());
+      return 2;
+    }
+    app.parse(static_cast<int>(line.size()), line.data());
+  } catch (const CLI::ParseError& e) {
+    const int code = speaks ? app.exit(e) : e.get_exit_code();
+    return code == 0 ? 0 : 2;
   }
-  const int code = run(argc, argv, proc);
-  tetra::dist_finalize();
-  return code;
+  for (const std::unique_ptr<tetra::cli::Command>& command : commands)
+    if (command->app().parsed()) return command->run(&argc, &argv);
+  return 2;  // unreachable: CLI11 requires one command
 }

@@ -23,10 +23,3 @@ with_mpi() {
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
   mpirun="${MPIRUN:-mpirun}"
 }
-
-# need_tool <var> <name>: sets $<var> to the tool <name> built next to tetra (tetra_data,
-# tetra_ckpt); the test fails at once without it.
-need_tool() {
-  printf -v "$1" '%s' "$(dirname "$tetra")/$2"
-  [[ -x "${!1}" ]] || { echo "FAIL: no $2 next to $tetra"; exit 1; }
-}

@@ -9,7 +9,7 @@
 #  - checkpoint.resume "none" into a directory that holds checkpoints: exit 2, nothing touched;
 #  - a checkpoint.dir that another run holds (its .lock): exit 2 naming it; free, the run goes on;
 #  - manifest fields of the wrong type, a step that disagrees with the directory's name, a slice
-#    outside its tensor: exit 2 naming manifest and field, from tetra and tetra_ckpt alike;
+#    outside its tensor: exit 2 naming manifest and field, from tetra train and tetra ckpt alike;
 #  - a checkpoint problem found at resume writes no logging.dir;
 #  - config: a number beyond a double (1e999) names file:line:col; a named pipe as --config is
 #    refused at once; a NUL in a key is printed escaped; a NUL in logging.dir is refused and
@@ -17,7 +17,6 @@
 #
 # Usage: test_checkpoint_faults.sh <tetra binary> <source dir> <scratch dir>
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-need_tool ckpt_tool tetra_ckpt
 
 # config <dir> <steps> [checkpoint members] [extra top-level members]: writes $dir/config.json.
 config() {
@@ -114,7 +113,7 @@ expect_input_error "$d" "already holds 2 checkpoint(s) .*checkpoint.resume is \"
 [[ "$(digest "$d/ckpt")" == "$before" ]] || fail "the checkpoint directory changed"
 
 # manifest_case <name> <python statement on m (the manifest)> <pattern>: the edited manifest is
-# refused by the trainer (exit 2, no logging.dir) and by tetra_ckpt inspect (exit 2).
+# refused by the trainer (exit 2, no logging.dir) and by tetra ckpt inspect (exit 2).
 manifest_case() {
   case="manifest: $1"
   d="$scratch/manifest_$(echo "$1" | tr -c 'a-z0-9' _)"
@@ -131,10 +130,10 @@ PY
   expect_input_error "$d" "$3"
   [[ -e "$d/logs" ]] && fail "logging.dir was written for a checkpoint problem"
   [[ "$(digest "$d/ckpt")" == "$before" ]] || fail "the checkpoint directory changed"
-  "$ckpt_tool" inspect "$d/ckpt/step_00000006" >"$d/inspect.out" 2>"$d/inspect.err"
+  "$tetra" ckpt inspect "$d/ckpt/step_00000006" >"$d/inspect.out" 2>"$d/inspect.err"
   local irc=$?
   [[ $irc -eq 2 ]] && grep -q -- "$3" "$d/inspect.err" ||
-    fail "tetra_ckpt inspect: exit $irc, stderr: $(cat "$d/inspect.err")"
+    fail "tetra ckpt inspect: exit $irc, stderr: $(cat "$d/inspect.err")"
 }
 manifest_case "step a string" 'm["step"] = "6"' 'manifest.json: field step is "6", not an integer'
 manifest_case "crc32 a string" \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Text generation end to end: a SentencePiece tokenizer trained by tetra_data, a small corpus
+# Text generation end to end: a SentencePiece tokenizer trained by `tetra data`, a small corpus
 # tokenized with it and split into train / valid datasets by tools/indexed_dataset.py, a tiny
 # model trained a few steps with a sample at each evaluation; then model.safetensors is there,
 # `tetra generate` reproduces the last sample and is deterministic per seed, bad weights exit 2
@@ -9,7 +9,6 @@
 # Usage: test_generate.sh <tetra binary> <source dir> <scratch dir>
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 with_mpi
-need_tool data tetra_data
 
 # ---- data: 12 documents of simple sentences, a 400-piece tokenizer, train (10) / valid (2) ----
 $py - "$scratch/corpus" <<'PY'
@@ -26,9 +25,9 @@ for i in range(12):
         f.write("\n".join(lines) + "\n")
 PY
 case=prepare_data
-"$data" train-tokenizer --input "$scratch/corpus" --vocab-size 400 --output "$scratch/spm" \
+"$tetra" data train-tokenizer --input "$scratch/corpus" --vocab-size 400 --output "$scratch/spm" \
   >"$scratch/spm.out" 2>&1 || fail "train-tokenizer: $(cat "$scratch/spm.out")"
-"$data" tokenize --tokenizer "sentencepiece:$scratch/spm.model" --input "$scratch/corpus" \
+"$tetra" data tokenize --tokenizer "sentencepiece:$scratch/spm.model" --input "$scratch/corpus" \
   --output "$scratch/all" --threads 1 >"$scratch/tok.out" 2>&1 || fail "tokenize: $(cat "$scratch/tok.out")"
 $py - "$src/tools" "$scratch" <<'PY' || fail "indexed_dataset.py split"
 import sys

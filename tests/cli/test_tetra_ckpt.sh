@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tetra_ckpt end to end on checkpoints the trainer writes (configs/reference_{llama,gpt2}.json,
+# `tetra ckpt` end to end on checkpoints the trainer writes (configs/reference_{llama,gpt2}.json,
 # synthetic data, a few steps):
 #   inspect   exit 0 with the step, the consumed samples, the layout, the parameter count and every
 #             tensor (shape, slices, bytes) as computed here from the config; single rank, dp = 2
@@ -14,7 +14,6 @@
 # Usage: test_tetra_ckpt.sh <tetra binary> <source dir> <scratch dir>
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 with_mpi
-need_tool ckpt tetra_ckpt
 STEPS=4
 step_dir=$(printf "step_%08d" "$STEPS")
 
@@ -186,16 +185,16 @@ for style in llama gpt2; do
   case="inspect_$style"
   if train "$style" 1 "$style"; then
     # The checkpoint directory (through `latest`) and the step directory itself.
-    "$ckpt" inspect "$scratch/$style/ckpt" >"$scratch/$case.out" 2>"$scratch/$case.err" ||
+    "$tetra" ckpt inspect "$scratch/$style/ckpt" >"$scratch/$case.out" 2>"$scratch/$case.err" ||
       fail "exit $?: $(cat "$scratch/$case.err")"
     check_inspect "$scratch/$case.out" "$style" '{}' 1 1 1 false || fail "inspect output"
-    "$ckpt" inspect "$scratch/$style/ckpt/$step_dir" >"$scratch/$case.step.out" 2>&1 ||
+    "$tetra" ckpt inspect "$scratch/$style/ckpt/$step_dir" >"$scratch/$case.step.out" 2>&1 ||
       fail "inspect of the step directory: exit $?"
     cmp -s <(grep -v '^checkpoint:' "$scratch/$case.out") <(grep -v '^checkpoint:' "$scratch/$case.step.out") ||
       fail "inspect DIR and inspect DIR/step_* differ"
 
     case="export_$style"
-    "$ckpt" export-hf "$scratch/$style/ckpt" "$scratch/$style/hf" >"$scratch/$case.out" 2>"$scratch/$case.err" ||
+    "$tetra" ckpt export-hf "$scratch/$style/ckpt" "$scratch/$style/hf" >"$scratch/$case.out" 2>"$scratch/$case.err" ||
       fail "exit $?: $(cat "$scratch/$case.err")"
     check_export "$scratch/$style/hf" "$scratch/$style/logs/model.safetensors" "$style" '{}' ||
       fail "the export is not the final weights"
@@ -212,7 +211,7 @@ if [[ -f "$scratch/llama/ckpt/$step_dir/manifest.json" ]]; then
   echo '{"mine": true}' >"$out/config.json"
   echo "notes" >"$out/README.md"
   names=("$out" "not empty" "--force" "empty")
-  expect_refusal "$ckpt" export-hf "$llama" "$out"
+  expect_refusal "$tetra" ckpt export-hf "$llama" "$out"
   [[ "$(cat "$out/model.safetensors")" == "someone's weights" ]] || fail "model.safetensors was overwritten"
   [[ "$(cat "$out/config.json")" == '{"mine": true}' ]] || fail "config.json was overwritten"
   [[ ! -e "$out/model.safetensors.tmp" ]] || fail "model.safetensors.tmp written"
@@ -221,18 +220,18 @@ if [[ -f "$scratch/llama/ckpt/$step_dir/manifest.json" ]]; then
   mkdir -p "$scratch/out/other"
   echo "notes" >"$scratch/out/other/notes.txt"
   names=("$scratch/out/other" "not empty" "notes.txt" "--force")
-  expect_refusal "$ckpt" export-hf "$llama" "$scratch/out/other"
+  expect_refusal "$tetra" ckpt export-hf "$llama" "$scratch/out/other"
   [[ $(ls "$scratch/out/other") == notes.txt ]] || fail "wrote into OUT: $(ls "$scratch/out/other")"
 
   case=export_out_force
-  "$ckpt" export-hf "$llama" "$out" --force >"$scratch/$case.out" 2>"$scratch/$case.err" ||
+  "$tetra" ckpt export-hf "$llama" "$out" --force >"$scratch/$case.out" 2>"$scratch/$case.err" ||
     fail "exit $?: $(cat "$scratch/$case.err")"
   check_export "$out" "$scratch/llama/logs/model.safetensors" llama '{}' || fail "the forced export is wrong"
   [[ "$(cat "$out/README.md")" == notes ]] || fail "--force touched another file of OUT"
 
   case=export_out_empty_dir
   mkdir -p "$scratch/out/empty"
-  "$ckpt" export-hf "$llama" "$scratch/out/empty" --dtype fp16 >"$scratch/$case.out" 2>"$scratch/$case.err" ||
+  "$tetra" ckpt export-hf "$llama" "$scratch/out/empty" --dtype fp16 >"$scratch/$case.out" 2>"$scratch/$case.err" ||
     fail "exit $?: $(cat "$scratch/$case.err")"
   [[ -s "$scratch/out/empty/model.safetensors" && -s "$scratch/out/empty/config.json" ]] || fail "nothing written"
   grep -q "^exported as: .*float16$" "$scratch/$case.out" || fail "not reported as float16: $(cat "$scratch/$case.out")"
@@ -242,24 +241,24 @@ if [[ -f "$scratch/llama/ckpt/$step_dir/manifest.json" ]]; then
   echo "a file" >"$scratch/out/file"
   for force in "" --force; do
     names=("$scratch/out/file" "not a directory")
-    expect_refusal "$ckpt" export-hf "$llama" "$scratch/out/file" $force
+    expect_refusal "$tetra" ckpt export-hf "$llama" "$scratch/out/file" $force
     [[ "$(cat "$scratch/out/file")" == "a file" ]] || fail "the file was changed ($force)"
   done
 
   case=export_out_under_file
   names=("$scratch/out/file/hf" "$scratch/out/file is a regular file, not a directory")
-  expect_refusal "$ckpt" export-hf "$llama" "$scratch/out/file/hf"
+  expect_refusal "$tetra" ckpt export-hf "$llama" "$scratch/out/file/hf"
 
   case=export_out_dangling_link
   ln -sfn "$scratch/out/nowhere" "$scratch/out/link"
   names=("$scratch/out/link" "symbolic link to nothing")
-  expect_refusal "$ckpt" export-hf "$llama" "$scratch/out/link"
+  expect_refusal "$tetra" ckpt export-hf "$llama" "$scratch/out/link"
   [[ ! -e "$scratch/out/nowhere" ]] || fail "created the link's target"
 
   case=export_out_force_dir_entry  # --force replaces files, never a directory in their place
   mkdir -p "$scratch/out/dir_entry/config.json"
   names=("$scratch/out/dir_entry/config.json" "a directory" "regular files only")
-  expect_refusal "$ckpt" export-hf "$llama" "$scratch/out/dir_entry" --force
+  expect_refusal "$tetra" ckpt export-hf "$llama" "$scratch/out/dir_entry" --force
   [[ ! -e "$scratch/out/dir_entry/model.safetensors" ]] || fail "wrote model.safetensors"
 
   case=export_out_unwritable  # root writes anywhere: as root, the check runs as nobody
@@ -269,9 +268,9 @@ if [[ -f "$scratch/llama/ckpt/$step_dir/manifest.json" ]]; then
     mkdir -p "$scratch/out/locked"
     chmod 555 "$scratch/out/locked"
     names=("$scratch/out/locked/hf" "$scratch/out/locked is not writable")
-    expect_refusal "${as_user[@]}" "$ckpt" export-hf "$llama" "$scratch/out/locked/hf"
+    expect_refusal "${as_user[@]}" "$tetra" ckpt export-hf "$llama" "$scratch/out/locked/hf"
     names=("$scratch/out/locked" "the output directory is not writable")
-    expect_refusal "${as_user[@]}" "$ckpt" export-hf "$llama" "$scratch/out/locked"
+    expect_refusal "${as_user[@]}" "$tetra" ckpt export-hf "$llama" "$scratch/out/locked"
     chmod 755 "$scratch/out/locked"
     [[ -z "$(ls "$scratch/out/locked")" ]] || fail "wrote into the locked directory"
   else
@@ -282,7 +281,7 @@ if [[ -f "$scratch/llama/ckpt/$step_dir/manifest.json" ]]; then
   case=export_out_checked_first
   mkdir -p "$scratch/out/not_a_checkpoint"
   names=("$scratch/out/file" "not a directory")
-  expect_refusal "$ckpt" export-hf "$scratch/out/not_a_checkpoint" "$scratch/out/file"
+  expect_refusal "$tetra" ckpt export-hf "$scratch/out/not_a_checkpoint" "$scratch/out/file"
   grep -q "not a checkpoint" "$scratch/$case.err" && fail "read DIR before checking OUT"
 fi
 
@@ -292,7 +291,7 @@ dp2=(--set parallel.dp=2 --set parallel.distributed_optimizer=true)
 if train dp2 2 llama "${dp2[@]}"; then
   ls "$scratch/dp2/ckpt/$step_dir"/rank_0000{0,1}.safetensors >/dev/null ||
     fail "expected two rank files: $(ls "$scratch/dp2/ckpt/$step_dir")"
-  "$ckpt" inspect "$scratch/dp2/ckpt" >"$scratch/$case.out" 2>"$scratch/$case.err" ||
+  "$tetra" ckpt inspect "$scratch/dp2/ckpt" >"$scratch/$case.out" 2>"$scratch/$case.err" ||
     fail "exit $?: $(cat "$scratch/$case.err")"
   check_inspect "$scratch/$case.out" llama '{}' 2 1 2 true || fail "inspect output"
   # Each DP rank wrote its shard: some tensor of each kind has slices in both files.
@@ -305,7 +304,7 @@ for kind in ("model/", "optim/exp_avg/", "optim/exp_avg_sq/"):
 PY
 
   case=export_dp2
-  "$ckpt" export-hf "$scratch/dp2/ckpt" "$scratch/dp2/hf" >"$scratch/$case.out" 2>"$scratch/$case.err" ||
+  "$tetra" ckpt export-hf "$scratch/dp2/ckpt" "$scratch/dp2/hf" >"$scratch/$case.out" 2>"$scratch/$case.err" ||
     fail "exit $?: $(cat "$scratch/$case.err")"
   check_export "$scratch/dp2/hf" "$scratch/dp2/logs/model.safetensors" llama '{}' ||
     fail "the export is not the final weights"
@@ -315,42 +314,42 @@ PY
   entry=$(first_model_entry "$dir/rank_00001.safetensors")
   flip_byte "$dir/rank_00001.safetensors" "$entry"
   names=("rank_00001.safetensors" "tensor ${entry%%#*}, slice " "\"$entry\"" "checksum")
-  expect_refusal "$ckpt" inspect "$dir"
-  expect_refusal "$ckpt" export-hf "$dir" "$scratch/damaged/$case/hf"
+  expect_refusal "$tetra" ckpt inspect "$dir"
+  expect_refusal "$tetra" ckpt export-hf "$dir" "$scratch/damaged/$case/hf"
   [[ ! -e "$scratch/damaged/$case/hf/model.safetensors" ]] || fail "export-hf wrote a model from a corrupt checkpoint"
 
   case=truncated_file
   dir=$(damaged dp2)
   truncate -s -100 "$dir/rank_00001.safetensors"
   names=("rank_00001.safetensors" "tensor " ", slice ")
-  expect_refusal "$ckpt" inspect "$dir"
+  expect_refusal "$tetra" ckpt inspect "$dir"
 
   case=missing_rank_file
   dir=$(damaged dp2)
   rm "$dir/rank_00000.safetensors"
   names=("rank_00000.safetensors" "tensor model/" ", slice 1 of " "missing")
-  expect_refusal "$ckpt" inspect "$dir"
-  expect_refusal "$ckpt" export-hf "$dir" "$scratch/damaged/$case/hf"
+  expect_refusal "$tetra" ckpt inspect "$dir"
+  expect_refusal "$tetra" ckpt export-hf "$dir" "$scratch/damaged/$case/hf"
 
   case=slice_dropped
   dir=$(damaged dp2)
   edit_slices "$dir/manifest.json" optim/exp_avg_sq/layers.1.mlp.fc.weight drop
   names=("manifest.json" "tensor optim/exp_avg_sq/layers.1.mlp.fc.weight" "not fully covered")
-  expect_refusal "$ckpt" inspect "$dir"
+  expect_refusal "$tetra" ckpt inspect "$dir"
 
   case=slice_repeated
   dir=$(damaged dp2)
   edit_slices "$dir/manifest.json" model/layers.0.attn.qkv.weight repeat
   names=("tensor model/layers.0.attn.qkv.weight" "overlaps slice 1" "held twice")
-  expect_refusal "$ckpt" inspect "$dir"
+  expect_refusal "$tetra" ckpt inspect "$dir"
 fi
 
 # ---- tp = 2, GPT-2: Conv1D transposes of assembled row and column slices -----------------------
 case=export_tp2
 if train tp2 2 gpt2 --set parallel.tp=2 --set model.vocab_size=98; then
-  "$ckpt" inspect "$scratch/tp2/ckpt" >"$scratch/$case.inspect" 2>&1 || fail "inspect: exit $?"
+  "$tetra" ckpt inspect "$scratch/tp2/ckpt" >"$scratch/$case.inspect" 2>&1 || fail "inspect: exit $?"
   check_inspect "$scratch/$case.inspect" gpt2 '{"vocab_size": 98}' 2 2 1 false || fail "inspect output"
-  "$ckpt" export-hf "$scratch/tp2/ckpt" "$scratch/tp2/hf" >"$scratch/$case.out" 2>"$scratch/$case.err" ||
+  "$tetra" ckpt export-hf "$scratch/tp2/ckpt" "$scratch/tp2/hf" >"$scratch/$case.out" 2>"$scratch/$case.err" ||
     fail "exit $?: $(cat "$scratch/$case.err")"
   check_export "$scratch/tp2/hf" "$scratch/tp2/logs/model.safetensors" gpt2 '{"vocab_size": 98}' ||
     fail "the export is not the final weights"
@@ -359,7 +358,7 @@ fi
 # ---- tied Llama: no lm_head.weight -------------------------------------------------------------
 case=export_tied_llama
 if train tied 1 llama --set model.tie_embeddings=true; then
-  "$ckpt" export-hf "$scratch/tied/ckpt" "$scratch/tied/hf" >"$scratch/$case.out" 2>"$scratch/$case.err" ||
+  "$tetra" ckpt export-hf "$scratch/tied/ckpt" "$scratch/tied/hf" >"$scratch/$case.out" 2>"$scratch/$case.err" ||
     fail "exit $?: $(cat "$scratch/$case.err")"
   check_export "$scratch/tied/hf" "$scratch/tied/logs/model.safetensors" llama '{"tie_embeddings": true}' ||
     fail "the tied export is wrong"
@@ -369,13 +368,13 @@ fi
 case=no_hf_rope_layernorm
 if train mixed1 1 llama --set model.norm=layernorm; then
   names=("model.norm" "layernorm" "Llama")
-  expect_refusal "$ckpt" export-hf "$scratch/mixed1/ckpt" "$scratch/mixed1/hf"
+  expect_refusal "$tetra" ckpt export-hf "$scratch/mixed1/ckpt" "$scratch/mixed1/hf"
   [[ ! -e "$scratch/mixed1/hf" ]] || fail "export-hf created $scratch/mixed1/hf"
 fi
 case=no_hf_learned_swiglu
 if train mixed2 1 llama --set model.position=learned; then
   names=("model.norm" "model.activation" "model.bias false" "model.num_kv_heads 2" "GPT-2")
-  expect_refusal "$ckpt" export-hf "$scratch/mixed2/ckpt" "$scratch/mixed2/hf"
+  expect_refusal "$tetra" ckpt export-hf "$scratch/mixed2/ckpt" "$scratch/mixed2/hf"
   [[ ! -e "$scratch/mixed2/hf" ]] || fail "export-hf created $scratch/mixed2/hf"
 fi
 
@@ -383,13 +382,13 @@ fi
 case=not_a_checkpoint
 mkdir -p "$scratch/empty"
 names=("$scratch/empty" "not a checkpoint")
-expect_refusal "$ckpt" inspect "$scratch/empty"
+expect_refusal "$tetra" ckpt inspect "$scratch/empty"
 
 # ---- filesystem and JSON errors: "error: <file>: <what>", exit 2, never the library's raw text ---
 case=path_too_long
 long="$scratch/$(printf 'x%.0s' {1..300})"
 names=("error: $long" "File name too long")
-expect_refusal "$ckpt" inspect "$long"
+expect_refusal "$tetra" ckpt inspect "$long"
 grep -q "filesystem error" "$scratch/$case.err" && fail "the raw exception: $(cat "$scratch/$case.err")"
 
 if [[ -f "$scratch/llama/ckpt/$step_dir/manifest.json" ]]; then
@@ -402,18 +401,18 @@ m["config"]["data"] = 5
 json.dump(m, open(sys.argv[1], "w"), indent=1)
 PY
   names=("error: $dir/manifest.json: malformed manifest" "type_error")
-  expect_refusal "$ckpt" export-hf "$dir" "$scratch/damaged/$case/hf"
+  expect_refusal "$tetra" ckpt export-hf "$dir" "$scratch/damaged/$case/hf"
   [[ ! -e "$scratch/damaged/$case/hf" ]] || fail "export-hf created $scratch/damaged/$case/hf"
 
   case=unreadable_checkpoint  # a directory the user may not enter (as root: checked as nobody)
   dir=$(damaged llama)
   as_user=()
   [[ $(id -u) -eq 0 ]] && as_user=(setpriv --reuid=65534 --regid=65534 --clear-groups)
-  if [[ ${#as_user[@]} -eq 0 ]] || "${as_user[@]}" test -x "$ckpt" 2>/dev/null; then
+  if [[ ${#as_user[@]} -eq 0 ]] || "${as_user[@]}" test -x "$tetra" 2>/dev/null; then
     chmod 700 "$dir"
     [[ $(id -u) -ne 0 ]] && chmod 000 "$dir"
     names=("error: $dir" "Permission denied")
-    expect_refusal "${as_user[@]}" "$ckpt" inspect "$dir"
+    expect_refusal "${as_user[@]}" "$tetra" ckpt inspect "$dir"
     grep -q "filesystem error" "$scratch/$case.err" && fail "the raw exception: $(cat "$scratch/$case.err")"
     chmod 755 "$dir"
   else
@@ -421,4 +420,4 @@ PY
   fi
 fi
 
-finish "tetra_ckpt checks"
+finish "tetra ckpt checks"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tetra_data end to end: a SentencePiece model trained on the fly, text and JSONL corpora
+# `tetra data` end to end: a SentencePiece model trained on the fly, text and JSONL corpora
 # tokenized with it (same tokens both ways, same files for every thread count, a train/valid
 # split), an llm.c shard converted, and bad input refused with exit code 2, a message naming the
 # file and line, and no dataset left behind.
@@ -7,7 +7,6 @@
 # Usage: test_tetra_data.sh <tetra binary> <source dir> <scratch dir>
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-need_tool data tetra_data
 
 # A corpus of 12 files: lines of words drawn from a small list, some of them not ASCII.
 $py - "$scratch/corpus" <<'PY'
@@ -49,7 +48,7 @@ no_dataset() {
 
 # ---- train-tokenizer -------------------------------------------------------------------------
 case=train_tokenizer
-"$data" train-tokenizer --input "$scratch/corpus" --vocab-size 300 --output "$scratch/spm" \
+"$tetra" data train-tokenizer --input "$scratch/corpus" --vocab-size 300 --output "$scratch/spm" \
   >"$scratch/train.out" 2>"$scratch/train.err" || fail "exit $?: $(cat "$scratch/train.err")"
 [[ -s "$scratch/spm.model" && -s "$scratch/spm.vocab" ]] || fail "no spm.model / spm.vocab"
 grep -q "vocabulary 300" "$scratch/train.out" || fail "summary: $(cat "$scratch/train.out")"
@@ -57,7 +56,7 @@ spm="sentencepiece:$scratch/spm.model"
 
 # ---- tokenize text files ---------------------------------------------------------------------
 case=tokenize_text
-"$data" tokenize --tokenizer "$spm" --input "$scratch/corpus" --output "$scratch/text" \
+"$tetra" data tokenize --tokenizer "$spm" --input "$scratch/corpus" --output "$scratch/text" \
   --threads 1 >"$scratch/text.out" 2>"$scratch/text.err" ||
   fail "exit $?: $(cat "$scratch/text.err")"
 grep -q "^documents: *12$" "$scratch/text.out" || fail "summary: $(cat "$scratch/text.out")"
@@ -78,7 +77,7 @@ assert all(len(d) > 100 for d in docs)  # 40 lines of words each, a 300-piece vo
 PY
 
 case=threads
-"$data" tokenize --tokenizer "$spm" --input "$scratch/corpus" --output "$scratch/text2" \
+"$tetra" data tokenize --tokenizer "$spm" --input "$scratch/corpus" --output "$scratch/text2" \
   --threads 2 >/dev/null 2>&1 || fail "exit $?"
 cmp -s "$scratch/text.bin" "$scratch/text2.bin" || fail ".bin differs between 1 and 2 threads"
 cmp -s "$scratch/text.idx" "$scratch/text2.idx" || fail ".idx differs between 1 and 2 threads"
@@ -93,7 +92,7 @@ with open(sys.argv[2], "w", encoding="utf-8") as f:
         text = open(os.path.join(d, name), encoding="utf-8").read()
         f.write(json.dumps({"id": name, "content": text}) + "\n")
 PY
-"$data" tokenize --tokenizer "$spm" --input "$scratch/corpus.jsonl" --jsonl --json-key content \
+"$tetra" data tokenize --tokenizer "$spm" --input "$scratch/corpus.jsonl" --jsonl --json-key content \
   --output "$scratch/js" --split 3,1 >"$scratch/js.out" 2>"$scratch/js.err" ||
   fail "exit $?: $(cat "$scratch/js.err")"
 no_dataset "$scratch/js"
@@ -124,7 +123,7 @@ E = 50256
 write_datafile(sys.argv[1] + "/shard_000000.bin", [E, 10, 11, 12, E, 20, 21])
 write_datafile(sys.argv[1] + "/shard_000001.bin", [22, E, 30])
 PY
-"$data" from-llmc --input "$scratch/shard_000000.bin" "$scratch/shard_000001.bin" \
+"$tetra" data from-llmc --input "$scratch/shard_000000.bin" "$scratch/shard_000001.bin" \
   --output "$scratch/llmc" >"$scratch/llmc.out" 2>"$scratch/llmc.err" ||
   fail "exit $?: $(cat "$scratch/llmc.err")"
 printf '10 11 12 50256\n20 21 22 50256\n30 50256\n' >"$scratch/llmc.want"
@@ -132,13 +131,13 @@ read_docs "$scratch/llmc" | cmp -s - "$scratch/llmc.want" ||
   fail "documents: $(read_docs "$scratch/llmc" | tr '\n' '|')"
 
 # ---- bad input: exit 2, the file (and line) named, nothing written ------------------------------
-# bad <case> <expected text on stderr> <output prefix> -- <tetra_data args...>
+# bad <case> <expected text on stderr> <output prefix> -- <tetra data args...>
 bad() {
   case="$1"
   local text="$2" prefix="$3"
   shift 4
   # timeout: an input that blocks (a named pipe) fails the case instead of hanging the test.
-  timeout 120 "$data" "$@" >"$scratch/$case.out" 2>"$scratch/$case.err"
+  timeout 120 "$tetra" data "$@" >"$scratch/$case.out" 2>"$scratch/$case.err"
   local rc=$?
   [[ $rc -eq 2 ]] || fail "exit code $rc, expected 2; stderr: $(cat "$scratch/$case.err")"
   grep -qF -- "$text" "$scratch/$case.err" ||
@@ -225,4 +224,4 @@ bad llmc_negative_eot_equals "--eot: -1: a token id is at least 0" "$out" -- \
 bad llmc_eot_past_uint16 "--eot 70000 cannot occur in gpt-2 shards (tokens up to 65535)" "$out" -- \
   from-llmc --input "$scratch/shard_000000.bin" --output "$out" --eot 70000
 
-finish "tetra_data cases"
+finish "tetra data cases"

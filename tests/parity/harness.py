@@ -87,12 +87,14 @@ def run_tetra(args, tetra_args, world=1, timeout=300, env=None, expect=0):
 
 
 def inspect_checkpoint(args, step_dir, timeout=120):
-    """`tetra_ckpt inspect` (built next to tetra) on one checkpoint step: (True if it verifies that
-    every tensor is covered exactly once, the end of its stderr), or (None, "") without the tool."""
-    tool = os.path.join(os.path.dirname(args.tetra), "tetra_ckpt")
-    if not os.path.exists(tool):
-        return None, ""
-    r = subprocess.run([tool, "inspect", step_dir], capture_output=True, text=True, timeout=timeout)
+    """`tetra ckpt inspect` on one checkpoint step: (True if it verifies that every tensor is covered
+    exactly once, the end of its stderr). A tetra that cannot run is (False, why): a failed check,
+    never a skipped one."""
+    cmd = [args.tetra, "ckpt", "inspect", step_dir]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"cannot run {' '.join(cmd)}: {e}"
     return r.returncode == 0 and "every tensor covered exactly once" in r.stdout, r.stderr.strip()[-500:]
 
 

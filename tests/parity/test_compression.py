@@ -25,7 +25,7 @@
   - Resume in the compressed phase: 12 steps straight vs 9 steps (warm-up 6), checkpoint, resume:
     steps 10..12 bitwise identical, for dp2, dp2 with the distributed optimizer (bf16 precision),
     and tp2 x dp2 with sequence parallelism; the checkpoint holds the error-feedback tensors, and
-    tetra_ckpt inspect verifies it (every tensor covered exactly once).
+    `tetra ckpt inspect` verifies it (every tensor covered exactly once).
   - Resume at another dp: a dp2 onebit checkpoint resumes under dp4: the worker errors start from
     zero with a warning, the server error is resharded, and the run continues within the onebit
     tolerance of the uninterrupted dp2 run.
@@ -261,8 +261,7 @@ def pipelines_and_experts(args, w):
         missing = [k for k in want if not any(key.startswith(k) for key in keys)]
         check(not missing, f"{name}: the checkpoint holds the error-feedback state (missing {missing})")
         verified, err = harness.inspect_checkpoint(args, os.path.join(ck, f"step_{STOP:08d}"))
-        if verified is not None:
-            check(verified, f"{name}: tetra_ckpt inspect verifies it, error-feedback tensors included {err}")
+        check(verified, f"{name}: tetra ckpt inspect verifies it, error-feedback tensors included {err}")
         p2, o2 = config(w, f"resume_{name}_b".replace(" ", "_"), lay, mode, ck, model=model, extra=extra)
         r2 = run(args, p2, lay, pp)
         resumed = harness.last_run(o2) if r2.returncode == 0 else {}
@@ -338,9 +337,8 @@ def main():
         check(worker and (lay[3] or server), f"{lname}: the checkpoint holds the error-feedback state "
                                              f"({len(worker)} worker, {len(server)} server tensors)")
         verified, err = harness.inspect_checkpoint(args, os.path.join(ck, f"step_{STOP:08d}"))
-        if verified is not None:
-            check(verified, f"{lname}: tetra_ckpt inspect verifies it, error-feedback tensors included" +
-                  ("" if verified else ": " + err))
+        check(verified, f"{lname}: tetra ckpt inspect verifies it, error-feedback tensors included" +
+              ("" if verified else ": " + err))
         p2, o2 = config(w, f"resume_{lname}_b", lay, "onebit", ck)
         r2 = run(args, p2, lay)
         resumed = harness.last_run(o2) if r2.returncode == 0 else {}

@@ -1,9 +1,9 @@
-"""`tetra_ckpt export-hf` against Hugging Face's conventions and Tetra's own numbers.
+"""`tetra ckpt export-hf` against Hugging Face's conventions and Tetra's own numbers.
 
 For each config in configs/reference_{gpt2,llama}.json (GPT-2-like: layernorm, gelu, learned
 positions, biases, tied; Llama-like: rmsnorm, swiglu, rope, GQA, untied), Tetra trains 10 steps in
 fp32 with --dump-dir and checkpoint.dir (a checkpoint every 5 steps, both kept), then
-`tetra_ckpt export-hf` writes each checkpoint as OUT/model.safetensors + OUT/config.json, and:
+`tetra ckpt export-hf` writes each checkpoint as OUT/model.safetensors + OUT/config.json, and:
   (a) the file: the safetensors metadata transformers requires ({"format": "pt"}); exactly the
       state-dict names of GPT2LMHeadModel / LlamaForCausalLM (listed here from those classes, not
       from the exporter), with their shapes; no lm_head.weight when tied;
@@ -27,7 +27,7 @@ fp32 with --dump-dir and checkpoint.dir (a checkpoint every 5 steps, both kept),
       (relative 1e-5: transformers computes in float32); otherwise a note says it was skipped.
 
 Usage: /usr/bin/python3 test_hf_export.py --tetra BIN --workdir DIR [--only gpt2|llama]
-tetra_ckpt is expected next to BIN. Exit status 0 when every check passes, 1 otherwise.
+Exit status 0 when every check passes, 1 otherwise.
 """
 import json
 import math
@@ -315,7 +315,7 @@ def try_transformers(out, kind, tokens, expected, checks, label):
                  f"{TRANSFORMERS_LOGITS_RTOL:g})")
 
 
-def run_config(kind, args, ckpt_tool, checks):
+def run_config(kind, args, checks):
     config_path = CONFIGS[kind]
     with open(config_path) as f:
         cfg = json.load(f)
@@ -346,7 +346,7 @@ def run_config(kind, args, ckpt_tool, checks):
     for step in (EVERY, STEPS):
         for dtype in ("fp32", "bf16") + (("fp16",) if step == STEPS else ()):
             out = os.path.join(work, f"hf_step{step}_{dtype}")
-            run_logged([ckpt_tool, "export-hf", os.path.join(ckpt, f"step_{step:08d}"), out,
+            run_logged([args.tetra, "ckpt", "export-hf", os.path.join(ckpt, f"step_{step:08d}"), out,
                         "--dtype", dtype], out + ".log")
             exports[step, dtype] = out
 
@@ -421,13 +421,9 @@ def run_config(kind, args, ckpt_tool, checks):
 def main():
     args = reference_args(__doc__, CONFIGS)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    ckpt_tool = os.path.join(os.path.dirname(os.path.abspath(args.tetra)), "tetra_ckpt")
     checks = Checks()
-    if not os.access(ckpt_tool, os.X_OK):
-        checks.check(False, f"no tetra_ckpt next to {args.tetra}")
-    else:
-        run_each([args.only] if args.only else sorted(CONFIGS), lambda kind: run_config(kind, args, ckpt_tool, checks),
-                 checks, (RuntimeError, ValueError, OSError, KeyError, AssertionError, subprocess.TimeoutExpired))
+    run_each([args.only] if args.only else sorted(CONFIGS), lambda kind: run_config(kind, args, checks),
+             checks, (RuntimeError, ValueError, OSError, KeyError, AssertionError, subprocess.TimeoutExpired))
     return checks.report()
 
 

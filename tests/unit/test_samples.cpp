@@ -667,7 +667,7 @@ TEST_CASE("make_train_source / make_valid_source with data.split", "[data]") {
     cfg.model.seq_len = 2;
     CHECK_THAT(input_error([&] { make_train_source(cfg, 100); }),
                Contains(sent) && Contains("2 documents in 3 sequences") &&
-                   Contains("tetra_data --split"));
+                   Contains("tetra data tokenize --split"));
   }
 }
 

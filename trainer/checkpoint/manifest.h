@@ -1,5 +1,5 @@
 // The one reader of a checkpoint's manifest.json, used by the trainer (load_checkpoint) and by
-// tetra_ckpt alike, so the two cannot disagree on what a valid checkpoint is.
+// `tetra ckpt` alike, so the two cannot disagree on what a valid checkpoint is.
 //
 // read_manifest() checks everything that can be checked without reading tensor bytes, and throws
 // InputError naming the manifest and the field (or tensor and slice) at the first problem:
@@ -13,7 +13,7 @@
 //   - every slice names a plain file of the checkpoint directory (no '/', no "..") and lies inside
 //     its tensor.
 // What needs the bytes (checksums, that the slices cover their tensor exactly once) is checked by
-// the reader of the bytes: load_checkpoint for what a rank needs, `tetra_ckpt inspect` for all.
+// the reader of the bytes: load_checkpoint for what a rank needs, `tetra ckpt inspect` for all.
 #pragma once
 
 #include <cstdint>

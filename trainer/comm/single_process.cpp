@@ -3,10 +3,8 @@
 // the world is this one process, every group is the size-1 communicator, and a launch as one of
 // several processes is refused at start-up rather than left to train N unrelated copies.
 //
-// How a multi-process launch is recognised: the launchers' own variables, read as bootstrap.cpp
-// reads them (OpenMPI's mpirun: OMPI_COMM_WORLD_SIZE; MPICH / Intel MPI's hydra and srun's PMI-2:
-// PMI_SIZE; MVAPICH: MV2_COMM_WORLD_SIZE; srun: SLURM_STEP_NUM_TASKS on a task it started, which
-// has SLURM_PROCID), any of them above 1.
+// How a multi-process launch is recognised: the launchers' own variables (launcher.h), any of
+// them above 1.
 //
 // Compiled without MPI only; bootstrap.cpp and mpi_communicator.cpp are the build with it.
 #if !defined(TETRA_HAVE_MPI)
@@ -20,40 +18,12 @@
 
 #include "kernels/common/check.h"
 #include "trainer/comm/bootstrap.h"
+#include "trainer/comm/launcher.h"
 #include "trainer/comm/mpi_communicator.h"
 #include "trainer/comm/mpi_world.h"
 #include "trainer/comm/self_communicator.h"
 
 namespace tetra {
-
-namespace {
-
-const char* env(const char* name) {
-  const char* v = std::getenv(name);
-  return (v != nullptr && v[0] != '\0') ? v : nullptr;
-}
-
-// "<launcher> (<VARIABLE>=<n>)" when a launcher started this process as one of n > 1, else "".
-std::string multi_process_launch() {
-  struct Launcher {
-    const char* name;
-    const char* size_var;
-    const char* rank_var;  // must be set too (nullptr: no condition)
-  };
-  const Launcher launchers[] = {{"mpirun", "OMPI_COMM_WORLD_SIZE", nullptr},
-                                {"a PMI launcher", "PMI_SIZE", nullptr},
-                                {"mpirun", "MV2_COMM_WORLD_SIZE", nullptr},
-                                {"srun", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID"}};
-  for (const Launcher& l : launchers) {
-    const char* size = env(l.size_var);
-    if (size == nullptr || std::atoll(size) <= 1) continue;
-    if (l.rank_var != nullptr && env(l.rank_var) == nullptr) continue;
-    return fmt::format("{} ({}={})", l.name, l.size_var, size);
-  }
-  return "";
-}
-
-}  // namespace
 
 MPI_Comm dist_world() { return MPI_COMM_WORLD; }
 
@@ -62,7 +32,7 @@ bool dist_has_mpi() { return false; }
 bool dist_initialized() { return false; }
 
 ProcessInfo dist_init(int* /*argc*/, char*** /*argv*/) {
-  const std::string launch = multi_process_launch();
+  const std::string launch = launch_environment().describe();
   if (!launch.empty())
     throw Error(fmt::format("this tetra was built without MPI, so it runs as one process, but {} started it as one "
                             "of several: run it as a single process, or build it with MPI (cmake -DTETRA_MPI=ON, "

@@ -1,6 +1,6 @@
 // Dataset preparation: raw text (one document per file) or JSON lines (one document per line)
 // tokenized into a Megatron indexed dataset (indexed_dataset.h), the library behind
-// `tetra_data tokenize` (tools/tetra_data.cpp).
+// `tetra data tokenize` (trainer/cli/data_command.cpp).
 //
 // Each document becomes one sequence: its tokens, then the tokenizer's end-of-document token, so a
 // sample that crosses documents sees where one ends. Tokens are stored as uint16 when the

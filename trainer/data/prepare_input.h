@@ -1,5 +1,6 @@
-// The raw side of dataset preparation (tools/tetra_data.cpp): which files the inputs name, reading
-// them as documents, and checking that what is read is UTF-8 text or JSON lines.
+// The raw side of dataset preparation (`tetra data`, trainer/cli/data_command.cpp): which files
+// the inputs name, reading them as documents, and checking that what is read is UTF-8 text or JSON
+// lines.
 //
 // Two document formats:
 //   TEXT   one document per file: the whole file is the document's text.

@@ -1,5 +1,5 @@
 // llm.c's token shards (karpathy/llm.c, dev/data/data_common.py: write_datafile) converted to a
-// Megatron indexed dataset: `tetra_data from-llmc`.
+// Megatron indexed dataset: `tetra data from-llmc`.
 //
 // A shard, all little-endian:
 //   int32 header[256]   header[0] magic, header[1] version, header[2] token count N, rest 0

@@ -101,8 +101,8 @@ IndexedSamples::IndexedSamples(std::shared_ptr<const IndexedDataset> dataset, in
   TETRA_INPUT_CHECK(docs == seqs,
                     "dataset {} has {} documents in {} sequences (sentence-split), but {} is cut "
                     "at document boundaries with one sequence per document; prepare the dataset "
-                    "without sentence splitting, or split it when preparing (tetra_data --split) "
-                    "and list the parts in data.train and data.valid instead of data.split",
+                    "without sentence splitting, or split it when preparing (tetra data tokenize "
+                    "--split) and list the parts in data.train and data.valid instead of data.split",
                     dataset_->prefix(), docs, seqs, part);
   TETRA_CHECK(range_.begin >= 0 && range_.begin <= range_.end && range_.end <= docs,
               "documents [{}, {}) of {} in {}", range_.begin, range_.end, docs,

@@ -64,7 +64,7 @@ struct DocumentRange {
 //
 // With a DocumentRange, the same over the concatenation of documents [begin, end) only: no window
 // reaches a token outside the range, so the parts of a split never share a document. A document is
-// one sequence of the dataset (as tetra_data and Megatron's preprocess_data.py write them); a
+// one sequence of the dataset (as `tetra data` and Megatron's preprocess_data.py write them); a
 // sentence-split dataset (more sequences than documents) is an InputError, as is a range too short
 // for one sample (naming the dataset, the split, the part and its document and token counts).
 class IndexedSamples : public SampleSource {

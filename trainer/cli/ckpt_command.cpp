@@ -1,7 +1,7 @@
-// tetra_ckpt: reads Tetra checkpoints (trainer/checkpoint/checkpoint.h) without training.
+// `tetra ckpt`: reads Tetra checkpoints (trainer/checkpoint/checkpoint.h) without training.
 //
-//   tetra_ckpt inspect DIR                          what the checkpoint holds, every byte verified
-//   tetra_ckpt export-hf DIR OUT [--dtype fp32|bf16|fp16] [--force]
+//   tetra ckpt inspect DIR                          what the checkpoint holds, every byte verified
+//   tetra ckpt export-hf DIR OUT [--dtype fp32|bf16|fp16] [--force]
 //                                                    OUT/model.safetensors + OUT/config.json
 //
 // DIR is a step_* directory, or a checkpoint.dir whose `latest` names one.
@@ -10,11 +10,11 @@
 // fp16 loss scaler's state where there is one, the model, and every tensor (global shape, slices,
 // bytes), then verifies all of it: the manifest's tensors are exactly the model's, with its
 // shapes; each tensor's slices lie inside it, overlap nowhere and together cover every element;
-// every slice is read from its file and its CRC-32 compared with the manifest's. `export-hf` assembles each "model/" tensor from its slices (the
-// same checks on the slices it reads) and writes it under Hugging Face's names and layouts
-// (trainer/checkpoint/hf_export.h). OUT is checked before any of that: a new directory (created
-// with its parents) or an empty one; a non-empty one only with --force, which replaces the two
-// files and leaves the rest. Nothing is written unless the whole export succeeds up to the write.
+// every slice is read from its file and its CRC-32 compared with the manifest's. `export-hf`
+// assembles each "model/" tensor from its slices (the same checks on the slices it reads) and
+// writes it under Hugging Face's names and layouts (trainer/checkpoint/hf_export.h). OUT is
+// checked before any of that: a new directory (created with its parents) or an empty one; a
+// non-empty one only with --force, which replaces the two files and leaves the rest. Nothing is written unless the whole export succeeds up to the write.
 //
 // Exit codes: 0 success; 2 a bad checkpoint or bad input, the message naming the file, tensor and
 // slice of the first problem; 1 any other failure. A filesystem or JSON exception that escapes
@@ -47,8 +47,11 @@
 #include "trainer/checkpoint/sharding.h"
 #include "trainer/config/config.h"
 #include "kernels/common/check.h"
+#include "trainer/cli/cli.h"
 #include "trainer/core/format.h"
 #include "trainer/params/param_layout.h"
+
+namespace tetra::cli {
 
 namespace {
 
@@ -315,7 +318,7 @@ std::string filesystem_message(const fs::filesystem_error& e) {
                            : fmt::format("{}: {} (and {})", file, what, e.path2().string());
 }
 
-// The manifest a JSON error is about: the only JSON tetra_ckpt reads is DIR's manifest.json.
+// The manifest a JSON error is about: the only JSON `tetra ckpt` reads is DIR's manifest.json.
 std::string manifest_of(const std::string& dir) {
   try {
     return (fs::path(resolve_checkpoint(dir)) / "manifest.json").string();
@@ -324,49 +327,57 @@ std::string manifest_of(const std::string& dir) {
   }
 }
 
+class CkptCommand final : public Command {
+ public:
+  explicit CkptCommand(CLI::App& tetra) {
+    ckpt_ = tetra.add_subcommand("ckpt", "inspect, verify and export Tetra checkpoints");
+    ckpt_->require_subcommand(1);
+    inspect_ = ckpt_->add_subcommand(
+        "inspect", "print what a checkpoint holds and verify every slice (exit 2 on the first problem)");
+    inspect_->add_option("DIR", dir_, "a step_* directory, or a checkpoint.dir with `latest`")->required();
+    export_ = ckpt_->add_subcommand(
+        "export-hf", "write the model as Hugging Face's Llama or GPT-2: OUT/model.safetensors and OUT/config.json");
+    export_->add_option("DIR", dir_, "a step_* directory, or a checkpoint.dir with `latest`")->required();
+    export_->add_option("OUT", out_, "output directory: new (created) or empty, unless --force")->required();
+    export_->add_flag("--force", force_, "write into a non-empty OUT, replacing its model.safetensors and config.json");
+    export_->add_option("--dtype", dtype_, "stored type of the weights")
+        ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+        ->capture_default_str();
+  }
+
+  CLI::App& app() override { return *ckpt_; }
+
+  int run(int* /*argc*/, char*** /*argv*/) override {
+    try {
+      if (*inspect_) return inspect(dir_);
+      return export_hf(dir_, out_, dtype_, force_);
+    } catch (const InputError& e) {
+      std::fflush(stdout);
+      std::fprintf(stderr, "error: %s\n", e.what());
+      return 2;
+    } catch (const fs::filesystem_error& e) {
+      std::fflush(stdout);
+      std::fprintf(stderr, "error: %s\n", filesystem_message(e).c_str());
+      return input_error(e.code()) ? 2 : 1;
+    } catch (const nlohmann::json::exception& e) {  // the manifest's values, read where a type differs
+      std::fflush(stdout);
+      std::fprintf(stderr, "error: %s: malformed manifest: %s\n", manifest_of(dir_).c_str(), e.what());
+      return 2;
+    } catch (const std::exception& e) {
+      std::fflush(stdout);
+      std::fprintf(stderr, "error: %s\n", e.what());
+      return 1;
+    }
+  }
+
+ private:
+  CLI::App *ckpt_ = nullptr, *inspect_ = nullptr, *export_ = nullptr;
+  std::string dir_, out_, dtype_ = "fp32";
+  bool force_ = false;
+};
+
 }  // namespace
 
-int main(int argc, char** argv) {
-  CLI::App app{"tetra_ckpt: inspect, verify and export Tetra checkpoints"};
-  app.require_subcommand(1);
-  std::string dir, out, dtype = "fp32";
-  bool force = false;
-  CLI::App* inspect_cmd = app.add_subcommand(
-      "inspect", "print what a checkpoint holds and verify every slice (exit 2 on the first problem)");
-  inspect_cmd->add_option("DIR", dir, "a step_* directory, or a checkpoint.dir with `latest`")->required();
-  CLI::App* export_cmd = app.add_subcommand(
-      "export-hf", "write the model as Hugging Face's Llama or GPT-2: OUT/model.safetensors and OUT/config.json");
-  export_cmd->add_option("DIR", dir, "a step_* directory, or a checkpoint.dir with `latest`")->required();
-  export_cmd->add_option("OUT", out, "output directory: new (created) or empty, unless --force")->required();
-  export_cmd->add_flag("--force", force,
-                       "write into a non-empty OUT, replacing its model.safetensors and config.json");
-  export_cmd->add_option("--dtype", dtype, "stored type of the weights")
-      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
-      ->capture_default_str();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
-  }
-  try {
-    if (*inspect_cmd) return inspect(dir);
-    return export_hf(dir, out, dtype, force);
-  } catch (const InputError& e) {
-    std::fflush(stdout);
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 2;
-  } catch (const fs::filesystem_error& e) {
-    std::fflush(stdout);
-    std::fprintf(stderr, "error: %s\n", filesystem_message(e).c_str());
-    return input_error(e.code()) ? 2 : 1;
-  } catch (const nlohmann::json::exception& e) {  // the manifest's values, read where a type differs
-    std::fflush(stdout);
-    std::fprintf(stderr, "error: %s: malformed manifest: %s\n", manifest_of(dir).c_str(), e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fflush(stdout);
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
-}
+std::unique_ptr<Command> add_ckpt_command(CLI::App& tetra) { return std::make_unique<CkptCommand>(tetra); }
+
+}  // namespace tetra::cli

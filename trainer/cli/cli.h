@@ -1,0 +1,40 @@
+// The commands of the one `tetra` binary:
+//
+//   tetra train --config run.json [options]     train (`tetra --config run.json ...` is the same)
+//   tetra generate --config run.json [options]  text from trained weights (one process)
+//   tetra data tokenize | train-tokenizer | from-llmc ...   prepare token datasets
+//   tetra ckpt inspect | export-hf ...                      read and export checkpoints
+//
+// trainer/main.cpp builds one CLI11 app, lets each command add its subcommand and options to it,
+// parses the line and runs the command that was named. Only `train` starts MPI: help, the data
+// and checkpoint tools and generation run without it (commands of a multi-process launch print
+// their help and errors once, from the launcher's rank 0: trainer/comm/launcher.h).
+//
+// Exit codes, every command: 0 success; 1 a runtime failure; 2 bad input (the command line, a
+// config, an input file), the message naming the option or file. `train` adds 3: the watchdog
+// ended a hung job (trainer/comm/watchdog.h).
+#pragma once
+
+#include <memory>
+
+#include <CLI/CLI.hpp>
+
+namespace tetra::cli {
+
+class Command {
+ public:
+  virtual ~Command() = default;
+  // The command's subcommand of the app.
+  virtual CLI::App& app() = 0;
+  // Runs the command once its line parsed: the exit code. `argc` and `argv` are main's (MPI_Init
+  // is given them).
+  virtual int run(int* argc, char*** argv) = 0;
+};
+
+// Each adds its subcommand ("train", "generate", "data", "ckpt") to `tetra`.
+std::unique_ptr<Command> add_train_command(CLI::App& tetra);
+std::unique_ptr<Command> add_generate_command(CLI::App& tetra);
+std::unique_ptr<Command> add_data_command(CLI::App& tetra);
+std::unique_ptr<Command> add_ckpt_command(CLI::App& tetra);
+
+}  // namespace tetra::cli

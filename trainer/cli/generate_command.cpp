@@ -1,0 +1,156 @@
+// `tetra generate --config run.json [options]`: text from the weights training exported, one
+// process, tp 1 (trainer/train/generate.h does the work). The sampling options override the
+// config's sample section under the config's own rules for it.
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "kernels/common/check.h"
+#include "trainer/cli/cli.h"
+#include "trainer/comm/launcher.h"
+#include "trainer/config/config.h"
+#include "trainer/train/generate.h"
+
+namespace tetra::cli {
+
+namespace {
+
+// A check for a numeric option: "--top-k: -1: must be at least 0".
+CLI::Validator at_least(double lo) {
+  return CLI::Validator(
+      [lo](std::string& v) {
+        char* end = nullptr;
+        const double x = std::strtod(v.c_str(), &end);
+        if (end == v.c_str() || *end != '\0') return fmt::format("{}: not a number", v);
+        return x >= lo ? std::string() : fmt::format("{}: must be at least {}", v, lo);
+      },
+      fmt::format(">= {}", lo));
+}
+
+// `tetra generate`'s command line: sampling settings override the config's sample section, under
+// the config's own rules for them (finite numbers, whole numbers in range): "--seed: -1: ...".
+struct GenerateArgs {
+  CLI::App* cmd = nullptr;
+  std::string config_path, weights, prompt;
+  std::vector<std::string> overrides;
+  int64_t max_tokens = 0, top_k = 0;
+  double temperature = 0.0;
+  uint64_t seed = 0;
+  CLI::Option *prompt_opt = nullptr, *max_tokens_opt = nullptr, *temperature_opt = nullptr, *top_k_opt = nullptr,
+              *seed_opt = nullptr;
+
+  // A whole number in int64_t (CLI11 would wrap, round or misreport what does not fit).
+  static CLI::Validator whole_number() {
+    return CLI::Validator(
+        [](std::string& v) {
+          int64_t x = 0;
+          const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+          if (ec == std::errc::result_out_of_range)
+            return fmt::format("{}: out of range: at most {}", v, std::numeric_limits<int64_t>::max());
+          if (ec != std::errc() || end != v.data() + v.size()) return fmt::format("{}: not a whole number", v);
+          return std::string();
+        },
+        "INTEGER");
+  }
+  // A finite number: inf and nan are no temperature (the config refuses them too).
+  static CLI::Validator finite_number() {
+    return CLI::Validator(
+        [](std::string& v) {
+          char* end = nullptr;
+          const double x = std::strtod(v.c_str(), &end);
+          if (end == v.c_str() || *end != '\0') return fmt::format("{}: not a number", v);
+          return std::isfinite(x) ? std::string()
+                                  : fmt::format("{}: must be a finite number (0 = greedy, 1 = the model's own "
+                                                "distribution, higher = flatter)", v);
+        },
+        "NUMBER");
+  }
+  // A seed: a whole number from 0 to 2^64 - 1 (a negative one would wrap around).
+  static CLI::Validator seed_number() {
+    return CLI::Validator(
+        [](std::string& v) {
+          const uint64_t hi = std::numeric_limits<uint64_t>::max();
+          if (!v.empty() && v[0] == '-')
+            return fmt::format("{}: must be at least 0 (a seed is a whole number from 0 to {})", v, hi);
+          uint64_t x = 0;
+          const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+          if (ec == std::errc::result_out_of_range) return fmt::format("{}: out of range: at most {}", v, hi);
+          if (ec != std::errc() || end != v.data() + v.size())
+            return fmt::format("{}: not a whole number (a seed is a whole number from 0 to {})", v, hi);
+          return std::string();
+        },
+        "UINT64");
+  }
+
+  void add_to(CLI::App& app) {
+    cmd = app.add_subcommand("generate", "write text with trained weights (one process, tp 1); prints the "
+                                         "prompt and its continuation");
+    cmd->add_option("-c,--config", config_path, "run configuration (JSON): model, data.tokenizer, sample")
+        ->required();
+    cmd->add_option("--set", overrides, "override a config key: section.key=value (repeatable)");
+    cmd->add_option("--weights", weights, "safetensors of the global tensors (default: "
+                                          "<logging.dir>/model.safetensors, written by training)");
+    prompt_opt = cmd->add_option("--prompt", prompt, "text to continue (default: sample.prompt)");
+    max_tokens_opt = cmd->add_option("--max-tokens", max_tokens, "most tokens to generate (default: "
+                                     "sample.max_tokens)")->check(whole_number())->check(at_least(1));
+    temperature_opt = cmd->add_option("--temperature", temperature, "0 = greedy (default: "
+                                      "sample.temperature)")->check(finite_number())->check(at_least(0));
+    top_k_opt = cmd->add_option("--top-k", top_k, "sample among the k likeliest tokens, 0 = all (default: "
+                                "sample.top_k)")->check(whole_number())->check(at_least(0));
+    seed_opt = cmd->add_option("--seed", seed, "sampling seed (default: sample.seed)")->check(seed_number());
+  }
+  void apply(tetra::SampleConfig& s) const {
+    if (prompt_opt->count()) s.prompt = prompt;
+    if (max_tokens_opt->count()) s.max_tokens = max_tokens;
+    if (temperature_opt->count()) s.temperature = temperature;
+    if (top_k_opt->count()) s.top_k = top_k;
+    if (seed_opt->count()) s.seed = seed;
+  }
+};
+
+// `tetra generate`: one process (no MPI: a launch of several is recognised by the launcher's
+// variables, and refused once); exit 0, 1 (runtime failure) or 2 (bad input).
+int run_generate(const GenerateArgs& args) {
+  const tetra::LaunchEnvironment launch = tetra::launch_environment();
+  if (launch.size > 1) {
+    if (launch.rank == 0)
+      std::fprintf(stderr, "error: tetra generate runs as one process (launched with %lld); run it without "
+                   "mpirun/srun\n", static_cast<long long>(launch.size));
+    return 2;
+  }
+  try {
+    tetra::Config cfg = tetra::load_config(args.config_path, args.overrides);
+    args.apply(cfg.sample);
+    const tetra::GeneratedText text = tetra::generate_command(cfg, args.weights);
+    fmt::print("{}{}\n", text.prompt, text.continuation);
+    std::fflush(stdout);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return dynamic_cast<const tetra::InputError*>(&e) ? 2 : 1;
+  }
+}
+
+class GenerateCommand final : public Command {
+ public:
+  explicit GenerateCommand(CLI::App& tetra) { args_.add_to(tetra); }
+  CLI::App& app() override { return *args_.cmd; }
+  int run(int* /*argc*/, char*** /*argv*/) override { return run_generate(args_); }
+
+ private:
+  GenerateArgs args_;
+};
+
+}  // namespace
+
+std::unique_ptr<Command> add_generate_command(CLI::App& tetra) { return std::make_unique<GenerateCommand>(tetra); }
+
+}  // namespace tetra::cli
