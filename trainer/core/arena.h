@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/common/dtype.h"
+#include "kernels/common/math.h"
 
 namespace tetra {
 
@@ -17,7 +18,7 @@ class ArenaCarver {
   explicit ArenaCarver(char* base) : base_(base) {}
   // numel elements of type t, the next kAlign-aligned piece.
   void* take(int64_t numel, DType t) {
-    const size_t bytes = (static_cast<size_t>(numel) * dtype_size(t) + kAlign - 1) / kAlign * kAlign;
+    const size_t bytes = math::round_up(static_cast<size_t>(numel) * dtype_size(t), kAlign);
     void* p = base_ ? base_ + used_ : nullptr;
     used_ += bytes;
     return p;

@@ -34,11 +34,11 @@ void DebugDump::gradients(Backend& be, GradBuffers& grad_buffers, const float* g
                           double loss_scale) {
   const std::string file = dir_ + "/grads_step0.safetensors";
   if (grad_buffers.sharded()) {  // each DP rank holds its shards of the reduced gradient: gather them
-    float* whole = static_cast<float*>(be.alloc(static_cast<size_t>(total) * 4));
+    BackendBuffer whole_buf(be, static_cast<size_t>(total) * 4);
+    float* whole = whole_buf.as<float>();
     be.copy(whole, grads, static_cast<size_t>(total) * 4);
     grad_buffers.gather_params(whole, DType::F32);
     write_(file, whole, 1.0 / loss_scale);
-    be.free(whole);
   } else {
     write_(file, grads, 1.0 / loss_scale);
   }

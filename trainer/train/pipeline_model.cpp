@@ -26,7 +26,7 @@ StageSlice stage_slice(const Config& cfg, int64_t pp_rank) {
 }
 
 PipelineSchedule make_schedule(const Config& cfg, int64_t micro_batches) {
-  return PipelineSchedule::build(schedule_kind(cfg.parallel.schedule), static_cast<int>(cfg.parallel.pp),
+  return PipelineSchedule::build(cfg.parallel.schedule, static_cast<int>(cfg.parallel.pp),
                                  static_cast<int>(cfg.parallel.virtual_stages), static_cast<int>(micro_batches));
 }
 
@@ -39,11 +39,11 @@ class PipelineModel::Chunk final : public PipelineChunk {
         targets_(targets), losses_(losses) {
     if (!model_->dims().first) {  // input gradients for the previous stage
       const size_t bytes = static_cast<size_t>(model_->boundary_numel()) * dtype_size(model_->act());
-      for (int64_t i = 0; i < grad_buffers; ++i) grad_buffers_.push_back(be_.alloc(bytes));
+      for (int64_t i = 0; i < grad_buffers; ++i) {
+        grad_buffer_mem_.emplace_back(be_, bytes);
+        grad_buffers_.push_back(grad_buffer_mem_.back().get());
+      }
     }
-  }
-  ~Chunk() override {
-    for (void* p : grad_buffers_) be_.free(p);
   }
 
   void forward(int64_t slot, int m) override {
@@ -65,6 +65,7 @@ class PipelineModel::Chunk final : public PipelineChunk {
   PipelineModel& owner_;
   std::unique_ptr<Gpt> model_;
   Backend& be_;
+  std::vector<BackendBuffer> grad_buffer_mem_;  // owns grad_buffers_
   std::vector<void*> grad_buffers_;  // schedule.grad_buffers of (Ns, C), non-first stages
   int64_t slots_, rows_;
   const int32_t* tokens_;

@@ -35,10 +35,11 @@ StepGuard::StepGuard(const TrainingConfig& tc, Communicator& world, Backend& be)
       max_skipped_(tc.max_skipped_steps),
       world_(world),
       be_(be) {
-  flags_ = static_cast<int32_t*>(be_.alloc(FLAGS * sizeof(int32_t)));
+  flags_buf_ = BackendBuffer(be_, FLAGS * sizeof(int32_t));
+  flags_ = flags_buf_.as<int32_t>();
 }
 
-StepGuard::~StepGuard() { be_.free(flags_); }
+StepGuard::~StepGuard() = default;
 
 StepVerdict StepGuard::check(int64_t step, double loss, double grad_norm, bool overflow) {
   int32_t flags[FLAGS] = {};

@@ -61,6 +61,7 @@ class StepGuard {
   int64_t max_skipped_;
   Communicator& world_;
   Backend& be_;
+  BackendBuffer flags_buf_;   // owns flags_
   int32_t* flags_ = nullptr;  // (4) backend scratch for the agreement
   Window losses_, norms_;
   int64_t consecutive_ = 0;

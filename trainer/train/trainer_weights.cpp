@@ -99,11 +99,13 @@ void Trainer::save_final_weights() {
   if (path.empty()) return;
   const auto t0 = std::chrono::steady_clock::now();
   const float* weights = master_;
+  BackendBuffer whole_buf;  // the gathered master weights, when no rank holds them whole
   float* whole = nullptr;
   if (!master_) {
     // bf16 / fp16 with the distributed optimizer: each DP rank's optimizer holds the fp32 master weights
     // of its shards, back to back; every DP rank takes part in gathering them.
-    whole = static_cast<float*>(be_->alloc(static_cast<size_t>(layout_.total) * 4));
+    whole_buf = BackendBuffer(*be_, static_cast<size_t>(layout_.total) * 4);
+    whole = whole_buf.as<float>();
     const float* shard = updater_->master_shard();
     int64_t at = 0;
     for (const GradRange& o : grad_buffer_->owned()) {
@@ -116,7 +118,6 @@ void Trainer::save_final_weights() {
   // Global rank 0 writes, gathering the TP slices of its TP group (and the experts of its EP
   // group); the other (expert-)DP replicas hold the same weights and need not gather theirs.
   if (groups_.coord.edp == 0) dump_tensors(path, weights);
-  if (whole) be_->free(whole);
   spdlog::info("final weights: {} ({} tensors, fp32 master weights) in {:.1f} s", path, layout_.params.size(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
