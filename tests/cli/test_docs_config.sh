@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# docs/config.md against the binary: every leaf key of the config `tetra --print-config` resolves
+# docs/config.md against the binary: every leaf key of the config `tetra train --print-config` resolves
 # (a dotted path such as model.moe.top_k) must have a row in docs/config.md whose default cell
 # holds the printed value and whose type cell agrees with it; every key the page documents must
 # exist. The config printed sets nothing but data.synthetic (the least a valid config needs), so
@@ -17,7 +17,7 @@ case=doc_exists
 
 case=print_config
 echo '{"data": {"synthetic": true}}' >"$scratch/minimal.json"
-"$tetra" --config "$scratch/minimal.json" --print-config >"$scratch/resolved.json" 2>"$scratch/err" ||
+"$tetra" train --config "$scratch/minimal.json" --print-config >"$scratch/resolved.json" 2>"$scratch/err" ||
   fail "--print-config exited non-zero: $(cat "$scratch/err")"
 
 case=keys_and_defaults
