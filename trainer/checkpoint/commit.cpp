@@ -39,33 +39,9 @@ int64_t fault_at() {
   return at;
 }
 
-// The calls below name the filesystem operation they make; each is a fault-injection point and
-// reports failure as an Error naming the path and the reason.
-void fsync_path(const std::string& path, bool directory) {
-  checkpoint_io_point("fsync", path);
-  const int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
-  if (fd < 0) throw Error(fmt::format("{}: cannot open to sync: {}", path, std::strerror(errno)));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc == 0) return;
-  // Some network and FUSE filesystems cannot sync a directory (EINVAL): the rename is then as
-  // durable as that filesystem makes it, which is not a reason to fail the save.
-  if (directory && (err == EINVAL || err == ENOTSUP)) {
-    static bool warned = false;
-    if (!warned) spdlog::warn("{}: the filesystem cannot fsync a directory ({}); renames rely on its own "
-                              "ordering", path, std::strerror(err));
-    warned = true;
-    return;
-  }
-  throw Error(fmt::format("{}: fsync failed: {}", path, std::strerror(err)));
-}
-
-void rename_path(const std::string& from, const std::string& to) {
-  checkpoint_io_point("rename", from + " -> " + to);
-  if (::rename(from.c_str(), to.c_str()) != 0)
-    throw Error(fmt::format("cannot rename {} to {}: {}", from, to, std::strerror(errno)));
-}
+// The filesystem steps of the protocol, each a fault-injection point (trainer/core/files.h).
+void ckpt_rename(const std::string& from, const std::string& to) { rename_path(from, to, checkpoint_io_point); }
+void ckpt_fsync_dir(const std::string& dir) { fsync_directory(dir, checkpoint_io_point); }
 
 // Removes what a save no longer needs: best effort (a failure is logged, and the next save's
 // recovery tries again), so that leftovers on a difficult filesystem never fail a save.
@@ -197,14 +173,14 @@ void recover_checkpoint_dir(const std::string& dir) {
     if (exists_nofollow(named)) {  // an incomplete step_*: set it aside for removal
       const fs::path del = fs::path(dir) / fmt::format(".step_{:08d}.del", step);
       if (exists_nofollow(del)) remove_tree(del);
-      rename_path(named.string(), del.string());
+      ckpt_rename(named.string(), del.string());
       stale.push_back(del);
     }
-    rename_path(p.string(), named.string());
+    ckpt_rename(p.string(), named.string());
     renamed = true;
     spdlog::warn("checkpoint {}: restored from {}, left by an interrupted save", named.string(), p.string());
   }
-  if (renamed) fsync_path(dir, true);
+  if (renamed) ckpt_fsync_dir(dir);
   for (const fs::path& p : stale)
     if (exists_nofollow(p)) remove_tree(p);
 }
@@ -213,7 +189,7 @@ void commit_checkpoint(const std::string& dir, const std::string& name, const st
   const std::string final_dir = (fs::path(dir) / name).string();
   std::string leftover;  // the copy a re-save replaced, removed once `latest` names the new one
   if (!exists_nofollow(final_dir)) {
-    rename_path(tmp_dir, final_dir);
+    ckpt_rename(tmp_dir, final_dir);
   } else if (exchange_paths(tmp_dir, final_dir)) {
     leftover = tmp_dir;
   } else {
@@ -222,11 +198,11 @@ void commit_checkpoint(const std::string& dir, const std::string& name, const st
       remove_tree(aside);
       if (exists_nofollow(aside)) throw Error(fmt::format("cannot remove {}, which a re-save of {} needs", aside, name));
     }
-    rename_path(final_dir, aside);
-    rename_path(tmp_dir, final_dir);
+    ckpt_rename(final_dir, aside);
+    ckpt_rename(tmp_dir, final_dir);
     leftover = aside;
   }
-  fsync_path(dir, true);
+  ckpt_fsync_dir(dir);
   write_file_atomic((fs::path(dir) / "latest").string(), name + "\n", checkpoint_io_point);
   if (!leftover.empty()) remove_tree(leftover);
 }
@@ -245,12 +221,12 @@ void rotate_checkpoints(const std::string& dir, int64_t keep, const std::string&
     if (line[i].name == current) continue;
     const fs::path del = fs::path(dir) / fmt::format(".step_{:08d}.del", line[i].step);
     if (exists_nofollow(del)) remove_tree(del);
-    rename_path((fs::path(dir) / line[i].name).string(), del.string());
+    ckpt_rename((fs::path(dir) / line[i].name).string(), del.string());
     spdlog::info("checkpoint {}: removed (checkpoint.keep = {})", (fs::path(dir) / line[i].name).string(), keep);
     doomed.push_back(del);
   }
   if (doomed.empty()) return;
-  fsync_path(dir, true);
+  ckpt_fsync_dir(dir);
   for (const fs::path& p : doomed) remove_tree(p);
 }
 
