@@ -275,10 +275,16 @@ class BackendBuffer {
 // The CPU backend (kernels/cpu). `threads` <= 0 means all available cores.
 std::unique_ptr<Backend> make_cpu_backend(int threads = 0);
 
+// The CUDA backend's path for causal attention: AUTO takes cuDNN's fused SDPA where it has a plan
+// for the shape and Tetra's fused flash kernels otherwise; FUSED always the fused kernels; CUDNN
+// always cuDNN (an Error naming the shape where it has no plan). The trainer passes the user's
+// choice (TETRA_ATTENTION, trainer/core/runtime_options.h).
+enum class AttentionPath { AUTO, FUSED, CUDNN };
+
 // The CUDA backend (kernels/cuda), on GPU `device`. Exists only where Tetra was built with CUDA
 // (TETRA_HAVE_CUDA defined); cuda_device_count() is 0 where the driver finds no GPU.
 #if defined(TETRA_HAVE_CUDA)
-std::unique_ptr<Backend> make_cuda_backend(int device);
+std::unique_ptr<Backend> make_cuda_backend(int device, AttentionPath attention = AttentionPath::AUTO);
 int cuda_device_count();
 #endif
 

@@ -8,7 +8,9 @@
 // This file only parses the command line and dispatches: a line that starts with an option (or is
 // empty) is `train`'s, a word names the command, an unknown word is exit 2 naming it and the
 // commands there are. Help and parse errors are printed once per job (by the launcher's rank 0)
-// and exit 0 and 2. Nothing here starts MPI: `train` does, when it runs.
+// and exit 0 and 2. The environment is read here, once (trainer/core/runtime_options.h: a value a
+// TETRA_* variable cannot take is exit 2 naming it), and handed to the command. Nothing here
+// starts MPI: `train` does, when it runs.
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -20,6 +22,7 @@
 
 #include "trainer/cli/cli.h"
 #include "trainer/comm/launcher.h"
+#include "trainer/core/runtime_options.h"
 
 namespace {
 
@@ -98,7 +101,14 @@ int main(int argc, char** argv) {
     const int code = speaks ? app.exit(e) : e.get_exit_code();
     return code == 0 ? 0 : 2;
   }
+  tetra::RuntimeOptions runtime;
+  try {
+    runtime = tetra::read_runtime_options();
+  } catch (const std::exception& e) {
+    if (speaks) std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  }
   for (const std::unique_ptr<tetra::cli::Command>& command : commands)
-    if (command->app().parsed()) return command->run(&argc, &argv);
+    if (command->app().parsed()) return command->run(&argc, &argv, runtime);
   return 2;  // unreachable: CLI11 requires one command
 }

@@ -5,9 +5,9 @@
 // of 8 up to 128, where cuDNN has a plan for the shape) or through Tetra's own flash kernels
 // (attention_flash_bf16.cu: bf16 and fp16 on tensor cores, HS up to 128;
 // attention_flash_generic.cu: every dtype and HS up to 256). The
-// environment variable TETRA_ATTENTION picks the path: "auto" (the default) takes cuDNN where it
-// can and the fused kernels otherwise, "fused" always the fused kernels, "cudnn" always cuDNN
-// (an Error naming the shape where cuDNN has no plan). Both paths produce the same lse (natural
+// backend's AttentionPath (kernels/backend.h; the user's TETRA_ATTENTION) picks the path: AUTO (the
+// default) takes cuDNN where it can and the fused kernels otherwise, FUSED always the fused
+// kernels, CUDNN always cuDNN (an Error naming the shape where cuDNN has no plan). Both paths produce the same lse (natural
 // log-sum-exp of the scaled scores), so a forward on one path and a backward on the other agree.
 // attention_path() reports the path of the last attention op.
 //
@@ -15,7 +15,6 @@
 // uses; the inverse frequencies are computed on the host by math::rope_inv_freq (bit-identical to
 // the CPU's table) and passed to the kernel by value, and the angle is float(t) * inv_freq as on
 // the CPU.
-#include <cstdlib>
 #include <type_traits>
 
 #include "kernels/cuda/attention.cuh"
@@ -90,19 +89,6 @@ void fused_backward(const Dims& d, DType act, void* dqkv, const void* dout, cons
 namespace {
 
 using cuda::attn::Dims;
-
-enum class AttnMode { AUTO, FUSED, CUDNN };
-
-// Read at every call, so a test (or a run) can switch paths between ops.
-AttnMode attention_mode() {
-  const char* v = std::getenv("TETRA_ATTENTION");
-  if (v == nullptr || *v == '\0') return AttnMode::AUTO;
-  const std::string s(v);
-  if (s == "auto") return AttnMode::AUTO;
-  if (s == "fused") return AttnMode::FUSED;
-  if (s == "cudnn") return AttnMode::CUDNN;
-  throw Error(fmt::format("TETRA_ATTENTION={} is not one of auto, fused, cudnn", s));
-}
 
 Dims attention_dims(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, DType act,
                     const char* op) {
@@ -204,8 +190,8 @@ void CudaBackend::attention_forward(void* out, float* lse, const void* qkv, int6
   const Dims d = attention_dims(B, T, NH, NKV, HS, act, "attention_forward");
   CudaAttentionState& st = attention_state();
   const cudaStream_t stream = cuda::as_stream(stream_);
-  const AttnMode mode = attention_mode();
-  if (mode != AttnMode::FUSED) {
+  const AttentionPath mode = attention_path_;
+  if (mode != AttentionPath::FUSED) {
     std::string why = cuda::attn::cudnn_sdpa_eligible(d, act);
     if (why.empty()) {
       cuda::attn::CudnnSdpa* sdpa = cudnn_state(st, stream);
@@ -217,7 +203,7 @@ void CudaBackend::attention_forward(void* out, float* lse, const void* qkv, int6
       st.forward_paths.insert("cudnn");
       return;
     }
-    if (mode == AttnMode::CUDNN)
+    if (mode == AttentionPath::CUDNN)
       throw Error(fmt::format("attention_forward: TETRA_ATTENTION=cudnn, but cuDNN has no SDPA "
                               "plan for {}: {}",
                               shape_text(d, act), why));
@@ -234,8 +220,8 @@ void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* q
   const Dims d = attention_dims(B, T, NH, NKV, HS, act, "attention_backward");
   CudaAttentionState& st = attention_state();
   const cudaStream_t stream = cuda::as_stream(stream_);
-  const AttnMode mode = attention_mode();
-  if (mode != AttnMode::FUSED) {
+  const AttentionPath mode = attention_path_;
+  if (mode != AttentionPath::FUSED) {
     std::string why = cuda::attn::cudnn_sdpa_eligible(d, act);
     if (why.empty()) {
       cuda::attn::CudnnSdpa* sdpa = cudnn_state(st, stream);
@@ -247,7 +233,7 @@ void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* q
       st.backward_paths.insert("cudnn");
       return;
     }
-    if (mode == AttnMode::CUDNN)
+    if (mode == AttentionPath::CUDNN)
       throw Error(fmt::format("attention_backward: TETRA_ATTENTION=cudnn, but cuDNN has no SDPA "
                               "plan for {}: {}",
                               shape_text(d, act), why));

@@ -22,7 +22,7 @@ std::mutex g_sizes_mutex;
 std::unordered_map<void*, size_t> g_sizes;
 }  // namespace
 
-CudaBackend::CudaBackend(int device) : device_(device) {
+CudaBackend::CudaBackend(int device, AttentionPath attention) : device_(device), attention_path_(attention) {
   int count = 0;
   TETRA_CUDA_CHECK(cudaGetDeviceCount(&count));
   TETRA_CHECK(device >= 0 && device < count, "CUDA device {} requested, {} present", device, count);
@@ -123,6 +123,8 @@ int cuda_device_count() {
   return count;
 }
 
-std::unique_ptr<Backend> make_cuda_backend(int device) { return std::make_unique<CudaBackend>(device); }
+std::unique_ptr<Backend> make_cuda_backend(int device, AttentionPath attention) {
+  return std::make_unique<CudaBackend>(device, attention);
+}
 
 }  // namespace tetra

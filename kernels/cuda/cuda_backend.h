@@ -42,7 +42,7 @@ CudaDeviceInfo cuda_device_info(int device);
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int device);
+  explicit CudaBackend(int device, AttentionPath attention = AttentionPath::AUTO);
   ~CudaBackend() override;
   std::string name() const override { return "cuda"; }
   bool host_memory() const override { return false; }
@@ -50,6 +50,8 @@ class CudaBackend final : public Backend {
   void* stream() const { return stream_; }  // cudaStream_t
   // "cudnn" or "fused" for the attention path the last attention op took.
   std::string attention_path() const;
+  // The path attention ops take from now on (the constructor's, until changed).
+  void set_attention_path(AttentionPath path) { attention_path_ = path; }
   // Which implementations ran (attention paths, GELU epilogue or kernels; the trainer logs it).
   std::string kernel_report() const override;
   // Bytes currently allocated through alloc(), and the most ever allocated at once.
@@ -149,6 +151,7 @@ class CudaBackend final : public Backend {
 
  private:
   int device_;
+  AttentionPath attention_path_;
   void* stream_ = nullptr;  // cudaStream_t
   size_t allocated_ = 0, peak_allocated_ = 0;
   std::unique_ptr<CudaGemmState, CudaGemmStateDeleter> gemm_;

@@ -1,5 +1,5 @@
 // The CUDA RoPE and causal attention ops against the CPU backend, on both attention paths (the
-// fused flash kernels and cuDNN's SDPA, chosen through TETRA_ATTENTION), fp32, bf16 and fp16, MHA and
+// fused flash kernels and cuDNN's SDPA, chosen by the backend's AttentionPath), fp32, bf16 and fp16, MHA and
 // GQA, head sizes 64 / 128 / 32 / 80 (plus 20, 160 and 256 for the unvectorised and generic
 // kernels), T = 1, 17, 128, 257 and B = 1..3. Every GPU output buffer is filled with garbage
 // before the op, so an element the op fails to write cannot pass; every GPU op is run twice and
@@ -46,16 +46,19 @@ std::string describe(const AttnCase& c) {
          " NKV=" + std::to_string(c.NKV) + " HS=" + std::to_string(c.HS);
 }
 
-// TETRA_ATTENTION for the lifetime of the object (unset again afterwards: the default, auto).
+CudaBackend& cuda_backend() { return dynamic_cast<CudaBackend&>(*backends().gpu); }
+
+// The shared backend's attention path for the lifetime of the object ("fused" or "cudnn"; AUTO, the
+// default, again afterwards).
 class AttentionMode {
  public:
-  explicit AttentionMode(const char* mode) { setenv("TETRA_ATTENTION", mode, 1); }
-  ~AttentionMode() { unsetenv("TETRA_ATTENTION"); }
+  explicit AttentionMode(const std::string& mode) {
+    cuda_backend().set_attention_path(mode == "cudnn" ? AttentionPath::CUDNN : AttentionPath::FUSED);
+  }
+  ~AttentionMode() { cuda_backend().set_attention_path(AttentionPath::AUTO); }
   AttentionMode(const AttentionMode&) = delete;
   AttentionMode& operator=(const AttentionMode&) = delete;
 };
-
-CudaBackend& cuda_backend() { return dynamic_cast<CudaBackend&>(*backends().gpu); }
 
 // Requires |got - ref| <= rel_bound * bound + rel_ref * |ref| + abs for every element.
 void require_within(const std::vector<float>& ref, const std::vector<float>& got,
@@ -196,7 +199,7 @@ void check_attention_case(const AttnCase& c, uint64_t seed) {
   if (cudnn_eligible(c)) paths.push_back("cudnn");
   for (const std::string& path : paths) {
     INFO("path " << path);
-    AttentionMode mode(path.c_str());
+    AttentionMode mode(path);
     const bool required = path == "fused" || cudnn_required(c);
     auto forward = [&] {
       out.upload(garbage_out);
@@ -281,12 +284,6 @@ TEST_CASE("cuda attention: path selection and its errors", "[cuda][attention]") 
       REQUIRE_THROWS_WITH(
           gpu.attention_forward(out.gpu(), lse.gpu_f32(), qkv.gpu(), B, T, NH, NKV, HS, act),
           Catch::Contains("no SDPA plan") && Catch::Contains("B=1 T=128 NH=4 NKV=2 HS=64"));
-    }
-    {
-      AttentionMode mode("flash");
-      REQUIRE_THROWS_WITH(
-          gpu.attention_forward(out.gpu(), lse.gpu_f32(), qkv.gpu(), B, T, NH, NKV, HS, act),
-          Catch::Contains("TETRA_ATTENTION=flash"));
     }
   }
 }

@@ -31,13 +31,7 @@ namespace {
 int g_save_depth = 0;   // > 0 inside a save
 int64_t g_io_calls = 0; // filesystem calls of saves so far (this process)
 
-int64_t fault_at() {
-  static const int64_t at = [] {
-    const char* v = std::getenv("TETRA_FAULT_SAVE_AT");
-    return v && *v ? std::atoll(v) : 0;
-  }();
-  return at;
-}
+SaveFaultHooks g_faults;  // test-only (set_save_fault_hooks); none by default
 
 // The filesystem steps of the protocol, each a fault-injection point (trainer/core/files.h).
 void ckpt_rename(const std::string& from, const std::string& to) { rename_path(from, to, checkpoint_io_point); }
@@ -54,11 +48,7 @@ void remove_tree(const fs::path& path) {
 
 // Swaps two directory entries atomically; false where the filesystem cannot (EINVAL, ENOSYS).
 bool exchange_paths(const std::string& a, const std::string& b) {
-  static const bool disabled = [] {
-    const char* v = std::getenv("TETRA_FAULT_NO_EXCHANGE");
-    return v && *v && std::string(v) != "0";
-  }();
-  if (disabled) return false;
+  if (g_faults.no_exchange) return false;
   checkpoint_io_point("exchange", a + " <-> " + b);
 #ifdef RENAME_EXCHANGE
   if (::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE) == 0) return true;
@@ -116,14 +106,16 @@ std::string trim(std::string s) {
 void checkpoint_io_point(const char* op, const std::string& path) {
   if (g_save_depth == 0) return;
   ++g_io_calls;
-  if (const char* log = std::getenv("TETRA_FAULT_SAVE_LOG"); log && *log) {
-    if (FILE* f = std::fopen(log, "a")) {
+  if (!g_faults.call_log.empty()) {
+    if (FILE* f = std::fopen(g_faults.call_log.c_str(), "a")) {
       std::fprintf(f, "%lld %s %s\n", static_cast<long long>(g_io_calls), op, path.c_str());
       std::fclose(f);
     }
   }
-  if (fault_at() == g_io_calls) ::kill(::getpid(), SIGKILL);
+  if (g_faults.kill_at_call == g_io_calls) ::kill(::getpid(), SIGKILL);
 }
+
+void set_save_fault_hooks(const SaveFaultHooks& hooks) { g_faults = hooks; }
 
 CheckpointSaveScope::CheckpointSaveScope() { ++g_save_depth; }
 CheckpointSaveScope::~CheckpointSaveScope() { --g_save_depth; }

@@ -34,12 +34,12 @@
 // directory that is not a complete checkpoint, the newest complete step_* (or set-aside .S.old)
 // is resumed, and the log says so. `latest` must name a directory of D itself (no '/', no "..").
 //
-// Fault injection (tests): with TETRA_FAULT_SAVE_AT=K in the environment, the process kills
-// itself with SIGKILL at the K-th filesystem call of its checkpoint saves (counted from 1 over the
-// process's life); with TETRA_FAULT_SAVE_LOG=FILE each such call appends "<n> <op> <path>" to
-// FILE, which is how a test learns how many calls a save makes. TETRA_FAULT_NO_EXCHANGE=1 takes
-// the path of a filesystem that cannot exchange two names (NFS, some FUSE mounts): the set-aside
-// re-save.
+// Fault injection (tests), installed by set_save_fault_hooks from the user's TETRA_FAULT_*
+// (trainer/core/runtime_options.h): with TETRA_FAULT_SAVE_AT=K the process kills itself with
+// SIGKILL at the K-th filesystem call of its checkpoint saves (counted from 1 over the process's
+// life); with TETRA_FAULT_SAVE_LOG=FILE each such call appends "<n> <op> <path>" to FILE, which is
+// how a test learns how many calls a save makes. TETRA_FAULT_NO_EXCHANGE=1 takes the path of a
+// filesystem that cannot exchange two names (NFS, some FUSE mounts): the set-aside re-save.
 #pragma once
 
 #include <cstdint>
@@ -47,11 +47,14 @@
 #include <vector>
 
 #include "trainer/config/config.h"
+#include "trainer/core/runtime_options.h"
 
 namespace tetra {
 
 // One filesystem call of a checkpoint save, about to be made (a fault-injection point).
 void checkpoint_io_point(const char* op, const std::string& path);
+// The process's fault hooks (see above; none until set). Test-only.
+void set_save_fault_hooks(const SaveFaultHooks& hooks);
 
 // Marks the scope of a save: only calls inside it are fault-injection points.
 class CheckpointSaveScope {

@@ -347,7 +347,7 @@ class CkptCommand final : public Command {
 
   CLI::App& app() override { return *ckpt_; }
 
-  int run(int* /*argc*/, char*** /*argv*/) override {
+  int run(int* /*argc*/, char*** /*argv*/, const RuntimeOptions& /*runtime*/) override {
     try {
       if (*inspect_) return inspect(dir_);
       return export_hf(dir_, out_, dtype_, force_);

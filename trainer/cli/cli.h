@@ -19,6 +19,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "trainer/core/runtime_options.h"
+
 namespace tetra::cli {
 
 class Command {
@@ -27,8 +29,8 @@ class Command {
   // The command's subcommand of the app.
   virtual CLI::App& app() = 0;
   // Runs the command once its line parsed: the exit code. `argc` and `argv` are main's (MPI_Init
-  // is given them).
-  virtual int run(int* argc, char*** argv) = 0;
+  // is given them); `runtime` is the environment's part (read once, by main).
+  virtual int run(int* argc, char*** argv, const RuntimeOptions& runtime) = 0;
 };
 
 // Each adds its subcommand ("train", "generate", "data", "ckpt") to `tetra`.

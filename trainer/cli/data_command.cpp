@@ -203,7 +203,7 @@ class DataCommand final : public Command {
 
   CLI::App& app() override { return *data_; }
 
-  int run(int* /*argc*/, char*** /*argv*/) override {
+  int run(int* /*argc*/, char*** /*argv*/, const RuntimeOptions& /*runtime*/) override {
     try {
       if (*tokenize_) {
         if (!split_spec_.empty()) tok_.split = tetra::parse_split(split_spec_);

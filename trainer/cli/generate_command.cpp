@@ -17,6 +17,7 @@
 #include "trainer/cli/cli.h"
 #include "trainer/comm/launcher.h"
 #include "trainer/config/config.h"
+#include "trainer/train/compute_device.h"
 #include "trainer/train/generate.h"
 
 namespace tetra::cli {
@@ -118,7 +119,7 @@ struct GenerateArgs {
 
 // `tetra generate`: one process (no MPI: a launch of several is recognised by the launcher's
 // variables, and refused once); exit 0, 1 (runtime failure) or 2 (bad input).
-int run_generate(const GenerateArgs& args) {
+int run_generate(const GenerateArgs& args, const tetra::RuntimeOptions& runtime) {
   const tetra::LaunchEnvironment launch = tetra::launch_environment();
   if (launch.size > 1) {
     if (launch.rank == 0)
@@ -129,7 +130,9 @@ int run_generate(const GenerateArgs& args) {
   try {
     tetra::Config cfg = tetra::load_config(args.config_path, args.overrides);
     args.apply(cfg.sample);
-    const tetra::GeneratedText text = tetra::generate_command(cfg, args.weights);
+    // One process: the node's first GPU (local rank 0).
+    const tetra::GeneratedText text =
+        tetra::generate_command(cfg, args.weights, tetra::device_options(runtime, /*local_rank=*/0));
     fmt::print("{}{}\n", text.prompt, text.continuation);
     std::fflush(stdout);
     return 0;
@@ -143,7 +146,9 @@ class GenerateCommand final : public Command {
  public:
   explicit GenerateCommand(CLI::App& tetra) { args_.add_to(tetra); }
   CLI::App& app() override { return *args_.cmd; }
-  int run(int* /*argc*/, char*** /*argv*/) override { return run_generate(args_); }
+  int run(int* /*argc*/, char*** /*argv*/, const RuntimeOptions& runtime) override {
+    return run_generate(args_, runtime);
+  }
 
  private:
   GenerateArgs args_;

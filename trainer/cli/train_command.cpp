@@ -22,6 +22,7 @@
 #include <spdlog/spdlog.h>
 
 #include "kernels/common/check.h"
+#include "trainer/checkpoint/commit.h"
 #include "trainer/cli/cli.h"
 #include "trainer/comm/bootstrap.h"
 #include "trainer/comm/process_groups.h"
@@ -33,6 +34,8 @@
 #include "trainer/model/flops.h"
 #include "trainer/parallel/comm_volume.h"
 #include "trainer/params/param_layout.h"
+#include "trainer/train/compute_device.h"
+#include "trainer/train/fault_injection.h"
 #include "trainer/train/pipeline_model.h"
 #include "trainer/train/trainer.h"
 
@@ -166,21 +169,21 @@ class TrainCommand final : public Command {
 
   CLI::App& app() override { return *cmd_; }
 
-  int run(int* argc, char*** argv) override {
+  int run(int* argc, char*** argv, const RuntimeOptions& runtime) override {
     ProcessInfo proc;
     try {
-      proc = dist_init(argc, argv);
+      proc = dist_init(argc, argv, runtime.rendezvous_dir);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "error: cannot start MPI: %s\n", e.what());
       return 1;
     }
-    const int code = train(proc);
+    const int code = train(proc, runtime);
     dist_finalize();
     return code;
   }
 
  private:
-  int train(const ProcessInfo& proc);
+  int train(const ProcessInfo& proc, const RuntimeOptions& runtime);
 
   CLI::App* cmd_ = nullptr;
   std::string config_path_, dump_dir_;
@@ -188,7 +191,7 @@ class TrainCommand final : public Command {
   bool print_config_ = false, dry_run_ = false;
 };
 
-int TrainCommand::train(const ProcessInfo& proc) {
+int TrainCommand::train(const ProcessInfo& proc, const RuntimeOptions& runtime) {
   const bool rank0 = proc.rank == 0;
 
   // Phase 1: identical on every rank (config, layout): report once, exit 2 everywhere.
@@ -227,13 +230,18 @@ int TrainCommand::train(const ProcessInfo& proc) {
   tetra::init_logging(rank_log_level(cfg.logging.level, proc.rank),
                       tetra::RankCoords{c.tp, c.pp, c.dp, c.ep, proc.rank});
   tetra::watchdog_start(cfg.training.collective_timeout_s, proc.rank,
-                        tetra::rank_prefix({c.tp, c.pp, c.dp, c.ep, proc.rank}));
+                        tetra::rank_prefix({c.tp, c.pp, c.dp, c.ep, proc.rank}), runtime.hang);
+  // The test hooks (runtime_options.h): none unless a test sets them.
+  tetra::set_step_faults(runtime.step_fault);
+  tetra::set_save_fault_hooks(runtime.save_faults);
   struct StopWatchdog {
     ~StopWatchdog() { tetra::watchdog_stop(); }
   } stop_watchdog;
   try {
     tetra::ProcessGroups groups = tetra::ProcessGroups::create(grid, proc.rank);
-    tetra::Trainer trainer(cfg, config_path_, groups, dump_dir_);
+    // The GPU is the bootstrap's node-local rank's.
+    tetra::Trainer trainer(cfg, config_path_, groups, dump_dir_,
+                           tetra::device_options(runtime, proc.local_rank));
     trainer.run();
     groups.world->barrier();
     return 0;

@@ -60,7 +60,7 @@ bool dist_initialized() {
   return initialized != 0 && finalized == 0;
 }
 
-ProcessInfo dist_init(int* argc, char*** argv) {
+ProcessInfo dist_init(int* argc, char*** argv, const std::string& rendezvous_dir) {
   int finalized = 0;
   MPI_Finalized(&finalized);
   TETRA_CHECK(finalized == 0, "dist_init after dist_finalize: MPI cannot be started twice");
@@ -68,7 +68,7 @@ ProcessInfo dist_init(int* argc, char*** argv) {
   std::string launcher = detect_launcher();
   int initialized = 0;
   MPI_Initialized(&initialized);
-  const Rendezvous rendezvous = initialized == 0 ? rendezvous_prepare() : Rendezvous{};
+  const Rendezvous rendezvous = initialized == 0 ? rendezvous_prepare(rendezvous_dir) : Rendezvous{};
   if (rendezvous.active) launcher = "srun-rendezvous";
   if (initialized == 0) {
     setenv("OMPI_MCA_mpi_yield_when_idle", "1", /*overwrite=*/0);

@@ -21,9 +21,10 @@ struct ProcessInfo {
   std::string launcher;                    // "mpirun", "srun", "srun-rendezvous" or "single"
 };
 
-// Initialises MPI (once; a second call returns the same information). Throws tetra::Error if
-// the MPI library cannot provide MPI_THREAD_MULTIPLE.
-ProcessInfo dist_init(int* argc, char*** argv);
+// Initialises MPI (once; a second call returns the same information). `rendezvous_dir` non-empty
+// (the user's TETRA_RENDEZVOUS): the rendezvous bootstrap where srun started the process without
+// PMIx (rendezvous.h). Throws tetra::Error if the MPI library cannot provide MPI_THREAD_MULTIPLE.
+ProcessInfo dist_init(int* argc, char*** argv, const std::string& rendezvous_dir = "");
 // Shuts MPI down; does nothing if it is not running. Every communicator must be gone by then.
 void dist_finalize();
 // Ends the whole job (every rank) with this exit code: MPI_Abort on MPI_COMM_WORLD, or a plain

@@ -48,8 +48,10 @@ bool overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(Communicator& host, cudaStream_t compute) : host_(host), g_(std::make_shared<NcclGroup>()) {
+  NcclCommunicator(Communicator& host, cudaStream_t compute, bool blocking_wait)
+      : host_(host), g_(std::make_shared<NcclGroup>()) {
     NcclGroup& g = *g_;
+    g.blocking_wait = blocking_wait;
     g.where = Where{host.name(), host.rank(), host.size(), host.members()[static_cast<size_t>(host.rank())]};
     g.members = host.members();
     g.compute = compute;
@@ -225,7 +227,7 @@ class NcclCommunicator final : public Communicator {
       check_cuda(cudaStreamWaitEvent(g.compute, batch->done, 0), g.where, "cudaStreamWaitEvent");
     }
     batch->ended = true;
-    if (blocking_wait() && batch->done != nullptr) {
+    if (g_->blocking_wait && batch->done != nullptr) {
       const WatchedWait watched(name(), members(), "send/recv group");
       poll_until_done(batch->done, g_->comm, g_->where, "send/recv group");
     }
@@ -383,8 +385,8 @@ NcclCommunicator::~NcclCommunicator() {
 
 }  // namespace
 
-std::unique_ptr<Communicator> make_nccl_communicator(Communicator& host, void* cuda_stream) {
-  return std::make_unique<NcclCommunicator>(host, static_cast<cudaStream_t>(cuda_stream));
+std::unique_ptr<Communicator> make_nccl_communicator(Communicator& host, void* cuda_stream, bool blocking_wait) {
+  return std::make_unique<NcclCommunicator>(host, static_cast<cudaStream_t>(cuda_stream), blocking_wait);
 }
 
 }  // namespace tetra

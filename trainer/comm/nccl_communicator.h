@@ -44,9 +44,9 @@
 // surfaces as an Error at the next wait. A hang (a peer that never joins) does not block the host
 // in wait() (it is stream-ordered), so it shows where the host next waits for the GPU
 // (copy_to_host, synchronize): the watchdog's step timeout (training.collective_timeout_s) then
-// ends the job, its report saying "not waiting in any collective". With the environment variable
-// TETRA_NCCL_BLOCKING_WAIT=1, wait() (and group_end()) also block the host until the operation
-// has finished, polling it and ncclCommGetAsyncError: inside Communicator::wait's watchdog
+// ends the job, its report saying "not waiting in any collective". With `blocking_wait` (the
+// user's TETRA_NCCL_BLOCKING_WAIT=1), wait() (and group_end()) also block the host until the
+// operation has finished, polling it and ncclCommGetAsyncError: inside Communicator::wait's watchdog
 // registration, so a hang is reported with its group and operation (for diagnosis; it costs the
 // host's run-ahead). The host otherwise blocks only for a channel whose first message was issued
 // before the channel was set up (wait() before the peer has taken part), registered likewise.
@@ -65,6 +65,8 @@ namespace tetra {
 // Collective over `host`'s group: every member calls it, in the same order relative to its other
 // collectives on `host`. `cuda_stream` is the compute stream (a cudaStream_t) of the calling
 // thread's current CUDA device. `host` must outlive the result (channels are set up over it).
-std::unique_ptr<Communicator> make_nccl_communicator(Communicator& host, void* cuda_stream);
+// `blocking_wait`: wait() and group_end() also block the host (see above).
+std::unique_ptr<Communicator> make_nccl_communicator(Communicator& host, void* cuda_stream,
+                                                     bool blocking_wait = false);
 
 }  // namespace tetra

@@ -57,14 +57,6 @@ void check_async(ncclComm_t comm, const Where& w, const char* what) {
   if (state != ncclSuccess && state != ncclInProgress) check_nccl(state, comm, w, what);
 }
 
-bool blocking_wait() {
-  static const bool on = [] {
-    const char* v = std::getenv("TETRA_NCCL_BLOCKING_WAIT");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  return on;
-}
-
 // Sleeps from 1 us up to 100 us between looks.
 void poll_until_done(cudaEvent_t done, ncclComm_t comm, const Where& w, const char* op) {
   long sleep_ns = 1000;
@@ -106,7 +98,7 @@ class StreamWork final : public Work {
     if (!g_->closed) check_async(g_->comm, g_->where, op_);
     check_cuda(cudaStreamWaitEvent(g_->compute, done_, 0), g_->where, op_);
     waited_ = true;
-    if (blocking_wait()) poll_until_done(done_, g_->closed ? nullptr : g_->comm, g_->where, op_);
+    if (g_->blocking_wait) poll_until_done(done_, g_->closed ? nullptr : g_->comm, g_->where, op_);
   }
   bool test() override {
     const cudaError_t q = cudaEventQuery(done_);
@@ -207,7 +199,7 @@ class ChannelWork final : public Work {
     if (!g_->closed) check_async(ch_->comm, g_->where, op_->is_send ? "send" : "recv");
     check_cuda(cudaStreamWaitEvent(g_->compute, op_->done, 0), g_->where, op_->is_send ? "send" : "recv");
     waited_ = true;
-    if (blocking_wait())
+    if (g_->blocking_wait)
       poll_until_done(op_->done, g_->closed ? nullptr : ch_->comm, g_->where, op_->is_send ? "send" : "recv");
   }
   bool test() override {

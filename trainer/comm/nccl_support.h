@@ -43,8 +43,6 @@ std::mutex& enqueue_mutex();
 // A stream for communication (the device's greatest priority).
 cudaStream_t make_stream(const Where& w);
 
-// TETRA_NCCL_BLOCKING_WAIT=1: wait() also blocks the host until the operation has finished.
-bool blocking_wait();
 // Polls `done` (and `comm`'s asynchronous error, unless null) until it has happened.
 void poll_until_done(cudaEvent_t done, ncclComm_t comm, const Where& w, const char* op);
 
@@ -90,6 +88,7 @@ struct NcclGroup {
   cudaEvent_t issued = nullptr;    // the compute stream's position at a collective's issue
   std::shared_ptr<EventPool> events;
   std::atomic<bool> closed{false};  // NCCL communicators gone: handles stop querying them
+  bool blocking_wait = false;       // wait() also blocks the host until the operation has finished
 };
 
 // The sends and receives of one group_start()/group_end().
@@ -142,8 +141,8 @@ void enqueue_on_channel(Channel& ch, ChannelOp& op, const Where& w);
 void set_up_channel(std::shared_ptr<NcclGroup> g, std::shared_ptr<Channel> ch, std::shared_ptr<ncclUniqueId> id,
                     WorkHandle id_transfer, bool sender);
 
-// Work handles. wait() makes the compute stream wait for the operation (and, with
-// blocking_wait(), the host too); test() says whether the GPU has finished it.
+// Work handles. wait() makes the compute stream wait for the operation (and, with the group's
+// blocking_wait, the host too); test() says whether the GPU has finished it.
 // A collective (or all_to_all_v) on the group's stream, complete with `done` (returned to the pool
 // with the handle).
 WorkHandle make_stream_work(std::shared_ptr<NcclGroup> g, cudaEvent_t done, const char* op);

@@ -110,10 +110,10 @@ void check(int rc, const char* what) {
 
 }  // namespace
 
-Rendezvous rendezvous_prepare() {
+Rendezvous rendezvous_prepare(const std::string& base_dir) {
   Rendezvous r;
-  const char* base = env("TETRA_RENDEZVOUS");
-  if (base == nullptr || env("PMIX_RANK") != nullptr || env("OMPI_COMM_WORLD_SIZE") != nullptr) return r;
+  if (base_dir.empty() || env("PMIX_RANK") != nullptr || env("OMPI_COMM_WORLD_SIZE") != nullptr) return r;
+  const char* base = base_dir.c_str();
   const char* procid = env("SLURM_PROCID");
   const char* ntasks = env("SLURM_NTASKS");
   if (procid == nullptr || ntasks == nullptr)

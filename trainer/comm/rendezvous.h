@@ -31,10 +31,10 @@ struct Rendezvous {
   std::string dir;  // this job step's own subdirectory of TETRA_RENDEZVOUS
 };
 
-// Before MPI_Init: decides whether the fallback applies (TETRA_RENDEZVOUS set, started by srun
-// without PMIx) and, when it does, prepares the environment for MPI_Init (and, on rank 0, starts
-// ompi-server). Throws tetra::Error with what is missing.
-Rendezvous rendezvous_prepare();
+// Before MPI_Init: decides whether the fallback applies (`base_dir`, the user's TETRA_RENDEZVOUS,
+// non-empty, started by srun without PMIx) and, when it does, prepares the environment for
+// MPI_Init (and, on rank 0, starts ompi-server). Throws tetra::Error with what is missing.
+Rendezvous rendezvous_prepare(const std::string& base_dir);
 // After MPI_Init (each process a singleton): joins every rank into one communicator, ordered by
 // SLURM_PROCID, and restores the Slurm variables hidden by rendezvous_prepare(). Collective.
 MPI_Comm rendezvous_join(const Rendezvous& r);

@@ -31,7 +31,7 @@ bool dist_has_mpi() { return false; }
 
 bool dist_initialized() { return false; }
 
-ProcessInfo dist_init(int* /*argc*/, char*** /*argv*/) {
+ProcessInfo dist_init(int* /*argc*/, char*** /*argv*/, const std::string& /*rendezvous_dir*/) {
   const std::string launch = launch_environment().describe();
   if (!launch.empty())
     throw Error(fmt::format("this tetra was built without MPI, so it runs as one process, but {} started it as one "

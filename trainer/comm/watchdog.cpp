@@ -40,6 +40,7 @@ struct State {
   double timeout_s = 0.0;
   int rank = 0;
   std::string where;
+  HangHook hang;  // test-only (watchdog_step_begin)
   int64_t next_id = 0;
   std::vector<Wait> waits;  // blocking waits in progress (any thread)
   int64_t step = 0;         // the step in progress, 0 = none
@@ -113,17 +114,13 @@ void watch(State* s) {
   }
 }
 
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  return (v != nullptr && v[0] != '\0') ? std::atoll(v) : fallback;
-}
-
 }  // namespace
 
-void watchdog_start(double timeout_s, int rank, const std::string& where) {
+void watchdog_start(double timeout_s, int rank, const std::string& where, const HangHook& hang) {
   std::lock_guard<std::mutex> lock(g_state.mutex);
   g_state.rank = rank;
   g_state.where = where;
+  g_state.hang = hang;
   if (timeout_s <= 0.0 || g_state.thread.joinable()) return;
   g_state.stop = false;
   g_state.timeout_s = timeout_s;
@@ -163,10 +160,10 @@ void watchdog_step_begin(int64_t step) {
     g_state.step_since = Clock::now();
   }
   // Test-only: a rank that hangs in its own work (see watchdog.h).
-  static const int64_t hang_rank = env_int("TETRA_TEST_HANG_RANK", -1);
-  static const int64_t hang_step = env_int("TETRA_TEST_HANG_STEP", -1);
-  if (hang_step == step && hang_rank == g_state.rank) {
-    const int64_t hang_s = env_int("TETRA_TEST_HANG_SECONDS", 3600);
+  const HangHook& hang = g_state.hang;
+  const int64_t hang_rank = hang.rank;
+  if (hang.step == step && hang_rank == g_state.rank) {
+    const int64_t hang_s = hang.seconds;
     std::fprintf(stderr, "TETRA_TEST_HANG: rank %lld sleeps %lld s at the start of step %lld\n",
                  static_cast<long long>(hang_rank), static_cast<long long>(hang_s), static_cast<long long>(step));
     std::fflush(stderr);

@@ -23,15 +23,18 @@
 #include <string>
 #include <vector>
 
+#include "trainer/core/runtime_options.h"
+
 namespace tetra {
 
 // Exit code of a job ended by the watchdog (0 success, 1 runtime failure, 2 bad input).
 constexpr int kWatchdogExitCode = 3;
 
 // Starts the process's watchdog thread: `timeout_s` > 0 (0 = off: start nothing); `rank` and
-// `where` (the rank's coordinates, log.h's rank_prefix) name this rank in its reports.
-// Stopped by watchdog_stop() or at the end of the process. One per process.
-void watchdog_start(double timeout_s, int rank, const std::string& where);
+// `where` (the rank's coordinates, log.h's rank_prefix) name this rank in its reports. `hang` is
+// the test hook of watchdog_step_begin (kept with the timeout off too). Stopped by watchdog_stop()
+// or at the end of the process. One per process.
+void watchdog_start(double timeout_s, int rank, const std::string& where, const HangHook& hang = {});
 void watchdog_stop();
 
 // A blocking wait in progress: registered for the watchdog while the object lives. Cheap when the
@@ -48,8 +51,8 @@ class WatchedWait {
 };
 
 // The training loop's record: step `step` (1-based) starts / has finished.
-// Test-only fault injection (tests/cli/test_watchdog.sh): when the environment sets
-// TETRA_TEST_HANG_RANK=<global rank> and TETRA_TEST_HANG_STEP=<step>, that rank sleeps (for
+// Test-only fault injection (tests/cli/test_watchdog.sh): watchdog_start's `hang` (the user's
+// TETRA_TEST_HANG_RANK=<global rank>, TETRA_TEST_HANG_STEP=<step>) makes that rank sleep (for
 // TETRA_TEST_HANG_SECONDS, default one hour) at the start of that step, before the step's first
 // collective, as a rank stuck in its own work would. Not for production use.
 void watchdog_step_begin(int64_t step);

@@ -24,6 +24,7 @@
 #include "trainer/config/config_detail.h"
 #include "trainer/core/format.h"
 #include "trainer/core/files.h"
+#include "trainer/core/runtime_options.h"
 
 namespace tetra {
 namespace config_detail {
@@ -290,7 +291,7 @@ bool expand_path(const std::string& path, std::string& out, std::string& why) {
   std::string r;
   size_t i = 0;
   if (path == "~" || path.rfind("~/", 0) == 0) {
-    const char* home = std::getenv("HOME");
+    const char* home = environment_variable("HOME");
     if (!home) {
       why = "it starts with ~ but HOME is not set";
       return false;
@@ -306,7 +307,7 @@ bool expand_path(const std::string& path, std::string& out, std::string& why) {
         return false;
       }
       const std::string name = path.substr(i + 2, close - i - 2);
-      const char* value = std::getenv(name.c_str());
+      const char* value = environment_variable(name.c_str());
       if (!value) {
         why = fmt::format("the environment variable {} is not set", name);
         return false;

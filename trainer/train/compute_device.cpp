@@ -20,15 +20,6 @@
 
 namespace tetra {
 
-namespace {
-
-bool guarded_memory_requested() {
-  const char* v = std::getenv("TETRA_TEST_GUARDED_MEMORY");
-  return v != nullptr && std::string(v) == "1";
-}
-
-}  // namespace
-
 bool cuda_backend_built() {
 #if defined(TETRA_HAVE_CUDA)
   return true;
@@ -37,33 +28,34 @@ bool cuda_backend_built() {
 #endif
 }
 
-int local_gpu_index(int count) {
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"}) {
-    if (const char* v = std::getenv(var)) {
-      char* end = nullptr;
-      const long r = std::strtol(v, &end, 10);
-      if (end != v && *end == '\0' && r >= 0) return count > 0 ? static_cast<int>(r % count) : 0;
-    }
-  }
-  return 0;
+DeviceOptions device_options(const RuntimeOptions& runtime, int local_rank) {
+  DeviceOptions d;
+  d.local_rank = local_rank;
+  d.attention = runtime.attention == "fused"   ? AttentionPath::FUSED
+                : runtime.attention == "cudnn" ? AttentionPath::CUDNN
+                                               : AttentionPath::AUTO;
+  d.nccl_blocking_wait = runtime.nccl_blocking_wait;
+  d.guarded_memory = runtime.guarded_memory;
+  d.cuda_visible_devices = runtime.cuda_visible_devices;
+  return d;
 }
 
-ComputeDevice make_compute_device(const TrainingConfig& training, DType act, bool want_peak) {
+ComputeDevice make_compute_device(const TrainingConfig& training, DType act, const DeviceOptions& device,
+                                  bool want_peak) {
   ComputeDevice d;
   const bool peak_given = training.peak_gflops > 0;
   if (training.device == "cuda") {
 #if defined(TETRA_HAVE_CUDA)
     const int count = cuda_device_count();
     if (count == 0) {
-      const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
       throw InputError(fmt::format(
           "training.device: \"cuda\": no CUDA device is visible to this process (CUDA_VISIBLE_DEVICES={}); "
           "run on a machine with an NVIDIA GPU and driver, or set training.device to \"cpu\"",
-          visible ? visible : "unset"));
+          device.cuda_visible_devices.value_or("unset")));
     }
-    const int index = local_gpu_index(count);
+    const int index = device.local_rank >= 0 ? device.local_rank % count : 0;
     const CudaDeviceInfo info = cuda_device_info(index);
-    d.backend = make_cuda_backend(index);
+    d.backend = make_cuda_backend(index, device.attention);
     // fp16 and bf16 tensor cores have the same dense rate on sm_80 and sm_90.
     const bool half = is_half_type(act);
     d.peak_flops = peak_given ? training.peak_gflops * 1e9 : (half ? info.peak_bf16_flops : info.peak_fp32_flops);
@@ -82,7 +74,7 @@ ComputeDevice make_compute_device(const TrainingConfig& training, DType act, boo
   }
   TETRA_CHECK(training.device == "cpu", "unknown training.device {}", training.device);
   d.backend = make_cpu_backend(static_cast<int>(training.threads));
-  if (guarded_memory_requested()) {
+  if (device.guarded_memory) {
     // On stderr, from every rank (and not on stdout, which `tetra generate` keeps for its text).
     std::fprintf(stderr, "warning: TETRA_TEST_GUARDED_MEMORY=1: backend memory is guarded (backend 'cpu-guarded': "
                  "the host may touch it only through the backend; collectives on it are staged through host "
@@ -99,15 +91,16 @@ ComputeDevice make_compute_device(const TrainingConfig& training, DType act, boo
   return d;
 }
 
-BackendCommFactory backend_comm_factory(Backend& be) {
+BackendCommFactory backend_comm_factory(Backend& be, [[maybe_unused]] const DeviceOptions& device) {
   if (be.host_memory()) return {};
 #if defined(TETRA_HAVE_CUDA)
   // GPU memory: NCCL, ordered after the backend's compute stream (one per group, groups of one
   // rank included: the host communicator of a one-rank group copies with memmove, which device
   // pointers do not allow).
   if (auto* cuda = dynamic_cast<CudaBackend*>(&be)) {
-    return [cuda](const std::string&, const std::vector<int>&, Communicator& host) {
-      return make_nccl_communicator(host, cuda->stream());
+    return [cuda, blocking = device.nccl_blocking_wait](const std::string&, const std::vector<int>&,
+                                                         Communicator& host) {
+      return make_nccl_communicator(host, cuda->stream(), blocking);
     };
   }
 #endif

@@ -1,9 +1,7 @@
 // Test-only fault injection (see fault_injection.h).
 #include "trainer/train/fault_injection.h"
 
-#include <cstdlib>
 #include <limits>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -13,41 +11,22 @@ namespace tetra {
 
 namespace {
 
-struct Faults {
-  std::string kind;
-  std::vector<int64_t> steps;
-  int rank = 0;
+StepFaultHook g_faults;
 
-  bool hits(int r, int64_t step) const {
-    if (kind.empty() || r != rank) return false;
-    for (int64_t s : steps)
-      if (s == step) return true;
-    return false;
-  }
-};
-
-const Faults& faults() {
-  static const Faults f = [] {
-    Faults out;
-    const char* kind = std::getenv("TETRA_TEST_FAULT");
-    const char* steps = std::getenv("TETRA_TEST_FAULT_STEPS");
-    const char* rank = std::getenv("TETRA_TEST_FAULT_RANK");
-    if (kind == nullptr || steps == nullptr) return out;
-    out.kind = kind;
-    std::stringstream in(steps);
-    for (std::string item; std::getline(in, item, ',');)
-      if (!item.empty()) out.steps.push_back(std::atoll(item.c_str()));
-    if (rank != nullptr) out.rank = std::atoi(rank);
-    return out;
-  }();
-  return f;
+bool hits(const StepFaultHook& f, int r, int64_t step) {
+  if (f.kind.empty() || r != f.rank) return false;
+  for (int64_t s : f.steps)
+    if (s == step) return true;
+  return false;
 }
 
 }  // namespace
 
+void set_step_faults(const StepFaultHook& faults) { g_faults = faults; }
+
 void inject_loss_fault(int rank, int64_t step, int64_t micro, Backend& be, float* losses, int64_t n) {
-  const Faults& f = faults();
-  if (micro != 0 || n <= 0 || !f.hits(rank, step)) return;
+  const StepFaultHook& f = g_faults;
+  if (micro != 0 || n <= 0 || !hits(f, rank, step)) return;
   std::vector<float> host(static_cast<size_t>(n));
   be.copy_to_host(host.data(), losses, host.size() * 4);
   if (f.kind == "nan-loss") host[0] = std::numeric_limits<float>::quiet_NaN();
@@ -59,8 +38,8 @@ void inject_loss_fault(int rank, int64_t step, int64_t micro, Backend& be, float
 }
 
 void inject_grad_fault(int rank, int64_t step, Backend& be, float* owned_grad) {
-  const Faults& f = faults();
-  if (f.kind != "nan-grad" || !f.hits(rank, step)) return;
+  const StepFaultHook& f = g_faults;
+  if (f.kind != "nan-grad" || !hits(f, rank, step)) return;
   const float nan = std::numeric_limits<float>::quiet_NaN();
   spdlog::warn("TETRA_TEST_FAULT: nan-grad injected into step {} on rank {}", step, rank);
   be.copy_from_host(owned_grad, &nan, 4);

@@ -1,6 +1,8 @@
-// Test-only fault injection into the training step, driven by environment variables so that no
-// config key (and no production code path) exists for it. Used by tests/cli/test_resilience.sh to
-// check that a corrupted step never reaches the weights. Not for production use.
+// Test-only fault injection into the training step, driven by environment variables (read once
+// into RuntimeOptions::step_fault, trainer/core/runtime_options.h, and installed here with
+// set_step_faults) so that no config key (and no production code path) exists for it. Used by
+// tests/cli/test_resilience.sh to check that a corrupted step never reaches the weights. Not for
+// production use.
 //
 //   TETRA_TEST_FAULT        nan-loss | inf-loss | spike-loss | nan-grad
 //   TETRA_TEST_FAULT_STEPS  comma-separated 1-based steps, e.g. "4" or "4,5,6"
@@ -15,8 +17,12 @@
 #include <cstdint>
 
 #include "kernels/backend.h"
+#include "trainer/core/runtime_options.h"
 
 namespace tetra {
+
+// The process's faults (none until set).
+void set_step_faults(const StepFaultHook& faults);
 
 // After the forward pass of micro-batch `micro` of step `step`: `losses` (n) per-token losses.
 void inject_loss_fault(int rank, int64_t step, int64_t micro, Backend& be, float* losses, int64_t n);

@@ -146,7 +146,8 @@ std::vector<float> load_weights(const std::string& path, const ParamLayout& layo
   return params;
 }
 
-GeneratedText generate_command(const Config& config, const std::string& weights_path) {
+GeneratedText generate_command(const Config& config, const std::string& weights_path,
+                               const DeviceOptions& device) {
   Config cfg = config;
   cfg.parallel.tp = 1;  // one process: the global tensors load whole
   cfg.parallel.sequence_parallel = false;
@@ -165,7 +166,7 @@ GeneratedText generate_command(const Config& config, const std::string& weights_
 
   const DType act = precision_dtype(cfg.training.precision);
   std::unique_ptr<Backend> be =
-      make_compute_device(cfg.training, act, /*want_peak=*/false).backend;
+      make_compute_device(cfg.training, act, device, /*want_peak=*/false).backend;
   // Backend buffers, freed before the backend goes.
   auto buffer = [&](size_t bytes) {
     return std::unique_ptr<void, std::function<void(void*)>>(be->alloc(bytes),

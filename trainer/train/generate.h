@@ -14,6 +14,7 @@
 
 #include "trainer/config/config.h"
 #include "trainer/params/param_layout.h"
+#include "trainer/train/compute_device.h"
 
 namespace tetra {
 
@@ -55,8 +56,9 @@ struct GeneratedText {
 
 // `tetra generate`: one process and tp = 1 whatever cfg.parallel says, weights from
 // `weights_path` (empty: final_weights_path(cfg)), sampling as cfg.sample says, compute in
-// cfg.training.precision with cfg.training.threads. InputError for a missing or mismatched
-// weights file, or a config without data.tokenizer.
-GeneratedText generate_command(const Config& cfg, const std::string& weights_path);
+// cfg.training.precision with cfg.training.threads on `device`. InputError for a missing or
+// mismatched weights file, or a config without data.tokenizer.
+GeneratedText generate_command(const Config& cfg, const std::string& weights_path,
+                               const DeviceOptions& device);
 
 }  // namespace tetra

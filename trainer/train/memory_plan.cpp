@@ -9,6 +9,7 @@
 
 #include "kernels/common/check.h"
 #include "kernels/common/dtype.h"
+#include "trainer/comm/launcher.h"
 #include "trainer/model/gpt.h"
 #include "trainer/train/pipeline_model.h"
 
@@ -16,14 +17,8 @@ namespace tetra {
 
 namespace {
 
-// Processes of this job on this machine (they share its memory).
-int64_t local_ranks() {
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"}) {
-    const char* v = std::getenv(var);
-    if (v && std::atoll(v) > 0) return std::atoll(v);  // Slurm's "4(x2)" reads as 4
-  }
-  return 1;
-}
+// Processes of this job on this machine (they share its memory), as the launcher says.
+int64_t local_ranks() { return launcher_local_size(); }
 
 }  // namespace
 

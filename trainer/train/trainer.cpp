@@ -55,7 +55,8 @@ void check_output_paths(const Config& cfg, const std::string& dump_dir, bool wri
 
 }  // namespace
 
-Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroups& groups, std::string dump_dir)
+Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroups& groups, std::string dump_dir,
+                 const DeviceOptions& device_opts)
     : cfg_(cfg),
       groups_(groups),
       writer_(groups.rank == 0),
@@ -76,7 +77,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   if (samples_enabled(cfg)) tokenizer_ = load_sampling_tokenizer(cfg);
   train_loader_ = std::make_unique<DataLoader>(train_source_, T, B, groups.coord.dp, cfg.parallel.dp);
   // The device too (no GPU, or a build without CUDA, is an input error; nothing is written).
-  ComputeDevice device = make_compute_device(cfg.training, act_);
+  ComputeDevice device = make_compute_device(cfg.training, act_, device_opts);
   // The checkpoint to resume from is found (or refused) and its manifest checked against this
   // model before any file is written; so is every path the run will write.
   const std::string resume = agree_checkpoint_to_resume(cfg.checkpoint, groups);
@@ -93,7 +94,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                valid_source_ ? ", valid " + valid_source_->describe() : std::string());
 
   be_ = std::move(device.backend);
-  groups.use_backend_memory(backend_comm_factory(*be_));
+  groups.use_backend_memory(backend_comm_factory(*be_, device_opts));
   const size_t n = static_cast<size_t>(layout_.total);
   master_ = static_cast<float*>(be_->alloc(n * 4));
   grads_ = static_cast<float*>(be_->alloc(n * 4));

@@ -22,6 +22,7 @@
 #include "trainer/parallel/pipeline_runner.h"
 #include "trainer/params/param_layout.h"
 #include "trainer/train/comm_accounting.h"
+#include "trainer/train/compute_device.h"
 #include "trainer/train/debug_dump.h"
 #include "trainer/train/memory_plan.h"
 #include "trainer/train/metrics.h"
@@ -40,8 +41,9 @@ class PipelineModel;
 class Trainer {
  public:
   // `dump_dir` non-empty: write initial weights, step-0 gradients and the batches (debug_dump.h).
+  // `device`: the GPU (local rank), attention path and test modes (compute_device.h).
   Trainer(const Config& cfg, const std::string& config_path, ProcessGroups& groups,
-          std::string dump_dir = "");
+          std::string dump_dir = "", const DeviceOptions& device = {});
   ~Trainer();
 
   void run();
