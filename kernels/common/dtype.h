@@ -64,11 +64,4 @@ template <> inline f16 from_f32<f16>(float x) { return f16(x); }
 // True for the 16-bit floating types (the compute types of mixed precision).
 inline bool is_half_type(DType t) { return t == DType::BF16 || t == DType::F16; }
 
-// The weights' and activations' type of `training.precision` ("fp32", "bf16" or "fp16").
-inline DType precision_dtype(std::string_view precision) {
-  if (precision == "bf16") return DType::BF16;
-  if (precision == "fp16") return DType::F16;
-  return DType::F32;
-}
-
 }  // namespace tetra

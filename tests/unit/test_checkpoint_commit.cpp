@@ -33,7 +33,7 @@ void write(const std::string& path, const std::string& text) { std::ofstream(pat
 tetra::CheckpointConfig auto_resume(const std::string& dir) {
   tetra::CheckpointConfig c;
   c.dir = dir;
-  c.resume = "auto";
+  c.resume.kind = tetra::ResumeKind::AUTO;
   return c;
 }
 
@@ -69,7 +69,7 @@ TEST_CASE("resume auto: latest first, else the newest complete checkpoint", "[ch
   CHECK_THROWS_AS(tetra::checkpoint_to_resume(auto_resume(d)), tetra::InputError);
   // resume "none" with checkpoints there: refused (its saves would rotate them away).
   tetra::CheckpointConfig none = auto_resume(d);
-  none.resume = "none";
+  none.resume.kind = tetra::ResumeKind::NONE;
   CHECK_THROWS_AS(tetra::checkpoint_to_resume(none), tetra::InputError);
 }
 

@@ -23,9 +23,9 @@ ModelConfig llama_like() {
   m.num_heads = 8;
   m.num_kv_heads = 4;
   m.ffn_hidden_size = 48;
-  m.norm = "rmsnorm";
-  m.activation = "swiglu";
-  m.position = "rope";
+  m.norm = Norm::RMSNORM;
+  m.activation = Activation::SWIGLU;
+  m.position = Position::ROPE;
   m.tie_embeddings = false;
   m.bias = false;
   return m;
@@ -34,9 +34,9 @@ ModelConfig llama_like() {
 ModelConfig gpt2_like() {
   ModelConfig m = llama_like();
   m.num_kv_heads = 8;
-  m.norm = "layernorm";
-  m.activation = "gelu";
-  m.position = "learned";
+  m.norm = Norm::LAYERNORM;
+  m.activation = Activation::GELU;
+  m.position = Position::LEARNED;
   m.tie_embeddings = true;
   m.bias = true;
   m.ffn_hidden_size = 128;

@@ -158,17 +158,17 @@ TEST_CASE("config: defaults are the documented ones and resolve as documented", 
   CHECK(c.model.num_heads == 12);
   CHECK(c.model.num_kv_heads == 12);       // 0 -> num_heads
   CHECK(c.model.ffn_hidden_size == 3072);  // 0 -> 4 * 768 (gelu)
-  CHECK(c.model.norm == "layernorm");
+  CHECK(c.model.norm == Norm::LAYERNORM);
   CHECK(c.model.norm_eps == 1e-5);
-  CHECK(c.model.activation == "gelu");
-  CHECK(c.model.position == "learned");
+  CHECK(c.model.activation == Activation::GELU);
+  CHECK(c.model.position == Position::LEARNED);
   CHECK(c.model.rope_theta == 10000.0);
   CHECK(c.model.tie_embeddings);
   CHECK(c.model.bias);
   CHECK(c.model.init_std == 0.02);
   CHECK((c.parallel.dp == 1 && c.parallel.tp == 1 && c.parallel.pp == 1 && c.parallel.ep == 1));
-  CHECK(c.training.device == "cpu");
-  CHECK(c.training.precision == "fp32");
+  CHECK(c.training.device == Device::CPU);
+  CHECK(c.training.precision == Precision::FP32);
   CHECK(c.training.loss_scale == 0.0);  // dynamic
   CHECK(c.training.initial_loss_scale == 65536.0);
   CHECK(c.training.loss_scale_window == 1000);
@@ -187,7 +187,7 @@ TEST_CASE("config: defaults are the documented ones and resolve as documented", 
   CHECK(c.optimizer.lr == 6e-4);
   CHECK(c.optimizer.min_lr == 0.0);
   CHECK(c.optimizer.warmup_steps == 0);
-  CHECK(c.optimizer.decay == "cosine");
+  CHECK(c.optimizer.decay == LrDecay::COSINE);
   CHECK(c.optimizer.decay_steps == 0);  // stays 0: the LR schedule derives it
   CHECK(c.optimizer.weight_decay == 0.1);
   CHECK(c.optimizer.beta1 == 0.9);
@@ -198,7 +198,7 @@ TEST_CASE("config: defaults are the documented ones and resolve as documented", 
   CHECK(c.data.train.empty());
   CHECK(c.data.valid.empty());
   CHECK(c.logging.dir.empty());
-  CHECK(c.logging.level == "info");
+  CHECK(c.logging.level == LogLevel::INFO);
 }
 
 TEST_CASE("config: derived values", "[config]") {
@@ -369,9 +369,9 @@ TEST_CASE("config: load_config applies overrides", "[config]") {
   CHECK(c.optimizer.lr == 1e-3);
   CHECK(!c.model.bias);
   CHECK(c.logging.dir == "runs/x y");  // not JSON: taken as a string
-  CHECK(c.model.norm == "rmsnorm");
+  CHECK(c.model.norm == Norm::RMSNORM);
   CHECK(c.training.seed == 7);
-  CHECK(c.training.precision == "bf16");
+  CHECK(c.training.precision == Precision::BF16);
   // A list, and the last override of a key wins.
   const Config d =
       load_config(path, {"data.synthetic=false", R"(data.train=["a", {"path": "b", "weight": 3}])",
@@ -433,4 +433,66 @@ TEST_CASE("config: file errors name the file, syntax errors the line and column"
       "same_names.json",
       R"({"data": {"train": [{"path": "a"}, {"path": "b"}], "valid": [{"path": "c"}]}})");
   CHECK(load_error(same).empty());
+}
+
+// Enumerated keys are enum classes; their JSON spellings live in config.h's tables only.
+template <class E>
+void check_spellings_round_trip() {
+  for (const EnumName<E>& n : EnumNames<E>::values) {
+    CHECK(to_string(n.value) == n.name);
+    CHECK(enum_from_string<E>(n.name) == n.value);
+    CHECK(nlohmann::json(n.value) == std::string(n.name));
+    CHECK(nlohmann::ordered_json(n.value) == std::string(n.name));
+    CHECK(nlohmann::ordered_json{{"key", n.value}}["key"] == std::string(n.name));
+  }
+}
+
+TEST_CASE("config: enumerated keys are typed, and spelt in JSON as before", "[config]") {
+  check_spellings_round_trip<Norm>();
+  check_spellings_round_trip<Activation>();
+  check_spellings_round_trip<Position>();
+  check_spellings_round_trip<RankOrder>();
+  check_spellings_round_trip<ScheduleKind>();
+  check_spellings_round_trip<GradCompression>();
+  check_spellings_round_trip<Device>();
+  check_spellings_round_trip<Precision>();
+  check_spellings_round_trip<LrDecay>();
+  check_spellings_round_trip<LogLevel>();
+  check_spellings_round_trip<TokenizerKind>();
+  CHECK(enum_names<ScheduleKind>() == std::vector<std::string>{"1f1b", "interleaved", "gpipe"});
+  CHECK(!enum_from_string<Precision>("FP16"));
+  CHECK(!enum_from_string<Norm>(""));
+  CHECK(precision_dtype(Precision::FP16) == DType::F16);
+
+  const Config c = config_from_json(
+      with(with(with(with(base(), "parallel.order", "dp-tp-pp"), "parallel.grad_compression", "int8"),
+                "data.tokenizer", "sentencepiece:/t/a:b.model"),
+           "checkpoint.resume", "none"));
+  CHECK(c.parallel.order == RankOrder::DP_TP_PP);
+  CHECK(c.parallel.grad_compression == GradCompression::INT8);
+  CHECK(c.data.tokenizer == TokenizerSpec{TokenizerKind::SENTENCEPIECE, "/t/a:b.model"});
+  CHECK(c.checkpoint.resume.kind == ResumeKind::NONE);
+  const json j = config_to_json(c);
+  CHECK(j["parallel"]["order"] == "dp-tp-pp");
+  CHECK(j["parallel"]["grad_compression"] == "int8");
+  CHECK(j["data"]["tokenizer"] == "sentencepiece:/t/a:b.model");
+  CHECK(j["checkpoint"]["resume"] == "none");
+  CHECK(config_to_json(config_from_json(base()))["data"]["tokenizer"] == "");
+}
+
+TEST_CASE("config: data.tokenizer and checkpoint.resume specs", "[config]") {
+  CHECK(parse_tokenizer_spec("") == TokenizerSpec{});
+  CHECK(parse_tokenizer_spec("gpt2:dir") == TokenizerSpec{TokenizerKind::GPT2, "dir"});
+  CHECK(parse_tokenizer_spec("gpt2:") == TokenizerSpec{TokenizerKind::GPT2, ""});  // load_tokenizer refuses it
+  CHECK(!parse_tokenizer_spec("gpt2"));
+  CHECK(!parse_tokenizer_spec("bpe:x"));
+  CHECK(!parse_tokenizer_spec(":x"));
+  for (const char* s : {"", "gpt2:dir", "sentencepiece:a.model"}) CHECK(to_string(*parse_tokenizer_spec(s)) == s);
+
+  CHECK(parse_resume_spec("auto").kind == ResumeKind::AUTO);
+  CHECK(parse_resume_spec("none").kind == ResumeKind::NONE);
+  CHECK(parse_resume_spec("runs/ck/step_00000004") == ResumeSpec{ResumeKind::PATH, "runs/ck/step_00000004"});
+  for (const char* s : {"auto", "none", "runs/ck/step_00000004"}) CHECK(to_string(parse_resume_spec(s)) == s);
+  // An empty path is a config error, named as before.
+  require_one(with(base(), "checkpoint.resume", ""), "checkpoint.resume: \"\": ", "must be \"auto\", \"none\"");
 }

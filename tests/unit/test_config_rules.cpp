@@ -277,7 +277,8 @@ TEST_CASE("config: data split, tokenizer, samples and paths", "[config]") {
   const Config c = config_from_json(with(ds, "data.train", json::array({"${TETRA_TEST_DATA_ROOT}/sotu_train"})));
   CHECK(c.data.train[0].path == "/srv/corpus/sotu_train");
   const Config t = config_from_json(with(base(), "data.tokenizer", "sentencepiece:~/tok/a.model"));
-  CHECK(t.data.tokenizer == "sentencepiece:" + std::string(std::getenv("HOME")) + "/tok/a.model");
+  CHECK(t.data.tokenizer.kind == TokenizerKind::SENTENCEPIECE);
+  CHECK(t.data.tokenizer.path == std::string(std::getenv("HOME")) + "/tok/a.model");
   const Config h = config_from_json(with(base(), "logging.dir", "~/runs/a"));
   CHECK(h.logging.dir == std::string(std::getenv("HOME")) + "/runs/a");
   require_one(with(ds, "data.train", json::array({"${TETRA_TEST_UNSET_VAR}/x"})), "data.train[0].path: ",
@@ -323,7 +324,7 @@ TEST_CASE("config: fp16 loss scaling keys and their rules", "[config]") {
                          "parallel.grad_compression", "bf16")).empty());
   CHECK(problems_of(with(fp16, "training.loss_scale", 128.0)).empty());
   const Config c = config_from_json(with(fp16, "training.initial_loss_scale", 1099511627776.0));  // 2^40
-  CHECK(c.training.precision == "fp16");
+  CHECK(c.training.precision == Precision::FP16);
   CHECK(c.training.initial_loss_scale == 1099511627776.0);
   // With another precision each key set away from its default is reported, naming the precision.
   for (const char* precision : {"fp32", "bf16"}) {

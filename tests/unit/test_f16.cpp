@@ -196,9 +196,9 @@ TEST_CASE("f16: fp32 -> fp16 over a strided sweep of all 2^32 fp32 patterns", "[
 TEST_CASE("f16: dtype helpers", "[f16]") {
   CHECK(dtype_size(DType::F16) == 2);
   CHECK(dtype_name(DType::F16) == "F16");
-  CHECK(precision_dtype("fp16") == DType::F16);
-  CHECK(precision_dtype("bf16") == DType::BF16);
-  CHECK(precision_dtype("fp32") == DType::F32);
+  CHECK(precision_dtype(Precision::FP16) == DType::F16);
+  CHECK(precision_dtype(Precision::BF16) == DType::BF16);
+  CHECK(precision_dtype(Precision::FP32) == DType::F32);
   CHECK(is_half_type(DType::F16));
   CHECK(is_half_type(DType::BF16));
   CHECK_FALSE(is_half_type(DType::F32));

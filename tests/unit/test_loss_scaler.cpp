@@ -20,7 +20,7 @@ namespace {
 TrainingConfig fp16_config(double initial, int64_t window, double min_scale, int64_t hysteresis,
                            int64_t max_skipped = 5) {
   TrainingConfig t;
-  t.precision = "fp16";
+  t.precision = Precision::FP16;
   t.loss_scale = 0.0;
   t.initial_loss_scale = initial;
   t.loss_scale_window = window;
@@ -205,6 +205,6 @@ TEST_CASE("loss scaler: restore takes a checkpoint's state (a static scale stays
 
 TEST_CASE("loss scaler: only for fp16", "[loss_scaler]") {
   TrainingConfig t = fp16_config(65536.0, 4, 1.0, 2);
-  t.precision = "bf16";
+  t.precision = Precision::BF16;
   CHECK_THROWS_AS(LossScaler(t), Error);
 }

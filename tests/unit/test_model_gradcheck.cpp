@@ -23,9 +23,9 @@ ModelConfig tiny(bool llama) {
   m.num_heads = 4;
   m.num_kv_heads = llama ? 2 : 4;
   m.ffn_hidden_size = llama ? 24 : 64;
-  m.norm = llama ? "rmsnorm" : "layernorm";
-  m.activation = llama ? "swiglu" : "gelu";
-  m.position = llama ? "rope" : "learned";
+  m.norm = llama ? Norm::RMSNORM : Norm::LAYERNORM;
+  m.activation = llama ? Activation::SWIGLU : Activation::GELU;
+  m.position = llama ? Position::ROPE : Position::LEARNED;
   m.tie_embeddings = !llama;
   m.bias = !llama;
   m.init_std = 0.3;  // large weights: every path carries a gradient well above rounding noise

@@ -56,9 +56,9 @@ TEST_CASE("Llama-style layout: GQA qkv rows, swiglu fc rows, untied head, no bia
   m.num_heads = 8;
   m.num_kv_heads = 2;
   m.ffn_hidden_size = 96;
-  m.norm = "rmsnorm";
-  m.activation = "swiglu";
-  m.position = "rope";
+  m.norm = Norm::RMSNORM;
+  m.activation = Activation::SWIGLU;
+  m.position = Position::ROPE;
   m.tie_embeddings = false;
   m.bias = false;
   const ParamLayout layout = ParamLayout::build(m);
@@ -130,18 +130,18 @@ TEST_CASE("learning-rate schedule: warm-up then cosine / linear / constant", "[o
   o.lr = 1.0;
   o.min_lr = 0.1;
   o.warmup_steps = 4;
-  o.decay = "cosine";
+  o.decay = LrDecay::COSINE;
   CHECK(learning_rate(o, 14, 0) == Approx(0.25));
   CHECK(learning_rate(o, 14, 3) == Approx(1.0));
   CHECK(learning_rate(o, 14, 4) == Approx(1.0));                        // decay starts at 1
   CHECK(learning_rate(o, 14, 9) == Approx(0.1 + 0.45 * (1 + std::cos(std::numbers::pi * 0.5))));
   CHECK(learning_rate(o, 14, 14) == Approx(0.1));                       // reaches min_lr
   CHECK(learning_rate(o, 14, 100) == Approx(0.1));                      // and stays there
-  o.decay = "linear";
+  o.decay = LrDecay::LINEAR;
   CHECK(learning_rate(o, 14, 9) == Approx(1.0 - 0.9 * 0.5));
-  o.decay = "constant";
+  o.decay = LrDecay::CONSTANT;
   CHECK(learning_rate(o, 14, 9) == Approx(1.0));
-  o.decay = "cosine";
+  o.decay = LrDecay::COSINE;
   o.decay_steps = 2;
   CHECK(learning_rate(o, 14, 5) == Approx(0.1 + 0.45 * (1 + std::cos(std::numbers::pi * 0.5))));
   CHECK(learning_rate(o, 14, 7) == Approx(0.1));

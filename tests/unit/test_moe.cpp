@@ -28,7 +28,7 @@ ModelConfig moe_config(bool swiglu, int64_t K, std::optional<double> capacity) {
   m.num_heads = 4;
   m.num_kv_heads = 4;
   m.ffn_hidden_size = 32;
-  m.activation = swiglu ? "swiglu" : "gelu";
+  m.activation = swiglu ? Activation::SWIGLU : Activation::GELU;
   m.bias = !swiglu;
   m.init_std = 0.3;
   m.moe.num_experts = 4;
@@ -51,7 +51,7 @@ Reference reference(const ModelConfig& m, const ParamLayout& L, const std::vecto
                     const std::vector<float>& h, const std::vector<float>& res, int64_t N) {
   const BlockParams& p = L.blocks[0];
   const int64_t C = m.hidden_size, E = m.moe.num_experts, K = m.moe.top_k, F = m.moe.ffn_hidden_size;
-  const bool swiglu = m.activation == "swiglu";
+  const bool swiglu = m.activation == Activation::SWIGLU;
   const int64_t FC = swiglu ? 2 * F : F;
   const int64_t cap = m.moe.capacity_factor ? static_cast<int64_t>(std::ceil(*m.moe.capacity_factor * N * K / E)) : -1;
   Reference r;

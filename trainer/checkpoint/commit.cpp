@@ -271,18 +271,19 @@ void warn_newer(const std::vector<CheckpointEntry>& done, int64_t step, const st
 }  // namespace
 
 std::string checkpoint_to_resume(const CheckpointConfig& cfg) {
-  if (cfg.resume != "auto" && cfg.resume != "none") {
-    if (!is_dir(cfg.resume) || !complete(cfg.resume))
+  if (cfg.resume.kind == ResumeKind::PATH) {
+    const std::string& path = cfg.resume.path;
+    if (!is_dir(path) || !complete(path))
       throw InputError(fmt::format("checkpoint.resume: {} is not a checkpoint (no manifest.json); give a "
-                                   "step_* directory, \"auto\" or \"none\"", cfg.resume));
+                                   "step_* directory, \"auto\" or \"none\"", path));
     if (!cfg.dir.empty() && is_dir(cfg.dir))
-      warn_newer(complete_checkpoints(cfg.dir), step_of_checkpoint_name(fs::path(cfg.resume).filename().string()),
+      warn_newer(complete_checkpoints(cfg.dir), step_of_checkpoint_name(fs::path(path).filename().string()),
                  cfg.dir);
-    return cfg.resume;
+    return path;
   }
   if (cfg.dir.empty() || !is_dir(cfg.dir)) return "";
   const std::vector<CheckpointEntry> done = complete_checkpoints(cfg.dir);
-  if (cfg.resume == "none") {
+  if (cfg.resume.kind == ResumeKind::NONE) {
     if (!done.empty())
       throw InputError(fmt::format(
           "checkpoint.dir {} already holds {} checkpoint(s) (the newest {}) and checkpoint.resume is \"none\": "

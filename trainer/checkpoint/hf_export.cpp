@@ -123,17 +123,18 @@ const char* hf_model_type(HfArch arch) { return arch == HfArch::LLAMA ? "llama" 
 
 HfArch hf_architecture(const ModelConfig& m) {
   std::vector<std::string> bad;
-  const bool rope = m.position == "rope";
+  const bool rope = m.position == Position::ROPE;
   if (rope) {
-    if (m.norm != "rmsnorm") bad.push_back(fmt::format("model.norm \"{}\" (Llama has rmsnorm only)", m.norm));
-    if (m.activation != "swiglu")
-      bad.push_back(fmt::format("model.activation \"{}\" (Llama's MLP is swiglu)", m.activation));
+    if (m.norm != Norm::RMSNORM)
+      bad.push_back(fmt::format("model.norm \"{}\" (Llama has rmsnorm only)", to_string(m.norm)));
+    if (m.activation != Activation::SWIGLU)
+      bad.push_back(fmt::format("model.activation \"{}\" (Llama's MLP is swiglu)", to_string(m.activation)));
     if (m.bias) bad.push_back("model.bias true (Llama has no biases)");
   } else {
-    if (m.norm != "layernorm")
-      bad.push_back(fmt::format("model.norm \"{}\" (GPT-2 has layernorm only)", m.norm));
-    if (m.activation != "gelu")
-      bad.push_back(fmt::format("model.activation \"{}\" (GPT-2's MLP is gelu)", m.activation));
+    if (m.norm != Norm::LAYERNORM)
+      bad.push_back(fmt::format("model.norm \"{}\" (GPT-2 has layernorm only)", to_string(m.norm)));
+    if (m.activation != Activation::GELU)
+      bad.push_back(fmt::format("model.activation \"{}\" (GPT-2's MLP is gelu)", to_string(m.activation)));
     if (!m.bias) bad.push_back("model.bias false (GPT-2 has biases in every layer)");
     if (m.num_kv_heads != m.num_heads)
       bad.push_back(fmt::format("model.num_kv_heads {} (GPT-2 has multi-head attention only: num_kv_heads "
@@ -148,7 +149,7 @@ HfArch hf_architecture(const ModelConfig& m) {
         "no Hugging Face architecture holds this model: with model.position \"{}\" it would be {}, but {}. "
         "Llama is norm rmsnorm, activation swiglu, position rope, bias false; GPT-2 is norm layernorm, "
         "activation gelu, position learned, bias true, num_kv_heads = num_heads",
-        m.position, rope ? "Llama" : "GPT-2", list));
+        to_string(m.position), rope ? "Llama" : "GPT-2", list));
   }
   return rope ? HfArch::LLAMA : HfArch::GPT2;
 }

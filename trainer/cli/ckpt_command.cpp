@@ -90,7 +90,7 @@ std::string resolve_checkpoint(const std::string& dir) {
     throw InputError(fmt::format("{}: cannot read the checkpoint: {}", dir, std::strerror(errno)));
   tetra::CheckpointConfig cfg;
   cfg.dir = dir;
-  cfg.resume = "auto";
+  cfg.resume.kind = tetra::ResumeKind::AUTO;
   const std::string path = tetra::checkpoint_to_resume(cfg);
   if (path.empty())
     throw InputError(fmt::format("{}: not a checkpoint (no manifest.json) nor a checkpoint directory (no "
@@ -173,8 +173,9 @@ std::string model_text(const tetra::ModelConfig& m) {
   return fmt::format("{} layers, hidden {}, {} heads ({} kv, head size {}), ffn {}, vocab {}, seq_len {}; "
                      "{} (eps {:g}), {}, {}{}, {} embeddings, {}",
                      m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_size(), m.ffn_hidden_size,
-                     m.vocab_size, m.seq_len, m.norm, m.norm_eps, m.activation, m.position,
-                     m.position == "rope" ? fmt::format(" (theta {:g})", m.rope_theta) : "",
+                     m.vocab_size, m.seq_len, tetra::to_string(m.norm), m.norm_eps, tetra::to_string(m.activation),
+                     tetra::to_string(m.position),
+                     m.position == tetra::Position::ROPE ? fmt::format(" (theta {:g})", m.rope_theta) : "",
                      m.tie_embeddings ? "tied" : "untied", m.bias ? "biases" : "no biases");
 }
 
@@ -242,7 +243,8 @@ int inspect(const std::string& dir) {
 }
 
 int export_hf(const std::string& dir, const std::string& out, const std::string& dtype_name, bool force) {
-  const tetra::DType dtype = tetra::precision_dtype(dtype_name);
+  const tetra::DType dtype =
+      tetra::precision_dtype(tetra::enum_from_string<tetra::Precision>(dtype_name).value_or(tetra::Precision::FP32));
   tetra::hf_check_output_dir(out, force);  // before any work: a refusal reads and writes nothing
   const Checkpoint ck = read_index(dir);
   const tetra::HfArch arch = tetra::hf_architecture(ck.model);  // before any work: InputError if none

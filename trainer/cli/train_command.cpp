@@ -37,100 +37,14 @@
 #include "trainer/train/compute_device.h"
 #include "trainer/train/fault_injection.h"
 #include "trainer/train/pipeline_model.h"
+#include "trainer/train/run_report.h"
 #include "trainer/train/trainer.h"
 
 namespace tetra::cli {
 
 namespace {
 
-std::string human_count(double n) {
-  if (n >= 1e12) return fmt::format("{:.2f}T", n / 1e12);
-  if (n >= 1e9) return fmt::format("{:.2f}B", n / 1e9);
-  if (n >= 1e6) return fmt::format("{:.2f}M", n / 1e6);
-  if (n >= 1e3) return fmt::format("{:.2f}K", n / 1e3);
-  return fmt::format("{:.0f}", n);
-}
-
-std::string mib(size_t bytes) { return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / 1048576.0); }
-
-void print_dry_run(const tetra::Config& cfg) {
-  const tetra::ParamLayout whole = tetra::ParamLayout::build(cfg.model);
-  const tetra::ParamLayout layout = tetra::rank_layout(cfg, 0);
-  const tetra::ModelStats stats = tetra::model_stats(cfg.model, whole);
-  const tetra::MemoryPlan mem = tetra::plan_memory(cfg, layout);
-  const tetra::ParallelConfig& par = cfg.parallel;
-  const double tokens = static_cast<double>(cfg.training.global_batch_size * cfg.model.seq_len);
-  fmt::print("parameters:        {} ({}; {} in matmuls)\n", stats.params, human_count(stats.params),
-             human_count(stats.matmul_params));
-  if (cfg.model.moe.enabled())
-    fmt::print("active parameters: {} per token ({} in matmuls; {} experts, top-{}, every {} blocks)\n",
-               human_count(stats.active_params), human_count(stats.active_matmul_params),
-               cfg.model.moe.num_experts, cfg.model.moe.top_k, cfg.model.moe.every);
-  fmt::print("FLOPs per token:   {} (training step: 6 x {}matmul params + 12 L C T)\n",
-             human_count(stats.train_flops_per_token), cfg.model.moe.enabled() ? "active " : "");
-  fmt::print("FLOPs per step:    {} ({} tokens, {} micro-batches of {} on each of {} DP ranks)\n",
-             human_count(stats.train_flops_per_token * tokens), tokens, cfg.grad_accum_steps(),
-             cfg.training.micro_batch_size, par.dp);
-  fmt::print("layout:            {} ranks = tp {} x pp {} x dp {}{}, order {}{}{}\n", par.tp * par.pp * par.dp,
-             par.tp, par.pp, par.dp, par.ep > 1 ? fmt::format(" (ep {} x edp {})", par.ep, par.dp / par.ep) : "",
-             par.order, par.sequence_parallel ? ", sequence parallel" : "",
-             par.distributed_optimizer ? ", distributed optimizer" : "");
-  if (par.pp > 1) {
-    const tetra::PipelineSchedule schedule = tetra::make_schedule(cfg, cfg.grad_accum_steps());
-    fmt::print("pipeline:          schedule {}, {} stages ({} x {} chunk(s)), {} micro-batches per step, "
-               "ideal bubble {:.1f}%\n", par.schedule, par.pp * par.virtual_stages, par.pp, par.virtual_stages,
-               cfg.grad_accum_steps(), 100.0 * schedule.ideal_bubble());
-    for (int64_t r = 0; r < par.pp; ++r) {
-      const tetra::StageSlice st = tetra::stage_slice(cfg, r);
-      std::string layers;
-      for (const auto& [b, e] : st.chunks)
-        layers += (layers.empty() ? "" : ", ") + (e > b ? fmt::format("{}-{}", b, e - 1) : std::string("none"));
-      fmt::print("  rank {:<3}         layers {}{}{}; {} micro-batch(es) in flight; {}\n", r, layers,
-                 st.first ? " + embedding" : "", st.last ? " + output layer and loss" : "",
-                 schedule.max_in_flight(static_cast<int>(r)),
-                 mib(tetra::plan_memory(cfg, tetra::rank_layout(cfg, 0, r), r).total()));
-    }
-  }
-  fmt::print("memory per rank:   {}{}{}\n", mib(mem.total()), par.pp > 1 ? " (pipeline rank 0)" : "",
-             mem.on_device && mem.compression
-                 ? fmt::format(": {} on the GPU, {} on the host", mib(mem.device_bytes()), mib(mem.host_bytes()))
-                 : std::string());
-  fmt::print("  master weights   {} (fp32{})\n", mib(mem.master),
-             par.distributed_optimizer && cfg.training.precision != "fp32" ? ", 1/dp shard" : "");
-  if (mem.compute) fmt::print("  compute weights  {} ({})\n", mib(mem.compute), cfg.training.precision);
-  fmt::print("  gradients        {} (fp32)\n", mib(mem.grads));
-  fmt::print("  optimizer        {} (AdamW moments, fp32{})\n", mib(mem.optimizer),
-             par.distributed_optimizer ? ", 1/dp shard" : "");
-  if (par.distributed_optimizer && par.dp > 1) {
-    tetra::Config plain = cfg;
-    plain.parallel.distributed_optimizer = false;
-    const tetra::MemoryPlan without = tetra::plan_memory(plain, tetra::rank_layout(plain, 0));
-    fmt::print("    the distributed optimizer saves {} per rank ({} without it)\n",
-               mib(without.total() - mem.total()), mib(without.total()));
-  }
-  fmt::print("  activations      {} (micro-batch {}, logits included)\n", mib(mem.activations),
-             cfg.training.micro_batch_size);
-  if (mem.compression)
-    fmt::print("  compression      {} ({}: error feedback and messages{}, host memory)\n", mib(mem.compression),
-               par.grad_compression, mem.on_device ? ", staging of the gradient and moments" : "");
-  fmt::print("  batch buffers    {}\n", mib(mem.batch));
-  if (mem.sampling)
-    fmt::print("  sampling         {} (micro-batch 1 model for the text samples)\n", mib(mem.sampling));
-  const tetra::StepVolume v = tetra::predict_step_volume(cfg, layout);
-  fmt::print("communication per step and rank (payload; sent under ring algorithms ~ 2(p-1)/p of an "
-             "all-reduce's, (p-1)/p of the others'):\n");
-  fmt::print("  tp ({} ranks)      {}\n", par.tp, v.tp.describe());
-  fmt::print("  dp ({} ranks)      {}\n", par.dp, v.dp.describe());
-  if (par.pp > 1) {
-    fmt::print("  pp ({} ranks)      {}\n", par.pp, v.pp.describe());
-    fmt::print("  embedding         {}\n", v.embedding.describe());
-  }
-  if (cfg.model.moe.enabled()) {
-    fmt::print("  edp ({} ranks)     {}\n", par.dp / par.ep, v.edp.describe());
-    fmt::print("  ep ({} ranks)      {} (plus the routed tokens: all-to-all payload depends on the routing)\n",
-               par.ep, v.ep.describe());
-  }
-}
+void print_dry_run(const tetra::Config& cfg) { fmt::print("{}", tetra::dry_run_report(cfg)); }
 
 // What a failure says to the user: Tetra's own errors as they are; a library's exception that
 // escaped (a filesystem call, a JSON access) with the path or value it concerns, never the
@@ -148,8 +62,9 @@ std::string describe_failure(const std::exception& e) {
 }
 
 // The log level of a rank: rank 0 logs at the configured level, the others warnings and errors.
-std::string rank_log_level(const std::string& level, int rank) {
-  if (rank == 0 || level == "error" || level == "warn") return level;
+std::string rank_log_level(tetra::LogLevel level, int rank) {
+  if (rank == 0 || level == tetra::LogLevel::ERROR || level == tetra::LogLevel::WARN)
+    return std::string(tetra::to_string(level));
   return "warn";
 }
 
@@ -218,7 +133,7 @@ int TrainCommand::train(const ProcessInfo& proc, const RuntimeOptions& runtime) 
     sizes.pp = cfg.parallel.pp;
     sizes.dp = cfg.parallel.dp;
     sizes.ep = cfg.parallel.ep;
-    sizes.order = cfg.parallel.order;
+    sizes.order = tetra::to_string(cfg.parallel.order);
     grid = tetra::RankGrid::build(sizes);
   } catch (const std::exception& e) {  // every rank read the same input: report once, exit 2
     if (rank0) std::fprintf(stderr, "error: %s\n", tetra::printable(describe_failure(e)).c_str());

@@ -9,13 +9,171 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "kernels/common/check.h"
+#include "kernels/common/dtype.h"
 
 namespace tetra {
+
+// ---- enumerated keys ----------------------------------------------------------------------------
+// Each enumerated key is an enum class; its values' spellings in the JSON ("rmsnorm", "1f1b") live
+// in one table per enum below (EnumNames), in the order error messages list them. Code compares
+// values, never strings: to_string / enum_from_string (and JSON, through adl_serializer below)
+// are the only crossings.
+
+enum class Norm : uint8_t { LAYERNORM, RMSNORM };                  // model.norm
+enum class Activation : uint8_t { GELU, SWIGLU };                  // model.activation
+enum class Position : uint8_t { LEARNED, ROPE };                   // model.position
+// parallel.order: the rank order, fastest-varying axis first (rank_grid.h).
+enum class RankOrder : uint8_t { TP_DP_PP, TP_PP_DP, DP_TP_PP, DP_PP_TP, PP_TP_DP, PP_DP_TP };
+enum class ScheduleKind : uint8_t { GPIPE, ONE_F_ONE_B, INTERLEAVED };  // parallel.schedule
+enum class GradCompression : uint8_t { NONE, BF16, ONEBIT, INT8 };  // parallel.grad_compression
+enum class Device : uint8_t { CPU, CUDA };                         // training.device
+enum class Precision : uint8_t { FP32, BF16, FP16 };               // training.precision
+enum class LrDecay : uint8_t { COSINE, LINEAR, CONSTANT };         // optimizer.decay
+enum class LogLevel : uint8_t { TRACE, DEBUG, INFO, WARN, ERROR };  // logging.level
+enum class TokenizerKind : uint8_t { NONE, GPT2, SENTENCEPIECE };  // data.tokenizer's "<kind>:"
+enum class ResumeKind : uint8_t { AUTO, NONE, PATH };              // checkpoint.resume
+
+template <class E>
+struct EnumName {
+  E value;
+  std::string_view name;
+};
+template <class E>
+struct EnumNames;  // `values`: every value of E with its spelling
+template <>
+struct EnumNames<Norm> {
+  static constexpr EnumName<Norm> values[] = {{Norm::LAYERNORM, "layernorm"}, {Norm::RMSNORM, "rmsnorm"}};
+};
+template <>
+struct EnumNames<Activation> {
+  static constexpr EnumName<Activation> values[] = {{Activation::GELU, "gelu"}, {Activation::SWIGLU, "swiglu"}};
+};
+template <>
+struct EnumNames<Position> {
+  static constexpr EnumName<Position> values[] = {{Position::LEARNED, "learned"}, {Position::ROPE, "rope"}};
+};
+template <>
+struct EnumNames<RankOrder> {
+  static constexpr EnumName<RankOrder> values[] = {
+      {RankOrder::TP_DP_PP, "tp-dp-pp"}, {RankOrder::TP_PP_DP, "tp-pp-dp"}, {RankOrder::DP_TP_PP, "dp-tp-pp"},
+      {RankOrder::DP_PP_TP, "dp-pp-tp"}, {RankOrder::PP_TP_DP, "pp-tp-dp"}, {RankOrder::PP_DP_TP, "pp-dp-tp"}};
+};
+template <>
+struct EnumNames<ScheduleKind> {
+  static constexpr EnumName<ScheduleKind> values[] = {
+      {ScheduleKind::ONE_F_ONE_B, "1f1b"}, {ScheduleKind::INTERLEAVED, "interleaved"}, {ScheduleKind::GPIPE, "gpipe"}};
+};
+template <>
+struct EnumNames<GradCompression> {
+  static constexpr EnumName<GradCompression> values[] = {{GradCompression::NONE, "none"},
+                                                         {GradCompression::BF16, "bf16"},
+                                                         {GradCompression::ONEBIT, "onebit"},
+                                                         {GradCompression::INT8, "int8"}};
+};
+template <>
+struct EnumNames<Device> {
+  static constexpr EnumName<Device> values[] = {{Device::CPU, "cpu"}, {Device::CUDA, "cuda"}};
+};
+template <>
+struct EnumNames<Precision> {
+  static constexpr EnumName<Precision> values[] = {
+      {Precision::FP32, "fp32"}, {Precision::BF16, "bf16"}, {Precision::FP16, "fp16"}};
+};
+template <>
+struct EnumNames<LrDecay> {
+  static constexpr EnumName<LrDecay> values[] = {
+      {LrDecay::COSINE, "cosine"}, {LrDecay::LINEAR, "linear"}, {LrDecay::CONSTANT, "constant"}};
+};
+template <>
+struct EnumNames<LogLevel> {
+  static constexpr EnumName<LogLevel> values[] = {{LogLevel::TRACE, "trace"}, {LogLevel::DEBUG, "debug"},
+                                                  {LogLevel::INFO, "info"},   {LogLevel::WARN, "warn"},
+                                                  {LogLevel::ERROR, "error"}};
+};
+template <>
+struct EnumNames<TokenizerKind> {
+  static constexpr EnumName<TokenizerKind> values[] = {{TokenizerKind::GPT2, "gpt2"},
+                                                       {TokenizerKind::SENTENCEPIECE, "sentencepiece"}};
+};
+
+template <class E>
+concept ConfigEnum = std::is_enum_v<E> && requires { EnumNames<E>::values; };
+
+// The spelling of `v` ("rmsnorm").
+template <ConfigEnum E>
+constexpr std::string_view to_string(E v) {
+  for (const EnumName<E>& n : EnumNames<E>::values)
+    if (n.value == v) return n.name;
+  return "?";
+}
+
+// The value spelt `name`, or nullopt when no value is.
+template <ConfigEnum E>
+constexpr std::optional<E> enum_from_string(std::string_view name) {
+  for (const EnumName<E>& n : EnumNames<E>::values)
+    if (n.name == name) return n.value;
+  return std::nullopt;
+}
+
+// Every value's spelling, in the table's order.
+template <ConfigEnum E>
+std::vector<std::string> enum_names() {
+  std::vector<std::string> out;
+  for (const EnumName<E>& n : EnumNames<E>::values) out.emplace_back(n.name);
+  return out;
+}
+
+// data.tokenizer: "gpt2:<directory with encoder.json and vocab.bpe>" or "sentencepiece:<model file>",
+// the tokenizer the datasets were made with; "" (kind NONE) when there is none.
+struct TokenizerSpec {
+  TokenizerKind kind = TokenizerKind::NONE;
+  std::string path;
+  bool empty() const { return kind == TokenizerKind::NONE; }
+  bool operator==(const TokenizerSpec&) const = default;
+};
+// "<kind>:<path>" ("" for none); parse_tokenizer_spec is its inverse: nullopt when `spec` starts
+// with neither "gpt2:" nor "sentencepiece:" (and is not empty).
+std::string to_string(const TokenizerSpec& t);
+std::optional<TokenizerSpec> parse_tokenizer_spec(std::string_view spec);
+
+// checkpoint.resume: "auto" (from checkpoint.dir/latest if there is one), "none", or the path of
+// a checkpoint directory (kind PATH; an empty path is a config error).
+struct ResumeSpec {
+  ResumeKind kind = ResumeKind::AUTO;
+  std::string path;  // PATH only
+  bool operator==(const ResumeSpec&) const = default;
+};
+// "auto", "none" or the path; parse_resume_spec is its inverse.
+std::string to_string(const ResumeSpec& r);
+ResumeSpec parse_resume_spec(std::string_view spec);
+
+// The weights' and activations' type of a precision.
+DType precision_dtype(Precision p);
+
+}  // namespace tetra
+
+// In JSON, ordered or not, an enumerated value is its spelling (and nothing reads one back from
+// JSON but the config reader, which names the key of a bad value).
+namespace nlohmann {
+template <tetra::ConfigEnum E>
+struct adl_serializer<E, void> {
+  template <class BasicJson>
+  static void to_json(BasicJson& j, E v) {
+    j = std::string(tetra::to_string(v));
+  }
+};
+}  // namespace nlohmann
+
+namespace tetra {
+
+// ---- the sections -------------------------------------------------------------------------------
 
 // Mixture of Experts (model.moe): every `every`-th block (layers l with l % every == 0, Megatron's
 // moe_layer_freq) replaces its MLP by num_experts expert MLPs and a router; 0 experts = dense.
@@ -41,10 +199,10 @@ struct ModelConfig {
   int64_t num_kv_heads = 0;      // 0 = num_heads (multi-head attention)
   int64_t ffn_hidden_size = 0;   // 0 = 4 * hidden_size (gelu), or for swiglu
                                  // 8/3 * hidden_size rounded up to a multiple of 64
-  std::string norm = "layernorm";  // layernorm | rmsnorm
+  Norm norm = Norm::LAYERNORM;
   double norm_eps = 1e-5;
-  std::string activation = "gelu";  // gelu | swiglu
-  std::string position = "learned";  // learned | rope
+  Activation activation = Activation::GELU;
+  Position position = Position::LEARNED;
   double rope_theta = 10000.0;
   bool tie_embeddings = true;
   bool bias = true;
@@ -59,16 +217,16 @@ struct ParallelConfig {
   int64_t tp = 1;
   int64_t pp = 1;
   int64_t ep = 1;
-  std::string order = "tp-dp-pp";      // rank order, fastest-varying axis first
+  RankOrder order = RankOrder::TP_DP_PP;  // rank order, fastest-varying axis first
   bool sequence_parallel = false;      // norms and residual on sequence shards (needs tp > 1)
   bool distributed_optimizer = false;  // shard fp32 master weights and Adam moments over dp
   int64_t bucket_size = 40000000;      // parameters per gradient bucket (Megatron's
                                        // --ddp-bucket-size): reduced as soon as backward fills it
-  std::string schedule = "1f1b";       // pipeline schedule: 1f1b | interleaved | gpipe
+  ScheduleKind schedule = ScheduleKind::ONE_F_ONE_B;  // pipeline schedule
   int64_t virtual_stages = 1;          // model chunks per pipeline rank (interleaved: >= 2)
   std::vector<int64_t> stage_layers;   // layers of each of the pp * virtual_stages stages, in
                                        // stage order; empty = an even split
-  std::string grad_compression = "none";  // none | bf16 | onebit | int8 (trainer/optim/compression.h)
+  GradCompression grad_compression = GradCompression::NONE;  // trainer/optim/compression.h
   int64_t onebit_warmup_steps = 100;      // onebit: steps of exact Adam before the variance freezes
 };
 
@@ -77,8 +235,8 @@ struct ParallelConfig {
 inline constexpr double kMaxLossScale = 18446744073709551616.0;
 
 struct TrainingConfig {
-  std::string device = "cpu";       // cpu | cuda
-  std::string precision = "fp32";   // fp32 | bf16 | fp16
+  Device device = Device::CPU;
+  Precision precision = Precision::FP32;
   // fp16 loss scaling (Megatron's meanings; trainer/optim/loss_scaler.h). Setting one with another
   // precision, or a dynamic-scaling one with a static loss_scale, is a config error.
   double loss_scale = 0.0;              // 0 = dynamic loss scaling; > 0 = this static scale
@@ -112,7 +270,7 @@ struct OptimizerConfig {
   double lr = 6e-4;
   double min_lr = 0.0;
   int64_t warmup_steps = 0;
-  std::string decay = "cosine";     // cosine | linear | constant
+  LrDecay decay = LrDecay::COSINE;
   int64_t decay_steps = 0;          // 0 = training.steps - warmup_steps
   double weight_decay = 0.1;
   double beta1 = 0.9;
@@ -134,9 +292,8 @@ struct DataConfig {
   // test parts in these proportions (Megatron's --split); the valid parts form the validation
   // set. Empty: no split (validation from `valid`).
   std::string split;
-  // "gpt2:<dir with encoder.json, vocab.bpe>" or "sentencepiece:<file.model>": the tokenizer the
-  // datasets were made with (for samples and `tetra generate`). Empty: none.
-  std::string tokenizer;
+  // The tokenizer the datasets were made with (for samples and `tetra generate`). Empty: none.
+  TokenizerSpec tokenizer;
 };
 
 // Text sampled from the model: at each evaluation during training (when `prompt` is set and
@@ -154,13 +311,13 @@ struct CheckpointConfig {
   std::string dir;                  // empty = no checkpoints
   int64_t every = 0;                // save every N steps; 0 = only at the end / on a signal
   int64_t keep = 2;                 // complete checkpoints kept (older ones deleted); 0 = all
-  std::string resume = "auto";      // auto: from dir/latest if present | none | a checkpoint path
+  ResumeSpec resume;                // auto: from dir/latest if present | none | a checkpoint path
   bool save_on_exit = true;         // save when training ends or on SIGTERM / SIGUSR1
 };
 
 struct LoggingConfig {
   std::string dir;                  // empty = no files, console only
-  std::string level = "info";       // trace | debug | info | warn | error
+  LogLevel level = LogLevel::INFO;
 };
 
 struct Config {

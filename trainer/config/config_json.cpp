@@ -8,8 +8,8 @@
 // asked for is exactly the set of known keys that unknown-key detection compares against.
 //
 // Types are strict: an integer field takes only a JSON integer (not 4.5, 4.0, "4" or true), a
-// float field takes any finite JSON number, a bool only true/false, an enum one of its listed
-// strings. A value of the wrong type leaves the default in place and is reported.
+// float field takes any finite JSON number, a bool only true/false, an enum one of its spellings
+// (config.h). A value of the wrong type leaves the default in place and is reported.
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -22,19 +22,6 @@
 
 namespace tetra::config_detail {
 namespace {
-
-using Choices = std::vector<std::string>;
-
-const Choices kNorms = {"layernorm", "rmsnorm"};
-const Choices kActivations = {"gelu", "swiglu"};
-const Choices kPositions = {"learned", "rope"};
-const Choices kDevices = {"cpu", "cuda"};
-const Choices kPrecisions = {"fp32", "bf16", "fp16"};
-const Choices kOrders = {"tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-pp-tp", "pp-tp-dp", "pp-dp-tp"};
-const Choices kSchedules = {"1f1b", "interleaved", "gpipe"};
-const Choices kCompressions = {"none", "bf16", "onebit", "int8"};
-const Choices kDecays = {"cosine", "linear", "constant"};
-const Choices kLevels = {"trace", "debug", "info", "warn", "error"};
 
 // ---- the schema: every key of every section, in the order they are documented ---------------
 
@@ -58,10 +45,10 @@ void visit_model(M& m, V& v) {
   v.integer("num_heads", m.num_heads);
   v.integer("num_kv_heads", m.num_kv_heads);
   v.integer("ffn_hidden_size", m.ffn_hidden_size);
-  v.choice("norm", m.norm, kNorms);
+  v.choice("norm", m.norm);
   v.number("norm_eps", m.norm_eps);
-  v.choice("activation", m.activation, kActivations);
-  v.choice("position", m.position, kPositions);
+  v.choice("activation", m.activation);
+  v.choice("position", m.position);
   v.number("rope_theta", m.rope_theta);
   v.boolean("tie_embeddings", m.tie_embeddings);
   v.boolean("bias", m.bias);
@@ -75,21 +62,21 @@ void visit_parallel(P& p, V& v) {
   v.integer("tp", p.tp);
   v.integer("pp", p.pp);
   v.integer("ep", p.ep);
-  v.choice("order", p.order, kOrders);
+  v.choice("order", p.order);
   v.boolean("sequence_parallel", p.sequence_parallel);
   v.boolean("distributed_optimizer", p.distributed_optimizer);
   v.integer("bucket_size", p.bucket_size);
-  v.choice("schedule", p.schedule, kSchedules);
+  v.choice("schedule", p.schedule);
   v.integer("virtual_stages", p.virtual_stages);
   v.integers("stage_layers", p.stage_layers);
-  v.choice("grad_compression", p.grad_compression, kCompressions);
+  v.choice("grad_compression", p.grad_compression);
   v.integer("onebit_warmup_steps", p.onebit_warmup_steps);
 }
 
 template <class T, class V>
 void visit_training(T& t, V& v) {
-  v.choice("device", t.device, kDevices);
-  v.choice("precision", t.precision, kPrecisions);
+  v.choice("device", t.device);
+  v.choice("precision", t.precision);
   v.number("loss_scale", t.loss_scale);
   v.number("initial_loss_scale", t.initial_loss_scale);
   v.integer("loss_scale_window", t.loss_scale_window);
@@ -117,7 +104,7 @@ void visit_optimizer(O& o, V& v) {
   v.number("lr", o.lr);
   v.number("min_lr", o.min_lr);
   v.integer("warmup_steps", o.warmup_steps);
-  v.choice("decay", o.decay, kDecays);
+  v.choice("decay", o.decay);
   v.integer("decay_steps", o.decay_steps);
   v.number("weight_decay", o.weight_decay);
   v.number("beta1", o.beta1);
@@ -132,7 +119,7 @@ void visit_data(D& d, V& v) {
   v.sources("train", d.train);
   v.sources("valid", d.valid);
   v.text("split", d.split);
-  v.text("tokenizer", d.tokenizer);
+  v.tokenizer("tokenizer", d.tokenizer);
 }
 
 template <class S, class V>
@@ -149,14 +136,14 @@ void visit_checkpoint(K& k, V& v) {
   v.text("dir", k.dir);
   v.integer("every", k.every);
   v.integer("keep", k.keep);
-  v.text("resume", k.resume);
+  v.resume("resume", k.resume);
   v.boolean("save_on_exit", k.save_on_exit);
 }
 
 template <class L, class V>
 void visit_logging(L& l, V& v) {
   v.text("dir", l.dir);
-  v.choice("level", l.level, kLevels);
+  v.choice("level", l.level);
 }
 
 // Calls f(section name, section struct, visit function) for each section, in section_names() order.
@@ -403,7 +390,9 @@ class SectionReader {
       problems_.add(path(key), show(*v), "expected a string, got " + type_phrase(*v));
   }
 
-  void choice(const char* key, std::string& out, const Choices& choices) {
+  // One of an enumerated key's spellings (config.h's EnumNames).
+  template <ConfigEnum E>
+  void choice(const char* key, E& out) {
     const json* v = find(key);
     if (!v) return;
     if (!v->is_string()) {
@@ -411,14 +400,40 @@ class SectionReader {
       return;
     }
     const std::string s = v->get<std::string>();
-    if (std::find(choices.begin(), choices.end(), s) != choices.end()) {
-      out = s;
+    if (const std::optional<E> e = enum_from_string<E>(s)) {
+      out = *e;
       return;
     }
+    const std::vector<std::string> choices = enum_names<E>();
     std::string list;
     for (const std::string& c : choices) list += (list.empty() ? "" : ", ") + c;
     problems_.add(path(key), show(*v),
                   "must be one of " + list + did_you_mean(closest(s, choices)));
+  }
+
+  // "gpt2:<dir>", "sentencepiece:<file>" or "" (none).
+  void tokenizer(const char* key, TokenizerSpec& out) {
+    const json* v = find(key);
+    if (!v) return;
+    if (!v->is_string()) {
+      problems_.add(path(key), show(*v), "expected a string, got " + type_phrase(*v));
+      return;
+    }
+    if (const std::optional<TokenizerSpec> t = parse_tokenizer_spec(v->get<std::string>()))
+      out = *t;
+    else
+      problems_.add(path(key), show(*v),
+                    "must be \"gpt2:<directory with encoder.json and vocab.bpe>\" or \"sentencepiece:<model file>\"");
+  }
+
+  // "auto", "none" or a checkpoint's path (an empty one is rejected by the rules).
+  void resume(const char* key, ResumeSpec& out) {
+    const json* v = find(key);
+    if (!v) return;
+    if (v->is_string())
+      out = parse_resume_spec(v->get<std::string>());
+    else
+      problems_.add(path(key), show(*v), "expected a string, got " + type_phrase(*v));
   }
 
   // A list of integers, e.g. [5, 4, 4, 3].
@@ -524,7 +539,10 @@ class SectionWriter {
   }
   void text(const char* key, const std::string& v) { out_[key] = v; }
   void integers(const char* key, const std::vector<int64_t>& v) { out_[key] = v; }
-  void choice(const char* key, const std::string& v, const Choices&) { out_[key] = v; }
+  template <ConfigEnum E>
+  void choice(const char* key, const E& v) { out_[key] = std::string(to_string(v)); }
+  void tokenizer(const char* key, const TokenizerSpec& v) { out_[key] = to_string(v); }
+  void resume(const char* key, const ResumeSpec& v) { out_[key] = to_string(v); }
   void sources(const char* key, const std::vector<DataSource>& v) {
     json list = json::array();
     for (const DataSource& s : v) list.push_back({{"path", s.path}, {"weight", s.weight}});

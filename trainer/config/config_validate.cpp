@@ -76,18 +76,19 @@ void check_pipeline(const Config& c, Rules& r) {
              "model.num_layers"}))
     return;
   const int64_t pp = p.pp, vp = p.virtual_stages, L = c.model.num_layers, stages = pp * vp;
-  if (p.schedule == "interleaved")
+  if (p.schedule == ScheduleKind::INTERLEAVED)
     r.require(pp >= 2, "parallel.schedule", p.schedule,
               fmt::format("the interleaved schedule splits each pipeline rank's layers into chunks and needs "
                           "parallel.pp >= 2 (it is {}); with pp 1 use \"1f1b\" (the default) and "
                           "parallel.virtual_stages 1", pp));
-  if (p.schedule == "interleaved")
+  if (p.schedule == ScheduleKind::INTERLEAVED)
     r.require(vp >= 2, "parallel.virtual_stages", vp,
               "the interleaved schedule needs parallel.virtual_stages >= 2 model chunks per pipeline rank "
               "(with 1 it is the 1f1b schedule)");
   else
     r.require(vp == 1, "parallel.virtual_stages", vp,
-              fmt::format("virtual stages need parallel.schedule \"interleaved\" (it is \"{}\")", p.schedule));
+              fmt::format("virtual stages need parallel.schedule \"interleaved\" (it is \"{}\")",
+                          to_string(p.schedule)));
   if (!r.ok({"parallel.virtual_stages"})) return;
   if (!p.stage_layers.empty()) {
     int64_t sum = 0;
@@ -110,7 +111,7 @@ void check_pipeline(const Config& c, Rules& r) {
                           "parallel.stage_layers = [{}]", pp, vp, stages, L, stages,
                           static_cast<double>(L) / static_cast<double>(stages), hint));
   }
-  if (p.schedule == "interleaved" && vp >= 2 &&
+  if (p.schedule == ScheduleKind::INTERLEAVED && vp >= 2 &&
       r.ok({"training.global_batch_size", "training.micro_batch_size", "parallel.dp"})) {
     const int64_t m = c.grad_accum_steps();
     r.require(m % pp == 0, "training.global_batch_size", c.training.global_batch_size,
@@ -130,7 +131,7 @@ void check_pipeline(const Config& c, Rules& r) {
 void check_loss_scaling(const Config& c, Rules& r) {
   const TrainingConfig& t = c.training;
   const TrainingConfig defaults;
-  const bool fp16 = t.precision == "fp16";
+  const bool fp16 = t.precision == Precision::FP16;
   const struct {
     const char* path;
     bool set;  // differs from its default
@@ -150,7 +151,7 @@ void check_loss_scaling(const Config& c, Rules& r) {
       r.require(false, k.path, k.value,
                 fmt::format("loss scaling applies to training.precision \"fp16\" only (it is \"{}\", whose "
                             "exponent range is fp32's: nothing to scale); remove {} or set training.precision "
-                            "to \"fp16\"", t.precision, k.path));
+                            "to \"fp16\"", to_string(t.precision), k.path));
     else if (k.dynamic_only && t.loss_scale > 0.0 && r.ok({"training.loss_scale"}))
       r.require(false, k.path, k.value,
                 fmt::format("applies to dynamic loss scaling only, but training.loss_scale is {} (a static "
@@ -160,14 +161,14 @@ void check_loss_scaling(const Config& c, Rules& r) {
   if (fp16 && t.loss_scale == 0.0 && r.ok({"training.min_loss_scale", "training.initial_loss_scale"}))
     r.require(t.min_loss_scale <= t.initial_loss_scale, "training.min_loss_scale", t.min_loss_scale,
               fmt::format("must be <= training.initial_loss_scale ({})", json(t.initial_loss_scale).dump()));
-  const std::string& gc = c.parallel.grad_compression;
-  if (fp16 && (gc == "onebit" || gc == "int8") && r.ok({"parallel.grad_compression"}))
+  const GradCompression gc = c.parallel.grad_compression;
+  if (fp16 && (gc == GradCompression::ONEBIT || gc == GradCompression::INT8) && r.ok({"parallel.grad_compression"}))
     r.require(false, "parallel.grad_compression", gc,
               fmt::format("cannot be combined with training.precision \"fp16\": {}'s error feedback carries "
                           "each step's compression error into later steps, where the loss scale may differ, "
                           "and a step skipped for an fp16 overflow would already have changed it; use "
                           "parallel.grad_compression \"none\" or \"bf16\", or training.precision \"bf16\" "
-                          "(which needs no loss scaling)", gc));
+                          "(which needs no loss scaling)", to_string(gc)));
 }
 
 void check_ranges(const Config& c, Rules& r) {
@@ -210,7 +211,7 @@ void check_ranges(const Config& c, Rules& r) {
 
   const TrainingConfig& t = c.training;
 #if !defined(TETRA_HAVE_CUDA)
-  r.require(t.device != "cuda", "training.device", t.device,
+  r.require(t.device != Device::CUDA, "training.device", t.device,
             "this tetra was built without the CUDA backend (no nvcc found, or -DTETRA_CUDA=OFF): rebuild "
             "with -DTETRA_CUDA=ON where the CUDA Toolkit is installed, or set training.device to \"cpu\"");
 #endif
@@ -251,16 +252,12 @@ void check_ranges(const Config& c, Rules& r) {
 
   r.at_least("checkpoint.every", c.checkpoint.every, 0);
   r.at_least("checkpoint.keep", c.checkpoint.keep, 0);
-  r.require(!c.checkpoint.resume.empty(), "checkpoint.resume", c.checkpoint.resume,
+  r.require(!(c.checkpoint.resume.kind == ResumeKind::PATH && c.checkpoint.resume.path.empty()), "checkpoint.resume",
+            to_string(c.checkpoint.resume),
             "must be \"auto\", \"none\" or the path of a checkpoint directory");
   r.at_least("sample.max_tokens", c.sample.max_tokens, 1);
   r.non_negative("sample.temperature", c.sample.temperature);
   r.at_least("sample.top_k", c.sample.top_k, 0);
-  if (!c.data.tokenizer.empty())
-    r.require(c.data.tokenizer.rfind("gpt2:", 0) == 0 || c.data.tokenizer.rfind("sentencepiece:", 0) == 0,
-              "data.tokenizer", c.data.tokenizer,
-              "must be \"gpt2:<directory with encoder.json and vocab.bpe>\" or "
-              "\"sentencepiece:<model file>\"");
   if (!c.data.split.empty()) {
     const std::vector<double> parts = parse_data_split(c.data.split);
     r.require(!parts.empty(), "data.split", c.data.split,
@@ -295,20 +292,15 @@ void resolve(Config& c, Rules& r) {
   for (size_t i = 0; i < c.data.train.size(); ++i) expand(fmt::format("data.train[{}].path", i), c.data.train[i].path, r);
   for (size_t i = 0; i < c.data.valid.size(); ++i) expand(fmt::format("data.valid[{}].path", i), c.data.valid[i].path, r);
   // data.tokenizer is "kind:path": expand the path part.
-  if (const size_t colon = c.data.tokenizer.find(':'); colon != std::string::npos) {
-    std::string path = c.data.tokenizer.substr(colon + 1);
-    expand("data.tokenizer", path, r);
-    c.data.tokenizer = c.data.tokenizer.substr(0, colon + 1) + path;
-  }
+  if (!c.data.tokenizer.empty()) expand("data.tokenizer", c.data.tokenizer.path, r);
   expand("logging.dir", c.logging.dir, r);
   expand("checkpoint.dir", c.checkpoint.dir, r);
-  if (c.checkpoint.resume != "auto" && c.checkpoint.resume != "none")
-    expand("checkpoint.resume", c.checkpoint.resume, r);
+  if (c.checkpoint.resume.kind == ResumeKind::PATH) expand("checkpoint.resume", c.checkpoint.resume.path, r);
   ModelConfig& m = c.model;
   if (m.num_kv_heads == 0 && r.ok({"model.num_kv_heads", "model.num_heads"}))
     m.num_kv_heads = m.num_heads;
   if (m.ffn_hidden_size == 0 && r.ok({"model.ffn_hidden_size", "model.hidden_size"})) {
-    if (m.activation == "swiglu")
+    if (m.activation == Activation::SWIGLU)
       m.ffn_hidden_size = (8 * m.hidden_size / 3 + 63) / 64 * 64;
     else
       m.ffn_hidden_size = 4 * m.hidden_size;
@@ -326,7 +318,7 @@ void check_cross_field(const Config& c, Rules& r) {
   if (r.ok({"model.hidden_size", "model.num_heads"})) {
     r.require(m.hidden_size % m.num_heads == 0, "model.hidden_size", m.hidden_size,
               fmt::format("must be divisible by model.num_heads ({})", m.num_heads));
-    if (m.position == "rope" && m.hidden_size % m.num_heads == 0)
+    if (m.position == Position::ROPE && m.hidden_size % m.num_heads == 0)
       r.require(m.head_size() % 2 == 0, "model.hidden_size", m.hidden_size,
                 fmt::format("with model.position \"rope\" the head size hidden_size / num_heads "
                             "({} / {} = {}) must be even",
@@ -364,7 +356,7 @@ void check_cross_field(const Config& c, Rules& r) {
               fmt::format("model.moe.ffn_hidden_size ({}) must be a multiple of parallel.tp ({})",
                           moe.ffn_hidden_size, c.parallel.tp));
     if (r.ok({"model.activation", "model.bias"}))
-      r.require(!(m.activation == "swiglu" && m.bias), "model.bias", true,
+      r.require(!(m.activation == Activation::SWIGLU && m.bias), "model.bias", true,
                 fmt::format("the experts' swiglu fc biases cannot be split over parallel.tp ({}) yet: set "
                             "model.bias to false (as Llama-style models have it) or parallel.tp to 1",
                             c.parallel.tp));

@@ -1,21 +1,37 @@
-// load_tokenizer: the spec strings of configs and the command line ("gpt2:<dir>",
-// "sentencepiece:<model file>") to a tokenizer. The tokenizers themselves live in
+// load_tokenizer: data.tokenizer, or the command line's spec string ("gpt2:<dir>",
+// "sentencepiece:<model file>"), to a tokenizer. The tokenizers themselves live in
 // tokenizer_gpt2.cpp and tokenizer_sentencepiece.cpp.
+#include <fmt/format.h>
+
 #include "kernels/common/check.h"
 #include "trainer/data/tokenizer.h"
 
 namespace tetra {
 
+namespace {
+
+[[noreturn]] void bad_spec(const std::string& spec) {
+  throw InputError(fmt::format("tokenizer \"{}\": expected \"gpt2:<directory with encoder.json and "
+                               "vocab.bpe>\" (scripts/data.sh fetches them) or \"sentencepiece:<model file>\"",
+                               spec));
+}
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> load_tokenizer(const TokenizerSpec& spec) {
+  if (spec.path.empty()) bad_spec(to_string(spec));
+  switch (spec.kind) {
+    case TokenizerKind::GPT2: return load_gpt2_tokenizer(spec.path);
+    case TokenizerKind::SENTENCEPIECE: return load_sentencepiece_tokenizer(spec.path);
+    case TokenizerKind::NONE: break;
+  }
+  bad_spec(to_string(spec));
+}
+
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {
-  const size_t colon = spec.find(':');
-  const std::string kind = spec.substr(0, colon);
-  const std::string path = colon == std::string::npos ? "" : spec.substr(colon + 1);
-  TETRA_INPUT_CHECK((kind == "gpt2" || kind == "sentencepiece") && !path.empty(),
-                    "tokenizer \"{}\": expected \"gpt2:<directory with encoder.json and "
-                    "vocab.bpe>\" (scripts/data.sh fetches them) or \"sentencepiece:<model file>\"",
-                    spec);
-  if (kind == "gpt2") return load_gpt2_tokenizer(path);
-  return load_sentencepiece_tokenizer(path);
+  const std::optional<TokenizerSpec> parsed = parse_tokenizer_spec(spec);
+  if (!parsed || parsed->path.empty()) bad_spec(spec);
+  return load_tokenizer(*parsed);
 }
 
 }  // namespace tetra

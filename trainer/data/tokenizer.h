@@ -22,6 +22,8 @@
 #include <string_view>
 #include <vector>
 
+#include "trainer/config/config.h"
+
 namespace tetra {
 
 class Tokenizer {
@@ -46,7 +48,9 @@ std::unique_ptr<Tokenizer> load_gpt2_tokenizer(const std::string& dir);
 // that do not form valid UTF-8 decode to U+FFFD.
 std::unique_ptr<Tokenizer> load_sentencepiece_tokenizer(const std::string& model_file);
 
-// "gpt2:<dir>" or "sentencepiece:<model file>" (what configs and the CLI use)
+// data.tokenizer's tokenizer; or one given as "gpt2:<dir>" or "sentencepiece:<model file>" (the
+// command line's spelling). InputError naming the spec for any other.
+std::unique_ptr<Tokenizer> load_tokenizer(const TokenizerSpec& spec);
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec);
 
 struct SentencePieceTrainOptions {

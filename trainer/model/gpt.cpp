@@ -21,7 +21,7 @@ ModelDims ModelDims::from(const ModelConfig& m, int64_t micro_batch, int64_t tp,
   d.NH = m.num_heads / tp;
   d.NKV = m.num_kv_heads / tp;
   d.F = m.ffn_hidden_size / tp;
-  d.FC = m.activation == "swiglu" ? 2 * d.F : d.F;
+  d.FC = m.activation == Activation::SWIGLU ? 2 * d.F : d.F;
   d.V = m.vocab_size / tp;
   d.L = m.num_layers;
   d.QKV = (d.NH + 2 * d.NKV) * d.HS;
@@ -166,10 +166,10 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   TETRA_CHECK(slots >= 1, "a model chunk needs at least one activation slot, not {}", slots);
   apply_shape(d_, shape);
   tp_ = std::make_unique<TensorParallel>(tp, layout.slicing.sequence_parallel, be, act, d_.N(), d_.C);
-  norm_ = cfg.norm == "rmsnorm" ? NormKind::RMSNORM : NormKind::LAYERNORM;
+  norm_ = cfg.norm == Norm::RMSNORM ? NormKind::RMSNORM : NormKind::LAYERNORM;
   eps_ = static_cast<float>(cfg.norm_eps);
-  rope_ = cfg.position == "rope";
-  swiglu_ = cfg.activation == "swiglu";
+  rope_ = cfg.position == Position::ROPE;
+  swiglu_ = cfg.activation == Activation::SWIGLU;
   {
     ArenaCarver measure(nullptr);
     Acts unused;

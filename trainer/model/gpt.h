@@ -160,8 +160,8 @@ class Gpt {
   ModelDims d_;
   NormKind norm_;
   float eps_;
-  bool rope_;    // position == "rope"
-  bool swiglu_;  // activation == "swiglu"
+  bool rope_;    // position == Position::ROPE
+  bool swiglu_;  // activation == Activation::SWIGLU
   size_t arena_bytes_ = 0;
   BackendBuffer arena_;
   std::unique_ptr<Acts> a_;

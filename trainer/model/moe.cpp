@@ -126,7 +126,7 @@ Sizes sizes_of(const ModelConfig& cfg, int64_t N, int64_t ep, int64_t tp) {
   s.ep = ep;
   s.El = s.E / ep;
   s.F = m.ffn_hidden_size / tp;
-  s.FC = cfg.activation == "swiglu" ? 2 * s.F : s.F;
+  s.FC = cfg.activation == Activation::SWIGLU ? 2 * s.F : s.F;
   s.cap = moe_capacity(m, N);
   s.M_max = s.cap < 0 ? N * s.K : std::min(N * s.K, s.E * s.cap);
   // Worst case at the experts: every EP rank sends all its (kept) rows here.
@@ -209,7 +209,7 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   M_max_ = z.M_max, R_max_ = z.R_max;
   e0_ = layout.slicing.ep_rank * El_;
   dispatcher_ = std::make_unique<ExpertDispatcher>(ep_, be, act, C_, E_);
-  swiglu_ = cfg.activation == "swiglu";
+  swiglu_ = cfg.activation == Activation::SWIGLU;
   std::vector<Layer*> ptrs;
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     index_of_layer_.push_back(cfg.moe.is_moe_layer(l) ? static_cast<int>(layers_.size()) : -1);

@@ -48,7 +48,7 @@ ExchangePlan plan_exchange(const Config& cfg, const ParamLayout& part, int64_t s
   plan.begin = part.groups.front().first;
   plan.end = part.groups.back().second;
   plan.sharded = cfg.parallel.distributed_optimizer && size > 1;
-  plan.codec = cfg.parallel.grad_compression == "int8" ? Codec::INT8 : Codec::SIGN;
+  plan.codec = cfg.parallel.grad_compression == GradCompression::INT8 ? Codec::INT8 : Codec::SIGN;
   const bool tied_across_stages = cfg.model.tie_embeddings && cfg.parallel.pp > 1;
   for (const ParamSpec& p : part.params) {
     if (tied_across_stages && p.name == "embedding.wte") {

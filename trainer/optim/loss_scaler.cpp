@@ -25,7 +25,8 @@ LossScaler::LossScaler(const TrainingConfig& tc)
       window_(tc.loss_scale_window),
       hysteresis_(tc.hysteresis),
       max_floor_overflows_(tc.max_skipped_steps) {
-  TETRA_CHECK(tc.precision == "fp16", "loss scaling is for training.precision fp16, not {}", tc.precision);
+  TETRA_CHECK(tc.precision == Precision::FP16, "loss scaling is for training.precision fp16, not {}",
+              to_string(tc.precision));
   TETRA_CHECK(window_ >= 1 && hysteresis_ >= 1 && min_scale_ > 0.0,
               "loss scaler: loss_scale_window {}, hysteresis {}, min_loss_scale {}", window_, hysteresis_,
               min_scale_);

@@ -95,7 +95,7 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
     const int64_t buckets = static_cast<int64_t>(plan_buckets(part, par.bucket_size).size());
     const int64_t numel = part.groups.back().second - part.groups.front().first;
     const CommOp reduce = par.distributed_optimizer ? CommOp::REDUCE_SCATTER : CommOp::ALL_REDUCE;
-    if (onebit_compressed || par.grad_compression == "int8") {
+    if (onebit_compressed || par.grad_compression == GradCompression::INT8) {
       const ExchangePlan plan = plan_exchange(cfg, part, size);
       const int64_t message_bytes = size * plan.chunks.words * 2;
       g.add(CommOp::ALL_TO_ALL, 1, message_bytes);
@@ -118,7 +118,7 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
       norm_group.add(CommOp::ALL_REDUCE, 1, 4);  // gradient norm over the shards
     }
   };
-  reduction(v.dp, layout_part(layout, false), par.dp, v.dp, par.grad_compression == "bf16");
+  reduction(v.dp, layout_part(layout, false), par.dp, v.dp, par.grad_compression == GradCompression::BF16);
   if (par.dp > 1) v.dp.add(CommOp::ALL_REDUCE, 1, 4);  // the step's loss
   const MoeConfig& moe = cfg.model.moe;
   if (moe.enabled()) {

@@ -12,20 +12,11 @@
 namespace tetra {
 
 ScheduleKind schedule_kind(const std::string& name) {
-  if (name == "gpipe") return ScheduleKind::GPIPE;
-  if (name == "1f1b") return ScheduleKind::ONE_F_ONE_B;
-  if (name == "interleaved") return ScheduleKind::INTERLEAVED;
+  if (const std::optional<ScheduleKind> kind = enum_from_string<ScheduleKind>(name)) return *kind;
   throw Error(fmt::format("unknown pipeline schedule \"{}\": use gpipe, 1f1b or interleaved", name));
 }
 
-const char* schedule_name(ScheduleKind kind) {
-  switch (kind) {
-    case ScheduleKind::GPIPE: return "gpipe";
-    case ScheduleKind::ONE_F_ONE_B: return "1f1b";
-    case ScheduleKind::INTERLEAVED: return "interleaved";
-  }
-  return "?";
-}
+const char* schedule_name(ScheduleKind kind) { return to_string(kind).data(); }
 
 namespace {
 

@@ -22,10 +22,11 @@
 #include <string>
 #include <vector>
 
+#include "trainer/config/config.h"
+
 namespace tetra {
 
-enum class ScheduleKind : uint8_t { GPIPE, ONE_F_ONE_B, INTERLEAVED };
-
+// ScheduleKind (parallel.schedule) is config.h's.
 // "gpipe" | "1f1b" | "interleaved"; throws on anything else.
 ScheduleKind schedule_kind(const std::string& name);
 const char* schedule_name(ScheduleKind kind);

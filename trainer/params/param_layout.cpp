@@ -141,8 +141,8 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
   TETRA_CHECK(slicing.group_align >= kAlign && slicing.group_align % kAlign == 0,
               "group_align {} must be a positive multiple of {}", slicing.group_align, kAlign);
   const int64_t NHl = NH / p, NKVl = NKV / p, Fl = F / p, Vl = V / p;
-  const bool swiglu = m.activation == "swiglu";
-  const bool norm_bias = m.norm == "layernorm" && m.bias;
+  const bool swiglu = m.activation == Activation::SWIGLU;
+  const bool norm_bias = m.norm == Norm::LAYERNORM && m.bias;
 
   StageSlice stage = stage_in;
   if (stage.chunks.empty()) stage.chunks = {{0, m.num_layers}};
@@ -167,7 +167,7 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
   if (stage.first) {
     layout.embedding_group = b.group;
     layout.wte = b.add("embedding.wte", {V, C}, ParamInit::NORMAL, true, m.tie_embeddings, vocab_rows);
-    if (m.position == "learned")
+    if (m.position == Position::LEARNED)
       layout.wpe = b.add("embedding.wpe", {m.seq_len, C}, ParamInit::NORMAL, false, false);
     b.end_group();
   }

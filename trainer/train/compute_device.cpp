@@ -44,7 +44,7 @@ ComputeDevice make_compute_device(const TrainingConfig& training, DType act, con
                                   bool want_peak) {
   ComputeDevice d;
   const bool peak_given = training.peak_gflops > 0;
-  if (training.device == "cuda") {
+  if (training.device == Device::CUDA) {
 #if defined(TETRA_HAVE_CUDA)
     const int count = cuda_device_count();
     if (count == 0) {
@@ -72,7 +72,7 @@ ComputeDevice make_compute_device(const TrainingConfig& training, DType act, con
         "training.device to \"cpu\"");
 #endif
   }
-  TETRA_CHECK(training.device == "cpu", "unknown training.device {}", training.device);
+  TETRA_CHECK(training.device == Device::CPU, "unknown training.device {}", to_string(training.device));
   d.backend = make_cpu_backend(static_cast<int>(training.threads));
   if (device.guarded_memory) {
     // On stderr, from every rank (and not on stdout, which `tetra generate` keeps for its text).

@@ -30,7 +30,7 @@ std::unique_ptr<Tokenizer> load_sampling_tokenizer(const Config& cfg) {
   if (tok->vocab_size() > cfg.model.vocab_size)
     throw InputError(fmt::format("data.tokenizer {} has {} tokens but model.vocab_size is {}: the model "
                                  "cannot have been trained on its ids",
-                                 cfg.data.tokenizer, tok->vocab_size(), cfg.model.vocab_size));
+                                 to_string(cfg.data.tokenizer), tok->vocab_size(), cfg.model.vocab_size));
   return tok;
 }
 

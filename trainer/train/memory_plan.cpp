@@ -34,8 +34,9 @@ ParamLayout rank_layout(const Config& cfg, int64_t tp_rank, int64_t pp_rank, int
   slicing.ep_rank = ep_rank;
   slicing.sequence_parallel = cfg.parallel.sequence_parallel;
   // Buckets split into dp aligned shards: the distributed optimizer's, and onebit's and int8's chunks.
-  const bool shards = cfg.parallel.distributed_optimizer || cfg.parallel.grad_compression == "onebit" ||
-                      cfg.parallel.grad_compression == "int8";
+  const GradCompression gc = cfg.parallel.grad_compression;
+  const bool shards =
+      cfg.parallel.distributed_optimizer || gc == GradCompression::ONEBIT || gc == GradCompression::INT8;
   slicing.group_align = shards ? 16 * cfg.parallel.dp : 16;
   return ParamLayout::build(cfg.model, slicing, stage_slice(cfg, pp_rank));
 }
@@ -58,9 +59,10 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   // sharded onebit, the whole frozen variance; on a GPU also the host staging of the gradient (and
   // for onebit of the variance, and for plain onebit of the momentum).
   const size_t dp = static_cast<size_t>(cfg.parallel.dp);
-  m.on_device = cfg.training.device != "cpu";
-  if (dp > 1 && cfg.parallel.grad_compression == "bf16") m.grads += n * 2;
-  const bool onebit = cfg.parallel.grad_compression == "onebit", int8 = cfg.parallel.grad_compression == "int8";
+  m.on_device = cfg.training.device != Device::CPU;
+  const GradCompression gc = cfg.parallel.grad_compression;
+  if (dp > 1 && gc == GradCompression::BF16) m.grads += n * 2;
+  const bool onebit = gc == GradCompression::ONEBIT, int8 = gc == GradCompression::INT8;
   if (dp > 1 && (onebit || int8)) {
     m.compression = 2 * n * 4 + 2 * (n / dp) * 4 + (onebit ? n / 2 : 2 * n);
     if (onebit && cfg.parallel.distributed_optimizer) m.compression += n * 4;

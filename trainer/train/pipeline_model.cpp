@@ -26,7 +26,7 @@ StageSlice stage_slice(const Config& cfg, int64_t pp_rank) {
 }
 
 PipelineSchedule make_schedule(const Config& cfg, int64_t micro_batches) {
-  return PipelineSchedule::build(schedule_kind(cfg.parallel.schedule), static_cast<int>(cfg.parallel.pp),
+  return PipelineSchedule::build(cfg.parallel.schedule, static_cast<int>(cfg.parallel.pp),
                                  static_cast<int>(cfg.parallel.virtual_stages), static_cast<int>(micro_batches));
 }
 

@@ -46,8 +46,8 @@ void log_run_report(const RunReport& report, const RunEnvironment& env) {
                "vocab {}, seq_len {}, {} + {} + {} positions",
                stats.params, stats.matmul_params, cfg.model.num_layers, cfg.model.hidden_size,
                cfg.model.num_heads, cfg.model.num_kv_heads, cfg.model.ffn_hidden_size,
-               cfg.model.vocab_size, cfg.model.seq_len, cfg.model.norm, cfg.model.activation,
-               cfg.model.position);
+               cfg.model.vocab_size, cfg.model.seq_len, to_string(cfg.model.norm), to_string(cfg.model.activation),
+               to_string(cfg.model.position));
   if (cfg.model.moe.enabled())
     spdlog::info("moe: {} experts (ffn {}), top-{}, every {} blocks, {}; {} active parameters per token; ep {}",
                  cfg.model.moe.num_experts, cfg.model.moe.ffn_hidden_size, cfg.model.moe.top_k, cfg.model.moe.every,
@@ -55,12 +55,12 @@ void log_run_report(const RunReport& report, const RunEnvironment& env) {
                                                : std::string("dropless"),
                  stats.active_params, cfg.parallel.ep);
   spdlog::info("layout: {} ranks = tp {} x pp {} x dp {} (order {}){}{}; {} gradient bucket(s)",
-               env.world, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.order,
+               env.world, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, to_string(cfg.parallel.order),
                cfg.parallel.sequence_parallel ? ", sequence parallel" : "",
                cfg.parallel.distributed_optimizer ? ", distributed optimizer" : "", env.gradient_buckets);
   spdlog::info("run: backend {} per rank, precision {}, micro-batch {} x {} accumulation "
                "x dp {} = global batch {} ({} tokens/step), {} steps, {:.2f} GFLOP/token",
-               env.backend, cfg.training.precision, B, cfg.grad_accum_steps(), cfg.parallel.dp,
+               env.backend, to_string(cfg.training.precision), B, cfg.grad_accum_steps(), cfg.parallel.dp,
                cfg.training.global_batch_size, cfg.training.global_batch_size * T, cfg.training.steps,
                stats.train_flops_per_token / 1e9);
   spdlog::info("memory per rank: {:.1f} MiB (weights {:.1f}, grads {:.1f}, optimizer {:.1f}, activations "
@@ -75,7 +75,7 @@ void log_run_report(const RunReport& report, const RunEnvironment& env) {
     spdlog::info("samples: at each evaluation, up to {} tokens after \"{}\" (temperature {}, top-k {}, "
                  "seed {}, tokenizer {})",
                  cfg.sample.max_tokens, escape_text(cfg.sample.prompt), cfg.sample.temperature,
-                 cfg.sample.top_k, cfg.sample.seed, cfg.data.tokenizer);
+                 cfg.sample.top_k, cfg.sample.seed, to_string(cfg.data.tokenizer));
   else if (!cfg.sample.prompt.empty() && cfg.training.eval_steps == 0)
     spdlog::info("samples: none during training (sample.prompt is set but training.eval_steps is 0)");
   if (env.world > 1)
@@ -116,15 +116,15 @@ std::string dry_run_report(const Config& cfg) {
                  cfg.training.micro_batch_size, par.dp);
   fmt::format_to(out, "layout:            {} ranks = tp {} x pp {} x dp {}{}, order {}{}{}\n",
                  par.tp * par.pp * par.dp, par.tp, par.pp, par.dp,
-                 par.ep > 1 ? fmt::format(" (ep {} x edp {})", par.ep, par.dp / par.ep) : "", par.order,
+                 par.ep > 1 ? fmt::format(" (ep {} x edp {})", par.ep, par.dp / par.ep) : "", to_string(par.order),
                  par.sequence_parallel ? ", sequence parallel" : "",
                  par.distributed_optimizer ? ", distributed optimizer" : "");
   if (par.pp > 1) {
     const PipelineSchedule schedule = make_schedule(cfg, cfg.grad_accum_steps());
     fmt::format_to(out, "pipeline:          schedule {}, {} stages ({} x {} chunk(s)), {} micro-batches per step, "
                    "ideal bubble {:.1f}%\n",
-                   par.schedule, par.pp * par.virtual_stages, par.pp, par.virtual_stages, cfg.grad_accum_steps(),
-                   100.0 * schedule.ideal_bubble());
+                   to_string(par.schedule), par.pp * par.virtual_stages, par.pp, par.virtual_stages,
+                   cfg.grad_accum_steps(), 100.0 * schedule.ideal_bubble());
     for (int64_t r = 0; r < par.pp; ++r) {
       const StageSlice st = stage_slice(cfg, r);
       std::string layers;
@@ -141,8 +141,9 @@ std::string dry_run_report(const Config& cfg) {
                      ? fmt::format(": {} on the GPU, {} on the host", mib(mem.device_bytes()), mib(mem.host_bytes()))
                      : std::string());
   fmt::format_to(out, "  master weights   {} (fp32{})\n", mib(mem.master),
-                 par.distributed_optimizer && cfg.training.precision != "fp32" ? ", 1/dp shard" : "");
-  if (mem.compute) fmt::format_to(out, "  compute weights  {} ({})\n", mib(mem.compute), cfg.training.precision);
+                 par.distributed_optimizer && cfg.training.precision != Precision::FP32 ? ", 1/dp shard" : "");
+  if (mem.compute)
+    fmt::format_to(out, "  compute weights  {} ({})\n", mib(mem.compute), to_string(cfg.training.precision));
   fmt::format_to(out, "  gradients        {} (fp32)\n", mib(mem.grads));
   fmt::format_to(out, "  optimizer        {} (AdamW moments, fp32{})\n", mib(mem.optimizer),
                  par.distributed_optimizer ? ", 1/dp shard" : "");
@@ -157,7 +158,7 @@ std::string dry_run_report(const Config& cfg) {
                  cfg.training.micro_batch_size);
   if (mem.compression)
     fmt::format_to(out, "  compression      {} ({}: error feedback and messages{}, host memory)\n",
-                   mib(mem.compression), par.grad_compression,
+                   mib(mem.compression), to_string(par.grad_compression),
                    mem.on_device ? ", staging of the gradient and moments" : "");
   fmt::format_to(out, "  batch buffers    {}\n", mib(mem.batch));
   if (mem.sampling)

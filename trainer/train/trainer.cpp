@@ -130,7 +130,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
 
   model_ = std::make_unique<PipelineModel>(cfg, layout_, *be_, act_, groups, accum_, tokens_, targets_, losses_);
   grad_buffer_ = std::make_unique<GradBuffers>(layout_, *be_, grads_, groups, cfg.parallel.distributed_optimizer,
-                                               cfg.parallel.bucket_size, cfg.parallel.grad_compression == "bf16");
+                                               cfg.parallel.bucket_size,
+                                               cfg.parallel.grad_compression == GradCompression::BF16);
   updater_ = std::make_unique<Updater>(cfg, layout_, *be_, *grad_buffer_, groups, act_, master_, compute_, grads_);
   if (updater_->holds_master_weights()) {
     be_->free(master_);
@@ -303,7 +304,7 @@ PipelineMetrics Trainer::pipeline_metrics() {
   std::vector<float> all(static_cast<size_t>(2 * n));
   be_->copy_to_host(all.data(), dev + 2, all.size() * 4);
   PipelineMetrics p;
-  p.schedule = cfg_.parallel.schedule;
+  p.schedule = to_string(cfg_.parallel.schedule);
   p.ideal_bubble = model_->schedule().ideal_bubble();
   for (int r = 0; r < n; ++r) {
     p.bubble_per_rank.push_back(all[static_cast<size_t>(2 * r)]);

@@ -23,9 +23,9 @@ Updater::Updater(const Config& cfg, const ParamLayout& layout, Backend& be, Grad
   const bool shard_optimizer = cfg.parallel.distributed_optimizer && cfg.parallel.dp > 1;
   const bool optimizer_owns_master = shard_optimizer && act_ != DType::F32;
   optimizer_ = std::make_unique<AdamW>(cfg.optimizer, layout, be, grad_buffers.owned(), optimizer_owns_master, master);
-  if (cfg.parallel.grad_compression == "onebit")
+  if (cfg.parallel.grad_compression == GradCompression::ONEBIT)
     onebit_ = std::make_unique<OnebitAdam>(cfg, layout, be, grad_buffers, *optimizer_, groups);
-  if (cfg.parallel.grad_compression == "int8")
+  if (cfg.parallel.grad_compression == GradCompression::INT8)
     int8_ = std::make_unique<CompressedReduction>(cfg, be, grad_buffers, groups);
   if (act_ == DType::F16) scaler_ = std::make_unique<LossScaler>(cfg.training);
   if (optimizer_owns_master) master_ = nullptr;
