@@ -3,7 +3,6 @@
 
 #include <cstring>
 #include <filesystem>
-#include <functional>
 #include <map>
 
 #include <fmt/format.h>
@@ -167,16 +166,12 @@ GeneratedText generate_command(const Config& config, const std::string& weights_
   const DType act = precision_dtype(cfg.training.precision);
   std::unique_ptr<Backend> be =
       make_compute_device(cfg.training, act, device, /*want_peak=*/false).backend;
-  // Backend buffers, freed before the backend goes.
-  auto buffer = [&](size_t bytes) {
-    return std::unique_ptr<void, std::function<void(void*)>>(be->alloc(bytes),
-                                                             [b = be.get()](void* p) { b->free(p); });
-  };
-  auto weights = buffer(static_cast<size_t>(layout.total) * dtype_size(act));
+  // Backend buffers (declared after `be`, so freed before it goes).
+  BackendBuffer weights(*be, static_cast<size_t>(layout.total) * dtype_size(act));
   if (act == DType::F32) {
     be->copy_from_host(weights.get(), host.data(), host.size() * 4);
   } else {
-    auto master = buffer(host.size() * 4);
+    BackendBuffer master(*be, host.size() * 4);
     be->copy_from_host(master.get(), host.data(), host.size() * 4);
     be->cast(weights.get(), act, master.get(), DType::F32, layout.total);
   }

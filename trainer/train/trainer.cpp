@@ -96,8 +96,10 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   be_ = std::move(device.backend);
   groups.use_backend_memory(backend_comm_factory(*be_, device_opts));
   const size_t n = static_cast<size_t>(layout_.total);
-  master_ = static_cast<float*>(be_->alloc(n * 4));
-  grads_ = static_cast<float*>(be_->alloc(n * 4));
+  master_buf_ = BackendBuffer(*be_, n * 4);
+  grads_buf_ = BackendBuffer(*be_, n * 4);
+  master_ = master_buf_.as<float>();
+  grads_ = grads_buf_.as<float>();
   be_->memset_zero(grads_, n * 4);
   if (be_->host_memory()) {
     init_params(layout_, cfg.model, cfg.training.seed, master_);
@@ -109,7 +111,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   if (act_ == DType::F32) {
     compute_ = master_;
   } else {
-    compute_ = be_->alloc(n * dtype_size(act_));
+    compute_buf_ = BackendBuffer(*be_, n * dtype_size(act_));
+    compute_ = compute_buf_.get();
     be_->cast(compute_, act_, master_, DType::F32, layout_.total);
   }
   if (!dump_dir.empty()) {
@@ -119,11 +122,17 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                                         });
     dump_->initial_weights(master_);
   }
-  tokens_ = static_cast<int32_t*>(be_->alloc(static_cast<size_t>(accum_ * rows_) * 4));
-  targets_ = static_cast<int32_t*>(be_->alloc(static_cast<size_t>(accum_ * rows_) * 4));
-  losses_ = static_cast<float*>(be_->alloc(static_cast<size_t>(accum_ * rows_) * 4));
-  scalar_ = static_cast<float*>(be_->alloc(64));
-  pipe_scratch_ = static_cast<float*>(be_->alloc(static_cast<size_t>(2 * cfg.parallel.pp + 2) * 4));
+  const size_t batch_bytes = static_cast<size_t>(accum_ * rows_) * 4;
+  tokens_buf_ = BackendBuffer(*be_, batch_bytes);
+  targets_buf_ = BackendBuffer(*be_, batch_bytes);
+  losses_buf_ = BackendBuffer(*be_, batch_bytes);
+  scalar_buf_ = BackendBuffer(*be_, 64);
+  pipe_scratch_buf_ = BackendBuffer(*be_, static_cast<size_t>(2 * cfg.parallel.pp + 2) * 4);
+  tokens_ = tokens_buf_.as<int32_t>();
+  targets_ = targets_buf_.as<int32_t>();
+  losses_ = losses_buf_.as<float>();
+  scalar_ = scalar_buf_.as<float>();
+  pipe_scratch_ = pipe_scratch_buf_.as<float>();
   host_batch_.resize(static_cast<size_t>(B * (T + 1)));
   host_inputs_.resize(static_cast<size_t>(rows_));
   host_targets_.resize(static_cast<size_t>(rows_));
@@ -134,7 +143,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                                                cfg.parallel.grad_compression == GradCompression::BF16);
   updater_ = std::make_unique<Updater>(cfg, layout_, *be_, *grad_buffer_, groups, act_, master_, compute_, grads_);
   if (updater_->holds_master_weights()) {
-    be_->free(master_);
+    master_buf_.reset();
     master_ = nullptr;
   }
   group_done_ = [this](int group) { grad_buffer_->group_done(group); };
@@ -202,13 +211,7 @@ Trainer::~Trainer() {
   grad_buffer_.reset();
   model_.reset();
   groups_.use_backend_memory({});  // the backend-memory communicators use be_
-  if (be_) {
-    for (void* p : {static_cast<void*>(master_), static_cast<void*>(grads_), static_cast<void*>(tokens_),
-                    static_cast<void*>(targets_), static_cast<void*>(losses_), static_cast<void*>(scalar_),
-                    static_cast<void*>(pipe_scratch_)})
-      if (p) be_->free(p);
-    if (compute_ && compute_ != master_) be_->free(compute_);
-  }
+  // The BackendBuffer members free their memory next, before be_ goes.
 }
 
 CheckpointBuffers Trainer::checkpoint_buffers() {

@@ -91,6 +91,10 @@ class Trainer {
   int64_t accum_;
   int64_t rows_;  // B * T of a micro-batch
 
+  // The run's backend memory, owned here (declared after be_, so freed before it); the typed
+  // pointers below are views of these.
+  BackendBuffer master_buf_, compute_buf_, grads_buf_, tokens_buf_, targets_buf_, losses_buf_, scalar_buf_,
+      pipe_scratch_buf_;
   float* master_ = nullptr;   // fp32 master weights (whole; null when the optimizer shards them)
   void* compute_ = nullptr;   // weights the model reads (== master_ in fp32)
   float* grads_ = nullptr;    // fp32 gradients
