@@ -23,6 +23,7 @@
 #include <memory>
 #include <string>
 
+#include "kernels/common/allocation_tally.h"
 #include "kernels/common/dtype.h"
 
 namespace tetra {
@@ -49,6 +50,8 @@ class Backend {
   // Allocations happen while the run is planned, never inside the step loop.
   virtual void* alloc(size_t bytes) = 0;
   virtual void free(void* ptr) = 0;
+  // The bytes alloc() holds now and at most so far (allocation_tally.h; untracked by default).
+  virtual MemoryStats memory_stats() const { return {}; }
   virtual void memset_zero(void* ptr, size_t bytes) = 0;
   // copy_to_host returns with the data in host_dst (it synchronises with earlier ops);
   // copy_from_host has read host_src when it returns: the caller may reuse it at once (the

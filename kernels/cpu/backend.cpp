@@ -15,9 +15,16 @@
 
 namespace tetra {
 
-void* CpuBackend::alloc(size_t bytes) { return cpu::host_alloc(bytes, "a backend buffer"); }
+void* CpuBackend::alloc(size_t bytes) {
+  void* ptr = cpu::host_alloc(bytes, "a backend buffer");
+  tally_.on_alloc(ptr, bytes);
+  return ptr;
+}
 
-void CpuBackend::free(void* ptr) { cpu::host_free(ptr); }
+void CpuBackend::free(void* ptr) {
+  tally_.on_free(ptr);
+  cpu::host_free(ptr);
+}
 
 std::string CpuBackend::memory_report() const { return cpu::huge_page_report(); }
 

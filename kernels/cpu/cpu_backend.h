@@ -34,6 +34,7 @@ class CpuBackend final : public Backend {
 
   void* alloc(size_t bytes) override;
   void free(void* ptr) override;
+  MemoryStats memory_stats() const override { return tally_.stats(); }
   void memset_zero(void* ptr, size_t bytes) override;
   void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
   void copy_from_host(void* dst, const void* host_src, size_t bytes) override;
@@ -129,6 +130,7 @@ class CpuBackend final : public Backend {
   struct GemmCache;                     // oneDNN engine, stream and primitives cached per shape
   std::unique_ptr<GemmCache> gemm_cache_;
   cpu::CpuScratch scratch_;  // the kernels' grow-only buffers, one slot per thread (scratch.h)
+  AllocationTally tally_;    // what alloc() holds
 };
 
 }  // namespace tetra

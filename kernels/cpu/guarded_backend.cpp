@@ -80,8 +80,10 @@ class GuardedBackend final : public Backend {
     std::memset(r.base, 0xFF, r.span);
     protect(r, PROT_NONE);
     regions_[reinterpret_cast<uintptr_t>(r.base)] = r;
+    tally_.on_alloc(r.base, bytes);
     return r.base;
   }
+  MemoryStats memory_stats() const override { return tally_.stats(); }
 
   void free(void* ptr) override {
     if (ptr == nullptr) return;
@@ -94,6 +96,7 @@ class GuardedBackend final : public Backend {
     }
     munmap(it->second.map, it->second.mapped);
     regions_.erase(it);
+    tally_.on_free(ptr);
   }
 
   void memset_zero(void* ptr, size_t bytes) override {
@@ -360,6 +363,7 @@ class GuardedBackend final : public Backend {
   size_t page_;
   std::map<uintptr_t, Region> regions_;  // by base address
   std::mutex mutex_;
+  AllocationTally tally_;  // what alloc() holds
 };
 
 // SIGSEGV: name the backend allocation the address falls in, print a backtrace, then let the

@@ -57,6 +57,7 @@ class CudaBackend final : public Backend {
   // Bytes currently allocated through alloc(), and the most ever allocated at once.
   size_t allocated_bytes() const { return allocated_; }
   size_t peak_allocated_bytes() const { return peak_allocated_; }
+  MemoryStats memory_stats() const override { return {allocated_, peak_allocated_, true}; }
 
   void* alloc(size_t bytes) override;
   void free(void* ptr) override;

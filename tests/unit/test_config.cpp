@@ -104,6 +104,11 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.training.max_skipped_steps == b.training.max_skipped_steps);
   CHECK(a.training.spike_zscore == b.training.spike_zscore);
   CHECK(a.training.spike_window == b.training.spike_window);
+  CHECK(a.training.recompute == b.training.recompute);
+  CHECK(a.training.recompute_modules == b.training.recompute_modules);
+  CHECK(a.training.recompute_method == b.training.recompute_method);
+  CHECK(a.training.recompute_num_layers == b.training.recompute_num_layers);
+  CHECK(a.training.loss_chunk_rows == b.training.loss_chunk_rows);
   CHECK(a.checkpoint.dir == b.checkpoint.dir);
   CHECK(a.checkpoint.every == b.checkpoint.every);
   CHECK(a.checkpoint.keep == b.checkpoint.keep);
@@ -133,7 +138,8 @@ json every_key() {
                  "eval_every": 50, "eval_steps": 5, "log_every": 10, "threads": 2,
                  "peak_gflops": 123.5, "exit_interval": 250, "exit_after_min": 90.5,
                  "collective_timeout_s": 120.0, "max_skipped_steps": 3, "spike_zscore": 6.0,
-                 "spike_window": 20},
+                 "spike_window": 20, "recompute": "full", "recompute_modules": ["norm", "act"],
+                 "recompute_method": "block", "recompute_num_layers": 3, "loss_chunk_rows": 512},
     "optimizer": {"lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 20, "decay": "linear",
                   "decay_steps": 400, "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.99,
                   "eps": 1e-6, "grad_clip": 0.5},

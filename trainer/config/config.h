@@ -39,6 +39,9 @@ enum class LrDecay : uint8_t { COSINE, LINEAR, CONSTANT };         // optimizer.
 enum class LogLevel : uint8_t { TRACE, DEBUG, INFO, WARN, ERROR };  // logging.level
 enum class TokenizerKind : uint8_t { NONE, GPT2, SENTENCEPIECE };  // data.tokenizer's "<kind>:"
 enum class ResumeKind : uint8_t { AUTO, NONE, PATH };              // checkpoint.resume
+enum class Recompute : uint8_t { NONE, SELECTIVE, FULL };          // training.recompute
+enum class RecomputeMethod : uint8_t { UNIFORM, BLOCK };           // training.recompute_method
+enum class RecomputeModule : uint8_t { NORM, ACT, MOE_ACT, CORE_ATTN };  // training.recompute_modules
 
 template <class E>
 struct EnumName {
@@ -101,6 +104,24 @@ template <>
 struct EnumNames<TokenizerKind> {
   static constexpr EnumName<TokenizerKind> values[] = {{TokenizerKind::GPT2, "gpt2"},
                                                        {TokenizerKind::SENTENCEPIECE, "sentencepiece"}};
+};
+
+template <>
+struct EnumNames<Recompute> {
+  static constexpr EnumName<Recompute> values[] = {
+      {Recompute::NONE, "none"}, {Recompute::SELECTIVE, "selective"}, {Recompute::FULL, "full"}};
+};
+template <>
+struct EnumNames<RecomputeMethod> {
+  static constexpr EnumName<RecomputeMethod> values[] = {{RecomputeMethod::UNIFORM, "uniform"},
+                                                         {RecomputeMethod::BLOCK, "block"}};
+};
+template <>
+struct EnumNames<RecomputeModule> {
+  static constexpr EnumName<RecomputeModule> values[] = {{RecomputeModule::NORM, "norm"},
+                                                         {RecomputeModule::ACT, "act"},
+                                                         {RecomputeModule::MOE_ACT, "moe_act"},
+                                                         {RecomputeModule::CORE_ATTN, "core_attn"}};
 };
 
 template <class E>
@@ -264,6 +285,20 @@ struct TrainingConfig {
   double spike_zscore = 0.0;        // skip a step whose loss or grad norm lies more than this many
                                     // standard deviations above the recent mean; 0 = off
   int64_t spike_window = 50;        // steps in that mean (a full window is needed to judge)
+  // Activation recomputation (Megatron's names and meanings; trainer/params/recompute.h): "none"
+  // keeps what backward needs; "selective" recomputes the recompute_modules in backward instead of
+  // keeping their outputs; "full" keeps only the input of each unit of layers and reruns its
+  // forward in backward: "uniform" units of recompute_num_layers layers over the chunk, or "block":
+  // the chunk's first recompute_num_layers layers one by one (the rest kept whole). The numbers do
+  // not change: a recomputed forward runs the same kernels on the same values.
+  Recompute recompute = Recompute::NONE;
+  std::vector<RecomputeModule> recompute_modules = {RecomputeModule::CORE_ATTN};
+  RecomputeMethod recompute_method = RecomputeMethod::UNIFORM;
+  int64_t recompute_num_layers = 1;
+  // The output layer and the loss in chunks of this many of a micro-batch's rows (B*T): the
+  // last stage holds (chunk, V/tp) logits instead of (B*T, V/tp), and computes their gradient
+  // during the forward (vocab_parallel.h). 0 = one chunk of every row, its logits kept to backward.
+  int64_t loss_chunk_rows = 1024;
 };
 
 struct OptimizerConfig {

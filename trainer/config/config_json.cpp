@@ -97,6 +97,11 @@ void visit_training(T& t, V& v) {
   v.integer("max_skipped_steps", t.max_skipped_steps);
   v.number("spike_zscore", t.spike_zscore);
   v.integer("spike_window", t.spike_window);
+  v.choice("recompute", t.recompute);
+  v.choices("recompute_modules", t.recompute_modules);
+  v.choice("recompute_method", t.recompute_method);
+  v.integer("recompute_num_layers", t.recompute_num_layers);
+  v.integer("loss_chunk_rows", t.loss_chunk_rows);
 }
 
 template <class O, class V>
@@ -411,6 +416,41 @@ class SectionReader {
                   "must be one of " + list + did_you_mean(closest(s, choices)));
   }
 
+  // A list of an enum's spellings, e.g. ["norm", "act"] (each once).
+  template <ConfigEnum E>
+  void choices(const char* key, std::vector<E>& out) {
+    const json* v = find(key);
+    if (!v) return;
+    const std::vector<std::string> names = enum_names<E>();
+    std::string list;
+    for (const std::string& c : names) list += (list.empty() ? "" : ", ") + c;
+    if (!v->is_array()) {
+      problems_.add(path(key), show(*v), "expected a list of strings from " + list + ", got " + type_phrase(*v));
+      return;
+    }
+    std::vector<E> got;
+    for (size_t i = 0; i < v->size(); ++i) {
+      const json& e = (*v)[i];
+      const std::string at = path(key) + "[" + std::to_string(i) + "]";
+      if (!e.is_string()) {
+        problems_.add(at, show(e), "expected a string, got " + type_phrase(e));
+        return;
+      }
+      const std::string s = e.get<std::string>();
+      const std::optional<E> value = enum_from_string<E>(s);
+      if (!value) {
+        problems_.add(at, show(e), "must be one of " + list + did_you_mean(closest(s, names)));
+        return;
+      }
+      if (std::find(got.begin(), got.end(), *value) != got.end()) {
+        problems_.add(at, show(e), "is listed twice: name each module once");
+        return;
+      }
+      got.push_back(*value);
+    }
+    out = std::move(got);
+  }
+
   // "gpt2:<dir>", "sentencepiece:<file>" or "" (none).
   void tokenizer(const char* key, TokenizerSpec& out) {
     const json* v = find(key);
@@ -541,6 +581,12 @@ class SectionWriter {
   void integers(const char* key, const std::vector<int64_t>& v) { out_[key] = v; }
   template <ConfigEnum E>
   void choice(const char* key, const E& v) { out_[key] = std::string(to_string(v)); }
+  template <ConfigEnum E>
+  void choices(const char* key, const std::vector<E>& v) {
+    json list = json::array();
+    for (E e : v) list.push_back(std::string(to_string(e)));
+    out_[key] = list;
+  }
   void tokenizer(const char* key, const TokenizerSpec& v) { out_[key] = to_string(v); }
   void resume(const char* key, const ResumeSpec& v) { out_[key] = to_string(v); }
   void sources(const char* key, const std::vector<DataSource>& v) {

@@ -19,6 +19,7 @@
 //   3. cross-field rules (divisibility, data sources, evaluation).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -447,6 +448,21 @@ void check_cross_field(const Config& c, Rules& r) {
   }
 }
 
+// training.recompute and its companions (trainer/params/recompute.h).
+void check_recompute(const Config& c, Rules& r) {
+  const TrainingConfig& t = c.training;
+  r.size("training.recompute_num_layers", t.recompute_num_layers, 1);
+  r.size("training.loss_chunk_rows", t.loss_chunk_rows, 0);
+  if (t.recompute == Recompute::SELECTIVE) {
+    r.require(!t.recompute_modules.empty(), "training.recompute_modules", json::array(),
+              "\"selective\" recomputation needs at least one module: norm, act, moe_act or core_attn");
+    const bool moe_act = std::find(t.recompute_modules.begin(), t.recompute_modules.end(), RecomputeModule::MOE_ACT) !=
+                         t.recompute_modules.end();
+    r.require(!moe_act || c.model.moe.enabled(), "training.recompute_modules", "moe_act",
+              "\"moe_act\" recomputes the experts' activation: the model has no MoE blocks (model.moe)");
+  }
+}
+
 }  // namespace
 
 void resolve_and_validate(Config& c, Problems& problems) {
@@ -454,6 +470,7 @@ void resolve_and_validate(Config& c, Problems& problems) {
   check_ranges(c, rules);
   resolve(c, rules);
   check_cross_field(c, rules);
+  check_recompute(c, rules);
 }
 
 }  // namespace tetra::config_detail

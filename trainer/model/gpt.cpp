@@ -1,5 +1,6 @@
 #include "trainer/model/gpt.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "kernels/common/check.h"
@@ -34,21 +35,37 @@ ModelDims ModelDims::from(const ModelConfig& m, int64_t micro_batch, int64_t tp,
 }
 
 // Pointers into the arena. `t` marks tensors of the activation type, `f` fp32 ones. Ns rows are
-// this rank's part of the residual stream (all N rows without sequence parallelism).
+// this rank's part of the residual stream (all N rows without sequence parallelism). Norm outputs
+// are kept on the rank's rows too: with sequence parallelism they are all-gathered into `lnfull`
+// before each column-parallel GEMM, in forward and again in backward.
+//
+// Bytes kept per layer per micro-batch in flight (s = T, b = B, h = C, t = tp; 2-byte activations;
+// a dense SwiGLU/GQA block with F = ffn / t, QKV = (NH + 2 NKV) HS / t; q = QKV / h, f = F / h):
+//   none       res, res_mid, ln1, ln2: 4 x 2 s b h / t (sequence-parallel shards; 2 s b h each
+//              without SP: res and res_mid are shards only with it), qkv 2 s b h q, att
+//              2 s b h / t (NH HS = h), fc 2 s b h 2f (gelu: f), act 2 s b h f; plus fp32 lse
+//              (4 b NH s / t) and norm statistics (4 x 4 s b / t)
+//                Llama-3 70B (q = 1.25 / t, f = 3.5 / t):  33.5 s b h / t
+//   selective  minus the listed modules' outputs: norm 2 x 2 s b h / t, act 2 s b h f,
+//              core_attn 2 s b h / t and the lse
+//   full       per unit its input, 2 s b h / t; the unit being recomputed is scratch
+// MoE blocks keep res, res_mid, ln1, ln2, qkv, att and their routing and expert state (moe.h).
+// Scratch beside the slots: the backward's gradients (dres, dc, dfull, datt, dqkv, dfc, dact),
+// lnfull, one set of a selective recomputation's tensors, one unit's tensors for full.
 struct Gpt::Acts {
   struct Layer {
-    void* res_mid;            // (Ns, C) t  residual after the attention branch
-    void* ln1;                // (N, C)  t  (gathered from the shards with sequence parallelism)
-    float* ln1_mean;          // (Ns)    f
-    float* ln1_rstd;          // (Ns)    f
-    void* qkv;                // (N, QKV) t (after RoPE)
-    void* att;                // (N, NH HS) t
-    float* lse;               // (B, NH, T) f
-    void* ln2;                // (N, C)  t
-    float* ln2_mean;
-    float* ln2_rstd;
-    void* fc;                 // (N, FC) t
-    void* act;                // (N, F)  t
+    void* res_mid = nullptr;    // (Ns, C) t  residual after the attention branch
+    void* ln1 = nullptr;        // (Ns, C) t  this rank's rows of norm1's output
+    float* ln1_mean = nullptr;  // (Ns)    f
+    float* ln1_rstd = nullptr;  // (Ns)    f
+    void* qkv = nullptr;        // (N, QKV) t (after RoPE)
+    void* att = nullptr;        // (N, NH HS) t
+    float* lse = nullptr;       // (B, NH, T) f
+    void* ln2 = nullptr;        // (Ns, C) t
+    float* ln2_mean = nullptr;
+    float* ln2_rstd = nullptr;
+    void* fc = nullptr;         // (N, FC) t  (dense blocks)
+    void* act = nullptr;        // (N, F)  t
   };
   // What one micro-batch keeps from its forward to its backward.
   struct Slot {
@@ -56,12 +73,21 @@ struct Gpt::Acts {
                               // first stage), res[l+1] output of block l; backward leaves the
                               // input's gradient in res[0]
     std::vector<Layer> layers;
-    void* lnf = nullptr;      // (N, C) t      last stage only
+    void* lnf = nullptr;      // (Ns, C) t     last stage only
     float* lnf_mean = nullptr;  // (Ns) f
     float* lnf_rstd = nullptr;
-    void* logits = nullptr;   // (N, V) t; the loss turns it into dlogits in place
+    void* logits = nullptr;   // (N, V) t; the loss turns it into dlogits in place (unfused loss)
+    void* dlnf = nullptr;     // (N, C) t  the output layer's input gradient (fused loss)
   };
   std::vector<Slot> slots;
+  // Recomputation scratch, shared by the slots: unit[i] the tensors of the i-th layer of the unit
+  // being recomputed and unit_res[i] its output (full); `selective` the selective modules' outputs.
+  std::vector<Layer> unit;
+  std::vector<void*> unit_res;
+  Layer selective;
+  void* lnfull = nullptr;     // (N, C) t   a gathered norm output (sequence parallelism)
+  void* lnf = nullptr;        // (Ns, C) t  the final norm's output (fused loss: not kept)
+  void* logits = nullptr;     // (chunk, V) t  one chunk's logits (fused loss)
   float* ce_max;              // (N) f       vocab-parallel loss statistics (tp > 1)
   float* ce_sums;             // (2, N) f    [sum exp | target logit]
   // Backward scratch.
@@ -73,7 +99,6 @@ struct Gpt::Acts {
   void* dfc;                  // (N, FC) t
   void* dact;                 // (N, F) t
 };
-
 
 ChunkShape ChunkShape::of(const ParamLayout& layout, int chunk, int64_t slots) {
   const auto& chunks = layout.stage.chunks;
@@ -88,40 +113,117 @@ ChunkShape ChunkShape::of(const ParamLayout& layout, int chunk, int64_t slots) {
   return s;
 }
 
-static void layout_slot(ArenaCarver& c, const ModelDims& d, DType act, Gpt::Acts::Slot& a) {
+namespace {
+
+// What a chunk's arena is carved by: its dimensions, the recomputation and its units, and which
+// of its layers are MoE blocks.
+struct ArenaShape {
+  const ModelDims& d;
+  DType act;
+  const Recomputation& rc;
+  const RecomputeUnits& units;
+  const std::vector<bool>& moe;
+  int64_t loss_chunk;  // rows per chunk of the fused output layer and loss; 0: unfused
+};
+
+Gpt::Acts::Layer carve_layer(ArenaCarver& c, const ArenaShape& z, bool moe) {
+  const ModelDims& d = z.d;
   const int64_t N = d.N(), Ns = d.Ns;
-  a.res.resize(d.L + 1);
-  for (auto& r : a.res) r = c.take(Ns * d.C, act);
-  a.layers.resize(d.L);
-  for (auto& l : a.layers) {
-    l.res_mid = c.take(Ns * d.C, act);
-    l.ln1 = c.take(N * d.C, act);
-    l.ln1_mean = c.f32(Ns);
-    l.ln1_rstd = c.f32(Ns);
-    l.qkv = c.take(N * d.QKV, act);
-    l.att = c.take(N * d.NH * d.HS, act);
-    l.lse = c.f32(d.B * d.NH * d.T);
-    l.ln2 = c.take(N * d.C, act);
-    l.ln2_mean = c.f32(Ns);
-    l.ln2_rstd = c.f32(Ns);
-    l.fc = c.take(N * d.FC, act);
-    l.act = c.take(N * d.F, act);
+  Gpt::Acts::Layer l;
+  l.res_mid = c.take(Ns * d.C, z.act);
+  l.ln1 = c.take(Ns * d.C, z.act);
+  l.ln1_mean = c.f32(Ns);
+  l.ln1_rstd = c.f32(Ns);
+  l.qkv = c.take(N * d.QKV, z.act);
+  l.att = c.take(N * d.NH * d.HS, z.act);
+  l.lse = c.f32(d.B * d.NH * d.T);
+  l.ln2 = c.take(Ns * d.C, z.act);
+  l.ln2_mean = c.f32(Ns);
+  l.ln2_rstd = c.f32(Ns);
+  if (!moe) {
+    l.fc = c.take(N * d.FC, z.act);
+    l.act = c.take(N * d.F, z.act);
+  }
+  return l;
+}
+
+void layout_slot(ArenaCarver& c, const ArenaShape& z, Gpt::Acts& a, Gpt::Acts::Slot& s) {
+  const ModelDims& d = z.d;
+  const int64_t N = d.N(), Ns = d.Ns;
+  const DType act = z.act;
+  const RecomputeUnits& u = z.units;
+  auto pos = [&](int64_t l) { return l - u.units[static_cast<size_t>(u.unit_of[static_cast<size_t>(l)])].first; };
+  s.res.resize(d.L + 1);
+  s.res[0] = c.take(Ns * d.C, act);
+  for (int64_t l = 0; l < d.L; ++l)  // inside a unit the outputs are recomputed
+    s.res[l + 1] = u.full(l) && !u.ends_unit(l) ? a.unit_res[static_cast<size_t>(pos(l))] : c.take(Ns * d.C, act);
+  s.layers.resize(d.L);
+  for (int64_t l = 0; l < d.L; ++l) {
+    Gpt::Acts::Layer& x = s.layers[l];
+    const bool moe = z.moe[static_cast<size_t>(l)];
+    if (u.full(l)) {
+      x = a.unit[static_cast<size_t>(pos(l))];
+      continue;
+    }
+    const Gpt::Acts::Layer& sel = a.selective;
+    x.res_mid = c.take(Ns * d.C, act);
+    x.ln1 = z.rc.norm ? sel.ln1 : c.take(Ns * d.C, act);
+    x.ln1_mean = c.f32(Ns);
+    x.ln1_rstd = c.f32(Ns);
+    x.qkv = c.take(N * d.QKV, act);
+    x.att = z.rc.core_attn ? sel.att : c.take(N * d.NH * d.HS, act);
+    x.lse = z.rc.core_attn ? sel.lse : c.f32(d.B * d.NH * d.T);
+    x.ln2 = z.rc.norm ? sel.ln2 : c.take(Ns * d.C, act);
+    x.ln2_mean = c.f32(Ns);
+    x.ln2_rstd = c.f32(Ns);
+    if (!moe) {
+      x.fc = c.take(N * d.FC, act);
+      x.act = z.rc.act ? sel.act : c.take(N * d.F, act);
+    }
   }
   if (d.last) {
-    a.lnf = c.take(N * d.C, act);
-    a.lnf_mean = c.f32(Ns);
-    a.lnf_rstd = c.f32(Ns);
-    a.logits = c.take(N * d.V, act);
+    s.lnf_mean = c.f32(Ns);
+    s.lnf_rstd = c.f32(Ns);
+    if (z.loss_chunk > 0) {
+      s.lnf = a.lnf;
+      s.dlnf = c.take(N * d.C, act);
+    } else {
+      s.lnf = c.take(Ns * d.C, act);
+      s.logits = c.take(N * d.V, act);
+    }
   }
 }
 
-// `slots` copies of a Slot, then the scratch; returns the bytes.
-static size_t layout_acts(ArenaCarver& c, const ModelDims& d, DType act, int64_t slots, Gpt::Acts& a) {
+// The recomputation scratch, `slots` copies of a Slot, then the backward's scratch; returns the bytes.
+size_t layout_acts(ArenaCarver& c, const ArenaShape& z, int64_t slots, Gpt::Acts& a) {
+  const ModelDims& d = z.d;
   const int64_t N = d.N(), Ns = d.Ns;
+  const DType act = z.act;
+  const int64_t longest = z.units.longest();
+  bool unit_dense = false;  // a unit holds a dense block (it needs fc and act)
+  for (int64_t l = 0; l < d.L; ++l) unit_dense = unit_dense || (z.units.full(l) && !z.moe[static_cast<size_t>(l)]);
+  a.unit.clear();
+  a.unit_res.clear();
+  for (int64_t i = 0; i < longest; ++i) a.unit.push_back(carve_layer(c, z, !unit_dense));
+  for (int64_t i = 0; i + 1 < longest; ++i) a.unit_res.push_back(c.take(Ns * d.C, act));
+  a.selective = Gpt::Acts::Layer{};
+  if (z.rc.norm) a.selective.ln1 = a.selective.ln2 = c.take(Ns * d.C, act);  // ln2 is consumed before ln1
+  if (z.rc.core_attn) {
+    a.selective.att = c.take(N * d.NH * d.HS, act);
+    a.selective.lse = c.f32(d.B * d.NH * d.T);
+  }
+  bool dense = false;
+  for (int64_t l = 0; l < d.L; ++l) dense = dense || !z.moe[static_cast<size_t>(l)];
+  if (z.rc.act && dense) a.selective.act = c.take(N * d.F, act);
+  const bool fused = d.last && z.loss_chunk > 0;
+  a.lnf = fused ? c.take(Ns * d.C, act) : nullptr;
+  a.logits = fused ? c.take(z.loss_chunk * d.V, act) : nullptr;
   a.slots.resize(static_cast<size_t>(slots));
-  for (Gpt::Acts::Slot& s : a.slots) layout_slot(c, d, act, s);
-  a.ce_max = d.tp > 1 ? c.f32(N) : nullptr;
-  a.ce_sums = d.tp > 1 ? c.f32(2 * N) : nullptr;
+  for (Gpt::Acts::Slot& s : a.slots) layout_slot(c, z, a, s);
+  a.lnfull = d.sp ? c.take(N * d.C, act) : nullptr;
+  const int64_t loss_rows = fused ? z.loss_chunk : N;  // rows the loss sees at once
+  a.ce_max = d.tp > 1 ? c.f32(loss_rows) : nullptr;
+  a.ce_sums = d.tp > 1 ? c.f32(2 * loss_rows) : nullptr;
   a.dres = c.take(Ns * d.C, act);
   a.dc = c.take(Ns * d.C, act);
   a.dfull = d.tp > 1 ? c.take(N * d.C, act) : nullptr;
@@ -129,10 +231,18 @@ static size_t layout_acts(ArenaCarver& c, const ModelDims& d, DType act, int64_t
   // (N, NH HS), NH HS <= C; with it dc is a shard and this needs its own buffer.
   a.datt = d.sp ? c.take(N * d.NH * d.HS, act) : a.dc;
   a.dqkv = c.take(N * d.QKV, act);
-  a.dfc = c.take(N * d.FC, act);
-  a.dact = c.take(N * d.F, act);
+  a.dfc = dense ? c.take(N * d.FC, act) : nullptr;
+  a.dact = dense ? c.take(N * d.F, act) : nullptr;
   return c.used();
 }
+
+std::vector<bool> moe_blocks_of(const ModelConfig& cfg, const ModelDims& d) {
+  std::vector<bool> moe(static_cast<size_t>(d.L));
+  for (int64_t l = 0; l < d.L; ++l) moe[static_cast<size_t>(l)] = cfg.moe.enabled() && cfg.moe.is_moe_layer(d.l0 + l);
+  return moe;
+}
+
+}  // namespace
 
 static void apply_shape(ModelDims& d, const ChunkShape& shape) {
   d.l0 = shape.l0;
@@ -142,20 +252,25 @@ static void apply_shape(ModelDims& d, const ChunkShape& shape) {
 }
 
 size_t Gpt::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch, int64_t tp,
-                                 bool sequence_parallel, const ChunkShape& shape, int64_t ep) {
+                                 bool sequence_parallel, const ChunkShape& shape, int64_t ep,
+                                 const Recomputation& rc, int64_t loss_chunk) {
   ArenaCarver c(nullptr);
   Acts a;
   ModelDims d = ModelDims::from(cfg, micro_batch, tp, 0, sequence_parallel);
   apply_shape(d, shape);
-  // MoE blocks: each slot's routing and expert activations (every block of the model counted: an
-  // upper bound for a pipeline stage).
-  return layout_acts(c, d, act, shape.slots, a) +
-         static_cast<size_t>(shape.slots) * MoeLayers::activation_bytes_for(cfg, act, micro_batch * cfg.seq_len, ep, tp);
+  const std::vector<bool> moe = moe_blocks_of(cfg, d);
+  const RecomputeUnits units = plan_recompute_units(rc, d.L, moe);
+  // MoE blocks: each slot's routing and expert activations for the chunk's blocks.
+  const int64_t chunk = loss_chunk > 0 ? std::min(loss_chunk, d.N()) : 0;
+  return layout_acts(c, ArenaShape{d, act, rc, units, moe, chunk}, shape.slots, a) +
+         static_cast<size_t>(shape.slots) * MoeLayers::activation_bytes_for(cfg, act, micro_batch * cfg.seq_len, ep, tp,
+                                                                             d.l0, d.L, rc.moe_act);
 }
 
 Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
-         Communicator* tp, int chunk, int64_t slots, Communicator* ep)
-    : cfg_(cfg), layout_(layout), be_(be), act_(act) {
+         Communicator* tp, int chunk, int64_t slots, Communicator* ep, const Recomputation& rc,
+         int64_t loss_chunk)
+    : cfg_(cfg), layout_(layout), be_(be), act_(act), rc_(rc) {
   if (tp && tp->size() <= 1) tp = nullptr;
   const int64_t tp_size = tp ? tp->size() : 1, tp_rank = tp ? tp->rank() : 0;
   TETRA_CHECK(layout.slicing.tp == tp_size && layout.slicing.tp_rank == tp_rank,
@@ -170,19 +285,23 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   eps_ = static_cast<float>(cfg.norm_eps);
   rope_ = cfg.position == Position::ROPE;
   swiglu_ = cfg.activation == Activation::SWIGLU;
+  moe_layer_ = moe_blocks_of(cfg, d_);
+  units_ = plan_recompute_units(rc_, d_.L, moe_layer_);
+  loss_chunk_ = loss_chunk > 0 ? std::min(loss_chunk, d_.N()) : 0;
+  const ArenaShape z{d_, act_, rc_, units_, moe_layer_, loss_chunk_};
   {
     ArenaCarver measure(nullptr);
     Acts unused;
-    arena_bytes_ = layout_acts(measure, d_, act_, slots, unused);
+    arena_bytes_ = layout_acts(measure, z, slots, unused);
   }
   arena_ = BackendBuffer(be_, arena_bytes_);
   a_ = std::make_unique<Acts>();
   ArenaCarver c(arena_.as<char>());
-  layout_acts(c, d_, act_, slots, *a_);
+  layout_acts(c, z, slots, *a_);
   if (cfg.moe.enabled()) {
     // Each in-flight micro-batch keeps its own routing and expert activations.
     for (int64_t s = 0; s < slots; ++s) {
-      moe_.push_back(std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep, tp));
+      moe_.push_back(std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep, tp, d_.l0, d_.L, rc_.moe_act));
       arena_bytes_ += moe_.back()->activation_bytes();
     }
   }
@@ -196,11 +315,23 @@ const void* Gpt::w(const void* weights, int64_t offset) const {
 }
 
 void Gpt::forward(const void* weights, int64_t slot, const int32_t* tokens, const int32_t* targets,
-                  float* losses, float dloss_scale) {
+                  float* losses, float dloss_scale, float* grads) {
   moe_loss_weight_ = dloss_scale * static_cast<float>(d_.N());
   forward_blocks(weights, slot, tokens);
   moe_loss_weight_ = 0.0f;
   if (!d_.last) return;
+  if (loss_chunk_ > 0) {  // the output layer and the loss fused, chunk by chunk; its gradients now
+    TETRA_CHECK(grads || dloss_scale == 0.0f, "a training forward with the fused loss needs the gradient buffer");
+    Acts::Slot& sl = a_->slots[static_cast<size_t>(slot)];
+    be_.norm_forward(norm_, sl.lnf, sl.lnf_mean, sl.lnf_rstd, sl.res[d_.L], w(weights, layout_.final_norm_w),
+                     w(weights, layout_.final_norm_b), d_.Ns, d_.C, eps_, act_, act_);
+    const void* h = tp_->copy_to_region(a_->lnfull, sl.lnf);
+    const int64_t out = layout_.output_weight();
+    vocab_parallel_linear_cross_entropy(*tp_, be_, vocab(), h, d_.C, w(weights, out),
+                                        dloss_scale != 0.0f ? grads + out : nullptr, targets, losses, dloss_scale,
+                                        loss_chunk_, a_->logits, a_->ce_max, a_->ce_sums, sl.dlnf);
+    return;
+  }
   forward_head(weights, slot);
   vocab_parallel_cross_entropy(*tp_, be_, vocab(), losses, a_->slots[static_cast<size_t>(slot)].logits, targets,
                                dloss_scale, a_->ce_max, a_->ce_sums);
@@ -227,51 +358,60 @@ void Gpt::forward_logits(const void* weights, const int32_t* tokens) {
 
 void Gpt::forward_blocks(const void* weights, int64_t slot, const int32_t* tokens) {
   const ModelDims& d = d_;
+  Acts& a = *a_;
+  Acts::Slot& sl = a.slots.at(static_cast<size_t>(slot));
+  if (d.first)  // x = wte[tokens] + wpe                vocab-parallel          (Ns, C)
+    vocab_parallel_embedding_forward(*tp_, be_, vocab(), tokens, d.B, d.T, w(weights, layout_.wte),
+                                     w(weights, layout_.wpe), sl.res[0], a.dfull);
+  for (int64_t l = 0; l < d.L; ++l) forward_layer(weights, slot, l, /*recompute=*/false);
+}
+
+void Gpt::forward_layer(const void* weights, int64_t slot, int64_t l, bool recompute) {
+  const ModelDims& d = d_;
   const int64_t Ns = d.Ns;
   const DType t = act_;
   TensorParallel& tp = *tp_;
   Acts& a = *a_;
   Acts::Slot& sl = a.slots.at(static_cast<size_t>(slot));
   auto lin = [&](int64_t wo, int64_t bo) { return LinearWeights{w(weights, wo), w(weights, bo)}; };
-
-  if (d.first)  // x = wte[tokens] + wpe                vocab-parallel          (Ns, C)
-    vocab_parallel_embedding_forward(tp, be_, vocab(), tokens, d.B, d.T, w(weights, layout_.wte),
-                                     w(weights, layout_.wpe), sl.res[0], a.dfull);
-  for (int64_t l = 0; l < d.L; ++l) {
-    const BlockParams& p = layout_.blocks[static_cast<size_t>(d.l0 + l)];
-    Acts::Layer& s = sl.layers[l];
-    const void* x = sl.res[l];
-    // ln1 = norm1(x) on this rank's rows, then f                                 (N, C)
-    be_.norm_forward(norm_, tp.shard_of(s.ln1), s.ln1_mean, s.ln1_rstd, x, w(weights, p.norm1_w),
-                     w(weights, p.norm1_b), Ns, d.C, eps_, t, t);
-    tp.copy_to_region(s.ln1);
-    // qkv = ln1 W_qkv^T + b        column-parallel: this rank's heads          (N, QKV)
-    column_parallel_linear_forward(tp, be_, s.ln1, d.C, lin(p.qkv_w, p.qkv_b), s.qkv, d.QKV);
-    if (rope_)
-      be_.rope_forward(s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, static_cast<float>(cfg_.rope_theta), t);
-    be_.attention_forward(s.att, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, t);
-    // res_mid = x + att W_o^T + b  row-parallel, then g                          (Ns, C)
-    row_parallel_linear_forward(tp, be_, s.att, d.NH * d.HS, lin(p.attn_proj_w, p.attn_proj_b), x, s.res_mid,
-                                a.dfull);
-    // ln2 = norm2(res_mid), then f                                              (N, C)
-    be_.norm_forward(norm_, tp.shard_of(s.ln2), s.ln2_mean, s.ln2_rstd, s.res_mid, w(weights, p.norm2_w),
-                     w(weights, p.norm2_b), Ns, d.C, eps_, t, t);
-    tp.copy_to_region(s.ln2);
-    if (p.moe) {  // res[l+1] = res_mid + MoE(ln2); the experts' TP slices reduced like a row-parallel output
-      void* y = tp.product_target(sl.res[l + 1], a.dfull);
-      moe_[static_cast<size_t>(slot)]->forward(d.l0 + l, weights, s.ln2, tp.residual_in_product() ? s.res_mid : nullptr,
-                                               y, moe_loss_weight_);
-      tp.reduce_from_region(sl.res[l + 1], y, s.res_mid);
-      continue;
-    }
-    // fc = ln2 W_fc^T + b          column-parallel                              (N, FC)
-    // act = swiglu(fc) (N, F), or gelu(fc) with the GELU in the GEMM's epilogue where it can be
-    column_parallel_linear_forward(tp, be_, s.ln2, d.C, lin(p.fc_w, p.fc_b), s.fc, d.FC, swiglu_ ? nullptr : s.act);
-    if (swiglu_) be_.swiglu_forward(s.act, s.fc, d.N(), d.F, t);
-    // res[l+1] = res_mid + act W_p^T + b   row-parallel, then g                 (Ns, C)
-    row_parallel_linear_forward(tp, be_, s.act, d.F, lin(p.mlp_proj_w, p.mlp_proj_b), s.res_mid, sl.res[l + 1],
-                                a.dfull);
+  const BlockParams& p = layout_.blocks[static_cast<size_t>(d.l0 + l)];
+  Acts::Layer& s = sl.layers[l];
+  const void* x = sl.res[l];
+  // ln1 = norm1(x) on this rank's rows, then f                                 (N, C)
+  be_.norm_forward(norm_, s.ln1, s.ln1_mean, s.ln1_rstd, x, w(weights, p.norm1_w), w(weights, p.norm1_b), Ns, d.C,
+                   eps_, t, t);
+  const void* h1 = tp.copy_to_region(a.lnfull, s.ln1);
+  // qkv = ln1 W_qkv^T + b        column-parallel: this rank's heads          (N, QKV)
+  column_parallel_linear_forward(tp, be_, h1, d.C, lin(p.qkv_w, p.qkv_b), s.qkv, d.QKV);
+  if (rope_) be_.rope_forward(s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, static_cast<float>(cfg_.rope_theta), t);
+  be_.attention_forward(s.att, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, t);
+  // res_mid = x + att W_o^T + b  row-parallel, then g                          (Ns, C)
+  row_parallel_linear_forward(tp, be_, s.att, d.NH * d.HS, lin(p.attn_proj_w, p.attn_proj_b), x, s.res_mid, a.dfull);
+  // ln2 = norm2(res_mid), then f                                              (N, C)
+  be_.norm_forward(norm_, s.ln2, s.ln2_mean, s.ln2_rstd, s.res_mid, w(weights, p.norm2_w), w(weights, p.norm2_b), Ns,
+                   d.C, eps_, t, t);
+  if (p.moe) {  // res[l+1] = res_mid + MoE(ln2); the experts' TP slices reduced like a row-parallel output
+    // A recomputed unit ends at its MoE block, whose state and output were kept: nothing to redo.
+    if (recompute) return;
+    const void* h2 = tp.copy_to_region(a.lnfull, s.ln2);
+    void* y = tp.product_target(sl.res[l + 1], a.dfull);
+    moe_[static_cast<size_t>(slot)]->forward(d.l0 + l, weights, h2, tp.residual_in_product() ? s.res_mid : nullptr, y,
+                                             moe_loss_weight_);
+    tp.reduce_from_region(sl.res[l + 1], y, s.res_mid);
+    return;
   }
+  const void* h2 = tp.copy_to_region(a.lnfull, s.ln2);
+  // fc = ln2 W_fc^T + b          column-parallel                              (N, FC)
+  // act = swiglu(fc) (N, F), or gelu(fc) with the GELU in the GEMM's epilogue where it can be (not
+  // where backward recomputes act with gelu_forward: the epilogue may round differently)
+  const bool epilogue = !swiglu_ && !(rc_.act && !units_.full(l));
+  column_parallel_linear_forward(tp, be_, h2, d.C, lin(p.fc_w, p.fc_b), s.fc, d.FC, epilogue ? s.act : nullptr);
+  if (swiglu_)
+    be_.swiglu_forward(s.act, s.fc, d.N(), d.F, t);
+  else if (!epilogue)
+    be_.gelu_forward(s.act, s.fc, d.N() * d.F, t);
+  // res[l+1] = res_mid + act W_p^T + b   row-parallel, then g                 (Ns, C)
+  row_parallel_linear_forward(tp, be_, s.act, d.F, lin(p.mlp_proj_w, p.mlp_proj_b), s.res_mid, sl.res[l + 1], a.dfull);
 }
 
 void Gpt::forward_head(const void* weights, int64_t slot) {
@@ -279,13 +419,13 @@ void Gpt::forward_head(const void* weights, int64_t slot) {
   const DType t = act_;
   TensorParallel& tp = *tp_;
   Acts::Slot& sl = a_->slots.at(static_cast<size_t>(slot));
-  be_.norm_forward(norm_, tp.shard_of(sl.lnf), sl.lnf_mean, sl.lnf_rstd, sl.res[d.L], w(weights, layout_.final_norm_w),
+  be_.norm_forward(norm_, sl.lnf, sl.lnf_mean, sl.lnf_rstd, sl.res[d.L], w(weights, layout_.final_norm_w),
                    w(weights, layout_.final_norm_b), d.Ns, d.C, eps_, t, t);
-  tp.copy_to_region(sl.lnf);
+  const void* h = tp.copy_to_region(a_->lnfull, sl.lnf);
   // logits = lnf W_out^T           column-parallel over the vocabulary          (N, V)
   // Stored in the activation type (bf16 halves the largest tensor of the step, as in Megatron);
   // the loss's softmax and log-sum-exp are fp32 whatever the storage.
-  column_parallel_linear_forward(tp, be_, sl.lnf, d.C, LinearWeights{w(weights, layout_.output_weight()), nullptr},
+  column_parallel_linear_forward(tp, be_, h, d.C, LinearWeights{w(weights, layout_.output_weight()), nullptr},
                                  sl.logits, d.V);
 }
 
@@ -306,10 +446,20 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
   // The partial input gradients of column-parallel layers (N, C); f's backward sums them into a.dc.
   void* dx = d.sp ? a.dfull : a.dc;
 
-  if (d.last) {
+  if (d.last && loss_chunk_ > 0) {
+    // The fused loss left the output layer's input gradient, this rank's share, in dlnf (N, C)
+    // and its weight gradient in grads; f's backward sums the shares.
+    void* din = d.sp ? a.dc : sl.dlnf;
+    tp.copy_to_region_backward(din, sl.dlnf);
+    be_.memset_zero(a.dres, static_cast<size_t>(Ns * d.C) * dtype_size(t));
+    be_.norm_backward(norm_, a.dres, g(layout_.final_norm_w), g(layout_.final_norm_b), din, sl.res[d.L],
+                      w(weights, layout_.final_norm_w), sl.lnf_mean, sl.lnf_rstd, Ns, d.C, t, t);
+    done(layout_.head_group);
+  } else if (d.last) {
     // Output layer: dlnf = dlogits W_out (N, C); dW_out += dlogits^T lnf (V, C).
     const void* dlogits = sl.logits;  // the loss wrote the gradient over the logits
-    column_parallel_linear_backward(tp, be_, dlogits, d.V, sl.lnf, d.C,
+    const void* h = tp.copy_to_region(a.lnfull, sl.lnf);
+    column_parallel_linear_backward(tp, be_, dlogits, d.V, h, d.C,
                                     LinearWeights{w(weights, layout_.output_weight()), nullptr},
                                     LinearGrads{g(layout_.output_weight()), nullptr}, dx, a.dc);
     be_.memset_zero(a.dres, static_cast<size_t>(Ns * d.C) * dtype_size(t));
@@ -321,20 +471,39 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
   for (int64_t l = d.L - 1; l >= 0; --l) {
     const BlockParams& p = layout_.blocks[static_cast<size_t>(d.l0 + l)];
     Acts::Layer& s = sl.layers[l];
+    if (units_.ends_unit(l)) {  // full recomputation: the unit's forward again, from its kept input
+      const auto& [begin, end] = units_.units[static_cast<size_t>(units_.unit_of[static_cast<size_t>(l)])];
+      for (int64_t j = begin; j < end; ++j) forward_layer(weights, slot, j, /*recompute=*/true);
+    }
+    // Selective recomputation, just before each output is read (a fully recomputed layer has them all).
+    const bool full = units_.full(l);
+    const bool re_norm = rc_.norm && !full, re_act = rc_.act && !full, re_attn = rc_.core_attn && !full;
+    auto norm2_input = [&]() {  // ln2 over every row (gathered with SP)
+      if (re_norm)
+        be_.norm_forward(norm_, s.ln2, s.ln2_mean, s.ln2_rstd, s.res_mid, w(weights, p.norm2_w), w(weights, p.norm2_b),
+                         Ns, d.C, eps_, t, t);
+      return tp.copy_to_region(a.lnfull, s.ln2);
+    };
     // MLP: res[l+1] = res_mid + act W_p^T + b; g's backward gives every row's gradient.
     const void* dout = tp.reduce_from_region_backward(a.dfull, a.dres);
     if (p.moe) {
-      moe_[static_cast<size_t>(slot)]->backward(d.l0 + l, weights, grads, s.ln2, dout, dx);
+      moe_[static_cast<size_t>(slot)]->backward(d.l0 + l, weights, grads, norm2_input(), dout, dx);
       done(p.expert_group);
       tp.copy_to_region_backward(a.dc, dx);
     } else {
+      if (re_act) {
+        if (swiglu_)
+          be_.swiglu_forward(s.act, s.fc, d.N(), d.F, t);
+        else
+          be_.gelu_forward(s.act, s.fc, d.N() * d.F, t);
+      }
       // dact = dout W_p (swiglu: then through the swiglu), or dfc = gelu'(fc) * (dout W_p) in one GEMM
       row_parallel_linear_backward(tp, be_, dout, s.act, d.F, lin(p.mlp_proj_w, p.mlp_proj_b),
                                    grad(p.mlp_proj_w, p.mlp_proj_b), swiglu_ ? a.dact : a.dfc,
                                    swiglu_ ? nullptr : s.fc);
       if (swiglu_) be_.swiglu_backward(a.dfc, s.fc, a.dact, d.N(), d.F, t);
-      column_parallel_linear_backward(tp, be_, a.dfc, d.FC, s.ln2, d.C, lin(p.fc_w, p.fc_b), grad(p.fc_w, p.fc_b),
-                                      dx, a.dc);
+      column_parallel_linear_backward(tp, be_, a.dfc, d.FC, norm2_input(), d.C, lin(p.fc_w, p.fc_b),
+                                      grad(p.fc_w, p.fc_b), dx, a.dc);
     }
     be_.norm_backward(norm_, a.dres, g(p.norm2_w), g(p.norm2_b), a.dc, s.res_mid, w(weights, p.norm2_w),
                       s.ln2_mean, s.ln2_rstd, Ns, d.C, t, t);
@@ -342,13 +511,17 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
     // Attention: res_mid = res[l] + att W_o^T + b.
     const int64_t A = d.NH * d.HS;
     dout = tp.reduce_from_region_backward(a.dfull, a.dres);
+    if (re_attn) be_.attention_forward(s.att, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, t);
     row_parallel_linear_backward(tp, be_, dout, s.att, A, lin(p.attn_proj_w, p.attn_proj_b),
                                  grad(p.attn_proj_w, p.attn_proj_b), a.datt);
     be_.attention_backward(a.dqkv, a.datt, s.qkv, s.att, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, t);
     if (rope_)
       be_.rope_backward(a.dqkv, d.B, d.T, d.NH, d.NKV, d.HS, static_cast<float>(cfg_.rope_theta), t);
-    column_parallel_linear_backward(tp, be_, a.dqkv, d.QKV, s.ln1, d.C, lin(p.qkv_w, p.qkv_b), grad(p.qkv_w, p.qkv_b),
-                                    dx, a.dc);
+    if (re_norm)
+      be_.norm_forward(norm_, s.ln1, s.ln1_mean, s.ln1_rstd, sl.res[l], w(weights, p.norm1_w), w(weights, p.norm1_b),
+                       Ns, d.C, eps_, t, t);
+    column_parallel_linear_backward(tp, be_, a.dqkv, d.QKV, tp.copy_to_region(a.lnfull, s.ln1), d.C,
+                                    lin(p.qkv_w, p.qkv_b), grad(p.qkv_w, p.qkv_b), dx, a.dc);
     be_.norm_backward(norm_, a.dres, g(p.norm1_w), g(p.norm1_b), a.dc, sl.res[l], w(weights, p.norm1_w),
                       s.ln1_mean, s.ln1_rstd, Ns, d.C, t, t);
     done(layout_.layer_group[static_cast<size_t>(d.l0 + l)]);

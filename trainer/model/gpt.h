@@ -43,6 +43,7 @@
 #include "kernels/backend.h"
 #include "trainer/config/config.h"
 #include "trainer/model/moe.h"
+#include "trainer/params/recompute.h"
 #include "trainer/parallel/tensor_parallel.h"
 #include "trainer/parallel/vocab_parallel.h"
 #include "trainer/params/param_layout.h"
@@ -85,9 +86,10 @@ class Gpt {
   // rank's slice of the model for that group. `chunk`: which of the layout's model chunks this is
   // (ParamLayout::stage); `slots`: micro-batches in flight between forward and backward. `ep`: the
   // expert-parallel group of a MoE model (null = every expert on this rank); the layout must hold
-  // this rank's experts.
+  // this rank's experts. `rc`: what backward recomputes instead of keeping (recompute.h).
   Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
-      Communicator* tp = nullptr, int chunk = 0, int64_t slots = 1, Communicator* ep = nullptr);
+      Communicator* tp = nullptr, int chunk = 0, int64_t slots = 1, Communicator* ep = nullptr,
+      const Recomputation& rc = {}, int64_t loss_chunk = 0);
   ~Gpt();
   Gpt(const Gpt&) = delete;
   Gpt& operator=(const Gpt&) = delete;
@@ -96,7 +98,8 @@ class Gpt {
   size_t activation_bytes() const { return arena_bytes_; }
   static size_t activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch,
                                      int64_t tp = 1, bool sequence_parallel = false,
-                                     const ChunkShape& shape = {}, int64_t ep = 1);
+                                     const ChunkShape& shape = {}, int64_t ep = 1, const Recomputation& rc = {},
+                                     int64_t loss_chunk = 0);
 
   // tokens, targets: (B, T) int32 in backend memory. weights: the compute copy (type act) of the
   // parameter buffer. Writes per-token losses (N) F32. If `dloss_scale` != 0 the logits' gradient
@@ -107,8 +110,11 @@ class Gpt {
   }
   // Pipeline form: micro-batch activations in `slot`; `tokens` read by the first stage only,
   // `targets` / `losses` by the last only; a non-first stage's input must be in input(slot).
+  // With a loss chunk (the constructor's loss_chunk > 0) the last stage's output layer computes its
+  // gradients in the forward: `grads` (the fp32 gradient buffer) receives its weight gradient
+  // when dloss_scale != 0.
   void forward(const void* weights, int64_t slot, const int32_t* tokens, const int32_t* targets, float* losses,
-               float dloss_scale);
+               float dloss_scale, float* grads = nullptr);
   // Accumulates every parameter's gradient into `grads` (fp32, layout offsets). Requires the
   // immediately preceding forward() to have been run with dloss_scale != 0. `on_group_done`
   // (may be null) is called as each parameter group's gradients become final.
@@ -148,6 +154,9 @@ class Gpt {
   const void* w(const void* weights, int64_t offset) const;
   // Embedding (first stage) and the chunk's blocks, into slot `slot`.
   void forward_blocks(const void* weights, int64_t slot, const int32_t* tokens);
+  // Block l of the chunk on slot `slot`'s activations; `recompute`: again in backward (a full
+  // recomputation unit's; a MoE block's routing and experts are not rerun).
+  void forward_layer(const void* weights, int64_t slot, int64_t l, bool recompute);
   // Final norm and output layer (last stage): the logits of slot `slot`.
   void forward_head(const void* weights, int64_t slot);
   VocabSlice vocab() const { return {d_.v0, d_.V}; }  // this rank's vocabulary rows
@@ -162,6 +171,10 @@ class Gpt {
   float eps_;
   bool rope_;    // position == Position::ROPE
   bool swiglu_;  // activation == Activation::SWIGLU
+  Recomputation rc_;
+  RecomputeUnits units_;         // of this chunk's layers
+  std::vector<bool> moe_layer_;  // per chunk layer: a MoE block
+  int64_t loss_chunk_ = 0;       // rows per chunk of the fused output layer and loss (0: unfused)
   size_t arena_bytes_ = 0;
   BackendBuffer arena_;
   std::unique_ptr<Acts> a_;

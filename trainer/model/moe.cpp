@@ -97,6 +97,7 @@ struct MoeLayers::Scratch {
   void* dy_local;      // (M_max, C)
   void* dy_exp;        // (R_max, C) (ep > 1; else dy_local)
   void* dact;          // (R_max, F)
+  void* act;           // (R_max, F) the experts' activation, recomputed (moe_act; else null)
   void* dfc;           // (R_max, FC)
   void* dx_exp;        // (R_max, C)
   void* dx_local;      // (M_max, C) (ep > 1; else dx_exp)
@@ -114,6 +115,7 @@ namespace {
 
 struct Sizes {
   int64_t N, C, E, K, El, F, FC, cap, M_max, R_max, ep;
+  bool recompute_act;  // the experts' activation is scratch, recomputed in backward
 };
 
 Sizes sizes_of(const ModelConfig& cfg, int64_t N, int64_t ep, int64_t tp) {
@@ -137,6 +139,9 @@ Sizes sizes_of(const ModelConfig& cfg, int64_t N, int64_t ep, int64_t tp) {
 
 template <class L, class S>
 size_t carve_all(ArenaCarver& c, const Sizes& z, DType act, int64_t moe_blocks, std::vector<L*>& layers, S* sc) {
+  S tmp{};
+  S& x = sc ? *sc : tmp;
+  x.act = z.recompute_act ? c.take(z.R_max * z.F, act) : nullptr;
   for (int64_t j = 0; j < moe_blocks; ++j) {
     L tmp;
     L& s = layers.empty() ? tmp : *layers[j];
@@ -149,13 +154,11 @@ size_t carve_all(ArenaCarver& c, const Sizes& z, DType act, int64_t moe_blocks, 
     s.rows = c.i32(z.M_max);
     s.x_exp = c.take(z.R_max * z.C, act);
     s.fc = c.take(z.R_max * z.FC, act);
-    s.act = c.take(z.R_max * z.F, act);
+    s.act = z.recompute_act ? x.act : c.take(z.R_max * z.F, act);
     s.y_local = c.take(z.M_max * z.C, act);
     s.regroup = z.ep > 1 ? c.i32(z.R_max) : nullptr;
     s.ungroup = z.ep > 1 ? c.i32(z.R_max) : nullptr;
   }
-  S tmp{};
-  S& x = sc ? *sc : tmp;
   const bool ep = z.ep > 1;
   x.send = ep ? c.take(z.M_max * z.C, act) : nullptr;
   x.src = ep ? c.take(z.R_max * z.C, act) : nullptr;
@@ -174,23 +177,31 @@ size_t carve_all(ArenaCarver& c, const Sizes& z, DType act, int64_t moe_blocks, 
   return c.used();
 }
 
-int64_t count_moe_blocks(const ModelConfig& cfg) {
+// Blocks [l0, l0 + layers) (layers < 0: to the model's last).
+int64_t layer_end(const ModelConfig& cfg, int64_t l0, int64_t layers) {
+  return layers < 0 ? cfg.num_layers : std::min(cfg.num_layers, l0 + layers);
+}
+
+int64_t count_moe_blocks(const ModelConfig& cfg, int64_t l0, int64_t layers) {
   int64_t n = 0;
-  for (int64_t l = 0; l < cfg.num_layers; ++l) n += cfg.moe.is_moe_layer(l) ? 1 : 0;
+  for (int64_t l = l0; l < layer_end(cfg, l0, layers); ++l) n += cfg.moe.is_moe_layer(l) ? 1 : 0;
   return n;
 }
 
 }  // namespace
 
-size_t MoeLayers::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp) {
-  if (!cfg.moe.enabled()) return 0;
+size_t MoeLayers::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp,
+                                       int64_t l0, int64_t layers, bool recompute_act) {
+  if (!cfg.moe.enabled() || count_moe_blocks(cfg, l0, layers) == 0) return 0;
   ArenaCarver c(nullptr);
   std::vector<Layer*> none;
-  return carve_all<Layer, Scratch>(c, sizes_of(cfg, N, ep, tp), act, count_moe_blocks(cfg), none, nullptr);
+  Sizes z = sizes_of(cfg, N, ep, tp);
+  z.recompute_act = recompute_act;
+  return carve_all<Layer, Scratch>(c, z, act, count_moe_blocks(cfg, l0, layers), none, nullptr);
 }
 
 MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t N,
-                     Communicator* ep, Communicator* tp)
+                     Communicator* ep, Communicator* tp, int64_t l0, int64_t layers, bool recompute_act)
     : cfg_(cfg),
       layout_(layout),
       be_(be),
@@ -204,16 +215,19 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   TETRA_CHECK(layout.slicing.ep == ep_size && layout.slicing.ep_rank == (ep_ ? ep_->rank() : 0),
               "the parameter layout is for EP rank {} of {}, the model for rank {} of {}", layout.slicing.ep_rank,
               layout.slicing.ep, ep_ ? ep_->rank() : 0, ep_size);
-  const Sizes z = sizes_of(cfg, N, ep_size, tp_size);
+  Sizes z = sizes_of(cfg, N, ep_size, tp_size);
+  z.recompute_act = recompute_act_ = recompute_act;
   N_ = z.N, C_ = z.C, E_ = z.E, K_ = z.K, El_ = z.El, F_ = z.F, FC_ = z.FC, cap_ = z.cap;
   M_max_ = z.M_max, R_max_ = z.R_max;
   e0_ = layout.slicing.ep_rank * El_;
   dispatcher_ = std::make_unique<ExpertDispatcher>(ep_, be, act, C_, E_);
   swiglu_ = cfg.activation == Activation::SWIGLU;
   std::vector<Layer*> ptrs;
+  const int64_t end = layer_end(cfg, l0, layers);
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
-    index_of_layer_.push_back(cfg.moe.is_moe_layer(l) ? static_cast<int>(layers_.size()) : -1);
-    if (!cfg.moe.is_moe_layer(l)) continue;
+    const bool here = l >= l0 && l < end && cfg.moe.is_moe_layer(l);
+    index_of_layer_.push_back(here ? static_cast<int>(layers_.size()) : -1);
+    if (!here) continue;
     layers_.push_back(std::make_unique<Layer>());
     layers_.back()->block = l;
     ptrs.push_back(layers_.back().get());
@@ -226,10 +240,12 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   sc_->h_probs.resize(static_cast<size_t>(N_ * E_));
   sc_->h_lse.resize(static_cast<size_t>(N_));
   sc_->h_eg.resize(static_cast<size_t>(E_));
-  bytes_ = activation_bytes_for(cfg, act, N, ep_size, tp_size);
-  arena_ = BackendBuffer(be_, bytes_);
-  ArenaCarver c(arena_.as<char>());
-  carve_all<Layer, Scratch>(c, z, act, static_cast<int64_t>(ptrs.size()), ptrs, sc_.get());
+  bytes_ = activation_bytes_for(cfg, act, N, ep_size, tp_size, l0, layers, recompute_act);
+  if (bytes_ > 0) {  // else no MoE block is in this chunk: nothing is kept
+    arena_ = BackendBuffer(be_, bytes_);
+    ArenaCarver c(arena_.as<char>());
+    carve_all<Layer, Scratch>(c, z, act, static_cast<int64_t>(ptrs.size()), ptrs, sc_.get());
+  }
   for (const auto& s : layers_) {
     MoeLayerStats st;
     st.layer = s->block;
@@ -345,6 +361,12 @@ void MoeLayers::experts_backward(Layer& s, const BlockParams& p, const void* wei
   char* dact = static_cast<char*>(sc_->dact);
   char* dfc = static_cast<char*>(sc_->dfc);
   char* dx = static_cast<char*>(sc_->dx_exp);
+  if (recompute_act_ && s.x.R > 0) {  // moe_act: the activation again, as forward computed it
+    if (swiglu_)
+      be_.swiglu_forward(s.act, s.fc, s.x.R, F_, act_);
+    else
+      be_.gelu_forward(s.act, s.fc, s.x.R * F_, act_);
+  }
   int64_t o = 0;
   for (int64_t j = 0; j < El_; ++j) {
     const int64_t n = s.x.expert_rows[j];

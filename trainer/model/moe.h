@@ -90,13 +90,18 @@ class MoeLayers {
  public:
   // N rows per micro-batch; `ep` the expert-parallel group (null or size 1: every expert here);
   // `tp` the tensor-parallel group (null or size 1: whole experts).
+  // The blocks [l0, l0 + layers) of the model (layers -1: to the last) are this chunk's; the MoE
+  // blocks among them keep state. `recompute_act`: the experts' activation is not kept but
+  // recomputed from fc in backward (selective "moe_act").
   MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t N,
-            Communicator* ep, Communicator* tp = nullptr);
+            Communicator* ep, Communicator* tp = nullptr, int64_t l0 = 0, int64_t layers = -1,
+            bool recompute_act = false);
   ~MoeLayers();
   MoeLayers(const MoeLayers&) = delete;
   MoeLayers& operator=(const MoeLayers&) = delete;
 
-  static size_t activation_bytes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp = 1);
+  static size_t activation_bytes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp = 1,
+                                     int64_t l0 = 0, int64_t layers = -1, bool recompute_act = false);
   size_t activation_bytes() const { return bytes_; }
 
   // Block l (a MoE block): out (N, C) = residual (N, C) + MoE(h) (residual may be null: 0; with
@@ -127,6 +132,7 @@ class MoeLayers {
   std::unique_ptr<ExpertDispatcher> dispatcher_;  // the EP exchanges (parallel/expert_dispatch.h)
   int64_t N_, C_, E_, K_, El_, e0_, F_, FC_, cap_, M_max_, R_max_;
   bool swiglu_;
+  bool recompute_act_ = false;
   std::vector<int> index_of_layer_;  // block -> index into layers_, -1 for dense blocks
   std::vector<std::unique_ptr<Layer>> layers_;
   size_t bytes_ = 0;

@@ -23,6 +23,15 @@ std::vector<BucketPlan> plan_buckets(const ParamLayout& layout, int64_t bucket_s
   return plan;
 }
 
+size_t GradBuffer::sp_scratch_bytes(const ParamLayout& layout) {
+  std::vector<int64_t> per_group(layout.groups.size(), 0);
+  for (const ParamSpec& p : layout.params)
+    if (p.sp_partial) per_group[p.group] += p.numel;
+  int64_t most = 0;
+  for (int64_t n : per_group) most = std::max(most, n);
+  return static_cast<size_t>(most) * 4;
+}
+
 GradBuffer::GradBuffer(const ParamLayout& layout, Backend& be, float* grads, Communicator* dp,
                        Communicator* tp, bool distributed_optimizer, int64_t bucket_size, bool bf16_wire)
     : layout_(layout),
@@ -56,19 +65,13 @@ GradBuffer::GradBuffer(const ParamLayout& layout, Backend& be, float* grads, Com
   }
 
   sp_partial_.resize(layout.groups.size());
-  int64_t scratch = 0;
   if (tp_) {
     for (const ParamSpec& p : layout.params)
       if (p.sp_partial) sp_partial_[p.group].push_back(GradRange{p.offset, p.numel});
-    for (const auto& ranges : sp_partial_) {
-      int64_t n = 0;
-      for (const GradRange& r : ranges) n += r.numel;
-      scratch = std::max(scratch, n);
+    if (const size_t scratch = sp_scratch_bytes(layout); scratch > 0) {
+      sp_scratch_buf_ = BackendBuffer(be_, scratch);
+      sp_scratch_ = sp_scratch_buf_.as<float>();
     }
-  }
-  if (scratch > 0) {
-    sp_scratch_buf_ = BackendBuffer(be_, static_cast<size_t>(scratch) * 4);
-    sp_scratch_ = sp_scratch_buf_.as<float>();
   }
   if (bf16_wire_) {
     wire_buf_ = BackendBuffer(be_, static_cast<size_t>(layout.total) * 2);

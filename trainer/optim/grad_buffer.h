@@ -52,6 +52,9 @@ class GradBuffer {
  public:
   // dp: the data-parallel group (null or size 1: nothing to reduce); tp: the tensor-parallel
   // group (used for sequence-parallel partial gradients).
+  // Bytes of the scratch a tensor-parallel buffer of `layout` keeps for the norm weights'
+  // partial gradients under sequence parallelism (the largest group's; 0 when none is partial).
+  static size_t sp_scratch_bytes(const ParamLayout& layout);
   GradBuffer(const ParamLayout& layout, Backend& be, float* grads, Communicator* dp, Communicator* tp,
              bool distributed_optimizer, int64_t bucket_size, bool bf16_wire = false);
   ~GradBuffer();

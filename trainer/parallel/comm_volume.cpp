@@ -1,7 +1,10 @@
 #include "trainer/parallel/comm_volume.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
+#include "trainer/params/recompute.h"
 #include "trainer/optim/compression.h"
 #include "trainer/optim/grad_buffer.h"
 #include "trainer/optim/grad_buffers.h"
@@ -42,22 +45,38 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
   const bool first = layout.stage.first, last = layout.stage.last;
   int64_t L = 0;  // layers this rank holds
   int64_t moe_blocks = 0;  // MoE blocks among them
+  // Block forwards that full recomputation runs again in backward (recompute.h): each repeats its
+  // f and g exchanges, two in a dense block, one (the attention's) in a MoE block.
+  int64_t recomputed_exchanges = 0;
+  const Recomputation rc = Recomputation::from(cfg.training);
   for (const auto& [begin, end] : layout.stage.chunks) {
     L += end - begin;
-    for (int64_t l = begin; l < end; ++l) moe_blocks += cfg.model.moe.enabled() && cfg.model.moe.is_moe_layer(l) ? 1 : 0;
+    std::vector<bool> moe;
+    for (int64_t l = begin; l < end; ++l) {
+      moe.push_back(cfg.model.moe.enabled() && cfg.model.moe.is_moe_layer(l));
+      moe_blocks += moe.back() ? 1 : 0;
+    }
+    const RecomputeUnits units = plan_recompute_units(rc, end - begin, moe);
+    for (int64_t l = 0; l < end - begin; ++l)
+      if (units.full(l)) recomputed_exchanges += moe[static_cast<size_t>(l)] ? 1 : 2;
   }
 
   if (par.tp > 1) {
     // (N, C) exchanges per micro-batch: forward after the embedding and each row-parallel layer,
     // backward for each column-parallel input (the output layer's included); with sequence
     // parallelism also the gathers before each column-parallel layer (the output layer's
-    // included) and before each row-parallel backward (the embedding's included).
-    const int64_t fwd = 2 * L + (first ? 1 : 0), bwd = 2 * L + (last ? 1 : 0);
+    // included), before each row-parallel backward (the embedding's included) and of each norm
+    // output again in backward (kept on its shard; not the final norm's under the fused loss, whose
+    // weight gradient is done in the forward); and the recomputed forwards' own.
+    const int64_t fwd = 2 * L + (first ? 1 : 0) + recomputed_exchanges, bwd = 2 * L + (last ? 1 : 0);
     if (!par.sequence_parallel) {
       v.tp.add(CommOp::ALL_REDUCE, (fwd + bwd) * accum, rows);
     } else {
       v.tp.add(CommOp::REDUCE_SCATTER, (fwd + bwd) * accum, rows);
-      v.tp.add(CommOp::ALL_GATHER, (2 * L + (last ? 1 : 0) + 2 * L + (first ? 1 : 0)) * accum, rows);
+      const bool fused_loss = cfg.training.loss_chunk_rows > 0;
+      const int64_t gathers = (2 * L + (last ? 1 : 0) + recomputed_exchanges) + (2 * L + (first ? 1 : 0)) +
+                              (2 * L + (last && !fused_loss ? 1 : 0));
+      v.tp.add(CommOp::ALL_GATHER, gathers * accum, rows);
       // Norm gradients (partial over sequence shards), once per step per group that has any.
       std::vector<int64_t> per_group(layout.groups.size(), 0);
       for (const ParamSpec& p : layout.params)
@@ -67,9 +86,15 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
     }
     if (cfg.model.moe.enabled())  // the gates' gradient (partial sums over the experts' TP slices)
       v.tp.add(CommOp::ALL_REDUCE, moe_blocks * accum, N * cfg.model.moe.top_k * 4);
-    if (last) {
-      v.tp.add(CommOp::ALL_REDUCE, accum, N * 4);      // loss: row maxima
-      v.tp.add(CommOp::ALL_REDUCE, accum, 2 * N * 4);  // loss: sum of exponentials, target logits
+    if (last) {  // per chunk of the fused loss (training.loss_chunk_rows; 0: one of every row)
+      const int64_t chunk = cfg.training.loss_chunk_rows > 0 ? std::min(cfg.training.loss_chunk_rows, N) : N;
+      const int64_t full = N / chunk, rest = N % chunk;
+      v.tp.add(CommOp::ALL_REDUCE, accum * full, chunk * 4);      // loss: row maxima
+      v.tp.add(CommOp::ALL_REDUCE, accum * full, 2 * chunk * 4);  // loss: sum of exponentials, target logits
+      if (rest > 0) {
+        v.tp.add(CommOp::ALL_REDUCE, accum, rest * 4);
+        v.tp.add(CommOp::ALL_REDUCE, accum, 2 * rest * 4);
+      }
     }
     v.tp.add(CommOp::ALL_REDUCE, 1, 4);              // gradient norm
     if (moe_blocks > 0) v.tp.add(CommOp::ALL_REDUCE, 1, 4);  // and its expert part

@@ -30,6 +30,12 @@ void TensorParallel::copy_to_region(void* full) {
   if (sp_) comm_->all_gather(full, shard_of(full), Ns_ * C_, act_);
 }
 
+const void* TensorParallel::copy_to_region(void* full, const void* shard) {
+  if (!sp_) return shard;
+  comm_->all_gather(full, shard, Ns_ * C_, act_);
+  return full;
+}
+
 // f backward: all-reduce | reduce-scatter (the all-gather's transpose).
 void TensorParallel::copy_to_region_backward(void* dx, void* dx_partial) {
   if (!comm_) return;  // dx_partial == dx

@@ -66,6 +66,11 @@ class TensorParallel {
   // forward: identity, or (SP) the all-gather of the shards: shard_of(full) holds this rank's
   // rows, `full` (N, C) receives every rank's.
   void copy_to_region(void* full);
+  // The same from a shard kept elsewhere: returns the region's input, `shard` itself without SP
+  // (it holds every row), else `full` (N, C) after the all-gather of the ranks' shards (Ns, C).
+  // (A norm output kept on its shard is gathered again in backward: Megatron's column-parallel
+  // input under sequence parallelism.)
+  const void* copy_to_region(void* full, const void* shard);
   // backward: `dx_partial` (N, C) holds this rank's partial gradient of the region's input; the
   // sum over the group goes to `dx` (Ns, C). Without SP in place (dx == dx_partial).
   void copy_to_region_backward(void* dx, void* dx_partial);

@@ -41,7 +41,22 @@ void vocab_parallel_embedding_backward(TensorParallel& tp, Backend& be, VocabSli
 // The loss over logits (N, Vl), this rank's vocabulary columns, of the activation type: losses
 // (N) fp32; if dloss_scale != 0 the logits are overwritten with their gradient (scaled by it).
 // row_max (N) and sums (2 N) are fp32 scratch, used with tp > 1 only (may be null otherwise).
+// `rows`: of the logits (-1: the group's N).
 void vocab_parallel_cross_entropy(TensorParallel& tp, Backend& be, VocabSlice vocab, float* losses, void* logits,
-                                  const int32_t* targets, float dloss_scale, float* row_max, float* sums);
+                                  const int32_t* targets, float dloss_scale, float* row_max, float* sums,
+                                  int64_t rows = -1);
+
+// The output layer and the loss fused, `chunk` rows at a time, so that the (N, Vl) logits are
+// never held: for each chunk of rows of x (N, C) (the whole input, after copy_to_region),
+//   logits = x_c W^T (chunk, Vl) in `logits` (scratch), their loss into losses (N) fp32, and, if
+//   dloss_scale != 0, their gradient in place, then dx_partial_c = dlogits W (this rank's share
+//   of the input gradient, (N, C) at the end, for f's backward) and dW += dlogits^T x_c.
+// Each row's loss, logits' gradient and input gradient are those of the unchunked ops; the weight
+// gradient sums the chunks' products in fp32 (another order of the same sum). row_max (chunk),
+// sums (2 chunk) fp32 scratch as vocab_parallel_cross_entropy's.
+void vocab_parallel_linear_cross_entropy(TensorParallel& tp, Backend& be, VocabSlice vocab, const void* x,
+                                         int64_t C, const void* w, float* dw, const int32_t* targets, float* losses,
+                                         float dloss_scale, int64_t chunk, void* logits, float* row_max, float* sums,
+                                         void* dx_partial);
 
 }  // namespace tetra

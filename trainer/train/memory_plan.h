@@ -18,12 +18,23 @@ struct MemoryPlan {
   // onebit / int8 gradient compression: error feedback, messages and (on a GPU) the staging copies
   // of the gradient and moments. Always host memory: the compression runs on the host.
   size_t compression = 0;
+  // Communication and packing buffers: the pipeline's input-gradient buffers and the
+  // sequence-parallel norm-gradient scratch.
+  size_t buffers = 0;
+  // The largest temporary: where no buffer holds the whole fp32 weights (the distributed
+  // optimizer with 16-bit compute keeps only its shard), they are gathered whole, once while the
+  // optimizer takes its shard at start-up, and again for each checkpoint save and the final
+  // weights. Allocated and freed around those moments; the peak includes it.
+  size_t staging = 0;
   bool on_device = false;  // training.device is a GPU: everything but `compression` is GPU memory
+  // What is held through the steps.
   size_t total() const {
-    return master + compute + grads + optimizer + activations + batch + sampling + compression;
+    return master + compute + grads + optimizer + activations + batch + sampling + compression + buffers;
   }
-  size_t device_bytes() const { return on_device ? total() - compression : 0; }
-  size_t host_bytes() const { return on_device ? compression : total(); }
+  // The most held at once (what the backend's measured peak is checked against).
+  size_t peak() const { return total() + staging; }
+  size_t device_bytes() const { return on_device ? peak() - compression : 0; }
+  size_t host_bytes() const { return on_device ? compression : peak(); }
 };
 
 // Text samples at evaluations: sample.prompt and data.tokenizer set, and training.eval_steps > 0.

@@ -31,9 +31,9 @@ MetricsWriter::MetricsWriter(const std::string& dir) {
                                  "directory", path, ec ? ": " + ec.message() : std::string()));
 }
 
-void MetricsWriter::start(const std::string& run_info_json) {
+void MetricsWriter::event(const std::string& event_json) {
   if (!jsonl_.is_open()) return;
-  jsonl_ << run_info_json << '\n';
+  jsonl_ << event_json << '\n';
   jsonl_.flush();
 }
 

@@ -62,8 +62,8 @@ class MetricsWriter {
   // `dir` empty: console only. Opens (creates) dir/metrics.jsonl for appending; InputError if it
   // cannot.
   explicit MetricsWriter(const std::string& dir);
-  // The run's {"event": "start", ...} line.
-  void start(const std::string& run_info_json);
+  // A line that is not a step's: the run's {"event": "start", ...}, the end's {"event": "memory", ...}.
+  void event(const std::string& event_json);
   void write(const StepMetrics& m);
   static std::string format_line(const StepMetrics& m);
 

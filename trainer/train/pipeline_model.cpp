@@ -48,7 +48,7 @@ class PipelineModel::Chunk final : public PipelineChunk {
 
   void forward(int64_t slot, int m) override {
     model_->forward(owner_.weights_, slot, tokens_ + m * rows_, targets_ + m * rows_, losses_ + m * rows_,
-                    owner_.dloss_scale_);
+                    owner_.dloss_scale_, owner_.grads_);
   }
   void backward(int64_t slot, int m, bool last, int64_t grad_buffer) override {
     model_->backward(owner_.weights_, owner_.grads_, slot, tokens_ + m * rows_, last ? &owner_.hook_ : nullptr,
@@ -84,7 +84,8 @@ PipelineModel::PipelineModel(const Config& cfg, const ParamLayout& layout, Backe
   for (int c = 0; c < schedule_.vp; ++c) {
     const int64_t slots = std::max(1, schedule_.max_in_flight(pp_rank, c));
     auto model = std::make_unique<Gpt>(cfg.model, layout, be, act, cfg.training.micro_batch_size,
-                                       &groups.backend(GroupKind::TP), c, slots, &groups.backend(GroupKind::EP));
+                                       &groups.backend(GroupKind::TP), c, slots, &groups.backend(GroupKind::EP),
+                                       Recomputation::from(cfg.training), cfg.training.loss_chunk_rows);
     chunks_.push_back(std::make_unique<Chunk>(*this, std::move(model), slots, rows, tokens, targets, losses, be,
                                               schedule_.grad_buffers));
   }
@@ -126,9 +127,42 @@ size_t PipelineModel::activation_bytes_for(const Config& cfg, int64_t pp_rank) {
     ChunkShape shape = ChunkShape::of(layout, c, std::max(1, s.max_in_flight(static_cast<int>(pp_rank), c)));
     n += Gpt::activation_bytes_for(cfg.model, precision_dtype(cfg.training.precision),
                                    cfg.training.micro_batch_size, cfg.parallel.tp, cfg.parallel.sequence_parallel,
-                                   shape, cfg.parallel.ep);
+                                   shape, cfg.parallel.ep, Recomputation::from(cfg.training),
+                                   cfg.training.loss_chunk_rows);
   }
   return n;
+}
+
+ActivationSplit PipelineModel::activation_split(const Config& cfg, int64_t pp_rank) {
+  const PipelineSchedule s = make_schedule(cfg, cfg.grad_accum_steps());
+  TensorSlicing slicing;
+  slicing.ep = cfg.parallel.ep;
+  const ParamLayout layout = ParamLayout::build(cfg.model, slicing, stage_slice(cfg, pp_rank));
+  ActivationSplit split;
+  for (int c = 0; c < s.vp; ++c) {
+    auto bytes = [&](int64_t slots) {
+      return Gpt::activation_bytes_for(cfg.model, precision_dtype(cfg.training.precision),
+                                       cfg.training.micro_batch_size, cfg.parallel.tp, cfg.parallel.sequence_parallel,
+                                       ChunkShape::of(layout, c, slots), cfg.parallel.ep,
+                                       Recomputation::from(cfg.training), cfg.training.loss_chunk_rows);
+    };
+    const int64_t in_flight = std::max(1, s.max_in_flight(static_cast<int>(pp_rank), c));
+    const size_t one = bytes(1), slot = bytes(2) - one;
+    split.per_micro_batch += slot;
+    split.in_flight = std::max(split.in_flight, in_flight);
+    split.scratch += one - slot;
+  }
+  return split;
+}
+
+size_t PipelineModel::input_grad_bytes_for(const Config& cfg, int64_t pp_rank) {
+  const PipelineSchedule s = make_schedule(cfg, cfg.grad_accum_steps());
+  const StageSlice stage = stage_slice(cfg, pp_rank);
+  const int64_t Ns = cfg.training.micro_batch_size * cfg.model.seq_len /
+                     (cfg.parallel.sequence_parallel && cfg.parallel.tp > 1 ? cfg.parallel.tp : 1);
+  const size_t boundary = static_cast<size_t>(Ns * cfg.model.hidden_size) * dtype_size(precision_dtype(cfg.training.precision));
+  const int64_t chunks = s.vp - (stage.first ? 1 : 0);  // every chunk but the model's first
+  return static_cast<size_t>(chunks * s.grad_buffers) * boundary;
 }
 
 PipelineStepStats PipelineModel::run(bool forward_only) {

@@ -38,6 +38,13 @@ StageSlice stage_slice(const Config& cfg, int64_t pp_rank);
 // The schedule a config asks for, with `micro_batches` per step.
 PipelineSchedule make_schedule(const Config& cfg, int64_t micro_batches);
 
+// What a pipeline rank's activation memory is made of (PipelineModel::activation_split).
+struct ActivationSplit {
+  size_t per_micro_batch = 0;  // kept from a micro-batch's forward to its backward (all chunks)
+  int64_t in_flight = 0;       // micro-batches in flight at most (the schedule's; all chunks)
+  size_t scratch = 0;          // the rest: gradients, gathers, recomputation scratch
+};
+
 class PipelineModel {
  public:
   // tokens / targets: (micro_batches, B*T) int32, losses (micro_batches, B*T) fp32, in backend
@@ -64,6 +71,12 @@ class PipelineModel {
   size_t activation_bytes() const;
   // Activation memory of pipeline rank `pp_rank`'s chunks under `cfg`'s schedule.
   static size_t activation_bytes_for(const Config& cfg, int64_t pp_rank);
+  // The same split into what each micro-batch in flight keeps and the scratch beside (per chunk:
+  // its arena with one slot and with two differ by one slot's): activation_bytes_for =
+  // sum over chunks of in_flight x per_micro_batch + scratch; reported summed over the chunks.
+  static ActivationSplit activation_split(const Config& cfg, int64_t pp_rank);
+  // Bytes of the buffers pipeline rank `pp_rank`'s chunks send their input gradients from.
+  static size_t input_grad_bytes_for(const Config& cfg, int64_t pp_rank);
 
  private:
   class Chunk;

@@ -133,10 +133,10 @@ std::string dry_run_report(const Config& cfg) {
       fmt::format_to(out, "  rank {:<3}         layers {}{}{}; {} micro-batch(es) in flight; {}\n", r, layers,
                      st.first ? " + embedding" : "", st.last ? " + output layer and loss" : "",
                      schedule.max_in_flight(static_cast<int>(r)),
-                     mib(plan_memory(cfg, rank_layout(cfg, 0, r), r).total()));
+                     mib(plan_memory(cfg, rank_layout(cfg, 0, r), r).peak()));
     }
   }
-  fmt::format_to(out, "memory per rank:   {}{}{}\n", mib(mem.total()), par.pp > 1 ? " (pipeline rank 0)" : "",
+  fmt::format_to(out, "memory per rank:   {} at the peak{}{}\n", mib(mem.peak()), par.pp > 1 ? " (pipeline rank 0)" : "",
                  mem.on_device && mem.compression
                      ? fmt::format(": {} on the GPU, {} on the host", mib(mem.device_bytes()), mib(mem.host_bytes()))
                      : std::string());
@@ -152,15 +152,38 @@ std::string dry_run_report(const Config& cfg) {
     plain.parallel.distributed_optimizer = false;
     const MemoryPlan without = plan_memory(plain, rank_layout(plain, 0));
     fmt::format_to(out, "    the distributed optimizer saves {} per rank ({} without it)\n",
-                   mib(without.total() - mem.total()), mib(without.total()));
+                   mib(without.peak() - mem.peak()), mib(without.peak()));
   }
-  fmt::format_to(out, "  activations      {} (micro-batch {}, logits included)\n", mib(mem.activations),
-                 cfg.training.micro_batch_size);
+  {
+    // Kept per micro-batch in flight, and the scratch beside them (the chunks' arenas with one
+    // and two slots differ by one slot's).
+    const ActivationSplit split = PipelineModel::activation_split(cfg, 0);
+    const TrainingConfig& t = cfg.training;
+    std::string rc(to_string(t.recompute));
+    if (t.recompute == Recompute::SELECTIVE) {
+      std::string mods;
+      for (RecomputeModule m : t.recompute_modules) mods += (mods.empty() ? "" : ", ") + std::string(to_string(m));
+      rc += " (" + mods + ")";
+    } else if (t.recompute == Recompute::FULL) {
+      rc += fmt::format(" ({}, {} layer(s))", to_string(t.recompute_method), t.recompute_num_layers);
+    }
+    fmt::format_to(out, "  activations      {} (micro-batch {}, logits included; recompute {}): {} x {} kept per "
+                   "micro-batch in flight + {} scratch\n",
+                   mib(mem.activations), t.micro_batch_size, rc, split.in_flight, mib(split.per_micro_batch),
+                   mib(split.scratch));
+  }
   if (mem.compression)
     fmt::format_to(out, "  compression      {} ({}: error feedback and messages{}, host memory)\n",
                    mib(mem.compression), to_string(par.grad_compression),
                    mem.on_device ? ", staging of the gradient and moments" : "");
   fmt::format_to(out, "  batch buffers    {}\n", mib(mem.batch));
+  if (mem.buffers)
+    fmt::format_to(out, "  comm buffers     {} (pipeline input gradients, sequence-parallel norm gradients)\n",
+                   mib(mem.buffers));
+  if (mem.staging)
+    fmt::format_to(out, "  staging          {} (the whole fp32 weights, gathered at start-up and for checkpoints "
+                   "and the final weights: counted in the peak)\n",
+                   mib(mem.staging));
   if (mem.sampling)
     fmt::format_to(out, "  sampling         {} (micro-batch 1 model for the text samples)\n", mib(mem.sampling));
   fmt::format_to(out, "communication per step and rank (payload; sent under ring algorithms ~ 2(p-1)/p of an "

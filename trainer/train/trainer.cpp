@@ -3,7 +3,9 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <optional>
@@ -181,6 +183,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   if (!loss_scaling.empty()) spdlog::info("loss scaling: {}", loss_scaling);
 
   peak_flops_ = device.peak_flops * static_cast<double>(groups.grid.world());
+  planned_bytes_ = report.memory.peak();
   train_flops_per_token_ = report.model.train_flops_per_token;
   RunEnvironment env;
   env.world = groups.grid.world();
@@ -198,9 +201,9 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   start["flops_per_token"] = report.model.train_flops_per_token;
   start["peak_flops"] = peak_flops_;
   start["world"] = groups.grid.world();
-  start["memory_plan_bytes"] = report.memory.total();
+  start["memory_plan_bytes"] = report.memory.peak();
   start["optimizer_state_bytes"] = updater_->state_bytes();
-  metrics_->start(start.dump());
+  metrics_->event(start.dump());
 }
 
 Trainer::~Trainer() {
@@ -368,6 +371,44 @@ void Trainer::save_checkpoint_if_due(int64_t s, bool last, bool stop) {
   spdlog::info("checkpoint {} saved in {:.2f} s", path, seconds_since(c0));
 }
 
+void Trainer::report_memory() {
+  const MemoryStats st = be_->memory_stats();
+  if (!st.tracked) return;  // the same backend on every rank: all return here, or none
+  // (planned, peak) as 30-bit halves in int32: exact for any size the plan can name.
+  auto halves = [](size_t v) { return std::array<int32_t, 2>{static_cast<int32_t>(v >> 30), static_cast<int32_t>(v & ((1u << 30) - 1))}; };
+  const auto p = halves(planned_bytes_), m = halves(st.peak);
+  const std::array<int32_t, 4> mine{p[0], p[1], m[0], m[1]};
+  const int world = groups_.grid.world();
+  std::vector<int32_t> all(static_cast<size_t>(4 * world));
+  {
+    const CommAccounting::Paused paused(comm_);  // not the step's traffic
+    groups_.get(GroupKind::WORLD).all_gather(all.data(), mine.data(), 4, DType::I32);
+  }
+  if (!writer_) return;
+  auto whole = [&](size_t i) { return (static_cast<size_t>(all[i]) << 30) | static_cast<size_t>(all[i + 1]); };
+  nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
+  double worst = 1.0;
+  for (int r = 0; r < world; ++r) {
+    const size_t planned = whole(4 * static_cast<size_t>(r)), peak = whole(4 * static_cast<size_t>(r) + 2);
+    nlohmann::ordered_json j;
+    j["rank"] = r;
+    j["pp_rank"] = groups_.grid.coord(r).pp;
+    j["planned_bytes"] = planned;
+    j["measured_peak_bytes"] = peak;
+    ranks.push_back(j);
+    const double ratio = planned > 0 ? static_cast<double>(peak) / static_cast<double>(planned) : 0.0;
+    if (std::abs(ratio - 1.0) > std::abs(worst - 1.0)) worst = ratio;
+  }
+  nlohmann::ordered_json event;
+  event["event"] = "memory";
+  event["ranks"] = ranks;
+  metrics_->event(event.dump());
+  spdlog::info("backend memory: rank 0 peaked at {:.1f} MiB of a planned {:.1f} MiB (measured / planned {:.3f}; "
+               "the farthest rank {:.3f})",
+               static_cast<double>(st.peak) / 1048576.0, static_cast<double>(planned_bytes_) / 1048576.0,
+               planned_bytes_ > 0 ? static_cast<double>(st.peak) / static_cast<double>(planned_bytes_) : 0.0, worst);
+}
+
 void Trainer::run() {
   const TrainingConfig& tc = cfg_.training;
   if (model_->has_moe()) model_->take_moe_stats();  // start the step statistics afresh
@@ -412,6 +453,7 @@ void Trainer::run() {
   }
   save_final_weights();
   if (dump_) dump_->batches(start_step_);
+  report_memory();
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
   spdlog::info("done: {} steps in {}; peak memory of this rank {:.1f} MiB (optimizer state {:.1f} MiB)",

@@ -76,6 +76,9 @@ class Trainer {
   void dump_tensors(const std::string& file, const float* buffer, double scale = 1.0);
   // The final weights (fp32) as global tensors to final_weights_path() (every rank calls it).
   void save_final_weights();
+  // Every rank's planned bytes beside the peak its backend measured (collective over the world):
+  // rank 0 logs them and writes the "memory" event of metrics.jsonl.
+  void report_memory();
   // Sum over the pipeline (the last stage holds it) and data-parallel groups of `local`.
   double reduce_loss(float local);
   // The last step's pipeline figures of every pipeline rank (collective over the pipeline group).
@@ -122,6 +125,7 @@ class Trainer {
   std::unique_ptr<Gpt> sample_model_;
   std::unique_ptr<Sampler> sampler_;
   double peak_flops_ = 0.0;
+  size_t planned_bytes_ = 0;  // this rank's memory plan (plan_memory().total())
   double train_flops_per_token_ = 0.0;
   int64_t start_step_ = 0;  // steps already done (resumed from a checkpoint)
 };

@@ -1,0 +1,99 @@
+"""The memory plan is what the run allocates: the measured peak within 5% of the plan, both ways.
+
+`--dry-run` and the start-up log show a per-rank memory plan computed from the config alone
+(trainer/train/memory_plan.h: weights, master weights, gradients, optimizer state, activations
+per micro-batch in flight and their scratch, batch, communication buffers, the fp32 staging of the
+distributed optimizer's weights, the peak). The CPU backend counts every allocation
+(kernels/common/allocation_tally.h) and at the end of a run every rank's measured peak is written
+beside its plan (metrics.jsonl's "memory" event). For each configuration below (dense and MoE; dp,
+ZeRO-1, tp with and without sequence parallelism, pp 1f1b and interleaved, ep; every recompute mode;
+fp32, bf16, fp16, bf16 gradient compression) Tetra trains two steps and every rank must report
+  0.95 <= measured peak / planned peak <= 1.05
+(a plan below the measurement would let a job run out of memory; one above it hides waste), and the
+event's plan must be the one `--dry-run` prints for pipeline rank 0.
+
+Usage: /usr/bin/python3 test_memory_plan.py --tetra BIN --workdir DIR [--mpirun MPIRUN]
+"""
+import os
+import re
+import sys
+
+import harness
+from harness import Checks
+
+LOW, HIGH = 0.95, 1.05
+GPT2 = {"vocab_size": 256, "seq_len": 64, "num_layers": 4, "hidden_size": 64, "num_heads": 4, "ffn_hidden_size": 256}
+LLAMA = {"vocab_size": 256, "seq_len": 64, "num_layers": 4, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2,
+         "ffn_hidden_size": 160, "norm": "rmsnorm", "activation": "swiglu", "position": "rope",
+         "tie_embeddings": False, "bias": False}
+MOE = dict(LLAMA, moe={"num_experts": 4, "top_k": 2, "every": 2, "ffn_hidden_size": 96, "aux_loss_coeff": 0.01})
+MOE_CAP = dict(GPT2, moe={"num_experts": 4, "top_k": 1, "ffn_hidden_size": 128, "capacity_factor": 1.25})
+SELECTIVE = {"recompute": "selective", "recompute_modules": ["norm", "act", "core_attn"]}
+
+# (name, model, parallel, training overrides)
+CONFIGS = [
+    ("gpt2_fp32", GPT2, {}, {}),
+    ("llama_bf16", LLAMA, {}, {"precision": "bf16"}),
+    ("gpt2_fp16", GPT2, {}, {"precision": "fp16"}),
+    ("gpt2_dp2_zero1_bf16", GPT2, {"dp": 2, "distributed_optimizer": True}, {"precision": "bf16"}),
+    ("gpt2_dp2_bf16_grads", GPT2, {"dp": 2, "grad_compression": "bf16"}, {}),
+    ("gpt2_tp2_sp", GPT2, {"tp": 2, "sequence_parallel": True}, {}),
+    ("llama_tp2_bf16", LLAMA, {"tp": 2}, {"precision": "bf16"}),
+    ("gpt2_pp2_1f1b", GPT2, {"pp": 2}, {"global_batch_size": 8}),
+    ("llama_pp2_interleaved", LLAMA, {"pp": 2, "schedule": "interleaved", "virtual_stages": 2},
+     {"global_batch_size": 8}),
+    ("moe_ep2", MOE, {"dp": 2, "ep": 2}, {}),
+    ("moe_capacity_bf16", MOE_CAP, {}, {"precision": "bf16"}),
+    ("llama_selective", LLAMA, {}, SELECTIVE),
+    ("moe_selective_moe_act", MOE, {}, {"recompute": "selective", "recompute_modules": ["moe_act", "norm"]}),
+    ("gpt2_full_uniform2", GPT2, {}, {"recompute": "full", "recompute_method": "uniform", "recompute_num_layers": 2}),
+    ("llama_tp2_sp_full_block1", LLAMA, {"tp": 2, "sequence_parallel": True},
+     {"recompute": "full", "recompute_method": "block", "recompute_num_layers": 1}),
+]
+
+checks = Checks()
+check = checks.check
+
+
+def config(model, par, training, out):
+    t = {"micro_batch_size": 2, "global_batch_size": 2 * par.get("dp", 1), "steps": 2, "threads": 1,
+         "peak_gflops": 100, "seed": 3, **training}
+    return {"model": model, "training": t, "optimizer": {"lr": 1e-3}, "parallel": dict(par, bucket_size=20000),
+            "data": {"synthetic": True}, "logging": {"level": "warn", "dir": out}}
+
+
+def dry_run_peak(args, path):
+    """The peak --dry-run prints for pipeline rank 0, in MiB (one decimal), or None."""
+    r = harness.run_tetra(args, ["train", "--config", path, "--dry-run"])
+    m = re.search(r"memory per rank:\s+([0-9.]+) MiB at the peak", r.stdout)
+    return float(m.group(1)) if r.returncode == 0 and m else None
+
+
+def main():
+    args = harness.parse_args()
+    for name, model, par, training in CONFIGS:
+        out = os.path.join(args.workdir, name)
+        path = harness.write_config(out, config(model, par, training, out))
+        world = par.get("tp", 1) * par.get("pp", 1) * par.get("dp", 1)
+        r = harness.run_tetra(args, ["--config", path], world)
+        if r.returncode != 0:
+            check(False, f"{name}: exit code {r.returncode}")
+            continue
+        events = [j for _, j in harness.metrics_lines(out) if j.get("event") == "memory"]
+        if not check(len(events) == 1, f"{name}: one memory event in metrics.jsonl ({len(events)})"):
+            continue
+        ranks = events[0]["ranks"]
+        check(len(ranks) == world, f"{name}: every rank reports ({len(ranks)} of {world})")
+        ratios = [r["measured_peak_bytes"] / r["planned_bytes"] for r in ranks]
+        check(all(LOW <= x <= HIGH for x in ratios),
+              f"{name}: measured peak / plan within [{LOW}, {HIGH}] on every rank "
+              f"({', '.join(f'{x:.4f}' for x in ratios)}; plan {ranks[0]['planned_bytes'] / 2**20:.2f} MiB)")
+        printed = dry_run_peak(args, path)
+        rank0 = ranks[0]["planned_bytes"] / 2**20
+        check(printed is not None and abs(printed - rank0) <= 0.051,
+              f"{name}: --dry-run's peak {printed} MiB is the run's plan {rank0:.2f} MiB")
+    return checks.report()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
