@@ -177,13 +177,13 @@ def main():
         times = {core: [] for core in asked}
         for _ in range(args.rounds):
             for core, name in asked.items():
-                print(f"openblas_kernel: timing {core} (OPENBLAS_CORETYPE="
-                      f"{name if name else 'unset'}) ...", file=sys.stderr)
                 ms, ran = time_trial(trial_cmd, name)
                 if ran is not None and ran != core:
                     print(f"openblas_kernel: asked for {core}, the run reported {ran}; dropped",
                           file=sys.stderr)
                     ms = None
+                print(f"openblas_kernel: {core} (OPENBLAS_CORETYPE={name if name else 'unset'}): "
+                      + (f"{ms:.0f} ms/step" if ms is not None else "failed"), file=sys.stderr)
                 if ms is not None:
                     times[core].append(ms)
         result["trials"] = [{"asked": name, "core": core,
