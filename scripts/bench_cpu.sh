@@ -22,8 +22,8 @@
 # 0.3.21 runs Prescott's SSE3 kernel on an Intel Emerald Rapids: 2.8x slower than SkylakeX on this
 # benchmark's step). Where its own choice is narrower than the CPU's widest ISA (AVX-512, else
 # AVX2), the peer is timed briefly (T=64 fp32, 1 warm-up + 2 steps) under its choice and under the
-# named kernels for that ISA, and the fastest is kept; otherwise its own choice stands. The output
-# says which kernel the peer ran, and why.
+# named kernels for that ISA, and the fastest (by its fastest step) is kept; otherwise its own
+# choice stands. The output says which kernel the peer ran, and why.
 #
 # Usage: scripts/bench_cpu.sh
 # Environment: TETRA_BIN (skip the build), TETRA_BUILD_DIR (default build-release), BENCH_WARMUP
