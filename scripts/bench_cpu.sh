@@ -17,12 +17,22 @@
 # OpenBLAS, so when it is the reference one an installed OpenBLAS is put first on the torch
 # command's library path. The output says which allocator and BLAS torch really ran with.
 #
+# And the OpenBLAS kernel at its best (tools/openblas_kernel.py): OpenBLAS picks its kernel for
+# the CPU when it loads, but on a CPU it does not know it can fall back to a generic one (Debian's
+# 0.3.21 runs Prescott's SSE3 kernel on an Intel Emerald Rapids: 2.8x slower than SkylakeX on this
+# benchmark's step). Where its own choice is narrower than the CPU's widest ISA (AVX-512, else
+# AVX2), the peer is timed briefly (T=64 fp32, 1 warm-up + 2 steps) under its choice and under the
+# named kernels for that ISA, and the fastest (by its fastest step) is kept; otherwise its own
+# choice stands. The output says which kernel the peer ran, and why.
+#
 # Usage: scripts/bench_cpu.sh
 # Environment: TETRA_BIN (skip the build), TETRA_BUILD_DIR (default build-release), BENCH_WARMUP
 # (2), BENCH_STEPS (5 timed steps), BENCH_ROUNDS (2: Tetra and torch alternate this many times per
 # case, so a burst of load on the machine hits both), BENCH_SEQ_LENS ("64 256"),
 # BENCH_PRECISIONS ("fp32 bf16"),
-# TCMALLOC (a libtcmalloc*.so to preload), TORCH_BLAS_DIR (a directory holding libblas.so.3).
+# TCMALLOC (a libtcmalloc*.so to preload), TORCH_BLAS_DIR (a directory holding libblas.so.3),
+# BENCH_OPENBLAS_TRY (named OpenBLAS kernels to time against OpenBLAS's own choice whatever that
+# is, e.g. "SkylakeX Haswell"; the fastest is kept).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -179,11 +189,37 @@ torch_env=(env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE)
 [ -n "$TCMALLOC_LIB" ] && torch_env+=("LD_PRELOAD=$TCMALLOC_LIB")
 [ -n "$BLAS_DIR" ] && torch_env+=("LD_LIBRARY_PATH=$BLAS_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
 
+# The peer's OpenBLAS kernel: its own choice unless that is narrower than the CPU (see above).
+echo "  the torch peer's OpenBLAS kernel ..." >&2
+kernel_try=()
+[ -n "${BENCH_OPENBLAS_TRY:-}" ] && kernel_try=(--try "$BENCH_OPENBLAS_TRY")
+if ! "${torch_env[@]}" "$PY" "$REPO/tools/openblas_kernel.py" "${kernel_try[@]}" -- \
+    "$PY" "$REPO/tools/bench_torch_gpt.py" --seq-len 64 --batch "$BATCH" --precision fp32 \
+    --steps 2 --warmup 1 --threads "$THREADS" >"$WORK/kernel.json"; then
+  echo "bench_cpu: choosing the torch peer's OpenBLAS kernel failed" >&2
+  exit 1
+fi
+# Three lines: the OPENBLAS_CORETYPE to set (empty: leave it unset), the core, the reason.
+{ read -r KERNEL_CORETYPE; read -r KERNEL_CORE; read -r KERNEL_REASON; } < <("$PY" -c '
+import json, sys
+k = json.load(open(sys.argv[1]))
+print(k["coretype"] or ""); print(k["core"] or ""); print(k["reason"] + "; CPU " + k["cpu"])
+' "$WORK/kernel.json")
+[ -n "$KERNEL_CORETYPE" ] && torch_env+=("OPENBLAS_CORETYPE=$KERNEL_CORETYPE")
+# Every peer run reports the core it ran (stderr), checked against this choice.
+torch_env+=(OPENBLAS_VERBOSE=2)
+
 echo "bench_cpu: GPT-2 124M, batch $BATCH, $THREADS threads," \
      "$WARMUP warm-up + $STEPS timed steps (median)"
 echo "  tetra: $TETRA_BIN"
 echo "  torch: $ALLOC_NOTE"
 echo "  torch: $BLAS_NOTE"
+if [ -n "$KERNEL_CORE" ]; then
+  echo "  torch: OpenBLAS kernel $KERNEL_CORE (OPENBLAS_CORETYPE=${KERNEL_CORETYPE:-unset}):" \
+       "$KERNEL_REASON"
+else
+  echo "  torch: $KERNEL_REASON"
+fi
 AMX_NOTE="no AMX"
 grep -qw amx_bf16 /proc/cpuinfo && AMX_NOTE="AMX-BF16 present: bf16 GEMMs using it can beat both"
 echo "  ceiling (this machine, $THREADS threads): fp32 FMA $CEIL_FP32 GFLOP/s," \
@@ -230,9 +266,15 @@ EOF
       if ! "${torch_env[@]}" /usr/bin/time -f "%M" -o "$case_dir/torch$R.rss" \
           "$PY" "$REPO/tools/bench_torch_gpt.py" --seq-len "$T" --batch "$BATCH" --precision "$P" \
           --steps "$STEPS" --warmup "$WARMUP" --threads "$THREADS" >"$case_dir/torch$R.json" \
-          2>"$case_dir/torch.err"; then
+          2>"$case_dir/torch$R.err"; then
         echo "bench_cpu: torch peer failed on T=$T $P:" >&2
-        tail -5 "$case_dir/torch.err" >&2
+        tail -5 "$case_dir/torch$R.err" >&2
+        exit 1
+      fi
+      ran=$(sed -n 's/^Core: //p' "$case_dir/torch$R.err" | tail -1)
+      if [ "$ran" != "$KERNEL_CORE" ]; then
+        echo "bench_cpu: the torch peer ran OpenBLAS kernel '${ran:-none}'" \
+             "where '${KERNEL_CORE:-none}' was chosen" >&2
         exit 1
       fi
     done
@@ -263,7 +305,7 @@ EOF
 done
 
 # ---- the table -----------------------------------------------------------------------------------
-"$PY" - "$results" "$CEIL_FP32" <<'EOF'
+"$PY" - "$results" "$CEIL_FP32" "$KERNEL_CORE" <<'EOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 ceil = float(sys.argv[2])
@@ -295,6 +337,6 @@ noisy = [f"T={r['T']} {r['precision']} {impl} (slowest/fastest step {r[impl + '_
          for r in rows for impl in ("tetra", "torch") if r[impl + "_spread"] > 1.25]
 if noisy:
     print("NOISY (step times vary > 25%; rerun on a quiet machine): " + "; ".join(noisy))
-print(f"torch ran with BLAS {rows[0]['torch_blas']} and allocator "
-      f"{rows[0]['torch_alloc'] or 'glibc malloc'}")
+print(f"torch ran with BLAS {rows[0]['torch_blas']}, OpenBLAS kernel {sys.argv[3] or 'n/a'}, and "
+      f"allocator {rows[0]['torch_alloc'] or 'glibc malloc'}")
 EOF
