@@ -141,6 +141,13 @@ class CudaBackend final : public Backend {
              const math::AdamParams& hp, void* compute_copy, DType compute_type) override;
   void cast(void* dst, DType dst_type, const void* src, DType src_type, int64_t n) override;
 
+  // cuBLASLt's plan cache (gemm.cu): plans held, built (heuristic asked), retargeted to other dims
+  // of their bucket, re-asked where the cached algorithm failed its check, and cache resets.
+  struct GemmPlanStats {
+    int64_t cached = 0, built = 0, retargeted = 0, reheuristic = 0, resets = 0;
+  };
+  GemmPlanStats gemm_plan_stats() const;
+
   // For the kernel files: the state each owns, created on first use.
   CudaGemmState& gemm_state();
   std::string gemm_report() const;       // gemm.cu
