@@ -71,7 +71,15 @@ CURRENT=
 elapsed() { echo $(($(date +%s) - T0)); }
 remaining() { echo $((TOTAL_S - $(elapsed))); }
 note() { echo "$*" | tee -a "$OUT/summary.txt"; }
-trap 'note "interrupted (signal) at +$(elapsed)s${CURRENT:+ during stage $CURRENT}"; exit 130' INT TERM
+STAGE_PID=
+# A signal to the script (an outer time limit) ends the running stage's process group, notes it
+# and exits: the summary never stops at a stage without saying so.
+on_signal() {
+  [ -n "$STAGE_PID" ] && kill -TERM -- -"$STAGE_PID" 2>/dev/null
+  note "interrupted (signal) at +$(elapsed)s${CURRENT:+ during stage $CURRENT}"
+  exit 130
+}
+trap on_signal INT TERM
 
 # stage NAME LIMIT_S LOG CMD...: runs CMD under `timeout` (the limit clamped to the time left,
 # less the kill grace and 3 s for the summary), appending its output to LOG; records
@@ -92,8 +100,13 @@ stage() {
   note "$(printf '%-14s started     +%ds, limit %ds, log %s' "$name" "$(elapsed)" "$limit" "$(basename "$log")")"
   echo "== $name (limit ${limit}s, +$(elapsed)s): $*" >>"$log"
   CURRENT=$name
-  timeout --kill-after=$KILL_GRACE "$limit" "$@" >>"$log" 2>&1
+  # In the background and waited for, so that a signal to the script is handled at once (timeout
+  # leads its own process group, which on_signal ends).
+  timeout --kill-after=$KILL_GRACE "$limit" "$@" >>"$log" 2>&1 </dev/null &
+  STAGE_PID=$!
+  wait $STAGE_PID
   rc=$?
+  STAGE_PID=
   CURRENT=
   local dt=$(($(date +%s) - t))
   echo "== $name: exit $rc after ${dt}s" >>"$log"
@@ -180,7 +193,7 @@ if found=$(find_lib cudnn cudnn.h); then
   CMAKE_EXTRA+=("-DTETRA_CUDNN_LIBRARY=${found% *}")
   [ "${found#* }" != "$CUDA_HOME/include" ] && EXTRA_INC+=("-I${found#* }")
   add_lib_dir "${found% *}"
-  grep -hE '#define CUDNN_(MAJOR|MINOR|PATCHLEVEL) ' "${found#* }"/cudnn_version*.h 2>/dev/null | awk '{printf "%s ", $3} END {print ""}' |
+  grep -hE '#define CUDNN_(MAJOR|MINOR|PATCHLEVEL) ' "${found#* }"/cudnn_version.h 2>/dev/null | head -3 | awk '{printf "%s ", $3} END {print ""}' |
     sed 's/^/cudnn version: /' >>"$OUT/env.txt"
 fi
 echo "cudnn: ${found:-not found}" >>"$OUT/env.txt"
