@@ -125,13 +125,15 @@ cuda::attn::CudnnSdpa* cudnn_state(CudaAttentionState& st, cudaStream_t stream) 
 }
 
 // Auto mode passes cuDNN over for this shape: the first time, the reason is kept for the kernel
-// report and printed (once per backend) with cuDNN's own message, so a refusal is never silent.
+// report; where cuDNN itself refused (the shape and type were ones it takes), it is also printed,
+// once per backend, with cuDNN's own message, so a refusal is never silent.
 void note_fallback(CudaAttentionState& st, const char* op, const Dims& d, DType act,
-                   const std::string& why) {
-  if (!st.fallback_reason.empty()) return;
-  st.fallback_reason = shape_text(d, act) + ": " + why;
-  std::fprintf(stderr, "tetra: %s: cuDNN SDPA passed over for %s; the fused kernels run instead\n", op,
-               st.fallback_reason.c_str());
+                   const std::string& why, bool cudnn_refused) {
+  if (st.fallback_reason.empty()) st.fallback_reason = shape_text(d, act) + ": " + why;
+  if (!cudnn_refused || st.refusal_printed) return;
+  st.refusal_printed = true;
+  std::fprintf(stderr, "tetra: %s: cuDNN SDPA refused %s: %s; the fused kernels run instead\n", op,
+               shape_text(d, act).c_str(), why.c_str());
 }
 
 // The (B, NH, T) fp32 scratch of the backward (the fused kernels' D, cuDNN's softmax_sum), grown
@@ -221,7 +223,8 @@ void CudaBackend::attention_forward(void* out, float* lse, const void* qkv, int6
   const cudaStream_t stream = cuda::as_stream(stream_);
   const AttentionPath mode = attention_path_;
   if (mode != AttentionPath::FUSED) {
-    std::string why = cuda::attn::cudnn_sdpa_eligible(d, act);
+    const std::string ineligible = cuda::attn::cudnn_sdpa_eligible(d, act);
+    std::string why = ineligible;
     if (why.empty()) {
       cuda::attn::CudnnSdpa* sdpa = cudnn_state(st, stream);
       why = sdpa ? cuda::attn::cudnn_sdpa_forward(*sdpa, d, act, out, lse, qkv)
@@ -236,7 +239,7 @@ void CudaBackend::attention_forward(void* out, float* lse, const void* qkv, int6
       throw Error(fmt::format("attention_forward: TETRA_ATTENTION=cudnn, but cuDNN has no SDPA "
                               "plan that runs for {}: {}",
                               shape_text(d, act), why));
-    note_fallback(st, "attention_forward", d, act, why);
+    note_fallback(st, "attention_forward", d, act, why, ineligible.empty());
   }
   cuda::attn::fused_forward(d, act, out, lse, qkv, stream);
   st.last_path = "fused";
@@ -252,7 +255,8 @@ void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* q
   const AttentionPath mode = attention_path_;
   float* rows = backward_rows(st, d, stream);
   if (mode != AttentionPath::FUSED) {
-    std::string why = cuda::attn::cudnn_sdpa_eligible(d, act);
+    const std::string ineligible = cuda::attn::cudnn_sdpa_eligible(d, act);
+    std::string why = ineligible;
     if (why.empty()) {
       cuda::attn::CudnnSdpa* sdpa = cudnn_state(st, stream);
       why = sdpa ? cuda::attn::cudnn_sdpa_backward(*sdpa, d, act, dqkv, dout, qkv, out, lse, rows)
@@ -267,7 +271,7 @@ void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* q
       throw Error(fmt::format("attention_backward: TETRA_ATTENTION=cudnn, but cuDNN has no SDPA "
                               "plan that runs for {}: {}",
                               shape_text(d, act), why));
-    note_fallback(st, "attention_backward", d, act, why);
+    note_fallback(st, "attention_backward", d, act, why, ineligible.empty());
   }
   cuda::attn::fused_backward(d, act, dqkv, dout, qkv, out, lse, rows, stream);
   st.last_path = "fused";

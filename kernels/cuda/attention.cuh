@@ -85,6 +85,7 @@ struct CudaAttentionState {
   std::string last_path = "none";  // "cudnn" or "fused" after the first attention op
   std::set<std::string> forward_paths, backward_paths;  // every path taken so far
   std::string fallback_reason;  // why cuDNN was passed over the first time it was (auto mode)
+  bool refusal_printed = false;  // a refusal by cuDNN itself was printed (once per backend)
   float* d_rows = nullptr;         // grow-only (B, NH, T) scratch of either backward (D / softmax_sum)
   size_t d_rows_floats = 0;
   std::unique_ptr<cuda::attn::CudnnSdpa, cuda::attn::CudnnSdpaDeleter> cudnn;  // on first use
