@@ -91,13 +91,14 @@ stage() {
   left=$(($(remaining) - KILL_GRACE - 3))
   [ "$limit" -gt "$left" ] && limit=$left
   if [ "$limit" -lt 5 ]; then
-    note "$(printf '%-14s SKIPPED     (no time left: %ss of %ss used)' "$name" "$(elapsed)" "$TOTAL_S")"
+    note "$(printf '%-20s SKIPPED     (no time left: %ss of %ss used)' "$name" "$(elapsed)" "$TOTAL_S")"
     SKIPPED+=("$name")
     return 1
   fi
-  local t rc
+  local t rc from
   t=$(date +%s)
-  note "$(printf '%-14s started     +%ds, limit %ds, log %s' "$name" "$(elapsed)" "$limit" "$(basename "$log")")"
+  from=$(($(wc -l <"$log" 2>/dev/null || echo 0) + 1))
+  note "$(printf '%-20s started     +%ds, limit %ds, log %s' "$name" "$(elapsed)" "$limit" "$(basename "$log")")"
   echo "== $name (limit ${limit}s, +$(elapsed)s): $*" >>"$log"
   CURRENT=$name
   # In the background and waited for, so that a signal to the script is handled at once (timeout
@@ -111,15 +112,19 @@ stage() {
   local dt=$(($(date +%s) - t))
   echo "== $name: exit $rc after ${dt}s" >>"$log"
   if [ $rc -eq 0 ]; then
-    note "$(printf '%-14s ok          %4ds' "$name" "$dt")"
+    note "$(printf '%-20s ok          %4ds' "$name" "$dt")"
   elif [ $rc -eq 77 ]; then
-    note "$(printf '%-14s SKIPPED     %4ds  (the test skipped itself: %s; see %s)' "$name" "$dt" \
+    note "$(printf '%-20s SKIPPED     %4ds  (the test skipped itself: %s; see %s)' "$name" "$dt" \
       "$(grep -m1 -iE 'skipp|no cuda device' "$log" | tail -c 120 | tr -d '\n')" "$(basename "$log")")"
     SKIPPED+=("$name")
   else
-    local why="rc $rc"
+    # The stage's last line of output says why, most of the time.
+    local why last
+    last=$(tail -n +"$from" "$log" | grep -v '^== ' | grep -v '^\s*$' | tail -1 | cut -c1-160)
+    why="rc $rc${last:+: $last}"
+    [ $rc -eq 3 ] && why="not built"
     { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && why="timed out after ${limit}s"
-    note "$(printf '%-14s FAILED      %4ds  (%s; see %s)' "$name" "$dt" "$why" "$(basename "$log")")"
+    note "$(printf '%-20s FAILED      %4ds  (%s; see %s)' "$name" "$dt" "$why" "$(basename "$log")")"
     FAILED+=("$name")
   fi
   return $rc
@@ -142,9 +147,9 @@ HAVE_GPU=0
 } >"$OUT/env.txt" 2>&1
 if grep -q "NVIDIA-SMI" "$OUT/env.txt"; then
   HAVE_GPU=1
-  note "$(printf '%-14s ok          %s' env "$(grep -A1 '^name' "$OUT/env.txt" | tail -1)")"
+  note "$(printf '%-20s ok          %s' env "$(grep -A1 '^name' "$OUT/env.txt" | tail -1)")"
 else
-  note "$(printf '%-14s FAILED      (nvidia-smi: no GPU or no driver; the GPU stages will skip or fail; see env.txt)' env)"
+  note "$(printf '%-20s FAILED      (nvidia-smi: no GPU or no driver; the GPU stages will skip or fail; see env.txt)' env)"
   FAILED+=(env)
 fi
 
@@ -234,18 +239,18 @@ use_deps() {
 }
 DEPS=
 if [ "${GPU_CHECK_USE_DEPS:-0}" != 1 ] && have_system_deps; then
-  note "$(printf '%-14s ok          installed packages' deps)"
+  note "$(printf '%-20s ok          installed packages' deps)"
 else
   if [ -z "$DEPS_ARG" ]; then
     for c in "$REPO/.gpu-deps" "$REPO/.gpu-deps.tar.xz"; do [ -e "$c" ] && DEPS_ARG=$c && break; done
   fi
   if [ -z "$DEPS_ARG" ]; then
-    note "$(printf '%-14s FAILED      (build dependencies missing and no folder from scripts/prepare_gpu_deps.sh given)' deps)"
+    note "$(printf '%-20s FAILED      (build dependencies missing and no folder from scripts/prepare_gpu_deps.sh given)' deps)"
     FAILED+=(deps)
   elif use_deps "$DEPS_ARG" >>"$OUT/build.log" 2>&1; then
-    note "$(printf '%-14s ok          %s (OpenMPI: %s)' deps "$DEPS" "$MPI")"
+    note "$(printf '%-20s ok          %s (OpenMPI: %s)' deps "$DEPS" "$MPI")"
   else
-    note "$(printf '%-14s FAILED      (unpacking %s; see build.log)' deps "$DEPS_ARG")"
+    note "$(printf '%-20s FAILED      (unpacking %s; see build.log)' deps "$DEPS_ARG")"
     FAILED+=(deps)
   fi
 fi
