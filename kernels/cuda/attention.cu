@@ -6,15 +6,19 @@
 // (attention_flash_bf16.cu: bf16 and fp16 on tensor cores, HS up to 128;
 // attention_flash_generic.cu: every dtype and HS up to 256). The
 // backend's AttentionPath (kernels/backend.h; the user's TETRA_ATTENTION) picks the path: AUTO (the
-// default) takes cuDNN where it can and the fused kernels otherwise, FUSED always the fused
-// kernels, CUDNN always cuDNN (an Error naming the shape where cuDNN has no plan). Both paths produce the same lse (natural
-// log-sum-exp of the scaled scores), so a forward on one path and a backward on the other agree.
+// default) takes cuDNN where it can and the fused kernels otherwise (where cuDNN has no plan for
+// a shape, or its plan fails to execute; the first such reason is printed once, with cuDNN's own
+// message), FUSED always the fused kernels, CUDNN always cuDNN (an Error naming the shape and
+// cuDNN's reason where it has no plan or the plan does not run). Both paths produce the same lse
+// (natural log-sum-exp of the scaled scores), so a forward on one path and a backward on the
+// other agree.
 // attention_path() reports the path of the last attention op.
 //
 // RoPE rotates the q and k heads in place with math::rope_rotate, the function the CPU backend
 // uses; the inverse frequencies are computed on the host by math::rope_inv_freq (bit-identical to
 // the CPU's table) and passed to the kernel by value, and the angle is float(t) * inv_freq as on
 // the CPU.
+#include <cstdio>
 #include <type_traits>
 
 #include "kernels/cuda/attention.cuh"
@@ -120,6 +124,33 @@ cuda::attn::CudnnSdpa* cudnn_state(CudaAttentionState& st, cudaStream_t stream) 
   return st.cudnn.get();
 }
 
+// Auto mode passes cuDNN over for this shape: the first time, the reason is kept for the kernel
+// report; where cuDNN itself refused (the shape and type were ones it takes), it is also printed,
+// once per backend, with cuDNN's own message, so a refusal is never silent.
+void note_fallback(CudaAttentionState& st, const char* op, const Dims& d, DType act,
+                   const std::string& why, bool cudnn_refused) {
+  if (st.fallback_reason.empty()) st.fallback_reason = shape_text(d, act) + ": " + why;
+  if (!cudnn_refused || st.refusal_printed) return;
+  st.refusal_printed = true;
+  std::fprintf(stderr, "tetra: %s: cuDNN SDPA refused %s: %s; the fused kernels run instead\n", op,
+               shape_text(d, act).c_str(), why.c_str());
+}
+
+// The (B, NH, T) fp32 scratch of the backward (the fused kernels' D, cuDNN's softmax_sum), grown
+// at the first sight of a larger shape (waiting for work that may still read the old buffer).
+float* backward_rows(CudaAttentionState& st, const Dims& d, cudaStream_t stream) {
+  const size_t need = static_cast<size_t>(d.B * d.NH * d.T);
+  if (need > st.d_rows_floats) {
+    TETRA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (st.d_rows) TETRA_CUDA_CHECK(cudaFree(st.d_rows));
+    st.d_rows = nullptr;
+    st.d_rows_floats = 0;
+    TETRA_CUDA_CHECK(cudaMalloc(&st.d_rows, need * sizeof(float)));
+    st.d_rows_floats = need;
+  }
+  return st.d_rows;
+}
+
 // ---- RoPE ------------------------------------------------------------------------------------
 constexpr int kMaxRopeHalf = 256;  // HS <= 512
 struct RopeFreqs {
@@ -192,7 +223,8 @@ void CudaBackend::attention_forward(void* out, float* lse, const void* qkv, int6
   const cudaStream_t stream = cuda::as_stream(stream_);
   const AttentionPath mode = attention_path_;
   if (mode != AttentionPath::FUSED) {
-    std::string why = cuda::attn::cudnn_sdpa_eligible(d, act);
+    const std::string ineligible = cuda::attn::cudnn_sdpa_eligible(d, act);
+    std::string why = ineligible;
     if (why.empty()) {
       cuda::attn::CudnnSdpa* sdpa = cudnn_state(st, stream);
       why = sdpa ? cuda::attn::cudnn_sdpa_forward(*sdpa, d, act, out, lse, qkv)
@@ -205,9 +237,9 @@ void CudaBackend::attention_forward(void* out, float* lse, const void* qkv, int6
     }
     if (mode == AttentionPath::CUDNN)
       throw Error(fmt::format("attention_forward: TETRA_ATTENTION=cudnn, but cuDNN has no SDPA "
-                              "plan for {}: {}",
+                              "plan that runs for {}: {}",
                               shape_text(d, act), why));
-    if (st.fallback_reason.empty()) st.fallback_reason = shape_text(d, act) + ": " + why;
+    note_fallback(st, "attention_forward", d, act, why, ineligible.empty());
   }
   cuda::attn::fused_forward(d, act, out, lse, qkv, stream);
   st.last_path = "fused";
@@ -221,11 +253,13 @@ void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* q
   CudaAttentionState& st = attention_state();
   const cudaStream_t stream = cuda::as_stream(stream_);
   const AttentionPath mode = attention_path_;
+  float* rows = backward_rows(st, d, stream);
   if (mode != AttentionPath::FUSED) {
-    std::string why = cuda::attn::cudnn_sdpa_eligible(d, act);
+    const std::string ineligible = cuda::attn::cudnn_sdpa_eligible(d, act);
+    std::string why = ineligible;
     if (why.empty()) {
       cuda::attn::CudnnSdpa* sdpa = cudnn_state(st, stream);
-      why = sdpa ? cuda::attn::cudnn_sdpa_backward(*sdpa, d, act, dqkv, dout, qkv, out, lse)
+      why = sdpa ? cuda::attn::cudnn_sdpa_backward(*sdpa, d, act, dqkv, dout, qkv, out, lse, rows)
                  : st.cudnn_init_error;
     }
     if (why.empty()) {
@@ -235,22 +269,11 @@ void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* q
     }
     if (mode == AttentionPath::CUDNN)
       throw Error(fmt::format("attention_backward: TETRA_ATTENTION=cudnn, but cuDNN has no SDPA "
-                              "plan for {}: {}",
+                              "plan that runs for {}: {}",
                               shape_text(d, act), why));
-    if (st.fallback_reason.empty()) st.fallback_reason = shape_text(d, act) + ": " + why;
+    note_fallback(st, "attention_backward", d, act, why, ineligible.empty());
   }
-  // D scratch (B, NH, T), grown at the first sight of a larger shape (waiting for work that may
-  // still read the old buffer).
-  const size_t need = static_cast<size_t>(d.B * d.NH * d.T);
-  if (need > st.d_rows_floats) {
-    TETRA_CUDA_CHECK(cudaStreamSynchronize(stream));
-    if (st.d_rows) TETRA_CUDA_CHECK(cudaFree(st.d_rows));
-    st.d_rows = nullptr;
-    st.d_rows_floats = 0;
-    TETRA_CUDA_CHECK(cudaMalloc(&st.d_rows, need * sizeof(float)));
-    st.d_rows_floats = need;
-  }
-  cuda::attn::fused_backward(d, act, dqkv, dout, qkv, out, lse, st.d_rows, stream);
+  cuda::attn::fused_backward(d, act, dqkv, dout, qkv, out, lse, rows, stream);
   st.last_path = "fused";
   st.backward_paths.insert("fused");
 }

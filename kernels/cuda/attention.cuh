@@ -61,8 +61,10 @@ void attention_row_dots(const Dims& d, float* d_rows, const T* dout, const T* ou
                         cudaStream_t stream);
 
 // ---- cuDNN fused SDPA (backend graph API) ----------------------------------------------------
-// Plans are built once per shape and kept; a shape cuDNN cannot run is remembered with the
-// reason. Each call returns "" when it enqueued the work, else that reason (nothing enqueued).
+// Plans are built once per shape and kept; a shape cuDNN cannot plan or execute is remembered with
+// the reason (cuDNN's own message included). Each call returns "" when it enqueued the work, else
+// that reason (nothing enqueued). The backward's softmax_sum is a (B, NH, T) fp32 scratch it
+// overwrites (rowsum(dout * out), as the fused backward's d_rows).
 struct CudnnSdpa;
 struct CudnnSdpaDeleter { void operator()(CudnnSdpa* s) const; };
 std::unique_ptr<CudnnSdpa, CudnnSdpaDeleter> cudnn_sdpa_create(cudaStream_t stream);
@@ -72,7 +74,7 @@ std::string cudnn_sdpa_forward(CudnnSdpa& s, const Dims& d, DType act, void* out
                                const void* qkv);
 std::string cudnn_sdpa_backward(CudnnSdpa& s, const Dims& d, DType act, void* dqkv,
                                 const void* dout, const void* qkv, const void* out,
-                                const float* lse);
+                                const float* lse, float* softmax_sum);
 
 }  // namespace tetra::cuda::attn
 
@@ -83,7 +85,8 @@ struct CudaAttentionState {
   std::string last_path = "none";  // "cudnn" or "fused" after the first attention op
   std::set<std::string> forward_paths, backward_paths;  // every path taken so far
   std::string fallback_reason;  // why cuDNN was passed over the first time it was (auto mode)
-  float* d_rows = nullptr;         // grow-only (B, NH, T) scratch of the fused backward
+  bool refusal_printed = false;  // a refusal by cuDNN itself was printed (once per backend)
+  float* d_rows = nullptr;         // grow-only (B, NH, T) scratch of either backward (D / softmax_sum)
   size_t d_rows_floats = 0;
   std::unique_ptr<cuda::attn::CudnnSdpa, cuda::attn::CudnnSdpaDeleter> cudnn;  // on first use
   std::string cudnn_init_error;  // why the cuDNN handle could not be created, if it could not

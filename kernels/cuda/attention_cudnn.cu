@@ -2,19 +2,13 @@
 //
 // cuDNN recognises scaled-dot-product attention as an operation graph of matmuls, pointwise ops
 // and reductions (the pattern cudnn-frontend's SDPA nodes lower to) and runs it as one fused
-// flash-attention kernel. Forward, per (b, h):
-//   S = Q K^T * scale;  S = row >= col ? S : lowest      (GEN_INDEX x 2, CMP_GE, BINARY_SELECT)
-//   M = rowmax S;  E = exp(S - M);  Z = rowsum E;  Stats = M + log Z;  O = (E / Z in io) V
-// Stats is exactly our lse (natural log-sum-exp of the scaled scores), written to lse directly.
-// Backward recomputes P = exp(S - Stats) and forms dV = P^T dO, dP = dO V^T,
-// dS = P (dP - rowsum(dO * O)) * scale, dK = dS^T Q, dQ = dS K; with GQA (NH > NKV) the per query
-// head dK / dV are reduced over the group into the kv head. The graph carries no dQ accumulator,
-// which selects cuDNN's deterministic backward, and engines noted as non-deterministic are skipped.
-//
-// Q, K, V, dQ, dK, dV are described in place inside qkv / dqkv by strides (no copies): with
-// row = (NH + 2 NKV) HS, Q (B, NH, T, HS) has strides (T row, HS, row, 1) from qkv, K^T
-// (B, NKV, HS, T) strides (T row, HS, 1, row) from qkv + NH HS, V the same as Q from
-// qkv + (NH + NKV) HS; O / dO (B, NH, T, HS) strides (T NH HS, HS, NH HS, 1); Stats (B, NH, T, 1).
+// flash-attention kernel. The graphs themselves, node by node, with the views of qkv / out they
+// read and write (no copies), are plain data in sdpa_graph.h (unit-tested against the frontend's
+// lowering); this file lowers them into backend descriptors, finds an engine, and executes.
+// Stats is exactly our lse (natural log-sum-exp of the scaled scores), written to lse directly;
+// the backward's softmax_sum = rowsum(dO * O) is a real fp32 (B, NH, T, 1) tensor backed by the
+// caller's (B, NH, T) scratch. The backward carries no dQ accumulator, which selects cuDNN's
+// deterministic backward, and engines noted as non-deterministic are skipped.
 //
 // The io type (bf16 or fp16, the activations') is the type of Q, K, V, O, their gradients, and of
 // P and dS before their matmuls; every other tensor of the graph is fp32. The two graphs differ in
@@ -22,8 +16,9 @@
 //
 // Plans are built once per (direction, io type, B, T, NH, NKV, HS) and cached with the largest
 // workspace any of them needs (grown, with a stream sync, only when a new shape needs more; at most
-// 2 GiB). A shape no engine accepts is remembered with the reason and the caller falls back to the
-// fused kernels.
+// 2 GiB). A shape no engine accepts, or whose plan fails to execute, is remembered with the reason
+// (cuDNN's own message included, from cudnnGetLastErrorString) and the caller falls back to the
+// fused kernels (or, with TETRA_ATTENTION=cudnn, fails naming it).
 #include <cudnn.h>
 
 #include <array>
@@ -32,6 +27,7 @@
 #include <vector>
 
 #include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/sdpa_graph.h"
 
 namespace tetra::cuda::attn {
 namespace {
@@ -41,9 +37,24 @@ struct GraphError {
   std::string what;
 };
 
+// cuDNN's own account of its last failure on this thread ("" when it has none).
+std::string cudnn_last_error() {
+  char buf[2048] = {0};
+  cudnnGetLastErrorString(buf, sizeof(buf));
+  std::string msg(buf);
+  while (!msg.empty() && (msg.back() == '\n' || msg.back() == ' ')) msg.pop_back();
+  return msg;
+}
+
+std::string failure(const char* what, cudnnStatus_t status) {
+  std::string msg = fmt::format("{} failed: {}", what, cudnnGetErrorString(status));
+  const std::string detail = cudnn_last_error();
+  if (!detail.empty()) msg += " (cuDNN: " + detail + ")";
+  return msg;
+}
+
 void check(cudnnStatus_t status, const char* what) {
-  if (status != CUDNN_STATUS_SUCCESS)
-    throw GraphError{fmt::format("{} failed: {}", what, cudnnGetErrorString(status))};
+  if (status != CUDNN_STATUS_SUCCESS) throw GraphError{failure(what, status)};
 }
 
 // One backend descriptor, destroyed with its owner.
@@ -71,25 +82,18 @@ class Desc {
   cudnnBackendDescriptor_t desc_ = nullptr;
 };
 
-using Shape4 = std::array<int64_t, 4>;
-
-// The tensor uids of the variant pack.
-enum Uid : int64_t {
-  kQ = 1, kK, kV, kO, kStats, kScale, kLowest, kDO, kDQ, kDK, kDV, kOne, kFirstVirtual = 100
-};
-
 // A finalized execution plan and every descriptor it was built from (kept alive with it).
 struct Plan {
   std::vector<std::unique_ptr<Desc>> descs;
   std::unique_ptr<Desc> plan;
   int64_t workspace = 0;
-  float scale = 0.0f, lowest = std::numeric_limits<float>::lowest(), one = 1.0f;  // by value
+  float scale = 0.0f, mask_value = std::numeric_limits<float>::lowest(), one = 1.0f;  // by value
 };
 
 class GraphBuilder {
  public:
-  cudnnBackendDescriptor_t tensor(int64_t uid, cudnnDataType_t type, Shape4 dims, Shape4 strides,
-                                  bool is_virtual = false, bool by_value = false) {
+  cudnnBackendDescriptor_t tensor(int64_t uid, cudnnDataType_t type, sdpa::Shape4 dims,
+                                  sdpa::Shape4 strides, bool is_virtual, bool by_value) {
     Desc& t = make(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
     const int64_t alignment = 16;
     t.set(CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &type, "tensor data type");
@@ -108,13 +112,6 @@ class GraphBuilder {
     t.finalize("tensor finalize");
     return t.get();
   }
-  cudnnBackendDescriptor_t scalar(int64_t uid) {
-    return tensor(uid, CUDNN_DATA_FLOAT, {1, 1, 1, 1}, {1, 1, 1, 1}, false, true);
-  }
-  cudnnBackendDescriptor_t virt(cudnnDataType_t type, Shape4 dims, Shape4 strides) {
-    return tensor(next_virtual_++, type, dims, strides, true);
-  }
-
   // y = mode(x, b, t); GEN_INDEX takes an axis, comparisons and selects a math precision.
   void pointwise(cudnnPointwiseMode_t mode, cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t b,
                  cudnnBackendDescriptor_t t, cudnnBackendDescriptor_t y,
@@ -185,7 +182,10 @@ class GraphBuilder {
       auto heur = std::make_unique<Desc>(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
       heur->set_desc(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph.get(), "heuristics graph");
       heur->set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode, "heuristics mode");
-      if (cudnnBackendFinalize(heur->get()) != CUDNN_STATUS_SUCCESS) continue;
+      if (const cudnnStatus_t st = cudnnBackendFinalize(heur->get()); st != CUDNN_STATUS_SUCCESS) {
+        last_failure = failure("engine heuristics finalize", st);
+        continue;
+      }
       int64_t count = 0;
       if (cudnnBackendGetAttribute(heur->get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
                                    CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count, nullptr) !=
@@ -213,7 +213,7 @@ class GraphBuilder {
                        "plan engine config");
         const cudnnStatus_t st = cudnnBackendFinalize(plan->get());
         if (st != CUDNN_STATUS_SUCCESS) {
-          last_failure = fmt::format("no engine finalizes ({})", cudnnGetErrorString(st));
+          last_failure = failure("no engine finalizes: execution plan finalize", st);
           continue;
         }
         auto result = std::make_unique<Plan>();
@@ -256,152 +256,61 @@ class GraphBuilder {
 
   std::vector<std::unique_ptr<Desc>> owned_;
   std::vector<cudnnBackendDescriptor_t> ops_;
-  int64_t next_virtual_ = kFirstVirtual;
 };
 
-// Strides of the views into qkv / out (see the header comment).
-struct Views {
-  Shape4 q_dims, kv_dims, kt_dims, s_dims, r_dims;
-  Shape4 qkv_strides, kt_strides, o_strides, s_strides, st_strides, r_strides;
-};
-
-Views views_of(const Dims& d) {
-  const int64_t B = d.B, T = d.T, NH = d.NH, NKV = d.NKV, HS = d.HS, row = d.row();
-  Views v;
-  v.q_dims = {B, NH, T, HS};
-  v.kv_dims = {B, NKV, T, HS};
-  v.kt_dims = {B, NKV, HS, T};
-  v.s_dims = {B, NH, T, T};
-  v.r_dims = {B, NH, T, 1};
-  v.qkv_strides = {T * row, HS, row, 1};
-  v.kt_strides = {T * row, HS, 1, row};
-  v.o_strides = {T * NH * HS, HS, NH * HS, 1};
-  v.s_strides = {NH * T * T, T * T, T, 1};
-  v.st_strides = {NH * T * T, T * T, 1, T};  // the (T, T) matrices transposed
-  v.r_strides = {NH * T, T, 1, 1};
-  return v;
-}
-
-// S = Q K^T * scale with the causal mask applied (shared by forward and backward).
-cudnnBackendDescriptor_t masked_scores(GraphBuilder& g, const Views& v,
-                                       cudnnBackendDescriptor_t q, cudnnBackendDescriptor_t kt,
-                                       cudnnBackendDescriptor_t scale,
-                                       cudnnBackendDescriptor_t lowest) {
-  auto s0 = g.virt(CUDNN_DATA_FLOAT, v.s_dims, v.s_strides);
-  g.matmul(q, kt, s0);
-  auto s1 = g.virt(CUDNN_DATA_FLOAT, v.s_dims, v.s_strides);
-  g.pointwise(CUDNN_POINTWISE_MUL, s0, scale, nullptr, s1);
-  auto row = g.virt(CUDNN_DATA_INT32, v.s_dims, v.s_strides);
-  g.pointwise(CUDNN_POINTWISE_GEN_INDEX, s1, nullptr, nullptr, row, CUDNN_DATA_INT32, 2);
-  auto col = g.virt(CUDNN_DATA_INT32, v.s_dims, v.s_strides);
-  g.pointwise(CUDNN_POINTWISE_GEN_INDEX, s1, nullptr, nullptr, col, CUDNN_DATA_INT32, 3);
-  auto keep = g.virt(CUDNN_DATA_BOOLEAN, v.s_dims, v.s_strides);
-  g.pointwise(CUDNN_POINTWISE_CMP_GE, row, col, nullptr, keep, CUDNN_DATA_BOOLEAN);
-  auto s2 = g.virt(CUDNN_DATA_FLOAT, v.s_dims, v.s_strides);
-  g.pointwise(CUDNN_POINTWISE_BINARY_SELECT, s1, lowest, keep, s2);  // keep ? s1 : lowest
-  return s2;
-}
-
-std::unique_ptr<Plan> build_forward(cudnnHandle_t handle, const Dims& d, cudnnDataType_t io) {
-  const Views v = views_of(d);
-  GraphBuilder g;
-  auto q = g.tensor(kQ, io, v.q_dims, v.qkv_strides);
-  auto kt = g.tensor(kK, io, v.kt_dims, v.kt_strides);
-  auto val = g.tensor(kV, io, v.kv_dims, v.qkv_strides);
-  auto o = g.tensor(kO, io, v.q_dims, v.o_strides);
-  auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, v.r_dims, v.r_strides);
-  auto scale = g.scalar(kScale);
-  auto lowest = g.scalar(kLowest);
-
-  auto s = masked_scores(g, v, q, kt, scale, lowest);
-  auto mx = g.virt(CUDNN_DATA_FLOAT, v.r_dims, v.r_strides);
-  g.reduction(CUDNN_REDUCE_TENSOR_MAX, s, mx);
-  auto centred = g.virt(CUDNN_DATA_FLOAT, v.s_dims, v.s_strides);
-  g.pointwise(CUDNN_POINTWISE_SUB, s, mx, nullptr, centred);
-  auto e = g.virt(CUDNN_DATA_FLOAT, v.s_dims, v.s_strides);
-  g.pointwise(CUDNN_POINTWISE_EXP, centred, nullptr, nullptr, e);
-  auto z = g.virt(CUDNN_DATA_FLOAT, v.r_dims, v.r_strides);
-  g.reduction(CUDNN_REDUCE_TENSOR_ADD, e, z);
-  auto log_z = g.virt(CUDNN_DATA_FLOAT, v.r_dims, v.r_strides);
-  g.pointwise(CUDNN_POINTWISE_LOG, z, nullptr, nullptr, log_z);
-  g.pointwise(CUDNN_POINTWISE_ADD, mx, log_z, nullptr, stats);
-  auto p = g.virt(io, v.s_dims, v.s_strides);
-  g.pointwise(CUDNN_POINTWISE_DIV, e, z, nullptr, p);
-  g.matmul(p, val, o);
-  auto plan = g.build(handle);
-  plan->scale = d.scale();
-  return plan;
-}
-
-std::unique_ptr<Plan> build_backward(cudnnHandle_t handle, const Dims& d, cudnnDataType_t io) {
-  const Views v = views_of(d);
-  const bool gqa = d.NH != d.NKV;
-  const Shape4 packed = {d.NH * d.T * d.HS, d.T * d.HS, d.HS, 1};  // (B, NH, T, HS) scratch
-  GraphBuilder g;
-  auto q = g.tensor(kQ, io, v.q_dims, v.qkv_strides);
-  auto kt = g.tensor(kK, io, v.kt_dims, v.kt_strides);
-  auto vt = g.tensor(kV, io, v.kt_dims, v.kt_strides);
-  auto o = g.tensor(kO, io, v.q_dims, v.o_strides);
-  auto d_o = g.tensor(kDO, io, v.q_dims, v.o_strides);
-  auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, v.r_dims, v.r_strides);
-  auto dq = g.tensor(kDQ, io, v.q_dims, v.qkv_strides);
-  auto dk = g.tensor(kDK, io, v.kv_dims, v.qkv_strides);
-  auto dv = g.tensor(kDV, io, v.kv_dims, v.qkv_strides);
-  auto scale = g.scalar(kScale);
-  auto lowest = g.scalar(kLowest);
-  auto one = g.scalar(kOne);
-
-  // D = rowsum(dO * O)
-  auto dd = g.virt(CUDNN_DATA_FLOAT, v.q_dims, v.o_strides);
-  g.pointwise(CUDNN_POINTWISE_MUL, d_o, o, nullptr, dd);
-  auto d_sum = g.virt(CUDNN_DATA_FLOAT, v.r_dims, v.r_strides);
-  g.reduction(CUDNN_REDUCE_TENSOR_ADD, dd, d_sum);
-  auto d_row = g.virt(CUDNN_DATA_FLOAT, v.r_dims, v.r_strides);
-  g.pointwise(CUDNN_POINTWISE_MUL, d_sum, one, nullptr, d_row);
-
-  // P = exp(S - Stats); dV = P^T dO
-  auto s = masked_scores(g, v, q, kt, scale, lowest);
-  auto centred = g.virt(CUDNN_DATA_FLOAT, v.s_dims, v.s_strides);
-  g.pointwise(CUDNN_POINTWISE_SUB, s, stats, nullptr, centred);
-  auto p = g.virt(CUDNN_DATA_FLOAT, v.s_dims, v.s_strides);
-  g.pointwise(CUDNN_POINTWISE_EXP, centred, nullptr, nullptr, p);
-  auto pt = g.virt(io, v.s_dims, v.st_strides);
-  g.reshape(p, pt);
-  if (gqa) {
-    auto dv_heads = g.virt(io, v.q_dims, packed);
-    g.matmul(pt, d_o, dv_heads);
-    g.reduction(CUDNN_REDUCE_TENSOR_ADD, dv_heads, dv);
-  } else {
-    g.matmul(pt, d_o, dv);
+cudnnPointwiseMode_t pointwise_mode(sdpa::Mode m) {
+  switch (m) {
+    case sdpa::Mode::MUL: return CUDNN_POINTWISE_MUL;
+    case sdpa::Mode::SUB: return CUDNN_POINTWISE_SUB;
+    case sdpa::Mode::ADD: return CUDNN_POINTWISE_ADD;
+    case sdpa::Mode::DIV: return CUDNN_POINTWISE_DIV;
+    case sdpa::Mode::EXP: return CUDNN_POINTWISE_EXP;
+    case sdpa::Mode::LOG: return CUDNN_POINTWISE_LOG;
+    case sdpa::Mode::GEN_INDEX: return CUDNN_POINTWISE_GEN_INDEX;
+    case sdpa::Mode::CMP_GE: return CUDNN_POINTWISE_CMP_GE;
+    case sdpa::Mode::BINARY_SELECT: return CUDNN_POINTWISE_BINARY_SELECT;
+    default: break;
   }
-
-  // dS = P (dO V^T - D) scale; dK = dS^T Q; dQ = dS K
-  auto dp = g.virt(CUDNN_DATA_FLOAT, v.s_dims, v.s_strides);
-  g.matmul(d_o, vt, dp);
-  auto dp1 = g.virt(CUDNN_DATA_FLOAT, v.s_dims, v.s_strides);
-  g.pointwise(CUDNN_POINTWISE_MUL, dp, one, nullptr, dp1);
-  auto dp2 = g.virt(CUDNN_DATA_FLOAT, v.s_dims, v.s_strides);
-  g.pointwise(CUDNN_POINTWISE_SUB, dp1, d_row, nullptr, dp2);
-  auto dp3 = g.virt(CUDNN_DATA_FLOAT, v.s_dims, v.s_strides);
-  g.pointwise(CUDNN_POINTWISE_MUL, dp2, p, nullptr, dp3);
-  auto ds = g.virt(CUDNN_DATA_FLOAT, v.s_dims, v.s_strides);
-  g.pointwise(CUDNN_POINTWISE_MUL, dp3, scale, nullptr, ds);
-  auto dst = g.virt(io, v.s_dims, v.st_strides);
-  g.reshape(ds, dst);
-  if (gqa) {
-    auto dk_heads = g.virt(io, v.q_dims, packed);
-    g.matmul(dst, q, dk_heads);
-    g.reduction(CUDNN_REDUCE_TENSOR_ADD, dk_heads, dk);
-  } else {
-    g.matmul(dst, q, dk);
-  }
-  auto k = g.virt(io, v.kv_dims, v.qkv_strides);
-  g.reshape(kt, k);
-  g.matmul(ds, k, dq);
-  auto plan = g.build(handle);
-  plan->scale = d.scale();
-  return plan;
+  throw GraphError{fmt::format("no pointwise mode {}", sdpa::mode_name(m))};
 }
+
+// The graph of sdpa_graph.h, node for node, as backend descriptors; io is the 16-bit type.
+std::unique_ptr<Plan> lower(cudnnHandle_t handle, const sdpa::Graph& graph, cudnnDataType_t io) {
+  auto data_type = [io](sdpa::DataType t) {
+    switch (t) {
+      case sdpa::DataType::IO: return io;
+      case sdpa::DataType::INT32: return CUDNN_DATA_INT32;
+      case sdpa::DataType::BOOLEAN: return CUDNN_DATA_BOOLEAN;
+      case sdpa::DataType::FLOAT: break;
+    }
+    return CUDNN_DATA_FLOAT;
+  };
+  GraphBuilder g;
+  std::map<int64_t, cudnnBackendDescriptor_t> tensors;
+  for (const sdpa::Tensor& t : graph.tensors)
+    tensors[t.uid] = g.tensor(t.uid, data_type(t.type), t.dims, t.strides, t.is_virtual, t.by_value);
+  auto in = [&](const sdpa::Node& n, size_t i) {
+    return i < n.inputs.size() ? tensors.at(n.inputs[i]) : nullptr;
+  };
+  for (const sdpa::Node& n : graph.nodes) {
+    const cudnnBackendDescriptor_t y = tensors.at(n.output);
+    switch (n.kind) {
+      case sdpa::Kind::MATMUL: g.matmul(in(n, 0), in(n, 1), y); break;
+      case sdpa::Kind::RESHAPE: g.reshape(in(n, 0), y); break;
+      case sdpa::Kind::REDUCTION:
+        g.reduction(n.mode == sdpa::Mode::MAX ? CUDNN_REDUCE_TENSOR_MAX : CUDNN_REDUCE_TENSOR_ADD,
+                    in(n, 0), y);
+        break;
+      case sdpa::Kind::POINTWISE:
+        g.pointwise(pointwise_mode(n.mode), in(n, 0), in(n, 1), in(n, 2), y,
+                    data_type(n.precision), n.axis);
+        break;
+    }
+  }
+  return g.build(handle);
+}
+
+sdpa::Shape shape_of(const Dims& d) { return {d.B, d.T, d.NH, d.NKV, d.HS}; }
 
 using PlanKey = std::array<int64_t, 7>;  // direction, io type, B, T, NH, NKV, HS
 
@@ -446,18 +355,25 @@ std::string cudnn_sdpa_eligible(const Dims& d, DType act) {
 
 namespace {
 
-// The cached plan for a shape (building it on first sight), or null with *why set.
-Plan* plan_for(CudnnSdpa& s, const Dims& d, DType act, bool backward, std::string* why) {
+PlanKey plan_key(const Dims& d, DType act, bool backward) {
   const cudnnDataType_t io = act == DType::F16 ? CUDNN_DATA_HALF : CUDNN_DATA_BFLOAT16;
-  const PlanKey key = {backward ? 1 : 0, static_cast<int64_t>(io), d.B, d.T, d.NH, d.NKV, d.HS};
+  return {backward ? 1 : 0, static_cast<int64_t>(io), d.B, d.T, d.NH, d.NKV, d.HS};
+}
+
+// The cached plan for a shape (building it on first sight), or null with *why set.
+Plan* plan_for(CudnnSdpa& s, const PlanKey& key, const Dims& d, DType act, std::string* why) {
   if (auto it = s.plans.find(key); it != s.plans.end()) return it->second.get();
   if (auto it = s.failures.find(key); it != s.failures.end()) {
     *why = it->second;
     return nullptr;
   }
+  const bool backward = key[0] == 1;
+  const cudnnDataType_t io = act == DType::F16 ? CUDNN_DATA_HALF : CUDNN_DATA_BFLOAT16;
   std::unique_ptr<Plan> plan;
   try {
-    plan = backward ? build_backward(s.handle, d, io) : build_forward(s.handle, d, io);
+    const sdpa::Shape shape = shape_of(d);
+    plan = lower(s.handle, backward ? sdpa::backward_graph(shape) : sdpa::forward_graph(shape), io);
+    plan->scale = d.scale();
     if (plan->workspace > kMaxWorkspaceBytes)
       throw GraphError{fmt::format("its workspace of {} bytes is above the {} allowed",
                                    plan->workspace, kMaxWorkspaceBytes)};
@@ -487,13 +403,19 @@ std::string eligibility(const Dims& d, DType act, std::initializer_list<const vo
   return "";
 }
 
-std::string execute(CudnnSdpa& s, Plan& plan, std::initializer_list<std::pair<int64_t, void*>> io) {
+// Enqueues the plan of `key` on the variant pack; "" when enqueued. A refusal to execute (the
+// variant pack, or cudnnBackendExecute itself) enqueues nothing: the shape is then remembered as
+// failed with cuDNN's reason, its plan dropped, and the reason returned, so that auto mode runs
+// the fused kernels instead (now and for every later call of the shape).
+std::string execute(CudnnSdpa& s, const PlanKey& key, Plan& plan,
+                    std::initializer_list<std::pair<int64_t, void*>> io) {
   std::vector<int64_t> uids;
   std::vector<void*> ptrs;
   for (const auto& [uid, ptr] : io) {
     uids.push_back(uid);
     ptrs.push_back(ptr);
   }
+  std::string why;
   try {
     Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
     void* ws = s.workspace;
@@ -504,13 +426,19 @@ std::string execute(CudnnSdpa& s, Plan& plan, std::initializer_list<std::pair<in
     pack.set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws,
              "variant pack workspace");
     pack.finalize("variant pack finalize");
-    const cudnnStatus_t st = cudnnBackendExecute(s.handle, plan.plan->get(), pack.get());
-    if (st != CUDNN_STATUS_SUCCESS)
-      throw Error(fmt::format("cudnnBackendExecute (SDPA): {}", cudnnGetErrorString(st)));
+    check(cudnnBackendExecute(s.handle, plan.plan->get(), pack.get()), "cudnnBackendExecute");
+    return "";
   } catch (const GraphError& e) {
-    throw Error(fmt::format("cuDNN SDPA execution: {}", e.what));
+    why = "the plan does not execute: " + e.what;
   }
-  return "";
+  // A failed launch inside cuDNN leaves its error for the next launch check: clear it, unless it
+  // is sticky (the context is lost, and no fallback can run).
+  cudaGetLastError();
+  if (const cudaError_t err = cudaPeekAtLastError(); err != cudaSuccess)
+    throw Error(fmt::format("cuDNN SDPA: {}; CUDA context error {}", why, cudaGetErrorString(err)));
+  s.failures[key] = why;
+  s.plans.erase(key);  // `plan` is gone from here on
+  return why;
 }
 
 }  // namespace
@@ -519,41 +447,44 @@ std::string cudnn_sdpa_forward(CudnnSdpa& s, const Dims& d, DType act, void* out
                                const void* qkv) {
   std::string why = eligibility(d, act, {out, lse, qkv});
   if (!why.empty()) return why;
-  Plan* plan = plan_for(s, d, act, false, &why);
+  const PlanKey key = plan_key(d, act, false);
+  Plan* plan = plan_for(s, key, d, act, &why);
   if (!plan) return why;
   auto* base = static_cast<uint16_t*>(const_cast<void*>(qkv));  // 16-bit elements
-  return execute(s, *plan,
-                 {{kQ, base},
-                  {kK, base + d.NH * d.HS},
-                  {kV, base + (d.NH + d.NKV) * d.HS},
-                  {kO, out},
-                  {kStats, lse},
-                  {kScale, &plan->scale},
-                  {kLowest, &plan->lowest}});
+  return execute(s, key, *plan,
+                 {{sdpa::kQ, base},
+                  {sdpa::kK, base + d.NH * d.HS},
+                  {sdpa::kV, base + (d.NH + d.NKV) * d.HS},
+                  {sdpa::kO, out},
+                  {sdpa::kStats, lse},
+                  {sdpa::kScale, &plan->scale},
+                  {sdpa::kMaskValue, &plan->mask_value}});
 }
 
 std::string cudnn_sdpa_backward(CudnnSdpa& s, const Dims& d, DType act, void* dqkv,
                                 const void* dout, const void* qkv, const void* out,
-                                const float* lse) {
-  std::string why = eligibility(d, act, {dqkv, dout, qkv, out, lse});
+                                const float* lse, float* softmax_sum) {
+  std::string why = eligibility(d, act, {dqkv, dout, qkv, out, lse, softmax_sum});
   if (!why.empty()) return why;
-  Plan* plan = plan_for(s, d, act, true, &why);
+  const PlanKey key = plan_key(d, act, true);
+  Plan* plan = plan_for(s, key, d, act, &why);
   if (!plan) return why;
   auto* base = static_cast<uint16_t*>(const_cast<void*>(qkv));  // 16-bit elements
   auto* dbase = static_cast<uint16_t*>(dqkv);
-  return execute(s, *plan,
-                 {{kQ, base},
-                  {kK, base + d.NH * d.HS},
-                  {kV, base + (d.NH + d.NKV) * d.HS},
-                  {kO, const_cast<void*>(out)},
-                  {kDO, const_cast<void*>(dout)},
-                  {kStats, const_cast<float*>(lse)},
-                  {kDQ, dbase},
-                  {kDK, dbase + d.NH * d.HS},
-                  {kDV, dbase + (d.NH + d.NKV) * d.HS},
-                  {kScale, &plan->scale},
-                  {kLowest, &plan->lowest},
-                  {kOne, &plan->one}});
+  return execute(s, key, *plan,
+                 {{sdpa::kQ, base},
+                  {sdpa::kK, base + d.NH * d.HS},
+                  {sdpa::kV, base + (d.NH + d.NKV) * d.HS},
+                  {sdpa::kO, const_cast<void*>(out)},
+                  {sdpa::kDO, const_cast<void*>(dout)},
+                  {sdpa::kStats, const_cast<float*>(lse)},
+                  {sdpa::kDQ, dbase},
+                  {sdpa::kDK, dbase + d.NH * d.HS},
+                  {sdpa::kDV, dbase + (d.NH + d.NKV) * d.HS},
+                  {sdpa::kSoftmaxSum, softmax_sum},
+                  {sdpa::kScale, &plan->scale},
+                  {sdpa::kMaskValue, &plan->mask_value},
+                  {sdpa::kOne, &plan->one}});
 }
 
 }  // namespace tetra::cuda::attn

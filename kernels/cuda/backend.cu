@@ -2,6 +2,18 @@
 // while the run is planned (the trainer allocates arenas up front; nothing is allocated in the
 // step loop), every copy and fill is enqueued on the compute stream, and copy_to_host waits for
 // the stream so the host sees every earlier op's result.
+//
+// copy_from_host does not wait for the stream: the host bytes are copied into one of a few
+// pinned staging buffers (kStagingSlots of kStagingSlotBytes, allocated at the first upload) and
+// the device copy is enqueued from there, so the caller may reuse its buffer at once and the GPU
+// keeps running. Each buffer carries an event recorded after its device copy; a buffer is
+// refilled only after its event (the copy kStagingSlots uploads back), so the host waits at
+// most for that copy, never for the compute work queued before it. A large upload goes through
+// the buffers in turn, the host filling one while the DMA drains another. (A cudaMemcpyAsync
+// straight from pageable memory may synchronise with the stream to stage it: the drain this
+// avoids.)
+#include <algorithm>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 
@@ -13,6 +25,26 @@ namespace tetra {
 
 void CudaScratchDeleter::operator()(CudaScratch* s) const {
   if (s->data) cudaFree(s->data);
+  delete s;
+}
+
+constexpr int kStagingSlots = 4;
+constexpr size_t kStagingSlotBytes = size_t{4} << 20;
+
+struct CudaStaging {
+  void* host[kStagingSlots] = {};
+  cudaEvent_t copied[kStagingSlots] = {};  // recorded after the device copy out of host[i]
+  int next = 0;
+};
+
+void CudaStagingDeleter::operator()(CudaStaging* s) const {
+  for (int i = 0; i < kStagingSlots; ++i) {
+    if (s->copied[i]) {
+      cudaEventSynchronize(s->copied[i]);
+      cudaEventDestroy(s->copied[i]);
+    }
+    if (s->host[i]) cudaFreeHost(s->host[i]);
+  }
   delete s;
 }
 
@@ -45,6 +77,7 @@ CudaBackend::~CudaBackend() {
   gemm_.reset();
   attention_.reset();
   scratch_.reset();
+  staging_.reset();
   if (stream_) cudaStreamDestroy(cuda::as_stream(stream_));
 }
 
@@ -104,10 +137,28 @@ void CudaBackend::copy_to_host(void* host_dst, const void* src, size_t bytes) {
 
 void CudaBackend::copy_from_host(void* dst, const void* host_src, size_t bytes) {
   if (bytes == 0) return;
-  // The host buffer may be reused as soon as this returns (pageable memory is staged by the
-  // driver before cudaMemcpyAsync returns; pinned memory would not be): wait to be safe.
-  TETRA_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, cuda::as_stream(stream_)));
-  TETRA_CUDA_CHECK(cudaStreamSynchronize(cuda::as_stream(stream_)));
+  if (!staging_) {
+    std::unique_ptr<CudaStaging, CudaStagingDeleter> s(new CudaStaging);
+    for (int i = 0; i < kStagingSlots; ++i) {
+      TETRA_CUDA_CHECK(cudaMallocHost(&s->host[i], kStagingSlotBytes));
+      TETRA_CUDA_CHECK(cudaEventCreateWithFlags(&s->copied[i], cudaEventDisableTiming));
+    }
+    staging_ = std::move(s);
+  }
+  // The host buffer may be reused as soon as this returns: its bytes are in a staging buffer.
+  const cudaStream_t stream = cuda::as_stream(stream_);
+  auto* d = static_cast<char*>(dst);
+  const auto* h = static_cast<const char*>(host_src);
+  for (size_t done = 0; done < bytes;) {
+    const size_t n = std::min(kStagingSlotBytes, bytes - done);
+    const int slot = staging_->next;
+    staging_->next = (slot + 1) % kStagingSlots;
+    TETRA_CUDA_CHECK(cudaEventSynchronize(staging_->copied[slot]));  // its previous copy is done
+    std::memcpy(staging_->host[slot], h + done, n);
+    TETRA_CUDA_CHECK(cudaMemcpyAsync(d + done, staging_->host[slot], n, cudaMemcpyHostToDevice, stream));
+    TETRA_CUDA_CHECK(cudaEventRecord(staging_->copied[slot], stream));
+    done += n;
+  }
 }
 
 void CudaBackend::copy(void* dst, const void* src, size_t bytes) {

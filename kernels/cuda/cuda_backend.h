@@ -23,10 +23,12 @@ struct CudaGemmState;       // gemm.cu: cuBLASLt handle, workspace, cached heuri
 struct CudaAttentionState;  // attention*.cu: cuDNN handle, cached SDPA plans, which path ran
 struct CudaScratch;         // backend.cu: a small device scratch area for reductions
 struct CudaFusedState;      // fused_state.cu: norm_backward's partials, embedding_backward's sort
+struct CudaStaging;         // backend.cu: pinned host buffers that copy_from_host stages through
 struct CudaGemmStateDeleter { void operator()(CudaGemmState* s) const; };
 struct CudaAttentionStateDeleter { void operator()(CudaAttentionState* s) const; };
 struct CudaScratchDeleter { void operator()(CudaScratch* s) const; };
 struct CudaFusedStateDeleter { void operator()(CudaFusedState* s) const; };
+struct CudaStagingDeleter { void operator()(CudaStaging* s) const; };
 
 // A GPU's identity and dense peaks (device_info.cu says where the figures come from).
 struct CudaDeviceInfo {
@@ -35,8 +37,10 @@ struct CudaDeviceInfo {
   int compute_capability = 0;  // 90 for sm_90
   size_t memory_bytes = 0;
   double clock_ghz = 0.0;
-  double peak_bf16_flops = 0.0;  // tensor cores, dense, fp32 accumulation
+  double peak_bf16_flops = 0.0;  // tensor cores, dense, fp32 accumulation (bf16 and fp16)
   double peak_fp32_flops = 0.0;  // CUDA cores (the fp32 GEMM path computes exact fp32, no TF32)
+  std::string peak_bf16_source;  // where each peak comes from, for the log line
+  std::string peak_fp32_source;
 };
 CudaDeviceInfo cuda_device_info(int device);
 
@@ -142,6 +146,13 @@ class CudaBackend final : public Backend {
              const math::AdamParams& hp, void* compute_copy, DType compute_type) override;
   void cast(void* dst, DType dst_type, const void* src, DType src_type, int64_t n) override;
 
+  // cuBLASLt's plan cache (gemm.cu): plans held, built (heuristic asked), retargeted to other dims
+  // of their bucket, re-asked where the cached algorithm failed its check, and cache resets.
+  struct GemmPlanStats {
+    int64_t cached = 0, built = 0, retargeted = 0, reheuristic = 0, resets = 0;
+  };
+  GemmPlanStats gemm_plan_stats() const;
+
   // For the kernel files: the state each owns, created on first use.
   CudaGemmState& gemm_state();
   std::string gemm_report() const;       // gemm.cu
@@ -159,6 +170,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<CudaAttentionState, CudaAttentionStateDeleter> attention_;
   std::unique_ptr<CudaScratch, CudaScratchDeleter> scratch_;
   std::unique_ptr<CudaFusedState, CudaFusedStateDeleter> fused_;
+  std::unique_ptr<CudaStaging, CudaStagingDeleter> staging_;
 };
 
 }  // namespace tetra

@@ -34,6 +34,14 @@
 // key (shape, leading dimensions, transposes, types, epilogue, and the alignment of each pointer,
 // which the heuristic needs since an algorithm may require 16-byte aligned operands) and reused:
 // the first call for a key queries cublasLtMatmulAlgoGetHeuristic once, later calls only enqueue.
+// M and K enter the key bucketed (bucket_dim: exact up to 64, then 8 buckets per octave, so
+// every multiple of 64 up to 512, of 512 up to 4096, ... is its own bucket): the MoE expert GEMMs,
+// whose row count (M, or K for the weight gradient) changes with the routing every step, then
+// reuse a bucket's plan instead of asking the heuristic per row count. A plan describes the dims
+// it last ran; another M or K of its bucket retargets its layouts and checks the cached algorithm
+// with cublasLtMatmulAlgoCheck (host-only), asking the heuristic again only where the check
+// fails. The cache is bounded (kMaxPlans: past it, it starts again empty; cuBLASLt reads the
+// descriptors when a matmul is enqueued, so dropping them with work in flight is safe).
 //
 // GELU epilogues (gemm_gelu / gemm_dgelu, the two GEMMs of a GELU MLP): forward
 // CUBLASLT_EPILOGUE_GELU_AUX_BIAS (or GELU_AUX without a bias) writes gelu(A·B + bias) to D and
@@ -70,6 +78,7 @@ inline void check_cublas(cublasStatus_t status, const char* what, const char* fi
   ::tetra::cuda::lt_gemm::check_cublas((call), #call, __FILE__, __LINE__)
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLASLt's workspace (split-K partials)
+constexpr size_t kMaxPlans = 1024;                     // cached plans at most (see "Plans")
 constexpr int64_t kStagingFloats = int64_t{4} << 20;  // 16 MiB: fp32 tiles of a staged GEMM
 
 enum class LtEpilogue : uint8_t { NONE, BIAS, GELU_AUX, GELU_AUX_BIAS, DGELU };
@@ -113,10 +122,22 @@ struct LtKeyHash {
 // One cached matmul: descriptor, layouts of cuBLASLt's A (our B), B (our A) and C = D, the
 // chosen algorithm, and which epilogue it has (`usable` false: a GELU plan cuBLASLt has no
 // algorithm for, remembered so the heuristic is not asked again).
+// The dims of the plan-cache key for a row count or inner dimension: exact up to 64, above it
+// rounded up to a multiple of 1/8 of its power-of-two octave (64..512 in steps of 8, 512..1024 of
+// 64, ..., 4096..8192 of 512): at most ~12% apart within a bucket, common model sizes exact.
+inline int64_t bucket_dim(int64_t x) {
+  if (x <= 64) return x;
+  int64_t octave = 64;
+  while (octave * 2 <= x) octave *= 2;
+  const int64_t step = octave / 8;
+  return (x + step - 1) / step * step;
+}
+
 struct LtPlan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  int64_t M = 0, K = 0;  // the dims the layouts describe now (a bucket's key holds bucket_dim)
   bool bias_epilogue = false;
   bool aux_epilogue = false;
   bool usable = true;
@@ -140,6 +161,9 @@ struct CudaGemmState {
   float* staging = nullptr;   // kStagingFloats, allocated at the first staged GEMM
   bool gelu_fused = false, gelu_unfused = false;  // which GELU paths gemm_gelu / gemm_dgelu took
   std::unordered_map<cuda::lt_gemm::LtKey, cuda::lt_gemm::LtPlan, cuda::lt_gemm::LtKeyHash> plans;
+  // How often a plan was built (heuristic asked), retargeted within its bucket, and re-asked
+  // because the cached algorithm failed its check; for tests and the kernel report.
+  int64_t plans_built = 0, plans_retargeted = 0, plans_reheuristic = 0, cache_resets = 0;
 };
 
 void CudaGemmStateDeleter::operator()(CudaGemmState* s) const {
@@ -185,14 +209,56 @@ void set_pref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t
   TETRA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, attr, &value, sizeof(value)));
 }
 
-// Builds the descriptor and layouts for `k` and asks the heuristic for its best algorithm.
-// `bias` and `aux` (for an epilogue plan) are the pointers the heuristic reads the alignment from. Returns
-// false, with nothing left allocated and the heuristic's status, when cuBLASLt offers no
-// algorithm (a refused epilogue may show as NOT_SUPPORTED or INVALID_VALUE, or as no result).
-bool make_plan(cublasLtHandle_t handle, const LtKey& k, const void* bias, const void* aux,
-               LtPlan& plan, cublasStatus_t& heuristic_status) {
-  plan = LtPlan{};
+// Asks the heuristic for the best algorithm for the plan's descriptor and layouts (the
+// alignments of `k`); false, with its status, where cuBLASLt offers none.
+bool choose_algo(cublasLtHandle_t handle, const LtKey& k, LtPlan& plan,
+                 cublasStatus_t& heuristic_status) {
   cublasLtMatmulPreference_t pref = nullptr;
+  try {
+    TETRA_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    set_pref(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t{kWorkspaceBytes});
+    // Split-K only with fp32 partials in the workspace, reduced in a separate fixed-order step
+    // (no reduction in the output type; no in-place reduction, whose order is the GPU's).
+    set_pref(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+             uint32_t{CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE});
+    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, uint32_t{k.align_b});
+    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, uint32_t{k.align_a});
+    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, uint32_t{k.align_c});
+    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, uint32_t{k.align_c});
+  } catch (...) {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    throw;
+  }
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+      handle, plan.desc, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  heuristic_status = status != CUBLAS_STATUS_SUCCESS ? status : result.state;
+  if (status != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
+    return false;
+  plan.algo = result.algo;
+  return true;
+}
+
+// The column-major layouts of cuBLASLt's A (our B), B (our A) and C = D for the dims M, K
+// (N and the leading dimensions are the key's).
+void set_layout_dims(cublasLtMatrixLayout_t l, int64_t rows, int64_t cols) {
+  const uint64_t r = static_cast<uint64_t>(rows), c = static_cast<uint64_t>(cols);
+  TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_ROWS, &r, sizeof(r)));
+  TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_COLS, &c, sizeof(c)));
+}
+
+// Builds the descriptor and layouts for `k` at the dims M, K (the key holds their buckets) and
+// asks the heuristic for its best algorithm. `bias` and `aux` (for an epilogue plan) are the
+// pointers the heuristic reads the alignment from. Returns false, with nothing left allocated
+// and the heuristic's status, when cuBLASLt offers no algorithm (a refused epilogue may show as
+// NOT_SUPPORTED or INVALID_VALUE, or as no result).
+bool make_plan(cublasLtHandle_t handle, const LtKey& k, int64_t M, int64_t K, const void* bias,
+               const void* aux, LtPlan& plan, cublasStatus_t& heuristic_status) {
+  plan = LtPlan{};
+  plan.M = M;
+  plan.K = K;
   try {
     TETRA_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t op_a = k.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt A = our B
@@ -200,11 +266,11 @@ bool make_plan(cublasLtHandle_t handle, const LtKey& k, const void* bias, const 
     set_desc(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a);
     set_desc(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, op_b);
     const cudaDataType_t ab = lt_type(k.ab_type), c = lt_type(k.c_type);
-    TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, ab, k.trans_b ? k.K : k.N,
-                                                  k.trans_b ? k.N : k.K, k.ldb));
-    TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, ab, k.trans_a ? k.M : k.K,
-                                                  k.trans_a ? k.K : k.M, k.lda));
-    TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, c, k.N, k.M, k.ldc));
+    TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, ab, k.trans_b ? K : k.N,
+                                                  k.trans_b ? k.N : K, k.ldb));
+    TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, ab, k.trans_a ? M : K,
+                                                  k.trans_a ? K : M, k.lda));
+    TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, c, k.N, M, k.ldc));
     if (k.epilogue != LtEpilogue::NONE) {
       uint32_t epilogue = CUBLASLT_EPILOGUE_BIAS;
       if (k.epilogue == LtEpilogue::GELU_AUX) epilogue = CUBLASLT_EPILOGUE_GELU_AUX;
@@ -222,47 +288,57 @@ bool make_plan(cublasLtHandle_t handle, const LtKey& k, const void* bias, const 
       set_desc(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, int64_t{k.ldc});
       plan.aux_epilogue = true;
     }
-
-    TETRA_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    set_pref(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t{kWorkspaceBytes});
-    // Split-K only with fp32 partials in the workspace, reduced in a separate fixed-order step
-    // (no reduction in the output type; no in-place reduction, whose order is the GPU's).
-    set_pref(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-             uint32_t{CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE});
-    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, uint32_t{k.align_b});
-    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, uint32_t{k.align_a});
-    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, uint32_t{k.align_c});
-    set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, uint32_t{k.align_c});
-
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-        handle, plan.desc, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
-    pref = nullptr;
-    heuristic_status = status != CUBLAS_STATUS_SUCCESS ? status : result.state;
-    if (status != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
+    if (!choose_algo(handle, k, plan, heuristic_status)) {
       plan.destroy();
       return false;
     }
-    plan.algo = result.algo;
     return true;
   } catch (...) {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
     plan.destroy();
     throw;
   }
 }
 
-// The cached plan for `k`. A key asking for the bias epilogue where cuBLASLt has no algorithm
-// with it gets a plan without it (bias_epilogue false: the caller adds the bias); a GELU key
-// without an algorithm gets an unusable plan (the caller runs the product and the GELU apart).
-LtPlan& find_plan(CudaGemmState& st, LtKey k, const void* bias, const void* aux) {
+// The cached plan of `k`'s bucket, describing the dims M, K. A new bucket is planned at these
+// dims; a plan that last ran other dims of its bucket is retargeted (layouts set, the cached
+// algorithm checked, the heuristic asked again only where the check fails). A key asking for the
+// bias epilogue where cuBLASLt has no algorithm with it gets a plan without it (bias_epilogue
+// false: the caller adds the bias); a GELU key without an algorithm gets an unusable plan (the
+// caller runs the product and the GELU apart).
+LtPlan& find_plan(CudaGemmState& st, LtKey k, int64_t M, int64_t K, const void* bias,
+                  const void* aux) {
   auto it = st.plans.find(k);
-  if (it != st.plans.end()) return it->second;
+  if (it != st.plans.end()) {
+    LtPlan& plan = it->second;
+    if (!plan.usable || (plan.M == M && plan.K == K)) return plan;
+    set_layout_dims(plan.a, k.trans_b ? K : k.N, k.trans_b ? k.N : K);
+    set_layout_dims(plan.b, k.trans_a ? M : K, k.trans_a ? K : M);
+    set_layout_dims(plan.c, k.N, M);
+    plan.M = M;
+    plan.K = K;
+    ++st.plans_retargeted;
+    cublasLtMatmulHeuristicResult_t check{};
+    const cublasStatus_t status = cublasLtMatmulAlgoCheck(st.handle, plan.desc, plan.a, plan.b,
+                                                          plan.c, plan.c, &plan.algo, &check);
+    if (status == CUBLAS_STATUS_SUCCESS && check.workspaceSize <= kWorkspaceBytes) return plan;
+    ++st.plans_reheuristic;
+    cublasStatus_t heuristic = CUBLAS_STATUS_SUCCESS;
+    TETRA_CHECK(choose_algo(st.handle, k, plan, heuristic),
+                "gemm: cuBLASLt has no algorithm for trans_a={} trans_b={} M={} N={} K={} lda={} "
+                "ldb={} ldc={} {} -> {}: {}",
+                k.trans_a, k.trans_b, M, k.N, K, k.lda, k.ldb, k.ldc, dtype_name(k.ab_type),
+                dtype_name(k.c_type), cublasLtGetStatusName(heuristic));
+    return plan;
+  }
+  if (st.plans.size() >= kMaxPlans) {
+    for (auto& entry : st.plans) entry.second.destroy();
+    st.plans.clear();
+    ++st.cache_resets;
+  }
+  ++st.plans_built;
   LtPlan plan;
   cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
-  bool ok = make_plan(st.handle, k, bias, aux, plan, status);
+  bool ok = make_plan(st.handle, k, M, K, bias, aux, plan, status);
   if (!ok && has_aux(k.epilogue)) {
     plan = LtPlan{};
     plan.usable = false;
@@ -271,12 +347,12 @@ LtPlan& find_plan(CudaGemmState& st, LtKey k, const void* bias, const void* aux)
   if (!ok && k.epilogue == LtEpilogue::BIAS) {
     LtKey plain = k;
     plain.epilogue = LtEpilogue::NONE;
-    ok = make_plan(st.handle, plain, nullptr, nullptr, plan, status);
+    ok = make_plan(st.handle, plain, M, K, nullptr, nullptr, plan, status);
   }
   TETRA_CHECK(ok,
               "gemm: cuBLASLt has no algorithm for trans_a={} trans_b={} M={} N={} K={} lda={} "
               "ldb={} ldc={} {} x {} -> {} (pointer alignments A {} B {} C {}): {}",
-              k.trans_a, k.trans_b, k.M, k.N, k.K, k.lda, k.ldb, k.ldc, dtype_name(k.ab_type),
+              k.trans_a, k.trans_b, M, k.N, K, k.lda, k.ldb, k.ldc, dtype_name(k.ab_type),
               dtype_name(k.ab_type), dtype_name(k.c_type), k.align_a, k.align_b, k.align_c,
               cublasLtGetStatusName(status));
   return st.plans.emplace(k, plan).first->second;
@@ -289,9 +365,10 @@ bool lt_matmul(CudaGemmState& st, cudaStream_t stream, bool trans_a, bool trans_
                int64_t ldb, DType ab_type, float beta, void* C, int64_t ldc, DType c_type,
                const void* epilogue_bias) {
   const LtKey key{trans_a, trans_b, epilogue_bias ? LtEpilogue::BIAS : LtEpilogue::NONE,
-                  ab_type, c_type, M, N, K, lda, ldb, ldc, alignment_of(A), alignment_of(B),
-                  alignment_of(C), epilogue_bias ? alignment_of(epilogue_bias) : uint16_t{0}};
-  LtPlan& plan = find_plan(st, key, epilogue_bias, nullptr);
+                  ab_type, c_type, bucket_dim(M), N, bucket_dim(K), lda, ldb, ldc,
+                  alignment_of(A), alignment_of(B), alignment_of(C),
+                  epilogue_bias ? alignment_of(epilogue_bias) : uint16_t{0}};
+  LtPlan& plan = find_plan(st, key, M, K, epilogue_bias, nullptr);
   if (plan.bias_epilogue) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, epilogue_bias);
   TETRA_CUBLAS_CHECK(cublasLtMatmul(st.handle, plan.desc, &alpha, B, plan.a, A, plan.b, &beta, C,
                                     plan.c, C, plan.c, &plan.algo, st.workspace, kWorkspaceBytes,
@@ -306,10 +383,10 @@ bool lt_matmul_gelu(CudaGemmState& st, cudaStream_t stream, LtEpilogue epilogue,
                     bool trans_b, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
                     const void* B, int64_t ldb, DType type, void* C, const void* bias,
                     const void* aux) {
-  const LtKey key{trans_a, trans_b, epilogue, type, type, M, N, K, lda, ldb, N, alignment_of(A),
-                  alignment_of(B), alignment_of(C), bias ? alignment_of(bias) : uint16_t{0},
-                  alignment_of(aux)};
-  LtPlan& plan = find_plan(st, key, bias, aux);
+  const LtKey key{trans_a, trans_b, epilogue, type, type, bucket_dim(M), N, bucket_dim(K), lda,
+                  ldb, N, alignment_of(A), alignment_of(B), alignment_of(C),
+                  bias ? alignment_of(bias) : uint16_t{0}, alignment_of(aux)};
+  LtPlan& plan = find_plan(st, key, M, K, bias, aux);
   if (!plan.usable) return false;
   if (plan.bias_epilogue) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
   set_desc(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
@@ -593,6 +670,17 @@ void CudaBackend::gemm_dgelu(bool trans_a, bool trans_b, int64_t M, int64_t N, i
   gemm_state().gelu_unfused = true;
   gemm(trans_a, trans_b, M, N, K, 1.0f, A, lda, B, ldb, act, 0.0f, dpre, N, act, nullptr);
   gelu_backward(dpre, pre, dpre, M * N, act);
+}
+
+CudaBackend::GemmPlanStats CudaBackend::gemm_plan_stats() const {
+  GemmPlanStats s;
+  if (!gemm_) return s;
+  s.cached = static_cast<int64_t>(gemm_->plans.size());
+  s.built = gemm_->plans_built;
+  s.retargeted = gemm_->plans_retargeted;
+  s.reheuristic = gemm_->plans_reheuristic;
+  s.resets = gemm_->cache_resets;
+  return s;
 }
 
 std::string CudaBackend::gemm_report() const {

@@ -1,9 +1,10 @@
-// The CUDA RoPE and causal attention ops against the CPU backend, on both attention paths (the
-// fused flash kernels and cuDNN's SDPA, chosen by the backend's AttentionPath), fp32, bf16 and fp16, MHA and
-// GQA, head sizes 64 / 128 / 32 / 80 (plus 20, 160 and 256 for the unvectorised and generic
-// kernels), T = 1, 17, 128, 257 and B = 1..3. Every GPU output buffer is filled with garbage
-// before the op, so an element the op fails to write cannot pass; every GPU op is run twice and
-// must give bitwise-identical results (determinism).
+// The CUDA RoPE and causal attention ops against the CPU backend. The fused flash kernels: fp32,
+// bf16 and fp16, MHA and GQA, head sizes 64 / 128 / 32 / 80 (plus 20, 160 and 256 for the
+// unvectorised and generic kernels), T = 1, 17, 128, 257 and B = 1..3. cuDNN's SDPA (forced
+// through the backend's AttentionPath) in its own test case, on six representative bf16 / fp16
+// shapes. Each shape is a section of its own, so one failing shape cannot hide the others. Every
+// GPU output buffer is filled with garbage before the op, so an element the op fails to write
+// cannot pass; every GPU op is run twice and must give bitwise-identical results (determinism).
 //
 // Tolerances. The CPU computes attention in fp32 on fp32 copies of the inputs, with its own exp;
 // the GPU in fp32 with exp2f, in another summation order; both read the same stored inputs, and
@@ -140,18 +141,11 @@ Tolerance tolerance(DType act) {
   return {1.0 / 256, 1.0 / 128, 1e-5};
 }
 
-bool cudnn_eligible(const AttnCase& c) {
-  return (c.act == DType::BF16 || c.act == DType::F16) && c.HS % 8 == 0 && c.HS <= 128;
-}
-// Shapes where cuDNN must have a plan (elsewhere a missing plan is reported, not failed).
-bool cudnn_required(const AttnCase& c) {
-  return cudnn_eligible(c) && (c.HS == 64 || c.HS == 128) && c.T >= 128;
-}
-
-// Runs an op that may legitimately have no cuDNN plan; false (with a warning) if it had none.
+// Runs `op` on the cuDNN path where cuDNN may legitimately have no plan (a shape outside the
+// `required` ones): false, with a warning naming cuDNN's reason, if it had none.
 template <typename F>
-bool run_path(const std::string& path, bool required, const std::string& what, F&& op) {
-  if (path == "fused" || required) {
+bool run_optional(bool required, const std::string& what, F&& op) {
+  if (required) {
     op();
     return true;
   }
@@ -167,8 +161,11 @@ bool run_path(const std::string& path, bool required, const std::string& what, F
   }
 }
 
-void check_attention_case(const AttnCase& c, uint64_t seed) {
-  INFO(describe(c));
+// One shape on one path ("fused" or "cudnn", forced), forward and backward against the CPU; a
+// cuDNN shape that is not `required` may be refused (reported, not failed).
+void check_attention_case(const AttnCase& c, uint64_t seed, const std::string& path,
+                          bool required = true) {
+  INFO(describe(c) << " path " << path);
   Backend& cpu = *backends().cpu;
   CudaBackend& gpu = cuda_backend();
   const int64_t B = c.B, T = c.T, NH = c.NH, NKV = c.NKV, HS = c.HS;
@@ -195,38 +192,32 @@ void check_attention_case(const AttnCase& c, uint64_t seed) {
   const Scales scales =
       error_scales(c, qkv.cpu_values(), ref_out, ref_lse, dout.cpu_values());
 
-  std::vector<std::string> paths = {"fused"};
-  if (cudnn_eligible(c)) paths.push_back("cudnn");
-  for (const std::string& path : paths) {
-    INFO("path " << path);
-    AttentionMode mode(path);
-    const bool required = path == "fused" || cudnn_required(c);
-    auto forward = [&] {
-      out.upload(garbage_out);
-      lse.upload(garbage_lse);
-      gpu.attention_forward(out.gpu(), lse.gpu_f32(), qkv.gpu(), B, T, NH, NKV, HS, c.act);
-    };
-    if (run_path(path, required, describe(c) + " forward", forward)) {
-      REQUIRE(gpu.attention_path() == path);
-      const std::vector<float> got_out = out.gpu_values(), got_lse = lse.gpu_values();
-      require_within(ref_out, got_out, scales.out, tol.rel_bound, tol.rel_ref, tol.abs, "out");
-      require_close(ref_lse, got_lse, 1e-5, 5e-5, "lse");
-      forward();
-      REQUIRE(out.gpu_values() == got_out);
-      REQUIRE(lse.gpu_values() == got_lse);
-    }
-    auto backward = [&] {
-      dqkv.upload(garbage_qkv);
-      gpu.attention_backward(dqkv.gpu(), dout.gpu(), qkv.gpu(), out_in.gpu(), lse_in.gpu_f32(), B,
-                             T, NH, NKV, HS, c.act);
-    };
-    if (run_path(path, required, describe(c) + " backward", backward)) {
-      REQUIRE(gpu.attention_path() == path);
-      const std::vector<float> got = dqkv.gpu_values();
-      require_within(ref_dqkv, got, scales.dqkv, tol.rel_bound, tol.rel_ref, tol.abs, "dqkv");
-      backward();
-      REQUIRE(dqkv.gpu_values() == got);
-    }
+  AttentionMode mode(path);
+  auto forward = [&] {
+    out.upload(garbage_out);
+    lse.upload(garbage_lse);
+    gpu.attention_forward(out.gpu(), lse.gpu_f32(), qkv.gpu(), B, T, NH, NKV, HS, c.act);
+  };
+  if (run_optional(required, describe(c) + " forward", forward)) {
+    REQUIRE(gpu.attention_path() == path);
+    const std::vector<float> got_out = out.gpu_values(), got_lse = lse.gpu_values();
+    require_within(ref_out, got_out, scales.out, tol.rel_bound, tol.rel_ref, tol.abs, "out");
+    require_close(ref_lse, got_lse, 1e-5, 5e-5, "lse");
+    forward();
+    REQUIRE(out.gpu_values() == got_out);
+    REQUIRE(lse.gpu_values() == got_lse);
+  }
+  auto backward = [&] {
+    dqkv.upload(garbage_qkv);
+    gpu.attention_backward(dqkv.gpu(), dout.gpu(), qkv.gpu(), out_in.gpu(), lse_in.gpu_f32(), B,
+                           T, NH, NKV, HS, c.act);
+  };
+  if (run_optional(required, describe(c) + " backward", backward)) {
+    REQUIRE(gpu.attention_path() == path);
+    const std::vector<float> got = dqkv.gpu_values();
+    require_within(ref_dqkv, got, scales.dqkv, tol.rel_bound, tol.rel_ref, tol.abs, "dqkv");
+    backward();
+    REQUIRE(dqkv.gpu_values() == got);
   }
 }
 
@@ -244,21 +235,54 @@ std::vector<AttnCase> attention_cases(DType act) {
   return cases;
 }
 
+// The fused kernels on every shape of attention_cases, each shape its own section: a failing
+// shape is reported and the others still run.
+void check_fused(DType act, uint64_t seed) {
+  for (const AttnCase& c : attention_cases(act)) {
+    seed += 10;
+    DYNAMIC_SECTION(describe(c)) { check_attention_case(c, seed, "fused"); }
+  }
+}
+
+// cuDNN on a few representative shapes (each plan compiles at run time, about a second apiece):
+// MHA, GQA and MQA, both head sizes the models use, T a multiple of 64 and not, one short
+// sequence (which cuDNN may refuse: reported, not failed). Each is its own section.
+struct CudnnCase {
+  AttnCase c;
+  bool required;
+};
+const CudnnCase kCudnnCases[] = {
+    {{DType::BF16, 2, 128, 4, 4, 64}, true},   // MHA
+    {{DType::BF16, 1, 256, 8, 2, 128}, true},  // GQA, HS 128
+    {{DType::BF16, 1, 512, 8, 1, 64}, true},   // MQA, a longer sequence
+    {{DType::F16, 2, 128, 4, 4, 128}, true},   // fp16
+    {{DType::F16, 1, 257, 8, 2, 64}, true},    // fp16 GQA, T not a multiple of 64
+    {{DType::BF16, 3, 17, 4, 2, 32}, false},   // short, HS 32
+};
+
 }  // namespace
 
-TEST_CASE("cuda attention fp32: forward and backward match the CPU", "[cuda][attention]") {
-  uint64_t seed = 100;
-  for (const AttnCase& c : attention_cases(DType::F32)) check_attention_case(c, seed += 10);
+TEST_CASE("cuda attention fp32: fused kernels match the CPU", "[cuda][attention][fused]") {
+  check_fused(DType::F32, 100);
 }
 
-TEST_CASE("cuda attention bf16: fused and cuDNN paths match the CPU", "[cuda][attention]") {
-  uint64_t seed = 5000;
-  for (const AttnCase& c : attention_cases(DType::BF16)) check_attention_case(c, seed += 10);
+TEST_CASE("cuda attention bf16: fused kernels match the CPU", "[cuda][attention][fused]") {
+  check_fused(DType::BF16, 5000);
 }
 
-TEST_CASE("cuda attention fp16: fused (tensor-core) and cuDNN paths match the CPU", "[cuda][attention]") {
-  uint64_t seed = 8000;
-  for (const AttnCase& c : attention_cases(DType::F16)) check_attention_case(c, seed += 10);
+TEST_CASE("cuda attention fp16: fused (tensor-core) kernels match the CPU", "[cuda][attention][fused]") {
+  check_fused(DType::F16, 8000);
+}
+
+// TETRA_ATTENTION=cudnn forced: any refusal of a required shape fails with cuDNN's reason (run
+// it under CUDNN_LOGLEVEL_DBG=2 CUDNN_LOGDEST_DBG=stderr for cuDNN's own log, as
+// scripts/gpu_check.sh does).
+TEST_CASE("cuda attention cuDNN: forced cuDNN path matches the CPU", "[cuda][attention][cudnn]") {
+  uint64_t seed = 9000;
+  for (const CudnnCase& k : kCudnnCases) {
+    seed += 10;
+    DYNAMIC_SECTION(describe(k.c)) { check_attention_case(k.c, seed, "cudnn", k.required); }
+  }
 }
 
 TEST_CASE("cuda attention: path selection and its errors", "[cuda][attention]") {

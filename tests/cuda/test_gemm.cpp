@@ -21,11 +21,13 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <random>
 #include <utility>
 #include <vector>
 
 #include <fmt/format.h>
 
+#include "kernels/cuda/cuda_backend.h"
 #include "tests/cuda/cuda_testing.h"
 
 namespace tetra::cuda_testing {
@@ -165,6 +167,40 @@ TEST_CASE("cuda gemm: 768 + 3 sizes, a long K (split-K), misaligned pointers", "
       g.M = 33, g.N = 40, g.K = 24, g.beta = 1.0f, g.bias = false, g.offset = 1;
       run_gemm_case(g, seed += 10);
     }
+}
+
+// The MoE expert GEMMs: the row count of each expert changes every step (M of the forward and
+// the input gradient, K of the weight gradient). Row counts of one bucket share a plan (its
+// layouts retargeted, the algorithm checked), so 48 row counts build only a few plans, and every
+// product still matches the CPU.
+TEST_CASE("cuda gemm: changing row counts share their bucket's plan", "[cuda][gemm]") {
+  auto& gpu = dynamic_cast<CudaBackend&>(*backends().gpu);
+  const CudaBackend::GemmPlanStats before = gpu.gemm_plan_stats();
+  uint64_t seed = 12000;
+  std::mt19937_64 rng(5);
+  std::uniform_int_distribution<int64_t> rows(520, 1000);  // buckets of 64 rows: 8 of them
+  int64_t products = 0;
+  for (int i = 0; i < 16; ++i) {
+    const int64_t r = rows(rng);
+    GemmCase fwd;  // y (r, 96) = x (r, 128) w (128, 96)
+    fwd.ab = DType::BF16, fwd.c = DType::BF16, fwd.M = r, fwd.N = 96, fwd.K = 128;
+    run_gemm_case(fwd, seed += 10);
+    GemmCase dx = fwd;  // dx (r, 128) = dy (r, 96) w^T
+    dx.trans_b = true, dx.N = 128, dx.K = 96;
+    run_gemm_case(dx, seed += 10);
+    GemmCase dw;  // dw (128, 96) += x^T (128, r) dy (r, 96), fp32
+    dw.ab = DType::BF16, dw.c = DType::F32, dw.trans_a = true, dw.M = 128, dw.N = 96, dw.K = r;
+    dw.beta = 1.0f;
+    run_gemm_case(dw, seed += 10);
+    products += 3;
+  }
+  const CudaBackend::GemmPlanStats after = gpu.gemm_plan_stats();
+  INFO("plans built " << after.built - before.built << ", retargeted "
+                      << after.retargeted - before.retargeted << ", heuristic re-asked "
+                      << after.reheuristic - before.reheuristic << " for " << products
+                      << " products");
+  CHECK(after.built - before.built <= 3 * 8);
+  CHECK(after.retargeted - before.retargeted > 0);
 }
 
 TEST_CASE("cuda gemm: the staged path between 16-bit types (bf16 -> f16, f16 -> bf16)", "[cuda][gemm]") {
