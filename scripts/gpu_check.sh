@@ -28,8 +28,9 @@
 #   bench_*       tetra on configs/bench_gpt2_124m_cuda.json (GPT-2 124M, bf16, T = 1024) and
 #                 configs/bench_llama_1b_cuda.json (a 1.1B Llama, bf16, T = 2048), synthetic data:
 #                 tokens/s and MFU from metrics.jsonl (median of the steps after the first 5),
-#                 peak GPU memory (nvidia-smi, sampled every 0.5 s, and any peak-memory figure
-#                 the trainer writes)
+#                 peak GPU memory (nvidia-smi, sampled every 0.5 s) and each rank's planned
+#                 device memory beside the backend's measured peak (metrics.jsonl's "memory"
+#                 event); GPT-2 again with selective recomputation (norm, act) beside it
 #   train_parity  tests/cuda/test_train_parity.py (GPU against CPU loss curves), with the time left
 # Each stage's line goes to summary.txt when it starts and again when it ends, so a stage cut
 # short (by its limit, or the whole script by a signal) still leaves its log and a line.
@@ -285,30 +286,37 @@ grep -m3 -E 'cuDNN SDPA passed over|no SDPA plan' "$OUT/tests.log" | cut -c1-400
 stage nccl_np1 30 "$OUT/tests.log" env OMP_NUM_THREADS=1 "${RUN[@]}" "$T/test_nccl"
 
 # ---- benchmarks -----------------------------------------------------------------------------------
-# bench NAME LIMIT: one training run, its GPU memory sampled; the figures into summary.txt.
+# bench CONFIG LIMIT [LABEL --set KEY=VALUE ...]: one training run of configs/CONFIG.json (named
+# LABEL, default CONFIG; the --set overrides appended), its GPU memory sampled; the figures, and the
+# device memory the plan gave beside the peak the backend measured, into summary.txt.
 bench() {
-  local name=$1 limit=$2 run=$WORK/runs/$1 log=$OUT/$1.log
+  local name=$1 limit=$2 label=${3:-$1}
+  shift 2
+  [ $# -gt 0 ] && shift
+  local run=$WORK/runs/$label log=$OUT/$label.log
   rm -rf "$run" && mkdir -p "$run"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 >"$run/gpu_mem.txt" 2>/dev/null &
   local sampler=$!
-  stage "$name" "$limit" "$log" env OMP_NUM_THREADS="$JOBS" "${RUN[@]}" "$BUILD/tetra" \
-    --config "$REPO/configs/$name.json" --set "logging.dir=$run" --set "training.threads=$JOBS"
+  stage "$label" "$limit" "$log" env OMP_NUM_THREADS="$JOBS" "${RUN[@]}" "$BUILD/tetra" \
+    --config "$REPO/configs/$name.json" --set "logging.dir=$run" --set "training.threads=$JOBS" "$@"
   local rc=$?
   kill $sampler 2>/dev/null
   wait $sampler 2>/dev/null
   { echo "--- $run/metrics.jsonl"; cat "$run/metrics.jsonl" 2>/dev/null; } >>"$log"
-  grep -o "kernels: .*" "$log" | head -1 | sed "s/^/  $name: /" | tee -a "$OUT/summary.txt"
-  grep -m1 -iE "peak.*(TFLOP|flops)|MFU against" "$log" | sed "s/^/  $name: /" | tee -a "$OUT/summary.txt"
-  timeout 5 python3 - "$name" "$run" "$rc" <<'EOF' | tee -a "$OUT/summary.txt"
+  grep -o "kernels: .*" "$log" | head -1 | sed "s/^/  $label: /" | tee -a "$OUT/summary.txt"
+  grep -m1 -iE "peak.*(TFLOP|flops)|MFU against" "$log" | sed "s/^/  $label: /" | tee -a "$OUT/summary.txt"
+  timeout 5 python3 - "$label" "$run" "$rc" <<'EOF' | tee -a "$OUT/summary.txt"
 import json, os, statistics, sys
 name, run, rc = sys.argv[1], sys.argv[2], sys.argv[3]
-steps, peaks = [], {}
+steps, peaks, memory = [], {}, None
 try:
     for line in open(os.path.join(run, "metrics.jsonl")):
         try:
             j = json.loads(line)
         except ValueError:
             continue
+        if j.get("event") == "memory":  # the plan beside the backend's measured peak, per rank
+            memory = j["ranks"]
         for k, v in j.items():  # any peak-memory figure the trainer writes
             if isinstance(v, (int, float)) and ("peak" in k and ("mem" in k or "bytes" in k)):
                 peaks[k] = max(peaks.get(k, 0), v)
@@ -325,9 +333,19 @@ print(f"  {name}: exit {rc}, {len(steps)} steps logged; tokens/s {med('tokens_pe
       f"final loss {steps[-1].get('loss', float('nan')) if steps else float('nan'):.4f}")
 print(f"  {name}: peak GPU memory in use {max(used) if used else float('nan'):,} MiB (nvidia-smi)"
       + "".join(f"; {k} {v / 2**20:,.0f} MiB" for k, v in peaks.items()))
+for r in memory or []:
+    print(f"  {name}: rank {r['rank']} device memory planned {r['planned_bytes'] / 2**20:,.1f} MiB, "
+          f"measured peak {r['measured_peak_bytes'] / 2**20:,.1f} MiB "
+          f"(ratio {r['measured_peak_bytes'] / max(r['planned_bytes'], 1):.4f})")
+if memory is None:
+    print(f"  {name}: no memory event in metrics.jsonl (the run did not finish)")
 EOF
 }
 bench bench_gpt2_124m_cuda 50
+# The same with selective recomputation of the norms and activations: its step time beside the
+# run above, and its planned against measured device memory.
+bench bench_gpt2_124m_cuda 35 bench_gpt2_124m_cuda_recompute --set 'training.recompute="selective"' \
+  --set 'training.recompute_modules=["norm","act"]'
 bench bench_llama_1b_cuda 70
 
 # ---- training parity, with the time left ----------------------------------------------------------
