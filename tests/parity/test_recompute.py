@@ -29,7 +29,7 @@ import numpy as np
 import harness
 from harness import Checks, read_safetensors
 
-STEPS = 6
+STEPS = 4
 GPT2 = {"vocab_size": 64, "seq_len": 16, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "ffn_hidden_size": 64}
 LLAMA = {"vocab_size": 64, "seq_len": 16, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
          "ffn_hidden_size": 48, "norm": "rmsnorm", "activation": "swiglu", "position": "rope",
@@ -61,7 +61,7 @@ check = checks.check
 
 def config(model, par, precision, out, mode):
     training = {"micro_batch_size": 2, "global_batch_size": 8, "steps": STEPS, "threads": 1, "peak_gflops": 100,
-                "precision": precision, "seed": 11, "eval_every": 3, "eval_steps": 1, **mode}
+                "precision": precision, "seed": 11, "eval_every": 2, "eval_steps": 1, **mode}
     if precision == "fp16":
         training["initial_loss_scale"] = 1024.0
     return {
@@ -99,7 +99,7 @@ def main():
             continue
         ref_steps, ref_grads, ref_plan = ref
         losses = [float(s[0]) for s in ref_steps]
-        check(len(ref_steps) == STEPS and losses[-1] < losses[0] - 0.05,
+        check(len(ref_steps) == STEPS and losses[-1] < losses[0] - 0.02,
               f"{name}: {len(ref_steps)} steps without recomputation, the loss falls "
               f"({losses[0]:.4f} -> {losses[-1]:.4f})")
         modes = dict(MODES)

@@ -12,6 +12,7 @@
 #include "trainer/comm/launcher.h"
 #include "trainer/model/gpt.h"
 #include "trainer/optim/grad_buffer.h"
+#include "trainer/optim/grad_buffers.h"
 #include "trainer/train/pipeline_model.h"
 
 namespace tetra {
@@ -47,8 +48,16 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   const int64_t B = cfg.training.micro_batch_size, T = cfg.model.seq_len;
   const size_t n = static_cast<size_t>(layout.total);
   // The distributed optimizer keeps Adam's moments (and, in bf16 / fp16, the fp32 master weights) for
-  // this rank's 1/dp of the buffer only.
-  const size_t shard = cfg.parallel.distributed_optimizer ? n / static_cast<size_t>(cfg.parallel.dp) : n;
+  // this rank's shard only: 1/dp of the dense part, and of a MoE model's expert part 1/(dp/ep), the
+  // expert-data-parallel group that shares each expert (grad_buffers.h).
+  auto numel = [](const ParamLayout& part) {
+    return part.groups.empty() ? size_t{0} : static_cast<size_t>(part.groups.back().second - part.groups.front().first);
+  };
+  const size_t dense_n = numel(layout_part(layout, false)), expert_n = numel(layout_part(layout, true));
+  const size_t shard = cfg.parallel.distributed_optimizer
+                           ? dense_n / static_cast<size_t>(cfg.parallel.dp) +
+                                 expert_n / static_cast<size_t>(cfg.parallel.dp / cfg.parallel.ep)
+                           : n;
   MemoryPlan m;
   m.master = act == DType::F32 ? n * 4 : shard * 4;
   m.compute = act == DType::F32 ? 0 : n * dtype_size(act);

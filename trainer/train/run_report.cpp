@@ -136,7 +136,18 @@ std::string dry_run_report(const Config& cfg) {
                      mib(plan_memory(cfg, rank_layout(cfg, 0, r), r).peak()));
     }
   }
-  fmt::format_to(out, "memory per rank:   {} at the peak{}{}\n", mib(mem.peak()), par.pp > 1 ? " (pipeline rank 0)" : "",
+  std::string largest;  // the pipeline rank that needs the most, when it is not rank 0
+  if (par.pp > 1) {
+    int64_t worst = 0;
+    size_t most = mem.peak();
+    for (int64_t r = 1; r < par.pp; ++r) {
+      const size_t p = plan_memory(cfg, rank_layout(cfg, 0, r), r).peak();
+      if (p > most) most = p, worst = r;
+    }
+    largest = worst == 0 ? " (pipeline rank 0, the largest)"
+                         : fmt::format(" (pipeline rank 0; the largest is rank {}'s, {})", worst, mib(most));
+  }
+  fmt::format_to(out, "memory per rank:   {} at the peak{}{}\n", mib(mem.peak()), largest,
                  mem.on_device && mem.compression
                      ? fmt::format(": {} on the GPU, {} on the host", mib(mem.device_bytes()), mib(mem.host_bytes()))
                      : std::string());
