@@ -59,9 +59,11 @@ ComputeDevice make_compute_device(const TrainingConfig& training, DType act, con
     // fp16 and bf16 tensor cores have the same dense rate on sm_80 and sm_90.
     const bool half = is_half_type(act);
     d.peak_flops = peak_given ? training.peak_gflops * 1e9 : (half ? info.peak_bf16_flops : info.peak_fp32_flops);
+    // The dense peak of the SKU's datasheet where the backend knows it, else SMs x clock (its source
+    // says which).
     d.peak_source = peak_given ? "training.peak_gflops"
-                               : fmt::format("{} dense {} peak: {} SMs x {:.2f} GHz", info.name,
-                                             half ? "16-bit tensor-core" : "fp32", info.sm_count, info.clock_ghz);
+                               : fmt::format("{} dense {} peak: {}", info.name, half ? "16-bit tensor-core" : "fp32",
+                                             half ? info.peak_bf16_source : info.peak_fp32_source);
     d.description = fmt::format("cuda:{} {} (sm_{}, {} SMs, {:.1f} GiB)", index, info.name, info.compute_capability,
                                 info.sm_count, info.memory_bytes / 1073741824.0);
     return d;
