@@ -112,12 +112,12 @@ def parse_plan(text):
                        ("buffers", "comm buffers"), ("staging", "staging")]:
         m = re.search(r"^\s+" + label + r"\s+" + NUM, text, re.M)
         out[key] = float(m.group(1)) if m else 0.0
-    m = re.search(r"^\s+activations\s+.*?: (\d+) x " + NUM + r" kept per micro-batch in flight \+ " + NUM + " scratch",
-                  text, re.M)
+    m = re.search(r"^\s+activations\s+.*?: " + NUM + r" kept in (\d+) slot\(s\) of micro-batches in flight .*?\+ "
+                  + NUM + " scratch", text, re.M)
     if m:
-        out["in_flight"], out["per_mb"], out["scratch"] = int(m.group(1)), float(m.group(2)), float(m.group(3))
+        out["kept"], out["chunk_slots"], out["scratch"] = float(m.group(1)), int(m.group(2)), float(m.group(3))
     else:
-        out["in_flight"] = out["per_mb"] = out["scratch"] = None
+        out["kept"] = out["chunk_slots"] = out["scratch"] = None
     return out
 
 
@@ -213,16 +213,12 @@ def main():
                 print("\n".join("    " + l for l in text.splitlines() if "memory" in l or "MiB" in l), file=sys.stderr)
             wo, act = megatron_estimate(cfg, label)
             state = plan["master"] + plan["compute"] + plan["grads"] + plan["optimizer"]
-            # The activation line gives one slot of every chunk together (per_mb) and the chunks'
-            # scratch; the slots the arenas hold follow from the total: (total - scratch) / one
-            # chunk's slot, against the schedule's micro-batches in flight on rank 0 (chunks of
-            # equal layers assumed, as in these configs but for 405B's first and last stage).
-            par = cfg.get("parallel", {})
-            vp = par.get("virtual_stages", 1) if par.get("schedule") == "interleaved" else 1
+            # The activation line gives the chunk-slots the arenas hold (each chunk's most
+            # micro-batches in flight, summed), against the schedule's micro-batch chunks in
+            # flight at once on rank 0.
             held = "-"
-            if plan["per_mb"]:
-                slots = (plan["activations"] - plan["scratch"]) / (plan["per_mb"] / vp)
-                held = f"{slots:.0f} / {plan['rank0_in_flight'] or 1}"
+            if plan["chunk_slots"]:
+                held = f"{plan['chunk_slots']} / {plan['rank0_in_flight'] or 1}"
             lab = label + (" (+moe_act)" if moe and "norm" in label else "")
             print(f"| {name} | {lab} | {plan['peak_mib'] / 1024:.1f} [{plan['peak_rank']}] "
                   f"| {plan['activations'] / 1024:.1f} | {held} | {state / 1024:.1f} | {plan['staging'] / 1024:.1f} "

@@ -148,8 +148,8 @@ ActivationSplit PipelineModel::activation_split(const Config& cfg, int64_t pp_ra
     };
     const int64_t in_flight = std::max(1, s.max_in_flight(static_cast<int>(pp_rank), c));
     const size_t one = bytes(1), slot = bytes(2) - one;
-    split.per_micro_batch += slot;
-    split.in_flight = std::max(split.in_flight, in_flight);
+    split.kept += static_cast<size_t>(in_flight) * slot;
+    split.chunk_slots += in_flight;
     split.scratch += one - slot;
   }
   return split;

@@ -40,9 +40,9 @@ PipelineSchedule make_schedule(const Config& cfg, int64_t micro_batches);
 
 // What a pipeline rank's activation memory is made of (PipelineModel::activation_split).
 struct ActivationSplit {
-  size_t per_micro_batch = 0;  // kept from a micro-batch's forward to its backward (all chunks)
-  int64_t in_flight = 0;       // micro-batches in flight at most (the schedule's; all chunks)
-  size_t scratch = 0;          // the rest: gradients, gathers, recomputation scratch
+  size_t kept = 0;          // the chunks' slots: what micro-batches keep from forward to backward
+  int64_t chunk_slots = 0;  // how many: each chunk's most micro-batches in flight, summed
+  size_t scratch = 0;       // the rest (every chunk's): gradients, gathers, recomputation scratch
 };
 
 class PipelineModel {
@@ -71,9 +71,9 @@ class PipelineModel {
   size_t activation_bytes() const;
   // Activation memory of pipeline rank `pp_rank`'s chunks under `cfg`'s schedule.
   static size_t activation_bytes_for(const Config& cfg, int64_t pp_rank);
-  // The same split into what each micro-batch in flight keeps and the scratch beside (per chunk:
-  // its arena with one slot and with two differ by one slot's): activation_bytes_for =
-  // sum over chunks of in_flight x per_micro_batch + scratch; reported summed over the chunks.
+  // The same split into the slots the micro-batches in flight keep and the scratch beside (per
+  // chunk: its arena with one slot and with two differ by one slot's): activation_bytes_for =
+  // kept + scratch.
   static ActivationSplit activation_split(const Config& cfg, int64_t pp_rank);
   // Bytes of the buffers pipeline rank `pp_rank`'s chunks send their input gradients from.
   static size_t input_grad_bytes_for(const Config& cfg, int64_t pp_rank);

@@ -178,9 +178,9 @@ std::string dry_run_report(const Config& cfg) {
     } else if (t.recompute == Recompute::FULL) {
       rc += fmt::format(" ({}, {} layer(s))", to_string(t.recompute_method), t.recompute_num_layers);
     }
-    fmt::format_to(out, "  activations      {} (micro-batch {}, logits included; recompute {}): {} x {} kept per "
-                   "micro-batch in flight + {} scratch\n",
-                   mib(mem.activations), t.micro_batch_size, rc, split.in_flight, mib(split.per_micro_batch),
+    fmt::format_to(out, "  activations      {} (micro-batch {}; recompute {}): {} kept in {} slot(s) of micro-batches "
+                   "in flight (each chunk's most, summed) + {} scratch\n",
+                   mib(mem.activations), t.micro_batch_size, rc, mib(split.kept), split.chunk_slots,
                    mib(split.scratch));
   }
   if (mem.compression)
