@@ -18,6 +18,8 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "kernels/common/dtype.h"
+#include "kernels/common/math.h"
 #include "trainer/checkpoint/commit.h"
 #include "trainer/core/files.h"
 #include "trainer/checkpoint/manifest.h"
@@ -431,18 +433,33 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
       be.copy_from_host(x.data, host.data(), host.size() * 4);
   }
   // Into backend memory: master weights (whole or shard), compute weights, moments.
-  BackendBuffer own_staging;  // when there is no whole fp32 buffer to stage in
-  float* staging = b.master_full;
-  if (!staging) {
-    own_staging = BackendBuffer(be, total * 4);
-    staging = own_staging.as<float>();
+  if (b.master_full) {
+    be.copy_from_host(b.master_full, weights.data(), total * 4);
+    if (b.compute && b.compute != b.master_full)
+      be.cast(b.compute, b.compute_type, b.master_full, DType::F32, layout.total);
+  } else {
+    // No whole fp32 buffer (the distributed optimizer with 16-bit compute): the shard straight from
+    // the host copy, and the compute weights rounded on the host (to nearest even, as
+    // Backend::cast) a piece at a time, so that no whole fp32 copy is staged in backend memory.
+    if (b.master_shard)
+      for (size_t o = 0; o < b.owned->size(); ++o)
+        be.copy_from_host(b.master_shard + starts[o], weights.data() + (*b.owned)[o].offset,
+                          static_cast<size_t>((*b.owned)[o].numel) * 4);
+    if (b.compute) {
+      TETRA_CHECK(is_half_type(b.compute_type), "compute weights of type {} without a whole fp32 buffer",
+                  dtype_name(b.compute_type));
+      constexpr size_t kPiece = size_t{1} << 20;
+      std::vector<uint16_t> piece(std::min(kPiece, total));
+      for (size_t at = 0; at < total; at += kPiece) {
+        const size_t len = std::min(kPiece, total - at);
+        for (size_t i = 0; i < len; ++i) {
+          const float x = weights[at + i];
+          piece[i] = b.compute_type == DType::BF16 ? math::f32_to_bf16_bits(x) : math::f32_to_f16_bits(x);
+        }
+        be.copy_from_host(static_cast<char*>(b.compute) + at * 2, piece.data(), len * 2);
+      }
+    }
   }
-  be.copy_from_host(staging, weights.data(), total * 4);
-  if (b.compute && b.compute != staging) be.cast(b.compute, b.compute_type, staging, DType::F32, layout.total);
-  if (b.master_shard)
-    for (size_t o = 0; o < b.owned->size(); ++o)
-      be.copy(b.master_shard + starts[o], staging + (*b.owned)[o].offset, static_cast<size_t>((*b.owned)[o].numel) * 4);
-  own_staging.reset();
   be.copy_from_host(b.exp_avg, m.data(), m.size() * 4);
   be.copy_from_host(b.exp_avg_sq, v.data(), v.size() * 4);
   groups.world->barrier();

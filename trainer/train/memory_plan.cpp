@@ -13,6 +13,7 @@
 #include "trainer/model/gpt.h"
 #include "trainer/optim/grad_buffer.h"
 #include "trainer/optim/grad_buffers.h"
+#include "trainer/train/generate.h"
 #include "trainer/train/pipeline_model.h"
 
 namespace tetra {
@@ -79,14 +80,22 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
     if (m.on_device) m.compression += n * 4 + (onebit ? n * 4 : 0) + (onebit && !cfg.parallel.distributed_optimizer ? n * 4 : 0);
   }
   m.activations = PipelineModel::activation_bytes_for(cfg, pp_rank);
-  m.buffers = PipelineModel::input_grad_bytes_for(cfg, pp_rank);
+  const size_t input_grads = PipelineModel::input_grad_bytes_for(cfg, pp_rank);
+  m.buffers = input_grads;
   if (cfg.parallel.tp > 1) m.buffers += GradBuffer::sp_scratch_bytes(layout);
-  if (act != DType::F32 && cfg.parallel.distributed_optimizer) m.staging = n * 4;
   m.batch = static_cast<size_t>(cfg.grad_accum_steps() * B * T) * 12;  // tokens, targets, losses
   if (samples_enabled(cfg))  // the sampling model's arena and its (T) ids and two logit rows
     m.sampling = Gpt::activation_bytes_for(cfg.model, act, 1, cfg.parallel.tp) + static_cast<size_t>(T) * 4 +
                  static_cast<size_t>(cfg.model.vocab_size / cfg.parallel.tp) * 4 +  // its logit row
                  (cfg.parallel.tp > 1 ? static_cast<size_t>(cfg.model.vocab_size) * 4 : 0);  // gathered
+  if (act != DType::F32 && cfg.parallel.distributed_optimizer) {
+    // The whole fp32 weights (trainer.cpp): at start-up beside everything but the activations, the
+    // batch buffers and the sampling model (allocated after); at the end, when the final weights
+    // are written, beside everything but the activations (freed before).
+    m.staging = n * 4;
+    const size_t without_activations = m.total() - m.activations - input_grads;
+    m.staging_held = final_weights_path(cfg).empty() ? without_activations - m.batch - m.sampling : without_activations;
+  }
   return m;
 }
 

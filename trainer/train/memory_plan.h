@@ -4,6 +4,7 @@
 // buffers; --dry-run shows them for any layout before a job is launched.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -21,18 +22,18 @@ struct MemoryPlan {
   // Communication and packing buffers: the pipeline's input-gradient buffers and the
   // sequence-parallel norm-gradient scratch.
   size_t buffers = 0;
-  // The largest temporary: where no buffer holds the whole fp32 weights (the distributed
-  // optimizer with 16-bit compute keeps only its shard), they are gathered whole, once while the
-  // optimizer takes its shard at start-up, and again for each checkpoint save and the final
-  // weights. Allocated and freed around those moments; the peak includes it.
-  size_t staging = 0;
+  // The whole fp32 weights where no buffer holds them (the distributed optimizer with 16-bit
+  // compute keeps only its shard): at start-up, before the activations are allocated, while the
+  // optimizer takes its shard; and gathered for the final weights after the activations are freed.
+  // Checkpoints are saved and loaded from the shards. `staging_held`: what is held beside it then.
+  size_t staging = 0, staging_held = 0;
   bool on_device = false;  // training.device is a GPU: everything but `compression` is GPU memory
   // What is held through the steps.
   size_t total() const {
     return master + compute + grads + optimizer + activations + batch + sampling + compression + buffers;
   }
   // The most held at once (what the backend's measured peak is checked against).
-  size_t peak() const { return total() + staging; }
+  size_t peak() const { return std::max(total(), staging ? staging_held + staging : 0); }
   size_t device_bytes() const { return on_device ? peak() - compression : 0; }
   size_t host_bytes() const { return on_device ? compression : peak(); }
 };

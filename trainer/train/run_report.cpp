@@ -192,9 +192,10 @@ std::string dry_run_report(const Config& cfg) {
     fmt::format_to(out, "  comm buffers     {} (pipeline input gradients, sequence-parallel norm gradients)\n",
                    mib(mem.buffers));
   if (mem.staging)
-    fmt::format_to(out, "  staging          {} (the whole fp32 weights, gathered at start-up and for checkpoints "
-                   "and the final weights: counted in the peak)\n",
-                   mib(mem.staging));
+    fmt::format_to(out, "  staging          {} (the whole fp32 weights, at start-up and for the final weights, when "
+                   "the activations are not allocated: {} held then{})\n",
+                   mib(mem.staging), mib(mem.staging_held + mem.staging),
+                   mem.staging_held + mem.staging > mem.total() ? ", the peak" : "");
   if (mem.sampling)
     fmt::format_to(out, "  sampling         {} (micro-batch 1 model for the text samples)\n", mib(mem.sampling));
   fmt::format_to(out, "communication per step and rank (payload; sent under ring algorithms ~ 2(p-1)/p of an "

@@ -124,6 +124,17 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                                         });
     dump_->initial_weights(master_);
   }
+  // The optimizer first (with the distributed optimizer it copies its shard of the whole fp32
+  // weights, which are then freed), the activations after: the whole weights and the activation
+  // arenas are never held at once (memory_plan.h's peak).
+  grad_buffer_ = std::make_unique<GradBuffers>(layout_, *be_, grads_, groups, cfg.parallel.distributed_optimizer,
+                                               cfg.parallel.bucket_size,
+                                               cfg.parallel.grad_compression == GradCompression::BF16);
+  updater_ = std::make_unique<Updater>(cfg, layout_, *be_, *grad_buffer_, groups, act_, master_, compute_, grads_);
+  if (updater_->holds_master_weights()) {
+    master_buf_.reset();
+    master_ = nullptr;
+  }
   const size_t batch_bytes = static_cast<size_t>(accum_ * rows_) * 4;
   tokens_buf_ = BackendBuffer(*be_, batch_bytes);
   targets_buf_ = BackendBuffer(*be_, batch_bytes);
@@ -140,14 +151,6 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   host_targets_.resize(static_cast<size_t>(rows_));
 
   model_ = std::make_unique<PipelineModel>(cfg, layout_, *be_, act_, groups, accum_, tokens_, targets_, losses_);
-  grad_buffer_ = std::make_unique<GradBuffers>(layout_, *be_, grads_, groups, cfg.parallel.distributed_optimizer,
-                                               cfg.parallel.bucket_size,
-                                               cfg.parallel.grad_compression == GradCompression::BF16);
-  updater_ = std::make_unique<Updater>(cfg, layout_, *be_, *grad_buffer_, groups, act_, master_, compute_, grads_);
-  if (updater_->holds_master_weights()) {
-    master_buf_.reset();
-    master_ = nullptr;
-  }
   group_done_ = [this](int group) { grad_buffer_->group_done(group); };
   if (!resume.empty()) {
     const auto l0 = std::chrono::steady_clock::now();
@@ -451,6 +454,9 @@ void Trainer::run() {
       break;
     }
   }
+  // The activations are done with: without a whole fp32 buffer, their memory makes room for the
+  // gathered final weights (memory_plan.h's peak).
+  if (!master_) model_.reset();
   save_final_weights();
   if (dump_) dump_->batches(start_step_);
   report_memory();
