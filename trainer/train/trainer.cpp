@@ -205,6 +205,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   start["peak_flops"] = peak_flops_;
   start["world"] = groups.grid.world();
   start["memory_plan_bytes"] = report.memory.peak();
+  start["activation_plan_bytes"] = report.memory.activations;
   start["optimizer_state_bytes"] = updater_->state_bytes();
   metrics_->event(start.dump());
 }
