@@ -95,16 +95,15 @@ void check_pairs(Communicator* comm, Backend& be, bool sp) {
   // f: forward from the shards (sp) or a replicated X, backward from per-rank partials.
   {
     const std::vector<float> whole = randoms(N * C, 11);  // the concatenated shards / the replicated X
-    std::vector<float> full(static_cast<size_t>(N * C), 0.0f);
-    float* mine = static_cast<float*>(tp.shard_of(full.data()));
+    std::vector<float> full(static_cast<size_t>(N * C), 0.0f), mine(static_cast<size_t>(Ns * C));
     for (int64_t i = 0; i < Ns * C; ++i) mine[i] = whole[static_cast<size_t>((shard ? r * Ns * C : 0) + i)];
-    tp.copy_to_region(full.data());
+    const float* fx = static_cast<const float*>(tp.copy_to_region(full.data(), mine.data()));
     double worst = 0.0;
-    for (int64_t i = 0; i < N * C; ++i) worst = std::max(worst, std::fabs(double(full[i]) - whole[i]));
+    for (int64_t i = 0; i < N * C; ++i) worst = std::max(worst, std::fabs(double(fx[i]) - whole[i]));
     expect(worst == 0.0, fmt::format("f forward is the concatenation of the shards (worst {:g})", worst));
 
     std::vector<float> y = randoms(N * C, 12, static_cast<uint32_t>(r));  // per-rank partial gradients
-    const double lhs = sum_over_ranks(dot(full.data(), y.data(), N * C));  // sum_i <f(x)_i, y_i>
+    const double lhs = sum_over_ranks(dot(fx, y.data(), N * C));  // sum_i <f(x)_i, y_i>
     std::vector<float> dx(static_cast<size_t>(Ns * C), 0.0f);
     std::vector<float> ycopy = y;
     tp.copy_to_region_backward(shard ? dx.data() : ycopy.data(), ycopy.data());
@@ -197,12 +196,11 @@ void check_linear(Communicator* comm, Backend& be, bool sp) {
     for (int64_t f = 0; f < Fl; ++f) W2l[c * Fl + f] = W2[c * F + r * Fl + f];
 
   // Forward: x's shard -> f -> column-parallel -> row-parallel (+ residual) -> g.
-  std::vector<float> x(static_cast<size_t>(N * C), 0.0f);
-  float* xs = static_cast<float*>(tp.shard_of(x.data()));
+  std::vector<float> x(static_cast<size_t>(N * C), 0.0f), xs(static_cast<size_t>(Ns * C));
   for (int64_t i = 0; i < Ns * C; ++i) xs[i] = X[row0 * C + i];
-  tp.copy_to_region(x.data());
+  const void* xf = tp.copy_to_region(x.data(), xs.data());
   std::vector<float> h(static_cast<size_t>(N * Fl));
-  column_parallel_linear_forward(tp, be, x.data(), C, LinearWeights{W1l.data(), b1l.data()}, h.data(), Fl);
+  column_parallel_linear_forward(tp, be, xf, C, LinearWeights{W1l.data(), b1l.data()}, h.data(), Fl);
   double worst = 0.0;
   for (int64_t i = 0; i < N; ++i)
     for (int64_t f = 0; f < Fl; ++f) worst = std::max(worst, std::fabs(h[i * Fl + f] - H[i * F + r * Fl + f]));
@@ -246,7 +244,7 @@ void check_linear(Communicator* comm, Backend& be, bool sp) {
                                LinearGrads{gW2.data(), gb2.data()}, dh.data());
   std::vector<float> gW1(static_cast<size_t>(Fl * C), 0.0f), gb1(static_cast<size_t>(Fl), 0.0f);
   std::vector<float> dxp(static_cast<size_t>(N * C)), dx(static_cast<size_t>(Ns * C));
-  column_parallel_linear_backward(tp, be, dh.data(), Fl, x.data(), C, LinearWeights{W1l.data(), b1l.data()},
+  column_parallel_linear_backward(tp, be, dh.data(), Fl, xf, C, LinearWeights{W1l.data(), b1l.data()},
                                   LinearGrads{gW1.data(), gb1.data()}, dxp.data(), shard ? dx.data() : dxp.data());
   const float* dxr = shard ? dx.data() : dxp.data();
   double wdx = 0.0, wdw = 0.0, wdb = 0.0;

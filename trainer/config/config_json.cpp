@@ -395,25 +395,32 @@ class SectionReader {
       problems_.add(path(key), show(*v), "expected a string, got " + type_phrase(*v));
   }
 
+  // E's spellings, "a, b, c".
+  template <ConfigEnum E>
+  static std::string spellings() {
+    std::string list;
+    for (const std::string& c : enum_names<E>()) list += (list.empty() ? "" : ", ") + c;
+    return list;
+  }
+  // The value `v` (at `at`) spells, or nullopt with the problem reported.
+  template <ConfigEnum E>
+  std::optional<E> spelling_of(const json& v, const std::string& at) {
+    if (!v.is_string()) {
+      problems_.add(at, show(v), "expected a string, got " + type_phrase(v));
+      return std::nullopt;
+    }
+    const std::string s = v.get<std::string>();
+    if (const std::optional<E> e = enum_from_string<E>(s)) return e;
+    problems_.add(at, show(v), "must be one of " + spellings<E>() + did_you_mean(closest(s, enum_names<E>())));
+    return std::nullopt;
+  }
+
   // One of an enumerated key's spellings (config.h's EnumNames).
   template <ConfigEnum E>
   void choice(const char* key, E& out) {
     const json* v = find(key);
     if (!v) return;
-    if (!v->is_string()) {
-      problems_.add(path(key), show(*v), "expected a string, got " + type_phrase(*v));
-      return;
-    }
-    const std::string s = v->get<std::string>();
-    if (const std::optional<E> e = enum_from_string<E>(s)) {
-      out = *e;
-      return;
-    }
-    const std::vector<std::string> choices = enum_names<E>();
-    std::string list;
-    for (const std::string& c : choices) list += (list.empty() ? "" : ", ") + c;
-    problems_.add(path(key), show(*v),
-                  "must be one of " + list + did_you_mean(closest(s, choices)));
+    if (const std::optional<E> e = spelling_of<E>(*v, path(key))) out = *e;
   }
 
   // A list of an enum's spellings, e.g. ["norm", "act"] (each once).
@@ -421,29 +428,18 @@ class SectionReader {
   void choices(const char* key, std::vector<E>& out) {
     const json* v = find(key);
     if (!v) return;
-    const std::vector<std::string> names = enum_names<E>();
-    std::string list;
-    for (const std::string& c : names) list += (list.empty() ? "" : ", ") + c;
     if (!v->is_array()) {
-      problems_.add(path(key), show(*v), "expected a list of strings from " + list + ", got " + type_phrase(*v));
+      problems_.add(path(key), show(*v),
+                    "expected a list of strings from " + spellings<E>() + ", got " + type_phrase(*v));
       return;
     }
     std::vector<E> got;
     for (size_t i = 0; i < v->size(); ++i) {
-      const json& e = (*v)[i];
       const std::string at = path(key) + "[" + std::to_string(i) + "]";
-      if (!e.is_string()) {
-        problems_.add(at, show(e), "expected a string, got " + type_phrase(e));
-        return;
-      }
-      const std::string s = e.get<std::string>();
-      const std::optional<E> value = enum_from_string<E>(s);
-      if (!value) {
-        problems_.add(at, show(e), "must be one of " + list + did_you_mean(closest(s, names)));
-        return;
-      }
+      const std::optional<E> value = spelling_of<E>((*v)[i], at);
+      if (!value) return;
       if (std::find(got.begin(), got.end(), *value) != got.end()) {
-        problems_.add(at, show(e), "is listed twice: name each module once");
+        problems_.add(at, show((*v)[i]), "is listed twice: name each once");
         return;
       }
       got.push_back(*value);

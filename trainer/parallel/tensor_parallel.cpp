@@ -21,15 +21,7 @@ TensorParallel::TensorParallel(Communicator* group, bool sequence_parallel, Back
 
 size_t TensorParallel::shard_bytes() const { return static_cast<size_t>(Ns_ * C_) * dtype_size(act_); }
 
-void* TensorParallel::shard_of(void* full) const {
-  return sp_ ? static_cast<char*>(full) + static_cast<size_t>(rank_) * shard_bytes() : full;
-}
-
 // f forward: identity | all-gather.
-void TensorParallel::copy_to_region(void* full) {
-  if (sp_) comm_->all_gather(full, shard_of(full), Ns_ * C_, act_);
-}
-
 const void* TensorParallel::copy_to_region(void* full, const void* shard) {
   if (!sp_) return shard;
   comm_->all_gather(full, shard, Ns_ * C_, act_);

@@ -56,20 +56,15 @@ class TensorParallel {
   // Whether a row-parallel GEMM adds the residual itself (beta = 1 over a copy of it): without
   // sequence parallelism, on rank 0. With it the residual is added to the reduced shard instead.
   bool residual_in_product() const { return !sp_ && rank_ == 0; }
-  // This rank's rows of an (N, C) buffer (the buffer itself without sequence parallelism).
-  void* shard_of(void* full) const;
   // Where a row-parallel product goes: `out` itself, or with sequence parallelism the (N, C)
   // `partial` that g reduce-scatters into `out`.
   void* product_target(void* out, void* partial) const { return sp_ ? partial : out; }
 
   // ---- f: copy to the TP region ----------------------------------------------------------------
-  // forward: identity, or (SP) the all-gather of the shards: shard_of(full) holds this rank's
-  // rows, `full` (N, C) receives every rank's.
-  void copy_to_region(void* full);
-  // The same from a shard kept elsewhere: returns the region's input, `shard` itself without SP
-  // (it holds every row), else `full` (N, C) after the all-gather of the ranks' shards (Ns, C).
-  // (A norm output kept on its shard is gathered again in backward: Megatron's column-parallel
-  // input under sequence parallelism.)
+  // forward: identity, or (SP) the all-gather of the shards. Returns the region's input: `shard`
+  // itself without SP (it holds every row), else `full` (N, C) after the all-gather of the ranks'
+  // shards (Ns, C). (A norm output kept on its shard is gathered again in backward: Megatron's
+  // column-parallel input under sequence parallelism.)
   const void* copy_to_region(void* full, const void* shard);
   // backward: `dx_partial` (N, C) holds this rank's partial gradient of the region's input; the
   // sum over the group goes to `dx` (Ns, C). Without SP in place (dx == dx_partial).
