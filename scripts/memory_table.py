@@ -115,9 +115,9 @@ def parse_plan(text):
     m = re.search(r"^\s+activations\s+.*?: " + NUM + r" kept in (\d+) slot\(s\) of micro-batches in flight .*?\+ "
                   + NUM + " scratch", text, re.M)
     if m:
-        out["kept"], out["chunk_slots"], out["scratch"] = float(m.group(1)), int(m.group(2)), float(m.group(3))
+        out["kept"], out["slots"], out["scratch"] = float(m.group(1)), int(m.group(2)), float(m.group(3))
     else:
-        out["kept"] = out["chunk_slots"] = out["scratch"] = None
+        out["kept"] = out["slots"] = out["scratch"] = None
     return out
 
 
@@ -192,7 +192,7 @@ def main():
 
     print(f"Planned by `{os.path.relpath(tetra, REPO) if tetra.startswith(str(REPO)) else tetra} train --dry-run`; "
           "GiB = 2^30 bytes; the peak is the largest pipeline rank's (rank in brackets).\n")
-    print("| config | recompute | Tetra peak GiB [rank] | activations GiB (rank 0) | chunk-slots held / in flight (rank 0) "
+    print("| config | recompute | Tetra peak GiB [rank] | activations GiB (rank 0) | activation slots / in flight (rank 0) "
           "| weights+grads+optimizer GiB | staging GiB | Megatron estimate GiB (weights+opt + act) |")
     print("|---|---|---|---|---|---|---|---|")
     failed = 0
@@ -213,12 +213,11 @@ def main():
                 print("\n".join("    " + l for l in text.splitlines() if "memory" in l or "MiB" in l), file=sys.stderr)
             wo, act = megatron_estimate(cfg, label)
             state = plan["master"] + plan["compute"] + plan["grads"] + plan["optimizer"]
-            # The activation line gives the chunk-slots the arenas hold (each chunk's most
-            # micro-batches in flight, summed), against the schedule's micro-batch chunks in
-            # flight at once on rank 0.
+            # The activation line gives the slots rank 0's chunks share, against the schedule's
+            # micro-batch chunks in flight at once there.
             held = "-"
-            if plan["chunk_slots"]:
-                held = f"{plan['chunk_slots']} / {plan['rank0_in_flight'] or 1}"
+            if plan["slots"]:
+                held = f"{plan['slots']} / {plan['rank0_in_flight'] or 1}"
             lab = label + (" (+moe_act)" if moe and "norm" in label else "")
             print(f"| {name} | {lab} | {plan['peak_mib'] / 1024:.1f} [{plan['peak_rank']}] "
                   f"| {plan['activations'] / 1024:.1f} | {held} | {state / 1024:.1f} | {plan['staging'] / 1024:.1f} "

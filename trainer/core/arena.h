@@ -32,4 +32,30 @@ class ArenaCarver {
   size_t used_ = 0;
 };
 
+// A model chunk's activation memory in two parts: scratch (what one forward or backward uses and
+// leaves) and slots (what one micro-batch keeps from its forward to its backward, one slot per
+// micro-batch in flight). Each part's size is a multiple of kAlign.
+struct ActivationSizes {
+  size_t scratch = 0;
+  size_t slot = 0;
+  ActivationSizes& operator+=(const ActivationSizes& o) {
+    scratch += o.scratch;
+    slot += o.slot;
+    return *this;
+  }
+};
+
+// Where a chunk's activations live: `scratch_bytes` at `scratch`, and `count` slots of
+// `slot_stride` bytes from `slots`. A pipeline rank lays all its chunks over one such set (one
+// chunk computes at a time, and however the micro-batches in flight are spread over the chunks
+// they never outnumber the slots), see trainer/train/pipeline_model.h.
+struct ActivationRegions {
+  char* scratch = nullptr;
+  size_t scratch_bytes = 0;
+  char* slots = nullptr;
+  size_t slot_stride = 0;
+  int64_t count = 0;
+  char* slot(int64_t i) const { return slots + static_cast<size_t>(i) * slot_stride; }
+};
+
 }  // namespace tetra

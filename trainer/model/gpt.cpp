@@ -194,8 +194,9 @@ void layout_slot(ArenaCarver& c, const ArenaShape& z, Gpt::Acts& a, Gpt::Acts::S
   }
 }
 
-// The recomputation scratch, `slots` copies of a Slot, then the backward's scratch; returns the bytes.
-size_t layout_acts(ArenaCarver& c, const ArenaShape& z, int64_t slots, Gpt::Acts& a) {
+// The scratch: recomputation's, the fused loss's, the gathers' and the backward's; returns the
+// bytes. The slots (layout_slot) point into it for what they recompute.
+size_t layout_scratch(ArenaCarver& c, const ArenaShape& z, Gpt::Acts& a) {
   const ModelDims& d = z.d;
   const int64_t N = d.N(), Ns = d.Ns;
   const DType act = z.act;
@@ -218,8 +219,6 @@ size_t layout_acts(ArenaCarver& c, const ArenaShape& z, int64_t slots, Gpt::Acts
   const bool fused = d.last && z.loss_chunk > 0;
   a.lnf = fused ? c.take(Ns * d.C, act) : nullptr;
   a.logits = fused ? c.take(z.loss_chunk * d.V, act) : nullptr;
-  a.slots.resize(static_cast<size_t>(slots));
-  for (Gpt::Acts::Slot& s : a.slots) layout_slot(c, z, a, s);
   a.lnfull = d.sp ? c.take(N * d.C, act) : nullptr;
   const int64_t loss_rows = fused ? z.loss_chunk : N;  // rows the loss sees at once
   a.ce_max = d.tp > 1 ? c.f32(loss_rows) : nullptr;
@@ -234,6 +233,18 @@ size_t layout_acts(ArenaCarver& c, const ArenaShape& z, int64_t slots, Gpt::Acts
   a.dfc = dense ? c.take(N * d.FC, act) : nullptr;
   a.dact = dense ? c.take(N * d.F, act) : nullptr;
   return c.used();
+}
+
+// The scratch and one slot of a chunk's dense part (MoE state: MoeLayers::sizes_for).
+ActivationSizes dense_sizes(const ArenaShape& z) {
+  Gpt::Acts a;
+  ArenaCarver scratch(nullptr), slot(nullptr);
+  ActivationSizes out;
+  out.scratch = layout_scratch(scratch, z, a);
+  Gpt::Acts::Slot s;
+  layout_slot(slot, z, a, s);
+  out.slot = slot.used();
+  return out;
 }
 
 std::vector<bool> moe_blocks_of(const ModelConfig& cfg, const ModelDims& d) {
@@ -251,28 +262,35 @@ static void apply_shape(ModelDims& d, const ChunkShape& shape) {
   d.last = shape.last;
 }
 
-size_t Gpt::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch, int64_t tp,
-                                 bool sequence_parallel, const ChunkShape& shape, int64_t ep,
-                                 const Recomputation& rc, int64_t loss_chunk) {
-  ArenaCarver c(nullptr);
-  Acts a;
+ActivationSizes Gpt::activation_sizes_for(const ModelConfig& cfg, DType act, int64_t micro_batch, int64_t tp,
+                                          bool sequence_parallel, const ChunkShape& shape, int64_t ep,
+                                          const Recomputation& rc, int64_t loss_chunk) {
   ModelDims d = ModelDims::from(cfg, micro_batch, tp, 0, sequence_parallel);
   apply_shape(d, shape);
   const std::vector<bool> moe = moe_blocks_of(cfg, d);
   const RecomputeUnits units = plan_recompute_units(rc, d.L, moe);
-  // MoE blocks: each slot's routing and expert activations for the chunk's blocks.
   const int64_t chunk = loss_chunk > 0 ? std::min(loss_chunk, d.N()) : 0;
-  return layout_acts(c, ArenaShape{d, act, rc, units, moe, chunk}, shape.slots, a) +
-         static_cast<size_t>(shape.slots) * MoeLayers::activation_bytes_for(cfg, act, micro_batch * cfg.seq_len, ep, tp,
-                                                                             d.l0, d.L, rc.moe_act);
+  ActivationSizes size = dense_sizes(ArenaShape{d, act, rc, units, moe, chunk});
+  // MoE blocks: their routing and expert state in each slot, their scratch beside the dense one.
+  size += MoeLayers::sizes_for(cfg, act, micro_batch * cfg.seq_len, ep, tp, d.l0, d.L, rc.moe_act);
+  return size;
+}
+
+size_t Gpt::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch, int64_t tp,
+                                 bool sequence_parallel, const ChunkShape& shape, int64_t ep,
+                                 const Recomputation& rc, int64_t loss_chunk) {
+  const ActivationSizes s =
+      activation_sizes_for(cfg, act, micro_batch, tp, sequence_parallel, shape, ep, rc, loss_chunk);
+  return s.scratch + static_cast<size_t>(shape.slots) * s.slot;
 }
 
 Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
          Communicator* tp, int chunk, int64_t slots, Communicator* ep, const Recomputation& rc,
-         int64_t loss_chunk)
+         int64_t loss_chunk, const ActivationRegions* regions)
     : cfg_(cfg), layout_(layout), be_(be), act_(act), rc_(rc) {
   if (tp && tp->size() <= 1) tp = nullptr;
   const int64_t tp_size = tp ? tp->size() : 1, tp_rank = tp ? tp->rank() : 0;
+  const int64_t ep_size = ep && ep->size() > 1 ? ep->size() : 1;
   TETRA_CHECK(layout.slicing.tp == tp_size && layout.slicing.tp_rank == tp_rank,
               "the parameter layout is for TP rank {} of {}, the model for rank {} of {}",
               layout.slicing.tp_rank, layout.slicing.tp, tp_rank, tp_size);
@@ -289,21 +307,32 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   units_ = plan_recompute_units(rc_, d_.L, moe_layer_);
   loss_chunk_ = loss_chunk > 0 ? std::min(loss_chunk, d_.N()) : 0;
   const ArenaShape z{d_, act_, rc_, units_, moe_layer_, loss_chunk_};
-  {
-    ArenaCarver measure(nullptr);
-    Acts unused;
-    arena_bytes_ = layout_acts(measure, z, slots, unused);
+  const ActivationSizes dense = dense_sizes(z);
+  ActivationSizes size = dense;
+  size += MoeLayers::sizes_for(cfg, act, d_.N(), ep_size, tp_size, d_.l0, d_.L, rc_.moe_act);
+  ActivationRegions r;
+  if (regions) {  // shared with the rank's other chunks
+    TETRA_CHECK(regions->count == slots && regions->slot_stride >= size.slot && regions->scratch_bytes >= size.scratch,
+                "activation regions of {} slot(s) of {} bytes and {} bytes of scratch for a chunk that needs {} of {} "
+                "and {}", regions->count, regions->slot_stride, regions->scratch_bytes, slots, size.slot, size.scratch);
+    r = *regions;
+  } else {
+    arena_bytes_ = size.scratch + static_cast<size_t>(slots) * size.slot;
+    arena_ = BackendBuffer(be_, arena_bytes_);
+    r = ActivationRegions{arena_.as<char>(), size.scratch, arena_.as<char>() + size.scratch, size.slot, slots};
   }
-  arena_ = BackendBuffer(be_, arena_bytes_);
   a_ = std::make_unique<Acts>();
-  ArenaCarver c(arena_.as<char>());
-  layout_acts(c, z, slots, *a_);
-  if (cfg.moe.enabled()) {
-    // Each in-flight micro-batch keeps its own routing and expert activations.
-    for (int64_t s = 0; s < slots; ++s) {
-      moe_.push_back(std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep, tp, d_.l0, d_.L, rc_.moe_act));
-      arena_bytes_ += moe_.back()->activation_bytes();
-    }
+  ArenaCarver c(r.scratch);
+  layout_scratch(c, z, *a_);
+  a_->slots.resize(static_cast<size_t>(slots));
+  for (int64_t i = 0; i < slots; ++i) {
+    ArenaCarver cs(r.slot(i));
+    layout_slot(cs, z, *a_, a_->slots[static_cast<size_t>(i)]);
+  }
+  if (cfg.moe.enabled()) {  // the MoE state after the dense part, in the scratch and in each slot
+    const ActivationRegions m{r.scratch + dense.scratch, r.scratch_bytes - dense.scratch, r.slots + dense.slot,
+                              r.slot_stride, slots};
+    moe_ = std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep, tp, d_.l0, d_.L, rc_.moe_act, slots, &m);
   }
 }
 
@@ -343,11 +372,7 @@ void* Gpt::input(int64_t slot) { return a_->slots.at(static_cast<size_t>(slot)).
 const void* Gpt::output(int64_t slot) const { return a_->slots.at(static_cast<size_t>(slot)).res[d_.L]; }
 void* Gpt::output_grad() { return a_->dres; }
 
-MoeStepStats Gpt::take_moe_stats() {
-  MoeStepStats all;
-  for (auto& m : moe_) all.merge(m->take_stats());
-  return all;
-}
+MoeStepStats Gpt::take_moe_stats() { return moe_ ? moe_->take_stats() : MoeStepStats{}; }
 
 void Gpt::forward_logits(const void* weights, const int32_t* tokens) {
   TETRA_CHECK(d_.first && d_.last, "forward_logits() needs the whole model, not layers {} .. {} of a pipeline stage",
@@ -395,8 +420,7 @@ void Gpt::forward_layer(const void* weights, int64_t slot, int64_t l, bool recom
     if (recompute) return;
     const void* h2 = tp.copy_to_region(a.lnfull, s.ln2);
     void* y = tp.product_target(sl.res[l + 1], a.dfull);
-    moe_[static_cast<size_t>(slot)]->forward(d.l0 + l, weights, h2, tp.residual_in_product() ? s.res_mid : nullptr, y,
-                                             moe_loss_weight_);
+    moe_->forward(d.l0 + l, weights, h2, tp.residual_in_product() ? s.res_mid : nullptr, y, moe_loss_weight_, slot);
     tp.reduce_from_region(sl.res[l + 1], y, s.res_mid);
     return;
   }
@@ -487,7 +511,7 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
     // MLP: res[l+1] = res_mid + act W_p^T + b; g's backward gives every row's gradient.
     const void* dout = tp.reduce_from_region_backward(a.dfull, a.dres);
     if (p.moe) {
-      moe_[static_cast<size_t>(slot)]->backward(d.l0 + l, weights, grads, norm2_input(), dout, dx);
+      moe_->backward(d.l0 + l, weights, grads, norm2_input(), dout, dx, slot);
       done(p.expert_group);
       tp.copy_to_region_backward(a.dc, dx);
     } else {

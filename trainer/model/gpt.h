@@ -31,8 +31,9 @@
 // caller gives. Several micro-batches can be in flight between their forward and backward: each
 // has its activation slot (the schedule says how many a chunk needs).
 //
-// Every activation the backward pass needs is kept in one arena allocated at construction; the
-// step loop allocates nothing. Parameter gradients accumulate (+=) into the fp32 gradient buffer,
+// Every activation the backward pass needs is kept in memory laid out at construction (an arena
+// of the model's own, or the regions a pipeline rank's chunks share: scratch for what one forward
+// or backward uses and leaves, one slot per micro-batch in flight); the step loop allocates nothing. Parameter gradients accumulate (+=) into the fp32 gradient buffer,
 // so micro-batches accumulate without extra passes and tied embeddings need no special case.
 #pragma once
 
@@ -87,15 +88,24 @@ class Gpt {
   // (ParamLayout::stage); `slots`: micro-batches in flight between forward and backward. `ep`: the
   // expert-parallel group of a MoE model (null = every expert on this rank); the layout must hold
   // this rank's experts. `rc`: what backward recomputes instead of keeping (recompute.h).
+  // `regions`: where the activations live, `slots` slots (activation_sizes_for() bytes of scratch
+  // and per slot at least; a pipeline rank's chunks share one set); null: an arena of its own.
   Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
       Communicator* tp = nullptr, int chunk = 0, int64_t slots = 1, Communicator* ep = nullptr,
-      const Recomputation& rc = {}, int64_t loss_chunk = 0);
+      const Recomputation& rc = {}, int64_t loss_chunk = 0, const ActivationRegions* regions = nullptr);
   ~Gpt();
   Gpt(const Gpt&) = delete;
   Gpt& operator=(const Gpt&) = delete;
 
-  // Bytes of activation memory this model holds (the arena).
+  // Bytes of activation memory this model allocated itself (0 when it was given regions).
   size_t activation_bytes() const { return arena_bytes_; }
+  // The scratch and one slot of a chunk of `shape` (its slot count aside), MoE state included:
+  // what `regions` must hold at least.
+  static ActivationSizes activation_sizes_for(const ModelConfig& cfg, DType act, int64_t micro_batch,
+                                              int64_t tp = 1, bool sequence_parallel = false,
+                                              const ChunkShape& shape = {}, int64_t ep = 1,
+                                              const Recomputation& rc = {}, int64_t loss_chunk = 0);
+  // The arena of a chunk of `shape` that allocates its own: scratch + shape.slots slots.
   static size_t activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch,
                                      int64_t tp = 1, bool sequence_parallel = false,
                                      const ChunkShape& shape = {}, int64_t ep = 1, const Recomputation& rc = {},
@@ -144,7 +154,7 @@ class Gpt {
 
   const ModelDims& dims() const { return d_; }
   // The MoE blocks (null for a dense model): routing statistics and aux / z losses.
-  bool has_moe() const { return !moe_.empty(); }
+  bool has_moe() const { return moe_ != nullptr; }
   // The MoE blocks' statistics since the last call, over every activation slot (and reset).
   MoeStepStats take_moe_stats();
 
@@ -178,7 +188,7 @@ class Gpt {
   size_t arena_bytes_ = 0;
   BackendBuffer arena_;
   std::unique_ptr<Acts> a_;
-  std::vector<std::unique_ptr<MoeLayers>> moe_;  // per activation slot: a micro-batch's routing state
+  std::unique_ptr<MoeLayers> moe_;  // the MoE blocks (MoE models), their state per activation slot
   float moe_loss_weight_ = 0.0f;  // forward(): the weight of the micro-batch's mean loss
 };
 

@@ -137,28 +137,11 @@ Sizes sizes_of(const ModelConfig& cfg, int64_t N, int64_t ep, int64_t tp) {
 }
 
 
-template <class L, class S>
-size_t carve_all(ArenaCarver& c, const Sizes& z, DType act, int64_t moe_blocks, std::vector<L*>& layers, S* sc) {
-  S tmp{};
-  S& x = sc ? *sc : tmp;
+// What every slot shares: the backward's gradients, the exchange buffers, the recomputed
+// activation (moe_act).
+template <class S>
+size_t carve_scratch(ArenaCarver& c, const Sizes& z, DType act, S& x) {
   x.act = z.recompute_act ? c.take(z.R_max * z.F, act) : nullptr;
-  for (int64_t j = 0; j < moe_blocks; ++j) {
-    L tmp;
-    L& s = layers.empty() ? tmp : *layers[j];
-    s.logits = c.f32(z.N * z.E);
-    s.probs = c.f32(z.N * z.E);
-    s.lse = c.f32(z.N);
-    s.topk_idx = c.i32(z.N * z.K);
-    s.topk_prob = c.f32(z.N * z.K);
-    s.pos = c.i32(z.N * z.K);
-    s.rows = c.i32(z.M_max);
-    s.x_exp = c.take(z.R_max * z.C, act);
-    s.fc = c.take(z.R_max * z.FC, act);
-    s.act = z.recompute_act ? x.act : c.take(z.R_max * z.F, act);
-    s.y_local = c.take(z.M_max * z.C, act);
-    s.regroup = z.ep > 1 ? c.i32(z.R_max) : nullptr;
-    s.ungroup = z.ep > 1 ? c.i32(z.R_max) : nullptr;
-  }
   const bool ep = z.ep > 1;
   x.send = ep ? c.take(z.M_max * z.C, act) : nullptr;
   x.src = ep ? c.take(z.R_max * z.C, act) : nullptr;
@@ -177,6 +160,31 @@ size_t carve_all(ArenaCarver& c, const Sizes& z, DType act, int64_t moe_blocks, 
   return c.used();
 }
 
+// One slot: the saved state of each of the chunk's MoE blocks (`layers`, or measure only when it
+// is empty); the experts' activation is the scratch's when it is recomputed.
+template <class L>
+size_t carve_slot(ArenaCarver& c, const Sizes& z, DType act, int64_t moe_blocks, L* const* layers,
+                  void* recomputed_act) {
+  for (int64_t j = 0; j < moe_blocks; ++j) {
+    L tmp;
+    L& s = layers ? *layers[j] : tmp;
+    s.logits = c.f32(z.N * z.E);
+    s.probs = c.f32(z.N * z.E);
+    s.lse = c.f32(z.N);
+    s.topk_idx = c.i32(z.N * z.K);
+    s.topk_prob = c.f32(z.N * z.K);
+    s.pos = c.i32(z.N * z.K);
+    s.rows = c.i32(z.M_max);
+    s.x_exp = c.take(z.R_max * z.C, act);
+    s.fc = c.take(z.R_max * z.FC, act);
+    s.act = z.recompute_act ? recomputed_act : c.take(z.R_max * z.F, act);
+    s.y_local = c.take(z.M_max * z.C, act);
+    s.regroup = z.ep > 1 ? c.i32(z.R_max) : nullptr;
+    s.ungroup = z.ep > 1 ? c.i32(z.R_max) : nullptr;
+  }
+  return c.used();
+}
+
 // Blocks [l0, l0 + layers) (layers < 0: to the model's last).
 int64_t layer_end(const ModelConfig& cfg, int64_t l0, int64_t layers) {
   return layers < 0 ? cfg.num_layers : std::min(cfg.num_layers, l0 + layers);
@@ -190,18 +198,22 @@ int64_t count_moe_blocks(const ModelConfig& cfg, int64_t l0, int64_t layers) {
 
 }  // namespace
 
-size_t MoeLayers::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp,
-                                       int64_t l0, int64_t layers, bool recompute_act) {
-  if (!cfg.moe.enabled() || count_moe_blocks(cfg, l0, layers) == 0) return 0;
-  ArenaCarver c(nullptr);
-  std::vector<Layer*> none;
+ActivationSizes MoeLayers::sizes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp,
+                                    int64_t l0, int64_t layers, bool recompute_act) {
+  if (!cfg.moe.enabled() || count_moe_blocks(cfg, l0, layers) == 0) return {};
   Sizes z = sizes_of(cfg, N, ep, tp);
   z.recompute_act = recompute_act;
-  return carve_all<Layer, Scratch>(c, z, act, count_moe_blocks(cfg, l0, layers), none, nullptr);
+  ActivationSizes out;
+  Scratch unused;
+  ArenaCarver sc(nullptr), sl(nullptr);
+  out.scratch = carve_scratch(sc, z, act, unused);
+  out.slot = carve_slot<Layer>(sl, z, act, count_moe_blocks(cfg, l0, layers), nullptr, nullptr);
+  return out;
 }
 
 MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t N,
-                     Communicator* ep, Communicator* tp, int64_t l0, int64_t layers, bool recompute_act)
+                     Communicator* ep, Communicator* tp, int64_t l0, int64_t layers, bool recompute_act,
+                     int64_t slots, const ActivationRegions* regions)
     : cfg_(cfg),
       layout_(layout),
       be_(be),
@@ -222,16 +234,14 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   e0_ = layout.slicing.ep_rank * El_;
   dispatcher_ = std::make_unique<ExpertDispatcher>(ep_, be, act, C_, E_);
   swiglu_ = cfg.activation == Activation::SWIGLU;
-  std::vector<Layer*> ptrs;
   const int64_t end = layer_end(cfg, l0, layers);
+  std::vector<int64_t> blocks;
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     const bool here = l >= l0 && l < end && cfg.moe.is_moe_layer(l);
-    index_of_layer_.push_back(here ? static_cast<int>(layers_.size()) : -1);
-    if (!here) continue;
-    layers_.push_back(std::make_unique<Layer>());
-    layers_.back()->block = l;
-    ptrs.push_back(layers_.back().get());
+    index_of_layer_.push_back(here ? static_cast<int>(blocks.size()) : -1);
+    if (here) blocks.push_back(l);
   }
+  blocks_ = static_cast<int64_t>(blocks.size());
   sc_ = std::make_unique<Scratch>();
   sc_->h_idx.resize(static_cast<size_t>(N_ * K_));
   sc_->h_counts.resize(static_cast<size_t>(E_ + ep_size * El_));
@@ -240,18 +250,48 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   sc_->h_probs.resize(static_cast<size_t>(N_ * E_));
   sc_->h_lse.resize(static_cast<size_t>(N_));
   sc_->h_eg.resize(static_cast<size_t>(E_));
-  bytes_ = activation_bytes_for(cfg, act, N, ep_size, tp_size, l0, layers, recompute_act);
-  if (bytes_ > 0) {  // else no MoE block is in this chunk: nothing is kept
-    arena_ = BackendBuffer(be_, bytes_);
-    ArenaCarver c(arena_.as<char>());
-    carve_all<Layer, Scratch>(c, z, act, static_cast<int64_t>(ptrs.size()), ptrs, sc_.get());
-  }
-  for (const auto& s : layers_) {
+  for (int64_t l : blocks) {
     MoeLayerStats st;
-    st.layer = s->block;
+    st.layer = l;
     st.tokens_per_expert.assign(static_cast<size_t>(E_), 0);
     stats_.layers.push_back(std::move(st));
   }
+  if (blocks_ == 0) return;  // no MoE block in this chunk: nothing is kept
+  TETRA_CHECK(slots >= 1, "MoE blocks need at least one activation slot, not {}", slots);
+  const ActivationSizes size = sizes_for(cfg, act, N, ep_size, tp_size, l0, layers, recompute_act);
+  ActivationRegions r;
+  if (regions) {
+    TETRA_CHECK(regions->count >= slots && regions->slot_stride >= size.slot && regions->scratch_bytes >= size.scratch,
+                "MoE activation regions of {} slot(s) of {} bytes and {} bytes of scratch, the blocks need {} of {} "
+                "and {}", regions->count, regions->slot_stride, regions->scratch_bytes, slots, size.slot,
+                size.scratch);
+    r = *regions;
+  } else {
+    bytes_ = size.scratch + static_cast<size_t>(slots) * size.slot;
+    arena_ = BackendBuffer(be_, bytes_);
+    r = ActivationRegions{arena_.as<char>(), size.scratch, arena_.as<char>() + size.scratch, size.slot, slots};
+  }
+  ArenaCarver sc(r.scratch);
+  carve_scratch(sc, z, act, *sc_);
+  for (int64_t i = 0; i < slots; ++i) {
+    std::vector<Layer*> ptrs;
+    for (int64_t l : blocks) {
+      layers_.push_back(std::make_unique<Layer>());
+      layers_.back()->block = l;
+      ptrs.push_back(layers_.back().get());
+    }
+    ArenaCarver c(r.slot(i));
+    carve_slot<Layer>(c, z, act, blocks_, ptrs.data(), sc_->act);
+  }
+}
+
+MoeLayers::Layer& MoeLayers::layer(int64_t slot, int64_t l) {
+  TETRA_CHECK(l >= 0 && l < static_cast<int64_t>(index_of_layer_.size()) && index_of_layer_[l] >= 0,
+              "block {} is not a MoE block of this chunk", l);
+  const size_t i = static_cast<size_t>(slot * blocks_ + index_of_layer_[l]);
+  TETRA_CHECK(slot >= 0 && i < layers_.size(), "MoE activation slot {} of {}", slot,
+              blocks_ > 0 ? layers_.size() / static_cast<size_t>(blocks_) : 0);
+  return *layers_[i];
 }
 
 MoeLayers::~MoeLayers() = default;
@@ -403,10 +443,8 @@ void MoeLayers::experts_backward(Layer& s, const BlockParams& p, const void* wei
 }
 
 void MoeLayers::forward(int64_t l, const void* weights, const void* h, const void* residual, void* out,
-                        float loss_weight) {
-  TETRA_CHECK(l >= 0 && l < static_cast<int64_t>(index_of_layer_.size()) && index_of_layer_[l] >= 0,
-              "block {} is not a MoE block", l);
-  Layer& s = *layers_[index_of_layer_[l]];
+                        float loss_weight, int64_t slot) {
+  Layer& s = layer(slot, l);
   const BlockParams& p = layout_.blocks[l];
   const size_t es = dtype_size(act_);
   s.loss_weight = loss_weight;
@@ -467,8 +505,9 @@ void MoeLayers::forward(int64_t l, const void* weights, const void* h, const voi
   }
 }
 
-void MoeLayers::backward(int64_t l, const void* weights, float* grads, const void* h, const void* dout, void* dh) {
-  Layer& s = *layers_[index_of_layer_[l]];
+void MoeLayers::backward(int64_t l, const void* weights, float* grads, const void* h, const void* dout, void* dh,
+                         int64_t slot) {
+  Layer& s = layer(slot, l);
   const BlockParams& p = layout_.blocks[l];
   const size_t es = dtype_size(act_);
   // Combine: dy = g dout at each kept assignment's row; the gates' gradient <dout, y>.

@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "trainer/core/arena.h"
 #include "trainer/config/config.h"
 #include "trainer/params/param_layout.h"
 
@@ -91,28 +92,36 @@ class MoeLayers {
   // N rows per micro-batch; `ep` the expert-parallel group (null or size 1: every expert here);
   // `tp` the tensor-parallel group (null or size 1: whole experts).
   // The blocks [l0, l0 + layers) of the model (layers -1: to the last) are this chunk's; the MoE
-  // blocks among them keep state. `recompute_act`: the experts' activation is not kept but
-  // recomputed from fc in backward (selective "moe_act").
+  // blocks among them keep state, per activation slot (one per micro-batch in flight: `slots`).
+  // `recompute_act`: the experts' activation is not kept but recomputed from fc in backward
+  // (selective "moe_act"). `regions`: where the scratch and the slots live (sizes_for() bytes of
+  // each at least; null: an arena of this object's own).
   MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t N,
             Communicator* ep, Communicator* tp = nullptr, int64_t l0 = 0, int64_t layers = -1,
-            bool recompute_act = false);
+            bool recompute_act = false, int64_t slots = 1, const ActivationRegions* regions = nullptr);
   ~MoeLayers();
   MoeLayers(const MoeLayers&) = delete;
   MoeLayers& operator=(const MoeLayers&) = delete;
 
-  static size_t activation_bytes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp = 1,
-                                     int64_t l0 = 0, int64_t layers = -1, bool recompute_act = false);
+  // Scratch (the backward's gradients and the exchange buffers, shared by the slots) and one
+  // slot (each block's routing, dispatched rows and expert activations) of the blocks in
+  // [l0, l0 + layers): zero when none is a MoE block.
+  static ActivationSizes sizes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp = 1,
+                                   int64_t l0 = 0, int64_t layers = -1, bool recompute_act = false);
+  // Bytes of the arena this object allocated itself (0 when it was given regions).
   size_t activation_bytes() const { return bytes_; }
 
-  // Block l (a MoE block): out (N, C) = residual (N, C) + MoE(h) (residual may be null: 0; with
-  // tp > 1 MoE(h) is this rank's partial sum). h (N, C) is kept (the caller's activation) for
-  // backward. `loss_weight`: the weight of this micro-batch's mean loss in the
-  // objective (0: not training; nothing is counted in the statistics).
+  // Block l (a MoE block) of the micro-batch in `slot`: out (N, C) = residual (N, C) + MoE(h)
+  // (residual may be null: 0; with tp > 1 MoE(h) is this rank's partial sum). h (N, C) is kept
+  // (the caller's activation) for backward. `loss_weight`: the weight of this micro-batch's mean
+  // loss in the objective (0: not training; nothing is counted in the statistics).
   void forward(int64_t l, const void* weights, const void* h, const void* residual, void* out,
-               float loss_weight);
+               float loss_weight, int64_t slot = 0);
   // dh (N, C) is overwritten with the gradient of MoE(h) w.r.t. h given dout (N, C) (with tp > 1
-  // this rank's partial sum); parameter gradients accumulate into `grads`. Same block's forward must be the last one run for it.
-  void backward(int64_t l, const void* weights, float* grads, const void* h, const void* dout, void* dh);
+  // this rank's partial sum); parameter gradients accumulate into `grads`. The slot's last forward
+  // of the block must be the one this backward is for.
+  void backward(int64_t l, const void* weights, float* grads, const void* h, const void* dout, void* dh,
+                int64_t slot = 0);
 
   // Statistics since the last take (and reset).
   MoeStepStats take_stats();
@@ -133,8 +142,10 @@ class MoeLayers {
   int64_t N_, C_, E_, K_, El_, e0_, F_, FC_, cap_, M_max_, R_max_;
   bool swiglu_;
   bool recompute_act_ = false;
-  std::vector<int> index_of_layer_;  // block -> index into layers_, -1 for dense blocks
-  std::vector<std::unique_ptr<Layer>> layers_;
+  std::vector<int> index_of_layer_;  // block -> its index among the chunk's MoE blocks, -1 for dense blocks
+  int64_t blocks_ = 0;               // MoE blocks in the chunk
+  std::vector<std::unique_ptr<Layer>> layers_;  // [slot * blocks_ + index]
+  Layer& layer(int64_t slot, int64_t l);
   size_t bytes_ = 0;
   BackendBuffer arena_;
   struct Scratch;

@@ -128,10 +128,11 @@ std::string check_schedule(const PipelineSchedule& s, bool forward_only) {
   // Execution as the runner does it. channels[(from, to, kind)] hold (micro-batch, sending stage)
   // in send order. A send is posted at once, but completes only when its receiver has run the
   // action that receives it (the worst case: a large message, which MPI and NCCL deliver only
-  // into a posted receive), and its buffer is reused later: micro-batch m's activation leaves
-  // from slot m % slots (training; the only slot when forward-only) and its input gradient from
-  // buffer m % grad_buffers, so the forward of m + slots and the backward of m + grad_buffers
-  // wait until m's message has been received.
+  // into a posted receive), and its buffer is reused later: micro-batch m's input gradient leaves
+  // from buffer m % grad_buffers, so the backward of m + grad_buffers waits until m's message has
+  // been received; forward-only, a chunk's activations leave from its one slot, so its forward of
+  // m + 1 waits for m's. (Training, an activation slot is reused only after the backward of the
+  // micro-batch it held, which needed that activation received: the runner's wait cannot block.)
   std::map<std::tuple<int, int, int>, std::deque<std::pair<int, int>>> channels;
   std::set<std::tuple<int, int, int, int>> received;  // (kind, stage, micro-batch) of received messages
   auto was_received = [&](int kind, int stage, int m) { return m < 0 || received.count({kind, stage, m, 0}) > 0; };
@@ -149,8 +150,8 @@ std::string check_schedule(const PipelineSchedule& s, bool forward_only) {
         }
         const int stage = s.stage_of(r, a.chunk);
         const bool sends = a.forward ? stage < S - 1 : stage > 0;
-        if (sends) {  // the buffer this action sends from must be free
-          const int reuse = a.forward ? (forward_only ? 1 : std::max(1, s.max_in_flight(r, a.chunk))) : s.grad_buffers;
+        if (sends && (forward_only || !a.forward)) {  // the buffer this action sends from must be free
+          const int reuse = a.forward ? 1 : s.grad_buffers;
           if (!was_received(a.forward ? 0 : 1, stage, a.micro_batch - reuse)) break;
         }
         const bool needs_recv = a.forward ? stage > 0 : stage < S - 1;

@@ -61,8 +61,8 @@ struct PipelineSchedule {
 
 // Simulates the table the way the runner executes it: each rank runs its actions in order;
 // sends are posted without blocking, but a send buffer is reused only after its message was
-// received (activations leave from slot m % max_in_flight(rank, chunk), gradients from buffer
-// m % grad_buffers); a forward on stage s > 0 waits for stage s - 1's activation and a backward
+// received (gradients leave from buffer m % grad_buffers; forward-only, a chunk's activations
+// from its one slot); a forward on stage s > 0 waits for stage s - 1's activation and a backward
 // on stage s < S - 1 for stage s + 1's gradient, each taken from a FIFO channel per (sender,
 // receiver, kind) — the matching MPI and NCCL give one tag. Returns an empty string when every
 // action runs and every message is received by the action it was sent for, else what went wrong

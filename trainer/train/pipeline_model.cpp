@@ -1,5 +1,7 @@
 #include "trainer/train/pipeline_model.h"
 
+#include <algorithm>
+
 #include "kernels/common/check.h"
 #include "trainer/comm/communicator.h"
 #include "trainer/comm/process_groups.h"
@@ -33,9 +35,9 @@ PipelineSchedule make_schedule(const Config& cfg, int64_t micro_batches) {
 // One model chunk as the runner sees it.
 class PipelineModel::Chunk final : public PipelineChunk {
  public:
-  Chunk(PipelineModel& owner, std::unique_ptr<Gpt> model, int64_t slots, int64_t rows, const int32_t* tokens,
+  Chunk(PipelineModel& owner, std::unique_ptr<Gpt> model, int64_t rows, const int32_t* tokens,
         const int32_t* targets, float* losses, Backend& be, int64_t grad_buffers)
-      : owner_(owner), model_(std::move(model)), be_(be), slots_(slots), rows_(rows), tokens_(tokens),
+      : owner_(owner), model_(std::move(model)), be_(be), rows_(rows), tokens_(tokens),
         targets_(targets), losses_(losses) {
     if (!model_->dims().first) {  // input gradients for the previous stage
       const size_t bytes = static_cast<size_t>(model_->boundary_numel()) * dtype_size(model_->act());
@@ -58,7 +60,6 @@ class PipelineModel::Chunk final : public PipelineChunk {
   const void* output(int64_t slot) override { return model_->output(slot); }
   void* output_grad() override { return model_->output_grad(); }
   const void* input_grad(int64_t grad_buffer) override { return grad_buffers_.at(static_cast<size_t>(grad_buffer)); }
-  int64_t slots() const override { return slots_; }
   Gpt& model() { return *model_; }
 
  private:
@@ -67,7 +68,7 @@ class PipelineModel::Chunk final : public PipelineChunk {
   Backend& be_;
   std::vector<BackendBuffer> grad_buffer_mem_;  // owns grad_buffers_
   std::vector<void*> grad_buffers_;  // schedule.grad_buffers of (Ns, C), non-first stages
-  int64_t slots_, rows_;
+  int64_t rows_;
   const int32_t* tokens_;
   const int32_t* targets_;
   float* losses_;
@@ -81,16 +82,21 @@ PipelineModel::PipelineModel(const Config& cfg, const ParamLayout& layout, Backe
   TETRA_CHECK(groups.pp->size() == schedule_.pp, "pipeline group of {} ranks, parallel.pp {}", groups.pp->size(),
               schedule_.pp);
   const int64_t rows = cfg.training.micro_batch_size * cfg.model.seq_len;
+  // Every chunk over one scratch and one set of slots (pipeline_runner.h).
+  const SharedActivations shared = shared_activations(cfg, layout, schedule_, pp_rank);
+  scratch_mem_ = BackendBuffer(be, shared.scratch);
+  slot_mem_ = BackendBuffer(be, static_cast<size_t>(shared.slots) * shared.stride);
+  const ActivationRegions regions{scratch_mem_.as<char>(), shared.scratch, slot_mem_.as<char>(), shared.stride,
+                                  shared.slots};
   for (int c = 0; c < schedule_.vp; ++c) {
-    const int64_t slots = std::max(1, schedule_.max_in_flight(pp_rank, c));
     auto model = std::make_unique<Gpt>(cfg.model, layout, be, act, cfg.training.micro_batch_size,
-                                       &groups.backend(GroupKind::TP), c, slots, &groups.backend(GroupKind::EP),
-                                       Recomputation::from(cfg.training), cfg.training.loss_chunk_rows);
-    chunks_.push_back(std::make_unique<Chunk>(*this, std::move(model), slots, rows, tokens, targets, losses, be,
+                                       &groups.backend(GroupKind::TP), c, shared.slots, &groups.backend(GroupKind::EP),
+                                       Recomputation::from(cfg.training), cfg.training.loss_chunk_rows, &regions);
+    chunks_.push_back(std::make_unique<Chunk>(*this, std::move(model), rows, tokens, targets, losses, be,
                                               schedule_.grad_buffers));
   }
   runner_ = std::make_unique<PipelineRunner>(schedule_, groups.backend(GroupKind::PP),
-                                             chunks_.front()->model().boundary_numel(), act);
+                                             chunks_.front()->model().boundary_numel(), act, shared.slots);
   last_ = layout.stage.last;
   tied_across_stages_ = cfg.model.tie_embeddings && cfg.parallel.pp > 1;
   sum_before_reduction_ = tied_across_stages_ && cfg.parallel.distributed_optimizer && cfg.parallel.dp > 1;
@@ -111,48 +117,39 @@ MoeStepStats PipelineModel::take_moe_stats() {
   return all;
 }
 
-size_t PipelineModel::activation_bytes() const {
-  size_t n = 0;
-  for (const auto& c : chunks_) n += c->model().activation_bytes();
-  return n;
-}
+size_t PipelineModel::activation_bytes() const { return scratch_mem_.bytes() + slot_mem_.bytes(); }
 
-size_t PipelineModel::activation_bytes_for(const Config& cfg, int64_t pp_rank) {
-  const PipelineSchedule s = make_schedule(cfg, cfg.grad_accum_steps());
-  TensorSlicing slicing;  // the activations do not depend on which TP / EP slice
-  slicing.ep = cfg.parallel.ep;
-  const ParamLayout layout = ParamLayout::build(cfg.model, slicing, stage_slice(cfg, pp_rank));
-  size_t n = 0;
+PipelineModel::SharedActivations PipelineModel::shared_activations(const Config& cfg, const ParamLayout& layout,
+                                                                   const PipelineSchedule& s, int pp_rank) {
+  SharedActivations out;
   for (int c = 0; c < s.vp; ++c) {
-    ChunkShape shape = ChunkShape::of(layout, c, std::max(1, s.max_in_flight(static_cast<int>(pp_rank), c)));
-    n += Gpt::activation_bytes_for(cfg.model, precision_dtype(cfg.training.precision),
-                                   cfg.training.micro_batch_size, cfg.parallel.tp, cfg.parallel.sequence_parallel,
-                                   shape, cfg.parallel.ep, Recomputation::from(cfg.training),
-                                   cfg.training.loss_chunk_rows);
+    const ActivationSizes a = Gpt::activation_sizes_for(
+        cfg.model, precision_dtype(cfg.training.precision), cfg.training.micro_batch_size, cfg.parallel.tp,
+        cfg.parallel.sequence_parallel, ChunkShape::of(layout, c, 1), cfg.parallel.ep,
+        Recomputation::from(cfg.training), cfg.training.loss_chunk_rows);
+    out.scratch = std::max(out.scratch, a.scratch);
+    out.stride = std::max(out.stride, a.slot);
   }
-  return n;
+  out.slots = PipelineRunner::slots_needed(s, pp_rank);
+  return out;
 }
 
 ActivationSplit PipelineModel::activation_split(const Config& cfg, int64_t pp_rank) {
   const PipelineSchedule s = make_schedule(cfg, cfg.grad_accum_steps());
-  TensorSlicing slicing;
+  TensorSlicing slicing;  // the activations do not depend on which TP / EP slice
   slicing.ep = cfg.parallel.ep;
   const ParamLayout layout = ParamLayout::build(cfg.model, slicing, stage_slice(cfg, pp_rank));
+  const SharedActivations shared = shared_activations(cfg, layout, s, static_cast<int>(pp_rank));
   ActivationSplit split;
-  for (int c = 0; c < s.vp; ++c) {
-    auto bytes = [&](int64_t slots) {
-      return Gpt::activation_bytes_for(cfg.model, precision_dtype(cfg.training.precision),
-                                       cfg.training.micro_batch_size, cfg.parallel.tp, cfg.parallel.sequence_parallel,
-                                       ChunkShape::of(layout, c, slots), cfg.parallel.ep,
-                                       Recomputation::from(cfg.training), cfg.training.loss_chunk_rows);
-    };
-    const int64_t in_flight = std::max(1, s.max_in_flight(static_cast<int>(pp_rank), c));
-    const size_t one = bytes(1), slot = bytes(2) - one;
-    split.kept += static_cast<size_t>(in_flight) * slot;
-    split.chunk_slots += in_flight;
-    split.scratch += one - slot;
-  }
+  split.kept = static_cast<size_t>(shared.slots) * shared.stride;
+  split.slots = shared.slots;
+  split.scratch = shared.scratch;
   return split;
+}
+
+size_t PipelineModel::activation_bytes_for(const Config& cfg, int64_t pp_rank) {
+  const ActivationSplit split = activation_split(cfg, pp_rank);
+  return split.kept + split.scratch;
 }
 
 size_t PipelineModel::input_grad_bytes_for(const Config& cfg, int64_t pp_rank) {

@@ -166,8 +166,8 @@ std::string dry_run_report(const Config& cfg) {
                    mib(without.peak() - mem.peak()), mib(without.peak()));
   }
   {
-    // Kept per micro-batch in flight, and the scratch beside them (the chunks' arenas with one
-    // and two slots differ by one slot's).
+    // Kept per micro-batch in flight (the rank's slots, shared by its chunks), and the chunks'
+    // shared scratch.
     const ActivationSplit split = PipelineModel::activation_split(cfg, 0);
     const TrainingConfig& t = cfg.training;
     std::string rc(to_string(t.recompute));
@@ -179,8 +179,8 @@ std::string dry_run_report(const Config& cfg) {
       rc += fmt::format(" ({}, {} layer(s))", to_string(t.recompute_method), t.recompute_num_layers);
     }
     fmt::format_to(out, "  activations      {} (micro-batch {}; recompute {}): {} kept in {} slot(s) of micro-batches "
-                   "in flight (each chunk's most, summed) + {} scratch\n",
-                   mib(mem.activations), t.micro_batch_size, rc, mib(split.kept), split.chunk_slots,
+                   "in flight (shared by the rank's chunks) + {} scratch\n",
+                   mib(mem.activations), t.micro_batch_size, rc, mib(split.kept), split.slots,
                    mib(split.scratch));
   }
   if (mem.compression)
