@@ -4,7 +4,8 @@
 #
 # Model: GPT-2 124M (12 layers, hidden 768, 12 heads, vocab 50304, tied, learned positions),
 # T = 1024, micro-batch 1 (BENCH_MB), bf16 (BENCH_PRECISION), synthetic data, all cores on one
-# rank. Modes: none; selective norm+act; selective core_attn; full uniform 1.
+# rank. Modes: none; selective norm+act; selective core_attn; full uniform 1; and none with the
+# output layer and loss unfused (training.loss_chunk_rows 0).
 #
 # For each mode it prints ms/step (the median of the steps after the first) and its ratio to
 # `none`, the measured peak of the backend's allocations (metrics.jsonl's final "memory" event,
@@ -60,6 +61,10 @@ run_case "none" '"recompute": "none"'
 run_case "selective norm+act" '"recompute": "selective", "recompute_modules": ["norm", "act"]'
 run_case "selective core_attn" '"recompute": "selective", "recompute_modules": ["core_attn"]'
 run_case "full uniform 1" '"recompute": "full", "recompute_method": "uniform", "recompute_num_layers": 1'
+# The output layer and loss unfused (the whole logits kept for the backward), against `none`'s
+# fused chunks of loss_chunk_rows (1024: one chunk per micro-batch at T 1024, micro-batch 1; set
+# BENCH_MB=4 for four).
+run_case "none, unfused loss" '"recompute": "none", "loss_chunk_rows": 0'
 
 "$PY" - "$WORK/cases" <<'PY'
 import json, re, statistics, sys
@@ -85,5 +90,5 @@ print("|---|---|---|---|---|---|---|---|")
 for name, ms, peak, planned, act in rows:
     ratio = peak / planned if planned else float("nan")
     saved = 1 - act / base_act if base_act else float("nan")
-    print(f"| {name} | {ms:.0f} | {ms / base:.2f}x | {peak:.1f} | {planned:.1f} | {ratio:.3f} | {act:.1f} | {100 * saved:.0f}% |")
+    print(f"| {name} | {ms:.0f} | {ms / base:.2f}x | {peak:.1f} | {planned:.1f} | {ratio:.3f} | {act:.1f} | {100 * saved:.1f}% |")
 PY

@@ -23,6 +23,13 @@ class ArenaCarver {
     used_ += bytes;
     return p;
   }
+  // numel elements of type t at `offset` (a used() taken earlier, so kAlign-aligned), over the
+  // pieces taken since: for a tensor never live at the same time as they are.
+  void* overlay(size_t offset, int64_t numel, DType t) {
+    const size_t bytes = math::round_up(static_cast<size_t>(numel) * dtype_size(t), kAlign);
+    used_ = offset + bytes > used_ ? offset + bytes : used_;
+    return base_ ? base_ + offset : nullptr;
+  }
   float* f32(int64_t numel) { return static_cast<float*>(take(numel, DType::F32)); }
   int32_t* i32(int64_t numel) { return static_cast<int32_t*>(take(numel, DType::I32)); }
   size_t used() const { return used_; }

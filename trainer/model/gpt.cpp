@@ -200,6 +200,16 @@ size_t layout_scratch(ArenaCarver& c, const ArenaShape& z, Gpt::Acts& a) {
   const ModelDims& d = z.d;
   const int64_t N = d.N(), Ns = d.Ns;
   const DType act = z.act;
+  const bool fused = d.last && z.loss_chunk > 0;
+  // Live while the fused output layer and loss run, at the end of the forward.
+  a.lnf = fused ? c.take(Ns * d.C, act) : nullptr;
+  a.lnfull = d.sp ? c.take(N * d.C, act) : nullptr;
+  const int64_t loss_rows = fused ? z.loss_chunk : N;  // rows the loss sees at once
+  a.ce_max = d.tp > 1 ? c.f32(loss_rows) : nullptr;
+  a.ce_sums = d.tp > 1 ? c.f32(2 * loss_rows) : nullptr;
+  // Not live then: what a layer recomputes (used inside a layer's forward and in the backward) and
+  // the backward's gradients. The fused loss's chunk of logits overlays them.
+  const size_t free_at_loss = c.used();
   const int64_t longest = z.units.longest();
   bool unit_dense = false;  // a unit holds a dense block (it needs fc and act)
   for (int64_t l = 0; l < d.L; ++l) unit_dense = unit_dense || (z.units.full(l) && !z.moe[static_cast<size_t>(l)]);
@@ -216,13 +226,6 @@ size_t layout_scratch(ArenaCarver& c, const ArenaShape& z, Gpt::Acts& a) {
   bool dense = false;
   for (int64_t l = 0; l < d.L; ++l) dense = dense || !z.moe[static_cast<size_t>(l)];
   if (z.rc.act && dense) a.selective.act = c.take(N * d.F, act);
-  const bool fused = d.last && z.loss_chunk > 0;
-  a.lnf = fused ? c.take(Ns * d.C, act) : nullptr;
-  a.logits = fused ? c.take(z.loss_chunk * d.V, act) : nullptr;
-  a.lnfull = d.sp ? c.take(N * d.C, act) : nullptr;
-  const int64_t loss_rows = fused ? z.loss_chunk : N;  // rows the loss sees at once
-  a.ce_max = d.tp > 1 ? c.f32(loss_rows) : nullptr;
-  a.ce_sums = d.tp > 1 ? c.f32(2 * loss_rows) : nullptr;
   a.dres = c.take(Ns * d.C, act);
   a.dc = c.take(Ns * d.C, act);
   a.dfull = d.tp > 1 ? c.take(N * d.C, act) : nullptr;
@@ -231,7 +234,8 @@ size_t layout_scratch(ArenaCarver& c, const ArenaShape& z, Gpt::Acts& a) {
   a.datt = d.sp ? c.take(N * d.NH * d.HS, act) : a.dc;
   a.dqkv = c.take(N * d.QKV, act);
   a.dfc = dense ? c.take(N * d.FC, act) : nullptr;
-  a.dact = dense ? c.take(N * d.F, act) : nullptr;
+  a.dact = dense && d.FC != d.F ? c.take(N * d.F, act) : nullptr;  // SwiGLU (GELU's is fused into dfc)
+  a.logits = fused ? c.overlay(free_at_loss, z.loss_chunk * d.V, act) : nullptr;
   return c.used();
 }
 
