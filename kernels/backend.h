@@ -25,6 +25,7 @@
 
 #include "kernels/common/allocation_tally.h"
 #include "kernels/common/dtype.h"
+#include "kernels/common/math.h"
 
 namespace tetra {
 
@@ -137,11 +138,13 @@ class Backend {
   // heads, each HS wide. Query head h uses kv head h / (NH / NKV) (GQA; NKV == NH is MHA).
   //
   // RoPE (in place on the q and k parts of qkv; v untouched), position t = token index in its
-  // sequence, math::rope_* convention. Backward applies the inverse rotation to the gradient.
+  // sequence, math::rope_* convention, inverse frequencies math::rope_inv_freq(i, HS, freqs) (a
+  // float converts to the default frequencies of that base). Backward applies the inverse
+  // rotation to the gradient.
   virtual void rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
-                            float theta, DType act) = 0;
+                            const math::RopeFreqs& freqs, DType act) = 0;
   virtual void rope_backward(void* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                             int64_t HS, float theta, DType act) = 0;
+                             int64_t HS, const math::RopeFreqs& freqs, DType act) = 0;
   // Causal softmax attention with scale 1/sqrt(HS). out (B, T, NH*HS) act; lse (B, NH, T) F32 is
   // the log-sum-exp of each query row's scaled scores (saved for backward). Implementations must
   // not materialise the (B, NH, T, T) score tensor.

@@ -205,8 +205,36 @@ TETRA_HD float silu_grad(float x) {
 // HS, element i (i < HS/2) is paired with element i + HS/2 and the pair is rotated by the angle
 // pos * theta^(-2i/HS). The inverse rotation (used in backward) is the rotation by -angle.
 // ---------------------------------------------------------------------------------------------
-TETRA_HD float rope_inv_freq(int i, int head_size, float theta) {
-  return powf(theta, -2.0f * static_cast<float>(i) / static_cast<float>(head_size));
+// How the inverse frequencies are derived: Hugging Face transformers' rope types "default",
+// "linear" and "llama3" (modeling_rope_utils.py), with base theta:
+//   default  inv_i = theta^(-2i/HS)
+//   linear   inv_i / factor (positions interpolated by the factor)
+//   llama3   with wavelength w = 2 pi / inv_i and L = original_max_position: inv_i where
+//            w < L / high_freq_factor, inv_i / factor where w > L / low_freq_factor, and between
+//            them (1 - s) inv_i / factor + s inv_i, s = (L / w - low_freq_factor) /
+//            (high_freq_factor - low_freq_factor)
+struct RopeFreqs {
+  enum Kind : int { DEFAULT = 0, LINEAR = 1, LLAMA3 = 2 };
+  float theta = 10000.0f;
+  int kind = DEFAULT;
+  float factor = 1.0f;
+  float low_freq_factor = 1.0f, high_freq_factor = 4.0f, original_max_position = 8192.0f;  // llama3
+  RopeFreqs() = default;
+  RopeFreqs(float base) : theta(base) {}  // NOLINT(google-explicit-constructor): the default type
+  bool operator==(const RopeFreqs&) const = default;
+};
+
+TETRA_HD float rope_inv_freq(int i, int head_size, const RopeFreqs& r) {
+  const float inv = powf(r.theta, -2.0f * static_cast<float>(i) / static_cast<float>(head_size));
+  if (r.kind == RopeFreqs::LINEAR) return inv / r.factor;
+  if (r.kind != RopeFreqs::LLAMA3) return inv;
+  const float wavelen = 2.0f * 3.14159265358979323846f / inv;
+  const float low_wavelen = r.original_max_position / r.low_freq_factor;
+  const float high_wavelen = r.original_max_position / r.high_freq_factor;
+  if (wavelen > low_wavelen) return inv / r.factor;
+  if (wavelen < high_wavelen) return inv;
+  const float s = (r.original_max_position / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+  return (1.0f - s) * inv / r.factor + s * inv;
 }
 
 TETRA_HD void rope_rotate(float& x0, float& x1, float cos_a, float sin_a) {

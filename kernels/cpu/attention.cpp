@@ -485,20 +485,20 @@ void attention_backward_impl(T* dqkv, const T* dout, const T* qkv, const T* out,
 // ---------------------------------------------------------------------------------------------
 // cos/sin of pos * inv_freq(i) for pos < T, i < HS/2, each (T, HS/2). The angle is formed in
 // fp32 exactly as a device kernel would: float(pos) * inv_freq. A model calls RoPE with the same
-// (T, HS, theta) in every layer, so the backend keeps the last table.
+// (T, HS, frequencies) in every layer, so the backend keeps the last table.
 struct RopeTable {
   int64_t T = 0, HS = 0;
-  float theta = 0.0f;
+  math::RopeFreqs freqs{0.0f};
   std::vector<float> cos_t, sin_t;
 };
 
-const RopeTable& rope_table(RopeTable& table, int64_t T, int64_t HS, float theta) {
-  if (table.T == T && table.HS == HS && table.theta == theta) return table;
+const RopeTable& rope_table(RopeTable& table, int64_t T, int64_t HS, const math::RopeFreqs& freqs) {
+  if (table.T == T && table.HS == HS && table.freqs == freqs) return table;
   const int64_t half = HS / 2;
   table.cos_t.resize(T * half);
   table.sin_t.resize(T * half);
   for (int64_t i = 0; i < half; ++i) {
-    float inv = math::rope_inv_freq(static_cast<int>(i), static_cast<int>(HS), theta);
+    float inv = math::rope_inv_freq(static_cast<int>(i), static_cast<int>(HS), freqs);
     for (int64_t t = 0; t < T; ++t) {
       float angle = static_cast<float>(t) * inv;
       table.cos_t[t * half + i] = std::cos(angle);
@@ -507,15 +507,15 @@ const RopeTable& rope_table(RopeTable& table, int64_t T, int64_t HS, float theta
   }
   table.T = T;
   table.HS = HS;
-  table.theta = theta;
+  table.freqs = freqs;
   return table;
 }
 
 // Rotates the NH query and NKV key heads of every token; sign = +1 forward, -1 the inverse.
 template <typename T>
-void rope_impl(T* qkv, int64_t B, int64_t T_, int64_t NH, int64_t NKV, int64_t HS, float theta,
-               float sign, int nt, RopeTable& cache) {
-  const RopeTable& table = rope_table(cache, T_, HS, theta);
+void rope_impl(T* qkv, int64_t B, int64_t T_, int64_t NH, int64_t NKV, int64_t HS,
+               const math::RopeFreqs& freqs, float sign, int nt, RopeTable& cache) {
+  const RopeTable& table = rope_table(cache, T_, HS, freqs);
   const int64_t half = HS / 2, row = (NH + 2 * NKV) * HS, heads = NH + NKV;
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int64_t bt = 0; bt < B * T_; ++bt) {
@@ -534,13 +534,18 @@ void rope_impl(T* qkv, int64_t B, int64_t T_, int64_t NH, int64_t NKV, int64_t H
   }
 }
 
-void check_rope(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float theta,
+void check_rope(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, const math::RopeFreqs& freqs,
                 const char* op) {
   TETRA_CHECK(B > 0 && T > 0 && NH > 0 && NKV > 0 && HS > 0,
               "{}: sizes must be positive, got B={} T={} NH={} NKV={} HS={}", op, B, T, NH, NKV,
               HS);
   TETRA_CHECK(HS % 2 == 0, "{}: head size must be even, got HS={}", op, HS);
-  TETRA_CHECK(theta > 0.0f, "{}: theta must be positive, got {}", op, theta);
+  TETRA_CHECK(freqs.theta > 0.0f, "{}: theta must be positive, got {}", op, freqs.theta);
+  TETRA_CHECK(freqs.factor > 0.0f && (freqs.kind != math::RopeFreqs::LLAMA3 ||
+                                      (freqs.high_freq_factor > freqs.low_freq_factor && freqs.low_freq_factor > 0.0f &&
+                                       freqs.original_max_position > 0.0f)),
+              "{}: rope scaling factor {} (llama3: low_freq_factor {} < high_freq_factor {}, original length {})", op,
+              freqs.factor, freqs.low_freq_factor, freqs.high_freq_factor, freqs.original_max_position);
 }
 
 }  // namespace
@@ -596,21 +601,21 @@ std::string CpuBackend::kernel_report() const {
 
 
 void CpuBackend::rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                              int64_t HS, float theta, DType act) {
-  check_rope(B, T, NH, NKV, HS, theta, "rope_forward");
+                              int64_t HS, const math::RopeFreqs& freqs, DType act) {
+  check_rope(B, T, NH, NKV, HS, freqs, "rope_forward");
   cpu::with_float_type(act, "rope_forward", "activation type", [&](auto tag) {
     using S = decltype(tag);
-    rope_impl(static_cast<S*>(qkv), B, T, NH, NKV, HS, theta, 1.0f, threads_,
+    rope_impl(static_cast<S*>(qkv), B, T, NH, NKV, HS, freqs, 1.0f, threads_,
               scratch_.shared<RopeTable>());
   });
 }
 
 void CpuBackend::rope_backward(void* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                               int64_t HS, float theta, DType act) {
-  check_rope(B, T, NH, NKV, HS, theta, "rope_backward");
+                               int64_t HS, const math::RopeFreqs& freqs, DType act) {
+  check_rope(B, T, NH, NKV, HS, freqs, "rope_backward");
   cpu::with_float_type(act, "rope_backward", "activation type", [&](auto tag) {
     using S = decltype(tag);
-    rope_impl(static_cast<S*>(dqkv), B, T, NH, NKV, HS, theta, -1.0f, threads_,
+    rope_impl(static_cast<S*>(dqkv), B, T, NH, NKV, HS, freqs, -1.0f, threads_,
               scratch_.shared<RopeTable>());
   });
 }

@@ -192,15 +192,15 @@ class GuardedBackend final : public Backend {
     Open o(*this, "swiglu_backward", {{dx, "dx"}, {x, "x"}, {dy, "dy"}});
     inner_->swiglu_backward(dx, x, dy, N, F, act);
   }
-  void rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float theta,
+  void rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, const math::RopeFreqs& freqs,
                     DType act) override {
     Open o(*this, "rope_forward", {{qkv, "qkv"}});
-    inner_->rope_forward(qkv, B, T, NH, NKV, HS, theta, act);
+    inner_->rope_forward(qkv, B, T, NH, NKV, HS, freqs, act);
   }
-  void rope_backward(void* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float theta,
+  void rope_backward(void* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, const math::RopeFreqs& freqs,
                      DType act) override {
     Open o(*this, "rope_backward", {{dqkv, "dqkv"}});
-    inner_->rope_backward(dqkv, B, T, NH, NKV, HS, theta, act);
+    inner_->rope_backward(dqkv, B, T, NH, NKV, HS, freqs, act);
   }
   void attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                          int64_t HS, DType act) override {

@@ -153,15 +153,15 @@ float* backward_rows(CudaAttentionState& st, const Dims& d, cudaStream_t stream)
 
 // ---- RoPE ------------------------------------------------------------------------------------
 constexpr int kMaxRopeHalf = 256;  // HS <= 512
-struct RopeFreqs {
-  float inv[kMaxRopeHalf];  // math::rope_inv_freq(i, HS, theta)
+struct RopeInvFreqs {
+  float inv[kMaxRopeHalf];  // math::rope_inv_freq(i, HS, freqs)
 };
 
 // One thread per rotated pair (x[i], x[i + HS/2]) of a q or k head; sign = +1 forward, -1 the
 // inverse rotation (backward).
 template <typename T>
 __global__ void rope_kernel(T* qkv, int64_t pairs, int T_, int heads, int half, int64_t row,
-                            int HS, float sign, RopeFreqs f) {
+                            int HS, float sign, RopeInvFreqs f) {
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < pairs;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int i = static_cast<int>(idx % half);
@@ -180,7 +180,7 @@ __global__ void rope_kernel(T* qkv, int64_t pairs, int T_, int heads, int half, 
   }
 }
 
-void rope(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, float theta,
+void rope(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, const math::RopeFreqs& freqs,
           DType act, float sign, cudaStream_t stream, const char* op) {
   TETRA_CHECK(B > 0 && T > 0 && NH > 0 && NKV > 0 && HS > 0,
               "{}: sizes must be positive, got B={} T={} NH={} NKV={} HS={}", op, B, T, NH, NKV,
@@ -188,11 +188,16 @@ void rope(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, 
   TETRA_CHECK(HS % 2 == 0, "{}: head size must be even, got HS={}", op, HS);
   TETRA_CHECK(HS / 2 <= kMaxRopeHalf, "{}: head size {} above the {} supported", op, HS,
               2 * kMaxRopeHalf);
-  TETRA_CHECK(theta > 0.0f, "{}: theta must be positive, got {}", op, theta);
+  TETRA_CHECK(freqs.theta > 0.0f, "{}: theta must be positive, got {}", op, freqs.theta);
+  TETRA_CHECK(freqs.factor > 0.0f && (freqs.kind != math::RopeFreqs::LLAMA3 ||
+                                      (freqs.high_freq_factor > freqs.low_freq_factor && freqs.low_freq_factor > 0.0f &&
+                                       freqs.original_max_position > 0.0f)),
+              "{}: rope scaling factor {} (llama3: low_freq_factor {} < high_freq_factor {}, original length {})", op,
+              freqs.factor, freqs.low_freq_factor, freqs.high_freq_factor, freqs.original_max_position);
   TETRA_CHECK(T <= (int64_t{1} << 30), "{}: T={} too large", op, T);
-  RopeFreqs f{};
+  RopeInvFreqs f{};
   const int half = static_cast<int>(HS / 2);
-  for (int i = 0; i < half; ++i) f.inv[i] = math::rope_inv_freq(i, static_cast<int>(HS), theta);
+  for (int i = 0; i < half; ++i) f.inv[i] = math::rope_inv_freq(i, static_cast<int>(HS), freqs);
   const int64_t pairs = B * T * (NH + NKV) * half;
   cuda::with_float_type(act, op, "act", [&](auto tag) {
     using S = decltype(tag);
@@ -206,13 +211,13 @@ void rope(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, 
 }  // namespace
 
 void CudaBackend::rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                               int64_t HS, float theta, DType act) {
-  rope(qkv, B, T, NH, NKV, HS, theta, act, 1.0f, cuda::as_stream(stream()), "rope_forward");
+                               int64_t HS, const math::RopeFreqs& freqs, DType act) {
+  rope(qkv, B, T, NH, NKV, HS, freqs, act, 1.0f, cuda::as_stream(stream()), "rope_forward");
 }
 
 void CudaBackend::rope_backward(void* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                                int64_t HS, float theta, DType act) {
-  rope(dqkv, B, T, NH, NKV, HS, theta, act, -1.0f, cuda::as_stream(stream()), "rope_backward");
+                                int64_t HS, const math::RopeFreqs& freqs, DType act) {
+  rope(dqkv, B, T, NH, NKV, HS, freqs, act, -1.0f, cuda::as_stream(stream()), "rope_backward");
 }
 
 // ---- attention -------------------------------------------------------------------------------

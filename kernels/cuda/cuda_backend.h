@@ -104,9 +104,9 @@ class CudaBackend final : public Backend {
                        DType act) override;
 
   void rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
-                    float theta, DType act) override;
+                    const math::RopeFreqs& freqs, DType act) override;
   void rope_backward(void* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
-                     float theta, DType act) override;
+                     const math::RopeFreqs& freqs, DType act) override;
   void attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t NH,
                          int64_t NKV, int64_t HS, DType act) override;
   void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out,

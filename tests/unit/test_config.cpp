@@ -27,14 +27,22 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.model.hidden_size == b.model.hidden_size);
   CHECK(a.model.num_heads == b.model.num_heads);
   CHECK(a.model.num_kv_heads == b.model.num_kv_heads);
+  CHECK(a.model.head_dim == b.model.head_dim);
   CHECK(a.model.ffn_hidden_size == b.model.ffn_hidden_size);
   CHECK(a.model.norm == b.model.norm);
   CHECK(a.model.norm_eps == b.model.norm_eps);
   CHECK(a.model.activation == b.model.activation);
   CHECK(a.model.position == b.model.position);
   CHECK(a.model.rope_theta == b.model.rope_theta);
+  CHECK(a.model.rope_scaling.type == b.model.rope_scaling.type);
+  CHECK(a.model.rope_scaling.factor == b.model.rope_scaling.factor);
+  CHECK(a.model.rope_scaling.low_freq_factor == b.model.rope_scaling.low_freq_factor);
+  CHECK(a.model.rope_scaling.high_freq_factor == b.model.rope_scaling.high_freq_factor);
+  CHECK(a.model.rope_scaling.original_max_position_embeddings ==
+        b.model.rope_scaling.original_max_position_embeddings);
   CHECK(a.model.tie_embeddings == b.model.tie_embeddings);
   CHECK(a.model.bias == b.model.bias);
+  CHECK(a.model.qkv_bias == b.model.qkv_bias);
   CHECK(a.model.init_std == b.model.init_std);
   CHECK(a.model.moe.num_experts == b.model.moe.num_experts);
   CHECK(a.model.moe.top_k == b.model.moe.top_k);
@@ -123,9 +131,12 @@ void require_equal(const Config& a, const Config& b) {
 json every_key() {
   return json::parse(R"({
     "model": {"vocab_size": 32000, "seq_len": 256, "num_layers": 4, "hidden_size": 512,
-              "num_heads": 8, "num_kv_heads": 2, "ffn_hidden_size": 1376, "norm": "rmsnorm",
+              "num_heads": 8, "num_kv_heads": 2, "head_dim": 96, "ffn_hidden_size": 1376, "norm": "rmsnorm",
               "norm_eps": 1e-6, "activation": "swiglu", "position": "rope",
-              "rope_theta": 500000.0, "tie_embeddings": false, "bias": false, "init_std": 0.01,
+              "rope_theta": 500000.0,
+              "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                               "high_freq_factor": 3.0, "original_max_position_embeddings": 128},
+              "tie_embeddings": false, "bias": false, "qkv_bias": true, "init_std": 0.01,
               "moe": {"num_experts": 0, "top_k": 1, "every": 2, "ffn_hidden_size": 512,
                       "capacity_factor": 1.25, "aux_loss_coeff": 0.02, "z_loss_coeff": 0.001}},
     "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "order": "tp-pp-dp",

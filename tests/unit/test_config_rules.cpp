@@ -195,6 +195,26 @@ TEST_CASE("config: cross-field rules", "[config]") {
       with(with(base(), "model.hidden_size", 780), "model.position", "rope"),
       "model.hidden_size: 780: ", "head size hidden_size / num_heads (780 / 12 = 65) must be even");
   CHECK(problems_of(with(base(), "model.position", "rope")).empty());
+  // model.head_dim: any head size, the hidden size need not divide; RoPE still needs it even.
+  {
+    const json j = with(with(with(base(), "model.hidden_size", 770), "model.head_dim", 96), "model.position", "rope");
+    CHECK(problems_of(j).empty());
+    CHECK(config_from_json(j).model.head_size() == 96);
+    CHECK(config_from_json(base()).model.head_dim == 64);  // resolved: 768 / 12
+    require_one(with(j, "model.head_dim", 95), "model.head_dim: 95: ", "must be even with model.position \"rope\"");
+  }
+  require_one(with(base(), "model.hidden_size", 770), "model.hidden_size: 770: ", "or set model.head_dim");
+  // rope_scaling scales RoPE, and llama3's band edges must be ordered.
+  require_one(with(base(), "model.rope_scaling.type", "linear"), "model.rope_scaling.type: \"linear\": ",
+              "needs model.position \"rope\"");
+  {
+    const json rope = with(with(base(), "model.position", "rope"), "model.rope_scaling.type", "llama3");
+    CHECK(problems_of(rope).empty());
+    require_one(with(rope, "model.rope_scaling.high_freq_factor", 1.0), "model.rope_scaling.high_freq_factor: 1.0: ",
+                "must be above model.rope_scaling.low_freq_factor (1)");
+    require_one(with(rope, "model.rope_scaling.factor", 0.0), "model.rope_scaling.factor: 0.0: ", "> 0");
+    require_one(with(rope, "model.rope_scaling.type", "yarn"), "model.rope_scaling.type: \"yarn\": ", "llama3");
+  }
   require_one(with(base(), "training.global_batch_size", 10), "training.global_batch_size: 10: ",
               "must be a multiple of training.micro_batch_size * parallel.dp (4 * 1 = 4)");
   require_one(with(base(), "optimizer.min_lr", 1.0),

@@ -478,3 +478,64 @@ TEST_CASE("rope: forward matches a plain loop, backward is its adjoint and inver
 
   CHECK_THROWS_AS(be->rope_forward(got.data(), 1, 4, 2, 2, 7, theta, DType::F32), Error);
 }
+
+TEST_CASE("rope: linear and llama3 scaling match Hugging Face's frequency rules", "[kernels]") {
+  auto be = make_cpu_backend(0);
+  const AttnDims d{1, 37, 2, 1, 64};
+  const int64_t half = d.HS / 2, row = d.row();
+  // transformers' _compute_llama3_parameters / _compute_linear_scaling_rope_parameters, in double.
+  auto hf_inv_freq = [&](int64_t i, const math::RopeFreqs& r) {
+    const double inv = 1.0 / std::pow(static_cast<double>(r.theta), 2.0 * i / d.HS);
+    if (r.kind == math::RopeFreqs::LINEAR) return inv / r.factor;
+    const double pi = 3.14159265358979323846, L = r.original_max_position;
+    const double wavelen = 2 * pi / inv, low_wavelen = L / r.low_freq_factor, high_wavelen = L / r.high_freq_factor;
+    double out = wavelen > low_wavelen ? inv / r.factor : inv;
+    const double smooth = (L / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+    const double smoothed = (1 - smooth) * out / r.factor + smooth * out;
+    if (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) out = smoothed;
+    return out;
+  };
+  math::RopeFreqs linear(10000.0f);
+  linear.kind = math::RopeFreqs::LINEAR;
+  linear.factor = 4.0f;
+  // Llama 3.1's values with a short original context, so that all three bands occur at HS 64.
+  math::RopeFreqs llama3(500000.0f);
+  llama3.kind = math::RopeFreqs::LLAMA3;
+  llama3.factor = 8.0f;
+  llama3.low_freq_factor = 1.0f;
+  llama3.high_freq_factor = 4.0f;
+  llama3.original_max_position = 256.0f;
+  int bands[3] = {0, 0, 0};  // kept, divided, blended
+  for (int64_t i = 0; i < half; ++i) {
+    const double inv = 1.0 / std::pow(500000.0, 2.0 * i / d.HS), w = 2 * 3.14159265358979323846 / inv;
+    bands[w < 64.0 ? 0 : w > 256.0 ? 1 : 2]++;
+  }
+  CHECK((bands[0] > 0 && bands[1] > 0 && bands[2] > 0));
+  for (const math::RopeFreqs& r : {linear, llama3}) {
+    INFO("kind " << r.kind);
+    for (int64_t i = 0; i < half; ++i)
+      CHECK(math::rope_inv_freq(static_cast<int>(i), static_cast<int>(d.HS), r) ==
+            Approx(hf_inv_freq(i, r)).epsilon(1e-6));
+    std::vector<float> x = random_floats(d.qkv_size(), 31);
+    std::vector<double> want(x.begin(), x.end());
+    for (int64_t t = 0; t < d.T; ++t)
+      for (int64_t hd = 0; hd < d.NH + d.NKV; ++hd)
+        for (int64_t i = 0; i < half; ++i) {
+          const double angle = t * hf_inv_freq(i, r);
+          const int64_t at = t * row + hd * d.HS + i;
+          const double x0 = x[at], x1 = x[at + half];
+          want[at] = x0 * std::cos(angle) - x1 * std::sin(angle);
+          want[at + half] = x0 * std::sin(angle) + x1 * std::cos(angle);
+        }
+    std::vector<float> got = x;
+    be->rope_forward(got.data(), d.B, d.T, d.NH, d.NKV, d.HS, r, DType::F32);
+    require_close("scaled rope forward", got, want, [](size_t) { return 2e-5; });
+    std::vector<float> back = got;
+    be->rope_backward(back.data(), d.B, d.T, d.NH, d.NKV, d.HS, r, DType::F32);
+    require_close("scaled rope inverse", back, x, [](size_t) { return 1e-6; });
+  }
+  math::RopeFreqs bad = llama3;
+  bad.high_freq_factor = 1.0f;  // not above low_freq_factor
+  std::vector<float> x = random_floats(d.qkv_size(), 32);
+  CHECK_THROWS_AS(be->rope_forward(x.data(), d.B, d.T, d.NH, d.NKV, d.HS, bad, DType::F32), Error);
+}

@@ -130,6 +130,7 @@ HfArch hf_architecture(const ModelConfig& m) {
     if (m.activation != Activation::SWIGLU)
       bad.push_back(fmt::format("model.activation \"{}\" (Llama's MLP is swiglu)", to_string(m.activation)));
     if (m.bias) bad.push_back("model.bias true (Llama has no biases)");
+    if (m.qkv_bias && !m.bias) bad.push_back("model.qkv_bias true (Llama has no biases; Qwen2 export is not written)");
   } else {
     if (m.norm != Norm::LAYERNORM)
       bad.push_back(fmt::format("model.norm \"{}\" (GPT-2 has layernorm only)", to_string(m.norm)));

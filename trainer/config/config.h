@@ -29,6 +29,7 @@ namespace tetra {
 enum class Norm : uint8_t { LAYERNORM, RMSNORM };                  // model.norm
 enum class Activation : uint8_t { GELU, SWIGLU };                  // model.activation
 enum class Position : uint8_t { LEARNED, ROPE };                   // model.position
+enum class RopeScaling : uint8_t { NONE, LINEAR, LLAMA3 };         // model.rope_scaling.type
 // parallel.order: the rank order, fastest-varying axis first (rank_grid.h).
 enum class RankOrder : uint8_t { TP_DP_PP, TP_PP_DP, DP_TP_PP, DP_PP_TP, PP_TP_DP, PP_DP_TP };
 enum class ScheduleKind : uint8_t { GPIPE, ONE_F_ONE_B, INTERLEAVED };  // parallel.schedule
@@ -61,6 +62,11 @@ struct EnumNames<Activation> {
 template <>
 struct EnumNames<Position> {
   static constexpr EnumName<Position> values[] = {{Position::LEARNED, "learned"}, {Position::ROPE, "rope"}};
+};
+template <>
+struct EnumNames<RopeScaling> {
+  static constexpr EnumName<RopeScaling> values[] = {
+      {RopeScaling::NONE, "none"}, {RopeScaling::LINEAR, "linear"}, {RopeScaling::LLAMA3, "llama3"}};
 };
 template <>
 struct EnumNames<RankOrder> {
@@ -211,6 +217,16 @@ struct MoeConfig {
   bool is_moe_layer(int64_t l) const { return enabled() && l % every == 0; }
 };
 
+// model.rope_scaling: how RoPE's frequencies are stretched for longer contexts (Hugging Face's
+// rope types; math::RopeFreqs has the formulas). "none": theta^(-2i/HS) as they are.
+struct RopeScalingConfig {
+  RopeScaling type = RopeScaling::NONE;
+  double factor = 1.0;                              // linear and llama3
+  double low_freq_factor = 1.0;                     // llama3
+  double high_freq_factor = 4.0;                    // llama3
+  int64_t original_max_position_embeddings = 8192;  // llama3: the context the model was trained at
+};
+
 struct ModelConfig {
   int64_t vocab_size = 50257;
   int64_t seq_len = 1024;
@@ -218,6 +234,7 @@ struct ModelConfig {
   int64_t hidden_size = 768;
   int64_t num_heads = 12;
   int64_t num_kv_heads = 0;      // 0 = num_heads (multi-head attention)
+  int64_t head_dim = 0;          // 0 = hidden_size / num_heads
   int64_t ffn_hidden_size = 0;   // 0 = 4 * hidden_size (gelu), or for swiglu
                                  // 8/3 * hidden_size rounded up to a multiple of 64
   Norm norm = Norm::LAYERNORM;
@@ -225,12 +242,14 @@ struct ModelConfig {
   Activation activation = Activation::GELU;
   Position position = Position::LEARNED;
   double rope_theta = 10000.0;
+  RopeScalingConfig rope_scaling;
   bool tie_embeddings = true;
-  bool bias = true;
+  bool bias = true;       // every linear layer and norm has a bias (GPT-2)
+  bool qkv_bias = false;  // q, k and v have biases, nothing else (Qwen2); implied by bias
   double init_std = 0.02;
   MoeConfig moe;
-  // Derived by resolve(): never 0 after validation.
-  int64_t head_size() const { return hidden_size / num_heads; }
+  int64_t head_size() const { return head_dim > 0 ? head_dim : hidden_size / num_heads; }
+  bool has_qkv_bias() const { return bias || qkv_bias; }
 };
 
 struct ParallelConfig {

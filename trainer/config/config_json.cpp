@@ -44,14 +44,23 @@ void visit_model(M& m, V& v) {
   v.integer("hidden_size", m.hidden_size);
   v.integer("num_heads", m.num_heads);
   v.integer("num_kv_heads", m.num_kv_heads);
+  v.integer("head_dim", m.head_dim);
   v.integer("ffn_hidden_size", m.ffn_hidden_size);
   v.choice("norm", m.norm);
   v.number("norm_eps", m.norm_eps);
   v.choice("activation", m.activation);
   v.choice("position", m.position);
   v.number("rope_theta", m.rope_theta);
+  v.object("rope_scaling", m.rope_scaling, [](auto& s, auto& sv) {
+    sv.choice("type", s.type);
+    sv.number("factor", s.factor);
+    sv.number("low_freq_factor", s.low_freq_factor);
+    sv.number("high_freq_factor", s.high_freq_factor);
+    sv.integer("original_max_position_embeddings", s.original_max_position_embeddings);
+  });
   v.boolean("tie_embeddings", m.tie_embeddings);
   v.boolean("bias", m.bias);
+  v.boolean("qkv_bias", m.qkv_bias);
   v.number("init_std", m.init_std);
   v.object("moe", m.moe, [](auto& s, auto& sv) { visit_moe(s, sv); });
 }

@@ -182,7 +182,12 @@ void check_ranges(const Config& c, Rules& r) {
   r.size("model.num_kv_heads", m.num_kv_heads, 0);
   r.size("model.ffn_hidden_size", m.ffn_hidden_size, 0);
   r.positive("model.norm_eps", m.norm_eps);
+  r.size("model.head_dim", m.head_dim, 0);
   r.positive("model.rope_theta", m.rope_theta);
+  r.positive("model.rope_scaling.factor", m.rope_scaling.factor);
+  r.positive("model.rope_scaling.low_freq_factor", m.rope_scaling.low_freq_factor);
+  r.positive("model.rope_scaling.high_freq_factor", m.rope_scaling.high_freq_factor);
+  r.size("model.rope_scaling.original_max_position_embeddings", m.rope_scaling.original_max_position_embeddings, 1);
   r.positive("model.init_std", m.init_std);
   r.at_least("model.moe.num_experts", m.moe.num_experts, 0);
   r.at_least("model.moe.top_k", m.moe.top_k, 1);
@@ -300,6 +305,9 @@ void resolve(Config& c, Rules& r) {
   ModelConfig& m = c.model;
   if (m.num_kv_heads == 0 && r.ok({"model.num_kv_heads", "model.num_heads"}))
     m.num_kv_heads = m.num_heads;
+  if (m.head_dim == 0 && r.ok({"model.head_dim", "model.hidden_size", "model.num_heads"}) &&
+      m.hidden_size % m.num_heads == 0)
+    m.head_dim = m.hidden_size / m.num_heads;
   if (m.ffn_hidden_size == 0 && r.ok({"model.ffn_hidden_size", "model.hidden_size"})) {
     if (m.activation == Activation::SWIGLU)
       m.ffn_hidden_size = (8 * m.hidden_size / 3 + 63) / 64 * 64;
@@ -316,15 +324,29 @@ void resolve(Config& c, Rules& r) {
 
 void check_cross_field(const Config& c, Rules& r) {
   const ModelConfig& m = c.model;
-  if (r.ok({"model.hidden_size", "model.num_heads"})) {
-    r.require(m.hidden_size % m.num_heads == 0, "model.hidden_size", m.hidden_size,
-              fmt::format("must be divisible by model.num_heads ({})", m.num_heads));
-    if (m.position == Position::ROPE && m.hidden_size % m.num_heads == 0)
-      r.require(m.head_size() % 2 == 0, "model.hidden_size", m.hidden_size,
-                fmt::format("with model.position \"rope\" the head size hidden_size / num_heads "
-                            "({} / {} = {}) must be even",
-                            m.hidden_size, m.num_heads, m.head_size()));
+  if (r.ok({"model.hidden_size", "model.num_heads", "model.head_dim"})) {
+    // model.head_dim given: any head size (Qwen3: 128 with hidden 1024 and 16 heads).
+    const bool derived = m.head_dim == 0 || m.head_dim * m.num_heads == m.hidden_size;
+    if (m.head_dim == 0)
+      r.require(m.hidden_size % m.num_heads == 0, "model.hidden_size", m.hidden_size,
+                fmt::format("must be divisible by model.num_heads ({}), or set model.head_dim", m.num_heads));
+    if (m.position == Position::ROPE && (m.head_dim > 0 || m.hidden_size % m.num_heads == 0))
+      r.require(m.head_size() % 2 == 0, derived ? "model.hidden_size" : "model.head_dim",
+                derived ? m.hidden_size : m.head_dim,
+                derived ? fmt::format("with model.position \"rope\" the head size hidden_size / num_heads "
+                                      "({} / {} = {}) must be even",
+                                      m.hidden_size, m.num_heads, m.head_size())
+                        : std::string("must be even with model.position \"rope\""));
   }
+  if (r.ok({"model.rope_scaling.type", "model.position"}) && m.rope_scaling.type != RopeScaling::NONE)
+    r.require(m.position == Position::ROPE, "model.rope_scaling.type", m.rope_scaling.type,
+              "scales RoPE's frequencies: it needs model.position \"rope\"");
+  if (r.ok({"model.rope_scaling.type", "model.rope_scaling.low_freq_factor", "model.rope_scaling.high_freq_factor"}) &&
+      m.rope_scaling.type == RopeScaling::LLAMA3)
+    r.require(m.rope_scaling.high_freq_factor > m.rope_scaling.low_freq_factor, "model.rope_scaling.high_freq_factor",
+              m.rope_scaling.high_freq_factor,
+              fmt::format("must be above model.rope_scaling.low_freq_factor ({}) for \"llama3\"",
+                          m.rope_scaling.low_freq_factor));
   if (r.ok({"model.num_heads", "model.num_kv_heads"}) && m.num_kv_heads > 0)
     r.require(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
               fmt::format("must divide model.num_heads ({})", m.num_heads));

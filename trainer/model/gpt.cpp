@@ -230,8 +230,9 @@ size_t layout_scratch(ArenaCarver& c, const ArenaShape& z, Gpt::Acts& a) {
   a.dc = c.take(Ns * d.C, act);
   a.dfull = d.tp > 1 ? c.take(N * d.C, act) : nullptr;
   // Without sequence parallelism dc is (N, C) and holds the attention output's gradient
-  // (N, NH HS), NH HS <= C; with it dc is a shard and this needs its own buffer.
-  a.datt = d.sp ? c.take(N * d.NH * d.HS, act) : a.dc;
+  // (N, NH HS) where NH HS <= C; with it dc is a shard, and a head_dim above hidden / heads
+  // widens the attention output: those need a buffer of its own.
+  a.datt = d.sp || d.NH * d.HS > d.C ? c.take(N * d.NH * d.HS, act) : a.dc;
   a.dqkv = c.take(N * d.QKV, act);
   a.dfc = dense ? c.take(N * d.FC, act) : nullptr;
   a.dact = dense && d.FC != d.F ? c.take(N * d.F, act) : nullptr;  // SwiGLU (GELU's is fused into dfc)
@@ -258,6 +259,21 @@ std::vector<bool> moe_blocks_of(const ModelConfig& cfg, const ModelDims& d) {
 }
 
 }  // namespace
+
+math::RopeFreqs rope_freqs(const ModelConfig& m) {
+  math::RopeFreqs f(static_cast<float>(m.rope_theta));
+  const RopeScalingConfig& s = m.rope_scaling;
+  f.kind = s.type == RopeScaling::LINEAR   ? math::RopeFreqs::LINEAR
+           : s.type == RopeScaling::LLAMA3 ? math::RopeFreqs::LLAMA3
+                                           : math::RopeFreqs::DEFAULT;
+  if (s.type != RopeScaling::NONE) f.factor = static_cast<float>(s.factor);
+  if (s.type == RopeScaling::LLAMA3) {
+    f.low_freq_factor = static_cast<float>(s.low_freq_factor);
+    f.high_freq_factor = static_cast<float>(s.high_freq_factor);
+    f.original_max_position = static_cast<float>(s.original_max_position_embeddings);
+  }
+  return f;
+}
 
 static void apply_shape(ModelDims& d, const ChunkShape& shape) {
   d.l0 = shape.l0;
@@ -306,6 +322,7 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   norm_ = cfg.norm == Norm::RMSNORM ? NormKind::RMSNORM : NormKind::LAYERNORM;
   eps_ = static_cast<float>(cfg.norm_eps);
   rope_ = cfg.position == Position::ROPE;
+  rope_freqs_ = rope_freqs(cfg);
   swiglu_ = cfg.activation == Activation::SWIGLU;
   moe_layer_ = moe_blocks_of(cfg, d_);
   units_ = plan_recompute_units(rc_, d_.L, moe_layer_);
@@ -412,7 +429,7 @@ void Gpt::forward_layer(const void* weights, int64_t slot, int64_t l, bool recom
   const void* h1 = tp.copy_to_region(a.lnfull, s.ln1);
   // qkv = ln1 W_qkv^T + b        column-parallel: this rank's heads          (N, QKV)
   column_parallel_linear_forward(tp, be_, h1, d.C, lin(p.qkv_w, p.qkv_b), s.qkv, d.QKV);
-  if (rope_) be_.rope_forward(s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, static_cast<float>(cfg_.rope_theta), t);
+  if (rope_) be_.rope_forward(s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, rope_freqs_, t);
   be_.attention_forward(s.att, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, t);
   // res_mid = x + att W_o^T + b  row-parallel, then g                          (Ns, C)
   row_parallel_linear_forward(tp, be_, s.att, d.NH * d.HS, lin(p.attn_proj_w, p.attn_proj_b), x, s.res_mid, a.dfull);
@@ -544,7 +561,7 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
                                  grad(p.attn_proj_w, p.attn_proj_b), a.datt);
     be_.attention_backward(a.dqkv, a.datt, s.qkv, s.att, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, t);
     if (rope_)
-      be_.rope_backward(a.dqkv, d.B, d.T, d.NH, d.NKV, d.HS, static_cast<float>(cfg_.rope_theta), t);
+      be_.rope_backward(a.dqkv, d.B, d.T, d.NH, d.NKV, d.HS, rope_freqs_, t);
     if (re_norm)
       be_.norm_forward(norm_, s.ln1, s.ln1_mean, s.ln1_rstd, sl.res[l], w(weights, p.norm1_w), w(weights, p.norm1_b),
                        Ns, d.C, eps_, t, t);

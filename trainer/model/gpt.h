@@ -72,6 +72,9 @@ struct ModelDims {
 // for this micro-batch: the gradient buffer's reduction can start there.
 using GroupDoneHook = std::function<void(int group)>;
 
+// RoPE's inverse frequencies under model.rope_theta and model.rope_scaling.
+math::RopeFreqs rope_freqs(const ModelConfig& m);
+
 // Which part of the model a Gpt runs, and how many micro-batches it keeps activations for.
 struct ChunkShape {
   int64_t l0 = 0, layers = -1;  // -1: every layer
@@ -180,6 +183,7 @@ class Gpt {
   NormKind norm_;
   float eps_;
   bool rope_;    // position == Position::ROPE
+  math::RopeFreqs rope_freqs_;
   bool swiglu_;  // activation == Activation::SWIGLU
   Recomputation rc_;
   RecomputeUnits units_;         // of this chunk's layers

@@ -178,7 +178,7 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
       bp.norm1_w = b.norm_param(n + "norm1.weight", C, ParamInit::ONES);
       if (norm_bias) bp.norm1_b = b.norm_param(n + "norm1.bias", C, ParamInit::ZEROS);
       bp.qkv_w = b.add(n + "attn.qkv.weight", {(NH + 2 * NKV) * HS, C}, ParamInit::NORMAL, true, true, qkv_rows);
-      if (m.bias) bp.qkv_b = b.add(n + "attn.qkv.bias", {(NH + 2 * NKV) * HS}, ParamInit::ZEROS, false, false, qkv_rows);
+      if (m.has_qkv_bias()) bp.qkv_b = b.add(n + "attn.qkv.bias", {(NH + 2 * NKV) * HS}, ParamInit::ZEROS, false, false, qkv_rows);
       bp.attn_proj_w = b.add(n + "attn.proj.weight", {C, NH * HS}, ParamInit::NORMAL_SCALED, true, true, {},
                              r * NHl * HS, NHl * HS);
       if (m.bias) bp.attn_proj_b = b.add(n + "attn.proj.bias", {C}, ParamInit::ZEROS, false, false);
