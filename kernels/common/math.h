@@ -221,7 +221,10 @@ struct RopeFreqs {
   float low_freq_factor = 1.0f, high_freq_factor = 4.0f, original_max_position = 8192.0f;  // llama3
   RopeFreqs() = default;
   RopeFreqs(float base) : theta(base) {}  // NOLINT(google-explicit-constructor): the default type
-  bool operator==(const RopeFreqs&) const = default;
+  bool operator==(const RopeFreqs& o) const {  // spelt out: the CUDA sources are C++17
+    return theta == o.theta && kind == o.kind && factor == o.factor && low_freq_factor == o.low_freq_factor &&
+           high_freq_factor == o.high_freq_factor && original_max_position == o.original_max_position;
+  }
 };
 
 TETRA_HD float rope_inv_freq(int i, int head_size, const RopeFreqs& r) {

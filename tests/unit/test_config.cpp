@@ -43,6 +43,7 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.model.tie_embeddings == b.model.tie_embeddings);
   CHECK(a.model.bias == b.model.bias);
   CHECK(a.model.qkv_bias == b.model.qkv_bias);
+  CHECK(a.checkpoint.init == b.checkpoint.init);
   CHECK(a.model.init_std == b.model.init_std);
   CHECK(a.model.moe.num_experts == b.model.moe.num_experts);
   CHECK(a.model.moe.top_k == b.model.moe.top_k);
@@ -159,7 +160,8 @@ json every_key() {
              "valid": [{"path": "data/v", "weight": 1.0}],
              "split": "", "tokenizer": "sentencepiece:tok.model"},
     "sample": {"prompt": "The", "max_tokens": 16, "temperature": 1.5, "top_k": 7, "seed": 9},
-    "checkpoint": {"dir": "ckpt/x", "every": 100, "keep": 3, "resume": "none", "save_on_exit": false},
+    "checkpoint": {"dir": "ckpt/x", "every": 100, "keep": 3, "resume": "none", "init": "ckpt/base",
+                   "save_on_exit": false},
     "logging": {"dir": "runs/x", "level": "debug"}
   })");
 }

@@ -321,7 +321,7 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
 }
 
 CheckpointState load_checkpoint(const std::string& path, const Config& cfg, ProcessGroups& groups, Backend& be,
-                                const CheckpointBuffers& b) {
+                                const CheckpointBuffers& b, bool weights_only) {
   const ParamLayout& layout = *b.layout;
   const Manifest manifest = read_manifest(path);
   const std::string& manifest_path = manifest.path;
@@ -396,6 +396,7 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
     for (const char* kind : kCheckpointKinds) {
       const std::string key = std::string(kind) + "/" + p.name;
       const bool model = std::string(kind) == "model";
+      if (weights_only && !model) continue;
       const auto ranges = model ? std::vector<std::pair<int64_t, int64_t>>{{0, p.numel}} : local_ranges(p, *b.owned);
       read_local(key, p, ranges, local);  // checks the tensor is there even when nothing is needed
       if (ranges.empty()) continue;
@@ -408,6 +409,7 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
   // Extra optimizer state: zeros when the checkpoint lacks the kind (one warning per kind).
   std::set<std::string> warned;
   for (const CheckpointExtra& x : b.extra) {
+    if (weights_only) break;
     const std::vector<int64_t> xs = compact_starts(x.ranges);
     std::vector<float> host(static_cast<size_t>(x.ranges.empty() ? 0 : xs.back() + x.ranges.back().numel), 0.0f);
     // Present when the checkpoint holds the kind for the first parameter this rank needs it for.
@@ -460,11 +462,18 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
       }
     }
   }
-  be.copy_from_host(b.exp_avg, m.data(), m.size() * 4);
-  be.copy_from_host(b.exp_avg_sq, v.data(), v.size() * 4);
+  if (!weights_only) {
+    be.copy_from_host(b.exp_avg, m.data(), m.size() * 4);
+    be.copy_from_host(b.exp_avg_sq, v.data(), v.size() * 4);
+  }
   groups.world->barrier();
 
   CheckpointState st;
+  if (weights_only) {
+    spdlog::info("initialised the weights from {} (step {} of the run that saved it; this run starts at step 0 "
+                 "with a fresh optimizer)", path, manifest.step);
+    return st;
+  }
   st.step = manifest.step;
   st.consumed_samples = manifest.consumed_samples;
   st.loss_scaler = manifest.loss_scaler;

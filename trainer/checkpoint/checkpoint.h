@@ -88,9 +88,11 @@ void check_same_model(const Manifest& manifest, const Config& cfg);
 std::string agree_checkpoint_to_resume(const CheckpointConfig& cfg, ProcessGroups& groups);
 
 // Loads `path` into the buffers (collective). InputError naming the file (and tensor) when the
-// checkpoint is of another model, incomplete or corrupt.
+// checkpoint is of another model, incomplete or corrupt. `weights_only` (checkpoint.init): the
+// master and compute weights alone; the moments and extra state are left as they are, and the
+// state returned is step 0.
 CheckpointState load_checkpoint(const std::string& path, const Config& cfg, ProcessGroups& groups, Backend& be,
-                                const CheckpointBuffers& buffers);
+                                const CheckpointBuffers& buffers, bool weights_only = false);
 
 // "step_00001000"
 std::string checkpoint_name(int64_t step);

@@ -77,6 +77,12 @@ void llama_tensors(const ModelConfig& m, const ParamLayout& layout, const HfWeig
     w.add(h + "self_attn.q_proj.weight", {NH * HS, C}, qkv.data());
     w.add(h + "self_attn.k_proj.weight", {NKV * HS, C}, qkv.data() + NH * HS * C);
     w.add(h + "self_attn.v_proj.weight", {NKV * HS, C}, qkv.data() + (NH + NKV) * HS * C);
+    if (m.has_qkv_bias()) {  // Qwen2
+      const std::vector<float> b = fetch(weights, layout, t + "attn.qkv.bias");
+      w.add(h + "self_attn.q_proj.bias", {NH * HS}, b.data());
+      w.add(h + "self_attn.k_proj.bias", {NKV * HS}, b.data() + NH * HS);
+      w.add(h + "self_attn.v_proj.bias", {NKV * HS}, b.data() + (NH + NKV) * HS);
+    }
     w.add(h + "self_attn.o_proj.weight", {C, NH * HS}, fetch(weights, layout, t + "attn.proj.weight"));
     w.add(h + "post_attention_layernorm.weight", {C}, fetch(weights, layout, t + "norm2.weight"));
     // fc 2F rows of C: [gate | up]
@@ -119,7 +125,9 @@ json token_id(int64_t id) { return id < 0 ? json(nullptr) : json(id); }
 
 }  // namespace
 
-const char* hf_model_type(HfArch arch) { return arch == HfArch::LLAMA ? "llama" : "gpt2"; }
+const char* hf_model_type(HfArch arch) {
+  return arch == HfArch::LLAMA ? "llama" : arch == HfArch::QWEN2 ? "qwen2" : "gpt2";
+}
 
 HfArch hf_architecture(const ModelConfig& m) {
   std::vector<std::string> bad;
@@ -130,7 +138,7 @@ HfArch hf_architecture(const ModelConfig& m) {
     if (m.activation != Activation::SWIGLU)
       bad.push_back(fmt::format("model.activation \"{}\" (Llama's MLP is swiglu)", to_string(m.activation)));
     if (m.bias) bad.push_back("model.bias true (Llama has no biases)");
-    if (m.qkv_bias && !m.bias) bad.push_back("model.qkv_bias true (Llama has no biases; Qwen2 export is not written)");
+
   } else {
     if (m.norm != Norm::LAYERNORM)
       bad.push_back(fmt::format("model.norm \"{}\" (GPT-2 has layernorm only)", to_string(m.norm)));
@@ -152,13 +160,48 @@ HfArch hf_architecture(const ModelConfig& m) {
         "activation gelu, position learned, bias true, num_kv_heads = num_heads",
         to_string(m.position), rope ? "Llama" : "GPT-2", list));
   }
-  return rope ? HfArch::LLAMA : HfArch::GPT2;
+  if (!rope) return HfArch::GPT2;
+  return m.qkv_bias ? HfArch::QWEN2 : HfArch::LLAMA;
 }
 
 json hf_config(const ModelConfig& m, HfArch arch, DType dtype, int64_t eos_token_id) {
   TETRA_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16, "export dtype {}",
               dtype_name(dtype));
   const char* torch_dtype = dtype == DType::F32 ? "float32" : dtype == DType::F16 ? "float16" : "bfloat16";
+  // RoPE's scaling as transformers reads it (rope_scaling; v5 reads it too).
+  json rope_scaling = nullptr;
+  if (m.rope_scaling.type == RopeScaling::LINEAR)
+    rope_scaling = json{{"rope_type", "linear"}, {"factor", m.rope_scaling.factor}};
+  else if (m.rope_scaling.type == RopeScaling::LLAMA3)
+    rope_scaling = json{{"rope_type", "llama3"},
+                        {"factor", m.rope_scaling.factor},
+                        {"low_freq_factor", m.rope_scaling.low_freq_factor},
+                        {"high_freq_factor", m.rope_scaling.high_freq_factor},
+                        {"original_max_position_embeddings", m.rope_scaling.original_max_position_embeddings}};
+  if (arch == HfArch::QWEN2)
+    return json{{"architectures", {"Qwen2ForCausalLM"}},
+                {"model_type", "qwen2"},
+                {"vocab_size", m.vocab_size},
+                {"hidden_size", m.hidden_size},
+                {"intermediate_size", m.ffn_hidden_size},
+                {"num_hidden_layers", m.num_layers},
+                {"num_attention_heads", m.num_heads},
+                {"num_key_value_heads", m.num_kv_heads},
+                {"head_dim", m.head_size()},
+                {"hidden_act", "silu"},
+                {"max_position_embeddings", m.seq_len},
+                {"rms_norm_eps", m.norm_eps},
+                {"rope_theta", m.rope_theta},
+                {"rope_scaling", rope_scaling},
+                {"use_sliding_window", false},
+                {"sliding_window", nullptr},
+                {"attention_dropout", 0.0},
+                {"initializer_range", m.init_std},
+                {"tie_word_embeddings", m.tie_embeddings},
+                {"bos_token_id", token_id(eos_token_id)},
+                {"eos_token_id", token_id(eos_token_id)},
+                {"use_cache", true},
+                {"torch_dtype", torch_dtype}};
   if (arch == HfArch::LLAMA)
     return json{{"architectures", {"LlamaForCausalLM"}},
                 {"model_type", "llama"},
@@ -173,7 +216,7 @@ json hf_config(const ModelConfig& m, HfArch arch, DType dtype, int64_t eos_token
                 {"max_position_embeddings", m.seq_len},
                 {"rms_norm_eps", m.norm_eps},
                 {"rope_theta", m.rope_theta},
-                {"rope_scaling", nullptr},
+                {"rope_scaling", rope_scaling},
                 {"attention_bias", false},
                 {"mlp_bias", false},
                 {"attention_dropout", 0.0},
@@ -214,7 +257,7 @@ std::vector<TensorRecord> hf_tensors(const ModelConfig& m, HfArch arch, DType dt
               dtype_name(dtype));
   const ParamLayout layout = ParamLayout::build(m);
   RecordWriter w{dtype, {}};
-  if (arch == HfArch::LLAMA)
+  if (arch != HfArch::GPT2)
     llama_tensors(m, layout, weights, w);
   else
     gpt2_tensors(m, layout, weights, w);

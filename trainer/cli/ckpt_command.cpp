@@ -42,6 +42,9 @@
 
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/checkpoint/hf_export.h"
+#include "trainer/checkpoint/hf_import.h"
+#include "trainer/comm/process_groups.h"
+#include "trainer/comm/rank_grid.h"
 #include "trainer/checkpoint/manifest.h"
 #include "trainer/checkpoint/safetensors.h"
 #include "trainer/checkpoint/sharding.h"
@@ -289,6 +292,51 @@ int export_hf(const std::string& dir, const std::string& out, const std::string&
   return 0;
 }
 
+int import_hf(const std::string& hf_dir, const std::string& out, int64_t seq_len) {
+  tetra::hf_check_output_dir(out, false);  // before any work: a refusal reads and writes nothing
+  const tetra::HfModel hf = tetra::read_hf_model(hf_dir, seq_len);
+  json j = {{"model", hf.model}, {"data", {{"synthetic", true}}}, {"checkpoint", {{"dir", out}}}};
+  tetra::Config cfg;
+  try {
+    cfg = tetra::config_from_json(j);
+  } catch (const tetra::ConfigError& e) {
+    std::string list;
+    for (const std::string& p : e.problems()) list += "\n  " + p;
+    throw InputError(fmt::format("{}/config.json describes a model Tetra cannot build:{}", hf_dir, list));
+  }
+  std::vector<float> master = tetra::read_hf_weights(hf, cfg.model);
+  // Step 0 with zero moments, saved as a one-rank run would: any layout loads it (resharding).
+  const tetra::ParamLayout layout = tetra::ParamLayout::build(cfg.model);
+  std::vector<float> zeros(master.size(), 0.0f), zeros2(master.size(), 0.0f);
+  const std::vector<tetra::GradRange> owned = {{0, layout.total}};
+  tetra::CheckpointBuffers b;
+  b.layout = &layout;
+  b.owned = &owned;
+  b.master_full = master.data();
+  b.exp_avg = zeros.data();
+  b.exp_avg_sq = zeros2.data();
+  b.compute = master.data();
+  auto be = tetra::make_cpu_backend(1);
+  tetra::ProcessGroups groups = tetra::ProcessGroups::create(tetra::RankGrid::build(tetra::GridSizes{}), 0);
+  const std::string step = tetra::save_checkpoint(out, cfg, groups, *be, b, tetra::CheckpointState{});
+  const std::string model_json = (fs::path(out) / "model.json").string();
+  {
+    std::ofstream f(model_json, std::ios::trunc);
+    f << json{{"model", hf.model}}.dump(2) << "\n";
+    f.flush();
+    if (!f) throw InputError(fmt::format("{}: cannot write", model_json));
+  }
+  int64_t params = 0;
+  for (const tetra::ParamSpec& p : layout.params) params += p.numel;
+  fmt::print("imported:    {} ({}, {} file(s))\n", hf_dir, hf.model_type, hf.weight_files.size());
+  fmt::print("model:       {}\n", model_text(cfg.model));
+  fmt::print("parameters:  {}\n", grouped(params));
+  fmt::print("wrote:       {} (step 0: the weights, zero optimizer state; checkpoint.init or checkpoint.resume "
+             "loads it under any layout)\n", step);
+  fmt::print("wrote:       {} (the model section for a run config)\n", model_json);
+  return 0;
+}
+
 // ---- errors that escape the commands -----------------------------------------------------------
 
 // Whether a filesystem error is the input's (exit 2: a path that is missing, not what it should
@@ -332,7 +380,7 @@ std::string manifest_of(const std::string& dir) {
 class CkptCommand final : public Command {
  public:
   explicit CkptCommand(CLI::App& tetra) {
-    ckpt_ = tetra.add_subcommand("ckpt", "inspect, verify and export Tetra checkpoints");
+    ckpt_ = tetra.add_subcommand("ckpt", "inspect, verify, import and export Tetra checkpoints");
     ckpt_->require_subcommand(1);
     inspect_ = ckpt_->add_subcommand(
         "inspect", "print what a checkpoint holds and verify every slice (exit 2 on the first problem)");
@@ -345,6 +393,15 @@ class CkptCommand final : public Command {
     export_->add_option("--dtype", dtype_, "stored type of the weights")
         ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
         ->capture_default_str();
+    import_ = ckpt_->add_subcommand(
+        "import-hf", "read a Hugging Face model directory (Llama, Mistral, Qwen2, GPT-2) into a Tetra checkpoint at "
+                     "step 0: OUT/step_00000000 and OUT/model.json");
+    import_->add_option("HF_DIR", dir_, "config.json and model.safetensors (or its shards and their index)")->required();
+    import_->add_option("OUT", out_, "the checkpoint directory to create: new or empty")->required();
+    import_->add_option("--seq-len", seq_len_, "model.seq_len (0: GPT-2's n_positions, else max_position_embeddings "
+                                               "up to 4096)")
+        ->check(CLI::NonNegativeNumber)
+        ->capture_default_str();
   }
 
   CLI::App& app() override { return *ckpt_; }
@@ -352,6 +409,7 @@ class CkptCommand final : public Command {
   int run(int* /*argc*/, char*** /*argv*/, const RuntimeOptions& /*runtime*/) override {
     try {
       if (*inspect_) return inspect(dir_);
+      if (*import_) return import_hf(dir_, out_, seq_len_);
       return export_hf(dir_, out_, dtype_, force_);
     } catch (const InputError& e) {
       std::fflush(stdout);
@@ -373,8 +431,9 @@ class CkptCommand final : public Command {
   }
 
  private:
-  CLI::App *ckpt_ = nullptr, *inspect_ = nullptr, *export_ = nullptr;
+  CLI::App *ckpt_ = nullptr, *inspect_ = nullptr, *export_ = nullptr, *import_ = nullptr;
   std::string dir_, out_, dtype_ = "fp32";
+  int64_t seq_len_ = 0;
   bool force_ = false;
 };
 

@@ -366,6 +366,8 @@ struct CheckpointConfig {
   int64_t every = 0;                // save every N steps; 0 = only at the end / on a signal
   int64_t keep = 2;                 // complete checkpoints kept (older ones deleted); 0 = all
   ResumeSpec resume;                // auto: from dir/latest if present | none | a checkpoint path
+  std::string init;                 // a checkpoint whose weights start a run that resumes nothing:
+                                    // fresh optimizer, step 0, the data from its start ("" = none)
   bool save_on_exit = true;         // save when training ends or on SIGTERM / SIGUSR1
 };
 

@@ -151,6 +151,7 @@ void visit_checkpoint(K& k, V& v) {
   v.integer("every", k.every);
   v.integer("keep", k.keep);
   v.resume("resume", k.resume);
+  v.text("init", k.init);
   v.boolean("save_on_exit", k.save_on_exit);
 }
 

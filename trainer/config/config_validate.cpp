@@ -302,6 +302,7 @@ void resolve(Config& c, Rules& r) {
   expand("logging.dir", c.logging.dir, r);
   expand("checkpoint.dir", c.checkpoint.dir, r);
   if (c.checkpoint.resume.kind == ResumeKind::PATH) expand("checkpoint.resume", c.checkpoint.resume.path, r);
+  expand("checkpoint.init", c.checkpoint.init, r);
   ModelConfig& m = c.model;
   if (m.num_kv_heads == 0 && r.ok({"model.num_kv_heads", "model.num_heads"}))
     m.num_kv_heads = m.num_heads;

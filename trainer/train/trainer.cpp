@@ -83,6 +83,19 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   // The checkpoint to resume from is found (or refused) and its manifest checked against this
   // model before any file is written; so is every path the run will write.
   const std::string resume = agree_checkpoint_to_resume(cfg.checkpoint, groups);
+  // Nothing to resume: checkpoint.init's weights start the run (found as checkpoint.resume's path).
+  std::string init;
+  if (resume.empty() && !cfg.checkpoint.init.empty()) {
+    // A step_* directory, or a checkpoint directory: its newest complete checkpoint.
+    CheckpointConfig from = cfg.checkpoint;
+    const bool step_dir = std::filesystem::exists(std::filesystem::path(cfg.checkpoint.init) / "manifest.json");
+    from.dir = step_dir ? cfg.checkpoint.dir : cfg.checkpoint.init;
+    from.resume = step_dir ? ResumeSpec{ResumeKind::PATH, cfg.checkpoint.init} : ResumeSpec{ResumeKind::AUTO, ""};
+    init = agree_checkpoint_to_resume(from, groups);
+    TETRA_INPUT_CHECK(!init.empty(), "checkpoint.init: {} is neither a checkpoint (no manifest.json) nor a "
+                      "checkpoint directory holding one", cfg.checkpoint.init);
+    check_same_model(read_manifest(init), cfg);
+  }
   if (!resume.empty()) {
     const Manifest manifest = read_manifest(resume);
     check_same_model(manifest, cfg);
@@ -162,6 +175,10 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     start_step_ = st.step;
     train_loader_->set_consumed_samples(st.consumed_samples);
     updater_->resume(st, resume);
+  } else if (!init.empty()) {
+    const auto l0 = std::chrono::steady_clock::now();
+    load_checkpoint(init, cfg, groups, *be_, checkpoint_buffers(), /*weights_only=*/true);
+    spdlog::info("checkpoint.init {} loaded in {:.2f} s", init, seconds_since(l0));
   }
   // This run's hold on checkpoint.dir, then the run directory, once everything they depend on has
   // been read and checked (train.log starts with the lines logged so far).
