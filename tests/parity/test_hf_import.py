@@ -15,7 +15,8 @@ Conv1D x W + b) on the dumped batch, relative 1e-5 (Tetra computes in fp32). The
 are also checked bit for bit against the files (bf16 values widened exactly).
 
 `tetra ckpt export-hf` of the imported checkpoint gives back the same tensors bit for bit under
-the same names, and a config.json with the same RoPE frequencies and head size.
+the same names, and a config.json with the same RoPE frequencies and head size; with
+--max-shard-size below the model's size it writes shards and the index, which import again.
 
 Refusals (exit 2, the message naming the key or tensor, nothing written): a sliding window, a
 RoPE type Tetra lacks, an unknown model_type, a tensor the model does not have, a missing tensor,
@@ -289,6 +290,30 @@ def family(args, kind, cfg, sd, shards, dtype, seq_len):
             same_rope = torch.equal(inv_freq_hf(ecfg, hd), inv_freq_hf(cfg, hd)) and ecfg["head_dim"] == hd
             check(same_rope, f"{kind}: exported config.json has the same RoPE frequencies and head_dim "
                   f"({ecfg.get('rope_theta')}, {ecfg.get('rope_scaling')})")
+        if kind == "llama":  # sharded: above --max-shard-size, shards and their index, read back alike
+            sharded, again = os.path.join(work, "exported_sharded"), os.path.join(work, "reimported")
+            r = harness.run_tetra(args, ["ckpt", "export-hf", os.path.join(out, "step_00000000"), sharded,
+                                         "--max-shard-size", "20KB"])
+            files = sorted(os.listdir(sharded)) if os.path.isdir(sharded) else []
+            shard_files = [f for f in files if f.startswith("model-") and f.endswith(".safetensors")]
+            check(r.returncode == 0 and "model.safetensors.index.json" in files and len(shard_files) >= 2
+                  and "model.safetensors" not in files,
+                  f"{kind}: export-hf --max-shard-size 20KB writes {len(shard_files)} shards and the index")
+            if r.returncode == 0:
+                with open(os.path.join(sharded, "model.safetensors.index.json")) as f:
+                    index = json.load(f)
+                merged = {}
+                for fname in shard_files:
+                    merged.update(read_safetensors(os.path.join(sharded, fname))[0])
+                check(sorted(index["weight_map"]) == sorted(back) and
+                      all(np.array_equal(merged[n], back[n]) for n in back) and
+                      all(os.path.getsize(os.path.join(sharded, f)) < 20000 + 8192 for f in shard_files),
+                      f"{kind}: the shards hold the same tensors as the single file, each shard within the limit")
+                r = harness.run_tetra(args, ["ckpt", "import-hf", sharded, again, "--seq-len", str(model["seq_len"])])
+                with open(os.path.join(again, "model.json")) as f:
+                    model_again = json.load(f)["model"]
+                check(r.returncode == 0 and model_again == model,
+                      f"{kind}: the sharded export imports again to the same model section")
     ref_sd = {n: torch.from_numpy(a.astype(np.float64)) for n, a in stored.items()}
     T = model["seq_len"]
     for name, par, world in LAYOUTS:

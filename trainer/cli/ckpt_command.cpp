@@ -23,6 +23,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <cstdio>
@@ -245,7 +246,27 @@ int inspect(const std::string& dir) {
   return 0;
 }
 
-int export_hf(const std::string& dir, const std::string& out, const std::string& dtype_name, bool force) {
+// "5GB", "500MB", "64KB" (powers of 1000, as Hugging Face's max_shard_size) or a byte count.
+int64_t shard_bytes(const std::string& text) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  std::string unit = text.substr(used);
+  std::transform(unit.begin(), unit.end(), unit.begin(), [](unsigned char c) { return std::toupper(c); });
+  const std::map<std::string, double> units = {{"", 1.0}, {"B", 1.0}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}};
+  const auto it = units.find(unit);
+  if (used == 0 || it == units.end() || !(v > 0))
+    throw InputError(fmt::format("--max-shard-size {}: expected a size such as 5GB, 500MB or a byte count", text));
+  return static_cast<int64_t>(v * it->second);
+}
+
+int export_hf(const std::string& dir, const std::string& out, const std::string& dtype_name, bool force,
+              const std::string& max_shard) {
+  const int64_t max_shard_bytes = shard_bytes(max_shard);
   const tetra::DType dtype =
       tetra::precision_dtype(tetra::enum_from_string<tetra::Precision>(dtype_name).value_or(tetra::Precision::FP32));
   tetra::hf_check_output_dir(out, force);  // before any work: a refusal reads and writes nothing
@@ -271,8 +292,44 @@ int export_hf(const std::string& dir, const std::string& out, const std::string&
   if (ec || !fs::is_directory(out))
     throw InputError(fmt::format("{}: cannot create the output directory: {}", out,
                                  ec ? ec.message() : "not a directory"));
-  const std::string weights = (fs::path(out) / "model.safetensors").string();
-  tetra::write_safetensors(weights, records, tetra::hf_metadata());
+  // Shards of at most max_shard_bytes (a larger tensor alone in its own), in state-dict order, with
+  // Hugging Face's index when there is more than one; what an earlier export left is replaced.
+  std::vector<std::vector<tetra::TensorRecord>> shards(1);
+  int64_t in_shard = 0, total_bytes = 0;
+  for (const tetra::TensorRecord& r : records) {
+    const int64_t bytes = static_cast<int64_t>(r.data.size());
+    if (in_shard > 0 && in_shard + bytes > max_shard_bytes) {
+      shards.emplace_back();
+      in_shard = 0;
+    }
+    shards.back().push_back(r);
+    in_shard += bytes;
+    total_bytes += bytes;
+  }
+  for (const auto& entry : fs::directory_iterator(out)) {
+    const std::string name = entry.path().filename().string();
+    if (name == "model.safetensors.index.json" ||
+        (name.rfind("model-", 0) == 0 && name.find("-of-") != std::string::npos &&
+         name.size() > 12 && name.compare(name.size() - 12, 12, ".safetensors") == 0))
+      fs::remove(entry.path());
+  }
+  std::string weights = (fs::path(out) / "model.safetensors").string();
+  if (shards.size() == 1) {
+    tetra::write_safetensors(weights, shards[0], tetra::hf_metadata());
+  } else {
+    fs::remove(weights);
+    json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", json::object()}};
+    for (size_t k = 0; k < shards.size(); ++k) {
+      const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, shards.size());
+      tetra::write_safetensors((fs::path(out) / file).string(), shards[k], tetra::hf_metadata());
+      for (const tetra::TensorRecord& r : shards[k]) index["weight_map"][r.name] = file;
+    }
+    weights = (fs::path(out) / "model.safetensors.index.json").string();
+    std::ofstream f(weights, std::ios::trunc);
+    f << index.dump(2) << "\n";
+    f.flush();
+    if (!f) throw InputError(fmt::format("{}: cannot write", weights));
+  }
   {
     const std::string path = (fs::path(out) / "config.json").string();
     std::ofstream f(path, std::ios::trunc);
@@ -286,8 +343,9 @@ int export_hf(const std::string& dir, const std::string& out, const std::string&
   fmt::print("model:       {}\n", model_text(ck.model));
   fmt::print("exported as: {} ({}), {}\n", tetra::hf_model_type(arch), config["architectures"][0].get<std::string>(),
              config["torch_dtype"].get<std::string>());
-  fmt::print("wrote:       {}: {} tensors, {} values, {} bytes\n", weights, records.size(), grouped(elements),
-             grouped(static_cast<int64_t>(fs::file_size(weights))));
+  fmt::print("wrote:       {}: {} tensors, {} values, {} bytes of tensors{}\n", weights, records.size(),
+             grouped(elements), grouped(total_bytes),
+             shards.size() > 1 ? fmt::format(" in {} shards", shards.size()) : std::string());
   fmt::print("wrote:       {}\n", (fs::path(out) / "config.json").string());
   return 0;
 }
@@ -393,6 +451,10 @@ class CkptCommand final : public Command {
     export_->add_option("--dtype", dtype_, "stored type of the weights")
         ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
         ->capture_default_str();
+    export_->add_option("--max-shard-size", max_shard_,
+                        "largest weights file (5GB, 500MB, bytes); above it model-0000k-of-0000n.safetensors and "
+                        "model.safetensors.index.json")
+        ->capture_default_str();
     import_ = ckpt_->add_subcommand(
         "import-hf", "read a Hugging Face model directory (Llama, Mistral, Qwen2, GPT-2) into a Tetra checkpoint at "
                      "step 0: OUT/step_00000000 and OUT/model.json");
@@ -410,7 +472,7 @@ class CkptCommand final : public Command {
     try {
       if (*inspect_) return inspect(dir_);
       if (*import_) return import_hf(dir_, out_, seq_len_);
-      return export_hf(dir_, out_, dtype_, force_);
+      return export_hf(dir_, out_, dtype_, force_, max_shard_);
     } catch (const InputError& e) {
       std::fflush(stdout);
       std::fprintf(stderr, "error: %s\n", e.what());
@@ -432,7 +494,7 @@ class CkptCommand final : public Command {
 
  private:
   CLI::App *ckpt_ = nullptr, *inspect_ = nullptr, *export_ = nullptr, *import_ = nullptr;
-  std::string dir_, out_, dtype_ = "fp32";
+  std::string dir_, out_, dtype_ = "fp32", max_shard_ = "5GB";
   int64_t seq_len_ = 0;
   bool force_ = false;
 };
