@@ -24,7 +24,7 @@ std::string final_weights_path(const Config& cfg) {
 std::unique_ptr<Tokenizer> load_sampling_tokenizer(const Config& cfg) {
   if (cfg.data.tokenizer.empty())
     throw InputError("sampling text needs the tokenizer the data was made with: set data.tokenizer "
-                     "(gpt2:<dir> or sentencepiece:<file.model>)");
+                     "(gpt2:<dir>, sentencepiece:<file.model> or hf:<dir>)");
   std::unique_ptr<Tokenizer> tok = load_tokenizer(cfg.data.tokenizer);
   if (tok->vocab_size() > cfg.model.vocab_size)
     throw InputError(fmt::format("data.tokenizer {} has {} tokens but model.vocab_size is {}: the model "
