@@ -39,6 +39,14 @@ std::string generate_text(Sampler& sampler, const void* weights, const Tokenizer
   tokenizer.encode(prompt, context);
   const std::vector<int32_t> ids =
       sampler.generate(weights, context, s, tokenizer.eod_id(), tokenizer.vocab_size());
+  // The continuation as it reads after the prompt: decoded with the prompt's ids in front, then the
+  // prompt's text cut off. (Decoders that strip a leading space, as Llama-2's does, would
+  // otherwise eat the space between the two.)
+  std::vector<int32_t> all(context.begin() + 1, context.end());
+  const std::string before = tokenizer.decode(all);
+  all.insert(all.end(), ids.begin(), ids.end());
+  const std::string text = tokenizer.decode(all);
+  if (text.starts_with(before)) return text.substr(before.size());
   return tokenizer.decode(ids);
 }
 
