@@ -53,7 +53,7 @@ declare -A HF_SHA256=(
 )
 
 usage() {
-  sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 case "${1:-}" in

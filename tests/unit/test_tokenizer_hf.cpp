@@ -269,6 +269,22 @@ TEST_CASE("hf SentencePiece-style BPE: Prepend/Replace, byte fallback, fuse_unk,
   // Special tokens in the text: their ids; the text after one gets its own ▁.
   CHECK(encode(*tok, "a</s>a") == std::vector<int32_t>{1, 262, 2, 262});
 
+  // Unicode normalization (ICU) before the model: NFC composes, NFKC also folds compatibility
+  // characters (U+FDFA grows to 18 characters).
+  for (const auto& [form, text, normal] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"NFC", "e\u0301 A\u030a \u1100\u1161\u11a8", "\u00e9 \u00c5 \uac01"},
+           {"NFD", "\u00e9", "e\u0301"},
+           {"NFKC", "\ufdfa", "\u0635\u0644\u0649 \u0627\u0644\u0644\u0647 \u0639\u0644\u064a\u0647 \u0648\u0633\u0644\u0645"},
+           {"NFKD", "\ufb01", "fi"}}) {
+    json t = sentencepiece_json(pieces, merges);
+    t["normalizer"]["normalizers"].push_back({{"type", form}});
+    write_tokenizer(dir, t, kLlamaConfig);
+    const auto nt = load_tokenizer("hf:" + dir);
+    const auto ids = encode(*nt, text);
+    INFO(form);
+    CHECK(nt->decode(std::span<const int32_t>(ids).subspan(1)) == normal);
+  }
+
   // Without byte fallback: unknown characters are <unk>, fused when fuse_unk.
   write_tokenizer(dir, sentencepiece_json(pieces, merges, false), kLlamaConfig);
   CHECK(encode(*load_tokenizer("hf:" + dir), "aéèb") == std::vector<int32_t>{1, 262, 0, 261});

@@ -68,24 +68,6 @@ uint32_t decode_utf8(std::string_view s, size_t i, size_t& len) {
   return cp;
 }
 
-void append_utf8(std::string& out, uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
-
 // Unicode's White_Space: what the Rust library's \s and char::is_whitespace mean.
 bool is_white_space(uint32_t cp) {
   return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
@@ -472,7 +454,8 @@ class HfTokenizer final : public Tokenizer {
   std::array<int32_t, 256> byte_symbol_{};  // byte-level: each byte's id, -1: none
   std::array<int32_t, 256> fallback_id_{};  // <0xNN>'s id, -1: none
   std::array<int32_t, 128> ascii_symbol_{};  // character models: each ASCII character's id
-  std::unordered_map<std::string, int32_t, StringViewHash, std::equal_to<>> vocab_;
+  std::unordered_map<std::string, int32_t, StringViewHash, std::equal_to<>> vocab_;  // symbols -> id
+  bool has_merges_ = false;
   uint64_t serial_ = g_next_serial.fetch_add(1);
 };
 
@@ -530,6 +513,11 @@ HfTokenizer::HfTokenizer(const std::string& dir) : parts_(hf::read_parts(dir)) {
     const auto it = parts_.model_vocab.find(fmt::format("<0x{:02X}>", b));
     if (it != parts_.model_vocab.end()) fallback_id_[b] = it->second;
   }
+  // Both live on in vocab_ and merges_.
+  parts_.model_vocab = {};
+  const bool has_merges = !parts_.merges.empty();
+  parts_.merges = {};
+  has_merges_ = has_merges;
 }
 
 std::string HfTokenizer::normalize(std::string s) const {
@@ -554,9 +542,15 @@ std::string HfTokenizer::normalize(std::string s) const {
                       static_cast<int32_t>(s.size()), &err);
         in.resize(static_cast<size_t>(len));
         if (U_SUCCESS(err) && unorm2_isNormalized(form, in.data(), len, &err)) break;
-        std::u16string norm(in.size() * 4 + 16, u'\0');
-        const int32_t nlen = unorm2_normalize(form, in.data(), len, norm.data(),
-                                              static_cast<int32_t>(norm.size()), &err);
+        err = U_ZERO_ERROR;
+        std::u16string norm(in.size() * 2 + 16, u'\0');
+        int32_t nlen = unorm2_normalize(form, in.data(), len, norm.data(),
+                                        static_cast<int32_t>(norm.size()), &err);
+        if (err == U_BUFFER_OVERFLOW_ERROR) {  // a compatibility decomposition grows up to 18x
+          err = U_ZERO_ERROR;
+          norm.assign(static_cast<size_t>(nlen), u'\0');
+          nlen = unorm2_normalize(form, in.data(), len, norm.data(), nlen, &err);
+        }
         TETRA_CHECK(U_SUCCESS(err), "ICU normalization failed: {}", u_errorName(err));
         std::string out(static_cast<size_t>(nlen) * 3, '\0');
         int32_t olen = 0;
@@ -834,7 +828,7 @@ void HfTokenizer::bpe(std::string_view word, std::vector<int32_t>& out) const {
   if (unk_pending >= 0) add(unk_pending);
 
   const auto n = static_cast<int32_t>(w.id.size());
-  if (n > 1 && !parts_.merges.empty()) {
+  if (n > 1 && has_merges_) {
     w.prev.resize(n);
     w.next.resize(n);
     w.alive.assign(n, 1);

@@ -470,7 +470,7 @@ void read_template(const Obj& p, Parts& parts) {
   bool seen_a = false;
   for (size_t i = 0; i < single.size(); ++i) {
     const Obj item = p.element("single", i);
-    if (const json* s = item.find("SpecialToken")) {
+    if (item.find("SpecialToken") != nullptr) {
       item.allow_only({"SpecialToken"});
       const Obj st = item.obj("SpecialToken");
       st.allow_only({"id", "type_id"});
@@ -487,7 +487,6 @@ void read_template(const Obj& p, Parts& parts) {
           e.fail(fmt::format("{}[{}]", e.at("ids"), k), show(ids[k]) + " is no token's id");
         (seen_a ? parts.suffix_ids : parts.prefix_ids).push_back(ids[k].get<int32_t>());
       }
-      (void)s;
     } else if (item.find("Sequence") != nullptr) {
       item.allow_only({"Sequence"});
       const Obj seq = item.obj("Sequence");
@@ -541,7 +540,7 @@ int32_t read_special(const Obj& c, const char* key,
 }
 
 void read_config(const std::string& path, Parts& parts,
-                 const std::unordered_map<std::string, int32_t>& file_vocab, bool has_template) {
+                 const std::unordered_map<std::string, int32_t>& file_vocab) {
   const json j = parse_json(path, read_text_file(path, "tokenizer_config.json"));
   const Obj c(path, j, "");
   parts.bos_id = read_special(c, "bos_token", file_vocab, parts.json_path);
@@ -560,7 +559,6 @@ void read_config(const std::string& path, Parts& parts,
     parts.suffix_ids.clear();
     if (*add_eos) parts.suffix_ids.push_back(parts.eos_id);
   }
-  (void)has_template;
   if (c.flag("split_special_tokens", false))
     c.fail("split_special_tokens", "true is not supported: added tokens are always matched");
   // add_prefix_space makes transformers rebuild the pre-tokenizer; Tetra reads it only where it
@@ -616,7 +614,7 @@ Parts read_parts(const std::string& dir) {
   struct stat st;
   if (::stat(config.c_str(), &st) == 0) {
     parts.config_path = config;
-    read_config(config, parts, file_vocab, has_template);
+    read_config(config, parts, file_vocab);
   }
   if (parts.eos_id < 0) {
     // Without tokenizer_config.json's eos_token, a file with one special token means that one.
