@@ -720,4 +720,15 @@ TEST_CASE("hf: gpt2: the SOTU corpus matches the reference and gpt2:, round-trip
           "[tokenizer][download]") {
   // The same ids as gpt2:'s encoder.json + vocab.bpe (tests/unit/test_tokenizer.cpp pins them).
   check_corpus("gpt2", 2074279, 1593910191u);
+  // Where the JavaScript port's \s is not Unicode's White_Space (U+0085 is, U+FEFF is not) and
+  // where PCRE2's is not (U+180E), hf: agrees with gpt2:, which follows OpenAI's tiktoken.
+  const std::string gpt2_dir = data_dir() + "/gpt2";
+  if (!std::filesystem::exists(gpt2_dir + "/encoder.json")) FAIL(gpt2_dir << " is missing: run scripts/data.sh");
+  const auto hf = load_tokenizer("hf:" + hf_dir("gpt2"));
+  const auto openai = load_tokenizer("gpt2:" + gpt2_dir);
+  for (const std::string text : {"a\u0085\u0085b \u0085x", "a\ufeff\ufeffb \ufeffx", "a\u180e\u180eb \u180ex",
+                                 "x \u0085\n \ufeff\t\u2028 y  "}) {
+    INFO(json(text).dump());
+    CHECK(encode(*hf, text) == encode(*openai, text));
+  }
 }
