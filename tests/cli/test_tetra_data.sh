@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `tetra data` end to end: a SentencePiece model trained on the fly, text and JSONL corpora
 # tokenized with it (same tokens both ways, same files for every thread count, a train/valid
-# split), an llm.c shard converted, and bad input refused with exit code 2, a message naming the
+# split), a text tokenized with a hand-made Hugging Face tokenizer.json, an llm.c shard converted, and bad input refused with exit code 2, a message naming the
 # file and line, and no dataset left behind.
 #
 # Usage: test_tetra_data.sh <tetra binary> <source dir> <scratch dir>
@@ -107,6 +107,35 @@ assert valid == [text[i] for i in (2, 6, 10)], "valid part"
 assert train == [text[i] for i in range(12) if i not in (2, 6, 10)], "train part"
 PY
 
+# ---- a Hugging Face tokenizer.json (hf:<dir>) ------------------------------------------------
+case=tokenize_hf
+write_hf_tokenizer "$scratch/hf"
+mkdir -p "$scratch/hf_digits"
+$py - "$scratch/hf" "$scratch/hf_digits" <<'PY'
+import json, sys
+tok = json.load(open(sys.argv[1] + "/tokenizer.json"))
+tok["pre_tokenizer"] = {"type": "Digits", "individual_digits": True}
+json.dump(tok, open(sys.argv[2] + "/tokenizer.json", "w"))
+PY
+"$tetra" data tokenize --tokenizer "hf:$scratch/hf" --input "$scratch/corpus/doc00.txt" \
+  --output "$scratch/hf_out" >"$scratch/hf.out" 2>"$scratch/hf.err" ||
+  fail "exit $?: $(cat "$scratch/hf.err")"
+read_docs "$scratch/hf_out" >"$scratch/hf.docs" || fail "the hf dataset does not read back"
+$py - "$scratch/hf.docs" "$scratch/corpus/doc00.txt" <<'PY' || fail "hf ids are not the text's bytes (th merged) + <|end|>"
+import sys
+docs = [list(map(int, l.split())) for l in open(sys.argv[1])]
+want = []
+data = open(sys.argv[2], "rb").read()
+i = 0
+while i < len(data):
+    if data[i:i + 2] == b"th":
+        want.append(256)
+        i += 2
+    else:
+        want.append(data[i])
+        i += 1
+assert docs == [want + [257]], (docs[0][:20], want[:20])
+PY
 # ---- from-llmc -------------------------------------------------------------------------------
 case=from_llmc
 # Two gpt-2 shards by llm.c's dev/data/data_common.py rules, a document continuing across them.
@@ -193,6 +222,10 @@ bad spm_fifo "pipe.model is a named pipe (FIFO), not a regular file" "$out" -- \
 bad bad_tokenizer "nowhere.model" "$out" -- \
   tokenize --tokenizer "sentencepiece:$scratch/nowhere.model" --input "$scratch/corpus" \
   --output "$out"
+bad hf_unsupported "hf_digits/tokenizer.json: pre_tokenizer.type \"Digits\" is not supported" "$out" -- \
+  tokenize --tokenizer "hf:$scratch/hf_digits" --input "$scratch/corpus" --output "$out"
+bad hf_missing "nowhere/tokenizer.json: cannot open" "$out" -- \
+  tokenize --tokenizer "hf:$scratch/nowhere" --input "$scratch/corpus" --output "$out"
 
 bad too_small_split "valid part got none" "$scratch/small" -- \
   tokenize --tokenizer "$spm" --input "$scratch/corpus/doc00.txt" --split 98,2 \

@@ -503,10 +503,11 @@ TEST_CASE("config: data.tokenizer and checkpoint.resume specs", "[config]") {
   CHECK(parse_tokenizer_spec("") == TokenizerSpec{});
   CHECK(parse_tokenizer_spec("gpt2:dir") == TokenizerSpec{TokenizerKind::GPT2, "dir"});
   CHECK(parse_tokenizer_spec("gpt2:") == TokenizerSpec{TokenizerKind::GPT2, ""});  // load_tokenizer refuses it
+  CHECK(parse_tokenizer_spec("hf:/m/llama3") == TokenizerSpec{TokenizerKind::HF, "/m/llama3"});
   CHECK(!parse_tokenizer_spec("gpt2"));
   CHECK(!parse_tokenizer_spec("bpe:x"));
   CHECK(!parse_tokenizer_spec(":x"));
-  for (const char* s : {"", "gpt2:dir", "sentencepiece:a.model"}) CHECK(to_string(*parse_tokenizer_spec(s)) == s);
+  for (const char* s : {"", "gpt2:dir", "sentencepiece:a.model", "hf:dir"}) CHECK(to_string(*parse_tokenizer_spec(s)) == s);
 
   CHECK(parse_resume_spec("auto").kind == ResumeKind::AUTO);
   CHECK(parse_resume_spec("none").kind == ResumeKind::NONE);

@@ -285,7 +285,7 @@ TEST_CASE("config: data split, tokenizer, samples and paths", "[config]") {
   require_one(with(with(ds, "data.split", "98,2"), "data.valid", json::array({"v"})),
               "data.split: \"98,2\": ", "leave data.valid empty");
   require_one(with(base(), "data.tokenizer", "bpe:x"), "data.tokenizer: \"bpe:x\": ",
-              "sentencepiece:<model file>");
+              "sentencepiece:<model file>\" or \"hf:<directory with tokenizer.json>");
   require_one(with(base(), "sample.prompt", "Hello"), "sample.prompt: \"Hello\": ", "set data.tokenizer");
   CHECK(problems_of(with(with(base(), "sample.prompt", "Hello"), "data.tokenizer", "gpt2:dir")).empty());
   CHECK(parse_data_split("98,2") == std::vector<double>{98, 2, 0});
@@ -299,6 +299,8 @@ TEST_CASE("config: data split, tokenizer, samples and paths", "[config]") {
   const Config t = config_from_json(with(base(), "data.tokenizer", "sentencepiece:~/tok/a.model"));
   CHECK(t.data.tokenizer.kind == TokenizerKind::SENTENCEPIECE);
   CHECK(t.data.tokenizer.path == std::string(std::getenv("HOME")) + "/tok/a.model");
+  const Config hf = config_from_json(with(base(), "data.tokenizer", "hf:~/tok/llama3"));
+  CHECK(hf.data.tokenizer == TokenizerSpec{TokenizerKind::HF, std::string(std::getenv("HOME")) + "/tok/llama3"});
   const Config h = config_from_json(with(base(), "logging.dir", "~/runs/a"));
   CHECK(h.logging.dir == std::string(std::getenv("HOME")) + "/runs/a");
   require_one(with(ds, "data.train", json::array({"${TETRA_TEST_UNSET_VAR}/x"})), "data.train[0].path: ",

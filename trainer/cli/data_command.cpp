@@ -1,6 +1,6 @@
 // `tetra data`: prepares the token datasets tetra trains on.
 //
-//   tetra data tokenize --tokenizer gpt2:<dir>|sentencepiece:<model> --input <files/dirs...>
+//   tetra data tokenize --tokenizer gpt2:<dir>|sentencepiece:<model>|hf:<dir> --input <files/dirs...>
 //                       [--jsonl [--json-key text]] --output <prefix> [--threads N] [--split 98,2]
 //   tetra data train-tokenizer --input <files/dirs...> [--vocab-size 4096] --output <prefix>
 //   tetra data from-llmc --input <shard.bin/dirs...> --output <prefix> [--eot ID]
@@ -143,7 +143,7 @@ class DataCommand final : public Command {
     // ---- tokenize --------------------------------------------------------------------------------
     tokenize_ = data_->add_subcommand(
         "tokenize", "tokenize documents (a file each, or a JSON line each) into a dataset");
-    tokenize_->add_option("--tokenizer", tokenizer_spec_, "gpt2:<dir> or sentencepiece:<model file>")
+    tokenize_->add_option("--tokenizer", tokenizer_spec_, "gpt2:<dir>, sentencepiece:<model file> or hf:<dir with tokenizer.json>")
         ->required();
     tokenize_->add_option("--input", tok_.inputs, "text files, JSONL files or directories of them")
         ->required();

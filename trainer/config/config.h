@@ -38,7 +38,7 @@ enum class Device : uint8_t { CPU, CUDA };                         // training.d
 enum class Precision : uint8_t { FP32, BF16, FP16 };               // training.precision
 enum class LrDecay : uint8_t { COSINE, LINEAR, CONSTANT };         // optimizer.decay
 enum class LogLevel : uint8_t { TRACE, DEBUG, INFO, WARN, ERROR };  // logging.level
-enum class TokenizerKind : uint8_t { NONE, GPT2, SENTENCEPIECE };  // data.tokenizer's "<kind>:"
+enum class TokenizerKind : uint8_t { NONE, GPT2, SENTENCEPIECE, HF };  // data.tokenizer's "<kind>:"
 enum class ResumeKind : uint8_t { AUTO, NONE, PATH };              // checkpoint.resume
 enum class Recompute : uint8_t { NONE, SELECTIVE, FULL };          // training.recompute
 enum class RecomputeMethod : uint8_t { UNIFORM, BLOCK };           // training.recompute_method
@@ -109,7 +109,8 @@ struct EnumNames<LogLevel> {
 template <>
 struct EnumNames<TokenizerKind> {
   static constexpr EnumName<TokenizerKind> values[] = {{TokenizerKind::GPT2, "gpt2"},
-                                                       {TokenizerKind::SENTENCEPIECE, "sentencepiece"}};
+                                                       {TokenizerKind::SENTENCEPIECE, "sentencepiece"},
+                                                       {TokenizerKind::HF, "hf"}};
 };
 
 template <>
@@ -157,8 +158,9 @@ std::vector<std::string> enum_names() {
   return out;
 }
 
-// data.tokenizer: "gpt2:<directory with encoder.json and vocab.bpe>" or "sentencepiece:<model file>",
-// the tokenizer the datasets were made with; "" (kind NONE) when there is none.
+// data.tokenizer: "gpt2:<directory with encoder.json and vocab.bpe>", "sentencepiece:<model file>" or
+// "hf:<directory with tokenizer.json>", the tokenizer the datasets were made with; "" (kind NONE)
+// when there is none.
 struct TokenizerSpec {
   TokenizerKind kind = TokenizerKind::NONE;
   std::string path;
@@ -166,7 +168,7 @@ struct TokenizerSpec {
   bool operator==(const TokenizerSpec&) const = default;
 };
 // "<kind>:<path>" ("" for none); parse_tokenizer_spec is its inverse: nullopt when `spec` starts
-// with neither "gpt2:" nor "sentencepiece:" (and is not empty).
+// with none of "gpt2:", "sentencepiece:", "hf:" (and is not empty).
 std::string to_string(const TokenizerSpec& t);
 std::optional<TokenizerSpec> parse_tokenizer_spec(std::string_view spec);
 

@@ -457,7 +457,7 @@ class SectionReader {
     out = std::move(got);
   }
 
-  // "gpt2:<dir>", "sentencepiece:<file>" or "" (none).
+  // "gpt2:<dir>", "sentencepiece:<file>", "hf:<dir>" or "" (none).
   void tokenizer(const char* key, TokenizerSpec& out) {
     const json* v = find(key);
     if (!v) return;
@@ -469,7 +469,8 @@ class SectionReader {
       out = *t;
     else
       problems_.add(path(key), show(*v),
-                    "must be \"gpt2:<directory with encoder.json and vocab.bpe>\" or \"sentencepiece:<model file>\"");
+                    "must be \"gpt2:<directory with encoder.json and vocab.bpe>\", \"sentencepiece:<model file>\" "
+                    "or \"hf:<directory with tokenizer.json>\"");
   }
 
   // "auto", "none" or a checkpoint's path (an empty one is rejected by the rules).

@@ -1,6 +1,6 @@
 // load_tokenizer: data.tokenizer, or the command line's spec string ("gpt2:<dir>",
-// "sentencepiece:<model file>"), to a tokenizer. The tokenizers themselves live in
-// tokenizer_gpt2.cpp and tokenizer_sentencepiece.cpp.
+// "sentencepiece:<model file>", "hf:<dir>"), to a tokenizer. The tokenizers themselves live in
+// tokenizer_gpt2.cpp, tokenizer_sentencepiece.cpp and tokenizer_hf.cpp.
 #include <fmt/format.h>
 
 #include "kernels/common/check.h"
@@ -12,7 +12,8 @@ namespace {
 
 [[noreturn]] void bad_spec(const std::string& spec) {
   throw InputError(fmt::format("tokenizer \"{}\": expected \"gpt2:<directory with encoder.json and "
-                               "vocab.bpe>\" (scripts/data.sh fetches them) or \"sentencepiece:<model file>\"",
+                               "vocab.bpe>\" (scripts/data.sh fetches them), \"sentencepiece:<model file>\" "
+                               "or \"hf:<directory with tokenizer.json>\"",
                                spec));
 }
 
@@ -23,6 +24,7 @@ std::unique_ptr<Tokenizer> load_tokenizer(const TokenizerSpec& spec) {
   switch (spec.kind) {
     case TokenizerKind::GPT2: return load_gpt2_tokenizer(spec.path);
     case TokenizerKind::SENTENCEPIECE: return load_sentencepiece_tokenizer(spec.path);
+    case TokenizerKind::HF: return load_hf_tokenizer(spec.path);
     case TokenizerKind::NONE: break;
   }
   bad_spec(to_string(spec));

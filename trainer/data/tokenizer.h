@@ -1,15 +1,21 @@
 // Tokenizers: text <-> token ids, for dataset preparation and for looking at what a model writes.
 //
-// Two kinds, behind one interface:
+// Three kinds, behind one interface:
 //   gpt2            OpenAI's GPT-2 byte-level BPE (tokenizer_gpt2.cpp), from its original
 //                   encoder.json + vocab.bpe; ids are bit-identical to OpenAI's encoder.py.
 //   sentencepiece   a SentencePiece model (tokenizer_sentencepiece.cpp), e.g. one trained here by
 //                   train_sentencepiece: BPE with byte fallback, so any UTF-8 text encodes and
 //                   decodes back to itself.
+//   hf              a Hugging Face tokenizer.json (tokenizer_hf.cpp, read by tokenizer_hf_read.cpp):
+//                   the BPE tokenizers of Llama-3, Qwen2/2.5/3, GPT-2 (byte-level) and Llama-2,
+//                   Mistral (SentencePiece-style, byte fallback), with their added tokens; ids as
+//                   the Hugging Face library gives them.
 //
 // Configs and the command line name a tokenizer by a spec string: "gpt2:<dir>" (dir holds
-// encoder.json and vocab.bpe; scripts/data.sh fetches them to ~/.cache/tetra/gpt2) or
-// "sentencepiece:<model file>".
+// encoder.json and vocab.bpe; scripts/data.sh fetches them to ~/.cache/tetra/gpt2),
+// "sentencepiece:<model file>" or "hf:<dir>" (dir holds tokenizer.json and, where tokenizer.json
+// alone does not name the end-of-document token, tokenizer_config.json; scripts/data.sh fetches
+// Llama-3's, Qwen3's, Llama-2's and GPT-2's to ~/.cache/tetra/hf/<name>).
 //
 // Every problem with the files or the text is a tetra::InputError that names the file (and line)
 // and says what would fix it.
@@ -29,7 +35,7 @@ namespace tetra {
 class Tokenizer {
  public:
   virtual ~Tokenizer() = default;
-  virtual std::string name() const = 0;  // "gpt2" or "sentencepiece:<model file>"
+  virtual std::string name() const = 0;  // "gpt2", "sentencepiece:<model file>" or "hf:<dir>"
   virtual int64_t vocab_size() const = 0;
   virtual int32_t eod_id() const = 0;  // end-of-document token (gpt2: 50256 <|endoftext|>)
   // Appends the ids of `text` (UTF-8) to `out`. Thread-safe (const, no shared mutable state
@@ -48,8 +54,18 @@ std::unique_ptr<Tokenizer> load_gpt2_tokenizer(const std::string& dir);
 // that do not form valid UTF-8 decode to U+FFFD.
 std::unique_ptr<Tokenizer> load_sentencepiece_tokenizer(const std::string& model_file);
 
-// data.tokenizer's tokenizer; or one given as "gpt2:<dir>" or "sentencepiece:<model file>" (the
-// command line's spelling). InputError naming the spec for any other.
+// A Hugging Face tokenizer: dir/tokenizer.json, and dir/tokenizer_config.json where there is one.
+// encode() gives what the Hugging Face library's encode (add_special_tokens=True) gives: the
+// post-processor's tokens (Llama's BOS) around the text, added tokens matched in the text. The
+// end-of-document id is tokenizer_config.json's eos_token (or tokenizer.json's only special
+// token). decode() follows the file's decoder; special tokens decode to their text. Anything in
+// the files Tetra does not represent (another model type, an unknown normalizer, pre-tokenizer,
+// post-processor or decoder, an unsupported flag) is an InputError naming the file and the field;
+// docs/data.md lists what is supported.
+std::unique_ptr<Tokenizer> load_hf_tokenizer(const std::string& dir);
+
+// data.tokenizer's tokenizer; or one given as "gpt2:<dir>", "sentencepiece:<model file>" or
+// "hf:<dir>" (the command line's spelling). InputError naming the spec for any other.
 std::unique_ptr<Tokenizer> load_tokenizer(const TokenizerSpec& spec);
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec);
 

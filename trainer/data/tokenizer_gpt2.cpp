@@ -43,6 +43,7 @@
 
 #include "kernels/common/check.h"
 #include "trainer/core/files.h"
+#include "trainer/data/bpe_tables.h"
 #include "trainer/data/tokenizer.h"
 
 namespace tetra {
@@ -59,19 +60,6 @@ constexpr size_t kShortPiece = 64;         // longest piece for the literal BPE 
 constexpr size_t kCacheMaxPiece = 64;      // longest piece kept in the cache (bytes)
 constexpr size_t kCacheMaxEntries = 1 << 16;
 constexpr const char* kFetchHint = "run scripts/data.sh to fetch GPT-2's original files";
-
-// OpenAI's bytes_to_unicode(): printable Latin-1 bytes stand for themselves, the other 68 bytes
-// for U+0100.. in byte order.
-std::array<uint32_t, 256> byte_to_codepoint() {
-  std::array<uint32_t, 256> cp{};
-  std::array<bool, 256> printable{};
-  for (int b = '!'; b <= '~'; ++b) printable[b] = true;
-  for (int b = 0xA1; b <= 0xAC; ++b) printable[b] = true;
-  for (int b = 0xAE; b <= 0xFF; ++b) printable[b] = true;
-  uint32_t n = 0;
-  for (int b = 0; b < 256; ++b) cp[b] = printable[b] ? static_cast<uint32_t>(b) : 256 + n++;
-  return cp;
-}
 
 // Undoes bytes_to_unicode on `s` (UTF-8). Returns false, with the offending code point in
 // `bad_cp`, when `s` has a character outside the 256 that stand for bytes.
@@ -126,50 +114,6 @@ std::string read_whole_file(const std::string& path) {
     text.append(buf, static_cast<size_t>(got));
   }
 }
-
-// (left id, right id) -> (rank, merged id), open addressing with linear probing.
-class MergeTable {
- public:
-  struct Merge {
-    int32_t rank;
-    int32_t id;
-  };
-
-  void build(const std::vector<std::pair<uint64_t, Merge>>& entries) {
-    size_t cap = 16;
-    while (cap < entries.size() * 2) cap *= 2;
-    shift_ = 64 - __builtin_ctzll(cap);
-    keys_.assign(cap, kEmpty);
-    values_.assign(cap, Merge{0, 0});
-    for (const auto& [key, merge] : entries) {
-      size_t i = slot(key);
-      while (keys_[i] != kEmpty && keys_[i] != key) i = (i + 1) & (cap - 1);
-      keys_[i] = key;  // a later duplicate overwrites, as Python's dict(zip(merges, ranks)) does
-      values_[i] = merge;
-    }
-  }
-
-  const Merge* find(int32_t left, int32_t right) const {
-    const uint64_t key = pack(left, right);
-    for (size_t i = slot(key);; i = (i + 1) & (keys_.size() - 1)) {
-      if (keys_[i] == key) return &values_[i];
-      if (keys_[i] == kEmpty) return nullptr;
-    }
-  }
-
-  static uint64_t pack(int32_t left, int32_t right) {
-    return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) |
-           static_cast<uint32_t>(right);
-  }
-
- private:
-  static constexpr uint64_t kEmpty = ~uint64_t{0};
-  size_t slot(uint64_t key) const { return (key * 0x9E3779B97F4A7C15ull) >> shift_; }
-
-  std::vector<uint64_t> keys_;
-  std::vector<Merge> values_;
-  int shift_ = 60;
-};
 
 struct StringViewHash {
   using is_transparent = void;

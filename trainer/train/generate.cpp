@@ -24,7 +24,7 @@ std::string final_weights_path(const Config& cfg) {
 std::unique_ptr<Tokenizer> load_sampling_tokenizer(const Config& cfg) {
   if (cfg.data.tokenizer.empty())
     throw InputError("sampling text needs the tokenizer the data was made with: set data.tokenizer "
-                     "(gpt2:<dir> or sentencepiece:<file.model>)");
+                     "(gpt2:<dir>, sentencepiece:<file.model> or hf:<dir>)");
   std::unique_ptr<Tokenizer> tok = load_tokenizer(cfg.data.tokenizer);
   if (tok->vocab_size() > cfg.model.vocab_size)
     throw InputError(fmt::format("data.tokenizer {} has {} tokens but model.vocab_size is {}: the model "
@@ -39,6 +39,14 @@ std::string generate_text(Sampler& sampler, const void* weights, const Tokenizer
   tokenizer.encode(prompt, context);
   const std::vector<int32_t> ids =
       sampler.generate(weights, context, s, tokenizer.eod_id(), tokenizer.vocab_size());
+  // The continuation as it reads after the prompt: decoded with the prompt's ids in front, then the
+  // prompt's text cut off. (Decoders that strip a leading space, as Llama-2's does, would
+  // otherwise eat the space between the two.)
+  std::vector<int32_t> all(context.begin() + 1, context.end());
+  const std::string before = tokenizer.decode(all);
+  all.insert(all.end(), ids.begin(), ids.end());
+  const std::string text = tokenizer.decode(all);
+  if (text.starts_with(before)) return text.substr(before.size());
   return tokenizer.decode(ids);
 }
 

@@ -31,7 +31,8 @@ std::unique_ptr<Tokenizer> load_sampling_tokenizer(const Config& cfg);
 
 // The continuation of `prompt`: its ids follow the end-of-document id, so the text is sampled as
 // the start of a new document, the way documents follow one another in the packed training data.
-// Sampling stops at s.max_tokens or the end-of-document id. Every rank of the sampler's TP group
+// Sampling stops at s.max_tokens or the end-of-document id. The text is the continuation as it
+// reads after the prompt (decoded behind the prompt's ids). Every rank of the sampler's TP group
 // calls it together.
 std::string generate_text(Sampler& sampler, const void* weights, const Tokenizer& tokenizer,
                           const std::string& prompt, const SampleConfig& s);
