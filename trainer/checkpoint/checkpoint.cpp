@@ -85,9 +85,12 @@ json layout_json(const Config& cfg, int world) {
 
 void check_same_model(const Manifest& manifest, const Config& cfg) {
   // Compared as unordered JSON (key order is no difference), each key either side has named.
-  const nlohmann::json want_model = nlohmann::json::parse(config_to_json(cfg).dump())["model"];
-  const nlohmann::json have_model =
+  // The vocabulary's padding is no part of the model (checkpoints hold the real rows alone).
+  nlohmann::json want_model = nlohmann::json::parse(config_to_json(cfg).dump())["model"];
+  nlohmann::json have_model =
       nlohmann::json::parse(manifest.config.contains("model") ? manifest.config["model"].dump() : "{}");
+  want_model.erase("make_vocab_size_divisible_by");
+  if (have_model.is_object()) have_model.erase("make_vocab_size_divisible_by");
   if (have_model == want_model) return;
   std::string diff;
   std::set<std::string> keys;
@@ -367,7 +370,7 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
                                      "manifest is corrupt", manifest_path, s.tensor, key, overlaps));
     }
     for (const auto& [lo, hi] : ranges)
-      for (int64_t i = lo; i < hi; ++i)
+      for (int64_t i = lo; i < std::min(hi, p.held()); ++i)  // the padding stays zero
         if (!filled[static_cast<size_t>(i)])
           throw InputError(fmt::format("{}: tensor {} lacks element {} of this rank's slice: the checkpoint "
                                        "is incomplete (a missing rank file?)", manifest_path, key, p.global_index(i)));

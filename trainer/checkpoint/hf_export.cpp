@@ -60,8 +60,8 @@ std::vector<float> fetch(const HfWeightSource& weights, const ParamLayout& layou
   const ParamSpec* p = layout.find(name);
   TETRA_CHECK(p != nullptr, "the model has no parameter {}", name);
   std::vector<float> w = weights(name);
-  TETRA_CHECK(static_cast<int64_t>(w.size()) == p->numel, "{}: {} values, its global shape holds {}", name,
-              w.size(), p->numel);
+  TETRA_CHECK(static_cast<int64_t>(w.size()) == p->held(), "{}: {} values, its global shape holds {}", name,
+              w.size(), p->held());
   return w;
 }
 

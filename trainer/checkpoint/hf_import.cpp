@@ -257,11 +257,11 @@ std::vector<float> read_hf_weights(const HfModel& hf, const ModelConfig& m) {
     TETRA_CHECK(p != nullptr, "import: the model has no parameter {}", param);
     int64_t at = 0;
     for (const std::vector<float>& part : parts) {
-      TETRA_CHECK(at + static_cast<int64_t>(part.size()) <= p->numel, "import: {} overfilled", param);
+      TETRA_CHECK(at + static_cast<int64_t>(part.size()) <= p->held(), "import: {} overfilled", param);
       std::memcpy(master.data() + p->offset + at, part.data(), part.size() * 4);
       at += static_cast<int64_t>(part.size());
     }
-    TETRA_CHECK(at == p->numel, "import: {} has {} values of {}", param, at, p->numel);
+    TETRA_CHECK(at == p->held(), "import: {} has {} values of {}", param, at, p->held());
   };
   // (R, C) row-major -> (C, R) row-major.
   auto transposed = [](const std::vector<float>& w, int64_t R, int64_t C) {

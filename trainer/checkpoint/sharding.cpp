@@ -28,6 +28,7 @@ int64_t global_cols(const ParamSpec& spec) {
 std::vector<SliceRegion> slices_of(const ParamSpec& spec, int64_t lo, int64_t hi) {
   TETRA_CHECK(0 <= lo && lo <= hi && hi <= spec.numel, "{}: local range [{}, {}) of {} elements", spec.name,
               lo, hi, spec.numel);
+  hi = std::min(hi, spec.held());  // the vocabulary's padding is no part of the tensor
   const int64_t cols = local_cols(spec);
   std::vector<SliceRegion> out;
   int64_t start = 0;  // local flat index of the block's first element

@@ -32,7 +32,8 @@ struct SliceRegion {
 int64_t global_cols(const ParamSpec& spec);
 
 // The slices that local elements [lo, hi) of `spec` (indices into this rank's tensor) are, in
-// local order: their values, concatenated, are local elements lo..hi-1.
+// local order: their values, concatenated, are local elements lo..hi-1 (up to spec.held(): the
+// vocabulary's padding, after it, is in no slice).
 std::vector<SliceRegion> slices_of(const ParamSpec& spec, int64_t lo, int64_t hi);
 
 // This rank's local index of global flat index `g` of `spec`'s tensor, or -1 if it does not hold it.

@@ -195,7 +195,7 @@ int inspect(const std::string& dir) {
   const Checkpoint ck = read_index(dir);
   const tetra::ParamLayout layout = tetra::ParamLayout::build(ck.model);
   int64_t params = 0;
-  for (const tetra::ParamSpec& p : layout.params) params += p.numel;
+  for (const tetra::ParamSpec& p : layout.params) params += p.held();
   fmt::print("checkpoint:       {}\n", ck.dir);
   fmt::print("step:             {}\n", ck.step);
   fmt::print("consumed samples: {}\n", ck.consumed_samples);
@@ -385,7 +385,7 @@ int import_hf(const std::string& hf_dir, const std::string& out, int64_t seq_len
     if (!f) throw InputError(fmt::format("{}: cannot write", model_json));
   }
   int64_t params = 0;
-  for (const tetra::ParamSpec& p : layout.params) params += p.numel;
+  for (const tetra::ParamSpec& p : layout.params) params += p.held();
   fmt::print("imported:    {} ({}, {} file(s))\n", hf_dir, hf.model_type, hf.weight_files.size());
   fmt::print("model:       {}\n", model_text(cfg.model));
   fmt::print("parameters:  {}\n", grouped(params));

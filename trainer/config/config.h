@@ -6,6 +6,7 @@
 // ConfigError whose message lists one line per problem: "<json.path>: <value>: <rule>".
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -231,6 +232,11 @@ struct RopeScalingConfig {
 
 struct ModelConfig {
   int64_t vocab_size = 50257;
+  // Megatron's --make-vocab-size-divisible-by: the embedding and output layer hold
+  // padded_vocab_size(tp) rows, a multiple of this times tp, split evenly over the TP ranks. The
+  // padding rows are never read or predicted (the logits and loss cover the vocab_size real
+  // rows only) and never stored: checkpoints and exports hold the vocab_size rows, whatever tp.
+  int64_t make_vocab_size_divisible_by = 128;
   int64_t seq_len = 1024;
   int64_t num_layers = 12;
   int64_t hidden_size = 768;
@@ -252,6 +258,18 @@ struct ModelConfig {
   MoeConfig moe;
   int64_t head_size() const { return head_dim > 0 ? head_dim : hidden_size / num_heads; }
   bool has_qkv_bias() const { return bias || qkv_bias; }
+  // Rows of the embedding and output layer under tensor parallelism of `tp`: vocab_size rounded
+  // up to a multiple of make_vocab_size_divisible_by * tp.
+  int64_t padded_vocab_size(int64_t tp) const {
+    const int64_t m = make_vocab_size_divisible_by * tp;
+    return (vocab_size + m - 1) / m * m;
+  }
+  // The real rows TP rank r of tp holds (the last rank holds the padding; validation refuses a
+  // layout where it would hold nothing else).
+  int64_t vocab_rows(int64_t tp, int64_t r) const {
+    const int64_t per = padded_vocab_size(tp) / tp;
+    return std::max<int64_t>(0, std::min(per, vocab_size - r * per));
+  }
 };
 
 struct ParallelConfig {

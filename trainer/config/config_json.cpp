@@ -39,6 +39,7 @@ void visit_moe(M& m, V& v) {
 template <class M, class V>
 void visit_model(M& m, V& v) {
   v.integer("vocab_size", m.vocab_size);
+  v.integer("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by);
   v.integer("seq_len", m.seq_len);
   v.integer("num_layers", m.num_layers);
   v.integer("hidden_size", m.hidden_size);

@@ -175,6 +175,7 @@ void check_loss_scaling(const Config& c, Rules& r) {
 void check_ranges(const Config& c, Rules& r) {
   const ModelConfig& m = c.model;
   r.size("model.vocab_size", m.vocab_size, 1);
+  r.size("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by, 1);
   r.size("model.seq_len", m.seq_len, 1);
   r.size("model.num_layers", m.num_layers, 1);
   r.size("model.hidden_size", m.hidden_size, 1);
@@ -360,12 +361,28 @@ void check_cross_field(const Config& c, Rules& r) {
       int64_t value;
     } split[] = {{"model.num_heads", m.num_heads},
                  {"model.num_kv_heads", m.num_kv_heads},
-                 {"model.ffn_hidden_size", m.ffn_hidden_size},
-                 {"model.vocab_size", m.vocab_size}};
+                 {"model.ffn_hidden_size", m.ffn_hidden_size}};
     for (const auto& s : split)
       if (r.ok({s.path}))
         r.require(s.value % tp == 0, s.path, s.value,
                   fmt::format("{} ({}) must be a multiple of parallel.tp ({})", s.path, s.value, tp));
+  }
+  // The vocabulary is padded instead (ModelConfig::padded_vocab_size), so that every TP rank holds
+  // the same number of rows; the last must still hold a real one.
+  if (r.ok({"model.vocab_size", "model.make_vocab_size_divisible_by", "parallel.tp"}) && c.parallel.tp > 1 &&
+      m.vocab_rows(c.parallel.tp, c.parallel.tp - 1) <= 0) {
+    const int64_t tp = c.parallel.tp, padded = m.padded_vocab_size(tp);
+    ModelConfig fit = m;  // the largest power of two below the setting that leaves the last rank a real row
+    fit.make_vocab_size_divisible_by = 1;
+    while (fit.make_vocab_size_divisible_by * 2 < m.make_vocab_size_divisible_by) fit.make_vocab_size_divisible_by *= 2;
+    while (fit.make_vocab_size_divisible_by > 1 && fit.vocab_rows(tp, tp - 1) <= 0) fit.make_vocab_size_divisible_by /= 2;
+    const std::string fix = fit.vocab_rows(tp, tp - 1) > 0
+                                ? fmt::format("set model.make_vocab_size_divisible_by to at most {}",
+                                              fit.make_vocab_size_divisible_by)
+                                : fmt::format("model.vocab_size {} is too small for parallel.tp {}", m.vocab_size, tp);
+    r.require(false, "model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by,
+              fmt::format("pads model.vocab_size {} to {} rows for parallel.tp {}, {} per rank, which leaves tp rank "
+                          "{} nothing but padding: {}", m.vocab_size, padded, tp, padded / tp, tp - 1, fix));
   }
   // Mixture of Experts, and expert parallelism (carved out of data parallelism).
   const MoeConfig& moe = m.moe;

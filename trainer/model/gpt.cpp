@@ -23,12 +23,14 @@ ModelDims ModelDims::from(const ModelConfig& m, int64_t micro_batch, int64_t tp,
   d.NKV = m.num_kv_heads / tp;
   d.F = m.ffn_hidden_size / tp;
   d.FC = m.activation == Activation::SWIGLU ? 2 * d.F : d.F;
-  d.V = m.vocab_size / tp;
+  d.Vl = m.padded_vocab_size(tp) / tp;
+  d.V = m.vocab_rows(tp, tp_rank);
+  d.Vg = m.vocab_size;
   d.L = m.num_layers;
   d.QKV = (d.NH + 2 * d.NKV) * d.HS;
   d.tp = tp;
   d.tp_rank = tp_rank;
-  d.v0 = tp_rank * d.V;
+  d.v0 = tp_rank * d.Vl;
   d.sp = sequence_parallel && tp > 1;
   d.Ns = d.sp ? d.N() / tp : d.N();
   return d;

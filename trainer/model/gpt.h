@@ -55,10 +55,13 @@ class Communicator;
 class MoeLayers;
 
 // Sizes of what this rank computes. NH, NKV, F, FC, V, QKV are this rank's slice (the whole model
-// when tp = 1); FC = F (gelu) or 2F (swiglu); QKV = (NH + 2 NKV) HS. Its vocabulary slice starts
-// at v0. Ns = rows of the residual stream this rank holds (N / tp with sequence parallelism).
+// when tp = 1); FC = F (gelu) or 2F (swiglu); QKV = (NH + 2 NKV) HS. Its vocabulary slice: the V
+// real rows [v0, v0 + V) of the Vl rows it holds (Vl = the padded vocabulary / tp, v0 = tp_rank Vl;
+// only the last rank has V < Vl); Vg = model.vocab_size. Ns = rows of the residual stream this
+// rank holds (N / tp with sequence parallelism).
 struct ModelDims {
   int64_t B, T, C, NH, NKV, HS, F, FC, V, L, QKV;
+  int64_t Vl = 0, Vg = 0;
   int64_t tp = 1, tp_rank = 0, v0 = 0, Ns = 0;
   bool sp = false;
   int64_t l0 = 0;                   // first layer of this chunk (L is its layer count)

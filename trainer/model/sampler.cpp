@@ -84,13 +84,14 @@ Sampler::Sampler(Gpt& model, Backend& be, Communicator* tp)
   TETRA_CHECK(d.tp == (tp_ ? tp_->size() : 1), "the sampling model is split over {} ranks, its group has {}",
               d.tp, tp_ ? tp_->size() : 1);
   tokens_buf_ = BackendBuffer(be_, static_cast<size_t>(d.T) * 4);
-  row_buf_ = BackendBuffer(be_, static_cast<size_t>(d.V) * 4);
-  if (tp_) full_buf_ = BackendBuffer(be_, static_cast<size_t>(d.V * d.tp) * 4);
+  row_buf_ = BackendBuffer(be_, static_cast<size_t>(d.Vl) * 4);
+  if (tp_) full_buf_ = BackendBuffer(be_, static_cast<size_t>(d.Vl * d.tp) * 4);
   tokens_ = tokens_buf_.as<int32_t>();
   row_ = row_buf_.as<float>();
   full_ = tp_ ? full_buf_.as<float>() : row_;
+  be_.memset_zero(row_, static_cast<size_t>(d.Vl) * 4);  // the padding's entries, gathered, never read
   host_tokens_.resize(static_cast<size_t>(d.T));
-  host_row_.resize(static_cast<size_t>(d.V * d.tp));
+  host_row_.resize(static_cast<size_t>(d.Vl * d.tp));
 }
 
 Sampler::~Sampler() = default;
@@ -98,10 +99,10 @@ Sampler::~Sampler() = default;
 std::vector<int32_t> Sampler::generate(const void* weights, std::span<const int32_t> context,
                                        const SampleConfig& s, int32_t eod, int64_t vocab_limit) {
   const ModelDims& d = model_.dims();
-  const int64_t T = d.T, V = d.V;  // V: this rank's vocabulary slice
+  const int64_t T = d.T, V = d.V;  // V: this rank's real vocabulary rows, of the Vl it holds
   TETRA_CHECK(!context.empty(), "sampling needs a context of at least one token");
-  TETRA_CHECK(vocab_limit > 0 && vocab_limit <= V * d.tp, "sampling below id {} from a vocabulary of {}",
-              vocab_limit, V * d.tp);
+  TETRA_CHECK(vocab_limit > 0 && vocab_limit <= d.Vg, "sampling below id {} from a vocabulary of {}",
+              vocab_limit, d.Vg);
   const size_t act_size = dtype_size(model_.act());
   std::vector<int32_t> ids(context.begin(), context.end());
   std::vector<int32_t> out;
@@ -113,10 +114,11 @@ std::vector<int32_t> Sampler::generate(const void* weights, std::span<const int3
     be_.copy_from_host(tokens_, host_tokens_.data(), static_cast<size_t>(T) * 4);
     model_.forward_logits(weights, tokens_);
     // Row n-1 of this rank's (T, V) slice, as fp32; then the whole row, vocabulary slices in
-    // TP-rank order (rank r holds ids [r V, (r+1) V)).
+    // TP-rank order (rank r holds ids [r Vl, r Vl + V): the row is indexed by id, and the last
+    // rank's padding, past id Vg, is never read).
     const char* row = static_cast<const char*>(model_.logits()) + static_cast<size_t>((n - 1) * V) * act_size;
     be_.cast(row_, DType::F32, row, model_.act(), V);
-    if (tp_) tp_->all_gather(full_, row_, V, DType::F32);
+    if (tp_) tp_->all_gather(full_, row_, d.Vl, DType::F32);
     be_.copy_to_host(host_row_.data(), full_, host_row_.size() * 4);
     const int32_t token = sample_token(std::span<const float>(host_row_.data(), static_cast<size_t>(vocab_limit)),
                                        s.temperature, s.top_k, sampling_uniform(s.seed, static_cast<uint64_t>(i)));

@@ -19,7 +19,7 @@ struct LayoutBuilder {
 
   int64_t add(std::string name, std::vector<int64_t> global_shape, ParamInit init, bool decay,
               bool matmul, std::vector<RowBlock> row_blocks = {}, int64_t col_start = 0,
-              int64_t cols = -1, std::vector<int64_t> local_shape = {}) {
+              int64_t cols = -1, std::vector<int64_t> local_shape = {}, int64_t pad_rows = 0) {
     ParamSpec p;
     p.name = std::move(name);
     p.global_shape = global_shape;
@@ -30,10 +30,11 @@ struct LayoutBuilder {
       p.shape = std::move(local_shape);
     } else {
       if (!p.row_blocks.empty()) {
-        int64_t rows = 0;
+        int64_t rows = pad_rows;
         for (const RowBlock& b : p.row_blocks) rows += b.rows;
         p.shape[0] = rows;
       }
+      p.pad_rows = pad_rows;
       if (cols >= 0) p.shape[1] = cols;
     }
     p.tp_split = p.shape != p.global_shape;
@@ -110,6 +111,10 @@ struct LayoutBuilder {
 
 }  // namespace
 
+int64_t ParamSpec::held() const {
+  return numel - pad_rows * (shape.size() > 1 ? shape.back() : 1);
+}
+
 int64_t ParamSpec::global_index(int64_t i) const {
   if (!tp_split && !ep_split) return i;
   const int64_t cols = shape.size() > 1 ? shape.back() : 1;
@@ -135,12 +140,14 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
   const int64_t NH = m.num_heads, NKV = m.num_kv_heads, F = m.ffn_hidden_size;
   TETRA_CHECK(p >= 1 && r >= 0 && r < p, "bad tensor-parallel rank {} of {}", r, p);
   // The config validation reports these to the user; here they are invariants.
-  TETRA_CHECK(NH % p == 0 && NKV % p == 0 && F % p == 0 && V % p == 0,
-              "tp {} must divide num_heads {}, num_kv_heads {}, ffn_hidden_size {}, vocab_size {}", p,
-              NH, NKV, F, V);
+  TETRA_CHECK(NH % p == 0 && NKV % p == 0 && F % p == 0, "tp {} must divide num_heads {}, num_kv_heads {}, "
+              "ffn_hidden_size {}", p, NH, NKV, F);
+  const int64_t Vl = m.padded_vocab_size(p) / p, Vr = m.vocab_rows(p, r);  // rows held, real rows
+  TETRA_CHECK(Vr > 0, "tp rank {} of {} would hold only vocabulary padding ({} rows of {} padded to {})", r, p, Vl,
+              V, Vl * p);
   TETRA_CHECK(slicing.group_align >= kAlign && slicing.group_align % kAlign == 0,
               "group_align {} must be a positive multiple of {}", slicing.group_align, kAlign);
-  const int64_t NHl = NH / p, NKVl = NKV / p, Fl = F / p, Vl = V / p;
+  const int64_t NHl = NH / p, NKVl = NKV / p, Fl = F / p;
   const bool swiglu = m.activation == Activation::SWIGLU;
   const bool norm_bias = m.norm == Norm::LAYERNORM && m.bias;
 
@@ -156,7 +163,12 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
   layout.blocks.resize(static_cast<size_t>(m.num_layers));
   layout.layer_group.assign(static_cast<size_t>(m.num_layers), -1);
   LayoutBuilder b{layout};
-  const std::vector<RowBlock> vocab_rows = {{r * Vl, Vl}};
+  const std::vector<RowBlock> vocab_rows = {{r * Vl, Vr}};
+  auto add_vocab = [&](std::string name, bool matmul) {
+    const int64_t off = b.add(std::move(name), {V, C}, ParamInit::NORMAL, true, matmul, vocab_rows, 0, -1, {}, Vl - Vr);
+    layout.params.back().tp_split = p > 1 || Vl > Vr;
+    return off;
+  };
   const std::vector<RowBlock> qkv_rows = {
       {r * NHl * HS, NHl * HS}, {NH * HS + r * NKVl * HS, NKVl * HS}, {(NH + NKV) * HS + r * NKVl * HS, NKVl * HS}};
   std::vector<RowBlock> fc_rows = {{r * Fl, Fl}};
@@ -166,7 +178,7 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
   // The token embedding is a matmul parameter only when tied (it is then the output projection).
   if (stage.first) {
     layout.embedding_group = b.group;
-    layout.wte = b.add("embedding.wte", {V, C}, ParamInit::NORMAL, true, m.tie_embeddings, vocab_rows);
+    layout.wte = add_vocab("embedding.wte", m.tie_embeddings);
     if (m.position == Position::LEARNED)
       layout.wpe = b.add("embedding.wpe", {m.seq_len, C}, ParamInit::NORMAL, false, false);
     b.end_group();
@@ -203,9 +215,9 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
     layout.final_norm_w = b.norm_param("final_norm.weight", C, ParamInit::ONES);
     if (norm_bias) layout.final_norm_b = b.norm_param("final_norm.bias", C, ParamInit::ZEROS);
     if (!m.tie_embeddings) {
-      layout.lm_head = b.add("lm_head.weight", {V, C}, ParamInit::NORMAL, true, true, vocab_rows);
+      layout.lm_head = add_vocab("lm_head.weight", true);
     } else if (!stage.first) {
-      layout.wte = b.add("embedding.wte", {V, C}, ParamInit::NORMAL, true, true, vocab_rows);
+      layout.wte = add_vocab("embedding.wte", true);
       layout.params.back().stage_copy = true;
     }
     b.end_group();
@@ -237,14 +249,14 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
 
 int64_t ParamLayout::count() const {
   int64_t n = 0;
-  for (const ParamSpec& p : params) n += p.numel;
+  for (const ParamSpec& p : params) n += p.held();
   return n;
 }
 
 int64_t ParamLayout::matmul_count() const {
   int64_t n = 0;
   for (const ParamSpec& p : params)
-    if (p.matmul) n += p.numel;
+    if (p.matmul) n += p.held();
   return n;
 }
 
@@ -252,14 +264,14 @@ double ParamLayout::active_matmul_count(const ModelConfig& m) const {
   double n = 0;
   for (const ParamSpec& p : params)
     if (p.matmul)
-      n += p.expert ? static_cast<double>(p.numel) * m.moe.top_k / m.moe.num_experts : static_cast<double>(p.numel);
+      n += p.expert ? static_cast<double>(p.held()) * m.moe.top_k / m.moe.num_experts : static_cast<double>(p.held());
   return n;
 }
 
 double ParamLayout::active_count(const ModelConfig& m) const {
   double n = 0;
   for (const ParamSpec& p : params)
-    n += p.expert ? static_cast<double>(p.numel) * m.moe.top_k / m.moe.num_experts : static_cast<double>(p.numel);
+    n += p.expert ? static_cast<double>(p.held()) * m.moe.top_k / m.moe.num_experts : static_cast<double>(p.held());
   return n;
 }
 
@@ -287,7 +299,7 @@ void init_params(const ParamLayout& layout, const ModelConfig& m, uint64_t seed,
       case ParamInit::NORMAL_SCALED: {
         const float s = p.init == ParamInit::NORMAL ? std : scaled_std;
 #pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < p.numel; ++n)
+        for (int64_t n = 0; n < p.held(); ++n)  // the padding stays zero
           w[n] = s * math::philox_normal(seed, stream, static_cast<uint64_t>(p.global_index(n)));
         break;
       }

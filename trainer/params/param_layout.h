@@ -13,7 +13,10 @@
 //                       value heads (three row blocks of the global (NH + 2 NKV) HS rows)
 //     fc.weight/bias    rows [r F/p, (r+1) F/p) (gelu); swiglu: that block of the gate rows and of
 //                       the up rows, so the local tensor is again [gate | up]
-//     wte, lm_head      vocabulary rows [r V/p, (r+1) V/p) (vocab-parallel embedding and loss)
+//     wte, lm_head      vocabulary rows [r Vl, (r+1) Vl), Vl = the padded vocabulary / p
+//                       (vocab-parallel embedding and loss); the last rank's rows from
+//                       model.vocab_size on are padding: local rows past its row block, part of
+//                       no global tensor (ParamSpec::pad_rows)
 //   row-parallel (Y = X A, A = [A_1; ...; A_p], split by columns of the (out, in) storage):
 //     attn.proj.weight, mlp.proj.weight
 //   replicated: norms, position embeddings, the biases of row-parallel layers.
@@ -71,6 +74,10 @@ struct ParamSpec {
   // restricted to columns [col_start, col_start + local cols) (col_start 0 for 1-D tensors).
   std::vector<RowBlock> row_blocks;
   int64_t col_start = 0;
+  // Local rows after the row blocks that are no part of the global tensor: the vocabulary's
+  // padding (ModelConfig::padded_vocab_size), zero, never read by the model, never saved. Local
+  // elements [held(), numel) are these.
+  int64_t pad_rows = 0;
   int64_t offset = 0;  // in elements, into every parameter-sized buffer
   int64_t numel = 0;
   int group = 0;       // 0 embedding, 1 + l block l, L + 1 final norm and output layer,
@@ -78,14 +85,17 @@ struct ParamSpec {
   ParamInit init = ParamInit::NORMAL;
   bool weight_decay = false;  // 2-D weights except position embeddings
   bool matmul = false;        // counted in the 6N FLOPs of a training step
-  bool tp_split = false;      // each TP rank holds a different slice (else a replica)
+  bool tp_split = false;      // each TP rank holds a different slice, or the tensor padded (else a
+                              // replica)
   bool expert = false;        // an expert tensor (MoE): reduced over expert-DP, split over EP
   bool ep_split = false;      // each EP rank holds different experts
   bool sp_partial = false;    // with sequence parallelism: each TP rank's gradient is a partial
                               // sum over its sequence shard (norm weights and biases)
   bool stage_copy = false;    // the last pipeline stage's copy of a tied embedding
 
-  // Flat index into the global tensor of local element `i` (row-major in both).
+  // Local elements that are elements of the global tensor (all but the padding), [0, held()).
+  int64_t held() const;
+  // Flat index into the global tensor of local element `i` < held() (row-major in both).
   int64_t global_index(int64_t i) const;
 };
 
@@ -138,7 +148,7 @@ struct ParamLayout {
   int dense_groups = 0;
 
   static ParamLayout build(const ModelConfig& m, const TensorSlicing& slicing = {}, const StageSlice& stage = {});
-  int64_t count() const;          // parameters (without padding) in this rank's buffer
+  int64_t count() const;          // parameters (without any padding) in this rank's buffer
   int64_t matmul_count() const;   // parameters of matrix multiplies, lm_head / tied wte included
   // Matmul parameters one token goes through: experts count top_k / num_experts of theirs.
   double active_matmul_count(const ModelConfig& m) const;

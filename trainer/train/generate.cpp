@@ -148,7 +148,7 @@ std::vector<float> load_weights(const std::string& path, const ParamLayout& layo
     if (!spec.tp_split)
       std::memcpy(dst, global.data(), n * 4);
     else
-      for (int64_t e = 0; e < spec.numel; ++e) dst[e] = global[static_cast<size_t>(spec.global_index(e))];
+      for (int64_t e = 0; e < spec.held(); ++e) dst[e] = global[static_cast<size_t>(spec.global_index(e))];
   }
   return params;
 }

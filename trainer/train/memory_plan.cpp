@@ -84,10 +84,11 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   m.buffers = input_grads;
   if (cfg.parallel.tp > 1) m.buffers += GradBuffer::sp_scratch_bytes(layout);
   m.batch = static_cast<size_t>(cfg.grad_accum_steps() * B * T) * 12;  // tokens, targets, losses
+  const int64_t vl = cfg.model.padded_vocab_size(cfg.parallel.tp) / cfg.parallel.tp;  // vocabulary rows per rank
   if (samples_enabled(cfg))  // the sampling model's arena and its (T) ids and two logit rows
     m.sampling = Gpt::activation_bytes_for(cfg.model, act, 1, cfg.parallel.tp) + static_cast<size_t>(T) * 4 +
-                 static_cast<size_t>(cfg.model.vocab_size / cfg.parallel.tp) * 4 +  // its logit row
-                 (cfg.parallel.tp > 1 ? static_cast<size_t>(cfg.model.vocab_size) * 4 : 0);  // gathered
+                 static_cast<size_t>(vl) * 4 +                              // its logit row
+                 (cfg.parallel.tp > 1 ? static_cast<size_t>(vl * cfg.parallel.tp) * 4 : 0);  // gathered
   if (act != DType::F32 && cfg.parallel.distributed_optimizer) {
     // The whole fp32 weights (trainer.cpp): at start-up beside everything but the activations, the
     // batch buffers and the sampling model (allocated after); at the end, when the final weights

@@ -43,10 +43,17 @@ void log_run_report(const RunReport& report, const RunEnvironment& env) {
   const StepVolume& predicted = report.predicted;
   const int64_t B = cfg.training.micro_batch_size, T = cfg.model.seq_len;
   spdlog::info("model: {} parameters ({} in matmuls), {} layers, hidden {}, heads {}/{} (q/kv), ffn {}, "
-               "vocab {}, seq_len {}, {} + {} + {} positions",
+               "vocab {}{}, seq_len {}, {} + {} + {} positions",
                stats.params, stats.matmul_params, cfg.model.num_layers, cfg.model.hidden_size,
-               cfg.model.num_heads, cfg.model.num_kv_heads, cfg.model.ffn_hidden_size,
-               cfg.model.vocab_size, cfg.model.seq_len, to_string(cfg.model.norm), to_string(cfg.model.activation),
+               cfg.model.num_heads, cfg.model.num_kv_heads, cfg.model.ffn_hidden_size, cfg.model.vocab_size,
+               cfg.model.padded_vocab_size(cfg.parallel.tp) == cfg.model.vocab_size
+                   ? std::string()
+                   : fmt::format(" (padded to {} rows, {} per tp rank: make_vocab_size_divisible_by {} x tp {}; "
+                                 "the padding is never predicted)",
+                                 cfg.model.padded_vocab_size(cfg.parallel.tp),
+                                 cfg.model.padded_vocab_size(cfg.parallel.tp) / cfg.parallel.tp,
+                                 cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp),
+               cfg.model.seq_len, to_string(cfg.model.norm), to_string(cfg.model.activation),
                to_string(cfg.model.position));
   if (cfg.model.moe.enabled())
     spdlog::info("moe: {} experts (ffn {}), top-{}, every {} blocks, {}; {} active parameters per token; ep {}",

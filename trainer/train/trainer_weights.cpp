@@ -68,7 +68,7 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer, double 
         for (int t = 0; t < tparts; ++t) {
           const ParamSpec& qs = layouts[spec.ep_split ? e : groups_.coord.ep][spec.tp_split ? t : tp.rank()].params[i];
           const float* src = slices.data() + static_cast<size_t>(e * tparts + t) * spec.numel;
-          for (int64_t k = 0; k < qs.numel; ++k) out[static_cast<size_t>(qs.global_index(k))] = src[k];
+          for (int64_t k = 0; k < qs.held(); ++k) out[static_cast<size_t>(qs.global_index(k))] = src[k];
         }
       whole = out.data();
     }
