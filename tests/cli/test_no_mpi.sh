@@ -18,14 +18,14 @@ case=single_process_trains
   fail "expected 3 steps in metrics.jsonl"
 
 case=dry_run_plans_layouts
-"$tetra" --config "$cfg" --set parallel.tp=2 --set parallel.dp=2 --set model.vocab_size=98 --dry-run \
+"$tetra" --config "$cfg" --set parallel.tp=2 --set parallel.dp=2 --set model.vocab_size=98 --set model.make_vocab_size_divisible_by=1 --dry-run \
   >"$scratch/dry" 2>&1 ||
   fail "--dry-run of tp 2 x dp 2 failed: $(cat "$scratch/dry")"
 
 for layout in parallel.tp=2 parallel.dp=2 parallel.pp=2; do
   case="refuses_$layout"
   # (vocab 98: a valid tp 2 layout otherwise, so the refusal is the build's, not the config's)
-  "$tetra" --config "$cfg" --set "$layout" --set model.vocab_size=98 >"$scratch/out" 2>&1
+  "$tetra" --config "$cfg" --set "$layout" --set model.vocab_size=98 --set model.make_vocab_size_divisible_by=1 >"$scratch/out" 2>&1
   rc=$?
   [[ $rc -eq 2 ]] || fail "exit code $rc, expected 2"
   grep -q "built without MPI" "$scratch/out" || fail "message: $(cat "$scratch/out")"

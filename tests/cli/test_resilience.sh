@@ -21,7 +21,7 @@ run_case() {
   mkdir -p "$dir"
   cat >"$dir/config.json" <<JSON
 {
-  "model": {"vocab_size": 64, "seq_len": 16, "num_layers": 1, "hidden_size": 32, "num_heads": 4,
+  "model": {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 1, "hidden_size": 32, "num_heads": 4,
             "num_kv_heads": 2, "ffn_hidden_size": 96},
   "parallel": {"dp": 2, "tp": 2},
   "training": {"micro_batch_size": 2, "global_batch_size": 8, "steps": $steps, "threads": 1,

@@ -346,7 +346,7 @@ fi
 
 # ---- tp = 2, GPT-2: Conv1D transposes of assembled row and column slices -----------------------
 case=export_tp2
-if train tp2 2 gpt2 --set parallel.tp=2 --set model.vocab_size=98; then
+if train tp2 2 gpt2 --set parallel.tp=2 --set model.vocab_size=98 --set model.make_vocab_size_divisible_by=32; then
   "$tetra" ckpt inspect "$scratch/tp2/ckpt" >"$scratch/$case.inspect" 2>&1 || fail "inspect: exit $?"
   check_inspect "$scratch/$case.inspect" gpt2 '{"vocab_size": 98}' 2 2 1 false || fail "inspect output"
   "$tetra" ckpt export-hf "$scratch/tp2/ckpt" "$scratch/tp2/hf" >"$scratch/$case.out" 2>"$scratch/$case.err" ||

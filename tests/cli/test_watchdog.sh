@@ -20,7 +20,7 @@ margin_s=15
 write_config() {  # write_config <dir> <steps> [extra training members]
   cat >"$1/config.json" <<JSON
 {
-  "model": {"vocab_size": 64, "seq_len": 16, "num_layers": 1, "hidden_size": 32, "num_heads": 4,
+  "model": {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 1, "hidden_size": 32, "num_heads": 4,
             "num_kv_heads": 2, "ffn_hidden_size": 96},
   "parallel": {"dp": 2, "tp": 2},
   "training": {"micro_batch_size": 2, "steps": $2, "threads": 1, "peak_gflops": 10,

@@ -36,7 +36,7 @@ checks = Checks()
 check = checks.check
 
 
-MODEL = {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 64, "num_heads": 8,
+MODEL = {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 2, "hidden_size": 64, "num_heads": 8,
          "num_kv_heads": 4, "ffn_hidden_size": 96, "norm": "rmsnorm", "activation": "swiglu",
          "position": "rope", "tie_embeddings": False, "bias": False}
 

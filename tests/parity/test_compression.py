@@ -61,8 +61,8 @@ INT8_STEP_RTOL, INT8_LAST_RTOL = 0.05, 0.03
 
 # Pipelines (GPT-2 style, tied embeddings: the first and the last stage hold embedding.wte) and
 # MoE models (experts over expert-DP): name -> (model, layout as LAYOUTS, further parallel settings).
-GPT2 = {"vocab_size": 64, "seq_len": 16, "num_layers": 4, "hidden_size": 64, "num_heads": 8, "ffn_hidden_size": 128}
-GPT2_MOE = {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "ffn_hidden_size": 64,
+GPT2 = {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 4, "hidden_size": 64, "num_heads": 8, "ffn_hidden_size": 128}
+GPT2_MOE = {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "ffn_hidden_size": 64,
             "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32, "aux_loss_coeff": 0.01, "z_loss_coeff": 0.001}}
 PP2 = {"pp": 2, "schedule": "1f1b"}
 # One bucket per parameter group: the pp 1 and pp 2 runs then compress every parameter in the same
@@ -96,7 +96,7 @@ checks = Checks()
 check = checks.check
 
 
-MODEL = {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 64, "num_heads": 8,
+MODEL = {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 2, "hidden_size": 64, "num_heads": 8,
          "num_kv_heads": 4, "ffn_hidden_size": 96, "norm": "rmsnorm", "activation": "swiglu",
          "position": "rope", "tie_embeddings": False, "bias": False}
 

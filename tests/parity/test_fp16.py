@@ -64,12 +64,12 @@ FP16_LAYOUT_RTOL = 5e-3
 STEPS = 20
 INITIAL_SCALE = 2 ** 26
 MODELS = {
-    "gpt2": {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 64, "num_heads": 8,
+    "gpt2": {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 2, "hidden_size": 64, "num_heads": 8,
              "ffn_hidden_size": 128},
-    "llama": {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 64, "num_heads": 8,
+    "llama": {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 2, "hidden_size": 64, "num_heads": 8,
               "num_kv_heads": 4, "ffn_hidden_size": 96, "norm": "rmsnorm", "activation": "swiglu",
               "position": "rope", "tie_embeddings": False, "bias": False},
-    "moe": {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 32, "num_heads": 4,
+    "moe": {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 2, "hidden_size": 32, "num_heads": 4,
             "ffn_hidden_size": 64,
             "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32, "aux_loss_coeff": 0.01,
                     "z_loss_coeff": 0.001}},

@@ -46,10 +46,10 @@ check = checks.check
 
 
 GPT2 = {"vocab_size": 320, "seq_len": 16, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "ffn_hidden_size": 64}
-LLAMA = {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
+LLAMA = {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
          "ffn_hidden_size": 48, "norm": "rmsnorm", "activation": "swiglu", "position": "rope",
          "tie_embeddings": False, "bias": False}
-GPT2_MOE = dict(GPT2, vocab_size=64,
+GPT2_MOE = dict(GPT2, vocab_size=64, make_vocab_size_divisible_by=1,
                 moe={"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32, "aux_loss_coeff": 0.01, "z_loss_coeff": 0.001})
 LLAMA_MOE = dict(LLAMA, moe={"num_experts": 4, "top_k": 1, "every": 2, "ffn_hidden_size": 24, "aux_loss_coeff": 0.01,
                              "capacity_factor": 1.0})

@@ -44,9 +44,9 @@ BF16_RTOL = 2e-2
 
 STEPS = 20
 MODELS = {
-    "gpt2": {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 64, "num_heads": 8,
+    "gpt2": {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 2, "hidden_size": 64, "num_heads": 8,
              "ffn_hidden_size": 128},
-    "llama": {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 64, "num_heads": 8,
+    "llama": {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 2, "hidden_size": 64, "num_heads": 8,
               "num_kv_heads": 4, "ffn_hidden_size": 96, "norm": "rmsnorm", "activation": "swiglu",
               "position": "rope", "tie_embeddings": False, "bias": False},
 }

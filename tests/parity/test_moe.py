@@ -42,11 +42,11 @@ BF16_LAYOUTS = [(4, 1, 2, False, False), (2, 2, 2, True, False)]
 
 STEPS = 20
 MODELS = {
-    "gpt2_moe": {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 32, "num_heads": 4,
+    "gpt2_moe": {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 2, "hidden_size": 32, "num_heads": 4,
                  "ffn_hidden_size": 64,
                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32, "aux_loss_coeff": 0.01,
                          "z_loss_coeff": 0.001}},
-    "llama_moe": {"vocab_size": 64, "seq_len": 16, "num_layers": 2, "hidden_size": 32, "num_heads": 4,
+    "llama_moe": {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 2, "hidden_size": 32, "num_heads": 4,
                   "num_kv_heads": 2, "ffn_hidden_size": 48, "norm": "rmsnorm", "activation": "swiglu",
                   "position": "rope", "tie_embeddings": False, "bias": False,
                   "moe": {"num_experts": 4, "top_k": 1, "every": 2, "ffn_hidden_size": 24,

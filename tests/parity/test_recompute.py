@@ -32,8 +32,8 @@ import harness
 from harness import Checks, read_safetensors
 
 STEPS = 4
-GPT2 = {"vocab_size": 64, "seq_len": 16, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "ffn_hidden_size": 64}
-LLAMA = {"vocab_size": 64, "seq_len": 16, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
+GPT2 = {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "ffn_hidden_size": 64}
+LLAMA = {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 4, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
          "ffn_hidden_size": 48, "norm": "rmsnorm", "activation": "swiglu", "position": "rope",
          "tie_embeddings": False, "bias": False}
 MOE = dict(LLAMA, moe={"num_experts": 4, "top_k": 2, "every": 2, "ffn_hidden_size": 24, "aux_loss_coeff": 0.01,

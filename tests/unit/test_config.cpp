@@ -131,7 +131,7 @@ void require_equal(const Config& a, const Config& b) {
 // except data.split, which excludes data.valid.
 json every_key() {
   return json::parse(R"({
-    "model": {"vocab_size": 32000, "seq_len": 256, "num_layers": 4, "hidden_size": 512,
+    "model": {"vocab_size": 32000, "make_vocab_size_divisible_by": 64, "seq_len": 256, "num_layers": 4, "hidden_size": 512,
               "num_heads": 8, "num_kv_heads": 2, "head_dim": 96, "ffn_hidden_size": 1376, "norm": "rmsnorm",
               "norm_eps": 1e-6, "activation": "swiglu", "position": "rope",
               "rope_theta": 500000.0,

@@ -1,10 +1,13 @@
-// `tetra generate --config run.json [options]`: text from the weights training exported, one
+// `tetra generate --config run.json [options]`: text from the weights training exported (or a
+// checkpoint's, or a Hugging Face model's), one
 // process, tp 1 (trainer/train/generate.h does the work). The sampling options override the
 // config's sample section under the config's own rules for it.
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <optional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -12,6 +15,7 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "kernels/common/check.h"
 #include "trainer/cli/cli.h"
@@ -40,7 +44,7 @@ CLI::Validator at_least(double lo) {
 // the config's own rules for them (finite numbers, whole numbers in range): "--seed: -1: ...".
 struct GenerateArgs {
   CLI::App* cmd = nullptr;
-  std::string config_path, weights, prompt;
+  std::string config_path, weights, prompt, prompt_ids, logits_out;
   std::vector<std::string> overrides;
   int64_t max_tokens = 0, top_k = 0;
   double temperature = 0.0;
@@ -97,9 +101,16 @@ struct GenerateArgs {
     cmd->add_option("-c,--config", config_path, "run configuration (JSON): model, data.tokenizer, sample")
         ->required();
     cmd->add_option("--set", overrides, "override a config key: section.key=value (repeatable)");
-    cmd->add_option("--weights", weights, "safetensors of the global tensors (default: "
-                                          "<logging.dir>/model.safetensors, written by training)");
+    cmd->add_option("--weights", weights, "a safetensors file of the global tensors (default: "
+                                          "<logging.dir>/model.safetensors, written by training), a "
+                                          "checkpoint (step_* or checkpoint.dir) or a Hugging Face model "
+                                          "directory");
     prompt_opt = cmd->add_option("--prompt", prompt, "text to continue (default: sample.prompt)");
+    cmd->add_option("--prompt-ids", prompt_ids, "token ids to continue, comma-separated, instead of text: no "
+                                                "tokenizer needed; prints the prompt and generated ids as JSON")
+        ->excludes(prompt_opt);
+    cmd->add_option("--logits-out", logits_out, "with --prompt-ids: write the prompt's logits (fp32, prompt length "
+                                                "x vocab_size) to this safetensors file");
     max_tokens_opt = cmd->add_option("--max-tokens", max_tokens, "most tokens to generate (default: "
                                      "sample.max_tokens)")->check(whole_number())->check(at_least(1));
     temperature_opt = cmd->add_option("--temperature", temperature, "0 = greedy (default: "
@@ -117,6 +128,37 @@ struct GenerateArgs {
   }
 };
 
+// "3,17, 5" -> the ids; --logits-out checked before any work (its directory exists, it is no directory).
+tetra::IdPrompt parse_prompt_ids(const std::string& text, const std::string& logits_out) {
+  tetra::IdPrompt p;
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    std::string item = text.substr(at, comma - at);
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    int64_t v = 0;
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    if (item.empty() || ec != std::errc() || end != item.data() + item.size() || v < 0 ||
+        v > std::numeric_limits<int32_t>::max())
+      throw tetra::InputError(fmt::format("--prompt-ids: \"{}\" is not a token id (a whole number >= 0; the list is "
+                                   "comma-separated, e.g. 1,15043,29892)", item));
+    p.ids.push_back(static_cast<int32_t>(v));
+    at = comma + 1;
+  }
+  if (!logits_out.empty()) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const fs::path out(logits_out), parent = out.parent_path().empty() ? fs::path(".") : out.parent_path();
+    if (fs::is_directory(out, ec))
+      throw tetra::InputError(fmt::format("--logits-out {}: is a directory; give a file name", logits_out));
+    if (!fs::is_directory(parent, ec))
+      throw tetra::InputError(fmt::format("--logits-out {}: the directory {} does not exist", logits_out, parent.string()));
+  }
+  p.logits_out = logits_out;
+  return p;
+}
+
 // `tetra generate`: one process (no MPI: a launch of several is recognised by the launcher's
 // variables, and refused once); exit 0, 1 (runtime failure) or 2 (bad input).
 int run_generate(const GenerateArgs& args, const tetra::RuntimeOptions& runtime) {
@@ -130,10 +172,16 @@ int run_generate(const GenerateArgs& args, const tetra::RuntimeOptions& runtime)
   try {
     tetra::Config cfg = tetra::load_config(args.config_path, args.overrides);
     args.apply(cfg.sample);
+    std::optional<tetra::IdPrompt> ids;
+    if (!args.prompt_ids.empty()) ids = parse_prompt_ids(args.prompt_ids, args.logits_out);
+    else if (!args.logits_out.empty()) throw tetra::InputError("--logits-out needs --prompt-ids (the prompt's token ids)");
     // One process: the node's first GPU (local rank 0).
-    const tetra::GeneratedText text =
-        tetra::generate_command(cfg, args.weights, tetra::device_options(runtime, /*local_rank=*/0));
-    fmt::print("{}{}\n", text.prompt, text.continuation);
+    const tetra::GeneratedText text = tetra::generate_command(
+        cfg, args.weights, tetra::device_options(runtime, /*local_rank=*/0), ids ? &*ids : nullptr);
+    if (ids)
+      fmt::print("{{\"prompt_ids\": [{}], \"ids\": [{}]}}\n", fmt::join(ids->ids, ", "), fmt::join(text.ids, ", "));
+    else
+      fmt::print("{}{}\n", text.prompt, text.continuation);
     std::fflush(stdout);
     return 0;
   } catch (const std::exception& e) {

@@ -9,7 +9,12 @@
 #include <fmt/ranges.h>
 
 #include "kernels/backend.h"
+#include "trainer/checkpoint/checkpoint.h"
+#include "trainer/checkpoint/commit.h"
+#include "trainer/checkpoint/hf_import.h"
 #include "trainer/checkpoint/safetensors.h"
+#include "trainer/comm/process_groups.h"
+#include "trainer/comm/rank_grid.h"
 #include "kernels/common/check.h"
 #include "trainer/data/tokenizer.h"
 #include "trainer/model/gpt.h"
@@ -153,23 +158,97 @@ std::vector<float> load_weights(const std::string& path, const ParamLayout& layo
   return params;
 }
 
-GeneratedText generate_command(const Config& config, const std::string& weights_path,
-                               const DeviceOptions& device) {
+std::vector<float> load_weights_dir(const std::string& dir, const Config& cfg) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const ParamLayout layout = ParamLayout::build(cfg.model);
+  // A checkpoint: a step_* directory, or a checkpoint.dir (its `latest`, or the newest complete step).
+  std::string step;
+  if (fs::exists(fs::path(dir) / "manifest.json", ec)) {
+    step = dir;
+  } else if (fs::exists(fs::path(dir) / "latest", ec) || !fs::exists(fs::path(dir) / "config.json", ec)) {
+    CheckpointConfig c;
+    c.dir = dir;
+    c.resume.kind = ResumeKind::AUTO;
+    step = checkpoint_to_resume(c);
+    if (step.empty()) {
+      const fs::path inside = fs::path(dir) / "model.safetensors";
+      throw InputError(fmt::format(
+          "{}: is a directory; the weights are a .safetensors file{}, a checkpoint (a step_* directory or a "
+          "checkpoint.dir) or a Hugging Face model directory (with config.json), and this is none of them",
+          dir,
+          fs::is_regular_file(inside, ec)
+              ? fmt::format(" (this one holds {}: pass --weights {})", inside.string(), inside.string())
+              : std::string(" (training writes <logging.dir>/model.safetensors)")));
+    }
+  }
+  std::vector<float> host(static_cast<size_t>(layout.total), 0.0f);
+  if (!step.empty()) {
+    // The trainer's own loader (every slice's checksum verified, the model compared key by key),
+    // on one rank, weights only, into host memory.
+    std::unique_ptr<Backend> cpu = make_cpu_backend(1);
+    ProcessGroups groups = ProcessGroups::create(RankGrid::build(GridSizes{}), 0);
+    const std::vector<GradRange> owned = {{0, layout.total}};
+    CheckpointBuffers b;
+    b.layout = &layout;
+    b.owned = &owned;
+    b.master_full = host.data();
+    load_checkpoint(step, cfg, groups, *cpu, b, /*weights_only=*/true);
+    return host;
+  }
+  // A Hugging Face directory: its config.json must describe the config's model.
+  const HfModel hf = read_hf_model(dir, cfg.model.seq_len);
+  nlohmann::json have;
+  try {
+    have = nlohmann::json::parse(
+        config_to_json(config_from_json(nlohmann::json{{"model", hf.model}, {"data", {{"synthetic", true}}}})).dump())["model"];
+  } catch (const ConfigError& e) {
+    throw InputError(fmt::format("{}/config.json describes a model Tetra cannot build: {}", dir, e.what()));
+  }
+  nlohmann::json want = nlohmann::json::parse(config_to_json(cfg).dump())["model"];
+  std::string diff;
+  for (auto it = want.begin(); it != want.end(); ++it)
+    if (it.key() != "make_vocab_size_divisible_by" && (!have.contains(it.key()) || have[it.key()] != it.value()))
+      diff += fmt::format("{}model.{}: {}/config.json gives {}, the config {}", diff.empty() ? "" : "; ", it.key(), dir,
+                          have.contains(it.key()) ? have[it.key()].dump() : "nothing", it.value().dump());
+  if (!diff.empty())
+    throw InputError(fmt::format("{}: another model than the config's ({}); put the model section `tetra ckpt "
+                                 "import-hf` writes (model.json) in the config", dir, diff));
+  return read_hf_weights(hf, cfg.model);
+}
+
+GeneratedText generate_command(const Config& config, const std::string& weights_path, const DeviceOptions& device,
+                               const IdPrompt* id_prompt) {
   Config cfg = config;
   cfg.parallel.tp = 1;  // one process: the global tensors load whole
   cfg.parallel.sequence_parallel = false;
   std::string path = weights_path.empty() ? final_weights_path(cfg) : weights_path;
   if (path.empty())
     throw InputError("no weights to generate with: the config has no logging.dir (where training writes "
-                     "model.safetensors); pass --weights FILE");
-  check_weights_file(path, weights_path.empty()
-                               ? "train first (tetra --config <run.json> writes it at the end of training when "
-                                 "logging.dir is set) or pass --weights FILE"
-                               : "give --weights the safetensors file training wrote "
-                                 "(<logging.dir>/model.safetensors)");
-  std::unique_ptr<Tokenizer> tokenizer = load_sampling_tokenizer(cfg);
+                     "model.safetensors); pass --weights FILE|DIR");
   const ParamLayout layout = ParamLayout::build(cfg.model);
-  const std::vector<float> host = load_weights(path, layout);
+  std::vector<float> host;
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::error_code ec;
+  if (id_prompt) {
+    if (id_prompt->ids.empty()) throw InputError("--prompt-ids: no token ids");
+    for (int32_t id : id_prompt->ids)
+      if (id < 0 || id >= cfg.model.vocab_size)
+        throw InputError(fmt::format("--prompt-ids: id {} outside the model's vocabulary [0, {})", id,
+                                     cfg.model.vocab_size));
+  }
+  if (!weights_path.empty() && std::filesystem::is_directory(path, ec)) {
+    if (!id_prompt) tokenizer = load_sampling_tokenizer(cfg);
+    host = load_weights_dir(path, cfg);
+  } else {
+    check_weights_file(path, weights_path.empty()
+                                 ? "train first (tetra --config <run.json> writes it at the end of training when "
+                                   "logging.dir is set) or pass --weights FILE|DIR"
+                                 : "give --weights the safetensors file training wrote "
+                                   "(<logging.dir>/model.safetensors), a checkpoint or a Hugging Face directory");
+    if (!id_prompt) tokenizer = load_sampling_tokenizer(cfg);
+    host = load_weights(path, layout);
+  }
 
   const DType act = precision_dtype(cfg.training.precision);
   std::unique_ptr<Backend> be =
@@ -186,8 +265,28 @@ GeneratedText generate_command(const Config& config, const std::string& weights_
   Gpt model(cfg.model, layout, *be, act, /*micro_batch=*/1);
   Sampler sampler(model, *be, /*tp=*/nullptr);
   GeneratedText out;
-  out.prompt = cfg.sample.prompt;
-  out.continuation = generate_text(sampler, weights.get(), *tokenizer, cfg.sample.prompt, cfg.sample);
+  if (!id_prompt) {
+    out.prompt = cfg.sample.prompt;
+    out.continuation = generate_text(sampler, weights.get(), *tokenizer, cfg.sample.prompt, cfg.sample);
+    return out;
+  }
+  if (!id_prompt->logits_out.empty()) {
+    // The prompt's logits (its first T ids), as the first forward of generation computes them.
+    const int64_t T = cfg.model.seq_len, V = cfg.model.vocab_size, Vl = model.dims().Vl;
+    const int64_t n = std::min<int64_t>(T, static_cast<int64_t>(id_prompt->ids.size()));
+    std::vector<int32_t> tokens(static_cast<size_t>(T), 0);
+    std::copy(id_prompt->ids.begin(), id_prompt->ids.begin() + n, tokens.begin());
+    BackendBuffer tokens_buf(*be, tokens.size() * 4), rows(*be, static_cast<size_t>(n * V) * 4);
+    be->copy_from_host(tokens_buf.get(), tokens.data(), tokens.size() * 4);
+    model.forward_logits(weights.get(), tokens_buf.as<int32_t>());
+    TETRA_CHECK(model.dims().V == V && Vl >= V, "the generating model holds {} of {} vocabulary rows",
+                model.dims().V, V);
+    be->cast(rows.get(), DType::F32, model.logits(), act, n * V);
+    std::vector<float> host_logits(static_cast<size_t>(n * V));
+    be->copy_to_host(host_logits.data(), rows.get(), host_logits.size() * 4);
+    write_safetensors(id_prompt->logits_out, {TensorView{"logits", DType::F32, {n, V}, host_logits.data()}});
+  }
+  out.ids = sampler.generate(weights.get(), id_prompt->ids, cfg.sample, /*eod=*/-1, cfg.model.vocab_size);
   return out;
 }
 

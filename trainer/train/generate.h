@@ -51,15 +51,32 @@ void check_weights_file(const std::string& path, const std::string& missing_hint
 // InputError naming the file and the tensor otherwise (check_weights_file's first).
 std::vector<float> load_weights(const std::string& path, const ParamLayout& layout);
 
+// The single-rank layout's weights (ParamLayout::build(cfg.model)) from a directory: a checkpoint
+// (a step_* directory, or a checkpoint.dir whose latest complete step is read) of cfg's model,
+// loaded as the trainer loads one; or a Hugging Face model directory (config.json and
+// model.safetensors or its shards) whose config.json describes cfg's model. InputError naming the
+// directory, and the keys that differ, otherwise.
+std::vector<float> load_weights_dir(const std::string& dir, const Config& cfg);
+
 struct GeneratedText {
   std::string prompt, continuation;
+  std::vector<int32_t> ids;  // the continuation's token ids
+};
+
+// A prompt of token ids instead of text (`tetra generate --prompt-ids`): no tokenizer is needed,
+// generation stops at max_tokens only, and `logits_out` (if set) receives the prompt's logits, a
+// safetensors file with one fp32 tensor "logits" (prompt length, vocab_size).
+struct IdPrompt {
+  std::vector<int32_t> ids;
+  std::string logits_out;
 };
 
 // `tetra generate`: one process and tp = 1 whatever cfg.parallel says, weights from
-// `weights_path` (empty: final_weights_path(cfg)), sampling as cfg.sample says, compute in
-// cfg.training.precision with cfg.training.threads on `device`. InputError for a missing or
-// mismatched weights file, or a config without data.tokenizer.
-GeneratedText generate_command(const Config& cfg, const std::string& weights_path,
-                               const DeviceOptions& device);
+// `weights_path` (empty: final_weights_path(cfg); a file or a directory, load_weights_dir),
+// sampling as cfg.sample says, compute in cfg.training.precision with cfg.training.threads on
+// `device`. InputError for a missing or mismatched weights file, or a config without
+// data.tokenizer (unless `id_prompt` is given).
+GeneratedText generate_command(const Config& cfg, const std::string& weights_path, const DeviceOptions& device,
+                               const IdPrompt* id_prompt = nullptr);
 
 }  // namespace tetra
