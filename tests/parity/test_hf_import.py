@@ -18,6 +18,13 @@ are also checked bit for bit against the files (bf16 values widened exactly).
 the same names, and a config.json with the same RoPE frequencies and head size; with
 --max-shard-size below the model's size it writes shards and the index, which import again.
 
+`tetra generate --prompt-ids ... --logits-out` from the HF directory itself and from the imported
+checkpoint: the prompt's logits equal the Hugging Face forward's (1e-5 of the largest), and greedy
+generation matches it token for token over 10 steps (the window sliding past seq_len).
+Import -> 10 steps on dp 2 x tp 2 (SP, distributed optimizer, vocabulary padded to 128 rows) ->
+export-hf: the Hugging Face forward of the exported files gives the loss Tetra computes with the
+trained weights.
+
 Refusals (exit 2, the message naming the key or tensor, nothing written): a sliding window, a
 RoPE type Tetra lacks, an unknown model_type, a tensor the model does not have, a missing tensor,
 a non-empty OUT.
@@ -340,6 +347,100 @@ def family(args, kind, cfg, sd, shards, dtype, seq_len):
             want = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), sample[:, 1:].reshape(-1)).item()
         check(rel(loss, want) < LOSS_RTOL, f"{kind} {name}: Tetra's step-1 loss {loss:.8f} = the Hugging Face "
               f"forward's {want:.8f} (rel {rel(loss, want):.1e} < {LOSS_RTOL:g})")
+    forward = gpt2_logits if kind == "gpt2" else llama_logits
+    generation(args, kind, cfg, model, ref_sd, forward, work, {"HF directory": hf_dir, "imported checkpoint": out})
+    train_export(args, kind, cfg, model, out, work, forward)
+
+
+def generation(args, kind, cfg, model, ref_sd, forward, work, sources):
+    """`tetra generate --prompt-ids` from each weights source: the prompt's logits equal the
+    Hugging Face forward's (1e-5 of their largest magnitude), and greedy generation picks the
+    reference's token at every step (its window sliding past seq_len)."""
+    T, V = model["seq_len"], model["vocab_size"]
+    rng = np.random.default_rng(5)
+    prompt = [int(i) for i in rng.integers(0, V, size=T - 4)]
+    steps = 10  # the window slides past T
+    ids = list(prompt)
+    want = []
+    with torch.no_grad():
+        for _ in range(steps):
+            window = torch.tensor([ids[-T:]], dtype=torch.long)
+            nxt = int(torch.argmax(forward(ref_sd, cfg, window)[0, -1]))
+            want.append(nxt)
+            ids.append(nxt)
+        ref_logits = forward(ref_sd, cfg, torch.tensor([prompt], dtype=torch.long))[0].numpy()
+    run_cfg = {"model": model, "training": {"precision": "fp32", "threads": 1, "peak_gflops": 10},
+               "data": {"synthetic": True}}
+    path = harness.write_config(os.path.join(work, "generate"), run_cfg)
+    for what, weights in sources.items():
+        logits_file = os.path.join(work, "generate", what.replace(" ", "_") + ".safetensors")
+        r = harness.run_tetra(args, ["generate", "--config", path, "--weights", weights, "--prompt-ids",
+                                     ",".join(map(str, prompt)), "--logits-out", logits_file, "--temperature", "0",
+                                     "--max-tokens", str(steps)])
+        check(r.returncode == 0, f"{kind}: tetra generate --weights <{what}> exits 0 ({r.stderr.strip()[-300:]})")
+        if r.returncode != 0:
+            continue
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        check(got["prompt_ids"] == prompt and got["ids"] == want,
+              f"{kind}: greedy generation from the {what} matches the Hugging Face forward token for token "
+              f"({got['ids']} vs {want})")
+        logits = read_safetensors(logits_file)[0]["logits"]
+        err = float(np.abs(logits - ref_logits).max() / np.abs(ref_logits).max())
+        check(logits.shape == ref_logits.shape and err < 1e-5,
+              f"{kind}: the prompt's logits from the {what} match the Hugging Face forward's "
+              f"({logits.shape}, max error {err:.1e} of the largest logit < 1e-5)")
+
+
+def train_export(args, kind, cfg, model, imported, work, forward):
+    """Import -> 10 steps on dp 2 x tp 2 (distributed optimizer, SP) -> export-hf: the Hugging Face
+    forward of the exported files reproduces the loss Tetra computes with the trained weights
+    (the loss of a one-step run from the trained checkpoint, computed before its update, on its dumped batch)."""
+    ck = os.path.join(work, "trained_ckpt")
+    run = os.path.join(work, "dp2_tp2")
+    config = {"model": dict(model, make_vocab_size_divisible_by=32),
+              "parallel": {"dp": 2, "tp": 2, "sequence_parallel": True, "distributed_optimizer": True},
+              "training": {"micro_batch_size": 2, "global_batch_size": 8, "steps": 10, "threads": 1,
+                           "precision": "fp32", "peak_gflops": 10, "seed": 4},
+              "optimizer": {"lr": 1e-3, "warmup_steps": 2},
+              "data": {"synthetic": True},
+              "checkpoint": {"init": imported, "dir": ck, "every": 10},
+              "logging": {"dir": os.path.join(run, "logs"), "level": "warn"}}
+    r = harness.run_tetra(args, ["train", "--config", harness.write_config(run, config)], 4)
+    check(r.returncode == 0, f"{kind}: 10 steps on dp 2 x tp 2 from the import ({r.stderr.strip()[-300:]})")
+    if r.returncode != 0:
+        return
+    losses = [s["loss"] for s in harness.step_records(os.path.join(run, "logs"))]
+    check(len(losses) == 10 and losses[-1] < losses[0], f"{kind}: the dp 2 x tp 2 run learns ({losses[0]:.4f} -> "
+                                                       f"{losses[-1]:.4f})")
+    exported = os.path.join(work, "trained_hf")
+    r = harness.run_tetra(args, ["ckpt", "export-hf", os.path.join(ck, "step_00000010"), exported])
+    check(r.returncode == 0, f"{kind}: export-hf of the trained checkpoint ({r.stderr.strip()[-300:]})")
+    if r.returncode != 0:
+        return
+    probe = os.path.join(work, "probe")
+    pcfg = {"model": model, "training": {"micro_batch_size": 2, "global_batch_size": 2, "steps": 1, "threads": 1,
+                                         "precision": "fp32", "peak_gflops": 10, "seed": 9},
+            "optimizer": {"lr": 1e-3, "warmup_steps": 0}, "data": {"synthetic": True},
+            "checkpoint": {"init": os.path.join(ck, "step_00000010")},
+            "logging": {"dir": os.path.join(probe, "logs"), "level": "warn"}}
+    r = harness.run_tetra(args, ["train", "--config", harness.write_config(probe, pcfg), "--dump-dir",
+                                 os.path.join(probe, "dump")])
+    check(r.returncode == 0, f"{kind}: the probe run from the trained checkpoint ({r.stderr.strip()[-300:]})")
+    if r.returncode != 0:
+        return
+    loss = harness.step_records(os.path.join(probe, "logs"))[0]["loss"]
+    sample = torch.from_numpy(read_safetensors(os.path.join(probe, "dump", "batches.safetensors"))[0]["step_0"]).long()
+    sd = {n: torch.from_numpy(a.astype(np.float64)) for n, a in
+          read_safetensors(os.path.join(exported, "model.safetensors"))[0].items()}
+    if kind == "gpt2":  # the export writes transformers' names; the reference reads the original release's
+        sd = {n[len("transformer."):] if n.startswith("transformer.") else n: a for n, a in sd.items()}
+    T = model["seq_len"]
+    with torch.no_grad():
+        logits = forward(sd, cfg, sample[:, :T])
+        want = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), sample[:, 1:].reshape(-1)).item()
+    check(rel(loss, want) < LOSS_RTOL, f"{kind}: after import, 10 steps on dp 2 x tp 2 and export, the Hugging Face "
+                                       f"forward of the export gives Tetra's loss ({want:.8f} vs {loss:.8f}, rel "
+                                       f"{rel(loss, want):.1e})")
 
 
 def refusals(args):
