@@ -56,9 +56,11 @@
 // shape has no such algorithm (or N % 8 != 0) the plain product and the GELU kernels run
 // instead, the order the CPU backend uses.
 #include <cublasLt.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <unordered_map>
 
 #include "kernels/cuda/common.cuh"
@@ -66,13 +68,48 @@
 #include "kernels/cuda/pack.cuh"
 #include "kernels/cuda/scratch.cuh"
 
+#define TETRA_LT_ENTRIES(X) X(Create) X(Destroy) X(GetStatusName) X(GetStatusString) X(Matmul) X(MatmulAlgoCheck) X(MatmulAlgoGetHeuristic) X(MatmulDescCreate) X(MatmulDescDestroy) X(MatmulDescSetAttribute) X(MatmulPreferenceCreate) X(MatmulPreferenceDestroy) X(MatmulPreferenceSetAttribute) X(MatrixLayoutCreate) X(MatrixLayoutDestroy) X(MatrixLayoutSetAttribute)
+
 namespace tetra {
 namespace cuda::lt_gemm {
+
+// cuBLASLt's entry points, from the library opened at the first use (dlopen) rather than linked:
+// loading and relocating its ~500 MB costs every start of the binary about 0.35 s, CPU runs and
+// `tetra ckpt` included, where no GEMM ever runs on a GPU.
+struct LtApi {
+#define TETRA_LT_ENTRY(name) decltype(&::cublasLt##name) name = nullptr;
+  TETRA_LT_ENTRIES(TETRA_LT_ENTRY)
+#undef TETRA_LT_ENTRY
+};
+
+const LtApi& lt() {
+  static const LtApi api = [] {
+    // The library this build was compiled against (its major version), by soname, then by the path
+    // CMake found it at.
+    const std::string soname = fmt::format("libcublasLt.so.{}", CUBLAS_VER_MAJOR);
+    void* h = dlopen(soname.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!h) h = dlopen(TETRA_CUBLASLT_PATH, RTLD_NOW | RTLD_LOCAL);
+    if (!h)
+      throw Error(fmt::format("cannot open cuBLASLt ({} or {}): {}; the CUDA Toolkit's lib64 must be on the "
+                              "library path (LD_LIBRARY_PATH) of every rank", soname, TETRA_CUBLASLT_PATH,
+                              dlerror()));
+    LtApi a;
+#define TETRA_LT_ENTRY(name)                                                                         \
+  a.name = reinterpret_cast<decltype(a.name)>(dlsym(h, "cublasLt" #name));                        \
+  if (!a.name) throw Error(fmt::format("{} has no cublasLt{}: another cuBLASLt than the one this build " \
+                                       "was compiled against ({})", soname, #name, CUBLAS_VERSION));
+    TETRA_LT_ENTRIES(TETRA_LT_ENTRY)
+#undef TETRA_LT_ENTRY
+    return a;
+  }();
+  return api;
+}
+
 
 inline void check_cublas(cublasStatus_t status, const char* what, const char* file, int line) {
   if (status != CUBLAS_STATUS_SUCCESS)
     throw Error(fmt::format("{}:{}: cuBLASLt error in {}: {} ({})", file, line, what,
-                            cublasLtGetStatusName(status), cublasLtGetStatusString(status)));
+                            lt().GetStatusName(status), lt().GetStatusString(status)));
 }
 #define TETRA_CUBLAS_CHECK(call) \
   ::tetra::cuda::lt_gemm::check_cublas((call), #call, __FILE__, __LINE__)
@@ -143,10 +180,10 @@ struct LtPlan {
   bool usable = true;
 
   void destroy() {
-    if (desc) cublasLtMatmulDescDestroy(desc);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (desc) lt().MatmulDescDestroy(desc);
+    if (a) lt().MatrixLayoutDestroy(a);
+    if (b) lt().MatrixLayoutDestroy(b);
+    if (c) lt().MatrixLayoutDestroy(c);
     desc = nullptr;
     a = b = c = nullptr;
     bias_epilogue = aux_epilogue = false;
@@ -154,6 +191,8 @@ struct LtPlan {
 };
 
 }  // namespace cuda::lt_gemm
+
+using cuda::lt_gemm::lt;
 
 struct CudaGemmState {
   cublasLtHandle_t handle = nullptr;
@@ -170,14 +209,14 @@ void CudaGemmStateDeleter::operator()(CudaGemmState* s) const {
   for (auto& entry : s->plans) entry.second.destroy();
   if (s->staging) cudaFree(s->staging);
   if (s->workspace) cudaFree(s->workspace);
-  if (s->handle) cublasLtDestroy(s->handle);
+  if (s->handle) lt().Destroy(s->handle);
   delete s;
 }
 
 CudaGemmState& CudaBackend::gemm_state() {
   if (!gemm_) {
     std::unique_ptr<CudaGemmState, CudaGemmStateDeleter> s(new CudaGemmState);
-    TETRA_CUBLAS_CHECK(cublasLtCreate(&s->handle));
+    TETRA_CUBLAS_CHECK(lt().Create(&s->handle));
     TETRA_CUDA_CHECK(cudaMalloc(&s->workspace, cuda::lt_gemm::kWorkspaceBytes));
     gemm_ = std::move(s);
   }
@@ -201,12 +240,12 @@ uint16_t alignment_of(const void* p) {
 
 template <typename T>
 void set_desc(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const T& value) {
-  TETRA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(value)));
+  TETRA_CUBLAS_CHECK(lt().MatmulDescSetAttribute(d, attr, &value, sizeof(value)));
 }
 template <typename T>
 void set_pref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t attr,
               const T& value) {
-  TETRA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, attr, &value, sizeof(value)));
+  TETRA_CUBLAS_CHECK(lt().MatmulPreferenceSetAttribute(p, attr, &value, sizeof(value)));
 }
 
 // Asks the heuristic for the best algorithm for the plan's descriptor and layouts (the
@@ -215,7 +254,7 @@ bool choose_algo(cublasLtHandle_t handle, const LtKey& k, LtPlan& plan,
                  cublasStatus_t& heuristic_status) {
   cublasLtMatmulPreference_t pref = nullptr;
   try {
-    TETRA_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    TETRA_CUBLAS_CHECK(lt().MatmulPreferenceCreate(&pref));
     set_pref(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t{kWorkspaceBytes});
     // Split-K only with fp32 partials in the workspace, reduced in a separate fixed-order step
     // (no reduction in the output type; no in-place reduction, whose order is the GPU's).
@@ -226,14 +265,14 @@ bool choose_algo(cublasLtHandle_t handle, const LtKey& k, LtPlan& plan,
     set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, uint32_t{k.align_c});
     set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, uint32_t{k.align_c});
   } catch (...) {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (pref) lt().MatmulPreferenceDestroy(pref);
     throw;
   }
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+  const cublasStatus_t status = lt().MatmulAlgoGetHeuristic(
       handle, plan.desc, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
+  lt().MatmulPreferenceDestroy(pref);
   heuristic_status = status != CUBLAS_STATUS_SUCCESS ? status : result.state;
   if (status != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
     return false;
@@ -245,8 +284,8 @@ bool choose_algo(cublasLtHandle_t handle, const LtKey& k, LtPlan& plan,
 // (N and the leading dimensions are the key's).
 void set_layout_dims(cublasLtMatrixLayout_t l, int64_t rows, int64_t cols) {
   const uint64_t r = static_cast<uint64_t>(rows), c = static_cast<uint64_t>(cols);
-  TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_ROWS, &r, sizeof(r)));
-  TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_COLS, &c, sizeof(c)));
+  TETRA_CUBLAS_CHECK(lt().MatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_ROWS, &r, sizeof(r)));
+  TETRA_CUBLAS_CHECK(lt().MatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_COLS, &c, sizeof(c)));
 }
 
 // Builds the descriptor and layouts for `k` at the dims M, K (the key holds their buckets) and
@@ -260,17 +299,17 @@ bool make_plan(cublasLtHandle_t handle, const LtKey& k, int64_t M, int64_t K, co
   plan.M = M;
   plan.K = K;
   try {
-    TETRA_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    TETRA_CUBLAS_CHECK(lt().MatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t op_a = k.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt A = our B
     const cublasOperation_t op_b = k.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt B = our A
     set_desc(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a);
     set_desc(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, op_b);
     const cudaDataType_t ab = lt_type(k.ab_type), c = lt_type(k.c_type);
-    TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, ab, k.trans_b ? K : k.N,
+    TETRA_CUBLAS_CHECK(lt().MatrixLayoutCreate(&plan.a, ab, k.trans_b ? K : k.N,
                                                   k.trans_b ? k.N : K, k.ldb));
-    TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, ab, k.trans_a ? M : K,
+    TETRA_CUBLAS_CHECK(lt().MatrixLayoutCreate(&plan.b, ab, k.trans_a ? M : K,
                                                   k.trans_a ? K : M, k.lda));
-    TETRA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, c, k.N, M, k.ldc));
+    TETRA_CUBLAS_CHECK(lt().MatrixLayoutCreate(&plan.c, c, k.N, M, k.ldc));
     if (k.epilogue != LtEpilogue::NONE) {
       uint32_t epilogue = CUBLASLT_EPILOGUE_BIAS;
       if (k.epilogue == LtEpilogue::GELU_AUX) epilogue = CUBLASLT_EPILOGUE_GELU_AUX;
@@ -318,7 +357,7 @@ LtPlan& find_plan(CudaGemmState& st, LtKey k, int64_t M, int64_t K, const void* 
     plan.K = K;
     ++st.plans_retargeted;
     cublasLtMatmulHeuristicResult_t check{};
-    const cublasStatus_t status = cublasLtMatmulAlgoCheck(st.handle, plan.desc, plan.a, plan.b,
+    const cublasStatus_t status = lt().MatmulAlgoCheck(st.handle, plan.desc, plan.a, plan.b,
                                                           plan.c, plan.c, &plan.algo, &check);
     if (status == CUBLAS_STATUS_SUCCESS && check.workspaceSize <= kWorkspaceBytes) return plan;
     ++st.plans_reheuristic;
@@ -327,7 +366,7 @@ LtPlan& find_plan(CudaGemmState& st, LtKey k, int64_t M, int64_t K, const void* 
                 "gemm: cuBLASLt has no algorithm for trans_a={} trans_b={} M={} N={} K={} lda={} "
                 "ldb={} ldc={} {} -> {}: {}",
                 k.trans_a, k.trans_b, M, k.N, K, k.lda, k.ldb, k.ldc, dtype_name(k.ab_type),
-                dtype_name(k.c_type), cublasLtGetStatusName(heuristic));
+                dtype_name(k.c_type), lt().GetStatusName(heuristic));
     return plan;
   }
   if (st.plans.size() >= kMaxPlans) {
@@ -354,7 +393,7 @@ LtPlan& find_plan(CudaGemmState& st, LtKey k, int64_t M, int64_t K, const void* 
               "ldb={} ldc={} {} x {} -> {} (pointer alignments A {} B {} C {}): {}",
               k.trans_a, k.trans_b, M, k.N, K, k.lda, k.ldb, k.ldc, dtype_name(k.ab_type),
               dtype_name(k.ab_type), dtype_name(k.c_type), k.align_a, k.align_b, k.align_c,
-              cublasLtGetStatusName(status));
+              lt().GetStatusName(status));
   return st.plans.emplace(k, plan).first->second;
 }
 
@@ -370,7 +409,7 @@ bool lt_matmul(CudaGemmState& st, cudaStream_t stream, bool trans_a, bool trans_
                   epilogue_bias ? alignment_of(epilogue_bias) : uint16_t{0}};
   LtPlan& plan = find_plan(st, key, M, K, epilogue_bias, nullptr);
   if (plan.bias_epilogue) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, epilogue_bias);
-  TETRA_CUBLAS_CHECK(cublasLtMatmul(st.handle, plan.desc, &alpha, B, plan.a, A, plan.b, &beta, C,
+  TETRA_CUBLAS_CHECK(lt().Matmul(st.handle, plan.desc, &alpha, B, plan.a, A, plan.b, &beta, C,
                                     plan.c, C, plan.c, &plan.algo, st.workspace, kWorkspaceBytes,
                                     stream));
   return plan.bias_epilogue;
@@ -391,7 +430,7 @@ bool lt_matmul_gelu(CudaGemmState& st, cudaStream_t stream, LtEpilogue epilogue,
   if (plan.bias_epilogue) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
   set_desc(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
   const float alpha = 1.0f, beta = 0.0f;
-  TETRA_CUBLAS_CHECK(cublasLtMatmul(st.handle, plan.desc, &alpha, B, plan.a, A, plan.b, &beta, C,
+  TETRA_CUBLAS_CHECK(lt().Matmul(st.handle, plan.desc, &alpha, B, plan.a, A, plan.b, &beta, C,
                                     plan.c, C, plan.c, &plan.algo, st.workspace, kWorkspaceBytes,
                                     stream));
   return true;
