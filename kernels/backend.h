@@ -60,6 +60,13 @@ class Backend {
   virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void copy_from_host(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  // `rows` runs of `width` bytes, from src + r src_pitch to dst + r dst_pitch (a strided view
+  // copied in or out of a compact one); the regions must not overlap. A row at a time by
+  // default; the CUDA backend does it in one copy.
+  virtual void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t rows) {
+    for (size_t r = 0; r < rows; ++r)
+      copy(static_cast<char*>(dst) + r * dst_pitch, static_cast<const char*>(src) + r * src_pitch, width);
+  }
   virtual void synchronize() = 0;
 
   // ---- dense algebra -----------------------------------------------------------------------

@@ -166,6 +166,13 @@ void CudaBackend::copy(void* dst, const void* src, size_t bytes) {
   TETRA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cuda::as_stream(stream_)));
 }
 
+void CudaBackend::copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                          size_t rows) {
+  if (width == 0 || rows == 0) return;
+  TETRA_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDeviceToDevice,
+                                     cuda::as_stream(stream_)));
+}
+
 void CudaBackend::synchronize() { TETRA_CUDA_CHECK(cudaStreamSynchronize(cuda::as_stream(stream_))); }
 
 int cuda_device_count() {

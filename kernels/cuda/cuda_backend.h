@@ -69,6 +69,7 @@ class CudaBackend final : public Backend {
   void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
   void copy_from_host(void* dst, const void* host_src, size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
+  void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t rows) override;
   void synchronize() override;
 
   void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,

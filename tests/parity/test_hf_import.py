@@ -6,6 +6,7 @@ one stored in bf16):
   - llama: GQA, untied, RoPE scaling "llama3" (all three frequency bands at this head size);
   - qwen2: biases on q/k/v only, tied embeddings, head_dim 24 (not hidden / heads = 16), RoPE
     "linear" given as transformers v5's rope_parameters (with rope_theta inside);
+  - qwen3: per-head RMSNorm on q and k (q_norm, k_norm) before RoPE, head_dim 32 (not 16), tied;
   - gpt2: Conv1D weights, learned positions, the original release's names (no "transformer.").
 Then `tetra ckpt import-hf` writes a step-0 checkpoint and model.json, and `tetra train` starts from
 it (checkpoint.init) for one step on tp 1, tp 2 with sequence parallelism, and pp 2: the loss Tetra
@@ -81,8 +82,15 @@ def write_bf16_safetensors(path, tensors):
 # ---- random models in Hugging Face's layout -----------------------------------------------------
 
 def llama_like(kind):
-    rng = np.random.default_rng(7 if kind == "llama" else 8)
-    if kind == "llama":
+    rng = np.random.default_rng({"llama": 7, "qwen2": 8, "qwen3": 10}[kind])
+    if kind == "qwen3":
+        cfg = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 88, "hidden_size": 64,
+               "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 32, "hidden_act": "silu", "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+               "rope_theta": 1000000.0, "tie_word_embeddings": True, "attention_bias": False,
+               "use_sliding_window": False, "sliding_window": None, "max_window_layers": 28}
+        hd = 32
+    elif kind == "llama":
         cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 64,
                "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
@@ -115,6 +123,9 @@ def llama_like(kind):
         if kind == "qwen2":
             for x, n in (("q", NH), ("k", NKV), ("v", NKV)):
                 sd[p + f"self_attn.{x}_proj.bias"] = w(n * hd)
+        if kind == "qwen3":  # RMSNorm over each head's q and k (one weight of head_dim each)
+            sd[p + "self_attn.q_norm.weight"] = 1 + 3 * w(hd)
+            sd[p + "self_attn.k_norm.weight"] = 1 + 3 * w(hd)
         sd[p + "self_attn.rotary_emb.inv_freq"] = np.zeros(hd // 2, np.float32)  # a buffer: ignored
     if not cfg["tie_word_embeddings"]:
         sd["lm_head.weight"] = w(V, C)
@@ -210,8 +221,11 @@ def llama_logits(sd, cfg, tokens):
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         h = rms(x, sd[p + "input_layernorm.weight"])
-        q = lin(h, p, "self_attn.q_proj").view(b, t, nh, hd).transpose(1, 2)
-        k = lin(h, p, "self_attn.k_proj").view(b, t, nkv, hd).transpose(1, 2)
+        q = lin(h, p, "self_attn.q_proj").view(b, t, nh, hd)
+        k = lin(h, p, "self_attn.k_proj").view(b, t, nkv, hd)
+        if p + "self_attn.q_norm.weight" in sd:  # Qwen3: q_norm / k_norm on each head, before RoPE
+            q, k = rms(q, sd[p + "self_attn.q_norm.weight"]), rms(k, sd[p + "self_attn.k_norm.weight"])
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = lin(h, p, "self_attn.v_proj").view(b, t, nkv, hd).transpose(1, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         k, v = repeat_kv(k, nh // nkv), repeat_kv(v, nh // nkv)
@@ -412,6 +426,16 @@ def train_export(args, kind, cfg, model, imported, work, forward):
     losses = [s["loss"] for s in harness.step_records(os.path.join(run, "logs"))]
     check(len(losses) == 10 and losses[-1] < losses[0], f"{kind}: the dp 2 x tp 2 run learns ({losses[0]:.4f} -> "
                                                        f"{losses[-1]:.4f})")
+    # The same 10 steps on one rank (4 micro-batches of 2): the layout is invisible, every family's
+    # parameters included (qwen3's q_norm and k_norm gradients are partial sums over the tp ranks' heads).
+    single = os.path.join(work, "single")
+    scfg = dict(config, parallel={}, checkpoint={"init": imported},
+                logging={"dir": os.path.join(single, "logs"), "level": "warn"})
+    r = harness.run_tetra(args, ["train", "--config", harness.write_config(single, scfg)])
+    ref = [s["loss"] for s in harness.step_records(os.path.join(single, "logs"))] if r.returncode == 0 else []
+    worst = max((rel(a, b) for a, b in zip(losses, ref)), default=float("inf"))
+    check(len(ref) == 10 and worst < LOSS_RTOL, f"{kind}: dp 2 x tp 2 + SP reproduces the single-rank loss curve "
+                                               f"(10 steps, worst rel {worst:.1e} < {LOSS_RTOL:g})")
     exported = os.path.join(work, "trained_hf")
     r = harness.run_tetra(args, ["ckpt", "export-hf", os.path.join(ck, "step_00000010"), exported])
     check(r.returncode == 0, f"{kind}: export-hf of the trained checkpoint ({r.stderr.strip()[-300:]})")
@@ -479,6 +503,8 @@ def main():
     family(args, "llama", cfg, sd, shards=2, dtype="fp32", seq_len=32)
     cfg, sd = llama_like("qwen2")
     family(args, "qwen2", cfg, sd, shards=1, dtype="bf16", seq_len=32)
+    cfg, sd = llama_like("qwen3")
+    family(args, "qwen3", cfg, sd, shards=1, dtype="fp32", seq_len=32)
     cfg, sd = gpt2_like()
     family(args, "gpt2", cfg, sd, shards=1, dtype="fp32", seq_len=0)
     refusals(args)

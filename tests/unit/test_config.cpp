@@ -43,6 +43,7 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.model.tie_embeddings == b.model.tie_embeddings);
   CHECK(a.model.bias == b.model.bias);
   CHECK(a.model.qkv_bias == b.model.qkv_bias);
+  CHECK(a.model.qk_norm == b.model.qk_norm);
   CHECK(a.checkpoint.init == b.checkpoint.init);
   CHECK(a.model.init_std == b.model.init_std);
   CHECK(a.model.moe.num_experts == b.model.moe.num_experts);
@@ -137,7 +138,7 @@ json every_key() {
               "rope_theta": 500000.0,
               "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
                                "high_freq_factor": 3.0, "original_max_position_embeddings": 128},
-              "tie_embeddings": false, "bias": false, "qkv_bias": true, "init_std": 0.01,
+              "tie_embeddings": false, "bias": false, "qkv_bias": true, "qk_norm": true, "init_std": 0.01,
               "moe": {"num_experts": 0, "top_k": 1, "every": 2, "ffn_hidden_size": 512,
                       "capacity_factor": 1.25, "aux_loss_coeff": 0.02, "z_loss_coeff": 0.001}},
     "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "order": "tp-pp-dp",

@@ -42,7 +42,7 @@ struct Harness {
   std::vector<int32_t> tokens, targets;
   std::vector<float> losses;
 
-  explicit Harness(bool llama) : cfg(tiny(llama)), layout(ParamLayout::build(cfg)) {
+  explicit Harness(const ModelConfig& m) : cfg(m), layout(ParamLayout::build(cfg)) {
     model = std::make_unique<Gpt>(cfg, layout, *be, DType::F32, B);
     N = B * cfg.seq_len;
     params.resize(layout.total);
@@ -52,7 +52,7 @@ struct Harness {
     std::uniform_real_distribution<float> u(-0.5f, 0.5f);
     for (const ParamSpec& p : layout.params)
       if (p.init == ParamInit::ONES || p.init == ParamInit::ZEROS)
-        for (int64_t i = 0; i < p.numel; ++i) params[p.offset + i] += u(rng);
+        for (int64_t i = 0; i < p.held(); ++i) params[p.offset + i] += u(rng);
     tokens.resize(N);
     targets.resize(N);
     for (int64_t i = 0; i < N; ++i) {
@@ -70,8 +70,8 @@ struct Harness {
   }
 };
 
-void check_gradients(bool llama) {
-  Harness h(llama);
+void check_gradients(const ModelConfig& m) {
+  Harness h(m);
   std::vector<float> grads(h.layout.total, 0.0f);
   h.loss(1.0f / static_cast<float>(h.N));
   h.model->backward(h.params.data(), grads.data(), h.tokens.data());
@@ -84,10 +84,10 @@ void check_gradients(bool llama) {
   const float step = 1e-2f;
   for (const ParamSpec& p : h.layout.params) {
     double err2 = 0, ref2 = 0;
-    const int samples = static_cast<int>(std::min<int64_t>(p.numel, 6));
-    std::uniform_int_distribution<int64_t> pick(0, p.numel - 1);
+    const int samples = static_cast<int>(std::min<int64_t>(p.held(), 6));  // not the vocabulary's padding
+    std::uniform_int_distribution<int64_t> pick(0, p.held() - 1);
     for (int k = 0; k < samples; ++k) {
-      const int64_t i = p.offset + (samples == p.numel ? k : pick(rng));
+      const int64_t i = p.offset + (samples == p.held() ? k : pick(rng));
       const float saved = h.params[i];
       h.params[i] = saved + step;
       const double up = h.loss(0.0f);
@@ -106,10 +106,18 @@ void check_gradients(bool llama) {
 }  // namespace
 
 TEST_CASE("GPT-2 style model: backward matches finite differences", "[model][gradcheck]") {
-  check_gradients(false);
+  check_gradients(tiny(false));
 }
 
 TEST_CASE("Llama style model (RMSNorm, SwiGLU, RoPE, GQA, untied): backward matches finite differences",
           "[model][gradcheck]") {
-  check_gradients(true);
+  check_gradients(tiny(true));
+}
+
+TEST_CASE("Qwen3 style model (per-head q/k RMSNorm, head_dim 8 != hidden / heads): backward matches finite "
+          "differences", "[model][gradcheck]") {
+  ModelConfig m = tiny(true);
+  m.qk_norm = true;
+  m.head_dim = 8;
+  check_gradients(m);
 }

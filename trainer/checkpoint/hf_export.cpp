@@ -83,6 +83,10 @@ void llama_tensors(const ModelConfig& m, const ParamLayout& layout, const HfWeig
       w.add(h + "self_attn.k_proj.bias", {NKV * HS}, b.data() + NH * HS);
       w.add(h + "self_attn.v_proj.bias", {NKV * HS}, b.data() + (NH + NKV) * HS);
     }
+    if (m.qk_norm) {  // Qwen3
+      w.add(h + "self_attn.q_norm.weight", {HS}, fetch(weights, layout, t + "attn.q_norm.weight"));
+      w.add(h + "self_attn.k_norm.weight", {HS}, fetch(weights, layout, t + "attn.k_norm.weight"));
+    }
     w.add(h + "self_attn.o_proj.weight", {C, NH * HS}, fetch(weights, layout, t + "attn.proj.weight"));
     w.add(h + "post_attention_layernorm.weight", {C}, fetch(weights, layout, t + "norm2.weight"));
     // fc 2F rows of C: [gate | up]
@@ -126,7 +130,7 @@ json token_id(int64_t id) { return id < 0 ? json(nullptr) : json(id); }
 }  // namespace
 
 const char* hf_model_type(HfArch arch) {
-  return arch == HfArch::LLAMA ? "llama" : arch == HfArch::QWEN2 ? "qwen2" : "gpt2";
+  return arch == HfArch::LLAMA ? "llama" : arch == HfArch::QWEN2 ? "qwen2" : arch == HfArch::QWEN3 ? "qwen3" : "gpt2";
 }
 
 HfArch hf_architecture(const ModelConfig& m) {
@@ -138,6 +142,8 @@ HfArch hf_architecture(const ModelConfig& m) {
     if (m.activation != Activation::SWIGLU)
       bad.push_back(fmt::format("model.activation \"{}\" (Llama's MLP is swiglu)", to_string(m.activation)));
     if (m.bias) bad.push_back("model.bias true (Llama has no biases)");
+    if (m.qk_norm && m.qkv_bias)
+      bad.push_back("model.qkv_bias true with model.qk_norm (Qwen3's attention_bias also biases o_proj)");
 
   } else {
     if (m.norm != Norm::LAYERNORM)
@@ -161,7 +167,7 @@ HfArch hf_architecture(const ModelConfig& m) {
         to_string(m.position), rope ? "Llama" : "GPT-2", list));
   }
   if (!rope) return HfArch::GPT2;
-  return m.qkv_bias ? HfArch::QWEN2 : HfArch::LLAMA;
+  return m.qk_norm ? HfArch::QWEN3 : m.qkv_bias ? HfArch::QWEN2 : HfArch::LLAMA;
 }
 
 json hf_config(const ModelConfig& m, HfArch arch, DType dtype, int64_t eos_token_id) {
@@ -178,6 +184,31 @@ json hf_config(const ModelConfig& m, HfArch arch, DType dtype, int64_t eos_token
                         {"low_freq_factor", m.rope_scaling.low_freq_factor},
                         {"high_freq_factor", m.rope_scaling.high_freq_factor},
                         {"original_max_position_embeddings", m.rope_scaling.original_max_position_embeddings}};
+  if (arch == HfArch::QWEN3)
+    return json{{"architectures", {"Qwen3ForCausalLM"}},
+                {"model_type", "qwen3"},
+                {"vocab_size", m.vocab_size},
+                {"hidden_size", m.hidden_size},
+                {"intermediate_size", m.ffn_hidden_size},
+                {"num_hidden_layers", m.num_layers},
+                {"num_attention_heads", m.num_heads},
+                {"num_key_value_heads", m.num_kv_heads},
+                {"head_dim", m.head_size()},
+                {"hidden_act", "silu"},
+                {"max_position_embeddings", m.seq_len},
+                {"rms_norm_eps", m.norm_eps},
+                {"rope_theta", m.rope_theta},
+                {"rope_scaling", rope_scaling},
+                {"attention_bias", false},
+                {"use_sliding_window", false},
+                {"sliding_window", nullptr},
+                {"attention_dropout", 0.0},
+                {"initializer_range", m.init_std},
+                {"tie_word_embeddings", m.tie_embeddings},
+                {"bos_token_id", token_id(eos_token_id)},
+                {"eos_token_id", token_id(eos_token_id)},
+                {"use_cache", true},
+                {"torch_dtype", torch_dtype}};
   if (arch == HfArch::QWEN2)
     return json{{"architectures", {"Qwen2ForCausalLM"}},
                 {"model_type", "qwen2"},

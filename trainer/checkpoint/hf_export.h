@@ -28,13 +28,14 @@
 
 namespace tetra {
 
-enum class HfArch : uint8_t { LLAMA, QWEN2, GPT2 };
+enum class HfArch : uint8_t { LLAMA, QWEN2, QWEN3, GPT2 };
 
-// "llama" | "qwen2" | "gpt2" (the model_type of config.json)
+// "llama" | "qwen2" | "qwen3" | "gpt2" (the model_type of config.json)
 const char* hf_model_type(HfArch arch);
 
 // The architecture `m` exports as. InputError naming every config key whose value has no
-// equivalent in it (position rope selects Llama, or Qwen2 with model.qkv_bias; learned selects GPT-2).
+// equivalent in it (position rope selects Llama, or Qwen2 with model.qkv_bias, or Qwen3 with
+// model.qk_norm; learned selects GPT-2).
 HfArch hf_architecture(const ModelConfig& m);
 
 // config.json for `m` as `arch`, weights stored as `dtype` (F32, BF16 or F16). `eos_token_id` < 0:

@@ -111,7 +111,7 @@ json llama_family(const HfConfig& c, const std::string& type, int64_t seq_len) {
   if (type == "mistral" && c.has("sliding_window"))
     c.bad("sliding_window", fmt::format("{}: sliding-window attention is not supported (null: full attention)",
                                         c.j["sliding_window"].dump()));
-  if (type == "qwen2" && c.boolean("use_sliding_window", false))
+  if ((type == "qwen2" || type == "qwen3") && c.boolean("use_sliding_window", false))
     c.bad("use_sliding_window", "true: sliding-window attention is not supported");
   for (const char* moe : {"num_experts", "num_local_experts", "n_routed_experts"})
     if (c.has(moe) && c.integer(moe) > 0) c.bad(moe, "a Mixture-of-Experts router this importer does not map");
@@ -133,7 +133,8 @@ json llama_family(const HfConfig& c, const std::string& type, int64_t seq_len) {
             {"position", "rope"},
             {"tie_embeddings", c.boolean("tie_word_embeddings", false)},
             {"bias", false},
-            {"qkv_bias", type == "qwen2"}};
+            {"qkv_bias", type == "qwen2"},
+            {"qk_norm", type == "qwen3"}};
   read_rope(c, m);
   return m;
 }
@@ -176,14 +177,13 @@ HfModel read_hf_model(const std::string& dir, int64_t seq_len) {
   HfModel hf;
   hf.dir = dir;
   hf.model_type = c.string("model_type", "");
-  if (hf.model_type == "llama" || hf.model_type == "mistral" || hf.model_type == "qwen2")
+  if (hf.model_type == "llama" || hf.model_type == "mistral" || hf.model_type == "qwen2" || hf.model_type == "qwen3")
     hf.model = llama_family(c, hf.model_type, seq_len);
   else if (hf.model_type == "gpt2")
     hf.model = gpt2(c, seq_len);
   else
-    c.bad("model_type", fmt::format("\"{}\" is not imported (Tetra imports \"llama\", \"mistral\", \"qwen2\" and "
-                                    "\"gpt2\"{})", hf.model_type,
-                                    hf.model_type == "qwen3" ? "; Qwen3's per-head q/k norms are not implemented" : ""));
+    c.bad("model_type", fmt::format("\"{}\" is not imported (Tetra imports \"llama\", \"mistral\", \"qwen2\", "
+                                    "\"qwen3\" and \"gpt2\")", hf.model_type));
   // The weights: one file, or the shards an index names.
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
   if (fs::exists(index)) {
@@ -285,6 +285,10 @@ std::vector<float> read_hf_weights(const HfModel& hf, const ModelConfig& m) {
       if (m.has_qkv_bias())
         put(t + "attn.qkv.bias", {take(h + "self_attn.q_proj.bias", {NH * HS}), take(h + "self_attn.k_proj.bias", {NKV * HS}),
                                   take(h + "self_attn.v_proj.bias", {NKV * HS})});
+      if (m.qk_norm) {  // Qwen3: one RMSNorm weight over head_dim for the q heads, one for the k heads
+        put(t + "attn.q_norm.weight", {take(h + "self_attn.q_norm.weight", {HS})});
+        put(t + "attn.k_norm.weight", {take(h + "self_attn.k_norm.weight", {HS})});
+      }
       put(t + "attn.proj.weight", {take(h + "self_attn.o_proj.weight", {C, NH * HS})});
       put(t + "norm2.weight", {take(h + "post_attention_layernorm.weight", {C})});
       put(t + "mlp.fc.weight", {take(h + "mlp.gate_proj.weight", {F, C}), take(h + "mlp.up_proj.weight", {F, C})});

@@ -254,6 +254,8 @@ struct ModelConfig {
   bool tie_embeddings = true;
   bool bias = true;       // every linear layer and norm has a bias (GPT-2)
   bool qkv_bias = false;  // q, k and v have biases, nothing else (Qwen2); implied by bias
+  bool qk_norm = false;   // RMSNorm over each head's q and k before RoPE, with one weight of
+                          // head_dim for the q heads and one for the k heads of a layer (Qwen3)
   double init_std = 0.02;
   MoeConfig moe;
   int64_t head_size() const { return head_dim > 0 ? head_dim : hidden_size / num_heads; }

@@ -62,6 +62,7 @@ void visit_model(M& m, V& v) {
   v.boolean("tie_embeddings", m.tie_embeddings);
   v.boolean("bias", m.bias);
   v.boolean("qkv_bias", m.qkv_bias);
+  v.boolean("qk_norm", m.qk_norm);
   v.number("init_std", m.init_std);
   v.object("moe", m.moe, [](auto& s, auto& sv) { visit_moe(s, sv); });
 }

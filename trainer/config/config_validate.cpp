@@ -349,6 +349,9 @@ void check_cross_field(const Config& c, Rules& r) {
               m.rope_scaling.high_freq_factor,
               fmt::format("must be above model.rope_scaling.low_freq_factor ({}) for \"llama3\"",
                           m.rope_scaling.low_freq_factor));
+  if (r.ok({"model.qk_norm", "model.norm"}) && m.qk_norm)
+    r.require(m.norm == Norm::RMSNORM, "model.qk_norm", m.qk_norm,
+              "needs model.norm \"rmsnorm\" (Qwen3's q/k norm is an RMSNorm, as its other norms)");
   if (r.ok({"model.num_heads", "model.num_kv_heads"}) && m.num_kv_heads > 0)
     r.require(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
               fmt::format("must divide model.num_heads ({})", m.num_heads));

@@ -60,7 +60,9 @@ struct Gpt::Acts {
     void* ln1 = nullptr;        // (Ns, C) t  this rank's rows of norm1's output
     float* ln1_mean = nullptr;  // (Ns)    f
     float* ln1_rstd = nullptr;  // (Ns)    f
-    void* qkv = nullptr;        // (N, QKV) t (after RoPE)
+    void* qkv = nullptr;        // (N, QKV) t (after the q/k norm and RoPE)
+    void* qk = nullptr;         // (N (NH + NKV), HS) t  q/k norm: q heads, then k heads, before it
+    float* qk_rstd = nullptr;   // (N (NH + NKV))     f  their statistics
     void* att = nullptr;        // (N, NH HS) t
     float* lse = nullptr;       // (B, NH, T) f
     void* ln2 = nullptr;        // (Ns, C) t
@@ -98,6 +100,8 @@ struct Gpt::Acts {
   void* dfull;                // (N, C) t   partial products and gathered gradients (tp > 1)
   void* datt;                 // (N, NH HS) t  (== dc without sequence parallelism)
   void* dqkv;                 // (N, QKV) t
+  void* qk_y;                 // (N (NH + NKV), HS) t  q/k norm: its output, then its output's gradient
+  void* qk_dx;                // (N (NH + NKV), HS) t  q/k norm: its input's gradient
   void* dfc;                  // (N, FC) t
   void* dact;                 // (N, F) t
 };
@@ -126,6 +130,7 @@ struct ArenaShape {
   const RecomputeUnits& units;
   const std::vector<bool>& moe;
   int64_t loss_chunk;  // rows per chunk of the fused output layer and loss; 0: unfused
+  bool qk_norm;        // model.qk_norm
 };
 
 Gpt::Acts::Layer carve_layer(ArenaCarver& c, const ArenaShape& z, bool moe) {
@@ -137,6 +142,10 @@ Gpt::Acts::Layer carve_layer(ArenaCarver& c, const ArenaShape& z, bool moe) {
   l.ln1_mean = c.f32(Ns);
   l.ln1_rstd = c.f32(Ns);
   l.qkv = c.take(N * d.QKV, z.act);
+  if (z.qk_norm) {
+    l.qk = c.take(N * (d.NH + d.NKV) * d.HS, z.act);
+    l.qk_rstd = c.f32(N * (d.NH + d.NKV));
+  }
   l.att = c.take(N * d.NH * d.HS, z.act);
   l.lse = c.f32(d.B * d.NH * d.T);
   l.ln2 = c.take(Ns * d.C, z.act);
@@ -173,6 +182,10 @@ void layout_slot(ArenaCarver& c, const ArenaShape& z, Gpt::Acts& a, Gpt::Acts::S
     x.ln1_mean = c.f32(Ns);
     x.ln1_rstd = c.f32(Ns);
     x.qkv = c.take(N * d.QKV, act);
+    if (z.qk_norm) {
+      x.qk = c.take(N * (d.NH + d.NKV) * d.HS, act);
+      x.qk_rstd = c.f32(N * (d.NH + d.NKV));
+    }
     x.att = z.rc.core_attn ? sel.att : c.take(N * d.NH * d.HS, act);
     x.lse = z.rc.core_attn ? sel.lse : c.f32(d.B * d.NH * d.T);
     x.ln2 = z.rc.norm ? sel.ln2 : c.take(Ns * d.C, act);
@@ -236,6 +249,8 @@ size_t layout_scratch(ArenaCarver& c, const ArenaShape& z, Gpt::Acts& a) {
   // widens the attention output: those need a buffer of its own.
   a.datt = d.sp || d.NH * d.HS > d.C ? c.take(N * d.NH * d.HS, act) : a.dc;
   a.dqkv = c.take(N * d.QKV, act);
+  a.qk_y = z.qk_norm ? c.take(N * (d.NH + d.NKV) * d.HS, act) : nullptr;
+  a.qk_dx = z.qk_norm ? c.take(N * (d.NH + d.NKV) * d.HS, act) : nullptr;
   a.dfc = dense ? c.take(N * d.FC, act) : nullptr;
   a.dact = dense && d.FC != d.F ? c.take(N * d.F, act) : nullptr;  // SwiGLU (GELU's is fused into dfc)
   a.logits = fused ? c.overlay(free_at_loss, z.loss_chunk * d.V, act) : nullptr;
@@ -292,7 +307,7 @@ ActivationSizes Gpt::activation_sizes_for(const ModelConfig& cfg, DType act, int
   const std::vector<bool> moe = moe_blocks_of(cfg, d);
   const RecomputeUnits units = plan_recompute_units(rc, d.L, moe);
   const int64_t chunk = loss_chunk > 0 ? std::min(loss_chunk, d.N()) : 0;
-  ActivationSizes size = dense_sizes(ArenaShape{d, act, rc, units, moe, chunk});
+  ActivationSizes size = dense_sizes(ArenaShape{d, act, rc, units, moe, chunk, cfg.qk_norm});
   // MoE blocks: their routing and expert state in each slot, their scratch beside the dense one.
   size += MoeLayers::sizes_for(cfg, act, micro_batch * cfg.seq_len, ep, tp, d.l0, d.L, rc.moe_act);
   return size;
@@ -329,7 +344,7 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   moe_layer_ = moe_blocks_of(cfg, d_);
   units_ = plan_recompute_units(rc_, d_.L, moe_layer_);
   loss_chunk_ = loss_chunk > 0 ? std::min(loss_chunk, d_.N()) : 0;
-  const ArenaShape z{d_, act_, rc_, units_, moe_layer_, loss_chunk_};
+  const ArenaShape z{d_, act_, rc_, units_, moe_layer_, loss_chunk_, cfg.qk_norm};
   const ActivationSizes dense = dense_sizes(z);
   ActivationSizes size = dense;
   size += MoeLayers::sizes_for(cfg, act, d_.N(), ep_size, tp_size, d_.l0, d_.L, rc_.moe_act);
@@ -414,6 +429,57 @@ void Gpt::forward_blocks(const void* weights, int64_t slot, const int32_t* token
   for (int64_t l = 0; l < d.L; ++l) forward_layer(weights, slot, l, /*recompute=*/false);
 }
 
+// model.qk_norm (Qwen3): every head's q and k RMS-normalised over its HS values, q heads with
+// q_norm's weight and k heads with k_norm's, in place in qkv before RoPE. The q heads of a row are
+// one run of NH HS values of qkv, its k heads the next NKV HS: each run is copied out to a compact
+// (N NH, HS) or (N NKV, HS) view (s.qk, kept for the backward), normalised by the norm kernels into
+// scratch, and copied back.
+void Gpt::qk_norm_forward(const void* weights, const BlockParams& p, int64_t slot, int64_t l) {
+  const ModelDims& d = d_;
+  Acts::Layer& s = a_->slots.at(static_cast<size_t>(slot)).layers[static_cast<size_t>(l)];
+  const size_t es = dtype_size(act_), row = static_cast<size_t>(d.QKV) * es;
+  const int64_t N = d.N(), Q = d.NH * d.HS, K = d.NKV * d.HS;
+  char* qkv = static_cast<char*>(s.qkv);
+  char* xq = static_cast<char*>(s.qk);
+  char* xk = xq + static_cast<size_t>(N * Q) * es;
+  char* yq = static_cast<char*>(a_->qk_y);
+  char* yk = yq + static_cast<size_t>(N * Q) * es;
+  be_.copy_2d(xq, Q * es, qkv, row, Q * es, N);
+  be_.copy_2d(xk, K * es, qkv + Q * es, row, K * es, N);
+  be_.norm_forward(NormKind::RMSNORM, yq, nullptr, s.qk_rstd, xq, w(weights, p.q_norm_w), nullptr, N * d.NH, d.HS,
+                   eps_, act_, act_);
+  be_.norm_forward(NormKind::RMSNORM, yk, nullptr, s.qk_rstd + N * d.NH, xk, w(weights, p.k_norm_w), nullptr,
+                   N * d.NKV, d.HS, eps_, act_, act_);
+  be_.copy_2d(qkv, row, yq, Q * es, Q * es, N);
+  be_.copy_2d(qkv + Q * es, row, yk, K * es, K * es, N);
+}
+
+// Its backward, in place in dqkv (the gradient of the normalised q and k, after RoPE's backward):
+// the same views, the norm kernels' backward (q_norm's and k_norm's gradients accumulate), the
+// input gradients copied back.
+void Gpt::qk_norm_backward(const void* weights, float* grads, const BlockParams& p, int64_t slot, int64_t l) {
+  const ModelDims& d = d_;
+  Acts::Layer& s = a_->slots.at(static_cast<size_t>(slot)).layers[static_cast<size_t>(l)];
+  const size_t es = dtype_size(act_), row = static_cast<size_t>(d.QKV) * es;
+  const int64_t N = d.N(), Q = d.NH * d.HS, K = d.NKV * d.HS;
+  char* dqkv = static_cast<char*>(a_->dqkv);
+  const char* xq = static_cast<const char*>(s.qk);
+  const char* xk = xq + static_cast<size_t>(N * Q) * es;
+  char* dyq = static_cast<char*>(a_->qk_y);
+  char* dyk = dyq + static_cast<size_t>(N * Q) * es;
+  char* dxq = static_cast<char*>(a_->qk_dx);
+  char* dxk = dxq + static_cast<size_t>(N * Q) * es;
+  be_.copy_2d(dyq, Q * es, dqkv, row, Q * es, N);
+  be_.copy_2d(dyk, K * es, dqkv + Q * es, row, K * es, N);
+  be_.memset_zero(dxq, static_cast<size_t>(N * (Q + K)) * es);  // norm_backward adds to dx
+  be_.norm_backward(NormKind::RMSNORM, dxq, grads + p.q_norm_w, nullptr, dyq, xq, w(weights, p.q_norm_w), nullptr,
+                    s.qk_rstd, N * d.NH, d.HS, act_, act_);
+  be_.norm_backward(NormKind::RMSNORM, dxk, grads + p.k_norm_w, nullptr, dyk, xk, w(weights, p.k_norm_w), nullptr,
+                    s.qk_rstd + N * d.NH, N * d.NKV, d.HS, act_, act_);
+  be_.copy_2d(dqkv, row, dxq, Q * es, Q * es, N);
+  be_.copy_2d(dqkv + Q * es, row, dxk, K * es, K * es, N);
+}
+
 void Gpt::forward_layer(const void* weights, int64_t slot, int64_t l, bool recompute) {
   const ModelDims& d = d_;
   const int64_t Ns = d.Ns;
@@ -431,6 +497,7 @@ void Gpt::forward_layer(const void* weights, int64_t slot, int64_t l, bool recom
   const void* h1 = tp.copy_to_region(a.lnfull, s.ln1);
   // qkv = ln1 W_qkv^T + b        column-parallel: this rank's heads          (N, QKV)
   column_parallel_linear_forward(tp, be_, h1, d.C, lin(p.qkv_w, p.qkv_b), s.qkv, d.QKV);
+  if (cfg_.qk_norm) qk_norm_forward(weights, p, slot, l);
   if (rope_) be_.rope_forward(s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, rope_freqs_, t);
   be_.attention_forward(s.att, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, t);
   // res_mid = x + att W_o^T + b  row-parallel, then g                          (Ns, C)
@@ -564,6 +631,7 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
     be_.attention_backward(a.dqkv, a.datt, s.qkv, s.att, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, t);
     if (rope_)
       be_.rope_backward(a.dqkv, d.B, d.T, d.NH, d.NKV, d.HS, rope_freqs_, t);
+    if (cfg_.qk_norm) qk_norm_backward(weights, grads, p, slot, l);
     if (re_norm)
       be_.norm_forward(norm_, s.ln1, s.ln1_mean, s.ln1_rstd, sl.res[l], w(weights, p.norm1_w), w(weights, p.norm1_b),
                        Ns, d.C, eps_, t, t);

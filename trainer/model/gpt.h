@@ -173,6 +173,9 @@ class Gpt {
   // Block l of the chunk on slot `slot`'s activations; `recompute`: again in backward (a full
   // recomputation unit's; a MoE block's routing and experts are not rerun).
   void forward_layer(const void* weights, int64_t slot, int64_t l, bool recompute);
+  // model.qk_norm: q and k normalised per head in place in the layer's qkv, and its backward in dqkv.
+  void qk_norm_forward(const void* weights, const BlockParams& p, int64_t slot, int64_t l);
+  void qk_norm_backward(const void* weights, float* grads, const BlockParams& p, int64_t slot, int64_t l);
   // Final norm and output layer (last stage): the logits of slot `slot`.
   void forward_head(const void* weights, int64_t slot);
   VocabSlice vocab() const { return {d_.v0, d_.V}; }  // this rank's vocabulary rows

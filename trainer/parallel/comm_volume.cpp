@@ -77,13 +77,14 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
       const int64_t gathers = (2 * L + (last ? 1 : 0) + recomputed_exchanges) + (2 * L + (first ? 1 : 0)) +
                               (2 * L + (last && !fused_loss ? 1 : 0));
       v.tp.add(CommOp::ALL_GATHER, gathers * accum, rows);
-      // Norm gradients (partial over sequence shards), once per step per group that has any.
-      std::vector<int64_t> per_group(layout.groups.size(), 0);
-      for (const ParamSpec& p : layout.params)
-        if (p.sp_partial) per_group[p.group] += p.numel;
-      for (int64_t n : per_group)
-        if (n > 0) v.tp.add(CommOp::ALL_REDUCE, 1, n * 4);
     }
+    // Gradients that are partial sums per TP rank (norms under sequence parallelism, q/k norms),
+    // once per step per group that has any.
+    std::vector<int64_t> per_group(layout.groups.size(), 0);
+    for (const ParamSpec& p : layout.params)
+      if (p.sp_partial) per_group[p.group] += p.numel;
+    for (int64_t n : per_group)
+      if (n > 0) v.tp.add(CommOp::ALL_REDUCE, 1, n * 4);
     if (cfg.model.moe.enabled())  // the gates' gradient (partial sums over the experts' TP slices)
       v.tp.add(CommOp::ALL_REDUCE, moe_blocks * accum, N * cfg.model.moe.top_k * 4);
     if (last) {  // per chunk of the fused loss (training.loss_chunk_rows; 0: one of every row)

@@ -191,6 +191,12 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
       if (norm_bias) bp.norm1_b = b.norm_param(n + "norm1.bias", C, ParamInit::ZEROS);
       bp.qkv_w = b.add(n + "attn.qkv.weight", {(NH + 2 * NKV) * HS, C}, ParamInit::NORMAL, true, true, qkv_rows);
       if (m.has_qkv_bias()) bp.qkv_b = b.add(n + "attn.qkv.bias", {(NH + 2 * NKV) * HS}, ParamInit::ZEROS, false, false, qkv_rows);
+      if (m.qk_norm) {  // replicated; every TP rank's gradient sums over its own heads only
+        bp.q_norm_w = b.add(n + "attn.q_norm.weight", {HS}, ParamInit::ONES, false, false);
+        layout.params.back().sp_partial = p > 1;
+        bp.k_norm_w = b.add(n + "attn.k_norm.weight", {HS}, ParamInit::ONES, false, false);
+        layout.params.back().sp_partial = p > 1;
+      }
       bp.attn_proj_w = b.add(n + "attn.proj.weight", {C, NH * HS}, ParamInit::NORMAL_SCALED, true, true, {},
                              r * NHl * HS, NHl * HS);
       if (m.bias) bp.attn_proj_b = b.add(n + "attn.proj.bias", {C}, ParamInit::ZEROS, false, false);

@@ -89,8 +89,9 @@ struct ParamSpec {
                               // replica)
   bool expert = false;        // an expert tensor (MoE): reduced over expert-DP, split over EP
   bool ep_split = false;      // each EP rank holds different experts
-  bool sp_partial = false;    // with sequence parallelism: each TP rank's gradient is a partial
-                              // sum over its sequence shard (norm weights and biases)
+  bool sp_partial = false;    // each TP rank's gradient is a partial sum, all-reduced over TP: of
+                              // its sequence shard (norm weights and biases, with sequence
+                              // parallelism), or of its heads (the q/k norms, whenever tp > 1)
   bool stage_copy = false;    // the last pipeline stage's copy of a tied embedding
 
   // Local elements that are elements of the global tensor (all but the padding), [0, held()).
@@ -103,6 +104,7 @@ struct ParamSpec {
 struct BlockParams {
   int64_t norm1_w = -1, norm1_b = -1;
   int64_t qkv_w = -1, qkv_b = -1;
+  int64_t q_norm_w = -1, k_norm_w = -1;  // model.qk_norm: (HS) each, shared by the heads
   int64_t attn_proj_w = -1, attn_proj_b = -1;
   int64_t norm2_w = -1, norm2_b = -1;
   int64_t fc_w = -1, fc_b = -1;
