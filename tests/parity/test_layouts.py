@@ -2,7 +2,8 @@
 
 For a GPT-2-style and a Llama-style (GQA, RoPE, SwiGLU, untied) tiny config, Tetra trains 20
 steps single-rank, then under `mpirun` on layouts over dp in {1,2,4} and tp in {1,2,4}, with and
-without sequence parallelism and the distributed optimizer, with gradient accumulation (global
+without sequence parallelism, with ZeRO stage 0, 1 (the distributed optimizer) and 2 (gradients
+sharded too, each micro-batch's reduce-scattered as backward makes it), with gradient accumulation (global
 batch 8 of micro-batches of 2: 4, 2 or 1 micro-batches per DP rank) and small gradient buckets (so
 several buckets overlap backward). Checks, per layout:
   - the loss of every step matches the single-rank run (LOSS_RTOL), and so do the gradient norms;
@@ -50,14 +51,20 @@ MODELS = {
               "num_kv_heads": 4, "ffn_hidden_size": 96, "norm": "rmsnorm", "activation": "swiglu",
               "position": "rope", "tie_embeddings": False, "bias": False},
 }
-# (dp, tp, sequence_parallel, distributed_optimizer)
+# (dp, tp, sequence_parallel, parallel.zero_stage)
 LAYOUTS = [
-    (1, 2, False, False), (1, 4, False, False), (1, 2, True, False), (1, 4, True, False),
-    (2, 1, False, False), (4, 1, False, False), (2, 1, False, True), (4, 1, False, True),
-    (2, 2, False, False), (2, 2, True, True), (4, 2, False, True), (2, 4, True, True),
+    (1, 2, False, 0), (1, 4, False, 0), (1, 2, True, 0), (1, 4, True, 0),
+    (2, 1, False, 0), (4, 1, False, 0), (2, 1, False, 1), (4, 1, False, 1),
+    (2, 2, False, 0), (2, 2, True, 1), (4, 2, False, 1), (2, 4, True, 1),
+    (2, 1, False, 2), (4, 1, False, 2), (2, 2, True, 2),
 ]
-QUICK_LAYOUTS = [(1, 2, True, False), (2, 1, False, True), (2, 2, True, True)]
-BF16_LAYOUTS = [(1, 2, True, False), (2, 1, False, True), (2, 2, True, True)]
+QUICK_LAYOUTS = [(1, 2, True, 0), (2, 1, False, 1), (2, 2, True, 1), (2, 2, True, 2)]
+BF16_LAYOUTS = [(1, 2, True, 0), (2, 1, False, 1), (2, 2, True, 1), (2, 2, True, 2)]
+
+
+def layout_name(layout):
+    dp, tp, sp, zero = layout
+    return f"dp{dp}_tp{tp}{'_sp' if sp else ''}{f'_zero{zero}' if zero else ''}"
 
 checks = Checks()
 check = checks.check
@@ -76,10 +83,10 @@ def config(model, precision):
 
 
 def run(args, name, cfg, layout):
-    dp, tp, sp, dist_opt = layout
+    dp, tp, sp, zero = layout
     out = os.path.join(args.workdir, name)
     cfg = json.loads(json.dumps(cfg))
-    cfg["parallel"].update({"dp": dp, "tp": tp, "sequence_parallel": sp, "distributed_optimizer": dist_opt})
+    cfg["parallel"].update({"dp": dp, "tp": tp, "sequence_parallel": sp, "zero_stage": zero})
     cfg["logging"]["dir"] = out
     path = harness.write_config(out, cfg)
     r = harness.run_tetra(args, ["--config", path, "--dump-dir", os.path.join(out, "dump")], dp * tp)
@@ -99,7 +106,7 @@ def compare(name, ref, got, layout, rtol, grads=True):
     # group to 16 dp, which on these tiny models (norms of 64 elements split 4 ways) adds up to
     # 8% at tp 4, 0.1% on GPT-2 124M. In bf16 the sharded optimizer also holds the fp32 master
     # weights' shard (3 fp32 values per owned parameter instead of Adam's 2).
-    expect = ref_start["optimizer_state_bytes"] / layout[1] / (layout[0] if layout[3] else 1)
+    expect = ref_start["optimizer_state_bytes"] / layout[1] / (layout[0] if layout[3] >= 1 else 1)
     if layout[3] and layout[0] > 1 and "bf16" in name:
         expect *= 1.5
     got_bytes = start["optimizer_state_bytes"]
@@ -120,24 +127,22 @@ def main():
     args = harness.parse_args(flags=("--quick",))
     layouts = QUICK_LAYOUTS if args.quick else LAYOUTS
     for model in MODELS:
-        ref = run(args, f"{model}_single", config(model, "fp32"), (1, 1, False, False))
+        ref = run(args, f"{model}_single", config(model, "fp32"), (1, 1, False, 0))
         if ref is None:
             continue
         harness.check_loss_falls(checks, f"{model} single-rank", [s["loss"] for s in ref[0]])
         for layout in layouts:
-            dp, tp, sp, dist_opt = layout
-            name = f"{model}_dp{dp}_tp{tp}{'_sp' if sp else ''}{'_distopt' if dist_opt else ''}"
+            name = f"{model}_{layout_name(layout)}"
             got = run(args, name, config(model, "fp32"), layout)
             if got is not None:
                 compare(name, ref, got, layout, LOSS_RTOL)
-        ref16 = run(args, f"{model}_single_bf16", config(model, "bf16"), (1, 1, False, False))
+        ref16 = run(args, f"{model}_single_bf16", config(model, "bf16"), (1, 1, False, 0))
         if ref16 is None:
             continue
         gap = harness.worst_step_rel(ref16[0], ref[0])
         check(gap > 0, f"{model}: the bf16 run differs from fp32 (max {gap:.2e}): it really is bf16")
         for layout in BF16_LAYOUTS:
-            dp, tp, sp, dist_opt = layout
-            name = f"{model}_bf16_dp{dp}_tp{tp}{'_sp' if sp else ''}{'_distopt' if dist_opt else ''}"
+            name = f"{model}_bf16_{layout_name(layout)}"
             got = run(args, name, config(model, "bf16"), layout)
             if got is not None:
                 compare(name, ref16, got, layout, BF16_RTOL, grads=False)

@@ -39,6 +39,12 @@ CONFIGS = [
     ("llama_bf16", LLAMA, {}, {"precision": "bf16"}),
     ("gpt2_fp16", GPT2, {}, {"precision": "fp16"}),
     ("gpt2_dp2_zero1_bf16", GPT2, {"dp": 2, "distributed_optimizer": True}, {"precision": "bf16"}),
+    # ZeRO-2: the gradient's shard and the staging pool of the largest bucket instead of the whole
+    # gradient; small buckets so that the pool holds fewer buffers than there are buckets.
+    ("gpt2_dp2_zero2_bf16", GPT2, {"dp": 2, "zero_stage": 2, "bucket_size": 3000},
+     {"precision": "bf16", "global_batch_size": 8}),
+    ("llama_dp2_pp2_zero2", LLAMA, {"dp": 2, "pp": 2, "zero_stage": 2, "bucket_size": 3000}, {"global_batch_size": 8}),
+    ("moe_dp4_ep2_zero2", MOE, {"dp": 4, "ep": 2, "zero_stage": 2, "bucket_size": 3000}, {"global_batch_size": 16}),
     ("gpt2_dp2_bf16_grads", GPT2, {"dp": 2, "grad_compression": "bf16"}, {}),
     ("gpt2_tp2_sp", GPT2, {"tp": 2, "sequence_parallel": True}, {}),
     ("llama_tp2_bf16", LLAMA, {"tp": 2}, {"precision": "bf16"}),
@@ -57,7 +63,7 @@ CONFIGS = [
 ]
 
 # --dry-run and the run compute the plan with the same function; three layouts check the printing.
-DRY_RUN_CHECKED = {"gpt2_dp2_zero1_bf16", "llama_pp2_interleaved", "moe_dp4_ep2_zero1_bf16"}
+DRY_RUN_CHECKED = {"gpt2_dp2_zero1_bf16", "llama_pp2_interleaved", "moe_dp4_ep2_zero1_bf16", "gpt2_dp2_zero2_bf16"}
 
 checks = Checks()
 check = checks.check
@@ -66,7 +72,7 @@ check = checks.check
 def config(model, par, training, out):
     t = {"micro_batch_size": 2, "global_batch_size": 2 * par.get("dp", 1), "steps": 2, "threads": 1,
          "peak_gflops": 100, "seed": 3, **training}
-    return {"model": model, "training": t, "optimizer": {"lr": 1e-3}, "parallel": dict(par, bucket_size=20000),
+    return {"model": model, "training": t, "optimizer": {"lr": 1e-3}, "parallel": {"bucket_size": 20000, **par},
             "data": {"synthetic": True}, "logging": {"level": "warn", "dir": out}}
 
 

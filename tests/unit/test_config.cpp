@@ -5,6 +5,7 @@
 // Messages are checked by their JSON path and the phrase that states the rule, so rewording the
 // explanation after the phrase does not break a test, but reporting the wrong key does.
 #include <catch2/catch.hpp>
+#include <fmt/format.h>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -60,6 +61,7 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.parallel.order == b.parallel.order);
   CHECK(a.parallel.sequence_parallel == b.parallel.sequence_parallel);
   CHECK(a.parallel.distributed_optimizer == b.parallel.distributed_optimizer);
+  CHECK(a.parallel.zero_stage == b.parallel.zero_stage);
   CHECK(a.parallel.bucket_size == b.parallel.bucket_size);
   CHECK(a.parallel.schedule == b.parallel.schedule);
   CHECK(a.parallel.virtual_stages == b.parallel.virtual_stages);
@@ -142,7 +144,7 @@ json every_key() {
               "moe": {"num_experts": 0, "top_k": 1, "every": 2, "ffn_hidden_size": 512,
                       "capacity_factor": 1.25, "aux_loss_coeff": 0.02, "z_loss_coeff": 0.001}},
     "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "order": "tp-pp-dp",
-                 "sequence_parallel": true, "distributed_optimizer": true, "bucket_size": 1000,
+                 "sequence_parallel": true, "distributed_optimizer": true, "zero_stage": 1, "bucket_size": 1000,
                  "schedule": "gpipe", "virtual_stages": 1, "stage_layers": [4],
                  "grad_compression": "bf16", "onebit_warmup_steps": 7},
     "training": {"device": "cpu", "precision": "fp16", "loss_scale": 0.0, "initial_loss_scale": 1024.0,
@@ -252,6 +254,24 @@ TEST_CASE("config: derived values", "[config]") {
         with(with(base(), "training.micro_batch_size", 3), "training.global_batch_size", 12));
     CHECK(d.training.global_batch_size == 12);
     CHECK(d.grad_accum_steps() == 4);
+  }
+  SECTION("zero_stage and distributed_optimizer resolve together") {
+    const Config none = config_from_json(base());
+    CHECK((none.parallel.zero_stage == 0 && !none.parallel.distributed_optimizer));
+    const Config one = config_from_json(with(base(), "parallel.distributed_optimizer", true));
+    CHECK((one.parallel.zero_stage == 1 && one.parallel.distributed_optimizer));
+    const Config two = config_from_json(with(base(), "parallel.zero_stage", 2));
+    CHECK((two.parallel.zero_stage == 2 && two.parallel.distributed_optimizer));
+    const Config again = config_from_json(config_to_json(two));
+    CHECK((again.parallel.zero_stage == 2 && again.parallel.distributed_optimizer));
+  }
+  SECTION("zero_stage: 3 and out-of-range stages are refused; stage 2 refuses gradient compression") {
+    require_one(with(base(), "parallel.zero_stage", 3), "parallel.zero_stage: 3: ", "not available yet");
+    require_one(with(base(), "parallel.zero_stage", 4), "parallel.zero_stage: 4: ", "must be 0");
+    require_one(with(base(), "parallel.zero_stage", -1), "parallel.zero_stage: -1: ", "must be 0");
+    for (const char* gc : {"bf16", "int8", "onebit"})
+      require_one(with(with(with(base(), "parallel.zero_stage", 2), "parallel.dp", 2), "parallel.grad_compression", gc),
+                  fmt::format("parallel.grad_compression: \"{}\": ", gc), "cannot be combined with parallel.zero_stage 2");
   }
   SECTION("data lists: a plain string has weight 1, objects keep their weight") {
     const Config c = config_from_json(json::parse(R"({"data": {

@@ -78,7 +78,8 @@ json layout_json(const Config& cfg, int world) {
               {"ep", cfg.parallel.ep},
               {"order", cfg.parallel.order},
               {"sequence_parallel", cfg.parallel.sequence_parallel},
-              {"distributed_optimizer", cfg.parallel.distributed_optimizer}};
+              {"distributed_optimizer", cfg.parallel.distributed_optimizer},
+              {"zero_stage", cfg.parallel.zero_stage}};
 }
 
 }  // namespace

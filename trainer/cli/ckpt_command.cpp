@@ -185,10 +185,13 @@ std::string model_text(const tetra::ModelConfig& m) {
 
 std::string layout_text(const json& l) {
   auto get = [&](const char* k) { return l.contains(k) ? l[k].dump() : std::string("?"); };
-  return fmt::format("world {}: tp {}, pp {}, dp {}, ep {}, order {}, sequence_parallel {}, distributed_optimizer {}",
-                     get("world"), get("tp"), get("pp"), get("dp"), get("ep"),
-                     l.contains("order") && l["order"].is_string() ? l["order"].get<std::string>() : "?",
-                     get("sequence_parallel"), get("distributed_optimizer"));
+  // zero_stage: absent from checkpoints written before it (their stage is 0 or 1, as
+  // distributed_optimizer says).
+  return fmt::format(
+      "world {}: tp {}, pp {}, dp {}, ep {}, order {}, sequence_parallel {}, distributed_optimizer {}{}",
+      get("world"), get("tp"), get("pp"), get("dp"), get("ep"),
+      l.contains("order") && l["order"].is_string() ? l["order"].get<std::string>() : "?", get("sequence_parallel"),
+      get("distributed_optimizer"), l.contains("zero_stage") ? ", zero_stage " + l["zero_stage"].dump() : "");
 }
 
 int inspect(const std::string& dir) {

@@ -76,6 +76,7 @@ void visit_parallel(P& p, V& v) {
   v.choice("order", p.order);
   v.boolean("sequence_parallel", p.sequence_parallel);
   v.boolean("distributed_optimizer", p.distributed_optimizer);
+  v.integer("zero_stage", p.zero_stage);
   v.integer("bucket_size", p.bucket_size);
   v.choice("schedule", p.schedule);
   v.integer("virtual_stages", p.virtual_stages);

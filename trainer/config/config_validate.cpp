@@ -170,6 +170,14 @@ void check_loss_scaling(const Config& c, Rules& r) {
                           "and a step skipped for an fp16 overflow would already have changed it; use "
                           "parallel.grad_compression \"none\" or \"bf16\", or training.precision \"bf16\" "
                           "(which needs no loss scaling)", to_string(gc)));
+  if (c.parallel.zero_stage == 2 && gc != GradCompression::NONE &&
+      r.ok({"parallel.grad_compression", "parallel.zero_stage"}))
+    r.require(false, "parallel.grad_compression", gc,
+              fmt::format("cannot be combined with parallel.zero_stage 2: stage 2 reduce-scatters each "
+                          "micro-batch's gradient in fp32 as backward produces it and keeps no whole gradient, "
+                          "while {} needs the whole gradient of the step (to round, compress or exchange it "
+                          "itself); use parallel.zero_stage 1 with it, or grad_compression \"none\"",
+                          to_string(gc)));
 }
 
 void check_ranges(const Config& c, Rules& r) {
@@ -213,6 +221,13 @@ void check_ranges(const Config& c, Rules& r) {
   for (size_t i = 0; i < c.parallel.stage_layers.size(); ++i)
     r.at_least(fmt::format("parallel.stage_layers[{}]", i), c.parallel.stage_layers[i], 0);
   r.at_least("parallel.bucket_size", c.parallel.bucket_size, 1);
+  if (r.ok({"parallel.zero_stage"})) {
+    r.require(c.parallel.zero_stage >= 0 && c.parallel.zero_stage <= 3, "parallel.zero_stage", c.parallel.zero_stage,
+              "must be 0 (no sharding), 1 (optimizer state), 2 (and gradients) or 3 (and weights)");
+    r.require(c.parallel.zero_stage != 3, "parallel.zero_stage", c.parallel.zero_stage,
+              "stage 3 (weights sharded over dp, gathered per block) is not available yet: use 2, which shards "
+              "the gradients and the optimizer state (2 + 16 / dp bytes per parameter in bf16)");
+  }
   // At least one exact Adam step: the frozen variance is the one of the last warm-up step.
   r.at_least("parallel.onebit_warmup_steps", c.parallel.onebit_warmup_steps, 1);
 
@@ -318,6 +333,11 @@ void resolve(Config& c, Rules& r) {
   }
   if (m.moe.ffn_hidden_size == 0 && r.ok({"model.moe.ffn_hidden_size", "model.ffn_hidden_size"}))
     m.moe.ffn_hidden_size = m.ffn_hidden_size;
+  ParallelConfig& par = c.parallel;
+  if (r.ok({"parallel.zero_stage", "parallel.distributed_optimizer"})) {
+    if (par.distributed_optimizer && par.zero_stage == 0) par.zero_stage = 1;
+    if (par.zero_stage >= 1) par.distributed_optimizer = true;
+  }
   TrainingConfig& t = c.training;
   if (t.global_batch_size == 0 &&
       r.ok({"training.global_batch_size", "training.micro_batch_size", "parallel.dp"}))

@@ -388,14 +388,15 @@ void Gpt::forward(const void* weights, int64_t slot, const int32_t* tokens, cons
   moe_loss_weight_ = 0.0f;
   if (!d_.last) return;
   if (loss_chunk_ > 0) {  // the output layer and the loss fused, chunk by chunk; its gradients now
-    TETRA_CHECK(grads || dloss_scale == 0.0f, "a training forward with the fused loss needs the gradient buffer");
+    const GradTarget g{grads, sink_};
+    TETRA_CHECK(g.present() || dloss_scale == 0.0f, "a training forward with the fused loss needs the gradient buffer");
     Acts::Slot& sl = a_->slots[static_cast<size_t>(slot)];
     be_.norm_forward(norm_, sl.lnf, sl.lnf_mean, sl.lnf_rstd, sl.res[d_.L], w(weights, layout_.final_norm_w),
                      w(weights, layout_.final_norm_b), d_.Ns, d_.C, eps_, act_, act_);
     const void* h = tp_->copy_to_region(a_->lnfull, sl.lnf);
     const int64_t out = layout_.output_weight();
     vocab_parallel_linear_cross_entropy(*tp_, be_, vocab(), h, d_.C, w(weights, out),
-                                        dloss_scale != 0.0f ? grads + out : nullptr, targets, losses, dloss_scale,
+                                        dloss_scale != 0.0f ? g(out) : nullptr, targets, losses, dloss_scale,
                                         loss_chunk_, a_->logits, a_->ce_max, a_->ce_sums, sl.dlnf);
     return;
   }
@@ -457,7 +458,7 @@ void Gpt::qk_norm_forward(const void* weights, const BlockParams& p, int64_t slo
 // Its backward, in place in dqkv (the gradient of the normalised q and k, after RoPE's backward):
 // the same views, the norm kernels' backward (q_norm's and k_norm's gradients accumulate), the
 // input gradients copied back.
-void Gpt::qk_norm_backward(const void* weights, float* grads, const BlockParams& p, int64_t slot, int64_t l) {
+void Gpt::qk_norm_backward(const void* weights, const GradTarget& grads, const BlockParams& p, int64_t slot, int64_t l) {
   const ModelDims& d = d_;
   Acts::Layer& s = a_->slots.at(static_cast<size_t>(slot)).layers[static_cast<size_t>(l)];
   const size_t es = dtype_size(act_), row = static_cast<size_t>(d.QKV) * es;
@@ -472,9 +473,9 @@ void Gpt::qk_norm_backward(const void* weights, float* grads, const BlockParams&
   be_.copy_2d(dyq, Q * es, dqkv, row, Q * es, N);
   be_.copy_2d(dyk, K * es, dqkv + Q * es, row, K * es, N);
   be_.memset_zero(dxq, static_cast<size_t>(N * (Q + K)) * es);  // norm_backward adds to dx
-  be_.norm_backward(NormKind::RMSNORM, dxq, grads + p.q_norm_w, nullptr, dyq, xq, w(weights, p.q_norm_w), nullptr,
+  be_.norm_backward(NormKind::RMSNORM, dxq, grads(p.q_norm_w), nullptr, dyq, xq, w(weights, p.q_norm_w), nullptr,
                     s.qk_rstd, N * d.NH, d.HS, act_, act_);
-  be_.norm_backward(NormKind::RMSNORM, dxk, grads + p.k_norm_w, nullptr, dyk, xk, w(weights, p.k_norm_w), nullptr,
+  be_.norm_backward(NormKind::RMSNORM, dxk, grads(p.k_norm_w), nullptr, dyk, xk, w(weights, p.k_norm_w), nullptr,
                     s.qk_rstd + N * d.NH, N * d.NKV, d.HS, act_, act_);
   be_.copy_2d(dqkv, row, dxq, Q * es, Q * es, N);
   be_.copy_2d(dqkv + Q * es, row, dxk, K * es, K * es, N);
@@ -551,7 +552,7 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
   TensorParallel& tp = *tp_;
   Acts& a = *a_;
   Acts::Slot& sl = a.slots.at(static_cast<size_t>(slot));
-  auto g = [&](int64_t offset) -> float* { return offset < 0 ? nullptr : grads + offset; };
+  const GradTarget g{grads, sink_};
   auto lin = [&](int64_t wo, int64_t bo) { return LinearWeights{w(weights, wo), w(weights, bo)}; };
   auto grad = [&](int64_t wo, int64_t bo) { return LinearGrads{g(wo), g(bo)}; };
   auto done = [&](int group) {
@@ -601,7 +602,7 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
     // MLP: res[l+1] = res_mid + act W_p^T + b; g's backward gives every row's gradient.
     const void* dout = tp.reduce_from_region_backward(a.dfull, a.dres);
     if (p.moe) {
-      moe_->backward(d.l0 + l, weights, grads, norm2_input(), dout, dx, slot);
+      moe_->backward(d.l0 + l, weights, g, norm2_input(), dout, dx, slot);
       done(p.expert_group);
       tp.copy_to_region_backward(a.dc, dx);
     } else {
@@ -631,7 +632,7 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
     be_.attention_backward(a.dqkv, a.datt, s.qkv, s.att, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, t);
     if (rope_)
       be_.rope_backward(a.dqkv, d.B, d.T, d.NH, d.NKV, d.HS, rope_freqs_, t);
-    if (cfg_.qk_norm) qk_norm_backward(weights, grads, p, slot, l);
+    if (cfg_.qk_norm) qk_norm_backward(weights, g, p, slot, l);
     if (re_norm)
       be_.norm_forward(norm_, s.ln1, s.ln1_mean, s.ln1_rstd, sl.res[l], w(weights, p.norm1_w), w(weights, p.norm1_b),
                        Ns, d.C, eps_, t, t);

@@ -44,10 +44,11 @@
 #include "kernels/backend.h"
 #include "trainer/config/config.h"
 #include "trainer/model/moe.h"
+#include "trainer/params/grad_sink.h"
+#include "trainer/params/param_layout.h"
 #include "trainer/params/recompute.h"
 #include "trainer/parallel/tensor_parallel.h"
 #include "trainer/parallel/vocab_parallel.h"
-#include "trainer/params/param_layout.h"
 
 namespace tetra {
 
@@ -143,6 +144,9 @@ class Gpt {
   // A non-first stage writes the gradient of its input (Ns, C) to `input_grad`.
   void backward(const void* weights, float* grads, int64_t slot, const int32_t* tokens,
                 const GroupDoneHook* on_group_done, void* input_grad = nullptr);
+  // Gradients sharded over data parallelism (ZeRO-2): forward's fused output layer and backward
+  // write each gradient where `sink` says (grad_sink.h) instead of at `grads` + offset. Null: `grads`.
+  void set_grad_sink(GradSink* sink) { sink_ = sink; }
 
   // Stage boundary activations, (Ns, C) of type act(): boundary_numel() elements each.
   int64_t boundary_numel() const { return d_.Ns * d_.C; }
@@ -175,7 +179,7 @@ class Gpt {
   void forward_layer(const void* weights, int64_t slot, int64_t l, bool recompute);
   // model.qk_norm: q and k normalised per head in place in the layer's qkv, and its backward in dqkv.
   void qk_norm_forward(const void* weights, const BlockParams& p, int64_t slot, int64_t l);
-  void qk_norm_backward(const void* weights, float* grads, const BlockParams& p, int64_t slot, int64_t l);
+  void qk_norm_backward(const void* weights, const GradTarget& grads, const BlockParams& p, int64_t slot, int64_t l);
   // Final norm and output layer (last stage): the logits of slot `slot`.
   void forward_head(const void* weights, int64_t slot);
   VocabSlice vocab() const { return {d_.v0, d_.V}; }  // this rank's vocabulary rows
@@ -194,6 +198,7 @@ class Gpt {
   Recomputation rc_;
   RecomputeUnits units_;         // of this chunk's layers
   std::vector<bool> moe_layer_;  // per chunk layer: a MoE block
+  GradSink* sink_ = nullptr;
   int64_t loss_chunk_ = 0;       // rows per chunk of the fused output layer and loss (0: unfused)
   size_t arena_bytes_ = 0;
   BackendBuffer arena_;

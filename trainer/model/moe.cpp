@@ -385,14 +385,14 @@ void MoeLayers::experts_forward(Layer& s, const BlockParams& p, const void* weig
   stats_.expert_s += since(t0);
 }
 
-void MoeLayers::experts_backward(Layer& s, const BlockParams& p, const void* weights, float* grads) {
+void MoeLayers::experts_backward(Layer& s, const BlockParams& p, const void* weights, const GradTarget& grads) {
   const auto t0 = std::chrono::steady_clock::now();
   const size_t es = dtype_size(act_);
   auto w = [&](int64_t offset, int64_t j, int64_t per_expert) -> const void* {
     return static_cast<const char*>(weights) + static_cast<size_t>(offset + j * per_expert) * es;
   };
   auto g = [&](int64_t offset, int64_t j, int64_t per_expert) -> float* {
-    return offset < 0 ? nullptr : grads + offset + j * per_expert;
+    return offset < 0 ? nullptr : grads(offset + j * per_expert);
   };
   const char* x = static_cast<const char*>(s.x_exp);
   const char* fc = static_cast<const char*>(s.fc);
@@ -505,7 +505,7 @@ void MoeLayers::forward(int64_t l, const void* weights, const void* h, const voi
   }
 }
 
-void MoeLayers::backward(int64_t l, const void* weights, float* grads, const void* h, const void* dout, void* dh,
+void MoeLayers::backward(int64_t l, const void* weights, const GradTarget& grads, const void* h, const void* dout, void* dh,
                          int64_t slot) {
   Layer& s = layer(slot, l);
   const BlockParams& p = layout_.blocks[l];
@@ -539,7 +539,7 @@ void MoeLayers::backward(int64_t l, const void* weights, float* grads, const voi
   if (!tp_ || tp_->rank() == 0)
     be_.gemm(false, false, N_, C_, E_, 1.0f, dl, E_, static_cast<const char*>(weights) + p.router_w * es, C_, act_,
              1.0f, dh, C_, act_);
-  be_.gemm(true, false, E_, C_, N_, 1.0f, dl, E_, h, C_, act_, 1.0f, grads + p.router_w, C_, DType::F32);
+  be_.gemm(true, false, E_, C_, N_, 1.0f, dl, E_, h, C_, act_, 1.0f, grads(p.router_w), C_, DType::F32);
 }
 
 }  // namespace tetra

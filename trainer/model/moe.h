@@ -47,6 +47,7 @@
 #include "kernels/backend.h"
 #include "trainer/core/arena.h"
 #include "trainer/config/config.h"
+#include "trainer/params/grad_sink.h"
 #include "trainer/params/param_layout.h"
 
 namespace tetra {
@@ -120,7 +121,7 @@ class MoeLayers {
   // dh (N, C) is overwritten with the gradient of MoE(h) w.r.t. h given dout (N, C) (with tp > 1
   // this rank's partial sum); parameter gradients accumulate into `grads`. The slot's last forward
   // of the block must be the one this backward is for.
-  void backward(int64_t l, const void* weights, float* grads, const void* h, const void* dout, void* dh,
+  void backward(int64_t l, const void* weights, const GradTarget& grads, const void* h, const void* dout, void* dh,
                 int64_t slot = 0);
 
   // Statistics since the last take (and reset).
@@ -130,7 +131,7 @@ class MoeLayers {
 
  private:
   void experts_forward(Layer& s, const BlockParams& p, const void* weights);
-  void experts_backward(Layer& s, const BlockParams& p, const void* weights, float* grads);
+  void experts_backward(Layer& s, const BlockParams& p, const void* weights, const GradTarget& grads);
 
   const ModelConfig& cfg_;
   const ParamLayout& layout_;

@@ -22,8 +22,9 @@ void append_merged(std::vector<GradRange>& ranges, int64_t offset, int64_t numel
 }  // namespace
 
 AdamW::AdamW(const OptimizerConfig& cfg, const ParamLayout& layout, Backend& be,
-             const std::vector<GradRange>& owned, bool own_master, const float* initial_master)
-    : cfg_(cfg), be_(be) {
+             const std::vector<GradRange>& owned, bool own_master, const float* initial_master,
+             bool compact_grads)
+    : cfg_(cfg), be_(be), compact_grads_(compact_grads) {
   // Weight-decay runs over the whole buffer (padding joins the run before it).
   struct Span {
     int64_t begin, end;
@@ -110,13 +111,13 @@ void AdamW::update(float* master, float* grads, const math::AdamParams& base, vo
     void* out = compute ? static_cast<char*>(compute) + static_cast<size_t>(r.offset) * dtype_size(compute_type)
                         : nullptr;
     float* params = master_ ? master_ + r.state_offset : master + r.offset;
-    be_.adamw(params, grads + r.offset, m_ + r.state_offset, v_ + r.state_offset, r.numel, hp, out,
+    be_.adamw(params, grads + (compact_grads_ ? r.state_offset : r.offset), m_ + r.state_offset, v_ + r.state_offset, r.numel, hp, out,
               compute_type);
   }
 }
 
 GradNorm::GradNorm(const ParamLayout& layout, const std::vector<GradRange>& owned, Backend& be,
-                   Communicator* tp, Communicator* pp, Communicator* dp_if_sharded)
+                   Communicator* tp, Communicator* pp, Communicator* dp_if_sharded, int64_t compact_base)
     : be_(be),
       tp_(tp && tp->size() > 1 ? tp : nullptr),
       pp_(pp && pp->size() > 1 ? pp : nullptr),
@@ -130,11 +131,14 @@ GradNorm::GradNorm(const ParamLayout& layout, const std::vector<GradRange>& owne
     const int64_t end = i + 1 < layout.params.size() ? layout.params[i + 1].offset : layout.total;
     append_merged(counted, p.offset, end - p.offset);
   }
-  for (const GradRange& o : owned)
+  int64_t at = compact_base;  // the owned range's first element in the compact layout
+  for (const GradRange& o : owned) {
     for (const GradRange& c : counted) {
       const int64_t b = std::max(c.offset, o.offset), e = std::min(c.offset + c.numel, o.offset + o.numel);
-      if (b < e) append_merged(ranges_, b, e - b);
+      if (b < e) append_merged(ranges_, compact_base >= 0 ? at + (b - o.offset) : b, e - b);
     }
+    at += o.numel;
+  }
   scratch_buf_ = BackendBuffer(be_, 64);
   scratch_ = scratch_buf_.as<float>();
 }

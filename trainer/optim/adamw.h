@@ -30,8 +30,11 @@ class AdamW {
  public:
   // `initial_master`: the full fp32 parameter buffer (backend memory) to copy the owned ranges
   // from when `own_master`.
+  // `compact_grads` (ZeRO-2): the gradients step() reads are the owned ranges back to back (the
+  // state's layout, GradBuffers::shard()), not the whole buffer at the layout's offsets.
   AdamW(const OptimizerConfig& cfg, const ParamLayout& layout, Backend& be,
-        const std::vector<GradRange>& owned, bool own_master, const float* initial_master);
+        const std::vector<GradRange>& owned, bool own_master, const float* initial_master,
+        bool compact_grads = false);
   ~AdamW();
   AdamW(const AdamW&) = delete;
   AdamW& operator=(const AdamW&) = delete;
@@ -76,6 +79,7 @@ class AdamW {
   float* v_ = nullptr;
   float* master_ = nullptr;  // own_master: the owned ranges' fp32 weights
   int64_t t_ = 0;
+  bool compact_grads_ = false;
 };
 
 // Global L2 norm of the model's gradient. Each rank sums the squares of the ranges it owns,
@@ -86,8 +90,10 @@ class GradNorm {
   // Sums the squares over this rank's counted gradients, then over `tp`, `pp` (each stage holds
   // different parameters) and, when the optimizer shards them, `dp_if_sharded`. TP replicas count
   // on TP rank 0 only, a tied embedding's last-stage copy not at all.
+  // `compact_base` >= 0 (ZeRO-2): compute() reads the owned ranges back to back, the first at
+  // grads + compact_base; -1: at the layout's offsets.
   GradNorm(const ParamLayout& layout, const std::vector<GradRange>& owned, Backend& be,
-           Communicator* tp, Communicator* pp, Communicator* dp_if_sharded);
+           Communicator* tp, Communicator* pp, Communicator* dp_if_sharded, int64_t compact_base = -1);
   ~GradNorm();
   double compute(const float* grads);
 

@@ -3,6 +3,8 @@
 #include <algorithm>
 
 #include "kernels/common/check.h"
+#include <spdlog/spdlog.h>
+
 #include "trainer/comm/communicator.h"
 
 namespace tetra {
@@ -32,15 +34,35 @@ size_t GradBuffer::sp_scratch_bytes(const ParamLayout& layout) {
   return static_cast<size_t>(most) * 4;
 }
 
+int64_t GradBuffer::largest_bucket(const ParamLayout& layout, int64_t bucket_size) {
+  int64_t most = 0;
+  for (const BucketPlan& b : plan_buckets(layout, bucket_size)) most = std::max(most, b.end - b.begin);
+  return most;
+}
+
+int64_t GradBuffer::staging_buffers_for(const ParamLayout& layout, int64_t bucket_size, bool tied_embeddings) {
+  // Two reductions in flight and the bucket being written; with tied embeddings one bucket is open
+  // for the whole backward or step (the embedding's, written by the output layer first; under
+  // pp > 1 the embedding's or the output layer's, summed across the stages at the step's end), and
+  // each further interleaved chunk can leave one open that straddles two chunks.
+  const int64_t buckets = static_cast<int64_t>(plan_buckets(layout, bucket_size).size());
+  const int64_t chunks = std::max<int64_t>(1, static_cast<int64_t>(layout.stage.chunks.size()));
+  return std::min<int64_t>(buckets, 3 + (tied_embeddings ? 1 : 0) + (chunks - 1));
+}
+
 GradBuffer::GradBuffer(const ParamLayout& layout, Backend& be, float* grads, Communicator* dp,
-                       Communicator* tp, bool distributed_optimizer, int64_t bucket_size, bool bf16_wire)
+                       Communicator* tp, bool distributed_optimizer, int64_t bucket_size, bool bf16_wire,
+                       float* shard, bool tied_embeddings)
     : layout_(layout),
       be_(be),
       grads_(grads),
       dp_(dp && dp->size() > 1 ? dp : nullptr),
       tp_(tp && tp->size() > 1 ? tp : nullptr),
       sharded_(distributed_optimizer && dp_ != nullptr),
-      bf16_wire_(bf16_wire && dp_ != nullptr) {
+      bf16_wire_(bf16_wire && dp_ != nullptr),
+      shard_(shard) {
+  TETRA_CHECK(!shard_ || !bf16_wire_, "ZeRO-2 reduces in fp32: no bf16 wire");
+  TETRA_CHECK(!shard_ || sharded_ || !dp_, "ZeRO-2 shards the gradient only with the distributed optimizer");
   bucket_of_group_.assign(layout.groups.size(), -1);
   group_reported_.assign(layout.groups.size(), 0);
   for (const BucketPlan& p : plan_buckets(layout, bucket_size)) {
@@ -61,7 +83,17 @@ GradBuffer::GradBuffer(const ParamLayout& layout, Backend& be, float* grads, Com
                 "bucket [{}, {}) of {} elements does not split into {} aligned shards: the layout's "
                 "group_align must be a multiple of 16 * dp", it->begin, it->end, size, shards);
     const int64_t shard = size / shards;
+    it->compact = owned_numel();
     owned_.push_back(GradRange{it->begin + rank * shard, shard});
+    staging_numel_ = std::max(staging_numel_, size);
+  }
+  reports_.assign(layout.groups.size(), 0);
+  if (shard_ && dp_) {  // the staging pool, allocated once (memory_plan.h counts it)
+    const int64_t count = staging_buffers_for(layout, bucket_size, tied_embeddings);
+    for (int64_t i = 0; i < count; ++i) {
+      pool_.emplace_back(be_, static_cast<size_t>(staging_numel_) * 4);
+      free_.push_back(pool_.back().as<float>());
+    }
   }
 
   sp_partial_.resize(layout.groups.size());
@@ -82,6 +114,7 @@ GradBuffer::GradBuffer(const ParamLayout& layout, Backend& be, float* grads, Com
 GradBuffer::~GradBuffer() {
   for (Bucket& b : buckets_)
     if (b.work) b.work->wait();
+  for (InFlight& f : in_flight_) f.work->wait();
 }
 
 int64_t GradBuffer::owned_numel() const {
@@ -90,25 +123,106 @@ int64_t GradBuffer::owned_numel() const {
   return n;
 }
 
-void GradBuffer::reduce_sp_partial(int group) {
+void GradBuffer::reduce_sp_partial(int group, float* base, int64_t origin) {
   const std::vector<GradRange>& ranges = sp_partial_[group];
   if (ranges.empty()) return;
   int64_t n = 0;
   for (const GradRange& r : ranges) {
-    be_.copy(sp_scratch_ + n, grads_ + r.offset, static_cast<size_t>(r.numel) * 4);
+    be_.copy(sp_scratch_ + n, base + (r.offset - origin), static_cast<size_t>(r.numel) * 4);
     n += r.numel;
   }
   tp_->all_reduce(sp_scratch_, n, DType::F32, ReduceOp::SUM);
   n = 0;
   for (const GradRange& r : ranges) {
-    be_.copy(grads_ + r.offset, sp_scratch_ + n, static_cast<size_t>(r.numel) * 4);
+    be_.copy(base + (r.offset - origin), sp_scratch_ + n, static_cast<size_t>(r.numel) * 4);
     n += r.numel;
   }
 }
 
-void GradBuffer::group_done(int group) {
+int GradBuffer::group_of_offset(int64_t offset) const {
+  const auto& groups = layout_.groups;
+  auto it = std::upper_bound(groups.begin(), groups.end(), offset,
+                             [](int64_t o, const std::pair<int64_t, int64_t>& g) { return o < g.first; });
+  TETRA_CHECK(it != groups.begin() && offset < std::prev(it)->second,
+              "gradient offset {} lies in no parameter group of this buffer", offset);
+  return static_cast<int>(std::prev(it) - groups.begin());
+}
+
+float* GradBuffer::acquire_staging() {
+  if (free_.empty() && !in_flight_.empty()) complete_oldest();  // less overlap, the same bytes
+  if (free_.empty()) {  // more buckets open at once than staging_buffers_for() allows for
+    spdlog::warn("ZeRO-2: {} gradient buckets open at once: one more staging buffer of {:.1f} MB beyond the plan",
+                 pool_.size() + 1, static_cast<double>(staging_numel_) * 4 / 1e6);
+    pool_.emplace_back(be_, static_cast<size_t>(staging_numel_) * 4);
+    free_.push_back(pool_.back().as<float>());
+  }
+  float* s = free_.back();
+  free_.pop_back();
+  return s;
+}
+
+float* GradBuffer::at(int64_t offset) {
+  TETRA_CHECK(shard_, "GradBuffer::at: the gradient is not sharded (ZeRO-2 only)");
+  Bucket& b = buckets_[bucket_of_group_[group_of_offset(offset)]];
+  if (!dp_) return shard_ + b.compact + (offset - b.begin);  // nothing to reduce: the shard is all of it
+  if (!b.staging) {
+    b.staging = acquire_staging();
+    be_.memset_zero(b.staging, static_cast<size_t>(b.end - b.begin) * 4);
+  }
+  return b.staging + (offset - b.begin);
+}
+
+void GradBuffer::launch_staged(int bucket) {
+  TETRA_CHECK(reduce_, "ZeRO-2 gradients are always reduced by their buckets");
+  if (in_flight_.size() >= 2) complete_oldest();
+  Bucket& b = buckets_[bucket];
+  float* base = b.staging;
+  b.staging = nullptr;
+  // Sequence parallelism: the norm weights' partial sums over the TP ranks' sequence shards, for
+  // every micro-batch this staging buffer holds, in one all-reduce per group.
+  if (tp_)
+    for (int g = b.first_group; g <= b.last_group; ++g) reduce_sp_partial(g, base, b.begin);
+  const int64_t shard = (b.end - b.begin) / dp_->size();
+  InFlight f{bucket, base, dp_->reduce_scatter_async(base + dp_->rank() * shard, base, shard, DType::F32, ReduceOp::SUM)};
+  in_flight_.push_back(std::move(f));
+}
+
+void GradBuffer::complete_oldest() {
+  InFlight f = std::move(in_flight_.front());
+  in_flight_.erase(in_flight_.begin());
+  dp_->wait(*f.work, CommOp::REDUCE_SCATTER);
+  const Bucket& b = buckets_[f.bucket];
+  const int64_t shard = (b.end - b.begin) / dp_->size();
+  float* mine = shard_ + b.compact;
+  be_.add(mine, mine, f.staging + dp_->rank() * shard, shard, DType::F32);
+  free_.push_back(f.staging);
+}
+
+void GradBuffer::group_done(int group, int micro_batches) {
   TETRA_CHECK(group >= 0 && group < static_cast<int>(bucket_of_group_.size()), "bad group {}", group);
-  if (tp_) reduce_sp_partial(group);
+  TETRA_CHECK(micro_batches >= 1 && (shard_ || micro_batches == 1), "group {} reported for {} micro-batches",
+              group, micro_batches);
+  if (shard_ && !dp_) {  // nothing to reduce (expert-DP of 1): backward wrote into the shard itself
+    TETRA_CHECK(sp_partial_[group].empty(), "a partial gradient in an unreduced ZeRO-2 buffer");
+    return;
+  }
+  if (shard_) {
+    reports_[group] += micro_batches;
+    const int bucket = bucket_of_group_[group];
+    Bucket& b = buckets_[bucket];
+    int least = reports_[group];
+    for (int g = b.first_group; g <= b.last_group; ++g) least = std::min(least, reports_[g]);
+    if (least > b.reduced) {  // every group of the bucket is done with what its staging holds
+      b.reduced = least;
+      if (!b.staging) {  // nothing written since the last reduction (experts no token reached): zeros,
+        b.staging = acquire_staging();  // so that every rank issues the same reductions
+        be_.memset_zero(b.staging, static_cast<size_t>(b.end - b.begin) * 4);
+      }
+      launch_staged(bucket);
+    }
+    return;
+  }
+  if (tp_) reduce_sp_partial(group, grads_, 0);
   TETRA_CHECK(!group_reported_[group], "parameter group {} reported twice in one step", group);
   group_reported_[group] = 1;
   Bucket& b = buckets_[bucket_of_group_[group]];
@@ -135,6 +249,17 @@ void GradBuffer::launch(Bucket& b) {
 }
 
 void GradBuffer::finish() {
+  if (shard_ && !dp_) return;
+  if (shard_) {
+    for (Bucket& b : buckets_) {
+      TETRA_CHECK(!b.staging, "gradient bucket of groups {}..{} holds gradients no group report reduced",
+                  b.first_group, b.last_group);
+      b.reduced = 0;
+    }
+    while (!in_flight_.empty()) complete_oldest();
+    std::fill(reports_.begin(), reports_.end(), 0);
+    return;
+  }
   for (Bucket& b : buckets_) {
     TETRA_CHECK(b.pending == 0, "gradient bucket of groups {}..{} was never completed by backward",
                 b.first_group, b.last_group);

@@ -22,6 +22,18 @@
 //
 // The gradients are pre-scaled by the loss (1 / global tokens), so the reduced sum is the mean.
 //
+// ZeRO-2 (parallel.zero_stage 2, `shard` given): the gradient is sharded too. There is no whole
+// gradient buffer: backward writes each bucket's gradient into a staging buffer (the GradSink
+// at(): taken from a pool and zeroed when the bucket is first written), every micro-batch reports
+// its finished groups, and a bucket whose groups have all reported is reduce-scattered at once;
+// when that completes this rank's shard is added to `shard` (this rank's owned ranges, back to back
+// in buffer order, the layout of the optimizer's state) and the staging buffer goes back to the
+// pool. At most two reductions are in flight; the pool (staging_buffers_for()) holds the buckets
+// being written and those, and when it runs dry the oldest reduction is waited for.
+// A group reported ahead of the rest of its bucket (interleaved pipeline chunks, tied embeddings
+// summed across stages at the end of the step) is fine: a bucket reduces what its staging holds
+// when its last group reports, and a later write opens a fresh staging buffer.
+//
 // `bf16_wire` (parallel.grad_compression: bf16): each bucket is rounded to bf16 into a scratch
 // buffer and reduced in bf16 (half the bytes on the wire; the communicator sums in fp32 and rounds
 // once per combining step), and the reduced result is converted back into the fp32 buffer, where
@@ -33,6 +45,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "trainer/params/grad_sink.h"
 #include "trainer/params/param_layout.h"
 
 namespace tetra {
@@ -48,21 +61,36 @@ struct BucketPlan {
 };
 std::vector<BucketPlan> plan_buckets(const ParamLayout& layout, int64_t bucket_size);
 
-class GradBuffer {
+class GradBuffer final : public GradSink {
  public:
   // dp: the data-parallel group (null or size 1: nothing to reduce); tp: the tensor-parallel
   // group (used for sequence-parallel partial gradients).
   // Bytes of the scratch a tensor-parallel buffer of `layout` keeps for the norm weights'
   // partial gradients under sequence parallelism (the largest group's; 0 when none is partial).
   static size_t sp_scratch_bytes(const ParamLayout& layout);
+  // `shard` (ZeRO-2, distributed_optimizer and dp > 1 only): owned_numel() fp32, where this rank's
+  // reduced shards accumulate; `grads` is then unused (null).
   GradBuffer(const ParamLayout& layout, Backend& be, float* grads, Communicator* dp, Communicator* tp,
-             bool distributed_optimizer, int64_t bucket_size, bool bf16_wire = false);
-  ~GradBuffer();
+             bool distributed_optimizer, int64_t bucket_size, bool bf16_wire = false, float* shard = nullptr,
+             bool tied_embeddings = false);
+  ~GradBuffer() override;
   GradBuffer(const GradBuffer&) = delete;
   GradBuffer& operator=(const GradBuffer&) = delete;
 
-  // Called by backward (last micro-batch of the step) for each finished parameter group.
-  void group_done(int group);
+  // Called by backward (last micro-batch of the step; ZeRO-2: every micro-batch) for each finished
+  // parameter group; `micro_batches`: how many micro-batches' reports this one stands for (ZeRO-2:
+  // a group whose report was deferred to the end of the step reports them all at once).
+  void group_done(int group, int micro_batches = 1);
+  // ZeRO-2: where backward writes the gradient at `offset` (a staging buffer; grad_sink.h).
+  float* at(int64_t offset) override;
+  bool shards_gradients() const { return shard_ != nullptr; }
+  // ZeRO-2: the staging buffers (staging_buffers_for(), unless more were ever needed), and the
+  // size of one (elements: the largest bucket).
+  size_t staging_peak() const { return pool_.size(); }
+  int64_t staging_numel() const { return staging_numel_; }
+  // ZeRO-2: the staging buffers a step can hold at once for `layout` (the memory plan's count).
+  static int64_t staging_buffers_for(const ParamLayout& layout, int64_t bucket_size, bool tied_embeddings);
+  static int64_t largest_bucket(const ParamLayout& layout, int64_t bucket_size);
   // Waits for every bucket's reduction. Every group must have been reported.
   void finish();
   // Whether the next steps' buckets are reduced over DP (default true).
@@ -84,9 +112,23 @@ class GradBuffer {
     int first_group = 0, last_group = 0;
     int pending = 0;             // groups not yet done this step
     std::unique_ptr<Work> work;
+    // ZeRO-2
+    int64_t compact = 0;         // where its shard starts in shard_
+    float* staging = nullptr;    // being written; null: none open
+    int reduced = 0;             // micro-batches whose reduction has been issued
+  };
+  struct InFlight {  // ZeRO-2: an issued reduce-scatter and the staging buffer it reads
+    int bucket;
+    float* staging;
+    std::unique_ptr<Work> work;
   };
   void launch(Bucket& b);
-  void reduce_sp_partial(int group);
+  void launch_staged(int bucket);
+  void complete_oldest();
+  float* acquire_staging();
+  int group_of_offset(int64_t offset) const;
+  // The all-reduce over TP of `group`'s partial gradients, at `base` + (layout offset - `origin`).
+  void reduce_sp_partial(int group, float* base, int64_t origin);
 
   const ParamLayout& layout_;
   Backend& be_;
@@ -106,6 +148,13 @@ class GradBuffer {
   // that holds one group's of them contiguously for one all-reduce.
   std::vector<std::vector<GradRange>> sp_partial_;
   float* sp_scratch_ = nullptr;
+  // ZeRO-2
+  float* shard_ = nullptr;
+  int64_t staging_numel_ = 0;
+  std::vector<BackendBuffer> pool_;
+  std::vector<float*> free_;
+  std::vector<InFlight> in_flight_;  // oldest first
+  std::vector<int> reports_;         // per group, this step
 };
 
 }  // namespace tetra

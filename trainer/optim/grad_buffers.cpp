@@ -22,44 +22,81 @@ ParamLayout layout_part(const ParamLayout& layout, bool experts) {
 }
 
 GradBuffers::GradBuffers(const ParamLayout& layout, Backend& be, float* grads, ProcessGroups& groups,
-                         bool distributed_optimizer, int64_t bucket_size, bool bf16_wire)
+                         bool distributed_optimizer, int64_t bucket_size, bool bf16_wire, bool shard_gradients,
+                         bool tied_embeddings)
     : dense_layout_(layout_part(layout, false)),
       expert_layout_(layout_part(layout, true)),
       dense_groups_(layout.dense_groups) {
   // Every collective here is on backend memory (the gradients, the norms' scratch scalars).
   Communicator* tp = &groups.backend(GroupKind::TP);
   Communicator* dp = &groups.backend(GroupKind::DP);
+  Communicator* edp = &groups.backend(GroupKind::EDP);
+  const bool has_experts = !expert_layout_.groups.empty();
+  // ZeRO-2 needs a shard to hold: dp > 1 with the distributed optimizer (then expert-DP holds its
+  // shards too, or, at edp 1, the whole expert gradient, which is then its "shard").
+  const bool zero2 = shard_gradients && distributed_optimizer && dp->size() > 1;
+  if (zero2) {
+    // The owned ranges of both buffers decide the compact layout: build them first, then the shard.
+    const auto owned_of = [&](const ParamLayout& part, Communicator* c) {  // GradBuffer::owned_numel()
+      const int64_t span = part.groups.back().second - part.groups.front().first;
+      return c->size() > 1 ? span / c->size() : span;
+    };
+    const int64_t n = owned_of(dense_layout_, dp) + (has_experts ? owned_of(expert_layout_, edp) : 0);
+    shard_buf_ = BackendBuffer(be, static_cast<size_t>(std::max<int64_t>(n, 1)) * 4);
+    shard_ = shard_buf_.as<float>();
+    be.memset_zero(shard_, static_cast<size_t>(n) * 4);
+  }
   dense_ = std::make_unique<GradBuffer>(dense_layout_, be, grads, dp, tp, distributed_optimizer, bucket_size,
-                                        bf16_wire);
+                                        bf16_wire, shard_, tied_embeddings);
   owned_ = dense_->owned();
   const bool sharded = dense_->sharded();
+  const int64_t dense_owned = dense_->owned_numel();
   // The pipeline stages' parts of the norm are summed once, over both kinds (norm()): a stage
   // without MoE blocks has no expert part, so each part cannot reduce over pp on its own.
-  dense_norm_ = std::make_unique<GradNorm>(layout, dense_->owned(), be, tp, nullptr, sharded ? dp : nullptr);
+  dense_norm_ = std::make_unique<GradNorm>(layout, dense_->owned(), be, tp, nullptr, sharded ? dp : nullptr,
+                                           shard_ ? 0 : -1);
   if (groups.pp->size() > 1) {
     pp_ = &groups.backend(GroupKind::PP);
     be_ = &be;
     scratch_buf_ = BackendBuffer(be, 64);
     scratch_ = scratch_buf_.as<float>();
   }
-  if (!expert_layout_.groups.empty()) {
-    experts_ = std::make_unique<GradBuffer>(expert_layout_, be, grads, &groups.backend(GroupKind::EDP), tp,
-                                            distributed_optimizer, bucket_size);
+  if (has_experts) {
+    expert_begin_ = expert_layout_.groups.front().first;
+    // At edp 1 the expert buffer is not sharded: its shard is then its whole gradient, in shard_.
+    experts_ = std::make_unique<GradBuffer>(expert_layout_, be, grads, edp, tp, distributed_optimizer, bucket_size,
+                                            false, shard_ ? shard_ + dense_owned : nullptr);
     owned_.insert(owned_.end(), experts_->owned().begin(), experts_->owned().end());
     // Each EP rank holds other experts, and with the distributed optimizer each expert-DP rank
     // other shards of them: the DP group (ep x edp ranks) then holds every expert shard once.
     expert_norm_ = std::make_unique<GradNorm>(layout, experts_->owned(), be, tp, nullptr,
-                                              experts_->sharded() ? dp : &groups.backend(GroupKind::EP));
+                                              experts_->sharded() ? dp : &groups.backend(GroupKind::EP),
+                                              shard_ ? dense_owned : -1);
   }
 }
 
 GradBuffers::~GradBuffers() = default;
 
-void GradBuffers::group_done(int group) {
+int64_t GradBuffers::owned_numel() const {
+  return dense_->owned_numel() + (experts_ ? experts_->owned_numel() : 0);
+}
+
+float* GradBuffers::at(int64_t offset) {
+  if (experts_ && offset >= expert_begin_) return experts_->at(offset);
+  return dense_->at(offset);
+}
+
+size_t GradBuffers::staging_bytes() const {
+  size_t n = dense_->staging_peak() * static_cast<size_t>(dense_->staging_numel()) * 4;
+  if (experts_) n += experts_->staging_peak() * static_cast<size_t>(experts_->staging_numel()) * 4;
+  return n;
+}
+
+void GradBuffers::group_done(int group, int micro_batches) {
   if (group < dense_groups_)
-    dense_->group_done(group);
+    dense_->group_done(group, micro_batches);
   else
-    experts_->group_done(group - dense_groups_);
+    experts_->group_done(group - dense_groups_, micro_batches);
 }
 
 void GradBuffers::finish() {

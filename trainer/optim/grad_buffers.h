@@ -9,6 +9,10 @@
 // gradient norm is sqrt(dense^2 + experts^2), the expert part summed over the EP group (each EP
 // rank holds different experts) or, with the distributed optimizer, over the DP group (each rank
 // holds its expert-DP shard of its EP rank's experts).
+//
+// ZeRO-2 (`shard_gradients`, with the distributed optimizer over dp > 1): the two buffers' reduced
+// shards live in one compact fp32 buffer, shard(), the owned ranges back to back (dense first), as
+// the optimizer's state is laid out; backward writes through this object's at() (grad_sink.h).
 #pragma once
 
 #include <memory>
@@ -22,14 +26,25 @@ namespace tetra {
 class Communicator;
 struct ProcessGroups;
 
-class GradBuffers {
+class GradBuffers final : public GradSink {
  public:
   // `bf16_wire`: the dense buckets reduce in bf16 (parallel.grad_compression "bf16").
+  // `grads`: the whole fp32 gradient buffer; null with `shard_gradients`.
   GradBuffers(const ParamLayout& layout, Backend& be, float* grads, ProcessGroups& groups,
-              bool distributed_optimizer, int64_t bucket_size, bool bf16_wire = false);
-  ~GradBuffers();
+              bool distributed_optimizer, int64_t bucket_size, bool bf16_wire = false,
+              bool shard_gradients = false, bool tied_embeddings = false);
+  ~GradBuffers() override;
 
-  void group_done(int group);
+  // ZeRO-2: whether the gradient is sharded; the compact shard buffer (owned_numel() fp32), and
+  // where backward writes.
+  bool shards_gradients() const { return dense_->shards_gradients(); }
+  float* shard() { return shard_; }
+  int64_t owned_numel() const;
+  float* at(int64_t offset) override;
+  // ZeRO-2: bytes of staging buffers held now (their peak so far).
+  size_t staging_bytes() const;
+
+  void group_done(int group, int micro_batches = 1);
   // 1-bit Adam's compressed steps and int8 exchange the gradients themselves (grad_buffer.h).
   void set_reduce(bool reduce) {
     dense_->set_reduce(reduce);
@@ -60,6 +75,9 @@ class GradBuffers {
   Backend* be_ = nullptr;
   BackendBuffer scratch_buf_;
   float* scratch_ = nullptr;  // scratch_buf_'s
+  BackendBuffer shard_buf_;   // ZeRO-2: owns shard_
+  float* shard_ = nullptr;
+  int64_t expert_begin_ = 0;  // the first expert offset (at()'s routing)
 };
 
 // The dense part of `layout` (groups [0, dense_groups)) or its experts (the later groups,

@@ -43,6 +43,18 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
   const int64_t accum = cfg.grad_accum_steps();
   const int64_t rows = N * C * act_bytes;
   const bool first = layout.stage.first, last = layout.stage.last;
+  // ZeRO-2 (grad_buffer.h): every bucket is reduced once per micro-batch, but a bucket holding a
+  // group deferred to the end of the step (tied embeddings summed across pipeline stages first:
+  // the first stage's embedding, the last stage's output layer) once per step.
+  const bool zero2 = par.zero_stage >= 2 && par.dp > 1;
+  const bool deferring = zero2 && cfg.model.tie_embeddings && par.pp > 1;
+  auto reductions_of = [&](const BucketPlan& b, const ParamLayout& part) -> int64_t {
+    if (!zero2) return 1;
+    if (deferring && part.dense_groups > 0)
+      for (int g = b.first_group; g <= b.last_group; ++g)
+        if ((first && g == layout.embedding_group) || (last && g == layout.head_group)) return 1;
+    return accum;
+  };
   int64_t L = 0;  // layers this rank holds
   int64_t moe_blocks = 0;  // MoE blocks among them
   // Block forwards that full recomputation runs again in backward (recompute.h): each repeats its
@@ -79,12 +91,18 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
       v.tp.add(CommOp::ALL_GATHER, gathers * accum, rows);
     }
     // Gradients that are partial sums per TP rank (norms under sequence parallelism, q/k norms),
-    // once per step per group that has any.
+    // once per step per group that has any (ZeRO-2: once per reduction of its bucket).
     std::vector<int64_t> per_group(layout.groups.size(), 0);
     for (const ParamSpec& p : layout.params)
       if (p.sp_partial) per_group[p.group] += p.numel;
-    for (int64_t n : per_group)
-      if (n > 0) v.tp.add(CommOp::ALL_REDUCE, 1, n * 4);
+    std::vector<int64_t> times(layout.groups.size(), 1);
+    if (zero2 && par.dp > 1) {
+      const ParamLayout dense = layout_part(layout, false);
+      for (const BucketPlan& b : plan_buckets(dense, par.bucket_size))
+        for (int g = b.first_group; g <= b.last_group; ++g) times[static_cast<size_t>(g)] = reductions_of(b, dense);
+    }
+    for (size_t g = 0; g < per_group.size(); ++g)
+      if (per_group[g] > 0) v.tp.add(CommOp::ALL_REDUCE, times[g], per_group[g] * 4);
     if (cfg.model.moe.enabled())  // the gates' gradient (partial sums over the experts' TP slices)
       v.tp.add(CommOp::ALL_REDUCE, moe_blocks * accum, N * cfg.model.moe.top_k * 4);
     if (last) {  // per chunk of the fused loss (training.loss_chunk_rows; 0: one of every row)
@@ -118,8 +136,14 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
   // buckets reduce in bf16 (the dense part); 1-bit Adam's compressed steps and int8 exchange both parts.
   auto reduction = [&](GroupVolume& g, const ParamLayout& part, int64_t size, GroupVolume& norm_group, bool bf16) {
     if (size <= 1 || part.groups.empty()) return;
-    const int64_t buckets = static_cast<int64_t>(plan_buckets(part, par.bucket_size).size());
+    const std::vector<BucketPlan> plan = plan_buckets(part, par.bucket_size);
+    const int64_t buckets = static_cast<int64_t>(plan.size());
     const int64_t numel = part.groups.back().second - part.groups.front().first;
+    int64_t reduce_calls = 0, reduce_numel = 0;  // ZeRO-2 reduces buckets per micro-batch
+    for (const BucketPlan& b : plan) {
+      reduce_calls += reductions_of(b, part);
+      reduce_numel += reductions_of(b, part) * (b.end - b.begin);
+    }
     const CommOp reduce = par.distributed_optimizer ? CommOp::REDUCE_SCATTER : CommOp::ALL_REDUCE;
     if (onebit_compressed || par.grad_compression == GradCompression::INT8) {
       const ExchangePlan plan = plan_exchange(cfg, part, size);
@@ -135,8 +159,8 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
         g.payload_bytes[static_cast<int>(CommOp::ALL_GATHER)] += numel * 4;
       }
     } else {
-      g.add(reduce, buckets, 0);
-      g.payload_bytes[static_cast<int>(reduce)] += numel * (bf16 ? 2 : 4);
+      g.add(reduce, reduce_calls, 0);
+      g.payload_bytes[static_cast<int>(reduce)] += reduce_numel * (bf16 ? 2 : 4);
     }
     if (par.distributed_optimizer) {
       g.add(CommOp::ALL_GATHER, buckets, 0);

@@ -36,7 +36,16 @@ void DebugDump::gradients(Backend& be, GradBuffers& grad_buffers, const float* g
   if (grad_buffers.sharded()) {  // each DP rank holds its shards of the reduced gradient: gather them
     BackendBuffer whole_buf(be, static_cast<size_t>(total) * 4);
     float* whole = whole_buf.as<float>();
-    be.copy(whole, grads, static_cast<size_t>(total) * 4);
+    if (grad_buffers.shards_gradients()) {  // ZeRO-2: `grads` is the compact shard, the owned ranges back to back
+      be.memset_zero(whole, static_cast<size_t>(total) * 4);
+      int64_t at = 0;
+      for (const GradRange& r : grad_buffers.owned()) {
+        be.copy(whole + r.offset, grads + at, static_cast<size_t>(r.numel) * 4);
+        at += r.numel;
+      }
+    } else {
+      be.copy(whole, grads, static_cast<size_t>(total) * 4);
+    }
     grad_buffers.gather_params(whole, DType::F32);
     write_(file, whole, 1.0 / loss_scale);
   } else {

@@ -53,7 +53,10 @@ class PipelineModel::Chunk final : public PipelineChunk {
                     owner_.dloss_scale_, owner_.grads_);
   }
   void backward(int64_t slot, int m, bool last, int64_t grad_buffer) override {
-    model_->backward(owner_.weights_, owner_.grads_, slot, tokens_ + m * rows_, last ? &owner_.hook_ : nullptr,
+    // Group reports: from the step's last micro-batch, whose backward finalises the gradients,
+    // or under ZeRO-2 from every micro-batch, each reduced as it finishes.
+    const bool report = last || owner_.sink_ != nullptr;
+    model_->backward(owner_.weights_, owner_.grads_, slot, tokens_ + m * rows_, report ? &owner_.hook_ : nullptr,
                      grad_buffers_.empty() ? nullptr : grad_buffers_.at(static_cast<size_t>(grad_buffer)));
   }
   void* input(int64_t slot) override { return model_->input(slot); }
@@ -108,6 +111,11 @@ PipelineModel::PipelineModel(const Config& cfg, const ParamLayout& layout, Backe
 }
 
 PipelineModel::~PipelineModel() = default;
+
+void PipelineModel::set_grad_sink(GradSink* sink) {
+  sink_ = sink;
+  for (auto& c : chunks_) c->model().set_grad_sink(sink);
+}
 
 bool PipelineModel::has_moe() const { return chunks_.front()->model().has_moe(); }
 
@@ -169,7 +177,7 @@ PipelineStepStats PipelineModel::run(bool forward_only) {
 }
 
 PipelineStepStats PipelineModel::train(const void* weights, float* grads, float dloss_scale,
-                                       const GroupDoneHook& done) {
+                                       const GroupReport& done) {
   weights_ = weights;
   grads_ = grads;
   dloss_scale_ = dloss_scale;
@@ -178,14 +186,21 @@ PipelineStepStats PipelineModel::train(const void* weights, float* grads, float 
     if (sum_before_reduction_ && (group == layout_.embedding_group || group == layout_.head_group))
       deferred_.push_back(group);
     else
-      done(group);
+      done(group, 1);
   };
   PipelineStepStats st = run(false);
   if (sum_before_reduction_ && wte_numel_ > 0) {
-    // Sum of the first stage's and the last stage's embedding.wte gradients, on both.
-    groups_.backend(GroupKind::EMBEDDING).all_reduce(grads + layout_.wte, wte_numel_, DType::F32, ReduceOp::SUM);
+    // Sum of the first stage's and the last stage's embedding.wte gradients, on both (ZeRO-2: in
+    // the staging buffer that has held them the whole step, its bucket's reports being deferred).
+    float* wte = sink_ ? sink_->at(layout_.wte) : grads + layout_.wte;
+    groups_.backend(GroupKind::EMBEDDING).all_reduce(wte, wte_numel_, DType::F32, ReduceOp::SUM);
   }
-  for (int g : deferred_) done(g);
+  // Each deferred group once, for all its micro-batches (ZeRO-2 reports every micro-batch's).
+  std::vector<int> order;
+  for (int g : deferred_)
+    if (std::find(order.begin(), order.end(), g) == order.end()) order.push_back(g);
+  for (int g : order)
+    done(g, static_cast<int>(std::count(deferred_.begin(), deferred_.end(), g)));
   hook_ = nullptr;
   return st;
 }

@@ -62,10 +62,16 @@ class PipelineModel {
   // One training step's forwards and backwards; gradients accumulate into `grads`, and `done` is
   // told about each parameter group once its gradient is final (and summed over the embedding
   // group for tied embeddings). Losses land in losses() on the last stage.
-  PipelineStepStats train(const void* weights, float* grads, float dloss_scale, const GroupDoneHook& done);
+  // `done(group, micro_batches)`: a report standing for that many micro-batches (more than 1 only for
+  // a ZeRO-2 group deferred to the end of the step).
+  using GroupReport = std::function<void(int group, int micro_batches)>;
+  PipelineStepStats train(const void* weights, float* grads, float dloss_scale, const GroupReport& done);
   // After the DP reduction of the step's gradients (tied embeddings, no distributed optimizer):
   // the sum of the two copies' gradients over the embedding group.
   void finish_tied_embedding(float* grads);
+  // ZeRO-2: every chunk writes its gradients where `sink` says (grad_sink.h), and `done` hears of
+  // each group in every micro-batch (each micro-batch's gradient is reduced on its own).
+  void set_grad_sink(GradSink* sink);
   // Forwards only (evaluation): losses of every micro-batch on the last stage.
   PipelineStepStats forward(const void* weights);
 
@@ -108,9 +114,10 @@ class PipelineModel {
   // This step's arguments, read by the chunks' callbacks.
   const void* weights_ = nullptr;
   float* grads_ = nullptr;
+  GradSink* sink_ = nullptr;  // ZeRO-2
   float dloss_scale_ = 0.0f;
   GroupDoneHook hook_;
-  std::vector<int> deferred_;
+  std::vector<int> deferred_;  // groups whose report waits for the end of the step, with repeats
 };
 
 }  // namespace tetra

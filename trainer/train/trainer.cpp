@@ -112,10 +112,14 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   groups.use_backend_memory(backend_comm_factory(*be_, device_opts));
   const size_t n = static_cast<size_t>(layout_.total);
   master_buf_ = BackendBuffer(*be_, n * 4);
-  grads_buf_ = BackendBuffer(*be_, n * 4);
   master_ = master_buf_.as<float>();
-  grads_ = grads_buf_.as<float>();
-  be_->memset_zero(grads_, n * 4);
+  // ZeRO-2 keeps no whole gradient: its shards live in the gradient buffers (grad_buffer.h).
+  const bool shard_gradients = cfg.parallel.zero_stage >= 2 && cfg.parallel.dp > 1;
+  if (!shard_gradients) {
+    grads_buf_ = BackendBuffer(*be_, n * 4);
+    grads_ = grads_buf_.as<float>();
+    be_->memset_zero(grads_, n * 4);
+  }
   if (be_->host_memory()) {
     init_params(layout_, cfg.model, cfg.training.seed, master_);
   } else {
@@ -142,7 +146,9 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   // arenas are never held at once (memory_plan.h's peak).
   grad_buffer_ = std::make_unique<GradBuffers>(layout_, *be_, grads_, groups, cfg.parallel.distributed_optimizer,
                                                cfg.parallel.bucket_size,
-                                               cfg.parallel.grad_compression == GradCompression::BF16);
+                                               cfg.parallel.grad_compression == GradCompression::BF16,
+                                               shard_gradients, cfg.model.tie_embeddings);
+  if (shard_gradients) grads_ = grad_buffer_->shard();
   updater_ = std::make_unique<Updater>(cfg, layout_, *be_, *grad_buffer_, groups, act_, master_, compute_, grads_);
   if (updater_->holds_master_weights()) {
     master_buf_.reset();
@@ -164,7 +170,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   host_targets_.resize(static_cast<size_t>(rows_));
 
   model_ = std::make_unique<PipelineModel>(cfg, layout_, *be_, act_, groups, accum_, tokens_, targets_, losses_);
-  group_done_ = [this](int group) { grad_buffer_->group_done(group); };
+  if (shard_gradients) model_->set_grad_sink(grad_buffer_.get());
+  group_done_ = [this](int group, int micro_batches) { grad_buffer_->group_done(group, micro_batches); };
   if (!resume.empty()) {
     const auto l0 = std::chrono::steady_clock::now();
     const CheckpointState st = load_checkpoint(resume, cfg, groups, *be_, checkpoint_buffers());
@@ -284,7 +291,8 @@ double Trainer::train_step(int64_t s) {
   pipe_stats_ = model_->train(compute_, grads_, dloss_scale, group_done_);
   grad_buffer_->finish();
   model_->finish_tied_embedding(grads_);
-  inject_grad_fault(groups_.rank, s + 1, *be_, grads_ + grad_buffer_->owned().front().offset);  // test-only
+  inject_grad_fault(groups_.rank, s + 1, *be_,  // test-only; ZeRO-2's grads_ is the compact shard
+                    grads_ + (grad_buffer_->shards_gradients() ? 0 : grad_buffer_->owned().front().offset));
   float local = 0.0f;
   if (model_->has_loss()) {
     inject_loss_fault(groups_.rank, s + 1, 0, *be_, losses_, rows_);  // test-only

@@ -26,6 +26,7 @@
 #include "trainer/train/debug_dump.h"
 #include "trainer/train/memory_plan.h"
 #include "trainer/train/metrics.h"
+#include "trainer/train/pipeline_model.h"
 #include "trainer/train/updater.h"
 
 namespace tetra {
@@ -113,7 +114,7 @@ class Trainer {
   std::unique_ptr<PipelineModel> model_;  // this rank's model chunks and pipeline schedule
   std::unique_ptr<GradBuffers> grad_buffer_;
   std::unique_ptr<Updater> updater_;
-  GroupDoneHook group_done_;
+  PipelineModel::GroupReport group_done_;
   CommAccounting comm_;
   std::unique_ptr<DebugDump> dump_;  // --dump-dir (null without)
   std::shared_ptr<SampleSource> train_source_, valid_source_;

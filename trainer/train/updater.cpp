@@ -22,7 +22,9 @@ Updater::Updater(const Config& cfg, const ParamLayout& layout, Backend& be, Grad
       grads_(grads) {
   const bool shard_optimizer = cfg.parallel.distributed_optimizer && cfg.parallel.dp > 1;
   const bool optimizer_owns_master = shard_optimizer && act_ != DType::F32;
-  optimizer_ = std::make_unique<AdamW>(cfg.optimizer, layout, be, grad_buffers.owned(), optimizer_owns_master, master);
+  optimizer_ = std::make_unique<AdamW>(cfg.optimizer, layout, be, grad_buffers.owned(), optimizer_owns_master, master,
+                                       grad_buffers.shards_gradients());
+  grads_numel_ = grad_buffers.shards_gradients() ? grad_buffers.owned_numel() : layout.total;
   if (cfg.parallel.grad_compression == GradCompression::ONEBIT)
     onebit_ = std::make_unique<OnebitAdam>(cfg, layout, be, grad_buffers, *optimizer_, groups);
   if (cfg.parallel.grad_compression == GradCompression::INT8)
@@ -79,7 +81,7 @@ StepUpdate Updater::step(int64_t s, double loss, StepGuard& guard, const Gradien
   }
   void* compute = act_ == DType::F32 ? nullptr : compute_;
   if (verdict.skip) {
-    be_.memset_zero(grads_, static_cast<size_t>(layout_.total) * 4);
+    be_.memset_zero(grads_, static_cast<size_t>(grads_numel_) * 4);
     // A guard's skip counts as a step (step_guard.h); an overflow's does not (loss_scaler.h).
     if (!verdict.overflow) optimizer_->set_steps_taken(optimizer_->steps_taken() + 1);
     if (writer_) spdlog::warn("step {}: update skipped: {}", s + 1, skip_reason);
@@ -92,8 +94,9 @@ StepUpdate Updater::step(int64_t s, double loss, StepGuard& guard, const Gradien
   }
   if (grad_buffers_.sharded() && !verdict.skip) {
     // The optimizer zeroed the shards it consumed; the rest of the buffer holds this rank's
-    // unreduced gradients. Then every rank gets the updated weights of every shard.
-    be_.memset_zero(grads_, static_cast<size_t>(layout_.total) * 4);
+    // unreduced gradients (ZeRO-2: there is no rest). Then every rank gets the updated weights of
+    // every shard.
+    if (!grad_buffers_.shards_gradients()) be_.memset_zero(grads_, static_cast<size_t>(layout_.total) * 4);
     grad_buffers_.gather_params(compute_, act_);
   }
   return u;

@@ -98,7 +98,8 @@ class Updater {
   DType act_;
   float* master_;  // null when the optimizer holds the master weights
   void* compute_;
-  float* grads_;
+  float* grads_;  // ZeRO-2: the compact shard (GradBuffers::shard())
+  int64_t grads_numel_ = 0;
   bool compressed_ = false;  // the current step runs onebit's compressed phase
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<OnebitAdam> onebit_;         // parallel.grad_compression onebit
