@@ -54,14 +54,16 @@ MODELS = {
 }
 # (dp, tp, ep, sequence_parallel, distributed_optimizer). With tp > 1 the experts are split over
 # TP like the dense MLP; the distributed optimizer shards the experts over expert-DP and the rest
-# over DP.
+# over DP. distributed_optimizer 2 is ZeRO-2 (parallel.zero_stage 2): the gradients sharded the
+# same way, reduce-scattered per micro-batch (at ep 4 expert-DP is 1: the experts' gradient is the
+# rank's own, never reduced).
 LAYOUTS = {
     "gpt2_moe": [(4, 1, 1, False, False), (4, 1, 2, False, False), (4, 1, 4, False, False),
                  (4, 1, 1, False, True), (4, 1, 2, False, True), (4, 1, 4, False, True),
                  (1, 2, 1, False, False), (1, 2, 1, True, False), (2, 2, 2, False, False),
-                 (2, 2, 2, True, True)],
+                 (2, 2, 2, True, True), (4, 1, 2, False, 2), (4, 1, 4, False, 2)],
     "llama_moe": [(4, 1, 1, False, False), (4, 1, 2, False, False), (4, 1, 4, False, False),
-                  (2, 2, 2, True, False)],
+                  (2, 2, 2, True, False), (4, 1, 2, False, 2)],
 }
 
 
@@ -71,7 +73,8 @@ PP_LAYOUTS = [(2, 1, 2, 2, "gpipe"), (2, 1, 2, 2, "1f1b"), (4, 1, 2, 2, "1f1b"),
 
 
 def layout_name(dp, tp, ep, sp, dist_opt):
-    return f"dp{dp}_tp{tp}_ep{ep}{'_sp' if sp else ''}{'_distopt' if dist_opt else ''}"
+    zero = {False: "", True: "_distopt"}.get(dist_opt, f"_zero{int(dist_opt)}")
+    return f"dp{dp}_tp{tp}_ep{ep}{'_sp' if sp else ''}{zero}"
 
 
 checks = Checks()
@@ -96,7 +99,8 @@ def config(model, capacity=None, precision="fp32"):
 def run(args, name, cfg, dp, ep, checkpoint=None, dump=True, dist_opt=False, tp=1, sp=False, pp=1, schedule="1f1b"):
     out = os.path.join(args.workdir, name)
     cfg = json.loads(json.dumps(cfg))
-    cfg["parallel"].update({"dp": dp, "ep": ep, "tp": tp, "sequence_parallel": sp, "distributed_optimizer": dist_opt,
+    cfg["parallel"].update({"dp": dp, "ep": ep, "tp": tp, "sequence_parallel": sp,
+                            "distributed_optimizer": bool(dist_opt), "zero_stage": int(dist_opt),
                             "pp": pp, "schedule": schedule})
     cfg["logging"]["dir"] = out
     if checkpoint:

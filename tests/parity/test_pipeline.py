@@ -52,17 +52,21 @@ MODELS = {
 GLOBAL_BATCH, MICRO = 8, 2
 
 
-def layout(pp, schedule="1f1b", vp=1, dp=1, tp=1, sp=False, dist_opt=False, stage_layers=None):
+def layout(pp, schedule="1f1b", vp=1, dp=1, tp=1, sp=False, dist_opt=False, stage_layers=None, zero=0):
     return {"pp": pp, "schedule": schedule, "virtual_stages": vp, "dp": dp, "tp": tp,
-            "sequence_parallel": sp, "distributed_optimizer": dist_opt,
+            "sequence_parallel": sp, "distributed_optimizer": dist_opt or zero >= 1, "zero_stage": zero,
             **({"stage_layers": stage_layers} if stage_layers else {})}
 
 
 LAYOUTS = {
     "gpt2": [layout(2, "gpipe"), layout(2), layout(4), layout(2, "interleaved", 2), layout(4, "interleaved", 2),
              layout(2, dp=2, tp=2, sp=True, dist_opt=True), layout(4, "gpipe", dp=2),
-             layout(2, stage_layers=[3, 5]), layout(2, "interleaved", 2, tp=2), layout(2, dp=4)],
+             layout(2, stage_layers=[3, 5]), layout(2, "interleaved", 2, tp=2), layout(2, dp=4),
+             # ZeRO-2: the tied embedding's buckets wait for the stages' sum at the step's end;
+             # interleaved, a bucket straddles two chunks written in turn.
+             layout(2, dp=2, zero=2), layout(2, "interleaved", 2, dp=2, zero=2)],
     "llama": [layout(2), layout(4, "gpipe"), layout(2, "interleaved", 2, dp=2, dist_opt=True),
+              layout(2, "gpipe", dp=2, zero=2),
               layout(4, tp=2, sp=True), layout(2, "interleaved", 2, stage_layers=[1, 3, 2, 2])],
 }
 # bf16 gradient reduction (parallel.grad_compression "bf16"): within the tolerance
@@ -86,7 +90,9 @@ def name_of(model, par, precision="fp32"):
             n += f"_{k}{par[k]}"
     if par["sequence_parallel"]:
         n += "_sp"
-    if par["distributed_optimizer"]:
+    if par["zero_stage"] >= 2:
+        n += f"_zero{par['zero_stage']}"
+    elif par["distributed_optimizer"]:
         n += "_distopt"
     if "stage_layers" in par:
         n += "_layers" + "-".join(map(str, par["stage_layers"]))
@@ -196,8 +202,10 @@ def resume_checks(args, ref_steps):
     """Checkpoints move between pipeline layouts: save at step N on one, resume on another."""
     model = "gpt2"
     ref = {s["step"]: s["loss"] for s in ref_steps}
+    # ZeRO stages hold the same optimizer state: 1 -> 2 on another dp, and 2 -> 0 on one rank.
     for src, dsts in ((layout(2), [layout(1), layout(4)]), (layout(1), [layout(2)]),
-                      (layout(4, "interleaved", 2), [layout(2)])):
+                      (layout(4, "interleaved", 2), [layout(2)]),
+                      (layout(1, dp=2, zero=1), [layout(1, dp=4, zero=2)]), (layout(2, dp=2, zero=2), [layout(1)])):
         ck = os.path.join(args.workdir, f"ckpt_{name_of(model, src)}")
         shutil.rmtree(ck, ignore_errors=True)
         out = os.path.join(args.workdir, f"save_{name_of(model, src)}")
