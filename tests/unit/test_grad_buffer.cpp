@@ -194,3 +194,29 @@ TEST_CASE("grad buffer: sequence-parallel norm gradients are all-reduced over TP
   for (int l = 0; l < tiny().num_layers; ++l) want.push_back("tp all_reduce @-1 x" + std::to_string(4 * C));
   CHECK(log == want);
 }
+
+TEST_CASE("grad buffer: ZeRO-2 staging plan", "[optim]") {
+  ModelConfig m = tiny();
+  m.vocab_size = 1024;  // the embedding larger than a block, as in real models
+  const ParamLayout layout = ParamLayout::build(m);  // tied: groups 0 embedding, 1..4 blocks, 5 final norm
+  const int64_t block = layout.groups[1].second - layout.groups[1].first;
+  const int64_t emb = layout.groups[0].second - layout.groups[0].first;
+  REQUIRE(emb > block + (layout.groups[5].second - layout.groups[5].first));
+  // bucket_size 1: a bucket per group. Tied: the embedding's bucket is held open for the whole
+  // backward and has its own buffer; the final norm's joins the pool (it is no larger); the pool
+  // holds two of the largest other bucket (one reduction in flight, one being written).
+  const GradBuffer::StagingPlan tied = GradBuffer::staging_plan(layout, 1, true);
+  CHECK(tied.own == std::vector<int>{5});
+  CHECK(tied.own_numel == std::vector<int64_t>{emb});
+  CHECK(tied.buffers == 2);
+  CHECK(tied.buffer_numel == block);
+  // Untied the embedding's is still the largest: its own, and no longer held.
+  const GradBuffer::StagingPlan untied = GradBuffer::staging_plan(layout, 1, false);
+  CHECK(untied.own == std::vector<int>{5});
+  CHECK(untied.buffers == 2);
+  // One bucket for everything: it is its own, no pool.
+  const GradBuffer::StagingPlan one = GradBuffer::staging_plan(layout, int64_t{1} << 40, true);
+  CHECK(one.own.size() == 1);
+  CHECK(one.buffers == 0);
+  CHECK(one.bytes() == layout.total * 4);
+}

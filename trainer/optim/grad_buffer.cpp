@@ -9,6 +9,12 @@
 
 namespace tetra {
 
+namespace {
+// ZeRO-2: reductions in flight at once. One overlaps the backward of the next bucket (double
+// buffering, as DeepSpeed's overlap_comm); each more would hold one more bucket's staging.
+constexpr int kZero2InFlight = 1;
+}  // namespace
+
 std::vector<BucketPlan> plan_buckets(const ParamLayout& layout, int64_t bucket_size) {
   TETRA_CHECK(bucket_size >= 1, "bucket_size {} must be >= 1", bucket_size);
   std::vector<BucketPlan> plan;
@@ -34,20 +40,62 @@ size_t GradBuffer::sp_scratch_bytes(const ParamLayout& layout) {
   return static_cast<size_t>(most) * 4;
 }
 
-int64_t GradBuffer::largest_bucket(const ParamLayout& layout, int64_t bucket_size) {
-  int64_t most = 0;
-  for (const BucketPlan& b : plan_buckets(layout, bucket_size)) most = std::max(most, b.end - b.begin);
-  return most;
+GradBuffer::StagingPlan GradBuffer::staging_plan(const ParamLayout& layout, int64_t bucket_size,
+                                                 bool tied_embeddings) {
+  StagingPlan s;
+  const std::vector<BucketPlan> plan = plan_buckets(layout, bucket_size);
+  // The embedding's group (the model's first stage) and the output layer's (the last); an expert
+  // part (dense_groups 0, renumbered groups) has neither.
+  const bool dense = layout.dense_groups > 0;
+  const int emb = dense && layout.stage.first ? layout.embedding_group : -1;
+  const int head = dense && layout.stage.last ? layout.head_group : -1;
+  // Tied embeddings hold one of them open (the first stage's embedding bucket; a last stage's
+  // output layer's under pp > 1).
+  const int held = !tied_embeddings ? -1 : emb >= 0 ? emb : head;
+  const auto holds = [&](const BucketPlan& b, int g) { return g >= 0 && g >= b.first_group && g <= b.last_group; };
+  const int64_t chunks = std::max<int64_t>(1, static_cast<int64_t>(layout.stage.chunks.size()));
+  // The plan with `own` buckets having buffers of their own and the rest sharing the pool.
+  const auto with_own = [&](const std::vector<char>& own) {
+    StagingPlan p;
+    int64_t others = 0;
+    for (size_t i = 0; i < plan.size(); ++i) {
+      const int64_t n = plan[i].end - plan[i].begin;
+      if (own[i]) {
+        p.own.push_back(static_cast<int>(i));
+        p.own_numel.push_back(n);
+      } else {
+        p.buffer_numel = std::max(p.buffer_numel, n);
+        ++others;
+      }
+    }
+    p.buffers = std::min<int64_t>(others, kZero2InFlight + 1 + (chunks - 1));
+    return p;
+  };
+  // The held bucket has its own buffer; the embedding's and the output layer's (the largest, a
+  // vocabulary's rows) have theirs where that takes fewer bytes than pool buffers their size.
+  std::vector<char> own(plan.size(), 0);
+  std::vector<size_t> optional;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    if (holds(plan[i], held))
+      own[i] = 1;
+    else if (holds(plan[i], emb) || holds(plan[i], head))
+      optional.push_back(i);
+  }
+  s = with_own(own);
+  for (size_t mask = 1; mask < (size_t{1} << optional.size()); ++mask) {
+    std::vector<char> o = own;
+    for (size_t k = 0; k < optional.size(); ++k)
+      if (mask & (size_t{1} << k)) o[optional[k]] = 1;
+    const StagingPlan p = with_own(o);
+    if (p.bytes() < s.bytes()) s = p;
+  }
+  return s;
 }
 
-int64_t GradBuffer::staging_buffers_for(const ParamLayout& layout, int64_t bucket_size, bool tied_embeddings) {
-  // Two reductions in flight and the bucket being written; with tied embeddings one bucket is open
-  // for the whole backward or step (the embedding's, written by the output layer first; under
-  // pp > 1 the embedding's or the output layer's, summed across the stages at the step's end), and
-  // each further interleaved chunk can leave one open that straddles two chunks.
-  const int64_t buckets = static_cast<int64_t>(plan_buckets(layout, bucket_size).size());
-  const int64_t chunks = std::max<int64_t>(1, static_cast<int64_t>(layout.stage.chunks.size()));
-  return std::min<int64_t>(buckets, 3 + (tied_embeddings ? 1 : 0) + (chunks - 1));
+size_t GradBuffer::staging_bytes() const {
+  size_t n = pool_.size() * static_cast<size_t>(staging_.buffer_numel) * 4;
+  for (const BackendBuffer& b : own_bufs_) n += b.bytes();
+  return n;
 }
 
 GradBuffer::GradBuffer(const ParamLayout& layout, Backend& be, float* grads, Communicator* dp,
@@ -85,13 +133,14 @@ GradBuffer::GradBuffer(const ParamLayout& layout, Backend& be, float* grads, Com
     const int64_t shard = size / shards;
     it->compact = owned_numel();
     owned_.push_back(GradRange{it->begin + rank * shard, shard});
-    staging_numel_ = std::max(staging_numel_, size);
   }
   reports_.assign(layout.groups.size(), 0);
-  if (shard_ && dp_) {  // the staging pool, allocated once (memory_plan.h counts it)
-    const int64_t count = staging_buffers_for(layout, bucket_size, tied_embeddings);
-    for (int64_t i = 0; i < count; ++i) {
-      pool_.emplace_back(be_, static_cast<size_t>(staging_numel_) * 4);
+  if (shard_ && dp_) {  // the staging buffers, allocated once (memory_plan.h counts them)
+    staging_ = staging_plan(layout, bucket_size, tied_embeddings);
+    for (int64_t n : staging_.own_numel) own_bufs_.emplace_back(be_, static_cast<size_t>(n) * 4);
+    own_free_.assign(own_bufs_.size(), 1);
+    for (int64_t i = 0; i < staging_.buffers; ++i) {
+      pool_.emplace_back(be_, static_cast<size_t>(staging_.buffer_numel) * 4);
       free_.push_back(pool_.back().as<float>());
     }
   }
@@ -148,12 +197,21 @@ int GradBuffer::group_of_offset(int64_t offset) const {
   return static_cast<int>(std::prev(it) - groups.begin());
 }
 
-float* GradBuffer::acquire_staging() {
+float* GradBuffer::acquire_staging(int bucket) {
+  // buckets_ runs in plan_buckets() order: staging_.own's indices are buckets_'.
+  const auto own = std::find(staging_.own.begin(), staging_.own.end(), bucket);
+  if (own != staging_.own.end()) {
+    const size_t i = static_cast<size_t>(own - staging_.own.begin());
+    while (!own_free_[i] && !in_flight_.empty()) complete_oldest();
+    TETRA_CHECK(own_free_[i], "gradient bucket {} is opened twice", bucket);
+    own_free_[i] = 0;
+    return own_bufs_[i].as<float>();
+  }
   if (free_.empty() && !in_flight_.empty()) complete_oldest();  // less overlap, the same bytes
-  if (free_.empty()) {  // more buckets open at once than staging_buffers_for() allows for
+  if (free_.empty()) {  // more buckets open at once than the staging plan allows for
     spdlog::warn("ZeRO-2: {} gradient buckets open at once: one more staging buffer of {:.1f} MB beyond the plan",
-                 pool_.size() + 1, static_cast<double>(staging_numel_) * 4 / 1e6);
-    pool_.emplace_back(be_, static_cast<size_t>(staging_numel_) * 4);
+                 pool_.size() + 1, static_cast<double>(staging_.buffer_numel) * 4 / 1e6);
+    pool_.emplace_back(be_, static_cast<size_t>(staging_.buffer_numel) * 4);
     free_.push_back(pool_.back().as<float>());
   }
   float* s = free_.back();
@@ -166,7 +224,7 @@ float* GradBuffer::at(int64_t offset) {
   Bucket& b = buckets_[bucket_of_group_[group_of_offset(offset)]];
   if (!dp_) return shard_ + b.compact + (offset - b.begin);  // nothing to reduce: the shard is all of it
   if (!b.staging) {
-    b.staging = acquire_staging();
+    b.staging = acquire_staging(bucket_of_group_[group_of_offset(offset)]);
     be_.memset_zero(b.staging, static_cast<size_t>(b.end - b.begin) * 4);
   }
   return b.staging + (offset - b.begin);
@@ -174,7 +232,7 @@ float* GradBuffer::at(int64_t offset) {
 
 void GradBuffer::launch_staged(int bucket) {
   TETRA_CHECK(reduce_, "ZeRO-2 gradients are always reduced by their buckets");
-  if (in_flight_.size() >= 2) complete_oldest();
+  if (in_flight_.size() >= static_cast<size_t>(kZero2InFlight)) complete_oldest();
   Bucket& b = buckets_[bucket];
   float* base = b.staging;
   b.staging = nullptr;
@@ -195,7 +253,11 @@ void GradBuffer::complete_oldest() {
   const int64_t shard = (b.end - b.begin) / dp_->size();
   float* mine = shard_ + b.compact;
   be_.add(mine, mine, f.staging + dp_->rank() * shard, shard, DType::F32);
-  free_.push_back(f.staging);
+  const auto own = std::find(staging_.own.begin(), staging_.own.end(), f.bucket);
+  if (own != staging_.own.end())
+    own_free_[static_cast<size_t>(own - staging_.own.begin())] = 1;
+  else
+    free_.push_back(f.staging);
 }
 
 void GradBuffer::group_done(int group, int micro_batches) {
@@ -215,7 +277,7 @@ void GradBuffer::group_done(int group, int micro_batches) {
     if (least > b.reduced) {  // every group of the bucket is done with what its staging holds
       b.reduced = least;
       if (!b.staging) {  // nothing written since the last reduction (experts no token reached): zeros,
-        b.staging = acquire_staging();  // so that every rank issues the same reductions
+        b.staging = acquire_staging(bucket);  // so that every rank issues the same reductions
         be_.memset_zero(b.staging, static_cast<size_t>(b.end - b.begin) * 4);
       }
       launch_staged(bucket);

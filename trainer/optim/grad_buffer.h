@@ -28,8 +28,14 @@
 // its finished groups, and a bucket whose groups have all reported is reduce-scattered at once;
 // when that completes this rank's shard is added to `shard` (this rank's owned ranges, back to back
 // in buffer order, the layout of the optimizer's state) and the staging buffer goes back to the
-// pool. At most two reductions are in flight; the pool (staging_buffers_for()) holds the buckets
-// being written and those, and when it runs dry the oldest reduction is waited for.
+// pool. One reduction is in flight at a time (it overlaps the backward of the next bucket); the
+// pool (StagingPlan) holds the buckets being
+// written and those, and when it runs dry the oldest reduction is waited for. The embedding's
+// bucket and the output layer's have staging buffers of their own size where they are larger than
+// every other bucket (a vocabulary's rows), so that the pool's buffers are those of the largest
+// other bucket, and so does the one that tied embeddings hold open for a whole backward or step
+// (pp 1: the output layer writes embedding.wte's gradient first; pp > 1: the two stages' copies
+// are summed before they reduce).
 // A group reported ahead of the rest of its bucket (interleaved pipeline chunks, tied embeddings
 // summed across stages at the end of the step) is fine: a bucket reduces what its staging holds
 // when its last group reports, and a later write opens a fresh staging buffer.
@@ -84,13 +90,22 @@ class GradBuffer final : public GradSink {
   // ZeRO-2: where backward writes the gradient at `offset` (a staging buffer; grad_sink.h).
   float* at(int64_t offset) override;
   bool shards_gradients() const { return shard_ != nullptr; }
-  // ZeRO-2: the staging buffers (staging_buffers_for(), unless more were ever needed), and the
-  // size of one (elements: the largest bucket).
-  size_t staging_peak() const { return pool_.size(); }
-  int64_t staging_numel() const { return staging_numel_; }
-  // ZeRO-2: the staging buffers a step can hold at once for `layout` (the memory plan's count).
-  static int64_t staging_buffers_for(const ParamLayout& layout, int64_t bucket_size, bool tied_embeddings);
-  static int64_t largest_bucket(const ParamLayout& layout, int64_t bucket_size);
+  // ZeRO-2: the staging buffers for `layout`'s buckets (the memory plan's too).
+  struct StagingPlan {
+    std::vector<int> own;            // plan_buckets() indices of the buckets with a buffer of their own
+    std::vector<int64_t> own_numel;  // ... and its elements
+    int64_t buffers = 0;             // the pool: the reduction in flight, the bucket being written, and
+                                     // one per further interleaved chunk (a bucket straddling two)
+    int64_t buffer_numel = 0;        // each of the largest other bucket
+    int64_t bytes() const {
+      int64_t n = buffers * buffer_numel;
+      for (int64_t o : own_numel) n += o;
+      return n * 4;
+    }
+  };
+  static StagingPlan staging_plan(const ParamLayout& layout, int64_t bucket_size, bool tied_embeddings);
+  // Bytes of staging held now (the plan's, unless more were ever needed).
+  size_t staging_bytes() const;
   // Waits for every bucket's reduction. Every group must have been reported.
   void finish();
   // Whether the next steps' buckets are reduced over DP (default true).
@@ -125,7 +140,7 @@ class GradBuffer final : public GradSink {
   void launch(Bucket& b);
   void launch_staged(int bucket);
   void complete_oldest();
-  float* acquire_staging();
+  float* acquire_staging(int bucket);
   int group_of_offset(int64_t offset) const;
   // The all-reduce over TP of `group`'s partial gradients, at `base` + (layout offset - `origin`).
   void reduce_sp_partial(int group, float* base, int64_t origin);
@@ -150,7 +165,9 @@ class GradBuffer final : public GradSink {
   float* sp_scratch_ = nullptr;
   // ZeRO-2
   float* shard_ = nullptr;
-  int64_t staging_numel_ = 0;
+  StagingPlan staging_;
+  std::vector<BackendBuffer> own_bufs_;  // staging_.own's buffers
+  std::vector<char> own_free_;           // ... not being written or reduced
   std::vector<BackendBuffer> pool_;
   std::vector<float*> free_;
   std::vector<InFlight> in_flight_;  // oldest first

@@ -87,9 +87,7 @@ float* GradBuffers::at(int64_t offset) {
 }
 
 size_t GradBuffers::staging_bytes() const {
-  size_t n = dense_->staging_peak() * static_cast<size_t>(dense_->staging_numel()) * 4;
-  if (experts_) n += experts_->staging_peak() * static_cast<size_t>(experts_->staging_numel()) * 4;
-  return n;
+  return dense_->staging_bytes() + (experts_ ? experts_->staging_bytes() : 0);
 }
 
 void GradBuffers::group_done(int group, int micro_batches) {

@@ -64,12 +64,11 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   m.compute = act == DType::F32 ? 0 : n * dtype_size(act);
   m.grads = n * 4;
   if (cfg.parallel.zero_stage >= 2 && cfg.parallel.dp > 1) {
-    // ZeRO-2 (grad_buffer.h): this rank's fp32 shard, and a pool of staging buffers of the largest
-    // bucket for the buckets being written and reduced (the expert part's only where expert-DP > 1).
+    // ZeRO-2 (grad_buffer.h): this rank's fp32 shard, and the staging buffers of the buckets being
+    // written and reduced (GradBuffer::StagingPlan; the expert part's only where expert-DP > 1).
     const auto pool = [&](const ParamLayout& part, bool tied) -> size_t {
       if (part.groups.empty()) return 0;
-      return static_cast<size_t>(GradBuffer::staging_buffers_for(part, cfg.parallel.bucket_size, tied) *
-                                 GradBuffer::largest_bucket(part, cfg.parallel.bucket_size)) * 4;
+      return static_cast<size_t>(GradBuffer::staging_plan(part, cfg.parallel.bucket_size, tied).bytes());
     };
     m.grads = std::max<size_t>(shard, 1) * 4 + pool(layout_part(layout, false), cfg.model.tie_embeddings) +
               (cfg.parallel.dp / cfg.parallel.ep > 1 ? pool(layout_part(layout, true), false) : 0);
