@@ -162,14 +162,24 @@ std::string dry_run_report(const Config& cfg) {
                  par.distributed_optimizer && cfg.training.precision != Precision::FP32 ? ", 1/dp shard" : "");
   if (mem.compute)
     fmt::format_to(out, "  compute weights  {} ({})\n", mib(mem.compute), to_string(cfg.training.precision));
-  fmt::format_to(out, "  gradients        {} (fp32)\n", mib(mem.grads));
+  if (par.zero_stage >= 2 && par.dp > 1) {
+    Config stage1 = cfg;
+    stage1.parallel.zero_stage = 1;
+    const MemoryPlan one = plan_memory(stage1, rank_layout(stage1, 0));
+    fmt::format_to(out, "  gradients        {} (fp32, ZeRO-2: 1/dp shard and the buckets' staging; {} whole)\n",
+                   mib(mem.grads), mib(one.grads));
+  } else {
+    fmt::format_to(out, "  gradients        {} (fp32)\n", mib(mem.grads));
+  }
   fmt::format_to(out, "  optimizer        {} (AdamW moments, fp32{})\n", mib(mem.optimizer),
                  par.distributed_optimizer ? ", 1/dp shard" : "");
   if (par.distributed_optimizer && par.dp > 1) {
     Config plain = cfg;
     plain.parallel.distributed_optimizer = false;
+    plain.parallel.zero_stage = 0;
     const MemoryPlan without = plan_memory(plain, rank_layout(plain, 0));
-    fmt::format_to(out, "    the distributed optimizer saves {} per rank ({} without it)\n",
+    fmt::format_to(out, "    the distributed optimizer {} {} per rank ({} without it)\n",
+                   par.zero_stage >= 2 ? "and ZeRO-2 save" : "saves",
                    mib(without.peak() - mem.peak()), mib(without.peak()));
   }
   {
