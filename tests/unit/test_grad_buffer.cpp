@@ -220,3 +220,95 @@ TEST_CASE("grad buffer: ZeRO-2 staging plan", "[optim]") {
   CHECK(one.buffers == 0);
   CHECK(one.bytes() == layout.total * 4);
 }
+
+TEST_CASE("grad buffer: ZeRO-2 reduces every micro-batch's buckets into the compact shard", "[optim]") {
+  TensorSlicing slicing;
+  slicing.group_align = 16 * 2;  // dp = 2
+  const ParamLayout layout = ParamLayout::build(tiny(), slicing);
+  const int groups = static_cast<int>(layout.groups.size());
+  auto be = make_cpu_backend(1);
+  std::vector<std::string> log;
+  // The recording communicator moves nothing: a "reduced" shard is this rank's own block of the
+  // staging buffer, so the shard must end up as this rank's values summed over the micro-batches.
+  RecordingComm dp("dp", 1, 2, nullptr, log);
+  auto count = [&](const std::string& op) {
+    size_t n = 0;
+    for (const std::string& l : log) n += l.rfind("dp " + op, 0) == 0;
+    return n;
+  };
+  // Writes `value` into every element of group g's gradient, as backward would (+=).
+  auto write = [&](GradBuffer& gb, int g, float value) {
+    const auto [begin, end] = layout.groups[static_cast<size_t>(g)];
+    float* p = gb.at(begin);
+    for (int64_t i = 0; i < end - begin; ++i) p[i] += value * static_cast<float>(g + 1);
+  };
+  auto expect_shard = [&](GradBuffer& gb, const std::vector<float>& shard, float total) {
+    int64_t at = 0;
+    bool ok = true;
+    for (const GradRange& r : gb.owned()) {
+      for (int64_t i = 0; i < r.numel; ++i) {
+        int g = 0;  // the group of element r.offset + i
+        while (layout.groups[static_cast<size_t>(g)].second <= r.offset + i) ++g;
+        ok = ok && shard[static_cast<size_t>(at + i)] == total * static_cast<float>(g + 1);
+      }
+      at += r.numel;
+    }
+    CHECK(at == gb.owned_numel());
+    CHECK(ok);
+  };
+
+  SECTION("two micro-batches, every group reported in each: a reduce-scatter per bucket and micro-batch") {
+    std::vector<float> shard(static_cast<size_t>(layout.total / 2), 0.0f);
+    GradBuffer gb(layout, *be, nullptr, &dp, nullptr, true, 1, false, shard.data(), /*tied_embeddings=*/true);
+    REQUIRE(gb.shards_gradients());
+    for (float value : {1.0f, 10.0f}) {
+      for (int g = groups - 1; g >= 0; --g) {
+        write(gb, g, value);
+        gb.group_done(g);
+      }
+    }
+    gb.finish();
+    CHECK(count("reduce_scatter") == 2 * static_cast<size_t>(groups));
+    expect_shard(gb, shard, 11.0f);
+    // The staging as planned: the tied embedding's bucket its own, two pool buffers for the rest.
+    CHECK(gb.staging_bytes() == static_cast<size_t>(GradBuffer::staging_plan(layout, 1, true).bytes()));
+  }
+  SECTION("a group deferred to the end of the step reports both micro-batches at once: one reduction") {
+    std::vector<float> shard(static_cast<size_t>(layout.total / 2), 0.0f);
+    GradBuffer gb(layout, *be, nullptr, &dp, nullptr, true, 1, false, shard.data());
+    for (float value : {1.0f, 10.0f}) {
+      for (int g = groups - 1; g >= 0; --g) {
+        write(gb, g, value);
+        if (g != 0) gb.group_done(g);
+      }
+    }
+    gb.group_done(0, 2);
+    gb.finish();
+    CHECK(count("reduce_scatter") == 2 * static_cast<size_t>(groups - 1) + 1);
+    expect_shard(gb, shard, 11.0f);
+  }
+  SECTION("a bucket whose groups report out of step (interleaved chunks) reduces each write exactly once") {
+    // One bucket of everything: group 5 runs a micro-batch ahead of the rest.
+    std::vector<float> shard(static_cast<size_t>(layout.total / 2), 0.0f);
+    GradBuffer gb(layout, *be, nullptr, &dp, nullptr, true, int64_t{1} << 40, false, shard.data());
+    REQUIRE(gb.num_buckets() == 1);
+    write(gb, 5, 1.0f);
+    gb.group_done(5);
+    write(gb, 5, 10.0f);
+    gb.group_done(5);
+    for (float value : {1.0f, 10.0f})
+      for (int g = 4; g >= 0; --g) {
+        write(gb, g, value);
+        gb.group_done(g);
+      }
+    gb.finish();
+    CHECK(count("reduce_scatter") == 2);  // one when every group had reported once, one at twice
+    expect_shard(gb, shard, 11.0f);
+  }
+  SECTION("unreduced gradient left in a staging buffer is an error at finish()") {
+    std::vector<float> shard(static_cast<size_t>(layout.total / 2), 0.0f);
+    GradBuffer gb(layout, *be, nullptr, &dp, nullptr, true, 1, false, shard.data());
+    write(gb, 3, 1.0f);
+    CHECK_THROWS_WITH(gb.finish(), Catch::Contains("no group report reduced"));
+  }
+}
