@@ -77,10 +77,12 @@ def config(model, par, training, out):
 
 
 def dry_run_peak(args, path):
-    """The peak --dry-run prints for pipeline rank 0, in MiB (one decimal), or None."""
+    """The peak --dry-run prints for pipeline rank 0, in MiB (one decimal), or None; and with
+    dp > 1 its "ZeRO stages" line's figure for this run's stage (None where absent)."""
     r = harness.run_tetra(args, ["train", "--config", path, "--dry-run"])
     m = re.search(r"memory per rank:\s+([0-9.]+) MiB at the peak", r.stdout)
-    return float(m.group(1)) if r.returncode == 0 and m else None
+    z = re.search(r"ZeRO stages .*?([0-9.]+) MiB \(this run\)", r.stdout)
+    return (float(m.group(1)) if r.returncode == 0 and m else None), (float(z.group(1)) if z else None)
 
 
 def main():
@@ -107,10 +109,13 @@ def main():
         check(all(abs(x - 1.0) <= EXACT for x in ratios),
               f"{name}: and within {EXACT:g} of it (every buffer planned)")
         if name in DRY_RUN_CHECKED:
-            printed = dry_run_peak(args, path)
+            printed, stage = dry_run_peak(args, path)
             rank0 = ranks[0]["planned_bytes"] / 2**20
             check(printed is not None and abs(printed - rank0) <= 0.051,
                   f"{name}: --dry-run's peak {printed} MiB is the run's plan {rank0:.2f} MiB")
+            if par.get("dp", 1) > 1:
+                check(stage is not None and abs(stage - rank0) <= 0.051,
+                      f"{name}: --dry-run's ZeRO stages line gives this run's stage {stage} MiB, its plan")
     return checks.report()
 
 

@@ -182,6 +182,20 @@ std::string dry_run_report(const Config& cfg) {
                    par.zero_stage >= 2 ? "and ZeRO-2 save" : "saves",
                    mib(without.peak() - mem.peak()), mib(without.peak()));
   }
+  if (par.dp > 1) {  // the same layout's peak under each ZeRO stage, to choose one before a job starts
+    std::string stages;
+    for (int64_t z = 0; z <= 2; ++z) {
+      Config c = cfg;
+      c.parallel.zero_stage = z;
+      c.parallel.distributed_optimizer = z >= 1;
+      const bool refused = z == 2 && par.grad_compression != GradCompression::NONE;
+      stages += fmt::format("{}{}: {}{}", z == 0 ? "" : ", ", z,
+                            refused ? "not with grad_compression " + std::string(to_string(par.grad_compression))
+                                    : mib(plan_memory(c, rank_layout(c, 0)).peak()),
+                            z == par.zero_stage ? " (this run)" : "");
+    }
+    fmt::format_to(out, "  ZeRO stages      {} at the peak per rank; 3 is not available yet\n", stages);
+  }
   {
     // Kept per micro-batch in flight (the rank's slots, shared by its chunks), and the chunks'
     // shared scratch.
