@@ -45,6 +45,8 @@ CONFIGS = [
      {"precision": "bf16", "global_batch_size": 8}),
     ("llama_dp2_pp2_zero2", LLAMA, {"dp": 2, "pp": 2, "zero_stage": 2, "bucket_size": 3000}, {"global_batch_size": 8}),
     ("moe_dp4_ep2_zero2", MOE, {"dp": 4, "ep": 2, "zero_stage": 2, "bucket_size": 3000}, {"global_batch_size": 16}),
+    ("gpt2_dp2_zero2_bf16_grads", GPT2, {"dp": 2, "zero_stage": 2, "grad_compression": "bf16", "bucket_size": 3000},
+     {"global_batch_size": 8}),
     ("gpt2_dp2_bf16_grads", GPT2, {"dp": 2, "grad_compression": "bf16"}, {}),
     ("gpt2_tp2_sp", GPT2, {"tp": 2, "sequence_parallel": True}, {}),
     ("llama_tp2_bf16", LLAMA, {"tp": 2}, {"precision": "bf16"}),

@@ -73,7 +73,8 @@ LAYOUTS = {
 # test_compression.py gives it against the fp32 reduction (bf16 rounding of each bucket before the
 # sum), with its communication predicted (half the DP bytes).
 COMPRESSION_RTOL = 5e-3
-COMPRESSION_LAYOUTS = {"gpt2": [dict(layout(2, dp=2), grad_compression="bf16")],
+COMPRESSION_LAYOUTS = {"gpt2": [dict(layout(2, dp=2), grad_compression="bf16"),
+                                dict(layout(2, dp=2, zero=2), grad_compression="bf16")],
                        "llama": [dict(layout(2, "interleaved", 2, dp=2, dist_opt=True), grad_compression="bf16")]}
 BF16_LAYOUTS = {"gpt2": [layout(2), layout(2, dp=2, dist_opt=True)], "llama": [layout(2, "interleaved", 2)]}
 

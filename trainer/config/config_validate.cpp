@@ -170,13 +170,13 @@ void check_loss_scaling(const Config& c, Rules& r) {
                           "and a step skipped for an fp16 overflow would already have changed it; use "
                           "parallel.grad_compression \"none\" or \"bf16\", or training.precision \"bf16\" "
                           "(which needs no loss scaling)", to_string(gc)));
-  if (c.parallel.zero_stage == 2 && gc != GradCompression::NONE &&
+  if (c.parallel.zero_stage == 2 && (gc == GradCompression::ONEBIT || gc == GradCompression::INT8) &&
       r.ok({"parallel.grad_compression", "parallel.zero_stage"}))
     r.require(false, "parallel.grad_compression", gc,
               fmt::format("cannot be combined with parallel.zero_stage 2: stage 2 reduce-scatters each "
-                          "micro-batch's gradient in fp32 as backward produces it and keeps no whole gradient, "
-                          "while {} needs the whole gradient of the step (to round, compress or exchange it "
-                          "itself); use parallel.zero_stage 1 with it, or grad_compression \"none\"",
+                          "micro-batch's gradient as backward produces it and keeps no whole gradient, while "
+                          "{} exchanges the whole gradient of the step itself (with error feedback over all of "
+                          "it); use parallel.zero_stage 1 with it, or grad_compression \"bf16\" or \"none\"",
                           to_string(gc)));
 }
 

@@ -109,7 +109,6 @@ GradBuffer::GradBuffer(const ParamLayout& layout, Backend& be, float* grads, Com
       sharded_(distributed_optimizer && dp_ != nullptr),
       bf16_wire_(bf16_wire && dp_ != nullptr),
       shard_(shard) {
-  TETRA_CHECK(!shard_ || !bf16_wire_, "ZeRO-2 reduces in fp32: no bf16 wire");
   TETRA_CHECK(!shard_ || sharded_ || !dp_, "ZeRO-2 shards the gradient only with the distributed optimizer");
   bucket_of_group_.assign(layout.groups.size(), -1);
   group_reported_.assign(layout.groups.size(), 0);
@@ -155,7 +154,9 @@ GradBuffer::GradBuffer(const ParamLayout& layout, Backend& be, float* grads, Com
     }
   }
   if (bf16_wire_) {
-    wire_buf_ = BackendBuffer(be_, static_cast<size_t>(layout.total) * 2);
+    // ZeRO-2: one reduction is in flight at a time, so one bucket's bf16 copy; else the whole buffer's.
+    const int64_t wire_numel = shard_ ? staging_.largest() : layout.total;
+    wire_buf_ = BackendBuffer(be_, static_cast<size_t>(std::max<int64_t>(wire_numel, 1)) * 2);
     wire_ = wire_buf_.as<uint16_t>();
   }
 }
@@ -241,6 +242,14 @@ void GradBuffer::launch_staged(int bucket) {
   if (tp_)
     for (int g = b.first_group; g <= b.last_group; ++g) reduce_sp_partial(g, base, b.begin);
   const int64_t shard = (b.end - b.begin) / dp_->size();
+  if (bf16_wire_) {  // rounded to bf16 and reduced in bf16 (the wire is free: nothing else in flight)
+    TETRA_CHECK(in_flight_.empty(), "the bf16 wire buffer is in use");
+    be_.cast(wire_, DType::BF16, base, DType::F32, b.end - b.begin);
+    InFlight f{bucket, base,
+               dp_->reduce_scatter_async(wire_ + dp_->rank() * shard, wire_, shard, DType::BF16, ReduceOp::SUM)};
+    in_flight_.push_back(std::move(f));
+    return;
+  }
   InFlight f{bucket, base, dp_->reduce_scatter_async(base + dp_->rank() * shard, base, shard, DType::F32, ReduceOp::SUM)};
   in_flight_.push_back(std::move(f));
 }
@@ -252,7 +261,10 @@ void GradBuffer::complete_oldest() {
   const Bucket& b = buckets_[f.bucket];
   const int64_t shard = (b.end - b.begin) / dp_->size();
   float* mine = shard_ + b.compact;
-  be_.add(mine, mine, f.staging + dp_->rank() * shard, shard, DType::F32);
+  float* reduced = f.staging + dp_->rank() * shard;
+  if (bf16_wire_)  // the reduced bf16 shard back into fp32, over the staging buffer's own block
+    be_.cast(reduced, DType::F32, wire_ + dp_->rank() * shard, DType::BF16, shard);
+  be_.add(mine, mine, reduced, shard, DType::F32);
   const auto own = std::find(staging_.own.begin(), staging_.own.end(), f.bucket);
   if (own != staging_.own.end())
     own_free_[static_cast<size_t>(own - staging_.own.begin())] = 1;

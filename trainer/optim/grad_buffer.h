@@ -40,13 +40,15 @@
 // summed across stages at the end of the step) is fine: a bucket reduces what its staging holds
 // when its last group reports, and a later write opens a fresh staging buffer.
 //
-// `bf16_wire` (parallel.grad_compression: bf16): each bucket is rounded to bf16 into a scratch
+// `bf16_wire` (parallel.grad_compression: bf16; under ZeRO-2 each reduction's bucket is rounded into
+// one bucket-sized bf16 buffer, and this rank's reduced block converted back before it is added): each bucket is rounded to bf16 into a scratch
 // buffer and reduced in bf16 (half the bytes on the wire; the communicator sums in fp32 and rounds
 // once per combining step), and the reduced result is converted back into the fp32 buffer, where
 // the optimizer reads it. set_reduce(false) turns the DP reduction off for a step (1-bit Adam's
 // compressed phase and int8 exchange the gradient themselves, compressed_exchange.h).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -97,6 +99,11 @@ class GradBuffer final : public GradSink {
     int64_t buffers = 0;             // the pool: the reduction in flight, the bucket being written, and
                                      // one per further interleaved chunk (a bucket straddling two)
     int64_t buffer_numel = 0;        // each of the largest other bucket
+    int64_t largest() const {  // elements of the largest buffer
+      int64_t n = buffer_numel;
+      for (int64_t o : own_numel) n = std::max(n, o);
+      return n;
+    }
     int64_t bytes() const {
       int64_t n = buffers * buffer_numel;
       for (int64_t o : own_numel) n += o;

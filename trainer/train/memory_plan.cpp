@@ -63,7 +63,8 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   m.master = act == DType::F32 ? n * 4 : shard * 4;
   m.compute = act == DType::F32 ? 0 : n * dtype_size(act);
   m.grads = n * 4;
-  if (cfg.parallel.zero_stage >= 2 && cfg.parallel.dp > 1) {
+  const bool zero2 = cfg.parallel.zero_stage >= 2 && cfg.parallel.dp > 1;
+  if (zero2) {
     // ZeRO-2 (grad_buffer.h): this rank's fp32 shard, and the staging buffers of the buckets being
     // written and reduced (GradBuffer::StagingPlan; the expert part's only where expert-DP > 1).
     const auto pool = [&](const ParamLayout& part, bool tied) -> size_t {
@@ -82,7 +83,10 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   const size_t dp = static_cast<size_t>(cfg.parallel.dp);
   m.on_device = cfg.training.device != Device::CPU;
   const GradCompression gc = cfg.parallel.grad_compression;
-  if (dp > 1 && gc == GradCompression::BF16) m.grads += n * 2;
+  if (dp > 1 && gc == GradCompression::BF16)  // ZeRO-2: one bucket's bf16 copy (grad_buffer.h)
+    m.grads += zero2 ? static_cast<size_t>(std::max<int64_t>(1, GradBuffer::staging_plan(
+                           layout_part(layout, false), cfg.parallel.bucket_size, cfg.model.tie_embeddings).largest())) * 2
+                     : n * 2;
   const bool onebit = gc == GradCompression::ONEBIT, int8 = gc == GradCompression::INT8;
   if (dp > 1 && (onebit || int8)) {
     m.compression = 2 * n * 4 + 2 * (n / dp) * 4 + (onebit ? n / 2 : 2 * n);

@@ -188,7 +188,8 @@ std::string dry_run_report(const Config& cfg) {
       Config c = cfg;
       c.parallel.zero_stage = z;
       c.parallel.distributed_optimizer = z >= 1;
-      const bool refused = z == 2 && par.grad_compression != GradCompression::NONE;
+      const bool refused =
+          z == 2 && (par.grad_compression == GradCompression::ONEBIT || par.grad_compression == GradCompression::INT8);
       stages += fmt::format("{}{}: {}{}", z == 0 ? "" : ", ", z,
                             refused ? "not with grad_compression " + std::string(to_string(par.grad_compression))
                                     : mib(plan_memory(c, rank_layout(c, 0)).peak()),
