@@ -184,11 +184,22 @@ json hf_config(const ModelConfig& m, HfArch arch, DType dtype, int64_t eos_token
                         {"low_freq_factor", m.rope_scaling.low_freq_factor},
                         {"high_freq_factor", m.rope_scaling.high_freq_factor},
                         {"original_max_position_embeddings", m.rope_scaling.original_max_position_embeddings}};
-  if (arch == HfArch::QWEN2 || arch == HfArch::QWEN3) {
-    // Qwen3's config.json is Qwen2's with attention_bias (false: Qwen3 has no q/k/v bias) and
-    // per-head q/k norms, which its model type implies.
-    json c{{"architectures", {arch == HfArch::QWEN3 ? "Qwen3ForCausalLM" : "Qwen2ForCausalLM"}},
-           {"model_type", arch == HfArch::QWEN3 ? "qwen3" : "qwen2"},
+  // Every family's last keys.
+  const json common{{"initializer_range", m.init_std},
+                    {"tie_word_embeddings", m.tie_embeddings},
+                    {"bos_token_id", token_id(eos_token_id)},
+                    {"eos_token_id", token_id(eos_token_id)},
+                    {"use_cache", true},
+                    {"torch_dtype", torch_dtype}};
+  if (arch != HfArch::GPT2) {
+    // The Llama family's keys; Qwen2 adds its sliding-window switch (off) and has q/k/v biases
+    // (implied by its model type), Qwen3 is Qwen2 with attention_bias false and per-head q/k
+    // norms (implied by its type), Llama names its biases and its pretraining_tp.
+    const bool qwen = arch == HfArch::QWEN2 || arch == HfArch::QWEN3;
+    json c{{"architectures", {arch == HfArch::QWEN3   ? "Qwen3ForCausalLM"
+                              : arch == HfArch::QWEN2 ? "Qwen2ForCausalLM"
+                                                      : "LlamaForCausalLM"}},
+           {"model_type", arch == HfArch::QWEN3 ? "qwen3" : arch == HfArch::QWEN2 ? "qwen2" : "llama"},
            {"vocab_size", m.vocab_size},
            {"hidden_size", m.hidden_size},
            {"intermediate_size", m.ffn_hidden_size},
@@ -201,66 +212,38 @@ json hf_config(const ModelConfig& m, HfArch arch, DType dtype, int64_t eos_token
            {"rms_norm_eps", m.norm_eps},
            {"rope_theta", m.rope_theta},
            {"rope_scaling", rope_scaling},
-           {"use_sliding_window", false},
-           {"sliding_window", nullptr},
-           {"attention_dropout", 0.0},
-           {"initializer_range", m.init_std},
-           {"tie_word_embeddings", m.tie_embeddings},
-           {"bos_token_id", token_id(eos_token_id)},
-           {"eos_token_id", token_id(eos_token_id)},
-           {"use_cache", true},
-           {"torch_dtype", torch_dtype}};
-    if (arch == HfArch::QWEN3) c["attention_bias"] = false;
+           {"attention_dropout", 0.0}};
+    c.update(common);
+    if (qwen) {
+      c["use_sliding_window"] = false;
+      c["sliding_window"] = nullptr;
+    }
+    if (arch != HfArch::QWEN2) c["attention_bias"] = false;
+    if (arch == HfArch::LLAMA) {
+      c["mlp_bias"] = false;
+      c["pretraining_tp"] = 1;
+    }
     return c;
   }
-  if (arch == HfArch::LLAMA)
-    return json{{"architectures", {"LlamaForCausalLM"}},
-                {"model_type", "llama"},
-                {"vocab_size", m.vocab_size},
-                {"hidden_size", m.hidden_size},
-                {"intermediate_size", m.ffn_hidden_size},
-                {"num_hidden_layers", m.num_layers},
-                {"num_attention_heads", m.num_heads},
-                {"num_key_value_heads", m.num_kv_heads},
-                {"head_dim", m.head_size()},
-                {"hidden_act", "silu"},
-                {"max_position_embeddings", m.seq_len},
-                {"rms_norm_eps", m.norm_eps},
-                {"rope_theta", m.rope_theta},
-                {"rope_scaling", rope_scaling},
-                {"attention_bias", false},
-                {"mlp_bias", false},
-                {"attention_dropout", 0.0},
-                {"pretraining_tp", 1},
-                {"initializer_range", m.init_std},
-                {"tie_word_embeddings", m.tie_embeddings},
-                {"bos_token_id", token_id(eos_token_id)},
-                {"eos_token_id", token_id(eos_token_id)},
-                {"use_cache", true},
-                {"torch_dtype", torch_dtype}};
-  return json{{"architectures", {"GPT2LMHeadModel"}},
-              {"model_type", "gpt2"},
-              {"vocab_size", m.vocab_size},
-              {"n_positions", m.seq_len},
-              {"n_ctx", m.seq_len},
-              {"n_embd", m.hidden_size},
-              {"n_layer", m.num_layers},
-              {"n_head", m.num_heads},
-              {"n_inner", m.ffn_hidden_size},
-              {"activation_function", "gelu_new"},
-              {"layer_norm_epsilon", m.norm_eps},
-              {"resid_pdrop", 0.0},
-              {"embd_pdrop", 0.0},
-              {"attn_pdrop", 0.0},
-              {"scale_attn_weights", true},
-              {"scale_attn_by_inverse_layer_idx", false},
-              {"reorder_and_upcast_attn", false},
-              {"initializer_range", m.init_std},
-              {"tie_word_embeddings", m.tie_embeddings},
-              {"bos_token_id", token_id(eos_token_id)},
-              {"eos_token_id", token_id(eos_token_id)},
-              {"use_cache", true},
-              {"torch_dtype", torch_dtype}};
+  json c{{"architectures", {"GPT2LMHeadModel"}},
+          {"model_type", "gpt2"},
+          {"vocab_size", m.vocab_size},
+          {"n_positions", m.seq_len},
+          {"n_ctx", m.seq_len},
+          {"n_embd", m.hidden_size},
+          {"n_layer", m.num_layers},
+          {"n_head", m.num_heads},
+          {"n_inner", m.ffn_hidden_size},
+          {"activation_function", "gelu_new"},
+          {"layer_norm_epsilon", m.norm_eps},
+          {"resid_pdrop", 0.0},
+          {"embd_pdrop", 0.0},
+          {"attn_pdrop", 0.0},
+          {"scale_attn_weights", true},
+          {"scale_attn_by_inverse_layer_idx", false},
+          {"reorder_and_upcast_attn", false}};
+  c.update(common);
+  return c;
 }
 
 std::vector<TensorRecord> hf_tensors(const ModelConfig& m, HfArch arch, DType dtype, const HfWeightSource& weights) {
