@@ -91,7 +91,7 @@ def name_of(model, par, precision="fp32"):
             n += f"_{k}{par[k]}"
     if par["sequence_parallel"]:
         n += "_sp"
-    if par["zero_stage"] >= 2:
+    if par["zero_stage"] >= 2:  # 1 is "_distopt"
         n += f"_zero{par['zero_stage']}"
     elif par["distributed_optimizer"]:
         n += "_distopt"
@@ -203,10 +203,12 @@ def resume_checks(args, ref_steps):
     """Checkpoints move between pipeline layouts: save at step N on one, resume on another."""
     model = "gpt2"
     ref = {s["step"]: s["loss"] for s in ref_steps}
-    # ZeRO stages hold the same optimizer state: 1 -> 2 on another dp, and 2 -> 0 on one rank.
+    # ZeRO stages hold the same optimizer state: 1 -> 2 and 1 -> 3 on another dp, 2 -> 0 on one
+    # rank, 3 -> 1 on another dp.
     for src, dsts in ((layout(2), [layout(1), layout(4)]), (layout(1), [layout(2)]),
                       (layout(4, "interleaved", 2), [layout(2)]),
-                      (layout(1, dp=2, zero=1), [layout(1, dp=4, zero=2)]), (layout(2, dp=2, zero=2), [layout(1)])):
+                      (layout(1, dp=2, zero=1), [layout(1, dp=4, zero=2), layout(1, dp=4, zero=3)]),
+                      (layout(2, dp=2, zero=2), [layout(1)]), (layout(1, dp=4, zero=3), [layout(1, dp=2, zero=1)])):
         ck = os.path.join(args.workdir, f"ckpt_{name_of(model, src)}")
         shutil.rmtree(ck, ignore_errors=True)
         out = os.path.join(args.workdir, f"save_{name_of(model, src)}")

@@ -5,7 +5,7 @@ backward; a recomputed forward runs the same kernels on the same values as the f
 with any recomputation must be bitwise the run without it. For tiny GPT-2-style (GELU, tied), Llama
 (SwiGLU, RoPE, GQA) and Llama-style MoE configs, on each layout kind — one rank (fp32, bf16, fp16),
 tp2 with and without sequence parallelism, pp2 interleaved, pp2 1f1b x tp2 with sequence
-parallelism, dp2 with the distributed optimizer and with ZeRO-2, ep2 MoE — Tetra trains STEPS steps with
+parallelism, dp2 with the distributed optimizer, ZeRO-2 and ZeRO-3, ep2 MoE — Tetra trains STEPS steps with
 recompute "none", then with
   selective  norm + act + core_attn (+ moe_act on MoE models)
   full       uniform units of 2 layers, and block with 2 layers (each recomputed alone: a block of
@@ -51,6 +51,8 @@ LAYOUTS = [
     ("gpt2_dp2_distopt_bf16", GPT2, {"dp": 2, "distributed_optimizer": True}, "bf16"),
     ("moe_ep2", MOE, {"dp": 2, "ep": 2}, "fp32"),
     ("gpt2_dp2_zero2", GPT2, {"dp": 2, "zero_stage": 2}, "fp32"),
+    # ZeRO-3: a recomputed block is gathered again for its recomputation (two units held).
+    ("llama_dp2_zero3_bf16", LLAMA, {"dp": 2, "zero_stage": 3}, "bf16"),
 ]
 MODES = {
     "selective": {"recompute": "selective", "recompute_modules": ["norm", "act", "core_attn"]},

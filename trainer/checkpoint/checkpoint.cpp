@@ -451,7 +451,20 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
       for (size_t o = 0; o < b.owned->size(); ++o)
         be.copy_from_host(b.master_shard + starts[o], weights.data() + (*b.owned)[o].offset,
                           static_cast<size_t>((*b.owned)[o].numel) * 4);
-    if (b.compute) {
+    if (b.compute && b.compute_compact) {  // ZeRO-3: the owned ranges only, back to back
+      TETRA_CHECK(is_half_type(b.compute_type), "a compact compute shard of type {}", dtype_name(b.compute_type));
+      for (size_t o = 0; o < b.owned->size(); ++o) {
+        const GradRange& r = (*b.owned)[o];
+        std::vector<uint16_t> piece(static_cast<size_t>(r.numel));
+        for (int64_t i = 0; i < r.numel; ++i) {
+          const float x = weights[static_cast<size_t>(r.offset + i)];
+          piece[static_cast<size_t>(i)] =
+              b.compute_type == DType::BF16 ? math::f32_to_bf16_bits(x) : math::f32_to_f16_bits(x);
+        }
+        be.copy_from_host(static_cast<char*>(b.compute) + static_cast<size_t>(starts[o]) * 2, piece.data(),
+                          piece.size() * 2);
+      }
+    } else if (b.compute) {
       TETRA_CHECK(is_half_type(b.compute_type), "compute weights of type {} without a whole fp32 buffer",
                   dtype_name(b.compute_type));
       constexpr size_t kPiece = size_t{1} << 20;

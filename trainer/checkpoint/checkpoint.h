@@ -73,6 +73,7 @@ struct CheckpointBuffers {
   float* exp_avg_sq = nullptr;
   void* compute = nullptr;        // weights the model reads (restored from the master weights);
   DType compute_type = DType::F32;  // may equal master_full in fp32
+  bool compute_compact = false;     // ZeRO-3: compute holds the owned ranges back to back (16-bit)
   std::vector<CheckpointExtra> extra;
 };
 

@@ -283,8 +283,10 @@ struct ParallelConfig {
   bool sequence_parallel = false;      // norms and residual on sequence shards (needs tp > 1)
   bool distributed_optimizer = false;  // shard fp32 master weights and Adam moments over dp
   // ZeRO stage over dp: 0 none, 1 the optimizer state (= distributed_optimizer), 2 the gradients
-  // too. Resolved together: distributed_optimizer true means at least 1, a stage >= 1 sets it.
+  // too, 3 the compute weights too (gathered per parameter group). Resolved together: distributed_optimizer true means at least 1, a stage >= 1 sets it.
   int64_t zero_stage = 0;
+  // The gradient buckets' size: ZeRO-3 reduces (and gathers) each parameter group on its own.
+  int64_t gradient_bucket_size() const { return zero_stage == 3 ? 1 : bucket_size; }
   int64_t bucket_size = 40000000;      // parameters per gradient bucket (Megatron's
                                        // --ddp-bucket-size): reduced as soon as backward fills it
   ScheduleKind schedule = ScheduleKind::ONE_F_ONE_B;  // pipeline schedule

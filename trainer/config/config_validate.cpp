@@ -170,11 +170,11 @@ void check_loss_scaling(const Config& c, Rules& r) {
                           "and a step skipped for an fp16 overflow would already have changed it; use "
                           "parallel.grad_compression \"none\" or \"bf16\", or training.precision \"bf16\" "
                           "(which needs no loss scaling)", to_string(gc)));
-  if (c.parallel.zero_stage == 2 && (gc == GradCompression::ONEBIT || gc == GradCompression::INT8) &&
+  if (c.parallel.zero_stage >= 2 && (gc == GradCompression::ONEBIT || gc == GradCompression::INT8) &&
       r.ok({"parallel.grad_compression", "parallel.zero_stage"}))
     r.require(false, "parallel.grad_compression", gc,
-              fmt::format("cannot be combined with parallel.zero_stage 2: stage 2 reduce-scatters each "
-                          "micro-batch's gradient as backward produces it and keeps no whole gradient, while "
+              fmt::format("cannot be combined with parallel.zero_stage 2 or 3: they reduce-scatter each "
+                          "micro-batch's gradient as backward produces it and keep no whole gradient, while "
                           "{} exchanges the whole gradient of the step itself (with error feedback over all of "
                           "it); use parallel.zero_stage 1 with it, or grad_compression \"bf16\" or \"none\"",
                           to_string(gc)));
@@ -224,9 +224,6 @@ void check_ranges(const Config& c, Rules& r) {
   if (r.ok({"parallel.zero_stage"})) {
     r.require(c.parallel.zero_stage >= 0 && c.parallel.zero_stage <= 3, "parallel.zero_stage", c.parallel.zero_stage,
               "must be 0 (no sharding), 1 (optimizer state), 2 (and gradients) or 3 (and weights)");
-    r.require(c.parallel.zero_stage != 3, "parallel.zero_stage", c.parallel.zero_stage,
-              "stage 3 (weights sharded over dp, gathered per block) is not available yet: use 2, which shards "
-              "the gradients and the optimizer state (2 + 16 / dp bytes per parameter in bf16)");
   }
   // At least one exact Adam step: the frozen variance is the one of the last warm-up step.
   r.at_least("parallel.onebit_warmup_steps", c.parallel.onebit_warmup_steps, 1);
@@ -346,6 +343,20 @@ void resolve(Config& c, Rules& r) {
 
 void check_cross_field(const Config& c, Rules& r) {
   const ModelConfig& m = c.model;
+  // ZeRO-3 runs where its units and their gathers are implemented so far.
+  if (c.parallel.zero_stage == 3 && r.ok({"parallel.zero_stage"})) {
+    if (r.ok({"parallel.pp"}))
+      r.require(c.parallel.pp == 1, "parallel.zero_stage", 3,
+                fmt::format("stage 3 is not available with pipeline parallelism yet (parallel.pp {}): use stage 2, "
+                            "or parallel.pp 1", c.parallel.pp));
+    if (r.ok({"model.moe.num_experts"}))
+      r.require(!m.moe.enabled(), "parallel.zero_stage", 3,
+                "stage 3 is not available for Mixture-of-Experts models yet: use stage 2");
+    const bool samples = !c.sample.prompt.empty() && !c.data.tokenizer.empty() && c.training.eval_steps > 0;
+    r.require(!samples, "parallel.zero_stage", 3,
+              "stage 3 does not generate text samples yet (sample.prompt with data.tokenizer): remove sample.prompt "
+              "or use stage 2");
+  }
   if (r.ok({"model.hidden_size", "model.num_heads", "model.head_dim"})) {
     // model.head_dim given: any head size (Qwen3: 128 with hidden 1024 and 16 heads).
     const bool derived = m.head_dim == 0 || m.head_dim * m.num_heads == m.hidden_size;

@@ -378,6 +378,7 @@ Gpt::~Gpt() = default;
 
 const void* Gpt::w(const void* weights, int64_t offset) const {
   if (offset < 0) return nullptr;
+  if (weights_ != nullptr) return weights_->at(offset);
   return static_cast<const char*>(weights) + static_cast<size_t>(offset) * dtype_size(act_);
 }
 
@@ -388,6 +389,7 @@ void Gpt::forward(const void* weights, int64_t slot, const int32_t* tokens, cons
   moe_loss_weight_ = 0.0f;
   if (!d_.last) return;
   if (loss_chunk_ > 0) {  // the output layer and the loss fused, chunk by chunk; its gradients now
+    require(head_groups());
     const GradTarget g{grads, sink_};
     TETRA_CHECK(g.present() || dloss_scale == 0.0f, "a training forward with the fused loss needs the gradient buffer");
     Acts::Slot& sl = a_->slots[static_cast<size_t>(slot)];
@@ -424,6 +426,7 @@ void Gpt::forward_blocks(const void* weights, int64_t slot, const int32_t* token
   const ModelDims& d = d_;
   Acts& a = *a_;
   Acts::Slot& sl = a.slots.at(static_cast<size_t>(slot));
+  if (d.first) require({layout_.embedding_group});
   if (d.first)  // x = wte[tokens] + wpe                vocab-parallel          (Ns, C)
     vocab_parallel_embedding_forward(*tp_, be_, vocab(), tokens, d.B, d.T, w(weights, layout_.wte),
                                      w(weights, layout_.wpe), sl.res[0], a.dfull);
@@ -481,7 +484,15 @@ void Gpt::qk_norm_backward(const void* weights, const GradTarget& grads, const B
   be_.copy_2d(dqkv + Q * es, row, dxk, K * es, K * es, N);
 }
 
+std::vector<int> Gpt::head_groups() const {
+  std::vector<int> g{layout_.head_group};
+  const int out = layout_.output_weight() == layout_.wte ? layout_.embedding_group : -1;  // tied
+  if (out >= 0 && out != layout_.head_group) g.push_back(out);
+  return g;
+}
+
 void Gpt::forward_layer(const void* weights, int64_t slot, int64_t l, bool recompute) {
+  require({layout_.layer_group[static_cast<size_t>(d_.l0 + l)]});
   const ModelDims& d = d_;
   const int64_t Ns = d.Ns;
   const DType t = act_;
@@ -530,6 +541,7 @@ void Gpt::forward_layer(const void* weights, int64_t slot, int64_t l, bool recom
 }
 
 void Gpt::forward_head(const void* weights, int64_t slot) {
+  require(head_groups());
   const ModelDims& d = d_;
   const DType t = act_;
   TensorParallel& tp = *tp_;
@@ -561,6 +573,7 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
   // The partial input gradients of column-parallel layers (N, C); f's backward sums them into a.dc.
   void* dx = d.sp ? a.dfull : a.dc;
 
+  if (d.last) require(head_groups());
   if (d.last && loss_chunk_ > 0) {
     // The fused loss left the output layer's input gradient, this rank's share, in dlnf (N, C)
     // and its weight gradient in grads; f's backward sums the shares.
@@ -590,6 +603,7 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
       const auto& [begin, end] = units_.units[static_cast<size_t>(units_.unit_of[static_cast<size_t>(l)])];
       for (int64_t j = begin; j < end; ++j) forward_layer(weights, slot, j, /*recompute=*/true);
     }
+    require({layout_.layer_group[static_cast<size_t>(d.l0 + l)]});
     // Selective recomputation, just before each output is read (a fully recomputed layer has them all).
     const bool full = units_.full(l);
     const bool re_norm = rc_.norm && !full, re_act = rc_.act && !full, re_attn = rc_.core_attn && !full;

@@ -147,6 +147,10 @@ class Gpt {
   // Gradients sharded over data parallelism (ZeRO-2): forward's fused output layer and backward
   // write each gradient where `sink` says (grad_sink.h) instead of at `grads` + offset. Null: `grads`.
   void set_grad_sink(GradSink* sink) { sink_ = sink; }
+  // ZeRO-3: the weights are read from `source` (grad_sink.h), told before each phase (the
+  // embedding, each block, the final norm and output layer; forward, recomputation, backward)
+  // which groups it reads; the `weights` arguments are then unused (null).
+  void set_weight_source(WeightSource* source) { weights_ = source; }
 
   // Stage boundary activations, (Ns, C) of type act(): boundary_numel() elements each.
   int64_t boundary_numel() const { return d_.Ns * d_.C; }
@@ -199,6 +203,11 @@ class Gpt {
   RecomputeUnits units_;         // of this chunk's layers
   std::vector<bool> moe_layer_;  // per chunk layer: a MoE block
   GradSink* sink_ = nullptr;
+  WeightSource* weights_ = nullptr;
+  void require(const std::vector<int>& groups) {
+    if (weights_) weights_->require(groups);
+  }
+  std::vector<int> head_groups() const;  // the final norm's and output layer's groups
   int64_t loss_chunk_ = 0;       // rows per chunk of the fused output layer and loss (0: unfused)
   size_t arena_bytes_ = 0;
   BackendBuffer arena_;

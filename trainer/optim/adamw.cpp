@@ -108,7 +108,8 @@ void AdamW::update(float* master, float* grads, const math::AdamParams& base, vo
   math::AdamParams hp = base;
   for (const Run& r : runs_) {
     hp.weight_decay = r.decay ? static_cast<float>(cfg_.weight_decay) : 0.0f;
-    void* out = compute ? static_cast<char*>(compute) + static_cast<size_t>(r.offset) * dtype_size(compute_type)
+    void* out = compute ? static_cast<char*>(compute) +
+                              static_cast<size_t>(compact_compute_ ? r.state_offset : r.offset) * dtype_size(compute_type)
                         : nullptr;
     float* params = master_ ? master_ + r.state_offset : master + r.offset;
     be_.adamw(params, grads + (compact_grads_ ? r.state_offset : r.offset), m_ + r.state_offset, v_ + r.state_offset, r.numel, hp, out,

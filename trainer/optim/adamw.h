@@ -63,6 +63,9 @@ class AdamW {
   float* master_shard() { return master_; }
   int64_t state_numel() const { return state_numel_; }
   void set_steps_taken(int64_t t) { t_ = t; }
+  // ZeRO-3: step() writes the compute weights as the owned ranges back to back (the state's
+  // layout: the compute shard, weight_units.h), not at the layout's offsets.
+  void set_compact_compute(bool compact) { compact_compute_ = compact; }
 
  private:
   void update(float* master, float* grads, const math::AdamParams& base, void* compute, DType compute_type);
@@ -80,6 +83,7 @@ class AdamW {
   float* master_ = nullptr;  // own_master: the owned ranges' fp32 weights
   int64_t t_ = 0;
   bool compact_grads_ = false;
+  bool compact_compute_ = false;
 };
 
 // Global L2 norm of the model's gradient. Each rank sums the squares of the ranges it owns,

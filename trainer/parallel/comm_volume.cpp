@@ -9,6 +9,8 @@
 #include "trainer/optim/grad_buffer.h"
 #include "trainer/optim/grad_buffers.h"
 #include "trainer/optim/compressed_exchange.h"
+#include "trainer/optim/weight_units.h"
+#include "trainer/parallel/pipeline_schedule.h"
 
 namespace tetra {
 
@@ -98,7 +100,7 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
     std::vector<int64_t> times(layout.groups.size(), 1);
     if (zero2 && par.dp > 1) {
       const ParamLayout dense = layout_part(layout, false);
-      for (const BucketPlan& b : plan_buckets(dense, par.bucket_size))
+      for (const BucketPlan& b : plan_buckets(dense, par.gradient_bucket_size()))
         for (int g = b.first_group; g <= b.last_group; ++g) times[static_cast<size_t>(g)] = reductions_of(b, dense);
     }
     for (size_t g = 0; g < per_group.size(); ++g)
@@ -136,7 +138,7 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
   // buckets reduce in bf16 (the dense part); 1-bit Adam's compressed steps and int8 exchange both parts.
   auto reduction = [&](GroupVolume& g, const ParamLayout& part, int64_t size, GroupVolume& norm_group, bool bf16) {
     if (size <= 1 || part.groups.empty()) return;
-    const std::vector<BucketPlan> plan = plan_buckets(part, par.bucket_size);
+    const std::vector<BucketPlan> plan = plan_buckets(part, par.gradient_bucket_size());
     const int64_t buckets = static_cast<int64_t>(plan.size());
     const int64_t numel = part.groups.back().second - part.groups.front().first;
     int64_t reduce_calls = 0, reduce_numel = 0;  // ZeRO-2 reduces buckets per micro-batch
@@ -163,12 +165,52 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
       g.payload_bytes[static_cast<int>(reduce)] += reduce_numel * (bf16 ? 2 : 4);
     }
     if (par.distributed_optimizer) {
-      g.add(CommOp::ALL_GATHER, buckets, 0);
-      g.payload_bytes[static_cast<int>(CommOp::ALL_GATHER)] += numel * act_bytes;
+      if (par.zero_stage < 3) {  // the updated weights (ZeRO-3 gathers them per unit instead)
+        g.add(CommOp::ALL_GATHER, buckets, 0);
+        g.payload_bytes[static_cast<int>(CommOp::ALL_GATHER)] += numel * act_bytes;
+      }
       norm_group.add(CommOp::ALL_REDUCE, 1, 4);  // gradient norm over the shards
     }
   };
   reduction(v.dp, layout_part(layout, false), par.dp, v.dp, par.grad_compression == GradCompression::BF16);
+  if (par.zero_stage == 3 && par.dp > 1) {
+    // ZeRO-3 (weight_units.h): the units each phase of the schedule reads, in its order, from empty
+    // buffers at the step's start; one all-gather of a unit's weights per miss.
+    const PipelineSchedule schedule = PipelineSchedule::build(par.schedule, static_cast<int>(par.pp),
+                                                              static_cast<int>(par.virtual_stages),
+                                                              static_cast<int>(accum));
+    std::vector<int> head{layout.head_group};
+    if (layout.output_weight() == layout.wte && layout.embedding_group != layout.head_group)
+      head.push_back(layout.embedding_group);
+    std::vector<std::vector<int>> phases;
+    for (const PipeAction& a : schedule.ranks.front()) {  // stage 3 runs with pp 1 (config_validate.cpp)
+      const auto& [begin, end] = layout.stage.chunks[static_cast<size_t>(a.chunk)];
+      const bool chunk_first = first && a.chunk == 0;
+      const bool chunk_last = last && a.chunk + 1 == static_cast<int>(layout.stage.chunks.size());
+      std::vector<bool> moe(static_cast<size_t>(end - begin), false);
+      const RecomputeUnits units = plan_recompute_units(rc, end - begin, moe);
+      const auto block = [&](int64_t l) { return std::vector<int>{layout.layer_group[static_cast<size_t>(begin + l)]}; };
+      if (a.forward) {
+        if (chunk_first) phases.push_back({layout.embedding_group});
+        for (int64_t l = 0; l < end - begin; ++l) phases.push_back(block(l));
+        if (chunk_last) phases.push_back(head);
+      } else {
+        if (chunk_last) phases.push_back(head);
+        for (int64_t l = end - begin - 1; l >= 0; --l) {
+          if (units.ends_unit(l)) {
+            const auto& [ub, ue] = units.units[static_cast<size_t>(units.unit_of[static_cast<size_t>(l)])];
+            for (int64_t j = ub; j < ue; ++j) phases.push_back(block(j));
+          }
+          phases.push_back(block(l));
+        }
+      }
+    }
+    std::vector<int64_t> gathers(layout.groups.size(), 0);
+    WeightUnits::count_gathers(phases, gathers);
+    for (size_t g = 0; g < gathers.size(); ++g)
+      if (gathers[g] > 0)
+        v.dp.add(CommOp::ALL_GATHER, gathers[g], (layout.groups[g].second - layout.groups[g].first) * act_bytes);
+  }
   if (par.dp > 1) v.dp.add(CommOp::ALL_REDUCE, 1, 4);  // the step's loss
   const MoeConfig& moe = cfg.model.moe;
   if (moe.enabled()) {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace tetra {
 
@@ -17,6 +18,20 @@ class GradSink {
   // computed: the start of a parameter, or any element inside one (one expert's slice). The
   // gradient of a whole parameter is contiguous there.
   virtual float* at(int64_t offset) = 0;
+};
+
+// Where the model reads its weights under ZeRO-3 (weight_units.h): the compute weights are
+// sharded over data parallelism and each parameter group (a unit: the embedding, a block, the
+// final norm and output layer) is gathered before use. The model says which groups its next
+// phase reads (require), then reads them at their layout offsets (at).
+class WeightSource {
+ public:
+  virtual ~WeightSource() = default;
+  // The next phase reads these groups (ParamLayout::groups indices): they are made resident,
+  // others may be released.
+  virtual void require(const std::vector<int>& groups) = 0;
+  // The address of the weight at layout offset `offset`, of a required group.
+  virtual const void* at(int64_t offset) = 0;
 };
 
 // A backward's gradient target: the whole buffer at the layout's offsets, or a sink.

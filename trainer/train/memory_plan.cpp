@@ -13,6 +13,7 @@
 #include "trainer/model/gpt.h"
 #include "trainer/optim/grad_buffer.h"
 #include "trainer/optim/grad_buffers.h"
+#include "trainer/optim/weight_units.h"
 #include "trainer/train/generate.h"
 #include "trainer/train/pipeline_model.h"
 
@@ -60,8 +61,12 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
                                  expert_n / static_cast<size_t>(cfg.parallel.dp / cfg.parallel.ep)
                            : n;
   MemoryPlan m;
-  m.master = act == DType::F32 ? n * 4 : shard * 4;
-  m.compute = act == DType::F32 ? 0 : n * dtype_size(act);
+  // ZeRO-3 (weight_units.h): the optimizer holds the fp32 master shard in every precision, the
+  // 16-bit compute weights are a shard too (fp32: the master shard itself), and the units gathered.
+  const bool zero3 = cfg.parallel.zero_stage == 3 && cfg.parallel.dp > 1;
+  m.master = act == DType::F32 && !zero3 ? n * 4 : shard * 4;
+  m.compute = act == DType::F32 ? 0 : (zero3 ? shard : n) * dtype_size(act);
+  if (zero3) m.units = WeightUnits::buffer_bytes(layout, act);
   m.grads = n * 4;
   const bool zero2 = cfg.parallel.zero_stage >= 2 && cfg.parallel.dp > 1;
   if (zero2) {
@@ -69,7 +74,7 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
     // written and reduced (GradBuffer::StagingPlan; the expert part's only where expert-DP > 1).
     const auto pool = [&](const ParamLayout& part, bool tied) -> size_t {
       if (part.groups.empty()) return 0;
-      return static_cast<size_t>(GradBuffer::staging_plan(part, cfg.parallel.bucket_size, tied).bytes());
+      return static_cast<size_t>(GradBuffer::staging_plan(part, cfg.parallel.gradient_bucket_size(), tied).bytes());
     };
     m.grads = std::max<size_t>(shard, 1) * 4 + pool(layout_part(layout, false), cfg.model.tie_embeddings) +
               (cfg.parallel.dp / cfg.parallel.ep > 1 ? pool(layout_part(layout, true), false) : 0);
@@ -85,7 +90,7 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   const GradCompression gc = cfg.parallel.grad_compression;
   if (dp > 1 && gc == GradCompression::BF16)  // ZeRO-2: one bucket's bf16 copy (grad_buffer.h)
     m.grads += zero2 ? static_cast<size_t>(std::max<int64_t>(1, GradBuffer::staging_plan(
-                           layout_part(layout, false), cfg.parallel.bucket_size, cfg.model.tie_embeddings).largest())) * 2
+                           layout_part(layout, false), cfg.parallel.gradient_bucket_size(), cfg.model.tie_embeddings).largest())) * 2
                      : n * 2;
   const bool onebit = gc == GradCompression::ONEBIT, int8 = gc == GradCompression::INT8;
   if (dp > 1 && (onebit || int8)) {
@@ -103,12 +108,12 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
     m.sampling = Gpt::activation_bytes_for(cfg.model, act, 1, cfg.parallel.tp) + static_cast<size_t>(T) * 4 +
                  static_cast<size_t>(vl) * 4 +                              // its logit row
                  (cfg.parallel.tp > 1 ? static_cast<size_t>(vl * cfg.parallel.tp) * 4 : 0);  // gathered
-  if (act != DType::F32 && cfg.parallel.distributed_optimizer) {
+  if ((act != DType::F32 || zero3) && cfg.parallel.distributed_optimizer) {
     // The whole fp32 weights (trainer.cpp): at start-up beside everything but the activations, the
     // batch buffers and the sampling model (allocated after); at the end, when the final weights
     // are written, beside everything but the activations (freed before).
     m.staging = n * 4;
-    const size_t without_activations = m.total() - m.activations - input_grads;
+    const size_t without_activations = m.total() - m.activations - input_grads - m.units;
     m.staging_held = final_weights_path(cfg).empty() ? without_activations - m.batch - m.sampling : without_activations;
   }
   return m;

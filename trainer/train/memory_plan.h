@@ -22,6 +22,9 @@ struct MemoryPlan {
   // Communication and packing buffers: the pipeline's input-gradient buffers and the
   // sequence-parallel norm-gradient scratch.
   size_t buffers = 0;
+  // ZeRO-3: the two buffers gathered weight units are read from (weight_units.h), made with the
+  // model after the whole fp32 weights are freed, and freed with it before the final weights.
+  size_t units = 0;
   // The whole fp32 weights where no buffer holds them (the distributed optimizer with 16-bit
   // compute keeps only its shard): at start-up, before the activations are allocated, while the
   // optimizer takes its shard; and gathered for the final weights after the activations are freed.
@@ -30,7 +33,7 @@ struct MemoryPlan {
   bool on_device = false;  // training.device is a GPU: everything but `compression` is GPU memory
   // What is held through the steps.
   size_t total() const {
-    return master + compute + grads + optimizer + activations + batch + sampling + compression + buffers;
+    return master + compute + grads + optimizer + activations + batch + sampling + compression + buffers + units;
   }
   // The most held at once (what the backend's measured peak is checked against).
   size_t peak() const { return std::max(total(), staging ? staging_held + staging : 0); }

@@ -112,6 +112,10 @@ PipelineModel::PipelineModel(const Config& cfg, const ParamLayout& layout, Backe
 
 PipelineModel::~PipelineModel() = default;
 
+void PipelineModel::set_weight_source(WeightSource* source) {
+  for (auto& c : chunks_) c->model().set_weight_source(source);
+}
+
 void PipelineModel::set_grad_sink(GradSink* sink) {
   sink_ = sink;
   for (auto& c : chunks_) c->model().set_grad_sink(sink);

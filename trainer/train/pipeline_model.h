@@ -72,6 +72,8 @@ class PipelineModel {
   // ZeRO-2: every chunk writes its gradients where `sink` says (grad_sink.h), and `done` hears of
   // each group in every micro-batch (each micro-batch's gradient is reduced on its own).
   void set_grad_sink(GradSink* sink);
+  // ZeRO-3: every chunk reads its weights from `source` (grad_sink.h); the weights arguments are unused.
+  void set_weight_source(WeightSource* source);
   // Forwards only (evaluation): losses of every micro-batch on the last stage.
   PipelineStepStats forward(const void* weights);
 

@@ -159,15 +159,19 @@ std::string dry_run_report(const Config& cfg) {
                      ? fmt::format(": {} on the GPU, {} on the host", mib(mem.device_bytes()), mib(mem.host_bytes()))
                      : std::string());
   fmt::format_to(out, "  master weights   {} (fp32{})\n", mib(mem.master),
-                 par.distributed_optimizer && cfg.training.precision != Precision::FP32 ? ", 1/dp shard" : "");
+                 par.distributed_optimizer && (cfg.training.precision != Precision::FP32 || mem.units) ? ", 1/dp shard"
+                                                                                                       : "");
   if (mem.compute)
-    fmt::format_to(out, "  compute weights  {} ({})\n", mib(mem.compute), to_string(cfg.training.precision));
+    fmt::format_to(out, "  compute weights  {} ({}{})\n", mib(mem.compute), to_string(cfg.training.precision),
+                   mem.units ? ", 1/dp shard" : "");
+  if (mem.units)
+    fmt::format_to(out, "  weight units     {} (ZeRO-3: two parameter groups gathered at a time)\n", mib(mem.units));
   if (par.zero_stage >= 2 && par.dp > 1) {
     Config stage1 = cfg;
     stage1.parallel.zero_stage = 1;
     const MemoryPlan one = plan_memory(stage1, rank_layout(stage1, 0));
-    fmt::format_to(out, "  gradients        {} (fp32, ZeRO-2: 1/dp shard and the buckets' staging; {} whole)\n",
-                   mib(mem.grads), mib(one.grads));
+    fmt::format_to(out, "  gradients        {} (fp32, ZeRO-{}: 1/dp shard and the buckets' staging; {} whole)\n",
+                   mib(mem.grads), par.zero_stage, mib(one.grads));
   } else {
     fmt::format_to(out, "  gradients        {} (fp32)\n", mib(mem.grads));
   }
@@ -179,23 +183,25 @@ std::string dry_run_report(const Config& cfg) {
     plain.parallel.zero_stage = 0;
     const MemoryPlan without = plan_memory(plain, rank_layout(plain, 0));
     fmt::format_to(out, "    the distributed optimizer {} {} per rank ({} without it)\n",
-                   par.zero_stage >= 2 ? "and ZeRO-2 save" : "saves",
+                   par.zero_stage >= 2 ? fmt::format("and ZeRO-{} save", par.zero_stage) : std::string("saves"),
                    mib(without.peak() - mem.peak()), mib(without.peak()));
   }
   if (par.dp > 1) {  // the same layout's peak under each ZeRO stage, to choose one before a job starts
     std::string stages;
-    for (int64_t z = 0; z <= 2; ++z) {
+    for (int64_t z = 0; z <= 3; ++z) {
       Config c = cfg;
       c.parallel.zero_stage = z;
       c.parallel.distributed_optimizer = z >= 1;
-      const bool refused =
-          z == 2 && (par.grad_compression == GradCompression::ONEBIT || par.grad_compression == GradCompression::INT8);
+      std::string refused;
+      if (z >= 2 && (par.grad_compression == GradCompression::ONEBIT || par.grad_compression == GradCompression::INT8))
+        refused = "not with grad_compression " + std::string(to_string(par.grad_compression));
+      else if (z == 3 && (par.pp > 1 || cfg.model.moe.enabled() || samples_enabled(cfg)))
+        refused = par.pp > 1 ? "not with pp > 1 yet" : cfg.model.moe.enabled() ? "not with MoE yet" : "not with samples";
       stages += fmt::format("{}{}: {}{}", z == 0 ? "" : ", ", z,
-                            refused ? "not with grad_compression " + std::string(to_string(par.grad_compression))
-                                    : mib(plan_memory(c, rank_layout(c, 0)).peak()),
+                            refused.empty() ? mib(plan_memory(c, rank_layout(c, 0)).peak()) : refused,
                             z == par.zero_stage ? " (this run)" : "");
     }
-    fmt::format_to(out, "  ZeRO stages      {} at the peak per rank; 3 is not available yet\n", stages);
+    fmt::format_to(out, "  ZeRO stages      {} at the peak per rank\n", stages);
   }
   {
     // Kept per micro-batch in flight (the rank's slots, shared by its chunks), and the chunks'

@@ -127,7 +127,11 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     init_params(layout_, cfg.model, cfg.training.seed, host.data());
     be_->copy_from_host(master_, host.data(), n * 4);
   }
-  if (act_ == DType::F32) {
+  // ZeRO-3 keeps no whole compute weights: its shard is made below, beside the gradient buffers.
+  zero3_ = cfg.parallel.zero_stage == 3 && cfg.parallel.dp > 1;
+  if (zero3_) {
+    compute_ = nullptr;
+  } else if (act_ == DType::F32) {
     compute_ = master_;
   } else {
     compute_buf_ = BackendBuffer(*be_, n * dtype_size(act_));
@@ -145,10 +149,21 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   // weights, which are then freed), the activations after: the whole weights and the activation
   // arenas are never held at once (memory_plan.h's peak).
   grad_buffer_ = std::make_unique<GradBuffers>(layout_, *be_, grads_, groups, cfg.parallel.distributed_optimizer,
-                                               cfg.parallel.bucket_size,
+                                               cfg.parallel.gradient_bucket_size(),
                                                cfg.parallel.grad_compression == GradCompression::BF16,
                                                shard_gradients, cfg.model.tie_embeddings);
   if (shard_gradients) grads_ = grad_buffer_->shard();
+  if (zero3_ && act_ != DType::F32) {  // the 16-bit compute shard: the owned ranges back to back
+    const size_t es = dtype_size(act_);
+    compute_buf_ = BackendBuffer(*be_, static_cast<size_t>(grad_buffer_->owned_numel()) * es);
+    compute_ = compute_buf_.get();
+    int64_t at = 0;
+    for (const GradRange& o : grad_buffer_->owned()) {
+      be_->cast(static_cast<char*>(compute_) + static_cast<size_t>(at) * es, act_, master_ + o.offset, DType::F32,
+                o.numel);
+      at += o.numel;
+    }
+  }
   updater_ = std::make_unique<Updater>(cfg, layout_, *be_, *grad_buffer_, groups, act_, master_, compute_, grads_);
   if (updater_->holds_master_weights()) {
     master_buf_.reset();
@@ -171,6 +186,11 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
 
   model_ = std::make_unique<PipelineModel>(cfg, layout_, *be_, act_, groups, accum_, tokens_, targets_, losses_);
   if (shard_gradients) model_->set_grad_sink(grad_buffer_.get());
+  if (zero3_) {  // the model reads its weights unit by unit, gathered from the compute shards
+    const void* shard = act_ == DType::F32 ? static_cast<const void*>(updater_->master_shard()) : compute_;
+    units_ = std::make_unique<WeightUnits>(layout_, *be_, groups.backend(GroupKind::DP), shard, act_);
+    model_->set_weight_source(units_.get());
+  }
   group_done_ = [this](int group, int micro_batches) { grad_buffer_->group_done(group, micro_batches); };
   if (!resume.empty()) {
     const auto l0 = std::chrono::steady_clock::now();
@@ -241,6 +261,7 @@ Trainer::~Trainer() {
   updater_.reset();
   grad_buffer_.reset();
   model_.reset();
+  units_.reset();
   groups_.use_backend_memory({});  // the backend-memory communicators use be_
   // The BackendBuffer members free their memory next, before be_ goes.
 }
@@ -253,6 +274,7 @@ CheckpointBuffers Trainer::checkpoint_buffers() {
   b.master_full = master_;
   b.compute = compute_;
   b.compute_type = act_;
+  b.compute_compact = zero3_;
   updater_->add_checkpoint_state(b);
   return b;
 }
@@ -276,6 +298,7 @@ void Trainer::load_micro_batch(DataLoader& loader, int64_t j) {
 }
 
 double Trainer::train_step(int64_t s) {
+  if (units_) units_->release_all();  // the last update changed every shard
   // grads_ is zero here: zeroed at start-up, then after each optimizer step.
   // The step's loss is the mean over its global batch; each micro-batch's gradient is scaled so
   // the accumulated gradient, summed over the DP ranks, is that mean's gradient.
@@ -316,6 +339,7 @@ double Trainer::evaluate() {
   DataLoader loader(valid_source_, cfg_.model.seq_len, cfg_.training.micro_batch_size, groups_.coord.dp,
                     cfg_.parallel.dp);
   const int64_t micro_batches = cfg_.training.eval_steps * accum_;
+  if (units_) units_->release_all();
   double total = 0.0;
   for (int64_t step = 0; step < cfg_.training.eval_steps; ++step) {  // a step's micro-batches at a time
     for (int64_t j = 0; j < accum_; ++j) load_micro_batch(loader, j);
@@ -482,7 +506,10 @@ void Trainer::run() {
   }
   // The activations are done with: without a whole fp32 buffer, their memory makes room for the
   // gathered final weights (memory_plan.h's peak).
-  if (!master_) model_.reset();
+  if (!master_) {
+    model_.reset();
+    units_.reset();
+  }
   save_final_weights();
   if (dump_) dump_->batches(start_step_);
   report_memory();

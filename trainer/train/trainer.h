@@ -19,6 +19,7 @@
 #include "trainer/config/config.h"
 #include "trainer/model/gpt.h"
 #include "trainer/optim/grad_buffers.h"
+#include "trainer/optim/weight_units.h"
 #include "trainer/parallel/pipeline_runner.h"
 #include "trainer/params/param_layout.h"
 #include "trainer/train/comm_accounting.h"
@@ -111,7 +112,9 @@ class Trainer {
   std::vector<int32_t> host_batch_;           // (B, T+1)
   std::vector<int32_t> host_inputs_, host_targets_;
 
-  std::unique_ptr<PipelineModel> model_;  // this rank's model chunks and pipeline schedule
+  std::unique_ptr<PipelineModel> model_;
+  bool zero3_ = false;                   // parallel.zero_stage 3 over dp > 1
+  std::unique_ptr<WeightUnits> units_;   // ZeRO-3: the gathered weight units  // this rank's model chunks and pipeline schedule
   std::unique_ptr<GradBuffers> grad_buffer_;
   std::unique_ptr<Updater> updater_;
   PipelineModel::GroupReport group_done_;

@@ -21,9 +21,13 @@ Updater::Updater(const Config& cfg, const ParamLayout& layout, Backend& be, Grad
       compute_(compute),
       grads_(grads) {
   const bool shard_optimizer = cfg.parallel.distributed_optimizer && cfg.parallel.dp > 1;
-  const bool optimizer_owns_master = shard_optimizer && act_ != DType::F32;
+  // ZeRO-3 keeps no whole weights: in fp32 too the master weights are the optimizer's shard, and
+  // the model gathers its compute weights from it (weight_units.h).
+  zero3_ = shard_optimizer && cfg.parallel.zero_stage == 3;
+  const bool optimizer_owns_master = shard_optimizer && (act_ != DType::F32 || zero3_);
   optimizer_ = std::make_unique<AdamW>(cfg.optimizer, layout, be, grad_buffers.owned(), optimizer_owns_master, master,
                                        grad_buffers.shards_gradients());
+  optimizer_->set_compact_compute(zero3_);
   grads_numel_ = grad_buffers.shards_gradients() ? grad_buffers.owned_numel() : layout.total;
   if (cfg.parallel.grad_compression == GradCompression::ONEBIT)
     onebit_ = std::make_unique<OnebitAdam>(cfg, layout, be, grad_buffers, *optimizer_, groups);
@@ -92,13 +96,13 @@ StepUpdate Updater::step(int64_t s, double loss, StepGuard& guard, const Gradien
     const float grad_scale = scaler_ ? static_cast<float>(u.clip / step_scale) : u.clip;
     optimizer_->step(master_, grads_, u.lr, grad_scale, compute, act_);
   }
-  if (grad_buffers_.sharded() && !verdict.skip) {
+  if (grad_buffers_.sharded() && !verdict.skip && !zero3_) {
     // The optimizer zeroed the shards it consumed; the rest of the buffer holds this rank's
     // unreduced gradients (ZeRO-2: there is no rest). Then every rank gets the updated weights of
     // every shard.
     if (!grad_buffers_.shards_gradients()) be_.memset_zero(grads_, static_cast<size_t>(layout_.total) * 4);
     grad_buffers_.gather_params(compute_, act_);
-  }
+  }  // ZeRO-3: the updated shards are gathered unit by unit when the model next reads them
   return u;
 }
 

@@ -100,6 +100,7 @@ class Updater {
   void* compute_;
   float* grads_;  // ZeRO-2: the compact shard (GradBuffers::shard())
   int64_t grads_numel_ = 0;
+  bool zero3_ = false;  // parallel.zero_stage 3 over dp > 1
   bool compressed_ = false;  // the current step runs onebit's compressed phase
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<OnebitAdam> onebit_;         // parallel.grad_compression onebit
