@@ -7,6 +7,12 @@
 
 namespace tetra {
 
+namespace {
+
+bool contains(const std::vector<int>& v, int g) { return std::find(v.begin(), v.end(), g) != v.end(); }
+
+}  // namespace
+
 size_t WeightUnits::buffer_bytes(const ParamLayout& layout, DType type) {
   int64_t most = 0;
   for (const auto& [begin, end] : layout.groups) most = std::max(most, end - begin);
@@ -20,20 +26,22 @@ WeightUnits::WeightUnits(const ParamLayout& layout, Backend& be, Communicator& d
   for (BackendBuffer& b : bufs_) b = BackendBuffer(be_, std::max<size_t>(half, 1));
 }
 
-// The shared bookkeeping of require() and count_gathers(): which buffer each group of a phase
-// goes to. `load(buffer, group)` is called for each gather.
+WeightUnits::~WeightUnits() {
+  for (auto& w : pending_)
+    if (w) w->wait();
+}
+
+// The two buffers' rule, shared by the run and the prediction. `load(buffer, group)` is called
+// for each gather.
 template <class Load>
-static void place(const std::vector<int>& groups, int resident[2], int64_t used[2], int64_t& clock, Load load) {
+void WeightUnits::Placer::need(const std::vector<int>& groups, Load load) {
   TETRA_CHECK(groups.size() <= 2, "a phase reads {} weight groups; two are held at once", groups.size());
   ++clock;
   for (int g : groups) {
     if (g < 0) continue;
     int slot = resident[0] == g ? 0 : resident[1] == g ? 1 : -1;
-    if (slot < 0) {
-      // The least recently used buffer the phase does not read.
-      const auto needed = [&](int s) {
-        return resident[s] >= 0 && std::find(groups.begin(), groups.end(), resident[s]) != groups.end();
-      };
+    if (slot < 0) {  // the least recently used buffer the phase does not read
+      const auto needed = [&](int s) { return resident[s] >= 0 && contains(groups, resident[s]); };
       slot = needed(0) ? 1 : needed(1) ? 0 : (used[0] <= used[1] ? 0 : 1);
       resident[slot] = g;
       load(slot, g);
@@ -42,28 +50,75 @@ static void place(const std::vector<int>& groups, int resident[2], int64_t used[
   }
 }
 
-void WeightUnits::count_gathers(const std::vector<std::vector<int>>& phases, std::vector<int64_t>& out) {
-  int r[2] = {-1, -1};
-  int64_t u[2] = {0, 0}, clock = 0;
-  for (const std::vector<int>& phase : phases)
-    place(phase, r, u, clock, [&](int, int g) { ++out.at(static_cast<size_t>(g)); });
+template <class Load>
+void WeightUnits::Placer::ahead(const std::vector<int>& current, const std::vector<int>& next, Load load) {
+  for (int g : next) {
+    if (g < 0 || resident[0] == g || resident[1] == g) continue;
+    // Only into a buffer the current phase does not read (it is being computed with) and the
+    // next phase does not need either.
+    int slot = -1;
+    for (int s = 0; s < 2; ++s)
+      if (!(resident[s] >= 0 && (contains(current, resident[s]) || contains(next, resident[s]))) &&
+          (slot < 0 || used[s] < used[slot]))
+        slot = s;
+    if (slot < 0) return;
+    resident[slot] = g;
+    used[slot] = clock;
+    load(slot, g);
+  }
 }
 
-void WeightUnits::release_all() {
-  resident_[0] = resident_[1] = -1;
-  used_[0] = used_[1] = 0;
-  clock_ = 0;
+void WeightUnits::count_gathers(const std::vector<std::vector<int>>& phases, std::vector<int64_t>& out) {
+  Placer p;
+  const auto count = [&](int, int g) { ++out.at(static_cast<size_t>(g)); };
+  for (size_t i = 0; i < phases.size(); ++i) {
+    p.need(phases[i], count);
+    if (i + 1 < phases.size()) p.ahead(phases[i], phases[i + 1], count);
+  }
+}
+
+void WeightUnits::set_step_phases(std::vector<std::vector<int>> phases) { phases_ = std::move(phases); }
+
+void WeightUnits::release_all(bool step) {
+  for (auto& w : pending_)
+    if (w) dp_.wait(*w, CommOp::ALL_GATHER), w.reset();
+  placer_ = Placer{};
+  cursor_ = step && !phases_.empty() ? 0 : -1;
+}
+
+void WeightUnits::gather(int slot, int g, bool async) {
+  const auto& [begin, end] = layout_.groups[static_cast<size_t>(g)];
+  const int64_t shard = (end - begin) / dp_.size();
+  // Group g's shard sits after every earlier group's in the compact shard.
+  const int64_t compact = (begin - layout_.groups.front().first) / dp_.size();
+  if (pending_[slot]) {  // a buffer is reused only once its last gather is in
+    dp_.wait(*pending_[slot], CommOp::ALL_GATHER);
+    pending_[slot].reset();
+  }
+  auto work = dp_.all_gather_async(bufs_[slot].get(), shard_ + static_cast<size_t>(compact) * es_, shard, type_);
+  if (async)
+    pending_[slot] = std::move(work);
+  else
+    dp_.wait(*work, CommOp::ALL_GATHER);
+  ++gathers_;
 }
 
 void WeightUnits::require(const std::vector<int>& groups) {
-  place(groups, resident_, used_, clock_, [&](int slot, int g) {
-    const auto& [begin, end] = layout_.groups[static_cast<size_t>(g)];
-    const int64_t shard = (end - begin) / dp_.size();
-    // Group g's shard sits after every earlier group's in the compact shard.
-    const int64_t compact = (begin - layout_.groups.front().first) / dp_.size();
-    dp_.all_gather(bufs_[slot].get(), shard_ + static_cast<size_t>(compact) * es_, shard, type_);
-    ++gathers_;
-  });
+  if (cursor_ >= 0) {  // a training step: the phases come in the planned order
+    TETRA_CHECK(cursor_ < static_cast<int64_t>(phases_.size()) && phases_[static_cast<size_t>(cursor_)] == groups,
+                "the model's weight phase {} is not the planned one", cursor_);
+  }
+  placer_.need(groups, [&](int slot, int g) { gather(slot, g, false); });
+  for (int g : groups)  // prefetched ones: wait for them now
+    for (int s = 0; s < 2; ++s)
+      if (g >= 0 && placer_.resident[s] == g && pending_[s]) {
+        dp_.wait(*pending_[s], CommOp::ALL_GATHER);
+        pending_[s].reset();
+      }
+  if (cursor_ >= 0) {
+    const size_t next = static_cast<size_t>(++cursor_);
+    if (next < phases_.size()) placer_.ahead(groups, phases_[next], [&](int slot, int g) { gather(slot, g, true); });
+  }
 }
 
 int WeightUnits::group_of(int64_t offset) const {
@@ -76,8 +131,8 @@ int WeightUnits::group_of(int64_t offset) const {
 
 const void* WeightUnits::at(int64_t offset) {
   const int g = group_of(offset);
-  const int slot = resident_[0] == g ? 0 : resident_[1] == g ? 1 : -1;
-  TETRA_CHECK(slot >= 0, "weights of group {} read without being required", g);
+  const int slot = placer_.resident[0] == g ? 0 : placer_.resident[1] == g ? 1 : -1;
+  TETRA_CHECK(slot >= 0 && !pending_[slot], "weights of group {} read without being required", g);
   return static_cast<const char*>(bufs_[slot].get()) +
          static_cast<size_t>(offset - layout_.groups[static_cast<size_t>(g)].first) * es_;
 }

@@ -9,10 +9,14 @@
 // (WeightSource::require); a group not resident is all-gathered from every rank's shard into one
 // of two unit buffers, replacing the least recently used one the phase does not read. A phase
 // reads at most two groups (the final norm and a tied output layer's embedding), so two buffers
-// always hold it; the gathers per step follow from the phase order alone (gathers_for).
+// always hold it. In a training step the phases come in an order known beforehand
+// (set_step_phases: the schedule's, comm_volume.h), and while a phase computes the next phase's
+// group is gathered into the other buffer (prefetch: its gather overlaps the phase). The gathers
+// per step follow from the phase order alone (count_gathers, the prediction's).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -22,28 +26,46 @@
 namespace tetra {
 
 class Communicator;
+class Work;
 
 class WeightUnits final : public WeightSource {
  public:
   // `shard`: this rank's compute shard (the owned ranges of one bucket per group, back to back;
   // `type` elements), owned by the caller and rewritten by the optimizer between steps.
   WeightUnits(const ParamLayout& layout, Backend& be, Communicator& dp, const void* shard, DType type);
+  ~WeightUnits() override;
+  WeightUnits(const WeightUnits&) = delete;
+  WeightUnits& operator=(const WeightUnits&) = delete;
 
   void require(const std::vector<int>& groups) override;
   const void* at(int64_t offset) override;
+  // The phases (the groups each reads) of one training step, in order: require() checks them
+  // and prefetches the next one's group.
+  void set_step_phases(std::vector<std::vector<int>> phases);
   // Every buffer is stale: the optimizer changed the shards, or an evaluation begins. Called at
-  // the start of every step's forwards and of every evaluation, so that each starts empty.
-  void release_all();
+  // the start of every step's forwards (`step`: its phases follow, with prefetch) and of every
+  // evaluation (without), so that each starts empty.
+  void release_all(bool step);
   int64_t gathers() const { return gathers_; }  // since construction
 
   // Bytes of the two unit buffers for `layout` in `type`.
   static size_t buffer_bytes(const ParamLayout& layout, DType type);
-  // The gathers of each group (added to `out`, one entry per group) of running `phases` in order
-  // from empty buffers, exactly as require() would: the communication prediction's count.
+  // The gathers of each group (added to `out`, one entry per group) of running a step's `phases`
+  // from empty buffers, prefetch included, exactly as require() does: the prediction's count.
   static void count_gathers(const std::vector<std::vector<int>>& phases, std::vector<int64_t>& out);
 
  private:
+  struct Placer {  // which group each buffer holds, and when each was last needed
+    int resident[2] = {-1, -1};
+    int64_t used[2] = {0, 0};
+    int64_t clock = 0;
+    template <class Load>
+    void need(const std::vector<int>& groups, Load load);  // make them resident (load the missing)
+    template <class Load>
+    void ahead(const std::vector<int>& current, const std::vector<int>& next, Load load);  // prefetch
+  };
   int group_of(int64_t offset) const;
+  void gather(int slot, int group, bool async);
 
   const ParamLayout& layout_;
   Backend& be_;
@@ -52,9 +74,10 @@ class WeightUnits final : public WeightSource {
   DType type_;
   size_t es_;
   BackendBuffer bufs_[2];
-  int resident_[2] = {-1, -1};  // the group each buffer holds
-  int64_t used_[2] = {0, 0};    // when each was last required
-  int64_t clock_ = 0;
+  std::unique_ptr<Work> pending_[2];  // a prefetch's gather into the buffer, not yet waited for
+  Placer placer_;
+  std::vector<std::vector<int>> phases_;
+  int64_t cursor_ = -1;  // the next phase of the step; -1: outside one (no prefetch)
   int64_t gathers_ = 0;
 };
 

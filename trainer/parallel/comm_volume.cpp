@@ -36,6 +36,41 @@ std::string GroupVolume::describe() const {
   return out.empty() ? "none" : out;
 }
 
+std::vector<std::vector<int>> zero3_step_phases(const Config& cfg, const ParamLayout& layout) {
+  const ParallelConfig& par = cfg.parallel;
+  const PipelineSchedule schedule = PipelineSchedule::build(par.schedule, static_cast<int>(par.pp),
+                                                            static_cast<int>(par.virtual_stages),
+                                                            static_cast<int>(cfg.grad_accum_steps()));
+  const Recomputation rc = Recomputation::from(cfg.training);
+  std::vector<int> head{layout.head_group};  // Gpt::head_groups()
+  if (layout.output_weight() == layout.wte && layout.embedding_group != layout.head_group)
+    head.push_back(layout.embedding_group);
+  std::vector<std::vector<int>> phases;
+  for (const PipeAction& a : schedule.ranks.front()) {  // stage 3 runs with pp 1 (config_validate.cpp)
+    const auto& [begin, end] = layout.stage.chunks[static_cast<size_t>(a.chunk)];
+    const bool chunk_first = layout.stage.first && a.chunk == 0;
+    const bool chunk_last = layout.stage.last && a.chunk + 1 == static_cast<int>(layout.stage.chunks.size());
+    const std::vector<bool> moe(static_cast<size_t>(end - begin), false);
+    const RecomputeUnits units = plan_recompute_units(rc, end - begin, moe);
+    const auto block = [&](int64_t l) { return std::vector<int>{layout.layer_group[static_cast<size_t>(begin + l)]}; };
+    if (a.forward) {  // Gpt::forward: the embedding, each block, the head
+      if (chunk_first) phases.push_back({layout.embedding_group});
+      for (int64_t l = 0; l < end - begin; ++l) phases.push_back(block(l));
+      if (chunk_last) phases.push_back(head);
+    } else {  // Gpt::backward: the head, then each block (a recomputed unit's forwards first)
+      if (chunk_last) phases.push_back(head);
+      for (int64_t l = end - begin - 1; l >= 0; --l) {
+        if (units.ends_unit(l)) {
+          const auto& [ub, ue] = units.units[static_cast<size_t>(units.unit_of[static_cast<size_t>(l)])];
+          for (int64_t j = ub; j < ue; ++j) phases.push_back(block(j));
+        }
+        phases.push_back(block(l));
+      }
+    }
+  }
+  return phases;
+}
+
 StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, bool onebit_compressed,
                                bool onebit_gather_variance) {
   StepVolume v;
@@ -174,37 +209,9 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
   };
   reduction(v.dp, layout_part(layout, false), par.dp, v.dp, par.grad_compression == GradCompression::BF16);
   if (par.zero_stage == 3 && par.dp > 1) {
-    // ZeRO-3 (weight_units.h): the units each phase of the schedule reads, in its order, from empty
-    // buffers at the step's start; one all-gather of a unit's weights per miss.
-    const PipelineSchedule schedule = PipelineSchedule::build(par.schedule, static_cast<int>(par.pp),
-                                                              static_cast<int>(par.virtual_stages),
-                                                              static_cast<int>(accum));
-    std::vector<int> head{layout.head_group};
-    if (layout.output_weight() == layout.wte && layout.embedding_group != layout.head_group)
-      head.push_back(layout.embedding_group);
-    std::vector<std::vector<int>> phases;
-    for (const PipeAction& a : schedule.ranks.front()) {  // stage 3 runs with pp 1 (config_validate.cpp)
-      const auto& [begin, end] = layout.stage.chunks[static_cast<size_t>(a.chunk)];
-      const bool chunk_first = first && a.chunk == 0;
-      const bool chunk_last = last && a.chunk + 1 == static_cast<int>(layout.stage.chunks.size());
-      std::vector<bool> moe(static_cast<size_t>(end - begin), false);
-      const RecomputeUnits units = plan_recompute_units(rc, end - begin, moe);
-      const auto block = [&](int64_t l) { return std::vector<int>{layout.layer_group[static_cast<size_t>(begin + l)]}; };
-      if (a.forward) {
-        if (chunk_first) phases.push_back({layout.embedding_group});
-        for (int64_t l = 0; l < end - begin; ++l) phases.push_back(block(l));
-        if (chunk_last) phases.push_back(head);
-      } else {
-        if (chunk_last) phases.push_back(head);
-        for (int64_t l = end - begin - 1; l >= 0; --l) {
-          if (units.ends_unit(l)) {
-            const auto& [ub, ue] = units.units[static_cast<size_t>(units.unit_of[static_cast<size_t>(l)])];
-            for (int64_t j = ub; j < ue; ++j) phases.push_back(block(j));
-          }
-          phases.push_back(block(l));
-        }
-      }
-    }
+    // ZeRO-3 (weight_units.h): one all-gather of a unit's weights per gather the step's phases
+    // take from empty buffers, prefetch included.
+    const std::vector<std::vector<int>> phases = zero3_step_phases(cfg, layout);
     std::vector<int64_t> gathers(layout.groups.size(), 0);
     WeightUnits::count_gathers(phases, gathers);
     for (size_t g = 0; g < gathers.size(); ++g)

@@ -66,6 +66,11 @@ struct StepVolume {
 // `onebit_compressed`: a
 // step of onebit's compressed phase; `onebit_gather_variance`: one that first all-gathers the
 // frozen variance (distributed optimizer, OnebitAdam::gathers_variance).
+// ZeRO-3: the weight groups each phase of one training step reads, in the schedule's order on this
+// rank (Gpt's phases: the embedding, each block's forward, recomputation and backward, the head;
+// weight_units.h), the order WeightUnits prefetches in and the prediction replays.
+std::vector<std::vector<int>> zero3_step_phases(const Config& cfg, const ParamLayout& layout);
+
 StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, bool onebit_compressed = false,
                                bool onebit_gather_variance = false);
 

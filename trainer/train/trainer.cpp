@@ -189,6 +189,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   if (zero3_) {  // the model reads its weights unit by unit, gathered from the compute shards
     const void* shard = act_ == DType::F32 ? static_cast<const void*>(updater_->master_shard()) : compute_;
     units_ = std::make_unique<WeightUnits>(layout_, *be_, groups.backend(GroupKind::DP), shard, act_);
+    units_->set_step_phases(zero3_step_phases(cfg, layout_));
     model_->set_weight_source(units_.get());
   }
   group_done_ = [this](int group, int micro_batches) { grad_buffer_->group_done(group, micro_batches); };
@@ -298,7 +299,7 @@ void Trainer::load_micro_batch(DataLoader& loader, int64_t j) {
 }
 
 double Trainer::train_step(int64_t s) {
-  if (units_) units_->release_all();  // the last update changed every shard
+  if (units_) units_->release_all(/*step=*/true);  // the last update changed every shard
   // grads_ is zero here: zeroed at start-up, then after each optimizer step.
   // The step's loss is the mean over its global batch; each micro-batch's gradient is scaled so
   // the accumulated gradient, summed over the DP ranks, is that mean's gradient.
@@ -339,7 +340,7 @@ double Trainer::evaluate() {
   DataLoader loader(valid_source_, cfg_.model.seq_len, cfg_.training.micro_batch_size, groups_.coord.dp,
                     cfg_.parallel.dp);
   const int64_t micro_batches = cfg_.training.eval_steps * accum_;
-  if (units_) units_->release_all();
+  if (units_) units_->release_all(/*step=*/false);
   double total = 0.0;
   for (int64_t step = 0; step < cfg_.training.eval_steps; ++step) {  // a step's micro-batches at a time
     for (int64_t j = 0; j < accum_; ++j) load_micro_batch(loader, j);
