@@ -64,9 +64,11 @@ LAYOUTS = {
              layout(2, stage_layers=[3, 5]), layout(2, "interleaved", 2, tp=2), layout(2, dp=4),
              # ZeRO-2: the tied embedding's buckets wait for the stages' sum at the step's end;
              # interleaved, a bucket straddles two chunks written in turn.
-             layout(2, dp=2, zero=2), layout(2, "interleaved", 2, dp=2, zero=2)],
+             layout(2, dp=2, zero=2), layout(2, "interleaved", 2, dp=2, zero=2),
+             # ZeRO-3: each rank gathers its stages' units in its schedule's order (chunks interleaved).
+             layout(2, dp=2, zero=3), layout(2, "interleaved", 2, dp=2, zero=3)],
     "llama": [layout(2), layout(4, "gpipe"), layout(2, "interleaved", 2, dp=2, dist_opt=True),
-              layout(2, "gpipe", dp=2, zero=2),
+              layout(2, "gpipe", dp=2, zero=2), layout(2, "gpipe", dp=2, zero=3),
               layout(4, tp=2, sp=True), layout(2, "interleaved", 2, stage_layers=[1, 3, 2, 2])],
 }
 # bf16 gradient reduction (parallel.grad_compression "bf16"): within the tolerance

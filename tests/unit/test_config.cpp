@@ -267,8 +267,6 @@ TEST_CASE("config: derived values", "[config]") {
   }
   SECTION("zero_stage: out-of-range stages are refused, 3 where it is not available yet; 2 refuses onebit and int8") {
     CHECK(problems_of(with(with(base(), "parallel.zero_stage", 3), "parallel.dp", 2)).empty());
-    require_one(with(with(with(base(), "parallel.zero_stage", 3), "parallel.pp", 2), "training.global_batch_size", 8),
-                "parallel.zero_stage: 3: ", "not available with pipeline parallelism yet");
     require_one(with(with(base(), "parallel.zero_stage", 3), "model.moe.num_experts", 4), "parallel.zero_stage: 3: ",
                 "Mixture-of-Experts");
     require_one(with(base(), "parallel.zero_stage", 4), "parallel.zero_stage: 4: ", "must be 0");

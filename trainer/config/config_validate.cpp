@@ -345,10 +345,6 @@ void check_cross_field(const Config& c, Rules& r) {
   const ModelConfig& m = c.model;
   // ZeRO-3 runs where its units and their gathers are implemented so far.
   if (c.parallel.zero_stage == 3 && r.ok({"parallel.zero_stage"})) {
-    if (r.ok({"parallel.pp"}))
-      r.require(c.parallel.pp == 1, "parallel.zero_stage", 3,
-                fmt::format("stage 3 is not available with pipeline parallelism yet (parallel.pp {}): use stage 2, "
-                            "or parallel.pp 1", c.parallel.pp));
     if (r.ok({"model.moe.num_experts"}))
       r.require(!m.moe.enabled(), "parallel.zero_stage", 3,
                 "stage 3 is not available for Mixture-of-Experts models yet: use stage 2");

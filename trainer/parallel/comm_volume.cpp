@@ -43,10 +43,25 @@ std::vector<std::vector<int>> zero3_step_phases(const Config& cfg, const ParamLa
                                                             static_cast<int>(cfg.grad_accum_steps()));
   const Recomputation rc = Recomputation::from(cfg.training);
   std::vector<int> head{layout.head_group};  // Gpt::head_groups()
-  if (layout.output_weight() == layout.wte && layout.embedding_group != layout.head_group)
+  if (layout.output_weight() == layout.wte && layout.embedding_group >= 0 && layout.embedding_group != layout.head_group)
     head.push_back(layout.embedding_group);
+  // This rank's pipeline rank: the one whose stages (chunk c of rank r is stage c pp + r) are the
+  // layout's chunks, and which is first / last as the layout is.
+  const std::vector<int64_t> stage_layers = cfg.pipeline_stage_layers();
+  std::vector<int64_t> start(stage_layers.size() + 1, 0);
+  for (size_t s = 0; s < stage_layers.size(); ++s) start[s + 1] = start[s] + stage_layers[s];
+  size_t pp_rank = 0;
+  for (; pp_rank < static_cast<size_t>(par.pp); ++pp_rank) {
+    bool same = layout.stage.first == (pp_rank == 0) && layout.stage.last == (pp_rank + 1 == static_cast<size_t>(par.pp));
+    for (size_t c = 0; same && c < layout.stage.chunks.size(); ++c) {
+      const size_t s = c * static_cast<size_t>(par.pp) + pp_rank;
+      same = s + 1 < start.size() && layout.stage.chunks[c] == std::make_pair(start[s], start[s + 1]);
+    }
+    if (same) break;
+  }
+  TETRA_CHECK(pp_rank < static_cast<size_t>(par.pp), "the layout's chunks are no pipeline rank's");
   std::vector<std::vector<int>> phases;
-  for (const PipeAction& a : schedule.ranks.front()) {  // stage 3 runs with pp 1 (config_validate.cpp)
+  for (const PipeAction& a : schedule.ranks[pp_rank]) {
     const auto& [begin, end] = layout.stage.chunks[static_cast<size_t>(a.chunk)];
     const bool chunk_first = layout.stage.first && a.chunk == 0;
     const bool chunk_last = layout.stage.last && a.chunk + 1 == static_cast<int>(layout.stage.chunks.size());
@@ -209,7 +224,7 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
   };
   reduction(v.dp, layout_part(layout, false), par.dp, v.dp, par.grad_compression == GradCompression::BF16);
   if (par.zero_stage == 3 && par.dp > 1) {
-    // ZeRO-3 (weight_units.h): one all-gather of a unit's weights per gather the step's phases
+    // ZeRO-3 (weight_units.h): one all-gather of a unit's weights per gather this rank's phases
     // take from empty buffers, prefetch included.
     const std::vector<std::vector<int>> phases = zero3_step_phases(cfg, layout);
     std::vector<int64_t> gathers(layout.groups.size(), 0);
