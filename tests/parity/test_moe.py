@@ -56,14 +56,15 @@ MODELS = {
 # TP like the dense MLP; the distributed optimizer shards the experts over expert-DP and the rest
 # over DP. distributed_optimizer 2 is ZeRO-2 (parallel.zero_stage 2): the gradients sharded the
 # same way, reduce-scattered per micro-batch (at ep 4 expert-DP is 1: the experts' gradient is the
-# rank's own, never reduced).
+# rank's own, never reduced); 3 is ZeRO-3, the expert weights gathered over expert-DP per block.
 LAYOUTS = {
     "gpt2_moe": [(4, 1, 1, False, False), (4, 1, 2, False, False), (4, 1, 4, False, False),
                  (4, 1, 1, False, True), (4, 1, 2, False, True), (4, 1, 4, False, True),
                  (1, 2, 1, False, False), (1, 2, 1, True, False), (2, 2, 2, False, False),
-                 (2, 2, 2, True, True), (4, 1, 2, False, 2), (4, 1, 4, False, 2)],
+                 (2, 2, 2, True, True), (4, 1, 2, False, 2), (4, 1, 4, False, 2), (4, 1, 2, False, 3),
+                 (4, 1, 4, False, 3)],
     "llama_moe": [(4, 1, 1, False, False), (4, 1, 2, False, False), (4, 1, 4, False, False),
-                  (2, 2, 2, True, False), (4, 1, 2, False, 2)],
+                  (2, 2, 2, True, False), (4, 1, 2, False, 2), (4, 1, 2, False, 3)],
 }
 
 

@@ -131,7 +131,7 @@ struct LayerHarness {
   }
   // J = <out, R> + lw (aux_coeff aux + z_coeff z), the objective backward differentiates.
   double objective(const std::vector<float>& R, float lw) {
-    moe->forward(0, w.data(), h.data(), res.data(), out.data(), lw);
+    moe->forward(0, WeightView(w.data(), nullptr, sizeof(w[0])), h.data(), res.data(), out.data(), lw);
     double j = 0;
     for (int64_t i = 0; i < N * C; ++i) j += static_cast<double>(out[i]) * R[i];
     const MoeStepStats st = moe->take_stats();
@@ -141,7 +141,7 @@ struct LayerHarness {
 
 void check_forward(bool swiglu, int64_t K, std::optional<double> capacity) {
   LayerHarness t(swiglu, K, capacity);
-  t.moe->forward(0, t.w.data(), t.h.data(), t.res.data(), t.out.data(), 1.0f);
+  t.moe->forward(0, WeightView(t.w.data(), nullptr, sizeof(t.w[0])), t.h.data(), t.res.data(), t.out.data(), 1.0f);
   const Reference r = reference(t.cfg, t.layout, t.w, t.h, t.res, t.N);
   // fp32 GEMMs of length <= 16 against double: ~1e-6 relative; outputs are O(1).
   tetra_test::expect_close(t.out, r.out, {2e-5, 2e-5}, "MoE output");
@@ -162,9 +162,9 @@ void check_backward(bool swiglu, int64_t K, std::optional<double> capacity, floa
   LayerHarness t(swiglu, K, capacity);
   const std::vector<float> R = tetra_test::randn(t.N * t.C, 8, r_scale);
   const float lw = 1.0f;
-  t.moe->forward(0, t.w.data(), t.h.data(), t.res.data(), t.out.data(), lw);
+  t.moe->forward(0, WeightView(t.w.data(), nullptr, sizeof(t.w[0])), t.h.data(), t.res.data(), t.out.data(), lw);
   std::vector<float> grads(t.layout.total, 0.0f), dh(t.N * t.C);
-  t.moe->backward(0, t.w.data(), grads.data(), t.h.data(), R.data(), dh.data());
+  t.moe->backward(0, WeightView(t.w.data(), nullptr, sizeof(t.w[0])), grads.data(), t.h.data(), R.data(), dh.data());
   t.moe->take_stats();  // objective() reads the statistics of its own forward only
   // Central differences, step 1e-3 on values ~0.3-1 (small enough that no routing decision
   // flips): truncation ~1e-6, fp32 rounding of J (~10) ~ 1e-6 / 1e-3 = 1e-3 absolute; sampled
@@ -238,7 +238,7 @@ TEST_CASE("MoE degenerate router: every token to one expert, the capacity keeps 
     LayerHarness t(false, K, 1.0);
     const BlockParams& p = t.layout.blocks[0];
     for (int64_t i = 0; i < t.cfg.moe.num_experts * t.C; ++i) t.w[p.router_w + i] = 0.0f;  // equal logits
-    t.moe->forward(0, t.w.data(), t.h.data(), t.res.data(), t.out.data(), 1.0f);
+    t.moe->forward(0, WeightView(t.w.data(), nullptr, sizeof(t.w[0])), t.h.data(), t.res.data(), t.out.data(), 1.0f);
     const Reference r = reference(t.cfg, t.layout, t.w, t.h, t.res, t.N);
     tetra_test::expect_close(t.out, r.out, {2e-5, 2e-5}, "degenerate router output");
     // Ties go to the lowest experts: top-1 sends all 12 tokens to expert 0, top-2 to 0 and 1.
@@ -268,7 +268,7 @@ TEST_CASE("MoE layer in bf16 follows the fp32 reference within bf16 rounding", "
   std::vector<bf16> w(t.w.size()), h(t.h.size()), res(t.res.size()), out(t.out.size());
   for (size_t i = 0; i < w.size(); ++i) w[i] = bf16(t.w[i]);
   for (size_t i = 0; i < h.size(); ++i) h[i] = bf16(t.h[i]), res[i] = bf16(t.res[i]);
-  t.moe->forward(0, w.data(), h.data(), res.data(), out.data(), 1.0f);
+  t.moe->forward(0, WeightView(w.data(), nullptr, sizeof(w[0])), h.data(), res.data(), out.data(), 1.0f);
   const Reference r = reference(t.cfg, t.layout, t.w, t.h, t.res, t.N);
   std::vector<float> got(out.size());
   for (size_t i = 0; i < out.size(); ++i) got[i] = static_cast<float>(out[i]);
@@ -277,7 +277,7 @@ TEST_CASE("MoE layer in bf16 follows the fp32 reference within bf16 rounding", "
   // Backward runs and gives finite values of the fp32 gradients' magnitude.
   std::vector<bf16> dout(out.size(), bf16(0.1f)), dh(out.size());
   std::vector<float> grads(t.layout.total, 0.0f);
-  t.moe->backward(0, w.data(), grads.data(), h.data(), dout.data(), dh.data());
+  t.moe->backward(0, WeightView(w.data(), nullptr, sizeof(w[0])), grads.data(), h.data(), dout.data(), dh.data());
   double n2 = 0;
   for (float g : grads) n2 += static_cast<double>(g) * g;
   CHECK(std::isfinite(n2));

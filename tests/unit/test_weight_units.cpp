@@ -49,7 +49,7 @@ TEST_CASE("weight units: a required group reads its gathered weights, an unrequi
   // dp 1: the shard is every group back to back, i.e. the buffer itself.
   std::vector<float> shard(static_cast<size_t>(layout.total));
   for (size_t i = 0; i < shard.size(); ++i) shard[i] = static_cast<float>(i);
-  WeightUnits units(layout, *be, *dp, shard.data(), DType::F32);
+  WeightUnits units(layout, *be, *dp, *dp, shard.data(), DType::F32);
   units.set_step_phases({{layout.embedding_group}, {layout.layer_group[0]}});
   units.release_all(/*step=*/true);
   units.require({layout.embedding_group});

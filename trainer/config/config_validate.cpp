@@ -345,9 +345,6 @@ void check_cross_field(const Config& c, Rules& r) {
   const ModelConfig& m = c.model;
   // ZeRO-3 runs where its units and their gathers are implemented so far.
   if (c.parallel.zero_stage == 3 && r.ok({"parallel.zero_stage"})) {
-    if (r.ok({"model.moe.num_experts"}))
-      r.require(!m.moe.enabled(), "parallel.zero_stage", 3,
-                "stage 3 is not available for Mixture-of-Experts models yet: use stage 2");
     const bool samples = !c.sample.prompt.empty() && !c.data.tokenizer.empty() && c.training.eval_steps > 0;
     r.require(!samples, "parallel.zero_stage", 3,
               "stage 3 does not generate text samples yet (sample.prompt with data.tokenizer): remove sample.prompt "

@@ -484,6 +484,13 @@ void Gpt::qk_norm_backward(const void* weights, const GradTarget& grads, const B
   be_.copy_2d(dqkv + Q * es, row, dxk, K * es, K * es, N);
 }
 
+std::vector<int> Gpt::block_groups(int64_t l) const {
+  const BlockParams& p = layout_.blocks[static_cast<size_t>(d_.l0 + l)];
+  std::vector<int> g{layout_.layer_group[static_cast<size_t>(d_.l0 + l)]};
+  if (p.moe && p.expert_group >= 0) g.push_back(p.expert_group);
+  return g;
+}
+
 std::vector<int> Gpt::head_groups() const {
   std::vector<int> g{layout_.head_group};
   const int out = layout_.output_weight() == layout_.wte ? layout_.embedding_group : -1;  // tied
@@ -492,7 +499,7 @@ std::vector<int> Gpt::head_groups() const {
 }
 
 void Gpt::forward_layer(const void* weights, int64_t slot, int64_t l, bool recompute) {
-  require({layout_.layer_group[static_cast<size_t>(d_.l0 + l)]});
+  require(block_groups(l));
   const ModelDims& d = d_;
   const int64_t Ns = d.Ns;
   const DType t = act_;
@@ -522,7 +529,7 @@ void Gpt::forward_layer(const void* weights, int64_t slot, int64_t l, bool recom
     if (recompute) return;
     const void* h2 = tp.copy_to_region(a.lnfull, s.ln2);
     void* y = tp.product_target(sl.res[l + 1], a.dfull);
-    moe_->forward(d.l0 + l, weights, h2, tp.residual_in_product() ? s.res_mid : nullptr, y, moe_loss_weight_, slot);
+    moe_->forward(d.l0 + l, WeightView(weights, weights_, dtype_size(act_)), h2, tp.residual_in_product() ? s.res_mid : nullptr, y, moe_loss_weight_, slot);
     tp.reduce_from_region(sl.res[l + 1], y, s.res_mid);
     return;
   }
@@ -603,7 +610,7 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
       const auto& [begin, end] = units_.units[static_cast<size_t>(units_.unit_of[static_cast<size_t>(l)])];
       for (int64_t j = begin; j < end; ++j) forward_layer(weights, slot, j, /*recompute=*/true);
     }
-    require({layout_.layer_group[static_cast<size_t>(d.l0 + l)]});
+    require(block_groups(l));
     // Selective recomputation, just before each output is read (a fully recomputed layer has them all).
     const bool full = units_.full(l);
     const bool re_norm = rc_.norm && !full, re_act = rc_.act && !full, re_attn = rc_.core_attn && !full;
@@ -616,7 +623,7 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
     // MLP: res[l+1] = res_mid + act W_p^T + b; g's backward gives every row's gradient.
     const void* dout = tp.reduce_from_region_backward(a.dfull, a.dres);
     if (p.moe) {
-      moe_->backward(d.l0 + l, weights, g, norm2_input(), dout, dx, slot);
+      moe_->backward(d.l0 + l, WeightView(weights, weights_, dtype_size(act_)), g, norm2_input(), dout, dx, slot);
       done(p.expert_group);
       tp.copy_to_region_backward(a.dc, dx);
     } else {

@@ -208,6 +208,7 @@ class Gpt {
     if (weights_) weights_->require(groups);
   }
   std::vector<int> head_groups() const;  // the final norm's and output layer's groups
+  std::vector<int> block_groups(int64_t l) const;  // block l's group, and its experts' (MoE)
   int64_t loss_chunk_ = 0;       // rows per chunk of the fused output layer and loss (0: unfused)
   size_t arena_bytes_ = 0;
   BackendBuffer arena_;

@@ -348,12 +348,12 @@ MoeStepStats MoeLayers::take_stats() {
   return out;
 }
 
-void MoeLayers::experts_forward(Layer& s, const BlockParams& p, const void* weights) {
+void MoeLayers::experts_forward(Layer& s, const BlockParams& p, const WeightView& weights) {
   const auto t0 = std::chrono::steady_clock::now();
   const size_t es = dtype_size(act_);
   auto w = [&](int64_t offset, int64_t j, int64_t per_expert) -> const void* {
     if (offset < 0) return nullptr;
-    return static_cast<const char*>(weights) + static_cast<size_t>(offset + j * per_expert) * es;
+    return weights(offset + j * per_expert);
   };
   char* x = static_cast<char*>(s.x_exp);
   char* fc = static_cast<char*>(s.fc);
@@ -385,11 +385,11 @@ void MoeLayers::experts_forward(Layer& s, const BlockParams& p, const void* weig
   stats_.expert_s += since(t0);
 }
 
-void MoeLayers::experts_backward(Layer& s, const BlockParams& p, const void* weights, const GradTarget& grads) {
+void MoeLayers::experts_backward(Layer& s, const BlockParams& p, const WeightView& weights, const GradTarget& grads) {
   const auto t0 = std::chrono::steady_clock::now();
   const size_t es = dtype_size(act_);
   auto w = [&](int64_t offset, int64_t j, int64_t per_expert) -> const void* {
-    return static_cast<const char*>(weights) + static_cast<size_t>(offset + j * per_expert) * es;
+    return weights(offset + j * per_expert);
   };
   auto g = [&](int64_t offset, int64_t j, int64_t per_expert) -> float* {
     return offset < 0 ? nullptr : grads(offset + j * per_expert);
@@ -442,14 +442,14 @@ void MoeLayers::experts_backward(Layer& s, const BlockParams& p, const void* wei
   stats_.expert_s += since(t0);
 }
 
-void MoeLayers::forward(int64_t l, const void* weights, const void* h, const void* residual, void* out,
+void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, const void* residual, void* out,
                         float loss_weight, int64_t slot) {
   Layer& s = layer(slot, l);
   const BlockParams& p = layout_.blocks[l];
   const size_t es = dtype_size(act_);
   s.loss_weight = loss_weight;
   // Router: fp32 logits, softmax, top-K.
-  be_.gemm(false, true, N_, E_, C_, 1.0f, h, C_, static_cast<const char*>(weights) + p.router_w * es, C_, act_,
+  be_.gemm(false, true, N_, E_, C_, 1.0f, h, C_, weights(p.router_w), C_, act_,
            0.0f, s.logits, E_, DType::F32);
   be_.moe_router_forward(s.probs, s.lse, s.topk_idx, s.topk_prob, s.logits, N_, E_, K_);
   std::vector<int32_t>& idx = sc_->h_idx;
@@ -505,7 +505,7 @@ void MoeLayers::forward(int64_t l, const void* weights, const void* h, const voi
   }
 }
 
-void MoeLayers::backward(int64_t l, const void* weights, const GradTarget& grads, const void* h, const void* dout, void* dh,
+void MoeLayers::backward(int64_t l, const WeightView& weights, const GradTarget& grads, const void* h, const void* dout, void* dh,
                          int64_t slot) {
   Layer& s = layer(slot, l);
   const BlockParams& p = layout_.blocks[l];
@@ -537,7 +537,7 @@ void MoeLayers::backward(int64_t l, const void* weights, const GradTarget& grads
   // dh += dlogits W_r (N, C) (on TP rank 0: dh is a partial sum the caller reduces over TP);
   // dW_r += dlogits^T h (E, C) (the same on every TP rank: the router is replicated).
   if (!tp_ || tp_->rank() == 0)
-    be_.gemm(false, false, N_, C_, E_, 1.0f, dl, E_, static_cast<const char*>(weights) + p.router_w * es, C_, act_,
+    be_.gemm(false, false, N_, C_, E_, 1.0f, dl, E_, weights(p.router_w), C_, act_,
              1.0f, dh, C_, act_);
   be_.gemm(true, false, E_, C_, N_, 1.0f, dl, E_, h, C_, act_, 1.0f, grads(p.router_w), C_, DType::F32);
 }

@@ -116,12 +116,12 @@ class MoeLayers {
   // (residual may be null: 0; with tp > 1 MoE(h) is this rank's partial sum). h (N, C) is kept
   // (the caller's activation) for backward. `loss_weight`: the weight of this micro-batch's mean
   // loss in the objective (0: not training; nothing is counted in the statistics).
-  void forward(int64_t l, const void* weights, const void* h, const void* residual, void* out,
+  void forward(int64_t l, const WeightView& weights, const void* h, const void* residual, void* out,
                float loss_weight, int64_t slot = 0);
   // dh (N, C) is overwritten with the gradient of MoE(h) w.r.t. h given dout (N, C) (with tp > 1
   // this rank's partial sum); parameter gradients accumulate into `grads`. The slot's last forward
   // of the block must be the one this backward is for.
-  void backward(int64_t l, const void* weights, const GradTarget& grads, const void* h, const void* dout, void* dh,
+  void backward(int64_t l, const WeightView& weights, const GradTarget& grads, const void* h, const void* dout, void* dh,
                 int64_t slot = 0);
 
   // Statistics since the last take (and reset).
@@ -130,8 +130,8 @@ class MoeLayers {
   struct Layer;  // per-block saved state (moe.cpp)
 
  private:
-  void experts_forward(Layer& s, const BlockParams& p, const void* weights);
-  void experts_backward(Layer& s, const BlockParams& p, const void* weights, const GradTarget& grads);
+  void experts_forward(Layer& s, const BlockParams& p, const WeightView& weights);
+  void experts_backward(Layer& s, const BlockParams& p, const WeightView& weights, const GradTarget& grads);
 
   const ModelConfig& cfg_;
   const ParamLayout& layout_;

@@ -19,9 +19,18 @@ size_t WeightUnits::buffer_bytes(const ParamLayout& layout, DType type) {
   return 2 * static_cast<size_t>(most) * dtype_size(type);
 }
 
-WeightUnits::WeightUnits(const ParamLayout& layout, Backend& be, Communicator& dp, const void* shard, DType type)
-    : layout_(layout), be_(be), dp_(dp), shard_(static_cast<const char*>(shard)), type_(type), es_(dtype_size(type)) {
-  TETRA_CHECK(layout.dense_groups == static_cast<int>(layout.groups.size()), "ZeRO-3 weights of a MoE layout");
+WeightUnits::WeightUnits(const ParamLayout& layout, Backend& be, Communicator& dp, Communicator& edp,
+                         const void* shard, DType type)
+    : layout_(layout),
+      be_(be),
+      dp_(dp),
+      edp_(edp),
+      shard_(static_cast<const char*>(shard)),
+      type_(type),
+      es_(dtype_size(type)) {
+  const size_t d = static_cast<size_t>(layout.dense_groups);
+  if (d > 0 && d < layout.groups.size())
+    expert_compact_ = (layout.groups[d - 1].second - layout.groups.front().first) / dp.size();
   const size_t half = buffer_bytes(layout, type) / 2;
   for (BackendBuffer& b : bufs_) b = BackendBuffer(be_, std::max<size_t>(half, 1));
 }
@@ -80,27 +89,40 @@ void WeightUnits::count_gathers(const std::vector<std::vector<int>>& phases, std
 void WeightUnits::set_step_phases(std::vector<std::vector<int>> phases) { phases_ = std::move(phases); }
 
 void WeightUnits::release_all(bool step) {
-  for (auto& w : pending_)
-    if (w) dp_.wait(*w, CommOp::ALL_GATHER), w.reset();
+  for (int s = 0; s < 2; ++s) wait_slot(s);
   placer_ = Placer{};
   cursor_ = step && !phases_.empty() ? 0 : -1;
 }
 
 void WeightUnits::gather(int slot, int g, bool async) {
   const auto& [begin, end] = layout_.groups[static_cast<size_t>(g)];
-  const int64_t shard = (end - begin) / dp_.size();
-  // Group g's shard sits after every earlier group's in the compact shard.
-  const int64_t compact = (begin - layout_.groups.front().first) / dp_.size();
-  if (pending_[slot]) {  // a buffer is reused only once its last gather is in
-    dp_.wait(*pending_[slot], CommOp::ALL_GATHER);
-    pending_[slot].reset();
-  }
-  auto work = dp_.all_gather_async(bufs_[slot].get(), shard_ + static_cast<size_t>(compact) * es_, shard, type_);
-  if (async)
-    pending_[slot] = std::move(work);
-  else
-    dp_.wait(*work, CommOp::ALL_GATHER);
+  // Group g's shard sits after every earlier group's of its kind in the compact shard; the
+  // expert groups' after the dense ones', over expert-DP.
+  const bool expert = g >= layout_.dense_groups;
+  Communicator& c = expert ? edp_ : dp_;
+  const int64_t first = layout_.groups[static_cast<size_t>(expert ? layout_.dense_groups : 0)].first;
+  const int64_t shard = (end - begin) / c.size();
+  const int64_t compact = (expert ? expert_compact_ : 0) + (begin - first) / c.size();
+  wait_slot(slot);  // a buffer is reused only once its last gather is in
+  const char* mine = shard_ + static_cast<size_t>(compact) * es_;
   ++gathers_;
+  if (c.size() == 1) {  // expert-DP of 1: this rank holds its experts whole
+    be_.copy(bufs_[slot].get(), mine, static_cast<size_t>(shard) * es_);
+    return;
+  }
+  auto work = c.all_gather_async(bufs_[slot].get(), mine, shard, type_);
+  if (async) {
+    pending_[slot] = std::move(work);
+    pending_comm_[slot] = &c;
+  } else {
+    c.wait(*work, CommOp::ALL_GATHER);
+  }
+}
+
+void WeightUnits::wait_slot(int slot) {
+  if (!pending_[slot]) return;
+  pending_comm_[slot]->wait(*pending_[slot], CommOp::ALL_GATHER);
+  pending_[slot].reset();
 }
 
 void WeightUnits::require(const std::vector<int>& groups) {
@@ -111,10 +133,7 @@ void WeightUnits::require(const std::vector<int>& groups) {
   placer_.need(groups, [&](int slot, int g) { gather(slot, g, false); });
   for (int g : groups)  // prefetched ones: wait for them now
     for (int s = 0; s < 2; ++s)
-      if (g >= 0 && placer_.resident[s] == g && pending_[s]) {
-        dp_.wait(*pending_[s], CommOp::ALL_GATHER);
-        pending_[s].reset();
-      }
+      if (g >= 0 && placer_.resident[s] == g) wait_slot(s);
   if (cursor_ >= 0) {
     const size_t next = static_cast<size_t>(++cursor_);
     if (next < phases_.size()) placer_.ahead(groups, phases_[next], [&](int slot, int g) { gather(slot, g, true); });

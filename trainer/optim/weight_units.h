@@ -1,4 +1,5 @@
-// ZeRO-3's weights: the compute weights sharded over data parallelism like the optimizer state,
+// ZeRO-3's weights: the compute weights sharded over data parallelism like the optimizer state
+// (a MoE model's experts over expert-DP),
 // and each unit (a parameter group: the embedding, a block, the final norm and output layer)
 // all-gathered before the model reads it.
 //
@@ -30,9 +31,11 @@ class Work;
 
 class WeightUnits final : public WeightSource {
  public:
-  // `shard`: this rank's compute shard (the owned ranges of one bucket per group, back to back;
+  // `shard`: this rank's compute shard (the owned ranges of one bucket per group, back to back,
+  // the dense groups' over `dp` first, then a MoE model's expert groups' over expert-DP `edp`;
   // `type` elements), owned by the caller and rewritten by the optimizer between steps.
-  WeightUnits(const ParamLayout& layout, Backend& be, Communicator& dp, const void* shard, DType type);
+  WeightUnits(const ParamLayout& layout, Backend& be, Communicator& dp, Communicator& edp, const void* shard,
+              DType type);
   ~WeightUnits() override;
   WeightUnits(const WeightUnits&) = delete;
   WeightUnits& operator=(const WeightUnits&) = delete;
@@ -66,15 +69,19 @@ class WeightUnits final : public WeightSource {
   };
   int group_of(int64_t offset) const;
   void gather(int slot, int group, bool async);
+  void wait_slot(int slot);
 
   const ParamLayout& layout_;
   Backend& be_;
   Communicator& dp_;
+  Communicator& edp_;
+  int64_t expert_compact_ = 0;  // where the expert groups' shards start in the compact shard
   const char* shard_;
   DType type_;
   size_t es_;
   BackendBuffer bufs_[2];
   std::unique_ptr<Work> pending_[2];  // a prefetch's gather into the buffer, not yet waited for
+  Communicator* pending_comm_[2] = {nullptr, nullptr};  // ... and its group
   Placer placer_;
   std::vector<std::vector<int>> phases_;
   int64_t cursor_ = -1;  // the next phase of the step; -1: outside one (no prefetch)

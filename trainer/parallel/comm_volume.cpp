@@ -67,7 +67,12 @@ std::vector<std::vector<int>> zero3_step_phases(const Config& cfg, const ParamLa
     const bool chunk_last = layout.stage.last && a.chunk + 1 == static_cast<int>(layout.stage.chunks.size());
     const std::vector<bool> moe(static_cast<size_t>(end - begin), false);
     const RecomputeUnits units = plan_recompute_units(rc, end - begin, moe);
-    const auto block = [&](int64_t l) { return std::vector<int>{layout.layer_group[static_cast<size_t>(begin + l)]}; };
+    const auto block = [&](int64_t l) {  // Gpt::block_groups()
+      const BlockParams& p = layout.blocks[static_cast<size_t>(begin + l)];
+      std::vector<int> g{layout.layer_group[static_cast<size_t>(begin + l)]};
+      if (p.moe && p.expert_group >= 0) g.push_back(p.expert_group);
+      return g;
+    };
     if (a.forward) {  // Gpt::forward: the embedding, each block, the head
       if (chunk_first) phases.push_back({layout.embedding_group});
       for (int64_t l = 0; l < end - begin; ++l) phases.push_back(block(l));
@@ -229,9 +234,13 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
     const std::vector<std::vector<int>> phases = zero3_step_phases(cfg, layout);
     std::vector<int64_t> gathers(layout.groups.size(), 0);
     WeightUnits::count_gathers(phases, gathers);
-    for (size_t g = 0; g < gathers.size(); ++g)
-      if (gathers[g] > 0)
-        v.dp.add(CommOp::ALL_GATHER, gathers[g], (layout.groups[g].second - layout.groups[g].first) * act_bytes);
+    const int64_t edp = par.dp / par.ep;  // a MoE model's experts gather over expert-DP (none at 1)
+    for (size_t g = 0; g < gathers.size(); ++g) {
+      const bool expert = static_cast<int>(g) >= layout.dense_groups;
+      if (gathers[g] > 0 && (!expert || edp > 1))
+        (expert ? v.edp : v.dp)
+            .add(CommOp::ALL_GATHER, gathers[g], (layout.groups[g].second - layout.groups[g].first) * act_bytes);
+    }
   }
   if (par.dp > 1) v.dp.add(CommOp::ALL_REDUCE, 1, 4);  // the step's loss
   const MoeConfig& moe = cfg.model.moe;

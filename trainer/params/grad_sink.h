@@ -34,6 +34,21 @@ class WeightSource {
   virtual const void* at(int64_t offset) = 0;
 };
 
+// Where a forward or backward reads its weights: the whole buffer of `type` at the layout's
+// offsets, or a source.
+struct WeightView {
+  WeightView(const void* whole_buffer, WeightSource* weight_source, size_t element_size)
+      : whole(static_cast<const char*>(whole_buffer)), source(weight_source), es(element_size) {}
+  const char* whole;
+  WeightSource* source;
+  size_t es;
+  // Null for an absent parameter (offset < 0); any element of a parameter (one expert's slice).
+  const void* operator()(int64_t offset) const {
+    if (offset < 0) return nullptr;
+    return source ? source->at(offset) : whole + static_cast<size_t>(offset) * es;
+  }
+};
+
 // A backward's gradient target: the whole buffer at the layout's offsets, or a sink.
 struct GradTarget {
   GradTarget(float* whole_buffer = nullptr, GradSink* grad_sink = nullptr) : whole(whole_buffer), sink(grad_sink) {}
