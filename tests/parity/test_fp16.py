@@ -78,6 +78,7 @@ DENSE_LAYOUTS = [
     ("dp2", {"dp": 2}),
     ("dp2_distopt", {"dp": 2, "distributed_optimizer": True}),
     ("dp2_zero2", {"dp": 2, "zero_stage": 2}),  # the overflow check and skip on the gradient's shards
+    ("dp2_zero3", {"dp": 2, "zero_stage": 3}),  # and the fp16 compute shard, gathered per unit
     ("dp2_bf16_wire", {"dp": 2, "grad_compression": "bf16"}),
     ("pp2", {"pp": 2}),
     ("pp2_dp2_distopt", {"pp": 2, "dp": 2, "distributed_optimizer": True}),

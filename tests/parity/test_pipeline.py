@@ -76,7 +76,8 @@ LAYOUTS = {
 # sum), with its communication predicted (half the DP bytes).
 COMPRESSION_RTOL = 5e-3
 COMPRESSION_LAYOUTS = {"gpt2": [dict(layout(2, dp=2), grad_compression="bf16"),
-                                dict(layout(2, dp=2, zero=2), grad_compression="bf16")],
+                                dict(layout(2, dp=2, zero=2), grad_compression="bf16"),
+                                dict(layout(2, dp=2, zero=3), grad_compression="bf16")],
                        "llama": [dict(layout(2, "interleaved", 2, dp=2, dist_opt=True), grad_compression="bf16")]}
 BF16_LAYOUTS = {"gpt2": [layout(2), layout(2, dp=2, dist_opt=True)], "llama": [layout(2, "interleaved", 2)]}
 
