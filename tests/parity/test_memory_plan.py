@@ -48,6 +48,7 @@ CONFIGS = [
     # ZeRO-3: the compute weights a shard too, two units gathered at a time (fp32: no compute
     # copy, the units gather the master shard).
     ("gpt2_dp2_zero3", GPT2, {"dp": 2, "zero_stage": 3}, {"global_batch_size": 8}),
+    ("gpt2_dp2_zero3_keep", GPT2, {"dp": 2, "zero_stage": 3, "reshard_after_forward": False}, {"global_batch_size": 8}),
     ("moe_dp4_ep2_zero3", MOE, {"dp": 4, "ep": 2, "zero_stage": 3}, {"global_batch_size": 16}),
     ("llama_dp2_pp2_zero3_bf16", LLAMA, {"dp": 2, "pp": 2, "zero_stage": 3}, {"precision": "bf16", "global_batch_size": 8}),
     ("llama_dp2_tp2_sp_zero3_bf16", LLAMA, {"dp": 2, "tp": 2, "sequence_parallel": True, "zero_stage": 3},

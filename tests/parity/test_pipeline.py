@@ -52,10 +52,11 @@ MODELS = {
 GLOBAL_BATCH, MICRO = 8, 2
 
 
-def layout(pp, schedule="1f1b", vp=1, dp=1, tp=1, sp=False, dist_opt=False, stage_layers=None, zero=0):
+def layout(pp, schedule="1f1b", vp=1, dp=1, tp=1, sp=False, dist_opt=False, stage_layers=None, zero=0, reshard=None):
     return {"pp": pp, "schedule": schedule, "virtual_stages": vp, "dp": dp, "tp": tp,
             "sequence_parallel": sp, "distributed_optimizer": dist_opt or zero >= 1, "zero_stage": zero,
-            **({"stage_layers": stage_layers} if stage_layers else {})}
+            **({"stage_layers": stage_layers} if stage_layers else {}),
+            **({"reshard_after_forward": reshard} if reshard is not None else {})}
 
 
 LAYOUTS = {
@@ -65,8 +66,10 @@ LAYOUTS = {
              # ZeRO-2: the tied embedding's buckets wait for the stages' sum at the step's end;
              # interleaved, a bucket straddles two chunks written in turn.
              layout(2, dp=2, zero=2), layout(2, "interleaved", 2, dp=2, zero=2),
-             # ZeRO-3: each rank gathers its stages' units in its schedule's order (chunks interleaved).
-             layout(2, dp=2, zero=3), layout(2, "interleaved", 2, dp=2, zero=3)],
+             # ZeRO-3: each rank gathers its stages' units in its schedule's order (chunks interleaved);
+             # under pp > 1 they are kept from forward to backward unless reshard_after_forward.
+             layout(2, dp=2, zero=3), layout(2, "interleaved", 2, dp=2, zero=3),
+             layout(2, dp=2, zero=3, reshard=True)],
     "llama": [layout(2), layout(4, "gpipe"), layout(2, "interleaved", 2, dp=2, dist_opt=True),
               layout(2, "gpipe", dp=2, zero=2), layout(2, "gpipe", dp=2, zero=3),
               layout(4, tp=2, sp=True), layout(2, "interleaved", 2, stage_layers=[1, 3, 2, 2])],
@@ -96,6 +99,8 @@ def name_of(model, par, precision="fp32"):
         n += "_sp"
     if par["zero_stage"] >= 2:  # 1 is "_distopt"
         n += f"_zero{par['zero_stage']}"
+    if "reshard_after_forward" in par:
+        n += "_reshard" if par["reshard_after_forward"] else "_keep"
     elif par["distributed_optimizer"]:
         n += "_distopt"
     if "stage_layers" in par:

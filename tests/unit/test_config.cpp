@@ -62,6 +62,7 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.parallel.sequence_parallel == b.parallel.sequence_parallel);
   CHECK(a.parallel.distributed_optimizer == b.parallel.distributed_optimizer);
   CHECK(a.parallel.zero_stage == b.parallel.zero_stage);
+  CHECK(a.parallel.reshard_after_forward == b.parallel.reshard_after_forward);
   CHECK(a.parallel.bucket_size == b.parallel.bucket_size);
   CHECK(a.parallel.schedule == b.parallel.schedule);
   CHECK(a.parallel.virtual_stages == b.parallel.virtual_stages);
@@ -144,7 +145,7 @@ json every_key() {
               "moe": {"num_experts": 0, "top_k": 1, "every": 2, "ffn_hidden_size": 512,
                       "capacity_factor": 1.25, "aux_loss_coeff": 0.02, "z_loss_coeff": 0.001}},
     "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "order": "tp-pp-dp",
-                 "sequence_parallel": true, "distributed_optimizer": true, "zero_stage": 1, "bucket_size": 1000,
+                 "sequence_parallel": true, "distributed_optimizer": true, "zero_stage": 1, "reshard_after_forward": false, "bucket_size": 1000,
                  "schedule": "gpipe", "virtual_stages": 1, "stage_layers": [4],
                  "grad_compression": "bf16", "onebit_warmup_steps": 7},
     "training": {"device": "cpu", "precision": "fp16", "loss_scale": 0.0, "initial_loss_scale": 1024.0,

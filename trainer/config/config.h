@@ -285,6 +285,11 @@ struct ParallelConfig {
   // ZeRO stage over dp: 0 none, 1 the optimizer state (= distributed_optimizer), 2 the gradients
   // too, 3 the compute weights too (gathered per parameter group). Resolved together: distributed_optimizer true means at least 1, a stage >= 1 sets it.
   int64_t zero_stage = 0;
+  // ZeRO-3: whether a unit's gathered weights are freed after its forward (and gathered again for
+  // its backward) or kept until the step's end. Unset (null): true, and false under pp > 1, where
+  // several micro-batches are in flight between their forwards and backwards (torchtitan's rule).
+  std::optional<bool> reshard_after_forward;
+  bool reshards_after_forward() const { return reshard_after_forward.value_or(pp == 1); }
   // The gradient buckets' size: ZeRO-3 reduces (and gathers) each parameter group on its own.
   int64_t gradient_bucket_size() const { return zero_stage == 3 ? 1 : bucket_size; }
   int64_t bucket_size = 40000000;      // parameters per gradient bucket (Megatron's

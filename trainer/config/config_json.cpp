@@ -77,6 +77,7 @@ void visit_parallel(P& p, V& v) {
   v.boolean("sequence_parallel", p.sequence_parallel);
   v.boolean("distributed_optimizer", p.distributed_optimizer);
   v.integer("zero_stage", p.zero_stage);
+  v.optional_boolean("reshard_after_forward", p.reshard_after_forward);
   v.integer("bucket_size", p.bucket_size);
   v.choice("schedule", p.schedule);
   v.integer("virtual_stages", p.virtual_stages);
@@ -390,6 +391,18 @@ class SectionReader {
     sub.report_unknown_keys();
   }
 
+  // true, false, or null (unset: the default's rule decides).
+  void optional_boolean(const char* key, std::optional<bool>& out) {
+    const json* v = find(key);
+    if (!v) return;
+    if (v->is_null())
+      out.reset();
+    else if (v->is_boolean())
+      out = v->get<bool>();
+    else
+      problems_.add(path(key), show(*v), "expected true, false or null, got " + type_phrase(*v));
+  }
+
   void boolean(const char* key, bool& out) {
     const json* v = find(key);
     if (!v) return;
@@ -577,6 +590,7 @@ class SectionWriter {
   void integer(const char* key, const uint64_t& v) { out_[key] = v; }
   void number(const char* key, const double& v) { out_[key] = v; }
   void boolean(const char* key, const bool& v) { out_[key] = v; }
+  void optional_boolean(const char* key, const std::optional<bool>& v) { out_[key] = v ? json(*v) : json(nullptr); }
   void optional_number(const char* key, const std::optional<double>& v) {
     out_[key] = v ? json(*v) : json(nullptr);
   }

@@ -13,26 +13,38 @@ bool contains(const std::vector<int>& v, int g) { return std::find(v.begin(), v.
 
 }  // namespace
 
-size_t WeightUnits::buffer_bytes(const ParamLayout& layout, DType type) {
-  int64_t most = 0;
-  for (const auto& [begin, end] : layout.groups) most = std::max(most, end - begin);
-  return 2 * static_cast<size_t>(most) * dtype_size(type);
+size_t WeightUnits::buffer_bytes(const ParamLayout& layout, DType type, bool keep) {
+  int64_t most = 0, all = 0;
+  for (const auto& [begin, end] : layout.groups) {
+    most = std::max(most, end - begin);
+    all += end - begin;
+  }
+  return static_cast<size_t>(keep ? all : 2 * most) * dtype_size(type);
 }
 
 WeightUnits::WeightUnits(const ParamLayout& layout, Backend& be, Communicator& dp, Communicator& edp,
-                         const void* shard, DType type)
+                         const void* shard, DType type, bool keep)
     : layout_(layout),
       be_(be),
       dp_(dp),
       edp_(edp),
       shard_(static_cast<const char*>(shard)),
       type_(type),
-      es_(dtype_size(type)) {
+      es_(dtype_size(type)),
+      keep_(keep) {
   const size_t d = static_cast<size_t>(layout.dense_groups);
   if (d > 0 && d < layout.groups.size())
     expert_compact_ = (layout.groups[d - 1].second - layout.groups.front().first) / dp.size();
-  const size_t half = buffer_bytes(layout, type) / 2;
-  for (BackendBuffer& b : bufs_) b = BackendBuffer(be_, std::max<size_t>(half, 1));
+  if (keep_) {
+    for (const auto& [begin, end] : layout.groups)
+      bufs_.emplace_back(be_, std::max<size_t>(static_cast<size_t>(end - begin) * es_, 1));
+    placer_.kept.assign(layout.groups.size(), 0);
+  } else {
+    const size_t half = buffer_bytes(layout, type) / 2;
+    for (int i = 0; i < 2; ++i) bufs_.emplace_back(be_, std::max<size_t>(half, 1));
+  }
+  pending_.resize(bufs_.size());
+  pending_comm_.assign(bufs_.size(), nullptr);
 }
 
 WeightUnits::~WeightUnits() {
@@ -44,6 +56,14 @@ WeightUnits::~WeightUnits() {
 // for each gather.
 template <class Load>
 void WeightUnits::Placer::need(const std::vector<int>& groups, Load load) {
+  if (!kept.empty()) {  // keep mode: each group in its own buffer, gathered once a step
+    for (int g : groups)
+      if (g >= 0 && !kept[static_cast<size_t>(g)]) {
+        kept[static_cast<size_t>(g)] = 1;
+        load(g, g);
+      }
+    return;
+  }
   TETRA_CHECK(groups.size() <= 2, "a phase reads {} weight groups; two are held at once", groups.size());
   ++clock;
   for (int g : groups) {
@@ -61,6 +81,10 @@ void WeightUnits::Placer::need(const std::vector<int>& groups, Load load) {
 
 template <class Load>
 void WeightUnits::Placer::ahead(const std::vector<int>& current, const std::vector<int>& next, Load load) {
+  if (!kept.empty()) {
+    need(next, load);
+    return;
+  }
   for (int g : next) {
     if (g < 0 || resident[0] == g || resident[1] == g) continue;
     // Only into a buffer the current phase does not read (it is being computed with) and the
@@ -77,8 +101,9 @@ void WeightUnits::Placer::ahead(const std::vector<int>& current, const std::vect
   }
 }
 
-void WeightUnits::count_gathers(const std::vector<std::vector<int>>& phases, std::vector<int64_t>& out) {
+void WeightUnits::count_gathers(const std::vector<std::vector<int>>& phases, std::vector<int64_t>& out, bool keep) {
   Placer p;
+  if (keep) p.kept.assign(out.size(), 0);
   const auto count = [&](int, int g) { ++out.at(static_cast<size_t>(g)); };
   for (size_t i = 0; i < phases.size(); ++i) {
     p.need(phases[i], count);
@@ -89,8 +114,9 @@ void WeightUnits::count_gathers(const std::vector<std::vector<int>>& phases, std
 void WeightUnits::set_step_phases(std::vector<std::vector<int>> phases) { phases_ = std::move(phases); }
 
 void WeightUnits::release_all(bool step) {
-  for (int s = 0; s < 2; ++s) wait_slot(s);
+  for (size_t s = 0; s < bufs_.size(); ++s) wait_slot(static_cast<int>(s));
   placer_ = Placer{};
+  if (keep_) placer_.kept.assign(layout_.groups.size(), 0);
   cursor_ = step && !phases_.empty() ? 0 : -1;
 }
 
@@ -132,8 +158,7 @@ void WeightUnits::require(const std::vector<int>& groups) {
   }
   placer_.need(groups, [&](int slot, int g) { gather(slot, g, false); });
   for (int g : groups)  // prefetched ones: wait for them now
-    for (int s = 0; s < 2; ++s)
-      if (g >= 0 && placer_.resident[s] == g) wait_slot(s);
+    if (g >= 0) wait_slot(slot_of(g));
   if (cursor_ >= 0) {
     const size_t next = static_cast<size_t>(++cursor_);
     if (next < phases_.size()) placer_.ahead(groups, phases_[next], [&](int slot, int g) { gather(slot, g, true); });
@@ -148,9 +173,14 @@ int WeightUnits::group_of(int64_t offset) const {
   return static_cast<int>(std::prev(it) - groups.begin());
 }
 
+int WeightUnits::slot_of(int g) const {
+  if (keep_) return placer_.kept[static_cast<size_t>(g)] ? g : -1;
+  return placer_.resident[0] == g ? 0 : placer_.resident[1] == g ? 1 : -1;
+}
+
 const void* WeightUnits::at(int64_t offset) {
   const int g = group_of(offset);
-  const int slot = placer_.resident[0] == g ? 0 : placer_.resident[1] == g ? 1 : -1;
+  const int slot = slot_of(g);
   TETRA_CHECK(slot >= 0 && !pending_[slot], "weights of group {} read without being required", g);
   return static_cast<const char*>(bufs_[slot].get()) +
          static_cast<size_t>(offset - layout_.groups[static_cast<size_t>(g)].first) * es_;

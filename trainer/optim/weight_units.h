@@ -34,8 +34,10 @@ class WeightUnits final : public WeightSource {
   // `shard`: this rank's compute shard (the owned ranges of one bucket per group, back to back,
   // the dense groups' over `dp` first, then a MoE model's expert groups' over expert-DP `edp`;
   // `type` elements), owned by the caller and rewritten by the optimizer between steps.
+  // `keep` (parallel.reshard_after_forward false): a group stays gathered from its first use until
+  // the step's end (a buffer per group: the stage's whole compute weights), not two at a time.
   WeightUnits(const ParamLayout& layout, Backend& be, Communicator& dp, Communicator& edp, const void* shard,
-              DType type);
+              DType type, bool keep = false);
   ~WeightUnits() override;
   WeightUnits(const WeightUnits&) = delete;
   WeightUnits& operator=(const WeightUnits&) = delete;
@@ -51,17 +53,20 @@ class WeightUnits final : public WeightSource {
   void release_all(bool step);
   int64_t gathers() const { return gathers_; }  // since construction
 
-  // Bytes of the two unit buffers for `layout` in `type`.
-  static size_t buffer_bytes(const ParamLayout& layout, DType type);
+  // Bytes of the unit buffers for `layout` in `type` (two of the largest group, or with `keep`
+  // one per group).
+  static size_t buffer_bytes(const ParamLayout& layout, DType type, bool keep = false);
   // The gathers of each group (added to `out`, one entry per group) of running a step's `phases`
   // from empty buffers, prefetch included, exactly as require() does: the prediction's count.
-  static void count_gathers(const std::vector<std::vector<int>>& phases, std::vector<int64_t>& out);
+  static void count_gathers(const std::vector<std::vector<int>>& phases, std::vector<int64_t>& out,
+                            bool keep = false);
 
  private:
   struct Placer {  // which group each buffer holds, and when each was last needed
     int resident[2] = {-1, -1};
     int64_t used[2] = {0, 0};
     int64_t clock = 0;
+    std::vector<char> kept;  // keep mode: per group, gathered this step (buffer = group)
     template <class Load>
     void need(const std::vector<int>& groups, Load load);  // make them resident (load the missing)
     template <class Load>
@@ -70,6 +75,7 @@ class WeightUnits final : public WeightSource {
   int group_of(int64_t offset) const;
   void gather(int slot, int group, bool async);
   void wait_slot(int slot);
+  int slot_of(int group) const;  // the buffer holding `group`, or -1
 
   const ParamLayout& layout_;
   Backend& be_;
@@ -79,9 +85,10 @@ class WeightUnits final : public WeightSource {
   const char* shard_;
   DType type_;
   size_t es_;
-  BackendBuffer bufs_[2];
-  std::unique_ptr<Work> pending_[2];  // a prefetch's gather into the buffer, not yet waited for
-  Communicator* pending_comm_[2] = {nullptr, nullptr};  // ... and its group
+  bool keep_;
+  std::vector<BackendBuffer> bufs_;          // two, or with keep_ one per group
+  std::vector<std::unique_ptr<Work>> pending_;  // a prefetch's gather into the buffer, not yet waited for
+  std::vector<Communicator*> pending_comm_;     // ... and its group
   Placer placer_;
   std::vector<std::vector<int>> phases_;
   int64_t cursor_ = -1;  // the next phase of the step; -1: outside one (no prefetch)

@@ -233,7 +233,7 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
     // take from empty buffers, prefetch included.
     const std::vector<std::vector<int>> phases = zero3_step_phases(cfg, layout);
     std::vector<int64_t> gathers(layout.groups.size(), 0);
-    WeightUnits::count_gathers(phases, gathers);
+    WeightUnits::count_gathers(phases, gathers, /*keep=*/!par.reshards_after_forward());
     const int64_t edp = par.dp / par.ep;  // a MoE model's experts gather over expert-DP (none at 1)
     for (size_t g = 0; g < gathers.size(); ++g) {
       const bool expert = static_cast<int>(g) >= layout.dense_groups;

@@ -66,7 +66,7 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   const bool zero3 = cfg.parallel.zero_stage == 3 && cfg.parallel.dp > 1;
   m.master = act == DType::F32 && !zero3 ? n * 4 : shard * 4;
   m.compute = act == DType::F32 ? 0 : (zero3 ? shard : n) * dtype_size(act);
-  if (zero3) m.units = WeightUnits::buffer_bytes(layout, act);
+  if (zero3) m.units = WeightUnits::buffer_bytes(layout, act, /*keep=*/!cfg.parallel.reshards_after_forward());
   m.grads = n * 4;
   const bool zero2 = cfg.parallel.zero_stage >= 2 && cfg.parallel.dp > 1;
   if (zero2) {

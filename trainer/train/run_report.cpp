@@ -165,7 +165,10 @@ std::string dry_run_report(const Config& cfg) {
     fmt::format_to(out, "  compute weights  {} ({}{})\n", mib(mem.compute), to_string(cfg.training.precision),
                    mem.units ? ", 1/dp shard" : "");
   if (mem.units)
-    fmt::format_to(out, "  weight units     {} (ZeRO-3: two parameter groups gathered at a time)\n", mib(mem.units));
+    fmt::format_to(out, "  weight units     {} (ZeRO-3: {})\n", mib(mem.units),
+                   par.reshards_after_forward() ? "two parameter groups gathered at a time"
+                                                : "every parameter group kept from its first gather to the step's end "
+                                                  "(reshard_after_forward false)");
   if (par.zero_stage >= 2 && par.dp > 1) {
     Config stage1 = cfg;
     stage1.parallel.zero_stage = 1;

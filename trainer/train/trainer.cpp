@@ -189,7 +189,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   if (zero3_) {  // the model reads its weights unit by unit, gathered from the compute shards
     const void* shard = act_ == DType::F32 ? static_cast<const void*>(updater_->master_shard()) : compute_;
     units_ = std::make_unique<WeightUnits>(layout_, *be_, groups.backend(GroupKind::DP),
-                                           groups.backend(GroupKind::EDP), shard, act_);
+                                           groups.backend(GroupKind::EDP), shard, act_,
+                                           /*keep=*/!cfg.parallel.reshards_after_forward());
     units_->set_step_phases(zero3_step_phases(cfg, layout_));
     model_->set_weight_source(units_.get());
   }
