@@ -247,6 +247,23 @@ last = open(sys.argv[2], encoding="utf-8").read().splitlines()[-1]
 assert out.startswith("the cat") and out[len("the cat"):-1].replace("\n", "\\n") == last, (out, last)
 PY
 
+# ---- bf16 under ZeRO-3: the samples read the compute shards gathered whole ------------------------
+case=train_dp2_bf16_zero3
+run5="$scratch/run_dp2_zero3"
+write_config "$scratch/dp2_zero3.json" "$run5" '"dp": 2, "zero_stage": 3' bf16
+timeout 300 "$mpirun" --oversubscribe -np 2 "$tetra" --config "$scratch/dp2_zero3.json" \
+  >"$scratch/dp2_zero3.out" 2>&1 || fail "exit $?: $(tail -5 "$scratch/dp2_zero3.out")"
+samples "$run5/train.log" >"$scratch/dp2_zero3.samples"
+[[ $(wc -l <"$scratch/dp2_zero3.samples") -eq 2 ]] || fail "samples: $(cat "$scratch/dp2_zero3.samples")"
+"$tetra" generate --config "$scratch/dp2_zero3.json" >"$scratch/gen_dp2_zero3.out" 2>&1 ||
+  fail "exit $?: $(cat "$scratch/gen_dp2_zero3.out")"
+$py - "$scratch/gen_dp2_zero3.out" "$scratch/dp2_zero3.samples" <<'PY' || fail "generate does not print the last sample"
+import sys
+out = open(sys.argv[1], encoding="utf-8").read()
+last = open(sys.argv[2], encoding="utf-8").read().splitlines()[-1]
+assert out.startswith("the cat") and out[len("the cat"):-1].replace("\n", "\\n") == last, (out, last)
+PY
+
 # ---- fp16: samples and generate compute in fp16 from the fp16 copy of the master weights ----------
 case=train_fp16
 run4="$scratch/run_fp16"

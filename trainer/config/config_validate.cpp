@@ -343,13 +343,7 @@ void resolve(Config& c, Rules& r) {
 
 void check_cross_field(const Config& c, Rules& r) {
   const ModelConfig& m = c.model;
-  // ZeRO-3 runs where its units and their gathers are implemented so far.
-  if (c.parallel.zero_stage == 3 && r.ok({"parallel.zero_stage"})) {
-    const bool samples = !c.sample.prompt.empty() && !c.data.tokenizer.empty() && c.training.eval_steps > 0;
-    r.require(!samples, "parallel.zero_stage", 3,
-              "stage 3 does not generate text samples yet (sample.prompt with data.tokenizer): remove sample.prompt "
-              "or use stage 2");
-  }
+
   if (r.ok({"model.hidden_size", "model.num_heads", "model.head_dim"})) {
     // model.head_dim given: any head size (Qwen3: 128 with hidden 1024 and 16 heads).
     const bool derived = m.head_dim == 0 || m.head_dim * m.num_heads == m.hidden_size;

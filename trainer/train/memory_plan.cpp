@@ -107,7 +107,8 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   if (samples_enabled(cfg))  // the sampling model's arena and its (T) ids and two logit rows
     m.sampling = Gpt::activation_bytes_for(cfg.model, act, 1, cfg.parallel.tp) + static_cast<size_t>(T) * 4 +
                  static_cast<size_t>(vl) * 4 +                              // its logit row
-                 (cfg.parallel.tp > 1 ? static_cast<size_t>(vl * cfg.parallel.tp) * 4 : 0);  // gathered
+                 (cfg.parallel.tp > 1 ? static_cast<size_t>(vl * cfg.parallel.tp) * 4 : 0) +  // gathered
+                 (zero3 ? n * dtype_size(act) : 0);  // ZeRO-3: the whole weights it reads, gathered
   if ((act != DType::F32 || zero3) && cfg.parallel.distributed_optimizer) {
     // The whole fp32 weights (trainer.cpp): at start-up beside everything but the activations, the
     // batch buffers and the sampling model (allocated after); at the end, when the final weights

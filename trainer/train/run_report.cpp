@@ -198,8 +198,6 @@ std::string dry_run_report(const Config& cfg) {
       std::string refused;
       if (z >= 2 && (par.grad_compression == GradCompression::ONEBIT || par.grad_compression == GradCompression::INT8))
         refused = "not with grad_compression " + std::string(to_string(par.grad_compression));
-      else if (z == 3 && samples_enabled(cfg))
-        refused = "not with samples";
       stages += fmt::format("{}{}: {}{}", z == 0 ? "" : ", ", z,
                             refused.empty() ? mib(plan_memory(c, rank_layout(c, 0)).peak()) : refused,
                             z == par.zero_stage ? " (this run)" : "");

@@ -228,6 +228,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     Communicator* tp = &groups.backend(GroupKind::TP);
     sample_model_ = std::make_unique<Gpt>(cfg.model, sample_layout_, *be_, act_, 1, tp);
     sampler_ = std::make_unique<Sampler>(*sample_model_, *be_, tp);
+    if (zero3_ && samples_enabled(cfg))
+      sample_weights_buf_ = BackendBuffer(*be_, static_cast<size_t>(layout_.total) * dtype_size(act_));
   }
   const std::string loss_scaling = updater_->describe_loss_scaling();
   if (!loss_scaling.empty()) spdlog::info("loss scaling: {}", loss_scaling);
@@ -284,7 +286,22 @@ CheckpointBuffers Trainer::checkpoint_buffers() {
 
 std::string Trainer::sample() {
   TETRA_CHECK(sampler_, "sample() without sample.prompt, data.tokenizer and training.eval_steps");
-  return generate_text(*sampler_, compute_, *tokenizer_, cfg_.sample.prompt, cfg_.sample);
+  if (!zero3_) return generate_text(*sampler_, compute_, *tokenizer_, cfg_.sample.prompt, cfg_.sample);
+  // ZeRO-3: the sampling model reads whole weights: every shard gathered into their buffer
+  // (memory_plan.h counts it with the sampling model). Not the step's traffic.
+  const CommAccounting::Paused paused(comm_);
+  const size_t es = dtype_size(act_);
+  char* whole = sample_weights_buf_.as<char>();
+  const char* shard = act_ == DType::F32 ? reinterpret_cast<const char*>(updater_->master_shard())
+                                         : static_cast<const char*>(compute_);
+  int64_t at = 0;
+  for (const GradRange& o : grad_buffer_->owned()) {
+    be_->copy(whole + static_cast<size_t>(o.offset) * es, shard + static_cast<size_t>(at) * es,
+              static_cast<size_t>(o.numel) * es);
+    at += o.numel;
+  }
+  grad_buffer_->gather_params(whole, act_);
+  return generate_text(*sampler_, whole, *tokenizer_, cfg_.sample.prompt, cfg_.sample);
 }
 
 void Trainer::load_micro_batch(DataLoader& loader, int64_t j) {

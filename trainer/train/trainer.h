@@ -114,7 +114,8 @@ class Trainer {
 
   std::unique_ptr<PipelineModel> model_;
   bool zero3_ = false;                   // parallel.zero_stage 3 over dp > 1
-  std::unique_ptr<WeightUnits> units_;   // ZeRO-3: the gathered weight units  // this rank's model chunks and pipeline schedule
+  std::unique_ptr<WeightUnits> units_;   // ZeRO-3: the gathered weight units
+  BackendBuffer sample_weights_buf_;     // ZeRO-3 with text samples: the whole weights they read  // this rank's model chunks and pipeline schedule
   std::unique_ptr<GradBuffers> grad_buffer_;
   std::unique_ptr<Updater> updater_;
   PipelineModel::GroupReport group_done_;
