@@ -229,40 +229,33 @@ for sp in false true; do
     fail "generate from tp 2 weights: $(cat "$scratch/gen_tp2_$sp.out") vs $(cat "$scratch/gen_greedy.out")"
 done
 
-# ---- bf16 with the distributed optimizer: the fp32 master weights live in 2 DP shards ------------
-case=train_dp2_bf16_distributed_optimizer
-run3="$scratch/run_dp2"
-write_config "$scratch/dp2.json" "$run3" '"dp": 2, "distributed_optimizer": true' bf16
-timeout 300 "$mpirun" --oversubscribe -np 2 "$tetra" --config "$scratch/dp2.json" \
-  >"$scratch/dp2.out" 2>&1 || fail "exit $?: $(tail -5 "$scratch/dp2.out")"
-samples "$run3/train.log" >"$scratch/dp2.samples"
-[[ $(wc -l <"$scratch/dp2.samples") -eq 2 ]] || fail "samples: $(cat "$scratch/dp2.samples")"
-# generate rounds the exported fp32 master weights to bf16: exactly the weights the last sample was
-# computed with, if both shards were gathered into the file.
-"$tetra" generate --config "$scratch/dp2.json" >"$scratch/gen_dp2.out" 2>&1 || fail "exit $?: $(cat "$scratch/gen_dp2.out")"
-$py - "$scratch/gen_dp2.out" "$scratch/dp2.samples" <<'PY' || fail "generate does not print the last sample"
+# dp2_run <name> <parallel members>: trains on dp 2 in bf16 with samples, then checks that
+# `generate` (which rounds the exported fp32 master weights to bf16: exactly the weights the last
+# sample was computed with, if every shard was gathered into the file) prints the last sample.
+dp2_run() {
+  local name="$1" run="$scratch/run_$1"
+  write_config "$scratch/$name.json" "$run" "$2" bf16
+  timeout 300 "$mpirun" --oversubscribe -np 2 "$tetra" --config "$scratch/$name.json" \
+    >"$scratch/$name.out" 2>&1 || fail "exit $?: $(tail -5 "$scratch/$name.out")"
+  samples "$run/train.log" >"$scratch/$name.samples"
+  [[ $(wc -l <"$scratch/$name.samples") -eq 2 ]] || fail "samples: $(cat "$scratch/$name.samples")"
+  "$tetra" generate --config "$scratch/$name.json" >"$scratch/gen_$name.out" 2>&1 ||
+    fail "exit $?: $(cat "$scratch/gen_$name.out")"
+  $py - "$scratch/gen_$name.out" "$scratch/$name.samples" <<'PY' || fail "generate does not print the last sample"
 import sys
 out = open(sys.argv[1], encoding="utf-8").read()
 last = open(sys.argv[2], encoding="utf-8").read().splitlines()[-1]
 assert out.startswith("the cat") and out[len("the cat"):-1].replace("\n", "\\n") == last, (out, last)
 PY
+}
+
+# ---- bf16 with the distributed optimizer: the fp32 master weights live in 2 DP shards ------------
+case=train_dp2_bf16_distributed_optimizer
+dp2_run dp2 '"dp": 2, "distributed_optimizer": true'
 
 # ---- bf16 under ZeRO-3: the samples read the compute shards gathered whole ------------------------
 case=train_dp2_bf16_zero3
-run5="$scratch/run_dp2_zero3"
-write_config "$scratch/dp2_zero3.json" "$run5" '"dp": 2, "zero_stage": 3' bf16
-timeout 300 "$mpirun" --oversubscribe -np 2 "$tetra" --config "$scratch/dp2_zero3.json" \
-  >"$scratch/dp2_zero3.out" 2>&1 || fail "exit $?: $(tail -5 "$scratch/dp2_zero3.out")"
-samples "$run5/train.log" >"$scratch/dp2_zero3.samples"
-[[ $(wc -l <"$scratch/dp2_zero3.samples") -eq 2 ]] || fail "samples: $(cat "$scratch/dp2_zero3.samples")"
-"$tetra" generate --config "$scratch/dp2_zero3.json" >"$scratch/gen_dp2_zero3.out" 2>&1 ||
-  fail "exit $?: $(cat "$scratch/gen_dp2_zero3.out")"
-$py - "$scratch/gen_dp2_zero3.out" "$scratch/dp2_zero3.samples" <<'PY' || fail "generate does not print the last sample"
-import sys
-out = open(sys.argv[1], encoding="utf-8").read()
-last = open(sys.argv[2], encoding="utf-8").read().splitlines()[-1]
-assert out.startswith("the cat") and out[len("the cat"):-1].replace("\n", "\\n") == last, (out, last)
-PY
+dp2_run dp2_zero3 '"dp": 2, "zero_stage": 3'
 
 # ---- fp16: samples and generate compute in fp16 from the fp16 copy of the master weights ----------
 case=train_fp16
