@@ -509,7 +509,6 @@ void MoeLayers::backward(int64_t l, const WeightView& weights, const GradTarget&
                          int64_t slot) {
   Layer& s = layer(slot, l);
   const BlockParams& p = layout_.blocks[l];
-  const size_t es = dtype_size(act_);
   // Combine: dy = g dout at each kept assignment's row; the gates' gradient <dout, y>.
   be_.moe_combine_backward(sc_->dy_local, sc_->dgates, dout, s.y_local, s.pos, s.topk_prob, N_, K_, C_, act_);
   if (tp_) tp_->all_reduce(sc_->dgates, N_ * K_, DType::F32);  // y was this rank's partial sum

@@ -2,9 +2,9 @@
 
 #include <algorithm>
 
-#include "kernels/common/check.h"
 #include <spdlog/spdlog.h>
 
+#include "kernels/common/check.h"
 #include "trainer/comm/communicator.h"
 
 namespace tetra {
@@ -189,15 +189,6 @@ void GradBuffer::reduce_sp_partial(int group, float* base, int64_t origin) {
   }
 }
 
-int GradBuffer::group_of_offset(int64_t offset) const {
-  const auto& groups = layout_.groups;
-  auto it = std::upper_bound(groups.begin(), groups.end(), offset,
-                             [](int64_t o, const std::pair<int64_t, int64_t>& g) { return o < g.first; });
-  TETRA_CHECK(it != groups.begin() && offset < std::prev(it)->second,
-              "gradient offset {} lies in no parameter group of this buffer", offset);
-  return static_cast<int>(std::prev(it) - groups.begin());
-}
-
 float* GradBuffer::acquire_staging(int bucket) {
   // buckets_ runs in plan_buckets() order: staging_.own's indices are buckets_'.
   const auto own = std::find(staging_.own.begin(), staging_.own.end(), bucket);
@@ -222,10 +213,11 @@ float* GradBuffer::acquire_staging(int bucket) {
 
 float* GradBuffer::at(int64_t offset) {
   TETRA_CHECK(shard_, "GradBuffer::at: the gradient is not sharded (ZeRO-2 only)");
-  Bucket& b = buckets_[bucket_of_group_[group_of_offset(offset)]];
+  const int bucket = bucket_of_group_[layout_.group_of(offset)];
+  Bucket& b = buckets_[bucket];
   if (!dp_) return shard_ + b.compact + (offset - b.begin);  // nothing to reduce: the shard is all of it
   if (!b.staging) {
-    b.staging = acquire_staging(bucket_of_group_[group_of_offset(offset)]);
+    b.staging = acquire_staging(bucket);
     be_.memset_zero(b.staging, static_cast<size_t>(b.end - b.begin) * 4);
   }
   return b.staging + (offset - b.begin);
@@ -242,16 +234,12 @@ void GradBuffer::launch_staged(int bucket) {
   if (tp_)
     for (int g = b.first_group; g <= b.last_group; ++g) reduce_sp_partial(g, base, b.begin);
   const int64_t shard = (b.end - b.begin) / dp_->size();
-  if (bf16_wire_) {  // rounded to bf16 and reduced in bf16 (the wire is free: nothing else in flight)
-    TETRA_CHECK(in_flight_.empty(), "the bf16 wire buffer is in use");
-    be_.cast(wire_, DType::BF16, base, DType::F32, b.end - b.begin);
-    InFlight f{bucket, base,
-               dp_->reduce_scatter_async(wire_ + dp_->rank() * shard, wire_, shard, DType::BF16, ReduceOp::SUM)};
-    in_flight_.push_back(std::move(f));
-    return;
-  }
-  InFlight f{bucket, base, dp_->reduce_scatter_async(base + dp_->rank() * shard, base, shard, DType::F32, ReduceOp::SUM)};
-  in_flight_.push_back(std::move(f));
+  // bf16_wire: rounded to bf16 and reduced in bf16 (the wire is free: nothing else is in flight).
+  const DType type = bf16_wire_ ? DType::BF16 : DType::F32;
+  char* wire = bf16_wire_ ? reinterpret_cast<char*>(wire_) : reinterpret_cast<char*>(base);
+  if (bf16_wire_) be_.cast(wire_, DType::BF16, base, DType::F32, b.end - b.begin);
+  char* mine = wire + static_cast<size_t>(dp_->rank() * shard) * dtype_size(type);
+  in_flight_.push_back(InFlight{bucket, base, dp_->reduce_scatter_async(mine, wire, shard, type, ReduceOp::SUM)});
 }
 
 void GradBuffer::complete_oldest() {

@@ -148,7 +148,6 @@ class GradBuffer final : public GradSink {
   void launch_staged(int bucket);
   void complete_oldest();
   float* acquire_staging(int bucket);
-  int group_of_offset(int64_t offset) const;
   // The all-reduce over TP of `group`'s partial gradients, at `base` + (layout offset - `origin`).
   void reduce_sp_partial(int group, float* base, int64_t origin);
 

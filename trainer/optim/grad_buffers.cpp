@@ -26,7 +26,8 @@ GradBuffers::GradBuffers(const ParamLayout& layout, Backend& be, float* grads, P
                          bool tied_embeddings)
     : dense_layout_(layout_part(layout, false)),
       expert_layout_(layout_part(layout, true)),
-      dense_groups_(layout.dense_groups) {
+      dense_groups_(layout.dense_groups),
+      be_(&be) {
   // Every collective here is on backend memory (the gradients, the norms' scratch scalars).
   Communicator* tp = &groups.backend(GroupKind::TP);
   Communicator* dp = &groups.backend(GroupKind::DP);
@@ -57,7 +58,6 @@ GradBuffers::GradBuffers(const ParamLayout& layout, Backend& be, float* grads, P
                                            shard_ ? 0 : -1);
   if (groups.pp->size() > 1) {
     pp_ = &groups.backend(GroupKind::PP);
-    be_ = &be;
     scratch_buf_ = BackendBuffer(be, 64);
     scratch_ = scratch_buf_.as<float>();
   }
@@ -105,6 +105,17 @@ void GradBuffers::finish() {
 void GradBuffers::gather_params(void* params, DType type) {
   dense_->gather_params(params, type);
   if (experts_) experts_->gather_params(params, type);
+}
+
+void GradBuffers::gather_compact(void* whole, const void* compact, DType type) {
+  const size_t es = dtype_size(type);
+  int64_t at = 0;
+  for (const GradRange& o : owned_) {
+    be_->copy(static_cast<char*>(whole) + static_cast<size_t>(o.offset) * es,
+              static_cast<const char*>(compact) + static_cast<size_t>(at) * es, static_cast<size_t>(o.numel) * es);
+    at += o.numel;
+  }
+  gather_params(whole, type);
 }
 
 double GradBuffers::norm(const float* grads, double dense_scale, double expert_scale) {

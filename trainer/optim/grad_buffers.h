@@ -54,6 +54,10 @@ class GradBuffers final : public GradSink {
   GradBuffer* experts() { return experts_.get(); }  // null for a dense model
   void finish();
   void gather_params(void* params, DType type);
+  // The whole buffer `whole` (layout.total of `type`) from this rank's `compact` values (the owned
+  // ranges back to back, the optimizer state's layout) and every other rank's: each owned range
+  // copied to its offsets, then gather_params.
+  void gather_compact(void* whole, const void* compact, DType type);
   const std::vector<GradRange>& owned() const { return owned_; }
   bool sharded() const { return dense_->sharded(); }
   // The global gradient norm; the dense and expert parts' norms are first multiplied by the
@@ -72,7 +76,7 @@ class GradBuffers final : public GradSink {
   std::unique_ptr<GradNorm> dense_norm_, expert_norm_;
   std::vector<GradRange> owned_;
   Communicator* pp_ = nullptr;  // pipeline group (size > 1), for the norm
-  Backend* be_ = nullptr;
+  Backend* be_;
   BackendBuffer scratch_buf_;
   float* scratch_ = nullptr;  // scratch_buf_'s
   BackendBuffer shard_buf_;   // ZeRO-2: owns shard_

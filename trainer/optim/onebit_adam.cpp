@@ -55,14 +55,8 @@ float* OnebitAdam::host_view(const float* buf, std::vector<float>& staging) {
 void OnebitAdam::step(float* master, float* grads, double lr, void* compute, DType compute_type) {
   TETRA_CHECK(active_, "OnebitAdam::step without a data-parallel group");
   if (!v_host_) {  // the frozen variance, once per process
-    if (sharded_) {  // every rank needs every coordinate's denominator
-      int64_t at = 0;
-      for (const GradRange& r : grad_buffers_.owned()) {
-        be_.copy(v_full_ + r.offset, adam_.exp_avg_sq() + at, static_cast<size_t>(r.numel) * 4);
-        at += r.numel;
-      }
-      grad_buffers_.gather_params(v_full_, DType::F32);
-    }
+    if (sharded_)  // every rank needs every coordinate's denominator
+      grad_buffers_.gather_compact(v_full_, adam_.exp_avg_sq(), DType::F32);
     v_host_ = host_view(sharded_ ? v_full_ : adam_.exp_avg_sq(), host_v_);
   }
   // The exchanges read and write host views; the result goes back before the optimizer reads it.

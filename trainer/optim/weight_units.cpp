@@ -165,21 +165,13 @@ void WeightUnits::require(const std::vector<int>& groups) {
   }
 }
 
-int WeightUnits::group_of(int64_t offset) const {
-  const auto& groups = layout_.groups;
-  auto it = std::upper_bound(groups.begin(), groups.end(), offset,
-                             [](int64_t o, const std::pair<int64_t, int64_t>& g) { return o < g.first; });
-  TETRA_CHECK(it != groups.begin() && offset < std::prev(it)->second, "weight offset {} in no group", offset);
-  return static_cast<int>(std::prev(it) - groups.begin());
-}
-
 int WeightUnits::slot_of(int g) const {
   if (keep_) return placer_.kept[static_cast<size_t>(g)] ? g : -1;
   return placer_.resident[0] == g ? 0 : placer_.resident[1] == g ? 1 : -1;
 }
 
 const void* WeightUnits::at(int64_t offset) {
-  const int g = group_of(offset);
+  const int g = layout_.group_of(offset);
   const int slot = slot_of(g);
   TETRA_CHECK(slot >= 0 && !pending_[slot], "weights of group {} read without being required", g);
   return static_cast<const char*>(bufs_[slot].get()) +

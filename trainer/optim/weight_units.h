@@ -72,7 +72,6 @@ class WeightUnits final : public WeightSource {
     template <class Load>
     void ahead(const std::vector<int>& current, const std::vector<int>& next, Load load);  // prefetch
   };
-  int group_of(int64_t offset) const;
   void gather(int slot, int group, bool async);
   void wait_slot(int slot);
   int slot_of(int group) const;  // the buffer holding `group`, or -1

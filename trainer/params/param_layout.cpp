@@ -1,5 +1,6 @@
 #include "trainer/params/param_layout.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -251,6 +252,14 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
       }
   }
   return layout;
+}
+
+int ParamLayout::group_of(int64_t offset) const {
+  auto it = std::upper_bound(groups.begin(), groups.end(), offset,
+                             [](int64_t o, const std::pair<int64_t, int64_t>& g) { return o < g.first; });
+  TETRA_CHECK(it != groups.begin() && offset < std::prev(it)->second, "offset {} lies in no parameter group",
+              offset);
+  return static_cast<int>(std::prev(it) - groups.begin());
 }
 
 int64_t ParamLayout::count() const {

@@ -151,6 +151,8 @@ struct ParamLayout {
 
   static ParamLayout build(const ModelConfig& m, const TensorSlicing& slicing = {}, const StageSlice& stage = {});
   int64_t count() const;          // parameters (without any padding) in this rank's buffer
+  // The group holding element `offset` of the buffer (an offset in none is a bug: TETRA_CHECK).
+  int group_of(int64_t offset) const;
   int64_t matmul_count() const;   // parameters of matrix multiplies, lm_head / tied wte included
   // Matmul parameters one token goes through: experts count top_k / num_experts of theirs.
   double active_matmul_count(const ModelConfig& m) const;

@@ -38,15 +38,11 @@ void DebugDump::gradients(Backend& be, GradBuffers& grad_buffers, const float* g
     float* whole = whole_buf.as<float>();
     if (grad_buffers.shards_gradients()) {  // ZeRO-2: `grads` is the compact shard, the owned ranges back to back
       be.memset_zero(whole, static_cast<size_t>(total) * 4);
-      int64_t at = 0;
-      for (const GradRange& r : grad_buffers.owned()) {
-        be.copy(whole + r.offset, grads + at, static_cast<size_t>(r.numel) * 4);
-        at += r.numel;
-      }
+      grad_buffers.gather_compact(whole, grads, DType::F32);
     } else {
       be.copy(whole, grads, static_cast<size_t>(total) * 4);
+      grad_buffers.gather_params(whole, DType::F32);
     }
-    grad_buffers.gather_params(whole, DType::F32);
     write_(file, whole, 1.0 / loss_scale);
   } else {
     write_(file, grads, 1.0 / loss_scale);

@@ -290,17 +290,9 @@ std::string Trainer::sample() {
   // ZeRO-3: the sampling model reads whole weights: every shard gathered into their buffer
   // (memory_plan.h counts it with the sampling model). Not the step's traffic.
   const CommAccounting::Paused paused(comm_);
-  const size_t es = dtype_size(act_);
-  char* whole = sample_weights_buf_.as<char>();
-  const char* shard = act_ == DType::F32 ? reinterpret_cast<const char*>(updater_->master_shard())
-                                         : static_cast<const char*>(compute_);
-  int64_t at = 0;
-  for (const GradRange& o : grad_buffer_->owned()) {
-    be_->copy(whole + static_cast<size_t>(o.offset) * es, shard + static_cast<size_t>(at) * es,
-              static_cast<size_t>(o.numel) * es);
-    at += o.numel;
-  }
-  grad_buffer_->gather_params(whole, act_);
+  void* whole = sample_weights_buf_.get();
+  grad_buffer_->gather_compact(whole, act_ == DType::F32 ? static_cast<const void*>(updater_->master_shard()) : compute_,
+                               act_);
   return generate_text(*sampler_, whole, *tokenizer_, cfg_.sample.prompt, cfg_.sample);
 }
 

@@ -106,13 +106,7 @@ void Trainer::save_final_weights() {
     // of its shards, back to back; every DP rank takes part in gathering them.
     whole_buf = BackendBuffer(*be_, static_cast<size_t>(layout_.total) * 4);
     whole = whole_buf.as<float>();
-    const float* shard = updater_->master_shard();
-    int64_t at = 0;
-    for (const GradRange& o : grad_buffer_->owned()) {
-      be_->copy(whole + o.offset, shard + at, static_cast<size_t>(o.numel) * 4);
-      at += o.numel;
-    }
-    grad_buffer_->gather_params(whole, DType::F32);
+    grad_buffer_->gather_compact(whole, updater_->master_shard(), DType::F32);
     weights = whole;
   }
   // Global rank 0 writes, gathering the TP slices of its TP group (and the experts of its EP
