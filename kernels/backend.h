@@ -31,6 +31,23 @@ namespace tetra {
 
 enum class NormKind : uint8_t { LAYERNORM, RMSNORM };
 
+// A strided view of per-head vectors: head h's HS values of token t of sequence b start at element
+// b * seq + t * row + h * HS of p (its element type is the op's: act, or fp32 where it says so).
+struct AttnView {
+  void* p = nullptr;
+  int64_t row = 0, seq = 0;
+};
+
+// One block of attention_block_forward / _backward: q (act, NH heads) against k, v (act, NKV
+// heads); lse (fp32) holds query i of head h of sequence b at lse[(b * NH + h) * lse_ld + i].
+struct AttnBlock {
+  int64_t B = 0, Tq = 0, Tk = 0, NH = 0, NKV = 0, HS = 0;
+  bool causal = false;
+  AttnView q, k, v;
+  float* lse = nullptr;
+  int64_t lse_ld = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -100,19 +117,20 @@ class Backend {
                           const void* pre, void* dpre, DType act) = 0;
 
   // ---- embeddings ----------------------------------------------------------------------------
-  // out[b,t,:] = wte[tokens[b,t] - v0, :] + (wpe ? wpe[t, :] : 0). out (B,T,C) act; wte (Vl,C)
-  // holds the vocabulary rows [v0, v0 + Vl) (all of it: v0 = 0, Vl = V); wpe (T,C) of type w.
+  // out[b,t,:] = wte[tokens[b,t] - v0, :] + (wpe ? wpe[p(t), :] : 0), p(t) = t, or positions[t]
+  // where given (T int32 in backend memory). out (B,T,C) act; wte (Vl,C) holds the vocabulary
+  // rows [v0, v0 + Vl) (all of it: v0 = 0, Vl = V); wpe (at least max p(t) + 1 rows, C) of type w.
   // A token outside [v0, v0 + Vl) contributes a zero row (vocab-parallel embedding: the TP ranks'
   // outputs are summed); ids outside [0, V) are a caller error (checked by the data layer).
   virtual void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
                                  int64_t B, int64_t T, int64_t C, int64_t v0, int64_t Vl, DType act,
-                                 DType w) = 0;
+                                 DType w, const int32_t* positions = nullptr) = 0;
   // dwte[tokens[b,t] - v0, :] += dout[b,t,:] for tokens in [v0, v0 + Vl) (if dwte);
-  // dwpe[t,:] += dout[b,t,:] (if dwpe). Deterministic: the result must not depend on thread
-  // scheduling.
+  // dwpe[p(t),:] += dout[b,t,:] (if dwpe; positions distinct). Deterministic: the result must not
+  // depend on thread scheduling.
   virtual void embedding_backward(float* dwte, float* dwpe, const void* dout,
                                   const int32_t* tokens, int64_t B, int64_t T, int64_t C,
-                                  int64_t v0, int64_t Vl, DType act) = 0;
+                                  int64_t v0, int64_t Vl, DType act, const int32_t* positions = nullptr) = 0;
 
   // ---- normalisation -------------------------------------------------------------------------
   // LAYERNORM: out = (x - mean) * rstd * weight + bias,   rstd = 1/sqrt(var + eps)
@@ -145,13 +163,15 @@ class Backend {
   // heads, each HS wide. Query head h uses kv head h / (NH / NKV) (GQA; NKV == NH is MHA).
   //
   // RoPE (in place on the q and k parts of qkv; v untouched), position t = token index in its
-  // sequence, math::rope_* convention, inverse frequencies math::rope_inv_freq(i, HS, freqs) (a
-  // float converts to the default frequencies of that base). Backward applies the inverse
-  // rotation to the gradient.
+  // sequence, or positions[t] (T int32 in backend memory: a context-parallel rank's tokens are two
+  // distant chunks of the sequence), math::rope_* convention, inverse frequencies
+  // math::rope_inv_freq(i, HS, freqs) (a float converts to the default frequencies of that base).
+  // Backward applies the inverse rotation to the gradient.
   virtual void rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
-                            const math::RopeFreqs& freqs, DType act) = 0;
+                            const math::RopeFreqs& freqs, DType act, const int32_t* positions = nullptr) = 0;
   virtual void rope_backward(void* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                             int64_t HS, const math::RopeFreqs& freqs, DType act) = 0;
+                             int64_t HS, const math::RopeFreqs& freqs, DType act,
+                             const int32_t* positions = nullptr) = 0;
   // Causal softmax attention with scale 1/sqrt(HS). out (B, T, NH*HS) act; lse (B, NH, T) F32 is
   // the log-sum-exp of each query row's scaled scores (saved for backward). Implementations must
   // not materialise the (B, NH, T, T) score tensor.
@@ -161,6 +181,20 @@ class Backend {
   virtual void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
                                   const float* lse, int64_t B, int64_t T, int64_t NH,
                                   int64_t NKV, int64_t HS, DType act) = 0;
+
+  // Blocks of attention (context parallelism's ring attention, trainer/parallel/context_parallel.h):
+  // a sequence's causal attention computed as blocks of queries x keys that live on different
+  // ranks, merged by their log-sum-exp as flash attention merges tiles. A block is Tq queries of
+  // `q` against Tk keys and values of `k`, `v`, scale 1/sqrt(HS), every key visible, or with
+  // `causal` (Tq == Tk) key j to query i for j <= i. Query head h reads kv head h / (NH / NKV).
+  // Forward merges the block into a running result: `o` (fp32, NH heads) and `lse` hold the
+  // normalised output and log-sum-exp over the keys seen so far; with `first` there are none yet
+  // and both are overwritten. Backward, given the finished output `out` (act) and its lse: dq
+  // (fp32, NH heads), dk and dv (fp32, NKV heads) accumulate (+=) the block's gradients; dout,
+  // out are act views of NH heads. Implementations must not materialise the (Tq, Tk) scores.
+  virtual void attention_block_forward(const AttnBlock& blk, AttnView o, bool first, DType act) = 0;
+  virtual void attention_block_backward(const AttnBlock& blk, AttnView dout, AttnView out, AttnView dq,
+                                        AttnView dk, AttnView dv, DType act) = 0;
 
   // ---- loss ----------------------------------------------------------------------------------
   // Softmax cross-entropy over logits (N, V) of logits_type (F32, BF16 or F16; the math is fp32

@@ -48,10 +48,10 @@ class CpuBackend final : public Backend {
 
   void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
                          int64_t B, int64_t T, int64_t C, int64_t v0, int64_t Vl, DType act,
-                         DType w) override;
+                         DType w, const int32_t* positions = nullptr) override;
   void embedding_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens,
                           int64_t B, int64_t T, int64_t C, int64_t v0, int64_t Vl,
-                          DType act) override;
+                          DType act, const int32_t* positions = nullptr) override;
 
   void norm_forward(NormKind kind, void* out, float* mean, float* rstd, const void* x,
                     const void* weight, const void* bias, int64_t N, int64_t C, float eps,
@@ -74,14 +74,17 @@ class CpuBackend final : public Backend {
                        DType act) override;
 
   void rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
-                    const math::RopeFreqs& freqs, DType act) override;
+                    const math::RopeFreqs& freqs, DType act, const int32_t* positions = nullptr) override;
   void rope_backward(void* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
-                     const math::RopeFreqs& freqs, DType act) override;
+                     const math::RopeFreqs& freqs, DType act, const int32_t* positions = nullptr) override;
   void attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t NH,
                          int64_t NKV, int64_t HS, DType act) override;
   void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
                           const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                           int64_t HS, DType act) override;
+  void attention_block_forward(const AttnBlock& blk, AttnView o, bool first, DType act) override;
+  void attention_block_backward(const AttnBlock& blk, AttnView dout, AttnView out, AttnView dq, AttnView dk,
+                                AttnView dv, DType act) override;
 
   void cross_entropy(float* losses, void* dlogits, DType dlogits_type, const void* logits,
                      DType logits_type, const int32_t* targets, int64_t N, int64_t V,

@@ -33,16 +33,17 @@ inline int64_t slice_row(int32_t token, int64_t v0, int64_t Vl) {
   return r >= 0 && r < Vl ? r : -1;
 }
 
-// out (B, T, C) = wte[tokens - v0] (zero row outside the slice) (+ wpe[t]); wte (Vl, C),
-// wpe (T, C).
+// out (B, T, C) = wte[tokens - v0] (zero row outside the slice) (+ wpe[p(t)]); wte (Vl, C),
+// wpe (max p(t) + 1, C), p(t) = positions ? positions[t] : t.
 template <typename T, typename W>
 void embedding_forward_impl(T* out, const int32_t* tokens, const W* wte, const W* wpe, int64_t B,
-                            int64_t T_len, int64_t C, int64_t v0, int64_t Vl, int nt) {
+                            int64_t T_len, int64_t C, int64_t v0, int64_t Vl, int nt, const int32_t* positions) {
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int64_t bt = 0; bt < B * T_len; ++bt) {
     const int64_t r = slice_row(tokens[bt], v0, Vl);
     T* o = out + bt * C;
-    const W* p = wpe ? wpe + (bt % T_len) * C : nullptr;
+    const int64_t t = bt % T_len;
+    const W* p = wpe ? wpe + (positions ? positions[t] : t) * C : nullptr;
     if (r >= 0) {
       const W* e = wte + r * C;
       if (p) {
@@ -63,10 +64,11 @@ void embedding_forward_impl(T* out, const int32_t* tokens, const W* wte, const W
 }
 
 // dwte[tokens - v0, :] += dout[b,t,:] for tokens in the slice (if dwte);
-// dwpe[t, :] += sum_b dout[b,t,:] (b in order, if dwpe).
+// dwpe[p(t), :] += sum_b dout[b,t,:] (b in order, if dwpe).
 template <typename T>
 void embedding_backward_impl(float* dwte, float* dwpe, const T* dout, const int32_t* tokens,
-                             int64_t B, int64_t T_len, int64_t C, int64_t v0, int64_t Vl, int nt) {
+                             int64_t B, int64_t T_len, int64_t C, int64_t v0, int64_t Vl, int nt,
+                             const int32_t* positions) {
   if (dwte) {
     // Column ranges of 16 floats (a 64-byte line) or more, so no two threads share a cache line.
     const int64_t per_thread = math::ceil_div(C, nt);
@@ -88,7 +90,7 @@ void embedding_backward_impl(float* dwte, float* dwpe, const T* dout, const int3
   if (!dwpe) return;
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int64_t t = 0; t < T_len; ++t) {
-    float* d = dwpe + t * C;
+    float* d = dwpe + (positions ? positions[t] : t) * C;
     for (int64_t b = 0; b < B; ++b) {
       const T* g = dout + (b * T_len + t) * C;
 #pragma omp simd
@@ -101,7 +103,7 @@ void embedding_backward_impl(float* dwte, float* dwpe, const T* dout, const int3
 
 void CpuBackend::embedding_forward(void* out, const int32_t* tokens, const void* wte,
                                    const void* wpe, int64_t B, int64_t T, int64_t C, int64_t v0,
-                                   int64_t Vl, DType act, DType w) {
+                                   int64_t Vl, DType act, DType w, const int32_t* positions) {
   TETRA_CHECK(B >= 0 && T >= 0 && C > 0, "embedding_forward: bad shape B={} T={} C={}", B, T, C);
   TETRA_CHECK(v0 >= 0 && Vl > 0, "embedding_forward: bad vocabulary slice v0={} Vl={}", v0, Vl);
   const int nt = team_size(threads_);
@@ -110,21 +112,21 @@ void CpuBackend::embedding_forward(void* out, const int32_t* tokens, const void*
     with_float_type(w, "embedding", "weight type", [&](auto b) {
       using TW = decltype(b);
       embedding_forward_impl<TA, TW>(static_cast<TA*>(out), tokens, static_cast<const TW*>(wte),
-                                     static_cast<const TW*>(wpe), B, T, C, v0, Vl, nt);
+                                     static_cast<const TW*>(wpe), B, T, C, v0, Vl, nt, positions);
     });
   });
 }
 
 void CpuBackend::embedding_backward(float* dwte, float* dwpe, const void* dout,
                                     const int32_t* tokens, int64_t B, int64_t T, int64_t C,
-                                    int64_t v0, int64_t Vl, DType act) {
+                                    int64_t v0, int64_t Vl, DType act, const int32_t* positions) {
   TETRA_CHECK(B >= 0 && T >= 0 && C > 0, "embedding_backward: bad shape B={} T={} C={}", B, T, C);
   TETRA_CHECK(v0 >= 0 && Vl > 0, "embedding_backward: bad vocabulary slice v0={} Vl={}", v0, Vl);
   const int nt = team_size(threads_);
   with_float_type(act, "embedding", "activation type", [&](auto a) {
     using TA = decltype(a);
     embedding_backward_impl<TA>(dwte, dwpe, static_cast<const TA*>(dout), tokens, B, T, C, v0, Vl,
-                                nt);
+                                nt, positions);
   });
 }
 

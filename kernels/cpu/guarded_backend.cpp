@@ -139,14 +139,17 @@ class GuardedBackend final : public Backend {
     inner_->bias_backward(dbias, dout, N, OC, act);
   }
   void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int64_t B, int64_t T,
-                         int64_t C, int64_t v0, int64_t Vl, DType act, DType w) override {
-    Open o(*this, "embedding_forward", {{out, "out"}, {tokens, "tokens"}, {wte, "wte"}, {wpe, "wpe"}});
-    inner_->embedding_forward(out, tokens, wte, wpe, B, T, C, v0, Vl, act, w);
+                         int64_t C, int64_t v0, int64_t Vl, DType act, DType w,
+                         const int32_t* positions = nullptr) override {
+    Open o(*this, "embedding_forward",
+           {{out, "out"}, {tokens, "tokens"}, {wte, "wte"}, {wpe, "wpe"}, {positions, "positions"}});
+    inner_->embedding_forward(out, tokens, wte, wpe, B, T, C, v0, Vl, act, w, positions);
   }
   void embedding_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int64_t B, int64_t T,
-                          int64_t C, int64_t v0, int64_t Vl, DType act) override {
-    Open o(*this, "embedding_backward", {{dwte, "dwte"}, {dwpe, "dwpe"}, {dout, "dout"}, {tokens, "tokens"}});
-    inner_->embedding_backward(dwte, dwpe, dout, tokens, B, T, C, v0, Vl, act);
+                          int64_t C, int64_t v0, int64_t Vl, DType act, const int32_t* positions = nullptr) override {
+    Open o(*this, "embedding_backward",
+           {{dwte, "dwte"}, {dwpe, "dwpe"}, {dout, "dout"}, {tokens, "tokens"}, {positions, "positions"}});
+    inner_->embedding_backward(dwte, dwpe, dout, tokens, B, T, C, v0, Vl, act, positions);
   }
   void norm_forward(NormKind kind, void* out, float* mean, float* rstd, const void* x, const void* weight,
                     const void* bias, int64_t N, int64_t C, float eps, DType act, DType w) override {
@@ -193,14 +196,14 @@ class GuardedBackend final : public Backend {
     inner_->swiglu_backward(dx, x, dy, N, F, act);
   }
   void rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, const math::RopeFreqs& freqs,
-                    DType act) override {
-    Open o(*this, "rope_forward", {{qkv, "qkv"}});
-    inner_->rope_forward(qkv, B, T, NH, NKV, HS, freqs, act);
+                    DType act, const int32_t* positions = nullptr) override {
+    Open o(*this, "rope_forward", {{qkv, "qkv"}, {positions, "positions"}});
+    inner_->rope_forward(qkv, B, T, NH, NKV, HS, freqs, act, positions);
   }
   void rope_backward(void* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, const math::RopeFreqs& freqs,
-                     DType act) override {
-    Open o(*this, "rope_backward", {{dqkv, "dqkv"}});
-    inner_->rope_backward(dqkv, B, T, NH, NKV, HS, freqs, act);
+                     DType act, const int32_t* positions = nullptr) override {
+    Open o(*this, "rope_backward", {{dqkv, "dqkv"}, {positions, "positions"}});
+    inner_->rope_backward(dqkv, B, T, NH, NKV, HS, freqs, act, positions);
   }
   void attention_forward(void* out, float* lse, const void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                          int64_t HS, DType act) override {
@@ -211,6 +214,18 @@ class GuardedBackend final : public Backend {
                           int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, DType act) override {
     Open o(*this, "attention_backward", {{dqkv, "dqkv"}, {dout, "dout"}, {qkv, "qkv"}, {out, "out"}, {lse, "lse"}});
     inner_->attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS, act);
+  }
+  void attention_block_forward(const AttnBlock& blk, AttnView o, bool first, DType act) override {
+    Open g(*this, "attention_block_forward",
+           {{blk.q.p, "q"}, {blk.k.p, "k"}, {blk.v.p, "v"}, {blk.lse, "lse"}, {o.p, "o"}});
+    inner_->attention_block_forward(blk, o, first, act);
+  }
+  void attention_block_backward(const AttnBlock& blk, AttnView dout, AttnView out, AttnView dq, AttnView dk,
+                                AttnView dv, DType act) override {
+    Open g(*this, "attention_block_backward",
+           {{blk.q.p, "q"}, {blk.k.p, "k"}, {blk.v.p, "v"}, {blk.lse, "lse"}, {dout.p, "dout"}, {out.p, "out"},
+            {dq.p, "dq"}, {dk.p, "dk"}, {dv.p, "dv"}});
+    inner_->attention_block_backward(blk, dout, out, dq, dk, dv, act);
   }
   void cross_entropy(float* losses, void* dlogits, DType dlogits_type, const void* logits, DType logits_type,
                      const int32_t* targets, int64_t N, int64_t V, float dloss_scale) override {
@@ -344,7 +359,7 @@ class GuardedBackend final : public Backend {
     GuardedBackend& g_;
     const char* op_;
     std::unique_lock<std::mutex> lock_;
-    std::array<const Region*, 8> open_{};
+    std::array<const Region*, 12> open_{};
     int n_ = 0;
   };
 

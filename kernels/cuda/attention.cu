@@ -161,7 +161,7 @@ struct RopeInvFreqs {
 // inverse rotation (backward).
 template <typename T>
 __global__ void rope_kernel(T* qkv, int64_t pairs, int T_, int heads, int half, int64_t row,
-                            int HS, float sign, RopeInvFreqs f) {
+                            int HS, float sign, RopeInvFreqs f, const int32_t* positions) {
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < pairs;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int i = static_cast<int>(idx % half);
@@ -169,7 +169,7 @@ __global__ void rope_kernel(T* qkv, int64_t pairs, int T_, int heads, int half, 
     const int hd = static_cast<int>(rest % heads);
     const int64_t bt = rest / heads;
     const int t = static_cast<int>(bt % T_);
-    const float angle = static_cast<float>(t) * f.inv[i];
+    const float angle = static_cast<float>(positions ? positions[t] : t) * f.inv[i];
     float sn, cs;
     sincosf(angle, &sn, &cs);
     T* x = qkv + bt * row + static_cast<int64_t>(hd) * HS + i;
@@ -181,7 +181,7 @@ __global__ void rope_kernel(T* qkv, int64_t pairs, int T_, int heads, int half, 
 }
 
 void rope(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, const math::RopeFreqs& freqs,
-          DType act, float sign, cudaStream_t stream, const char* op) {
+          DType act, float sign, cudaStream_t stream, const char* op, const int32_t* positions) {
   TETRA_CHECK(B > 0 && T > 0 && NH > 0 && NKV > 0 && HS > 0,
               "{}: sizes must be positive, got B={} T={} NH={} NKV={} HS={}", op, B, T, NH, NKV,
               HS);
@@ -203,7 +203,7 @@ void rope(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, 
     using S = decltype(tag);
     rope_kernel<S><<<cuda::grid_for(pairs, 256), 256, 0, stream>>>(
         static_cast<S*>(qkv), pairs, static_cast<int>(T), static_cast<int>(NH + NKV), half,
-        (NH + 2 * NKV) * HS, static_cast<int>(HS), sign, f);
+        (NH + 2 * NKV) * HS, static_cast<int>(HS), sign, f, positions);
     TETRA_CUDA_LAUNCHED();
   });
 }
@@ -211,13 +211,13 @@ void rope(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, 
 }  // namespace
 
 void CudaBackend::rope_forward(void* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                               int64_t HS, const math::RopeFreqs& freqs, DType act) {
-  rope(qkv, B, T, NH, NKV, HS, freqs, act, 1.0f, cuda::as_stream(stream()), "rope_forward");
+                               int64_t HS, const math::RopeFreqs& freqs, DType act, const int32_t* positions) {
+  rope(qkv, B, T, NH, NKV, HS, freqs, act, 1.0f, cuda::as_stream(stream()), "rope_forward", positions);
 }
 
 void CudaBackend::rope_backward(void* dqkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                                int64_t HS, const math::RopeFreqs& freqs, DType act) {
-  rope(dqkv, B, T, NH, NKV, HS, freqs, act, -1.0f, cuda::as_stream(stream()), "rope_backward");
+                                int64_t HS, const math::RopeFreqs& freqs, DType act, const int32_t* positions) {
+  rope(dqkv, B, T, NH, NKV, HS, freqs, act, -1.0f, cuda::as_stream(stream()), "rope_backward", positions);
 }
 
 // ---- attention -------------------------------------------------------------------------------

@@ -44,11 +44,13 @@ __device__ __forceinline__ int64_t slice_row(int32_t token, int64_t v0, int64_t 
   return r >= 0 && r < Vl ? r : -1;
 }
 
-// out (n_tok, C) of T = wte[tokens - v0] (zero row outside the slice) (+ wpe[bt % T_len]).
+// out (n_tok, C) of T = wte[tokens - v0] (zero row outside the slice) (+ wpe[p], p = bt % T_len or
+// positions[bt % T_len]).
 template <typename T, typename W, int K>
 __global__ void __launch_bounds__(kThreads)
     embedding_forward_kernel(T* out, const int32_t* tokens, const W* wte, const W* wpe,
-                             int64_t n_tok, int64_t T_len, int64_t C, int64_t v0, int64_t Vl) {
+                             int64_t n_tok, int64_t T_len, int64_t C, int64_t v0, int64_t Vl,
+                             const int32_t* positions) {
   const int64_t per_row = C / K;
   const int64_t total = n_tok * per_row;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -56,17 +58,18 @@ __global__ void __launch_bounds__(kThreads)
        idx += stride) {
     const int64_t bt = idx / per_row, j = (idx - bt * per_row) * K;
     const int64_t r = slice_row(tokens[bt], v0, Vl);
+    const int64_t pos = positions ? positions[bt % T_len] : bt % T_len;
     float v[K];
     if (r >= 0) {
       cuda::load_floats<K>(wte + r * C + j, v);
       if (wpe) {
         float p[K];
-        cuda::load_floats<K>(wpe + (bt % T_len) * C + j, p);
+        cuda::load_floats<K>(wpe + pos * C + j, p);
 #pragma unroll
         for (int k = 0; k < K; ++k) v[k] += p[k];
       }
     } else if (wpe) {
-      cuda::load_floats<K>(wpe + (bt % T_len) * C + j, v);
+      cuda::load_floats<K>(wpe + pos * C + j, v);
     } else {
 #pragma unroll
       for (int k = 0; k < K; ++k) v[k] = 0.0f;
@@ -123,10 +126,11 @@ __global__ void __launch_bounds__(kRunThreads)
   cuda::store_floats<K>(d, acc);
 }
 
-// dwpe (T_len, C) += sum over b in order of dout[b, t] (B, T_len, C).
+// dwpe[p(t)] += sum over b in order of dout[b, t] (B, T_len, C), p(t) = t or positions[t].
 template <typename T, int K>
 __global__ void __launch_bounds__(kThreads)
-    embedding_dwpe_kernel(float* dwpe, const T* dout, int64_t B, int64_t T_len, int64_t C) {
+    embedding_dwpe_kernel(float* dwpe, const T* dout, int64_t B, int64_t T_len, int64_t C,
+                          const int32_t* positions) {
   const int64_t per_row = C / K;
   const int64_t total = T_len * per_row;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -134,14 +138,15 @@ __global__ void __launch_bounds__(kThreads)
        idx += stride) {
     const int64_t t = idx / per_row, j = (idx - t * per_row) * K;
     float acc[K];
-    cuda::load_floats<K>(dwpe + t * C + j, acc);
+    float* d = dwpe + (positions ? positions[t] : t) * C + j;
+    cuda::load_floats<K>(d, acc);
     for (int64_t b = 0; b < B; ++b) {
       float g[K];
       cuda::load_floats<K>(dout + (b * T_len + t) * C + j, g);
 #pragma unroll
       for (int k = 0; k < K; ++k) acc[k] += g[k];
     }
-    cuda::store_floats<K>(dwpe + t * C + j, acc);
+    cuda::store_floats<K>(d, acc);
   }
 }
 
@@ -173,7 +178,7 @@ void check_args(const char* op, int64_t B, int64_t T, int64_t C, int64_t v0, int
 
 void CudaBackend::embedding_forward(void* out, const int32_t* tokens, const void* wte,
                                     const void* wpe, int64_t B, int64_t T, int64_t C, int64_t v0,
-                                    int64_t Vl, DType act, DType w) {
+                                    int64_t Vl, DType act, DType w, const int32_t* positions) {
   check_args("embedding_forward", B, T, C, v0, Vl);
   const int64_t n = B * T;
   if (n == 0) return;
@@ -187,7 +192,7 @@ void CudaBackend::embedding_forward(void* out, const int32_t* tokens, const void
       auto launch = [&](auto kernel) {
         kernel<<<cuda::grid_for(chunks, kThreads), kThreads, 0, stream>>>(
             static_cast<TA*>(out), tokens, static_cast<const TW*>(wte), static_cast<const TW*>(wpe),
-            n, T, C, v0, Vl);
+            n, T, C, v0, Vl, positions);
       };
       if (vector)
         launch(embedding_forward_kernel<TA, TW, kVec<TA>>);
@@ -200,7 +205,7 @@ void CudaBackend::embedding_forward(void* out, const int32_t* tokens, const void
 
 void CudaBackend::embedding_backward(float* dwte, float* dwpe, const void* dout,
                                      const int32_t* tokens, int64_t B, int64_t T, int64_t C,
-                                     int64_t v0, int64_t Vl, DType act) {
+                                     int64_t v0, int64_t Vl, DType act, const int32_t* positions) {
   check_args("embedding_backward", B, T, C, v0, Vl);
   const int64_t n = B * T;
   if (n == 0) return;
@@ -249,7 +254,7 @@ void CudaBackend::embedding_backward(float* dwte, float* dwpe, const void* dout,
       const int64_t chunks = T * (vector ? C / kVec<TA> : C);
       auto launch = [&](auto kernel) {
         kernel<<<cuda::grid_for(chunks, kThreads), kThreads, 0, stream>>>(
-            dwpe, static_cast<const TA*>(dout), B, T, C);
+            dwpe, static_cast<const TA*>(dout), B, T, C, positions);
       };
       if (vector)
         launch(embedding_dwpe_kernel<TA, kVec<TA>>);

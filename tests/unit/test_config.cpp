@@ -144,7 +144,7 @@ json every_key() {
               "tie_embeddings": false, "bias": false, "qkv_bias": true, "qk_norm": true, "init_std": 0.01,
               "moe": {"num_experts": 0, "top_k": 1, "every": 2, "ffn_hidden_size": 512,
                       "capacity_factor": 1.25, "aux_loss_coeff": 0.02, "z_loss_coeff": 0.001}},
-    "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "order": "tp-pp-dp",
+    "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "cp": 1, "cp_comm": "all_gather", "order": "tp-pp-dp",
                  "sequence_parallel": true, "distributed_optimizer": true, "zero_stage": 1, "reshard_after_forward": false, "bucket_size": 1000,
                  "schedule": "gpipe", "virtual_stages": 1, "stage_layers": [4],
                  "grad_compression": "bf16", "onebit_warmup_steps": 7},

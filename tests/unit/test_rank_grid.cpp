@@ -239,7 +239,7 @@ TEST_CASE("rank grid: invalid sizes and orders are refused with the values", "[d
   CHECK_THROWS_WITH(RankGrid::build({4, 1, 1, 4, 3, "tp-dp-pp"}),
                     Contains("parallel.ep (3) must divide parallel.dp (4)"));
   CHECK_THROWS_WITH(RankGrid::build({4, 0, 1, 4, 1, "tp-dp-pp"}), Contains("parallel.tp (0) must be at least 1"));
-  CHECK_THROWS_WITH(RankGrid::build({1, 1, 1, 1, 1, "tp-pp"}), Contains("\"tp-pp\"") && Contains("tp, dp, pp"));
+  CHECK_THROWS_WITH(RankGrid::build({1, 1, 1, 1, 1, "tp-pp"}), Contains("\"tp-pp\"") && Contains("tp, cp, dp, pp"));
   CHECK_THROWS_WITH(RankGrid::build({1, 1, 1, 1, 1, "tp-tp-pp"}), Contains("\"tp-tp-pp\""));
   CHECK_THROWS_WITH(RankGrid::build({1, 1, 1, 1, 1, "tp-dp-pp-"}), Contains("\"tp-dp-pp-\""));
   CHECK_THROWS_WITH(RankGrid::build({1, 1, 1, 1, 1, "tp-dp-ep"}), Contains("\"tp-dp-ep\""));

@@ -76,6 +76,7 @@ json layout_json(const Config& cfg, int world) {
               {"pp", cfg.parallel.pp},
               {"dp", cfg.parallel.dp},
               {"ep", cfg.parallel.ep},
+              {"cp", cfg.parallel.cp},
               {"order", cfg.parallel.order},
               {"sequence_parallel", cfg.parallel.sequence_parallel},
               {"distributed_optimizer", cfg.parallel.distributed_optimizer},
@@ -196,8 +197,9 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
   const float* v = host_view(b.exp_avg_sq, static_cast<size_t>(state_numel), host_v);
 
   // Experts are replicated over expert-DP only: its first rank writes them.
-  const bool dp_writer = b.sharded || groups.coord.dp == 0;
-  const bool edp_writer = b.sharded || groups.coord.edp == 0;
+  // The CP ranks of a replica hold the same weights, like its DP ranks.
+  const bool dp_writer = b.sharded || (groups.coord.dp == 0 && groups.coord.cp == 0);
+  const bool edp_writer = b.sharded || (groups.coord.edp == 0 && groups.coord.cp == 0);
   const bool tp0 = groups.coord.tp == 0;
   std::vector<TensorView> views;
   json slices = json::array();

@@ -122,17 +122,19 @@ int TrainCommand::train(const ProcessInfo& proc, const RuntimeOptions& runtime) 
       return 0;
     }
     const tetra::ParallelConfig& par = cfg.parallel;
-    if (!tetra::dist_has_mpi() && (par.tp > 1 || par.pp > 1 || par.dp > 1 || par.ep > 1))
+    if (!tetra::dist_has_mpi() && (par.world() > 1 || par.ep > 1))
       throw tetra::InputError(fmt::format(
-          "parallel: tp {} x pp {} x dp {} (ep {}) needs several processes, but this tetra was built without "
-          "MPI and runs as one: set parallel.tp, pp, dp and ep to 1, or build it with MPI (cmake -DTETRA_MPI=ON)",
-          par.tp, par.pp, par.dp, par.ep));
+          "parallel: tp {} x cp {} x pp {} x dp {} (ep {}) needs several processes, but this tetra was built "
+          "without MPI and runs as one: set parallel.tp, cp, pp, dp and ep to 1, or build it with MPI "
+          "(cmake -DTETRA_MPI=ON)",
+          par.tp, par.cp, par.pp, par.dp, par.ep));
     tetra::GridSizes sizes;
     sizes.world = proc.size;
     sizes.tp = cfg.parallel.tp;
     sizes.pp = cfg.parallel.pp;
     sizes.dp = cfg.parallel.dp;
     sizes.ep = cfg.parallel.ep;
+    sizes.cp = cfg.parallel.cp;
     sizes.order = tetra::to_string(cfg.parallel.order);
     grid = tetra::RankGrid::build(sizes);
   } catch (const std::exception& e) {  // every rank read the same input: report once, exit 2

@@ -34,6 +34,7 @@ ProcessGroups ProcessGroups::create(const RankGrid& grid, int rank) {
   g.mp = make(GroupKind::MP);
   g.embedding = make(GroupKind::EMBEDDING);
   g.world = make(GroupKind::WORLD);
+  g.cp = make(GroupKind::CP);
   return g;
 }
 
@@ -47,6 +48,7 @@ Communicator& ProcessGroups::get(GroupKind kind) const {
     case GroupKind::MP: return *mp;
     case GroupKind::EMBEDDING: return *embedding;
     case GroupKind::WORLD: return *world;
+    case GroupKind::CP: return *cp;
   }
   throw Error("ProcessGroups::get: unknown group kind");
 }

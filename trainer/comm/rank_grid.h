@@ -1,14 +1,15 @@
-// The rank grid: which global rank holds which (tp, pp, dp) coordinate, and which ranks form each
-// process group. A pure function of the sizes and an order string — no communication — so every
-// rank computes the same grid and every group the code uses is derived from it.
+// The rank grid: which global rank holds which (tp, cp, pp, dp) coordinate, and which ranks form
+// each process group. A pure function of the sizes and an order string — no communication — so
+// every rank computes the same grid and every group the code uses is derived from it.
 //
-// Megatron's convention. world = tp x pp x dp. The order string names the three axes joined by
-// '-', fastest-varying first. With the default "tp-dp-pp":
+// Megatron's convention. world = tp x cp x pp x dp. The order string names the four axes joined
+// by '-', fastest-varying first. With the default "tp-cp-dp-pp":
 //
-//   rank = tp + TP * (dp + DP * pp)
+//   rank = tp + TP * (cp + CP * (dp + DP * pp))
 //
-// so tensor-parallel neighbours are adjacent ranks (they share a node). In general, for order
-// "a-b-c": rank = a + A * (b + B * c).
+// so tensor-parallel neighbours are adjacent ranks (they share a node), context-parallel ones
+// next. In general, for order "a-b-c-d": rank = a + A * (b + B * (c + C * d)). An order of the
+// three other axes (the spellings before context parallelism) is accepted while cp is 1.
 //
 // Expert parallelism is carved out of data parallelism: ep divides dp and the data-parallel
 // coordinate splits into an inner expert-parallel part and an outer expert-data-parallel part,
@@ -16,10 +17,14 @@
 //   ep = dp % EP,  edp = dp / EP          (dp = edp * EP + ep)
 //
 // Groups (members listed in group-rank order):
-//   TP  vary tp            (same dp, pp)        PP  vary pp   (same tp, dp)
-//   DP  vary dp            (same tp, pp)        EP  vary ep   (same tp, pp, edp)
-//   EDP vary edp           (same tp, pp, ep)    WORLD every rank, 0 .. world-1
-//   MP  model parallel: vary tp and pp (same dp), tp fastest then pp
+//   TP  vary tp            (same cp, dp, pp)    PP  vary pp   (same tp, cp, dp)
+//   CP  vary cp            (same tp, dp, pp)    EP  vary ep   (same tp, cp, pp, edp)
+//   DP  vary cp and dp, cp fastest (same tp, pp): the replicas of a dense parameter, whose
+//       gradients reduce (and whose optimizer state shards) over dp x cp (Megatron's data-parallel
+//       group "with context parallel"); the data loader uses the dp coordinate alone
+//   EDP vary cp and edp, cp fastest (same tp, pp, ep): an expert's replicas
+//   MP  model parallel: vary tp and pp (same cp, dp), tp fastest then pp
+//   WORLD every rank, 0 .. world-1
 //   EMBEDDING  the first and last pipeline stage of the rank's (tp, dp): the ranks holding the
 //       input embedding and the output projection, whose tied weights' grads are summed. One
 //       member when pp == 1. A middle stage holds no embedding: its group is itself alone, so
@@ -34,16 +39,18 @@ namespace tetra {
 
 struct GridSizes {
   int64_t world = 1, tp = 1, pp = 1, dp = 1, ep = 1;
-  std::string order = "tp-dp-pp";
+  std::string order = "tp-cp-dp-pp";
+  int64_t cp = 1;
 };
 
 struct GridCoord {
-  int tp = 0, pp = 0, dp = 0, ep = 0, edp = 0;  // ep = dp % ep_size, edp = dp / ep_size
+  int tp = 0, pp = 0, dp = 0, ep = 0, edp = 0, cp = 0;  // ep = dp % ep_size, edp = dp / ep_size
 };
 
-enum class GroupKind : uint8_t { TP, PP, DP, EP, EDP, MP, EMBEDDING, WORLD };
-constexpr int kGroupKinds = 8;
-const char* group_kind_name(GroupKind kind);  // "tp", "pp", "dp", "ep", "edp", "mp", "embedding", "world"
+enum class GroupKind : uint8_t { TP, PP, DP, EP, EDP, MP, EMBEDDING, WORLD, CP };
+constexpr int kGroupKinds = 9;
+// "tp", "pp", "dp", "ep", "edp", "mp", "embedding", "world", "cp"
+const char* group_kind_name(GroupKind kind);
 
 class RankGrid {
  public:
@@ -54,7 +61,7 @@ class RankGrid {
   int world() const { return static_cast<int>(sizes_.world); }
 
   GridCoord coord(int rank) const;
-  int rank_of(int tp, int dp, int pp) const;
+  int rank_of(int tp, int dp, int pp, int cp = 0) const;
 
   // Members (global ranks) of `rank`'s group of this kind, in group-rank order.
   std::vector<int> group(GroupKind kind, int rank) const;
@@ -62,9 +69,9 @@ class RankGrid {
   std::vector<std::vector<int>> groups(GroupKind kind) const;
 
  private:
-  enum Axis { AXIS_TP = 0, AXIS_DP = 1, AXIS_PP = 2 };
+  enum Axis { AXIS_TP = 0, AXIS_DP = 1, AXIS_PP = 2, AXIS_CP = 3 };
   GridSizes sizes_;
-  int64_t stride_[3] = {1, 1, 1};  // rank stride of each axis, indexed by Axis
+  int64_t stride_[4] = {1, 1, 1, 1};  // rank stride of each axis, indexed by Axis
 };
 
 }  // namespace tetra

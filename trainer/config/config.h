@@ -32,9 +32,14 @@ enum class Activation : uint8_t { GELU, SWIGLU };                  // model.acti
 enum class Position : uint8_t { LEARNED, ROPE };                   // model.position
 enum class RopeScaling : uint8_t { NONE, LINEAR, LLAMA3 };         // model.rope_scaling.type
 // parallel.order: the rank order, fastest-varying axis first (rank_grid.h).
-enum class RankOrder : uint8_t { TP_DP_PP, TP_PP_DP, DP_TP_PP, DP_PP_TP, PP_TP_DP, PP_DP_TP };
+// The 24 orders of the four axes; the six of three (no cp) are accepted while parallel.cp is 1.
+enum class RankOrder : uint8_t {
+  TP_CP_DP_PP, CP_DP_PP_TP, CP_DP_TP_PP, CP_PP_DP_TP, CP_PP_TP_DP, CP_TP_DP_PP, CP_TP_PP_DP, DP_CP_PP_TP, DP_CP_TP_PP, DP_PP_CP_TP, DP_PP_TP_CP, DP_TP_CP_PP, DP_TP_PP_CP, PP_CP_DP_TP, PP_CP_TP_DP, PP_DP_CP_TP, PP_DP_TP_CP, PP_TP_CP_DP, PP_TP_DP_CP, TP_CP_PP_DP, TP_DP_CP_PP, TP_DP_PP_CP, TP_PP_CP_DP, TP_PP_DP_CP, TP_DP_PP, TP_PP_DP, DP_TP_PP, DP_PP_TP, PP_TP_DP, PP_DP_TP
+};
 enum class ScheduleKind : uint8_t { GPIPE, ONE_F_ONE_B, INTERLEAVED };  // parallel.schedule
 enum class GradCompression : uint8_t { NONE, BF16, ONEBIT, INT8 };  // parallel.grad_compression
+// parallel.cp_comm: K/V passed around the CP ring while attention runs, or gathered first.
+enum class CpComm : uint8_t { P2P, ALL_GATHER };
 enum class Device : uint8_t { CPU, CUDA };                         // training.device
 enum class Precision : uint8_t { FP32, BF16, FP16 };               // training.precision
 enum class LrDecay : uint8_t { COSINE, LINEAR, CONSTANT };         // optimizer.decay
@@ -72,13 +77,45 @@ struct EnumNames<RopeScaling> {
 template <>
 struct EnumNames<RankOrder> {
   static constexpr EnumName<RankOrder> values[] = {
-      {RankOrder::TP_DP_PP, "tp-dp-pp"}, {RankOrder::TP_PP_DP, "tp-pp-dp"}, {RankOrder::DP_TP_PP, "dp-tp-pp"},
-      {RankOrder::DP_PP_TP, "dp-pp-tp"}, {RankOrder::PP_TP_DP, "pp-tp-dp"}, {RankOrder::PP_DP_TP, "pp-dp-tp"}};
+      {RankOrder::TP_CP_DP_PP, "tp-cp-dp-pp"},
+      {RankOrder::CP_DP_PP_TP, "cp-dp-pp-tp"},
+      {RankOrder::CP_DP_TP_PP, "cp-dp-tp-pp"},
+      {RankOrder::CP_PP_DP_TP, "cp-pp-dp-tp"},
+      {RankOrder::CP_PP_TP_DP, "cp-pp-tp-dp"},
+      {RankOrder::CP_TP_DP_PP, "cp-tp-dp-pp"},
+      {RankOrder::CP_TP_PP_DP, "cp-tp-pp-dp"},
+      {RankOrder::DP_CP_PP_TP, "dp-cp-pp-tp"},
+      {RankOrder::DP_CP_TP_PP, "dp-cp-tp-pp"},
+      {RankOrder::DP_PP_CP_TP, "dp-pp-cp-tp"},
+      {RankOrder::DP_PP_TP_CP, "dp-pp-tp-cp"},
+      {RankOrder::DP_TP_CP_PP, "dp-tp-cp-pp"},
+      {RankOrder::DP_TP_PP_CP, "dp-tp-pp-cp"},
+      {RankOrder::PP_CP_DP_TP, "pp-cp-dp-tp"},
+      {RankOrder::PP_CP_TP_DP, "pp-cp-tp-dp"},
+      {RankOrder::PP_DP_CP_TP, "pp-dp-cp-tp"},
+      {RankOrder::PP_DP_TP_CP, "pp-dp-tp-cp"},
+      {RankOrder::PP_TP_CP_DP, "pp-tp-cp-dp"},
+      {RankOrder::PP_TP_DP_CP, "pp-tp-dp-cp"},
+      {RankOrder::TP_CP_PP_DP, "tp-cp-pp-dp"},
+      {RankOrder::TP_DP_CP_PP, "tp-dp-cp-pp"},
+      {RankOrder::TP_DP_PP_CP, "tp-dp-pp-cp"},
+      {RankOrder::TP_PP_CP_DP, "tp-pp-cp-dp"},
+      {RankOrder::TP_PP_DP_CP, "tp-pp-dp-cp"},
+      {RankOrder::TP_DP_PP, "tp-dp-pp"},
+      {RankOrder::TP_PP_DP, "tp-pp-dp"},
+      {RankOrder::DP_TP_PP, "dp-tp-pp"},
+      {RankOrder::DP_PP_TP, "dp-pp-tp"},
+      {RankOrder::PP_TP_DP, "pp-tp-dp"},
+      {RankOrder::PP_DP_TP, "pp-dp-tp"}};
 };
 template <>
 struct EnumNames<ScheduleKind> {
   static constexpr EnumName<ScheduleKind> values[] = {
       {ScheduleKind::ONE_F_ONE_B, "1f1b"}, {ScheduleKind::INTERLEAVED, "interleaved"}, {ScheduleKind::GPIPE, "gpipe"}};
+};
+template <>
+struct EnumNames<CpComm> {
+  static constexpr EnumName<CpComm> values[] = {{CpComm::P2P, "p2p"}, {CpComm::ALL_GATHER, "all_gather"}};
 };
 template <>
 struct EnumNames<GradCompression> {
@@ -279,7 +316,9 @@ struct ParallelConfig {
   int64_t tp = 1;
   int64_t pp = 1;
   int64_t ep = 1;
-  RankOrder order = RankOrder::TP_DP_PP;  // rank order, fastest-varying axis first
+  int64_t cp = 1;  // context parallel: each sequence split over cp ranks (ring attention)
+  CpComm cp_comm = CpComm::P2P;  // how K/V reach the other CP ranks
+  RankOrder order = RankOrder::TP_CP_DP_PP;  // rank order, fastest-varying axis first
   bool sequence_parallel = false;      // norms and residual on sequence shards (needs tp > 1)
   bool distributed_optimizer = false;  // shard fp32 master weights and Adam moments over dp
   // ZeRO stage over dp: 0 none, 1 the optimizer state (= distributed_optimizer), 2 the gradients
@@ -292,6 +331,13 @@ struct ParallelConfig {
   bool reshards_after_forward() const { return reshard_after_forward.value_or(pp == 1); }
   // The gradient buckets' size: ZeRO-3 reduces (and gathers) each parameter group on its own.
   int64_t gradient_bucket_size() const { return zero_stage == 3 ? 1 : bucket_size; }
+  // The replicas of a dense parameter: its gradient reduces, and the distributed optimizer and
+  // ZeRO shard, over dp x cp (the CP ranks of a sequence see different tokens of it); an
+  // expert's over expert-DP x cp.
+  int64_t dp_cp() const { return dp * cp; }
+  int64_t edp_cp() const { return dp / ep * cp; }
+  // Every rank of the layout: tp x cp x pp x dp.
+  int64_t world() const { return tp * cp * pp * dp; }
   int64_t bucket_size = 40000000;      // parameters per gradient bucket (Megatron's
                                        // --ddp-bucket-size): reduced as soon as backward fills it
   ScheduleKind schedule = ScheduleKind::ONE_F_ONE_B;  // pipeline schedule

@@ -73,6 +73,8 @@ void visit_parallel(P& p, V& v) {
   v.integer("tp", p.tp);
   v.integer("pp", p.pp);
   v.integer("ep", p.ep);
+  v.integer("cp", p.cp);
+  v.choice("cp_comm", p.cp_comm);
   v.choice("order", p.order);
   v.boolean("sequence_parallel", p.sequence_parallel);
   v.boolean("distributed_optimizer", p.distributed_optimizer);
@@ -231,6 +233,8 @@ const std::map<std::string, std::string>& foreign_names() {
       {"router_aux_loss_coef", "model.moe.aux_loss_coeff"},
       {"moe_z_loss_coeff", "model.moe.z_loss_coeff"},
       {"data_parallel_size", "parallel.dp"},
+      {"context_parallel_size", "parallel.cp"},
+      {"cp_comm_type", "parallel.cp_comm"},
       {"sequence_parallel", "parallel.sequence_parallel"},
       {"use_distributed_optimizer", "parallel.distributed_optimizer"},
       {"ddp_bucket_size", "parallel.bucket_size"},

@@ -71,6 +71,43 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 
 // Pipeline layout: the stages must build exactly the model the config describes; uneven splits
 // are given explicitly, never implied.
+// Context parallelism: each sequence in 2 cp chunks, rank r keeping chunks r and 2 cp - 1 - r.
+void check_context_parallel(const Config& c, Rules& r) {
+  const ParallelConfig& p = c.parallel;
+  if (!r.ok({"parallel.cp"}) || p.cp == 1) return;
+  if (r.ok({"model.seq_len"}))
+    r.require(c.model.seq_len % (2 * p.cp) == 0, "parallel.cp", p.cp,
+              fmt::format("model.seq_len ({}) must be a multiple of 2 x parallel.cp ({}): each sequence is cut "
+                          "into 2 cp equal chunks, CP rank r keeping chunks r and 2 cp - 1 - r so that every "
+                          "rank does the same causal work",
+                          c.model.seq_len, 2 * p.cp));
+  const std::string order(to_string(p.order));
+  if (r.ok({"parallel.order"}))
+    r.require(order.find("cp") != std::string::npos, "parallel.order", order,
+              fmt::format("names no cp axis, but parallel.cp is {}: name all four axes, e.g. \"tp-cp-dp-pp\" "
+                          "(the default: CP between TP and DP, as in Megatron-LM)",
+                          p.cp));
+  // What would make a CP rank's result differ from the whole sequence's.
+  const MoeConfig& moe = c.model.moe;
+  if (moe.enabled() && r.ok({"model.moe.aux_loss_coeff"}))
+    r.require(moe.aux_loss_coeff == 0.0, "model.moe.aux_loss_coeff", moe.aux_loss_coeff,
+              fmt::format("the load-balancing loss is computed from each CP rank's own tokens, not yet from the "
+                          "whole sequence's, with parallel.cp {}: set it to 0 (model.moe.z_loss_coeff is exact "
+                          "under context parallelism) or parallel.cp to 1",
+                          p.cp));
+  if (moe.enabled() && moe.capacity_factor)
+    r.require(false, "model.moe.capacity_factor", *moe.capacity_factor,
+              fmt::format("expert capacity is counted over each CP rank's own tokens, not yet over the whole "
+                          "sequence's, with parallel.cp {}: use dropless routing (null) or parallel.cp 1",
+                          p.cp));
+  if (r.ok({"parallel.grad_compression"}))
+    r.require(p.grad_compression == GradCompression::NONE || p.grad_compression == GradCompression::BF16,
+              "parallel.grad_compression", p.grad_compression,
+              fmt::format("onebit and int8 are not available with context parallelism yet (parallel.cp {}): use "
+                          "\"none\" or \"bf16\"",
+                          p.cp));
+}
+
 void check_pipeline(const Config& c, Rules& r) {
   const ParallelConfig& p = c.parallel;
   if (!r.ok({"parallel.pp", "parallel.virtual_stages", "parallel.schedule", "parallel.stage_layers",
@@ -215,7 +252,8 @@ void check_ranges(const Config& c, Rules& r) {
   } degrees[] = {{"parallel.dp", c.parallel.dp, "data"},
                  {"parallel.tp", c.parallel.tp, "tensor"},
                  {"parallel.pp", c.parallel.pp, "pipeline"},
-                 {"parallel.ep", c.parallel.ep, "expert"}};
+                 {"parallel.ep", c.parallel.ep, "expert"},
+                 {"parallel.cp", c.parallel.cp, "context"}};
   for (const auto& d : degrees) r.at_least(d.path, d.value, 1);
   r.at_least("parallel.virtual_stages", c.parallel.virtual_stages, 1);
   for (size_t i = 0; i < c.parallel.stage_layers.size(); ++i)
@@ -446,13 +484,18 @@ void check_cross_field(const Config& c, Rules& r) {
     r.require(c.parallel.tp > 1, "parallel.sequence_parallel", true,
               "sequence parallelism shards the sequence over the tensor-parallel group: it needs "
               "parallel.tp > 1");
-    const int64_t rows = c.training.micro_batch_size * m.seq_len;
-    if (r.ok({"training.micro_batch_size", "model.seq_len"}) && c.parallel.tp > 1)
+    const int64_t cp = c.parallel.cp >= 1 ? c.parallel.cp : 1;
+    const int64_t rows = c.training.micro_batch_size * m.seq_len / cp;
+    if (r.ok({"training.micro_batch_size", "model.seq_len", "parallel.cp"}) && c.parallel.tp > 1)
       r.require(rows % c.parallel.tp == 0, "parallel.sequence_parallel", true,
-                fmt::format("the tokens of a micro-batch, micro_batch_size * seq_len ({} * {} = {}), "
-                            "must be a multiple of parallel.tp ({})",
-                            c.training.micro_batch_size, m.seq_len, rows, c.parallel.tp));
+                cp > 1 ? fmt::format("a CP rank's tokens of a micro-batch, micro_batch_size * seq_len / cp "
+                                     "({} * {} / {} = {}), must be a multiple of parallel.tp ({})",
+                                     c.training.micro_batch_size, m.seq_len, cp, rows, c.parallel.tp)
+                       : fmt::format("the tokens of a micro-batch, micro_batch_size * seq_len ({} * {} = {}), "
+                                     "must be a multiple of parallel.tp ({})",
+                                     c.training.micro_batch_size, m.seq_len, rows, c.parallel.tp));
   }
+  check_context_parallel(c, r);
 
   const TrainingConfig& t = c.training;
   if (r.ok({"training.global_batch_size", "training.micro_batch_size", "parallel.dp"})) {

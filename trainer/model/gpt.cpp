@@ -13,10 +13,11 @@
 namespace tetra {
 
 ModelDims ModelDims::from(const ModelConfig& m, int64_t micro_batch, int64_t tp, int64_t tp_rank,
-                          bool sequence_parallel) {
+                          bool sequence_parallel, int64_t cp) {
   ModelDims d{};
   d.B = micro_batch;
-  d.T = m.seq_len;
+  d.cp = cp;
+  d.T = m.seq_len / cp;
   d.C = m.hidden_size;
   d.HS = m.head_size();
   d.NH = m.num_heads / tp;
@@ -94,6 +95,7 @@ struct Gpt::Acts {
   void* logits = nullptr;     // (chunk, V) t  one chunk's logits (fused loss)
   float* ce_max;              // (N) f       vocab-parallel loss statistics (tp > 1)
   float* ce_sums;             // (2, N) f    [sum exp | target logit]
+  ContextParallelBuffers cp;  // ring attention's (context parallelism)
   // Backward scratch.
   void* dres;                 // (Ns, C) t  gradient of the residual stream
   void* dc;                   // (Ns, C) t
@@ -131,6 +133,7 @@ struct ArenaShape {
   const std::vector<bool>& moe;
   int64_t loss_chunk;  // rows per chunk of the fused output layer and loss; 0: unfused
   bool qk_norm;        // model.qk_norm
+  CpComm cp_comm = CpComm::P2P;  // with d.cp > 1
 };
 
 Gpt::Acts::Layer carve_layer(ArenaCarver& c, const ArenaShape& z, bool moe) {
@@ -219,6 +222,7 @@ size_t layout_scratch(ArenaCarver& c, const ArenaShape& z, Gpt::Acts& a) {
   // Live while the fused output layer and loss run, at the end of the forward.
   a.lnf = fused ? c.take(Ns * d.C, act) : nullptr;
   a.lnfull = d.sp ? c.take(N * d.C, act) : nullptr;
+  a.cp = ContextParallel::carve(c, static_cast<int>(d.cp), z.cp_comm, act, d.B, d.T, d.NH, d.NKV, d.HS);
   const int64_t loss_rows = fused ? z.loss_chunk : N;  // rows the loss sees at once
   a.ce_max = d.tp > 1 ? c.f32(loss_rows) : nullptr;
   a.ce_sums = d.tp > 1 ? c.f32(2 * loss_rows) : nullptr;
@@ -301,37 +305,39 @@ static void apply_shape(ModelDims& d, const ChunkShape& shape) {
 
 ActivationSizes Gpt::activation_sizes_for(const ModelConfig& cfg, DType act, int64_t micro_batch, int64_t tp,
                                           bool sequence_parallel, const ChunkShape& shape, int64_t ep,
-                                          const Recomputation& rc, int64_t loss_chunk) {
-  ModelDims d = ModelDims::from(cfg, micro_batch, tp, 0, sequence_parallel);
+                                          const Recomputation& rc, int64_t loss_chunk, int64_t cp,
+                                          CpComm cp_comm) {
+  ModelDims d = ModelDims::from(cfg, micro_batch, tp, 0, sequence_parallel, cp);
   apply_shape(d, shape);
   const std::vector<bool> moe = moe_blocks_of(cfg, d);
   const RecomputeUnits units = plan_recompute_units(rc, d.L, moe);
   const int64_t chunk = loss_chunk > 0 ? std::min(loss_chunk, d.N()) : 0;
-  ActivationSizes size = dense_sizes(ArenaShape{d, act, rc, units, moe, chunk, cfg.qk_norm});
+  ActivationSizes size = dense_sizes(ArenaShape{d, act, rc, units, moe, chunk, cfg.qk_norm, cp_comm});
   // MoE blocks: their routing and expert state in each slot, their scratch beside the dense one.
-  size += MoeLayers::sizes_for(cfg, act, micro_batch * cfg.seq_len, ep, tp, d.l0, d.L, rc.moe_act);
+  size += MoeLayers::sizes_for(cfg, act, d.N(), ep, tp, d.l0, d.L, rc.moe_act);
   return size;
 }
 
 size_t Gpt::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch, int64_t tp,
                                  bool sequence_parallel, const ChunkShape& shape, int64_t ep,
-                                 const Recomputation& rc, int64_t loss_chunk) {
+                                 const Recomputation& rc, int64_t loss_chunk, int64_t cp, CpComm cp_comm) {
   const ActivationSizes s =
-      activation_sizes_for(cfg, act, micro_batch, tp, sequence_parallel, shape, ep, rc, loss_chunk);
+      activation_sizes_for(cfg, act, micro_batch, tp, sequence_parallel, shape, ep, rc, loss_chunk, cp, cp_comm);
   return s.scratch + static_cast<size_t>(shape.slots) * s.slot;
 }
 
 Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
          Communicator* tp, int chunk, int64_t slots, Communicator* ep, const Recomputation& rc,
-         int64_t loss_chunk, const ActivationRegions* regions)
+         int64_t loss_chunk, const ActivationRegions* regions, Communicator* cp, CpComm cp_comm)
     : cfg_(cfg), layout_(layout), be_(be), act_(act), rc_(rc) {
   if (tp && tp->size() <= 1) tp = nullptr;
+  if (cp && cp->size() <= 1) cp = nullptr;
   const int64_t tp_size = tp ? tp->size() : 1, tp_rank = tp ? tp->rank() : 0;
   const int64_t ep_size = ep && ep->size() > 1 ? ep->size() : 1;
   TETRA_CHECK(layout.slicing.tp == tp_size && layout.slicing.tp_rank == tp_rank,
               "the parameter layout is for TP rank {} of {}, the model for rank {} of {}",
               layout.slicing.tp_rank, layout.slicing.tp, tp_rank, tp_size);
-  d_ = ModelDims::from(cfg, micro_batch, tp_size, tp_rank, layout.slicing.sequence_parallel);
+  d_ = ModelDims::from(cfg, micro_batch, tp_size, tp_rank, layout.slicing.sequence_parallel, cp ? cp->size() : 1);
   const ChunkShape shape = ChunkShape::of(layout, chunk, slots);
   TETRA_CHECK(slots >= 1, "a model chunk needs at least one activation slot, not {}", slots);
   apply_shape(d_, shape);
@@ -344,7 +350,8 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   moe_layer_ = moe_blocks_of(cfg, d_);
   units_ = plan_recompute_units(rc_, d_.L, moe_layer_);
   loss_chunk_ = loss_chunk > 0 ? std::min(loss_chunk, d_.N()) : 0;
-  const ArenaShape z{d_, act_, rc_, units_, moe_layer_, loss_chunk_, cfg.qk_norm};
+  const ArenaShape z{d_, act_, rc_, units_, moe_layer_, loss_chunk_, cfg.qk_norm, cp_comm};
+  cp_ = std::make_unique<ContextParallel>(cp, cp_comm, be, act, d_.B, cfg.seq_len, d_.NH, d_.NKV, d_.HS);
   const ActivationSizes dense = dense_sizes(z);
   ActivationSizes size = dense;
   size += MoeLayers::sizes_for(cfg, act, d_.N(), ep_size, tp_size, d_.l0, d_.L, rc_.moe_act);
@@ -362,6 +369,7 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   a_ = std::make_unique<Acts>();
   ArenaCarver c(r.scratch);
   layout_scratch(c, z, *a_);
+  cp_->set_buffers(a_->cp);
   a_->slots.resize(static_cast<size_t>(slots));
   for (int64_t i = 0; i < slots; ++i) {
     ArenaCarver cs(r.slot(i));
@@ -429,7 +437,7 @@ void Gpt::forward_blocks(const void* weights, int64_t slot, const int32_t* token
   if (d.first) require({layout_.embedding_group});
   if (d.first)  // x = wte[tokens] + wpe                vocab-parallel          (Ns, C)
     vocab_parallel_embedding_forward(*tp_, be_, vocab(), tokens, d.B, d.T, w(weights, layout_.wte),
-                                     w(weights, layout_.wpe), sl.res[0], a.dfull);
+                                     w(weights, layout_.wpe), sl.res[0], a.dfull, cp_->positions());
   for (int64_t l = 0; l < d.L; ++l) forward_layer(weights, slot, l, /*recompute=*/false);
 }
 
@@ -484,6 +492,20 @@ void Gpt::qk_norm_backward(const void* weights, const GradTarget& grads, const B
   be_.copy_2d(dqkv + Q * es, row, dxk, K * es, K * es, N);
 }
 
+void Gpt::attention_forward(void* att, float* lse, const void* qkv) {
+  if (cp_->enabled())
+    cp_->forward(att, lse, qkv);
+  else
+    be_.attention_forward(att, lse, qkv, d_.B, d_.T, d_.NH, d_.NKV, d_.HS, act_);
+}
+
+void Gpt::attention_backward(void* dqkv, const void* datt, const void* qkv, const void* att, const float* lse) {
+  if (cp_->enabled())
+    cp_->backward(dqkv, datt, qkv, att, lse);
+  else
+    be_.attention_backward(dqkv, datt, qkv, att, lse, d_.B, d_.T, d_.NH, d_.NKV, d_.HS, act_);
+}
+
 std::vector<int> Gpt::block_groups(int64_t l) const {
   const BlockParams& p = layout_.blocks[static_cast<size_t>(d_.l0 + l)];
   std::vector<int> g{layout_.layer_group[static_cast<size_t>(d_.l0 + l)]};
@@ -517,8 +539,8 @@ void Gpt::forward_layer(const void* weights, int64_t slot, int64_t l, bool recom
   // qkv = ln1 W_qkv^T + b        column-parallel: this rank's heads          (N, QKV)
   column_parallel_linear_forward(tp, be_, h1, d.C, lin(p.qkv_w, p.qkv_b), s.qkv, d.QKV);
   if (cfg_.qk_norm) qk_norm_forward(weights, p, slot, l);
-  if (rope_) be_.rope_forward(s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, rope_freqs_, t);
-  be_.attention_forward(s.att, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, t);
+  if (rope_) be_.rope_forward(s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, rope_freqs_, t, cp_->positions());
+  attention_forward(s.att, s.lse, s.qkv);
   // res_mid = x + att W_o^T + b  row-parallel, then g                          (Ns, C)
   row_parallel_linear_forward(tp, be_, s.att, d.NH * d.HS, lin(p.attn_proj_w, p.attn_proj_b), x, s.res_mid, a.dfull);
   // ln2 = norm2(res_mid), then f                                              (N, C)
@@ -647,12 +669,12 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
     // Attention: res_mid = res[l] + att W_o^T + b.
     const int64_t A = d.NH * d.HS;
     dout = tp.reduce_from_region_backward(a.dfull, a.dres);
-    if (re_attn) be_.attention_forward(s.att, s.lse, s.qkv, d.B, d.T, d.NH, d.NKV, d.HS, t);
+    if (re_attn) attention_forward(s.att, s.lse, s.qkv);
     row_parallel_linear_backward(tp, be_, dout, s.att, A, lin(p.attn_proj_w, p.attn_proj_b),
                                  grad(p.attn_proj_w, p.attn_proj_b), a.datt);
-    be_.attention_backward(a.dqkv, a.datt, s.qkv, s.att, s.lse, d.B, d.T, d.NH, d.NKV, d.HS, t);
+    attention_backward(a.dqkv, a.datt, s.qkv, s.att, s.lse);
     if (rope_)
-      be_.rope_backward(a.dqkv, d.B, d.T, d.NH, d.NKV, d.HS, rope_freqs_, t);
+      be_.rope_backward(a.dqkv, d.B, d.T, d.NH, d.NKV, d.HS, rope_freqs_, t, cp_->positions());
     if (cfg_.qk_norm) qk_norm_backward(weights, g, p, slot, l);
     if (re_norm)
       be_.norm_forward(norm_, s.ln1, s.ln1_mean, s.ln1_rstd, sl.res[l], w(weights, p.norm1_w), w(weights, p.norm1_b),
@@ -669,7 +691,7 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
     return;
   }
   vocab_parallel_embedding_backward(tp, be_, vocab(), tokens, d.B, d.T, a.dres, a.dfull, g(layout_.wte),
-                                    g(layout_.wpe));
+                                    g(layout_.wpe), cp_->positions());
   done(layout_.embedding_group);
 }
 

@@ -47,6 +47,7 @@
 #include "trainer/params/grad_sink.h"
 #include "trainer/params/param_layout.h"
 #include "trainer/params/recompute.h"
+#include "trainer/parallel/context_parallel.h"
 #include "trainer/parallel/tensor_parallel.h"
 #include "trainer/parallel/vocab_parallel.h"
 
@@ -59,17 +60,18 @@ class MoeLayers;
 // when tp = 1); FC = F (gelu) or 2F (swiglu); QKV = (NH + 2 NKV) HS. Its vocabulary slice: the V
 // real rows [v0, v0 + V) of the Vl rows it holds (Vl = the padded vocabulary / tp, v0 = tp_rank Vl;
 // only the last rank has V < Vl); Vg = model.vocab_size. Ns = rows of the residual stream this
-// rank holds (N / tp with sequence parallelism).
+// rank holds (N / tp with sequence parallelism). With context parallelism T is this rank's
+// seq_len / cp tokens of each sequence (context_parallel.h).
 struct ModelDims {
   int64_t B, T, C, NH, NKV, HS, F, FC, V, L, QKV;
   int64_t Vl = 0, Vg = 0;
-  int64_t tp = 1, tp_rank = 0, v0 = 0, Ns = 0;
+  int64_t tp = 1, tp_rank = 0, v0 = 0, Ns = 0, cp = 1;
   bool sp = false;
   int64_t l0 = 0;                   // first layer of this chunk (L is its layer count)
   bool first = true, last = true;   // holds the embedding / the head and loss
   int64_t N() const { return B * T; }
   static ModelDims from(const ModelConfig& m, int64_t micro_batch, int64_t tp = 1,
-                        int64_t tp_rank = 0, bool sequence_parallel = false);
+                        int64_t tp_rank = 0, bool sequence_parallel = false, int64_t cp = 1);
 };
 
 // Called during backward when the gradients of a parameter group (ParamSpec::group) are final
@@ -99,7 +101,8 @@ class Gpt {
   // and per slot at least; a pipeline rank's chunks share one set); null: an arena of its own.
   Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
       Communicator* tp = nullptr, int chunk = 0, int64_t slots = 1, Communicator* ep = nullptr,
-      const Recomputation& rc = {}, int64_t loss_chunk = 0, const ActivationRegions* regions = nullptr);
+      const Recomputation& rc = {}, int64_t loss_chunk = 0, const ActivationRegions* regions = nullptr,
+      Communicator* cp = nullptr, CpComm cp_comm = CpComm::P2P);
   ~Gpt();
   Gpt(const Gpt&) = delete;
   Gpt& operator=(const Gpt&) = delete;
@@ -111,12 +114,13 @@ class Gpt {
   static ActivationSizes activation_sizes_for(const ModelConfig& cfg, DType act, int64_t micro_batch,
                                               int64_t tp = 1, bool sequence_parallel = false,
                                               const ChunkShape& shape = {}, int64_t ep = 1,
-                                              const Recomputation& rc = {}, int64_t loss_chunk = 0);
+                                              const Recomputation& rc = {}, int64_t loss_chunk = 0,
+                                              int64_t cp = 1, CpComm cp_comm = CpComm::P2P);
   // The arena of a chunk of `shape` that allocates its own: scratch + shape.slots slots.
   static size_t activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch,
                                      int64_t tp = 1, bool sequence_parallel = false,
                                      const ChunkShape& shape = {}, int64_t ep = 1, const Recomputation& rc = {},
-                                     int64_t loss_chunk = 0);
+                                     int64_t loss_chunk = 0, int64_t cp = 1, CpComm cp_comm = CpComm::P2P);
 
   // tokens, targets: (B, T) int32 in backend memory. weights: the compute copy (type act) of the
   // parameter buffer. Writes per-token losses (N) F32. If `dloss_scale` != 0 the logits' gradient
@@ -192,6 +196,10 @@ class Gpt {
   const ParamLayout& layout_;
   Backend& be_;
   std::unique_ptr<TensorParallel> tp_;  // the TP group's communication (identity without one)
+  std::unique_ptr<ContextParallel> cp_;  // ring attention over the CP group (plain attention without one)
+  // Causal attention of a layer's qkv: over the CP group's whole sequence with context parallelism.
+  void attention_forward(void* att, float* lse, const void* qkv);
+  void attention_backward(void* dqkv, const void* datt, const void* qkv, const void* att, const float* lse);
   DType act_;
   ModelDims d_;
   NormKind norm_;

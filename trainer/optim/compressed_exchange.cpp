@@ -100,7 +100,7 @@ CompressedExchange::CompressedExchange(const Config& cfg, const ParamLayout& par
     : cfg_(cfg), group_(group && group->size() > 1 ? group : nullptr), key_(key) {
   plan_ = plan_exchange(cfg, part, group_ ? group_->size() : 1);
   // The optimizer state is sharded when the dense part's is (the DP group is the larger one).
-  momentum_ = plan_.codec == Codec::SIGN && !(cfg.parallel.distributed_optimizer && cfg.parallel.dp > 1);
+  momentum_ = plan_.codec == Codec::SIGN && !(cfg.parallel.distributed_optimizer && cfg.parallel.dp_cp() > 1);
   if (!group_ || plan_.end == plan_.begin) return;
   TETRA_CHECK(buffer.sharded() == plan_.sharded, "the part's optimizer state is {} but the exchange expects it {}",
               buffer.sharded() ? "sharded" : "whole", plan_.sharded ? "sharded" : "whole");

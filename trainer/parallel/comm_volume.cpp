@@ -96,14 +96,14 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
   StepVolume v;
   const ParallelConfig& par = cfg.parallel;
   const int64_t act_bytes = static_cast<int64_t>(dtype_size(precision_dtype(cfg.training.precision)));
-  const int64_t N = cfg.training.micro_batch_size * cfg.model.seq_len, C = cfg.model.hidden_size;
+  const int64_t N = cfg.training.micro_batch_size * cfg.model.seq_len / par.cp, C = cfg.model.hidden_size;
   const int64_t accum = cfg.grad_accum_steps();
   const int64_t rows = N * C * act_bytes;
   const bool first = layout.stage.first, last = layout.stage.last;
   // ZeRO-2 (grad_buffer.h): every bucket is reduced once per micro-batch, but a bucket holding a
   // group deferred to the end of the step (tied embeddings summed across pipeline stages first:
   // the first stage's embedding, the last stage's output layer) once per step.
-  const bool zero2 = par.zero_stage >= 2 && par.dp > 1;
+  const bool zero2 = par.zero_stage >= 2 && par.dp_cp() > 1;
   const bool deferring = zero2 && cfg.model.tie_embeddings && par.pp > 1;
   auto reductions_of = [&](const BucketPlan& b, const ParamLayout& part) -> int64_t {
     if (!zero2) return 1;
@@ -117,6 +117,7 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
   // Block forwards that full recomputation runs again in backward (recompute.h): each repeats its
   // f and g exchanges, two in a dense block, one (the attention's) in a MoE block.
   int64_t recomputed_exchanges = 0;
+  int64_t attention_forwards = 0;  // per micro-batch, over this rank's layers
   const Recomputation rc = Recomputation::from(cfg.training);
   for (const auto& [begin, end] : layout.stage.chunks) {
     L += end - begin;
@@ -126,8 +127,29 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
       moe_blocks += moe.back() ? 1 : 0;
     }
     const RecomputeUnits units = plan_recompute_units(rc, end - begin, moe);
-    for (int64_t l = 0; l < end - begin; ++l)
+    for (int64_t l = 0; l < end - begin; ++l) {
       if (units.full(l)) recomputed_exchanges += moe[static_cast<size_t>(l)] ? 1 : 2;
+      // The attention forwards: the forward's, and again in backward under full recomputation
+      // (the unit's forward) or selective core_attn.
+      attention_forwards += 1 + (units.full(l) || rc.core_attn ? 1 : 0);
+    }
+  }
+  if (par.cp > 1) {
+    // Context parallelism (context_parallel.h), per micro-batch and layer: p2p passes the local
+    // K/V block (B, Tl, 2 NKV HS) cp - 1 hops in each attention forward and in the backward, and
+    // the fp32 gradient of a block cp hops in the backward; all_gather gathers the blocks in each
+    // forward and in the backward and reduce-scatters the fp32 gradients.
+    const int64_t kv = N * 2 * (cfg.model.num_kv_heads / par.tp) * cfg.model.head_size();
+    if (par.cp_comm == CpComm::P2P) {
+      const int64_t hops = (attention_forwards + L) * (par.cp - 1) * accum, grads = L * par.cp * accum;
+      for (CommOp op : {CommOp::SEND, CommOp::RECV}) {
+        v.cp.add(op, hops, kv * act_bytes);
+        v.cp.add(op, grads, kv * 4);
+      }
+    } else {
+      v.cp.add(CommOp::ALL_GATHER, (attention_forwards + L) * accum, par.cp * kv * act_bytes);
+      v.cp.add(CommOp::REDUCE_SCATTER, L * accum, par.cp * kv * 4);
+    }
   }
 
   if (par.tp > 1) {
@@ -153,7 +175,7 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
     for (const ParamSpec& p : layout.params)
       if (p.sp_partial) per_group[p.group] += p.numel;
     std::vector<int64_t> times(layout.groups.size(), 1);
-    if (zero2 && par.dp > 1) {
+    if (zero2) {
       const ParamLayout dense = layout_part(layout, false);
       for (const BucketPlan& b : plan_buckets(dense, par.gradient_bucket_size()))
         for (int g = b.first_group; g <= b.last_group; ++g) times[static_cast<size_t>(g)] = reductions_of(b, dense);
@@ -227,14 +249,14 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
       norm_group.add(CommOp::ALL_REDUCE, 1, 4);  // gradient norm over the shards
     }
   };
-  reduction(v.dp, layout_part(layout, false), par.dp, v.dp, par.grad_compression == GradCompression::BF16);
-  if (par.zero_stage == 3 && par.dp > 1) {
+  reduction(v.dp, layout_part(layout, false), par.dp_cp(), v.dp, par.grad_compression == GradCompression::BF16);
+  if (par.zero_stage == 3 && par.dp_cp() > 1) {
     // ZeRO-3 (weight_units.h): one all-gather of a unit's weights per gather this rank's phases
     // take from empty buffers, prefetch included.
     const std::vector<std::vector<int>> phases = zero3_step_phases(cfg, layout);
     std::vector<int64_t> gathers(layout.groups.size(), 0);
     WeightUnits::count_gathers(phases, gathers, /*keep=*/!par.reshards_after_forward());
-    const int64_t edp = par.dp / par.ep;  // a MoE model's experts gather over expert-DP (none at 1)
+    const int64_t edp = par.edp_cp();  // a MoE model's experts gather over expert-DP (none at 1)
     for (size_t g = 0; g < gathers.size(); ++g) {
       const bool expert = static_cast<int>(g) >= layout.dense_groups;
       if (gathers[g] > 0 && (!expert || edp > 1))
@@ -242,13 +264,13 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
             .add(CommOp::ALL_GATHER, gathers[g], (layout.groups[g].second - layout.groups[g].first) * act_bytes);
     }
   }
-  if (par.dp > 1) v.dp.add(CommOp::ALL_REDUCE, 1, 4);  // the step's loss
+  if (par.dp_cp() > 1) v.dp.add(CommOp::ALL_REDUCE, 1, 4);  // the step's loss
   const MoeConfig& moe = cfg.model.moe;
   if (moe.enabled()) {
-    reduction(v.edp, layout_part(layout, true), par.dp / par.ep, v.dp, false);
+    reduction(v.edp, layout_part(layout, true), par.edp_cp(), v.dp, false);
     if (par.ep > 1) {
       v.ep.add(CommOp::ALL_TO_ALL, 5 * moe_blocks * accum, 0);
-      const bool sharded = par.distributed_optimizer && par.dp / par.ep > 1;
+      const bool sharded = par.distributed_optimizer && par.edp_cp() > 1;
       if (!sharded && moe_blocks > 0) v.ep.add(CommOp::ALL_REDUCE, 1, 4);  // the experts' gradient norm
     }
   }

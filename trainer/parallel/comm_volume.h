@@ -25,6 +25,9 @@
 // distributed optimizer reduce-scatter of each bucket then all-gather of the updated weights),
 // the global gradient norm (one float over tp; over dp when sharded) and the loss (one float
 // over dp).
+// Context parallelism (cp > 1): N above is this CP rank's micro_batch_size * seq_len / cp rows, the
+// DP group's reductions run over dp x cp, and the cp group passes K/V blocks (and their fp32
+// gradients) around its ring (context_parallel.h; counted in predict_step_volume).
 // Mixture of Experts: the DP reduction covers the dense parameters only; the expert parameters'
 // buckets reduce the same way over the expert-DP group (edp), and their norm's partial sum is
 // all-reduced over ep (over edp when sharded). Per micro-batch and MoE block the EP group runs 5
@@ -59,7 +62,7 @@ struct GroupVolume {
 };
 
 struct StepVolume {
-  GroupVolume tp, dp, pp, embedding, edp, ep;
+  GroupVolume tp, dp, pp, embedding, edp, ep, cp;
 };
 
 // `layout`: this rank's (its TP slice of its pipeline stage, with the run's group alignment).

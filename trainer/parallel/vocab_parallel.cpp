@@ -8,17 +8,18 @@ namespace tetra {
 
 void vocab_parallel_embedding_forward(TensorParallel& tp, Backend& be, VocabSlice vocab, const int32_t* tokens,
                                       int64_t B, int64_t T, const void* wte, const void* wpe, void* out,
-                                      void* partial) {
+                                      void* partial, const int32_t* positions) {
   void* e = tp.product_target(out, partial);
-  be.embedding_forward(e, tokens, wte, tp.once(wpe), B, T, tp.width(), vocab.v0, vocab.rows, tp.act(), tp.act());
+  be.embedding_forward(e, tokens, wte, tp.once(wpe), B, T, tp.width(), vocab.v0, vocab.rows, tp.act(), tp.act(),
+                       positions);
   tp.reduce_from_region(out, e, /*residual=*/nullptr);
 }
 
 void vocab_parallel_embedding_backward(TensorParallel& tp, Backend& be, VocabSlice vocab, const int32_t* tokens,
                                        int64_t B, int64_t T, const void* dout, void* full, float* dwte,
-                                       float* dwpe) {
+                                       float* dwpe, const int32_t* positions) {
   const void* de = tp.reduce_from_region_backward(full, dout);
-  be.embedding_backward(dwte, dwpe, de, tokens, B, T, tp.width(), vocab.v0, vocab.rows, tp.act());
+  be.embedding_backward(dwte, dwpe, de, tokens, B, T, tp.width(), vocab.v0, vocab.rows, tp.act(), positions);
 }
 
 void vocab_parallel_cross_entropy(TensorParallel& tp, Backend& be, VocabSlice vocab, float* losses, void* logits,

@@ -28,15 +28,16 @@ struct VocabSlice {
 };
 
 // out (Ns, C) = the embeddings of tokens (B, T) (+ wpe (T, C), added by TP rank 0; may be null).
-// `partial` (N, C): the lookup's buffer under sequence parallelism.
+// `partial` (N, C): the lookup's buffer under sequence parallelism. `positions` (T, backend memory;
+// null: 0 .. T-1): each token's row of wpe (context parallelism).
 void vocab_parallel_embedding_forward(TensorParallel& tp, Backend& be, VocabSlice vocab, const int32_t* tokens,
                                       int64_t B, int64_t T, const void* wte, const void* wpe, void* out,
-                                      void* partial);
+                                      void* partial, const int32_t* positions = nullptr);
 // dwte += the rows of this rank's slice, dwpe += (may be null), from dout (Ns, C); `full` (N, C)
 // receives the gathered gradient under sequence parallelism.
 void vocab_parallel_embedding_backward(TensorParallel& tp, Backend& be, VocabSlice vocab, const int32_t* tokens,
                                        int64_t B, int64_t T, const void* dout, void* full, float* dwte,
-                                       float* dwpe);
+                                       float* dwpe, const int32_t* positions = nullptr);
 
 // The loss over logits (N, Vl), this rank's vocabulary columns, of the activation type: losses
 // (N) fp32; if dloss_scale != 0 the logits are overwritten with their gradient (scaled by it).

@@ -15,7 +15,8 @@ CommAccounting::CommAccounting(const Config& cfg, ProcessGroups& groups) : group
                 {"pp", GroupKind::PP, true, &StepVolume::pp},
                 {"embedding", GroupKind::EMBEDDING, true, &StepVolume::embedding},
                 {"edp", GroupKind::EDP, moe, &StepVolume::edp},
-                {"ep", GroupKind::EP, moe, &StepVolume::ep}};
+                {"ep", GroupKind::EP, moe, &StepVolume::ep},
+                {"cp", GroupKind::CP, cfg.parallel.cp > 1, &StepVolume::cp}};
 }
 
 std::vector<CommStats> CommAccounting::snapshot() const {

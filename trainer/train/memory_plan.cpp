@@ -41,7 +41,7 @@ ParamLayout rank_layout(const Config& cfg, int64_t tp_rank, int64_t pp_rank, int
   const GradCompression gc = cfg.parallel.grad_compression;
   const bool shards =
       cfg.parallel.distributed_optimizer || gc == GradCompression::ONEBIT || gc == GradCompression::INT8;
-  slicing.group_align = shards ? 16 * cfg.parallel.dp : 16;
+  slicing.group_align = shards ? 16 * cfg.parallel.dp_cp() : 16;
   return ParamLayout::build(cfg.model, slicing, stage_slice(cfg, pp_rank));
 }
 
@@ -57,18 +57,18 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   };
   const size_t dense_n = numel(layout_part(layout, false)), expert_n = numel(layout_part(layout, true));
   const size_t shard = cfg.parallel.distributed_optimizer
-                           ? dense_n / static_cast<size_t>(cfg.parallel.dp) +
-                                 expert_n / static_cast<size_t>(cfg.parallel.dp / cfg.parallel.ep)
+                           ? dense_n / static_cast<size_t>(cfg.parallel.dp_cp()) +
+                                 expert_n / static_cast<size_t>(cfg.parallel.edp_cp())
                            : n;
   MemoryPlan m;
   // ZeRO-3 (weight_units.h): the optimizer holds the fp32 master shard in every precision, the
   // 16-bit compute weights are a shard too (fp32: the master shard itself), and the units gathered.
-  const bool zero3 = cfg.parallel.zero_stage == 3 && cfg.parallel.dp > 1;
+  const bool zero3 = cfg.parallel.zero_stage == 3 && cfg.parallel.dp_cp() > 1;
   m.master = act == DType::F32 && !zero3 ? n * 4 : shard * 4;
   m.compute = act == DType::F32 ? 0 : (zero3 ? shard : n) * dtype_size(act);
   if (zero3) m.units = WeightUnits::buffer_bytes(layout, act, /*keep=*/!cfg.parallel.reshards_after_forward());
   m.grads = n * 4;
-  const bool zero2 = cfg.parallel.zero_stage >= 2 && cfg.parallel.dp > 1;
+  const bool zero2 = cfg.parallel.zero_stage >= 2 && cfg.parallel.dp_cp() > 1;
   if (zero2) {
     // ZeRO-2 (grad_buffer.h): this rank's fp32 shard, and the staging buffers of the buckets being
     // written and reduced (GradBuffer::StagingPlan; the expert part's only where expert-DP > 1).
@@ -77,7 +77,7 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
       return static_cast<size_t>(GradBuffer::staging_plan(part, cfg.parallel.gradient_bucket_size(), tied).bytes());
     };
     m.grads = std::max<size_t>(shard, 1) * 4 + pool(layout_part(layout, false), cfg.model.tie_embeddings) +
-              (cfg.parallel.dp / cfg.parallel.ep > 1 ? pool(layout_part(layout, true), false) : 0);
+              (cfg.parallel.edp_cp() > 1 ? pool(layout_part(layout, true), false) : 0);
   }
   m.optimizer = shard * 8;
   // Gradient compression's buffers (grad_buffer.h, compressed_exchange.h): the bf16 copy of the buffer
@@ -85,7 +85,7 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   // server error and average (n / dp each), the two messages (1 bit or 1 byte per element) and, for
   // sharded onebit, the whole frozen variance; on a GPU also the host staging of the gradient (and
   // for onebit of the variance, and for plain onebit of the momentum).
-  const size_t dp = static_cast<size_t>(cfg.parallel.dp);
+  const size_t dp = static_cast<size_t>(cfg.parallel.dp_cp());
   m.on_device = cfg.training.device != Device::CPU;
   const GradCompression gc = cfg.parallel.grad_compression;
   if (dp > 1 && gc == GradCompression::BF16)  // ZeRO-2: one bucket's bf16 copy (grad_buffer.h)

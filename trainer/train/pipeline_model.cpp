@@ -84,7 +84,7 @@ PipelineModel::PipelineModel(const Config& cfg, const ParamLayout& layout, Backe
   const int pp_rank = groups.coord.pp;
   TETRA_CHECK(groups.pp->size() == schedule_.pp, "pipeline group of {} ranks, parallel.pp {}", groups.pp->size(),
               schedule_.pp);
-  const int64_t rows = cfg.training.micro_batch_size * cfg.model.seq_len;
+  const int64_t rows = cfg.training.micro_batch_size * cfg.model.seq_len / cfg.parallel.cp;
   // Every chunk over one scratch and one set of slots (pipeline_runner.h).
   const SharedActivations shared = shared_activations(cfg, layout, schedule_, pp_rank);
   scratch_mem_ = BackendBuffer(be, shared.scratch);
@@ -94,7 +94,8 @@ PipelineModel::PipelineModel(const Config& cfg, const ParamLayout& layout, Backe
   for (int c = 0; c < schedule_.vp; ++c) {
     auto model = std::make_unique<Gpt>(cfg.model, layout, be, act, cfg.training.micro_batch_size,
                                        &groups.backend(GroupKind::TP), c, shared.slots, &groups.backend(GroupKind::EP),
-                                       Recomputation::from(cfg.training), cfg.training.loss_chunk_rows, &regions);
+                                       Recomputation::from(cfg.training), cfg.training.loss_chunk_rows, &regions,
+                                       &groups.backend(GroupKind::CP), cfg.parallel.cp_comm);
     chunks_.push_back(std::make_unique<Chunk>(*this, std::move(model), rows, tokens, targets, losses, be,
                                               schedule_.grad_buffers));
   }
@@ -102,7 +103,7 @@ PipelineModel::PipelineModel(const Config& cfg, const ParamLayout& layout, Backe
                                              chunks_.front()->model().boundary_numel(), act, shared.slots);
   last_ = layout.stage.last;
   tied_across_stages_ = cfg.model.tie_embeddings && cfg.parallel.pp > 1;
-  sum_before_reduction_ = tied_across_stages_ && cfg.parallel.distributed_optimizer && cfg.parallel.dp > 1;
+  sum_before_reduction_ = tied_across_stages_ && cfg.parallel.distributed_optimizer && cfg.parallel.dp_cp() > 1;
   if (tied_across_stages_ && (layout.stage.first || layout.stage.last)) {
     for (const ParamSpec& p : layout.params)
       if (p.name == "embedding.wte") wte_numel_ = p.numel;
@@ -138,7 +139,7 @@ PipelineModel::SharedActivations PipelineModel::shared_activations(const Config&
     const ActivationSizes a = Gpt::activation_sizes_for(
         cfg.model, precision_dtype(cfg.training.precision), cfg.training.micro_batch_size, cfg.parallel.tp,
         cfg.parallel.sequence_parallel, ChunkShape::of(layout, c, 1), cfg.parallel.ep,
-        Recomputation::from(cfg.training), cfg.training.loss_chunk_rows);
+        Recomputation::from(cfg.training), cfg.training.loss_chunk_rows, cfg.parallel.cp, cfg.parallel.cp_comm);
     out.scratch = std::max(out.scratch, a.scratch);
     out.stride = std::max(out.stride, a.slot);
   }
@@ -167,7 +168,7 @@ size_t PipelineModel::activation_bytes_for(const Config& cfg, int64_t pp_rank) {
 size_t PipelineModel::input_grad_bytes_for(const Config& cfg, int64_t pp_rank) {
   const PipelineSchedule s = make_schedule(cfg, cfg.grad_accum_steps());
   const StageSlice stage = stage_slice(cfg, pp_rank);
-  const int64_t Ns = cfg.training.micro_batch_size * cfg.model.seq_len /
+  const int64_t Ns = cfg.training.micro_batch_size * cfg.model.seq_len / cfg.parallel.cp /
                      (cfg.parallel.sequence_parallel && cfg.parallel.tp > 1 ? cfg.parallel.tp : 1);
   const size_t boundary = static_cast<size_t>(Ns * cfg.model.hidden_size) * dtype_size(precision_dtype(cfg.training.precision));
   const int64_t chunks = s.vp - (stage.first ? 1 : 0);  // every chunk but the model's first

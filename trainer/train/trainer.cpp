@@ -67,7 +67,9 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   act_ = precision_dtype(cfg.training.precision);
   accum_ = cfg.grad_accum_steps();
   const int64_t B = cfg.training.micro_batch_size, T = cfg.model.seq_len;
-  rows_ = B * T;
+  rows_ = B * T / cfg.parallel.cp;  // a CP rank's two chunks of each sequence (context_parallel.h)
+  if (cfg.parallel.cp > 1) cp_positions_ = ContextParallel::positions_of(T, static_cast<int>(cfg.parallel.cp),
+                                                                        groups.coord.cp);
 
   const RunReport report = describe_run(cfg, layout_, groups.coord.pp);
   check_host_memory(cfg, report.memory, groups.grid.world());
@@ -114,7 +116,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   master_buf_ = BackendBuffer(*be_, n * 4);
   master_ = master_buf_.as<float>();
   // ZeRO-2 keeps no whole gradient: its shards live in the gradient buffers (grad_buffer.h).
-  const bool shard_gradients = cfg.parallel.zero_stage >= 2 && cfg.parallel.dp > 1;
+  const bool shard_gradients = cfg.parallel.zero_stage >= 2 && cfg.parallel.dp_cp() > 1;
   if (!shard_gradients) {
     grads_buf_ = BackendBuffer(*be_, n * 4);
     grads_ = grads_buf_.as<float>();
@@ -128,7 +130,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     be_->copy_from_host(master_, host.data(), n * 4);
   }
   // ZeRO-3 keeps no whole compute weights: its shard is made below, beside the gradient buffers.
-  zero3_ = cfg.parallel.zero_stage == 3 && cfg.parallel.dp > 1;
+  zero3_ = cfg.parallel.zero_stage == 3 && cfg.parallel.dp_cp() > 1;
   if (zero3_) {
     compute_ = nullptr;
   } else if (act_ == DType::F32) {
@@ -299,11 +301,21 @@ std::string Trainer::sample() {
 void Trainer::load_micro_batch(DataLoader& loader, int64_t j) {
   const int64_t T = cfg_.model.seq_len, B = cfg_.training.micro_batch_size;
   loader.next(host_batch_.data());
-  // A sample is T+1 tokens: the model reads the first T and predicts the last T.
+  // A sample is T+1 tokens: the model reads the first T and predicts the last T. A CP rank keeps
+  // the tokens at its positions (its two chunks, context_parallel.h) and their targets.
   for (int64_t b = 0; b < B; ++b) {
     const int32_t* row = host_batch_.data() + b * (T + 1);
-    std::memcpy(host_inputs_.data() + b * T, row, static_cast<size_t>(T) * 4);
-    std::memcpy(host_targets_.data() + b * T, row + 1, static_cast<size_t>(T) * 4);
+    if (cp_positions_.empty()) {
+      std::memcpy(host_inputs_.data() + b * T, row, static_cast<size_t>(T) * 4);
+      std::memcpy(host_targets_.data() + b * T, row + 1, static_cast<size_t>(T) * 4);
+      continue;
+    }
+    const int64_t Tl = static_cast<int64_t>(cp_positions_.size());
+    for (int64_t t = 0; t < Tl; ++t) {
+      const int32_t p = cp_positions_[static_cast<size_t>(t)];
+      host_inputs_[static_cast<size_t>(b * Tl + t)] = row[p];
+      host_targets_[static_cast<size_t>(b * Tl + t)] = row[p + 1];
+    }
   }
   be_->copy_from_host(tokens_ + j * rows_, host_inputs_.data(), static_cast<size_t>(rows_) * 4);
   be_->copy_from_host(targets_ + j * rows_, host_targets_.data(), static_cast<size_t>(rows_) * 4);
@@ -314,7 +326,7 @@ double Trainer::train_step(int64_t s) {
   // grads_ is zero here: zeroed at start-up, then after each optimizer step.
   // The step's loss is the mean over its global batch; each micro-batch's gradient is scaled so
   // the accumulated gradient, summed over the DP ranks, is that mean's gradient.
-  const int64_t tokens = rows_ * accum_ * cfg_.parallel.dp;
+  const int64_t tokens = rows_ * accum_ * cfg_.parallel.dp_cp();
   // fp16: the loss gradient carries the loss scale (loss_scaler.h).
   const float dloss_scale = updater_->loss_gradient_scale(tokens);
   for (int64_t j = 0; j < accum_; ++j) {
@@ -362,7 +374,7 @@ double Trainer::evaluate() {
     be_->copy_to_host(&sum, scalar_, sizeof(float));
     total += sum;
   }
-  return reduce_loss(static_cast<float>(total)) / static_cast<double>(rows_ * micro_batches * cfg_.parallel.dp);
+  return reduce_loss(static_cast<float>(total)) / static_cast<double>(rows_ * micro_batches * cfg_.parallel.dp_cp());
 }
 
 PipelineMetrics Trainer::pipeline_metrics() {

@@ -94,7 +94,8 @@ class Trainer {
   std::unique_ptr<Backend> be_;
   DType act_;
   int64_t accum_;
-  int64_t rows_;  // B * T of a micro-batch
+  int64_t rows_;  // B * T of a micro-batch (B * T / cp: this CP rank's tokens)
+  std::vector<int32_t> cp_positions_;  // context parallelism: the sequence positions this rank keeps
 
   // The run's backend memory, owned here (declared after be_, so freed before it); the typed
   // pointers below are views of these.

@@ -111,7 +111,7 @@ void Trainer::save_final_weights() {
   }
   // Global rank 0 writes, gathering the TP slices of its TP group (and the experts of its EP
   // group); the other (expert-)DP replicas hold the same weights and need not gather theirs.
-  if (groups_.coord.edp == 0) dump_tensors(path, weights);
+  if (groups_.coord.edp == 0 && groups_.coord.cp == 0) dump_tensors(path, weights);
   spdlog::info("final weights: {} ({} tensors, fp32 master weights) in {:.1f} s", path, layout_.params.size(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }

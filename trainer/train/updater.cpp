@@ -20,7 +20,7 @@ Updater::Updater(const Config& cfg, const ParamLayout& layout, Backend& be, Grad
       master_(master),
       compute_(compute),
       grads_(grads) {
-  const bool shard_optimizer = cfg.parallel.distributed_optimizer && cfg.parallel.dp > 1;
+  const bool shard_optimizer = cfg.parallel.distributed_optimizer && cfg.parallel.dp_cp() > 1;
   // ZeRO-3 keeps no whole weights: in fp32 too the master weights are the optimizer's shard, and
   // the model gathers its compute weights from it (weight_units.h).
   zero3_ = shard_optimizer && cfg.parallel.zero_stage == 3;
@@ -57,8 +57,8 @@ float Updater::loss_gradient_scale(int64_t tokens) const {
 StepUpdate Updater::step(int64_t s, double loss, StepGuard& guard, const GradientHook& reduced) {
   if (int8_) int8_->reduce(grads_, s);  // the step's gradient reduction, compressed
   // Compressed: the unreduced local gradient's norm, times the group size, as an estimate (onebit_adam.h).
-  const double dp = static_cast<double>(cfg_.parallel.dp);
-  const double raw_norm = compressed_ ? grad_buffers_.norm(grads_, dp, dp / static_cast<double>(cfg_.parallel.ep))
+  const double dp = static_cast<double>(cfg_.parallel.dp_cp());
+  const double raw_norm = compressed_ ? grad_buffers_.norm(grads_, dp, static_cast<double>(cfg_.parallel.edp_cp()))
                                       : grad_buffers_.norm(grads_);
   // fp16: the gradients carry the loss scale; a non-finite norm is an overflow (loss_scaler.h).
   const double step_scale = scaler_ ? scaler_->scale() : 1.0;
