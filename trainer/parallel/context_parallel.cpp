@@ -42,19 +42,30 @@ void ContextParallel::pack_kv(void* dst, const void* qkv) {
               static_cast<size_t>(B_ * Tl_));
 }
 
+ContextParallel::BlockRange ContextParallel::block_range(int64_t Tl, int r, int s) {
+  const int64_t half = Tl / 2;
+  BlockRange b;
+  b.q0 = s > r ? half : 0;   // s > r: the second chunk's queries only
+  b.Tq = Tl - b.q0;
+  b.Tk = s < r ? half : Tl;  // s < r: the first chunk's keys only
+  b.causal = s == r;
+  return b;
+}
+
 AttnBlock ContextParallel::block_of(const void* qkv, const void* kv, int s, float* lse) const {
   const size_t es = dtype_size(act_);
-  const int64_t half = Tl_ / 2, qkv_row = QKV(), kv_row = 2 * NKV_ * HS_;
+  const int64_t qkv_row = QKV(), kv_row = 2 * NKV_ * HS_;
+  const BlockRange range = block_range(Tl_, rank_, s);
   AttnBlock b;
   b.B = B_;
   b.NH = NH_;
   b.NKV = NKV_;
   b.HS = HS_;
   b.lse_ld = Tl_;
-  const int64_t q0 = s > rank_ ? half : 0;  // s > r: the second chunk's queries only
-  b.Tq = Tl_ - q0;
-  b.Tk = s < rank_ ? half : Tl_;            // s < r: the first chunk's keys only
-  b.causal = s == rank_;
+  const int64_t q0 = range.q0;
+  b.Tq = range.Tq;
+  b.Tk = range.Tk;
+  b.causal = range.causal;
   const char* q = static_cast<const char*>(qkv) + static_cast<size_t>(q0 * qkv_row) * es;
   const char* k = static_cast<const char*>(kv);
   b.q = AttnView{const_cast<char*>(q), qkv_row, Tl_ * qkv_row};
@@ -65,7 +76,7 @@ AttnBlock ContextParallel::block_of(const void* qkv, const void* kv, int s, floa
 }
 
 AttnView ContextParallel::o_view(int s) const {
-  const int64_t q0 = s > rank_ ? Tl_ / 2 : 0, row = NH_ * HS_;
+  const int64_t q0 = block_range(Tl_, rank_, s).q0, row = NH_ * HS_;
   return AttnView{b_.o + q0 * row, row, Tl_ * row};
 }
 
@@ -114,7 +125,7 @@ void ContextParallel::backward(void* dqkv, const void* datt, const void* qkv, co
   // The block's dout / out views and its dq view (the q columns of grad) for rank s's K/V.
   auto run = [&](int s, const void* kv, float* dkv) {
     const AttnBlock blk = block_of(qkv, kv, s, lse_mut);
-    const int64_t q0 = s > rank_ ? Tl_ / 2 : 0, kv_row = 2 * NKV_ * HS_;
+    const int64_t q0 = block_range(Tl_, rank_, s).q0, kv_row = 2 * NKV_ * HS_;
     const AttnView dout{const_cast<char*>(static_cast<const char*>(datt) + static_cast<size_t>(q0 * row) * es), row,
                         Tl_ * row};
     const AttnView out{const_cast<char*>(static_cast<const char*>(att) + static_cast<size_t>(q0 * row) * es), row,

@@ -57,6 +57,13 @@ class ContextParallel {
   // The global position of each local token (host copy; the device one is buffers().positions).
   const std::vector<int32_t>& host_positions() const { return host_positions_; }
   static std::vector<int32_t> positions_of(int64_t T, int cp, int rank);
+  // The block rank r computes against rank s's K/V (Tl local tokens each): its queries are local
+  // rows [q0, q0 + Tq), its keys rows [0, Tk) of s's block (see the header comment).
+  struct BlockRange {
+    int64_t q0, Tq, Tk;
+    bool causal;
+  };
+  static BlockRange block_range(int64_t Tl, int r, int s);
 
   // The buffers of a CP group of `cp` ranks, taken from `c` (an ArenaCarver over a chunk's
   // scratch; a null base only sizes them). B, Tl (local tokens), NH, NKV, HS: this rank's.
