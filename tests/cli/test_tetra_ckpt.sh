@@ -61,7 +61,7 @@ gbs = int(cfg["training"]["global_batch_size"])
 want = {"step": steps, "consumed samples": str(int(steps) * gbs),
         "parameters": f"{params:,}", "tensors": f"{3 * len(shapes)} (",
         "total bytes": f"{3 * 4 * params:,}",
-        "layout": f"world {world}: tp {tp}, pp 1, dp {dp}, ep 1, order tp-dp-pp, "
+        "layout": f"world {world}: tp {tp}, cp 1, pp 1, dp {dp}, ep 1, order tp-cp-dp-pp, "
                   f"sequence_parallel false, distributed_optimizer {dopt}"}
 for k, v in want.items():
     got = line(k)

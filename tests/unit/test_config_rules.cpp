@@ -268,7 +268,26 @@ TEST_CASE("config: parallel layout rules", "[config]") {
               "not available with expert parallelism");
   require_one(with(moe, "model.moe.topk", 2), "model.moe.topk: ", "did you mean \"model.moe.top_k\"");
   require_one(with(base(), "model.moe", 3), "model.moe: 3: ", "expected an object");
-  require_one(with(base(), "parallel.order", "tp-ep-dp"), "parallel.order: ", "tp-dp-pp");
+  require_one(with(base(), "parallel.order", "tp-ep-dp"), "parallel.order: ", "tp-cp-dp-pp");
+  // Context parallelism: whole chunks, an order naming cp, and what is per CP rank refused.
+  const json cp2 = with(base(), "parallel.cp", 2);
+  CHECK(problems_of(cp2).empty());
+  CHECK(problems_of(with(cp2, "parallel.cp_comm", "all_gather")).empty());
+  require_one(with(base(), "parallel.cp_comm", "ring"), "parallel.cp_comm: ", "all_gather");
+  require_one(with(base(), "parallel.cp", 0), "parallel.cp: 0: ", "must be >= 1");
+  require_one(with(with(base(), "parallel.cp", 3), "model.seq_len", 16), "parallel.cp: 3: ",
+              "model.seq_len (16) must be a multiple of 2 x parallel.cp (6)");
+  require_one(with(cp2, "parallel.order", "tp-dp-pp"), "parallel.order: ", "names no cp axis");
+  CHECK(problems_of(with(cp2, "parallel.order", "dp-cp-pp-tp")).empty());
+  require_one(with(with(with(with(cp2, "parallel.tp", 4), "parallel.sequence_parallel", true), "model.seq_len", 4),
+                   "training.micro_batch_size", 1),
+              "parallel.sequence_parallel: ", "micro_batch_size * seq_len / cp (1 * 4 / 2 = 2), must be a multiple");
+  require_one(with(with(cp2, "model.moe.num_experts", 4), "model.moe.aux_loss_coeff", 0.01), "model.moe.aux_loss_coeff: ",
+              "each CP rank's own tokens");
+  require_one(with(with(with(cp2, "model.moe.num_experts", 4), "model.moe.aux_loss_coeff", 0.0),
+                   "model.moe.capacity_factor", 1.5),
+              "model.moe.capacity_factor: ", "dropless routing");
+  require_one(with(cp2, "parallel.grad_compression", "int8"), "parallel.grad_compression: ", "context parallelism");
   require_one(with(base(), "parallel.grad_compression", "int4"), "parallel.grad_compression: ", "onebit");
   CHECK(problems_of(with(with(base(), "parallel.dp", 2), "parallel.order", "dp-tp-pp")).empty());
 }

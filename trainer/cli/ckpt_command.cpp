@@ -188,8 +188,8 @@ std::string layout_text(const json& l) {
   // zero_stage: absent from checkpoints written before it (their stage is 0 or 1, as
   // distributed_optimizer says).
   return fmt::format(
-      "world {}: tp {}, pp {}, dp {}, ep {}, order {}, sequence_parallel {}, distributed_optimizer {}{}",
-      get("world"), get("tp"), get("pp"), get("dp"), get("ep"),
+      "world {}: tp {}, {}pp {}, dp {}, ep {}, order {}, sequence_parallel {}, distributed_optimizer {}{}",
+      get("world"), get("tp"), l.contains("cp") ? "cp " + l["cp"].dump() + ", " : "", get("pp"), get("dp"), get("ep"),
       l.contains("order") && l["order"].is_string() ? l["order"].get<std::string>() : "?", get("sequence_parallel"),
       get("distributed_optimizer"), l.contains("zero_stage") ? ", zero_stage " + l["zero_stage"].dump() : "");
 }

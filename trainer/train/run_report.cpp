@@ -61,8 +61,10 @@ void log_run_report(const RunReport& report, const RunEnvironment& env) {
                  cfg.model.moe.capacity_factor ? fmt::format("capacity factor {}", *cfg.model.moe.capacity_factor)
                                                : std::string("dropless"),
                  stats.active_params, cfg.parallel.ep);
-  spdlog::info("layout: {} ranks = tp {} x pp {} x dp {} (order {}){}{}; {} gradient bucket(s)",
-               env.world, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, to_string(cfg.parallel.order),
+  spdlog::info("layout: {} ranks = tp {} x {}pp {} x dp {} (order {}){}{}; {} gradient bucket(s)",
+               env.world, cfg.parallel.tp,
+               cfg.parallel.cp > 1 ? fmt::format("cp {} ({}) x ", cfg.parallel.cp, to_string(cfg.parallel.cp_comm)) : "",
+               cfg.parallel.pp, cfg.parallel.dp, to_string(cfg.parallel.order),
                cfg.parallel.sequence_parallel ? ", sequence parallel" : "",
                cfg.parallel.distributed_optimizer ? ", distributed optimizer" : "", env.gradient_buckets);
   spdlog::info("run: backend {} per rank, precision {}, micro-batch {} x {} accumulation "
@@ -86,8 +88,9 @@ void log_run_report(const RunReport& report, const RunEnvironment& env) {
   else if (!cfg.sample.prompt.empty() && cfg.training.eval_steps == 0)
     spdlog::info("samples: none during training (sample.prompt is set but training.eval_steps is 0)");
   if (env.world > 1)
-    spdlog::info("communication per step (predicted): tp: {}; dp: {}{}", predicted.tp.describe(),
+    spdlog::info("communication per step (predicted): tp: {}; dp: {}{}{}", predicted.tp.describe(),
                  predicted.dp.describe(),
+                 cfg.parallel.cp > 1 ? "; cp: " + predicted.cp.describe() : std::string(),
                  cfg.model.moe.enabled()
                      ? fmt::format("; edp: {}; ep: {} + the routed tokens", predicted.edp.describe(),
                                    predicted.ep.describe())
@@ -121,8 +124,12 @@ std::string dry_run_report(const Config& cfg) {
   fmt::format_to(out, "FLOPs per step:    {} ({} tokens, {} micro-batches of {} on each of {} DP ranks)\n",
                  human_count(stats.train_flops_per_token * tokens), tokens, cfg.grad_accum_steps(),
                  cfg.training.micro_batch_size, par.dp);
-  fmt::format_to(out, "layout:            {} ranks = tp {} x pp {} x dp {}{}, order {}{}{}\n",
-                 par.tp * par.pp * par.dp, par.tp, par.pp, par.dp,
+  fmt::format_to(out, "layout:            {} ranks = tp {} x {}pp {} x dp {}{}, order {}{}{}\n",
+                 par.world(), par.tp,
+                 par.cp > 1 ? fmt::format("cp {} ({}, seq_len {} in chunks of {}) x ", par.cp, to_string(par.cp_comm),
+                                          cfg.model.seq_len, cfg.model.seq_len / (2 * par.cp))
+                            : "",
+                 par.pp, par.dp,
                  par.ep > 1 ? fmt::format(" (ep {} x edp {})", par.ep, par.dp / par.ep) : "", to_string(par.order),
                  par.sequence_parallel ? ", sequence parallel" : "",
                  par.distributed_optimizer ? ", distributed optimizer" : "");
@@ -169,18 +176,18 @@ std::string dry_run_report(const Config& cfg) {
                    par.reshards_after_forward() ? "two parameter groups gathered at a time"
                                                 : "every parameter group kept from its first gather to the step's end "
                                                   "(reshard_after_forward false)");
-  if (par.zero_stage >= 2 && par.dp > 1) {
+  if (par.zero_stage >= 2 && par.dp_cp() > 1) {
     Config stage1 = cfg;
     stage1.parallel.zero_stage = 1;
     const MemoryPlan one = plan_memory(stage1, rank_layout(stage1, 0));
-    fmt::format_to(out, "  gradients        {} (fp32, ZeRO-{}: 1/dp shard and the buckets' staging; {} whole)\n",
+    fmt::format_to(out, "  gradients        {} (fp32, ZeRO-{}: 1/(dp x cp) shard and the buckets' staging; {} whole)\n",
                    mib(mem.grads), par.zero_stage, mib(one.grads));
   } else {
     fmt::format_to(out, "  gradients        {} (fp32)\n", mib(mem.grads));
   }
   fmt::format_to(out, "  optimizer        {} (AdamW moments, fp32{})\n", mib(mem.optimizer),
                  par.distributed_optimizer ? ", 1/dp shard" : "");
-  if (par.distributed_optimizer && par.dp > 1) {
+  if (par.distributed_optimizer && par.dp_cp() > 1) {
     Config plain = cfg;
     plain.parallel.distributed_optimizer = false;
     plain.parallel.zero_stage = 0;
@@ -189,7 +196,7 @@ std::string dry_run_report(const Config& cfg) {
                    par.zero_stage >= 2 ? fmt::format("and ZeRO-{} save", par.zero_stage) : std::string("saves"),
                    mib(without.peak() - mem.peak()), mib(without.peak()));
   }
-  if (par.dp > 1) {  // the same layout's peak under each ZeRO stage, to choose one before a job starts
+  if (par.dp_cp() > 1) {  // the same layout's peak under each ZeRO stage, to choose one before a job starts
     std::string stages;
     for (int64_t z = 0; z <= 3; ++z) {
       Config c = cfg;
@@ -240,13 +247,15 @@ std::string dry_run_report(const Config& cfg) {
   fmt::format_to(out, "communication per step and rank (payload; sent under ring algorithms ~ 2(p-1)/p of an "
                  "all-reduce's, (p-1)/p of the others'):\n");
   fmt::format_to(out, "  tp ({} ranks)      {}\n", par.tp, v.tp.describe());
-  fmt::format_to(out, "  dp ({} ranks)      {}\n", par.dp, v.dp.describe());
+  fmt::format_to(out, "  dp ({} ranks)      {}{}\n", par.dp_cp(), v.dp.describe(),
+                 par.cp > 1 ? " (the DP group spans dp x cp)" : "");
+  if (par.cp > 1) fmt::format_to(out, "  cp ({} ranks)      {}\n", par.cp, v.cp.describe());
   if (par.pp > 1) {
     fmt::format_to(out, "  pp ({} ranks)      {}\n", par.pp, v.pp.describe());
     fmt::format_to(out, "  embedding         {}\n", v.embedding.describe());
   }
   if (moe.enabled()) {
-    fmt::format_to(out, "  edp ({} ranks)     {}\n", par.dp / par.ep, v.edp.describe());
+    fmt::format_to(out, "  edp ({} ranks)     {}\n", par.edp_cp(), v.edp.describe());
     fmt::format_to(out, "  ep ({} ranks)      {} (plus the routed tokens: all-to-all payload depends on the routing)\n",
                    par.ep, v.ep.describe());
   }
