@@ -7,6 +7,10 @@
 
 namespace tetra {
 
+namespace {
+constexpr int kKvTag = 1, kGradTag = 2;  // the ring's K/V blocks and their gradients
+}  // namespace
+
 std::vector<int32_t> ContextParallel::positions_of(int64_t T, int cp, int rank) {
   const int64_t c = T / (2 * cp);
   std::vector<int32_t> p(static_cast<size_t>(2 * c));
@@ -102,13 +106,13 @@ void ContextParallel::forward(void* att, float* lse, const void* qkv) {
       WorkHandle send, recv;
       if (i + 1 < size_) {  // the next block travels while this one computes
         comm_->group_start();
-        send = comm_->send_async(b_.kv[cur], n, act_, next);
-        recv = comm_->recv_async(b_.kv[1 - cur], n, act_, prev);
+        send = comm_->send_async(b_.kv[cur], n, act_, next, kKvTag);
+        recv = comm_->recv_async(b_.kv[1 - cur], n, act_, prev, kKvTag);
         comm_->group_end();
       }
       be_.attention_block_forward(block_of(qkv, b_.kv[cur], s, lse), o_view(s), i == 0, act_);
-      if (send) send->wait();
-      if (recv) recv->wait();
+      if (send) comm_->wait(*send, CommOp::SEND);
+      if (recv) comm_->wait(*recv, CommOp::RECV);
       cur = 1 - cur;
     }
   }
@@ -157,21 +161,21 @@ void ContextParallel::backward(void* dqkv, const void* datt, const void* qkv, co
       WorkHandle send, recv;
       if (i + 1 < size_) {  // the next K/V block travels while this one computes
         comm_->group_start();
-        send = comm_->send_async(b_.kv[cur], n, act_, next);
-        recv = comm_->recv_async(b_.kv[1 - cur], n, act_, prev);
+        send = comm_->send_async(b_.kv[cur], n, act_, next, kKvTag);
+        recv = comm_->recv_async(b_.kv[1 - cur], n, act_, prev, kKvTag);
         comm_->group_end();
       }
       run(s, b_.kv[cur], b_.dkv[cur]);
-      if (send) send->wait();
-      if (recv) recv->wait();
+      if (send) comm_->wait(*send, CommOp::SEND);
+      if (recv) comm_->wait(*recv, CommOp::RECV);
       // The gradient of rank s's K/V moves on with it (after cp hops it is home): sent after the
       // block, received into the buffer the next step accumulates into.
       comm_->group_start();
-      WorkHandle dsend = comm_->send_async(b_.dkv[cur], n, DType::F32, next);
-      WorkHandle drecv = comm_->recv_async(b_.dkv[1 - cur], n, DType::F32, prev);
+      WorkHandle dsend = comm_->send_async(b_.dkv[cur], n, DType::F32, next, kGradTag);
+      WorkHandle drecv = comm_->recv_async(b_.dkv[1 - cur], n, DType::F32, prev, kGradTag);
       comm_->group_end();
-      dsend->wait();
-      drecv->wait();
+      comm_->wait(*dsend, CommOp::SEND);
+      comm_->wait(*drecv, CommOp::RECV);
       cur = 1 - cur;
     }
     home = b_.dkv[cur];
