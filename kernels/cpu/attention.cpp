@@ -126,26 +126,7 @@ void attention_forward_block(T* out, float* lse, const T* qkv, const AttnShape& 
           if (j > i || j >= nk) st[j * kBlock + i] = kNegInf;
     }
     // Online softmax, 16 queries at a time.
-    for (int64_t u = 0; u < kVecs; ++u) {
-      v16 mx = m[u];
-      for (int64_t j = 0; j < nkr; ++j) {
-        v16 x = load16(st + j * kBlock + 16 * u);
-        mx = x > mx ? x : mx;
-      }
-      v16 corr = exp16(m[u] - mx);  // first block: exp(-inf) = 0
-      v16 sum = v16{};
-      for (int64_t j = 0; j < nkr; ++j) {
-        v16 p = exp16(load16(st + j * kBlock + 16 * u) - mx);
-        store16(st + j * kBlock + 16 * u, p);
-        sum += p;
-      }
-      m[u] = mx;
-      l[u] = l[u] * corr + sum;
-      for (int64_t i = 0; i < 16; ++i) {
-        float* a = acc + (16 * u + i) * HSP;
-        for (int64_t x = 0; x < HSP; ++x) a[x] *= corr[i];
-      }
-    }
+    online_softmax_tile(st, nkr, m, l, acc, HSP);
     tile_gemm(acc, HSP, st, 1, kBlock, vb, HSP, math::round_up(nq, kRows), HSP, nkr, false,
               diagonal ? Causal::K_UPTO_ROW : Causal::NONE);
   }
@@ -252,15 +233,7 @@ void attention_backward_kv_head(T* dqkv, const T* dout, const T* qkv, const T* o
           // diagonal, all real keys otherwise. The rest of P and dS (possibly never computed
           // above) is zeroed.
           const int64_t valid = i >= nq ? 0 : (diagonal ? std::min(i + 1, nk) : nk);
-          float* pr = p + i * kBlock;
-          float* dsr = dp + i * kBlock;
-          const v16 li = splat16(lsev[i]), di = splat16(dvec[i]);
-          for (int64_t j = 0; j < math::round_up(valid, 16); j += 16) {
-            v16 pj = exp16(load16(pr + j) - li);
-            store16(pr + j, pj);
-            store16(dsr + j, pj * (load16(dsr + j) - di));
-          }
-          for (int64_t j = valid; j < kBlock; ++j) pr[j] = dsr[j] = 0.0f;
+          softmax_grad_row(p + i * kBlock, dp + i * kBlock, valid, lsev[i], dvec[i]);
         }
         // dp now holds dS.
         tile_gemm(dv + j0 * HSP, HSP, p, 1, kBlock, dob, HSP, kBlock, HSP, nqr, false,

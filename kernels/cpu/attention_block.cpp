@@ -105,26 +105,7 @@ void block_forward_task(const BlockShape& s, AttnView o, bool first, int64_t b, 
     for (int64_t j = 0; j < nkr; ++j)  // padded keys, and keys after the query on the diagonal
       for (int64_t i = 0; i < kBlock; ++i)
         if (j >= nk || (diagonal && j > i)) st[j * kBlock + i] = kNegInf;
-    for (int64_t u = 0; u < kVecs; ++u) {
-      v16 mx = m[u];
-      for (int64_t j = 0; j < nkr; ++j) {
-        const v16 x = load16(st + j * kBlock + 16 * u);
-        mx = x > mx ? x : mx;
-      }
-      const v16 corr = exp16(m[u] - mx);
-      v16 sum = v16{};
-      for (int64_t j = 0; j < nkr; ++j) {
-        const v16 p = exp16(load16(st + j * kBlock + 16 * u) - mx);
-        store16(st + j * kBlock + 16 * u, p);
-        sum += p;
-      }
-      m[u] = mx;
-      l[u] = l[u] * corr + sum;
-      for (int64_t i = 0; i < 16; ++i) {
-        float* a = acc + (16 * u + i) * HSP;
-        for (int64_t x = 0; x < HSP; ++x) a[x] *= corr[i];
-      }
-    }
+    online_softmax_tile(st, nkr, m, l, acc, HSP);
     tile_gemm(acc, HSP, st, 1, kBlock, vc + j0 * HSP, HSP, math::round_up(nq, kRows), HSP, nkr, false);
   }
   for (int64_t i = 0; i < nq; ++i) {
@@ -214,15 +195,7 @@ void block_backward_task(const BlockShape& s, const AttnView& dout, const AttnVi
           // Keys [0, valid) of the tile take part: none for padded queries, up to the query on the
           // diagonal, every real key otherwise.
           const int64_t valid = i >= nq ? 0 : (diagonal ? std::min(i + 1, nk) : nk);
-          float* pr = p + i * kBlock;
-          float* dsr = dp + i * kBlock;
-          const v16 li = splat16(lsev[i]), di = splat16(dvec[i]);
-          for (int64_t j = 0; j < math::round_up(valid, 16); j += 16) {
-            const v16 pj = exp16(load16(pr + j) - li);
-            store16(pr + j, pj);
-            store16(dsr + j, pj * (load16(dsr + j) - di));
-          }
-          for (int64_t j = valid; j < kBlock; ++j) pr[j] = dsr[j] = 0.0f;
+          softmax_grad_row(p + i * kBlock, dp + i * kBlock, valid, lsev[i], dvec[i]);
         }
         tile_gemm(dv + j0 * HSP, HSP, p, 1, kBlock, dob, HSP, kBlock, HSP, nqr, false);
         tile_gemm(dq, HSP, dp, kBlock, 1, k + j0 * HSP, HSP, nqr, HSP, kBlock, false);

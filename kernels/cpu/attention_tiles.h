@@ -192,4 +192,46 @@ inline float hsum16(v16 v) {
   return acc;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The flash-attention steps both kernels share
+// ---------------------------------------------------------------------------------------------
+// Online softmax of one key tile against kBlock queries: st (nkr, kBlock) holds the scaled scores
+// (keys x queries, masked ones -inf) and is overwritten with exp(s - m_new); the running max m and
+// sum l (kBlock / 16 vectors each) are updated, and the output accumulator acc (kBlock, HSP)
+// rescaled, before the caller adds P V.
+inline void online_softmax_tile(float* st, int64_t nkr, v16* m, v16* l, float* acc, int64_t HSP) {
+  for (int64_t u = 0; u < kBlock / 16; ++u) {
+    v16 mx = m[u];
+    for (int64_t j = 0; j < nkr; ++j) {
+      const v16 x = load16(st + j * kBlock + 16 * u);
+      mx = x > mx ? x : mx;
+    }
+    const v16 corr = exp16(m[u] - mx);  // first tile: exp(-inf) = 0
+    v16 sum = v16{};
+    for (int64_t j = 0; j < nkr; ++j) {
+      const v16 p = exp16(load16(st + j * kBlock + 16 * u) - mx);
+      store16(st + j * kBlock + 16 * u, p);
+      sum += p;
+    }
+    m[u] = mx;
+    l[u] = l[u] * corr + sum;
+    for (int64_t i = 0; i < 16; ++i) {
+      float* a = acc + (16 * u + i) * HSP;
+      for (int64_t x = 0; x < HSP; ++x) a[x] *= corr[i];
+    }
+  }
+}
+
+// Backward of one tile, row i of nqr: p (scores q k^T) becomes P = exp(s - lse_i) and dp (dO V^T)
+// becomes dS = P (dp - D_i) over keys [0, valid); the rest of both rows is zeroed.
+inline void softmax_grad_row(float* pr, float* dsr, int64_t valid, float lse_i, float d_i) {
+  const v16 li = splat16(lse_i), di = splat16(d_i);
+  for (int64_t j = 0; j < math::round_up(valid, 16); j += 16) {
+    const v16 pj = exp16(load16(pr + j) - li);
+    store16(pr + j, pj);
+    store16(dsr + j, pj * (load16(dsr + j) - di));
+  }
+  for (int64_t j = valid; j < kBlock; ++j) pr[j] = dsr[j] = 0.0f;
+}
+
 }  // namespace tetra::cpu::tiles
