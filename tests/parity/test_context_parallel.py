@@ -1,7 +1,7 @@
 """Context parallelism is invisible: every cp layout reproduces the single-rank run.
 
 For a Llama-style (GQA, RoPE, SwiGLU, untied), a GPT-2-style (learned positions, MHA, tied) and a
-MoE (4 experts, top-2, dropless, z-loss) tiny config, Tetra trains 20 steps single-rank, then under
+MoE (4 experts, top-2, dropless, load-balancing and z-losses) tiny config, Tetra trains 20 steps single-rank, then under
 `mpirun` with parallel.cp on: cp 2 and cp 4 (p2p ring and all_gather), cp 2 x tp 2 with sequence
 parallelism, cp 2 x pp 2, cp 2 x dp 2 with the distributed optimizer and with ZeRO-3, full and
 selective recomputation, and MoE cp 2 x dp 2 x ep 2. Per layout:
@@ -40,7 +40,7 @@ MODELS = {
     "moe": dict(BASE, num_kv_heads=2, ffn_hidden_size=96, norm="rmsnorm", activation="swiglu", position="rope",
                 tie_embeddings=False, bias=False,
                 moe={"num_experts": 4, "top_k": 2, "every": 1, "ffn_hidden_size": 48, "capacity_factor": None,
-                     "aux_loss_coeff": 0.0, "z_loss_coeff": 1e-3}),
+                     "aux_loss_coeff": 1e-2, "z_loss_coeff": 1e-3}),
 }
 # (name, parallel overrides, training overrides)
 LAYOUTS = {

@@ -89,12 +89,6 @@ void check_context_parallel(const Config& c, Rules& r) {
                           p.cp));
   // What would make a CP rank's result differ from the whole sequence's.
   const MoeConfig& moe = c.model.moe;
-  if (moe.enabled() && r.ok({"model.moe.aux_loss_coeff"}))
-    r.require(moe.aux_loss_coeff == 0.0, "model.moe.aux_loss_coeff", moe.aux_loss_coeff,
-              fmt::format("the load-balancing loss is computed from each CP rank's own tokens, not yet from the "
-                          "whole sequence's, with parallel.cp {}: set it to 0 (model.moe.z_loss_coeff is exact "
-                          "under context parallelism) or parallel.cp to 1",
-                          p.cp));
   if (moe.enabled() && moe.capacity_factor)
     r.require(false, "model.moe.capacity_factor", *moe.capacity_factor,
               fmt::format("expert capacity is counted over each CP rank's own tokens, not yet over the whole "

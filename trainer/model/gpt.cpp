@@ -379,6 +379,7 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
     const ActivationRegions m{r.scratch + dense.scratch, r.scratch_bytes - dense.scratch, r.slots + dense.slot,
                               r.slot_stride, slots};
     moe_ = std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep, tp, d_.l0, d_.L, rc_.moe_act, slots, &m);
+    moe_->set_context_parallel(cp);
   }
 }
 

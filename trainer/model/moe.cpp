@@ -81,6 +81,7 @@ struct MoeLayers::Layer {
   int32_t* ungroup;   // (R_max) source-major row -> expert-major row (ep > 1)
   // Host.
   MoeRoutingPlan plan;
+  std::vector<int64_t> routed_seq;  // tokens routed to each expert over the whole sequence (CP group)
   ExpertExchange x;  // rows to / from each EP rank, rows of each local expert (R in all)
   int64_t M = 0;
   float loss_weight = 0.0f;
@@ -488,12 +489,31 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
     be_.copy_to_host(sc_->h_probs.data(), s.probs, probs.size() * 4);
     be_.copy_to_host(sc_->h_lse.data(), s.lse, lse.size() * 4);
     double aux = 0.0, z = 0.0;
+    std::vector<double> psum(static_cast<size_t>(E_));
     for (int64_t e = 0; e < E_; ++e) {
       double pe = 0.0;
       for (int64_t i = 0; i < N_; ++i) pe += probs[i * E_ + e];
-      aux += pe * static_cast<double>(s.plan.routed[e]);
+      psum[static_cast<size_t>(e)] = pe;
     }
-    aux *= static_cast<double>(E_) / (static_cast<double>(N_) * static_cast<double>(N_) * static_cast<double>(K_));
+    s.routed_seq.assign(s.plan.routed.begin(), s.plan.routed.end());
+    double n_seq = static_cast<double>(N_);
+    if (cp_) {  // the sequence's statistics: every CP rank's tokens (through backend scratch)
+      std::vector<int32_t> counts(static_cast<size_t>(E_));
+      for (int64_t e = 0; e < E_; ++e) counts[static_cast<size_t>(e)] = static_cast<int32_t>(s.plan.routed[e]);
+      be_.copy_from_host(sc_->expert_grad, counts.data(), counts.size() * 4);
+      cp_->all_reduce(sc_->expert_grad, E_, DType::I32, ReduceOp::SUM);
+      be_.copy_to_host(counts.data(), sc_->expert_grad, counts.size() * 4);
+      for (int64_t e = 0; e < E_; ++e) s.routed_seq[static_cast<size_t>(e)] = counts[static_cast<size_t>(e)];
+      std::vector<float> p32(psum.begin(), psum.end());
+      be_.copy_from_host(sc_->expert_grad, p32.data(), p32.size() * 4);
+      cp_->all_reduce(sc_->expert_grad, E_, DType::F32, ReduceOp::SUM);
+      be_.copy_to_host(p32.data(), sc_->expert_grad, p32.size() * 4);
+      psum.assign(p32.begin(), p32.end());
+      n_seq *= static_cast<double>(cp_->size());
+    }
+    for (int64_t e = 0; e < E_; ++e)
+      aux += psum[static_cast<size_t>(e)] * static_cast<double>(s.routed_seq[static_cast<size_t>(e)]);
+    aux *= static_cast<double>(E_) / (n_seq * n_seq * static_cast<double>(K_));
     for (float v : lse) z += static_cast<double>(v) * v;
     z /= static_cast<double>(N_);
     MoeLayerStats& st = stats_.layers[index_of_layer_[l]];
@@ -504,6 +524,8 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
     ++st.micro_batches;
   }
 }
+
+void MoeLayers::set_context_parallel(Communicator* cp) { cp_ = cp && cp->size() > 1 ? cp : nullptr; }
 
 void MoeLayers::backward(int64_t l, const WeightView& weights, const GradTarget& grads, const void* h, const void* dout, void* dh,
                          int64_t slot) {
@@ -520,10 +542,13 @@ void MoeLayers::backward(int64_t l, const WeightView& weights, const GradTarget&
   // Router: the gates' gradient, the load-balancing loss (the same additive term on p[:, e] for
   // every row) and the z-loss, through the softmax.
   const double lw = s.loss_weight;
-  const double aux_scale = cfg_.moe.aux_loss_coeff * lw * static_cast<double>(E_) /
-                           (static_cast<double>(N_) * static_cast<double>(N_) * static_cast<double>(K_));
+  // The loss's weight is this rank's share of the sequence's (lw = scale x N): the sequence's loss
+  // weighs cp x lw, over cp N tokens.
+  const double cp = cp_ ? static_cast<double>(cp_->size()) : 1.0, n_seq = cp * static_cast<double>(N_);
+  const double aux_scale = cfg_.moe.aux_loss_coeff * lw * cp * static_cast<double>(E_) / (n_seq * n_seq * static_cast<double>(K_));
   std::vector<float>& eg = sc_->h_eg;
-  for (int64_t e = 0; e < E_; ++e) eg[e] = static_cast<float>(aux_scale * static_cast<double>(s.plan.routed[e]));
+  for (int64_t e = 0; e < E_; ++e)
+    eg[e] = static_cast<float>(aux_scale * static_cast<double>(s.routed_seq[static_cast<size_t>(e)]));
   be_.copy_from_host(sc_->expert_grad, eg.data(), eg.size() * 4);
   const float z_scale = static_cast<float>(cfg_.moe.z_loss_coeff * lw / static_cast<double>(N_));
   be_.moe_router_backward(sc_->dlogits, s.probs, s.lse, s.topk_idx, sc_->dgates, sc_->expert_grad, z_scale, N_, E_,

@@ -126,6 +126,11 @@ class MoeLayers {
 
   // Statistics since the last take (and reset).
   MoeStepStats take_stats();
+  // Context parallelism: the CP group whose ranks hold the other tokens of each sequence (size 1 or
+  // null: none). The load-balancing loss then uses the whole sequence's routing statistics, summed
+  // over the group in each training forward (an all-reduce of the E routed counts, I32, and of the
+  // E probability sums, F32), so that it, and its gradient, equal the single-rank run's.
+  void set_context_parallel(Communicator* cp);
 
   struct Layer;  // per-block saved state (moe.cpp)
 
@@ -139,6 +144,7 @@ class MoeLayers {
   DType act_;
   Communicator* ep_;  // null without expert parallelism
   Communicator* tp_;  // null without tensor parallelism
+  Communicator* cp_ = nullptr;  // null without context parallelism
   std::unique_ptr<ExpertDispatcher> dispatcher_;  // the EP exchanges (parallel/expert_dispatch.h)
   int64_t N_, C_, E_, K_, El_, e0_, F_, FC_, cap_, M_max_, R_max_;
   bool swiglu_;
