@@ -75,6 +75,16 @@ run_case 2 4 '"dp": 4, "ep": 3'
 expect_once "parallel.ep (3) must divide parallel.dp (4)"
 expect_no_logs
 
+case=cp_world_size
+run_case 2 3 '"cp": 2'
+expect_once "world size 3 is not tp (1) x cp (2) x pp (1) x dp (1) = 2"
+expect_no_logs
+
+case=cp_seq_len
+run_case 2 3 '"cp": 3'
+expect_once "must be a multiple of 2 x parallel.cp (6)"
+expect_no_logs
+
 case=sequence_parallel_without_tp
 run_case 2 2 '"dp": 2, "sequence_parallel": true'
 expect_once "needs parallel.tp > 1"
