@@ -104,11 +104,10 @@ void ContextParallel::forward(void* att, float* lse, const void* qkv) {
     for (int i = 0; i < size_; ++i) {
       const int s = (rank_ + size_ - i) % size_;  // whose K/V this rank holds at step i
       WorkHandle send, recv;
-      if (i + 1 < size_) {  // the next block travels while this one computes
-        comm_->group_start();
+      if (i + 1 < size_) {  // the next block travels while this one computes (ungrouped: a group
+                            // would complete the transfers before the block is issued)
         send = comm_->send_async(b_.kv[cur], n, act_, next, kKvTag);
         recv = comm_->recv_async(b_.kv[1 - cur], n, act_, prev, kKvTag);
-        comm_->group_end();
       }
       be_.attention_block_forward(block_of(qkv, b_.kv[cur], s, lse), o_view(s), i == 0, act_);
       if (send) comm_->wait(*send, CommOp::SEND);
@@ -160,20 +159,17 @@ void ContextParallel::backward(void* dqkv, const void* datt, const void* qkv, co
       const int s = (rank_ + size_ - i) % size_;
       WorkHandle send, recv;
       if (i + 1 < size_) {  // the next K/V block travels while this one computes
-        comm_->group_start();
         send = comm_->send_async(b_.kv[cur], n, act_, next, kKvTag);
         recv = comm_->recv_async(b_.kv[1 - cur], n, act_, prev, kKvTag);
-        comm_->group_end();
       }
       run(s, b_.kv[cur], b_.dkv[cur]);
       if (send) comm_->wait(*send, CommOp::SEND);
       if (recv) comm_->wait(*recv, CommOp::RECV);
       // The gradient of rank s's K/V moves on with it (after cp hops it is home): sent after the
-      // block, received into the buffer the next step accumulates into.
-      comm_->group_start();
+      // block, received into the buffer the next step accumulates into; nothing computes
+      // meanwhile (exposed, and counted as the cp group's wait).
       WorkHandle dsend = comm_->send_async(b_.dkv[cur], n, DType::F32, next, kGradTag);
       WorkHandle drecv = comm_->recv_async(b_.dkv[1 - cur], n, DType::F32, prev, kGradTag);
-      comm_->group_end();
       comm_->wait(*dsend, CommOp::SEND);
       comm_->wait(*drecv, CommOp::RECV);
       cur = 1 - cur;

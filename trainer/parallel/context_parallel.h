@@ -14,9 +14,11 @@
 //
 // cp_comm "p2p" (default): the K/V block of the local tokens, (B, Tl, 2 NKV HS) in the activation
 // type, passes around the ring (rank r sends to r + 1, receives from r - 1) while the current
-// block computes: cp - 1 hops, each overlapped with a block. Backward passes K/V around again
-// with a travelling fp32 gradient dK/dV of the same shape: each rank adds its contribution to
-// the block it holds and passes both on; after cp hops the gradient is home. "all_gather": K/V
+// block computes: cp - 1 hops, each posted (outside a communicator group, so that it is in flight
+// while the block runs) before a block and waited after it. Backward passes K/V around again the
+// same way, with a travelling fp32 gradient dK/dV of the same shape: each rank adds its
+// contribution to the block it holds and passes it on after the block (these cp hops are not
+// hidden); after cp hops the gradient is home. "all_gather": K/V
 // gathered from every rank first, then the blocks; backward gathers again and reduce-scatters
 // the fp32 dK/dV (simple; fine with few KV heads).
 //
