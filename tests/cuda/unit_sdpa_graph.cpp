@@ -10,6 +10,7 @@
 // utils/attn_score_modifiers.h's causal_mask lowers through node/diagonal_band_mask.h (right
 // bound 0: row >= col, then binary_select) and the softmax as node/softmax.h lowers it (Max, sub,
 // exp, sum, log, add for Stats, div). Node names are the frontend's.
+#define CATCH_CONFIG_CONSOLE_WIDTH 200  // as tests/unit/main.cpp
 #define CATCH_CONFIG_MAIN
 #include <catch2/catch.hpp>
 
