@@ -55,6 +55,7 @@ TEST_CASE("weight units: a required group reads its gathered weights, an unrequi
   units.require({layout.embedding_group});
   const int64_t wte = layout.wte;
   CHECK(*static_cast<const float*>(units.at(wte + 5)) == static_cast<float>(wte + 5));
+  CHECK(units.gathers() == 2);  // the embedding's, and block 0's issued ahead of its phase
   // Block 0 was prefetched while the embedding "computed": resident once required.
   units.require({layout.layer_group[0]});
   const int64_t qkv = layout.blocks[0].qkv_w;
