@@ -110,6 +110,8 @@ struct MoeLayers::Scratch {
   std::vector<int32_t> h_counts;              // (E + ep El)
   std::vector<int32_t> h_regroup, h_ungroup;  // (R_max)
   std::vector<float> h_probs, h_lse, h_eg;    // (N E), (N), (E)
+  std::vector<double> h_psum;                 // (E) the probability sums of the aux loss
+  std::vector<int32_t> h_routed;              // (E) routed counts, reduced over the CP group
 };
 
 namespace {
@@ -249,6 +251,8 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   sc_->h_regroup.resize(static_cast<size_t>(R_max_));
   sc_->h_ungroup.resize(static_cast<size_t>(R_max_));
   sc_->h_probs.resize(static_cast<size_t>(N_ * E_));
+  sc_->h_psum.resize(static_cast<size_t>(E_));
+  sc_->h_routed.resize(static_cast<size_t>(E_));
   sc_->h_lse.resize(static_cast<size_t>(N_));
   sc_->h_eg.resize(static_cast<size_t>(E_));
   for (int64_t l : blocks) {
@@ -489,7 +493,7 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
     be_.copy_to_host(sc_->h_probs.data(), s.probs, probs.size() * 4);
     be_.copy_to_host(sc_->h_lse.data(), s.lse, lse.size() * 4);
     double aux = 0.0, z = 0.0;
-    std::vector<double> psum(static_cast<size_t>(E_));
+    std::vector<double>& psum = sc_->h_psum;
     for (int64_t e = 0; e < E_; ++e) {
       double pe = 0.0;
       for (int64_t i = 0; i < N_; ++i) pe += probs[i * E_ + e];
@@ -498,17 +502,18 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
     s.routed_seq.assign(s.plan.routed.begin(), s.plan.routed.end());
     double n_seq = static_cast<double>(N_);
     if (cp_) {  // the sequence's statistics: every CP rank's tokens (through backend scratch)
-      std::vector<int32_t> counts(static_cast<size_t>(E_));
+      std::vector<int32_t>& counts = sc_->h_routed;
       for (int64_t e = 0; e < E_; ++e) counts[static_cast<size_t>(e)] = static_cast<int32_t>(s.plan.routed[e]);
       be_.copy_from_host(sc_->expert_grad, counts.data(), counts.size() * 4);
       cp_->all_reduce(sc_->expert_grad, E_, DType::I32, ReduceOp::SUM);
       be_.copy_to_host(counts.data(), sc_->expert_grad, counts.size() * 4);
       for (int64_t e = 0; e < E_; ++e) s.routed_seq[static_cast<size_t>(e)] = counts[static_cast<size_t>(e)];
-      std::vector<float> p32(psum.begin(), psum.end());
+      std::vector<float>& p32 = sc_->h_eg;  // (E) floats, rewritten by the backward before use
+      std::copy(psum.begin(), psum.end(), p32.begin());
       be_.copy_from_host(sc_->expert_grad, p32.data(), p32.size() * 4);
       cp_->all_reduce(sc_->expert_grad, E_, DType::F32, ReduceOp::SUM);
       be_.copy_to_host(p32.data(), sc_->expert_grad, p32.size() * 4);
-      psum.assign(p32.begin(), p32.end());
+      std::copy(p32.begin(), p32.end(), psum.begin());
       n_seq *= static_cast<double>(cp_->size());
     }
     for (int64_t e = 0; e < E_; ++e)

@@ -84,98 +84,87 @@ AttnView ContextParallel::o_view(int s) const {
   return AttnView{b_.o + q0 * row, row, Tl_ * row};
 }
 
+void ContextParallel::gather_kv(const void* qkv) {
+  if (mode_ == CpComm::P2P) {
+    pack_kv(b_.kv[0], qkv);
+    return;
+  }
+  // The local block is packed into the dK/dV buffer (free until the gather is done; at least a
+  // block's bytes), then gathered with the others'.
+  pack_kv(b_.dkv[0], qkv);
+  comm_->all_gather(b_.kv[0], b_.dkv[0], kv_numel(), act_);
+}
+
+template <class Block>
+int ContextParallel::walk_ring(Block&& block) {
+  const int64_t n = kv_numel();
+  const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  int cur = 0;
+  for (int i = 0; i < size_; ++i) {
+    const int s = (rank_ + size_ - i) % size_;  // whose K/V this rank holds at step i
+    if (mode_ == CpComm::ALL_GATHER) {
+      block(i, s, static_cast<const char*>(b_.kv[0]) + static_cast<size_t>(s * n) * dtype_size(act_), s);
+      continue;
+    }
+    WorkHandle send, recv;
+    if (i + 1 < size_) {  // the next block travels while this one computes (ungrouped: a group
+                          // would complete the transfers before the block is issued)
+      send = comm_->send_async(b_.kv[cur], n, act_, next, kKvTag);
+      recv = comm_->recv_async(b_.kv[1 - cur], n, act_, prev, kKvTag);
+    }
+    block(i, s, b_.kv[cur], cur);
+    if (send) comm_->wait(*send, CommOp::SEND);
+    if (recv) comm_->wait(*recv, CommOp::RECV);
+    cur = 1 - cur;
+  }
+  return cur;
+}
+
 void ContextParallel::forward(void* att, float* lse, const void* qkv) {
   TETRA_CHECK(enabled(), "ContextParallel::forward without a CP group");
-  const int64_t n = kv_numel();
-  const size_t bytes = static_cast<size_t>(n) * dtype_size(act_);
-  const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
-  if (mode_ == CpComm::ALL_GATHER) {
-    void* mine = b_.dkv[0];  // free in the forward, and at least a block's bytes
-    pack_kv(mine, qkv);
-    comm_->all_gather(b_.kv[0], mine, n, act_);
-    for (int i = 0; i < size_; ++i) {
-      const int s = (rank_ + size_ - i) % size_;  // the ring's order: the same sums in both modes
-      const void* kv = static_cast<const char*>(b_.kv[0]) + static_cast<size_t>(s) * bytes;
-      be_.attention_block_forward(block_of(qkv, kv, s, lse), o_view(s), i == 0, act_);
-    }
-  } else {
-    pack_kv(b_.kv[0], qkv);
-    int cur = 0;
-    for (int i = 0; i < size_; ++i) {
-      const int s = (rank_ + size_ - i) % size_;  // whose K/V this rank holds at step i
-      WorkHandle send, recv;
-      if (i + 1 < size_) {  // the next block travels while this one computes (ungrouped: a group
-                            // would complete the transfers before the block is issued)
-        send = comm_->send_async(b_.kv[cur], n, act_, next, kKvTag);
-        recv = comm_->recv_async(b_.kv[1 - cur], n, act_, prev, kKvTag);
-      }
-      be_.attention_block_forward(block_of(qkv, b_.kv[cur], s, lse), o_view(s), i == 0, act_);
-      if (send) comm_->wait(*send, CommOp::SEND);
-      if (recv) comm_->wait(*recv, CommOp::RECV);
-      cur = 1 - cur;
-    }
-  }
+  gather_kv(qkv);
+  walk_ring([&](int i, int s, const void* kv, int) {
+    be_.attention_block_forward(block_of(qkv, kv, s, lse), o_view(s), i == 0, act_);
+  });
   be_.cast(att, act_, b_.o, DType::F32, B_ * Tl_ * NH_ * HS_);
 }
 
 void ContextParallel::backward(void* dqkv, const void* datt, const void* qkv, const void* att, const float* lse) {
   TETRA_CHECK(enabled(), "ContextParallel::backward without a CP group");
-  const int64_t n = kv_numel(), row = NH_ * HS_, qkv_row = QKV();
-  const size_t es = dtype_size(act_), bytes = static_cast<size_t>(n) * es;
+  const int64_t n = kv_numel(), row = NH_ * HS_, qkv_row = QKV(), kv_row = 2 * NKV_ * HS_;
+  const size_t es = dtype_size(act_);
   const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  const bool gathered = mode_ == CpComm::ALL_GATHER;
   be_.memset_zero(b_.grad, static_cast<size_t>(B_ * Tl_ * qkv_row) * 4);
+  gather_kv(qkv);
+  // The dK/dV accumulators: one per rank's block (all_gather; zeroed after the gather staged in
+  // them), or the travelling one (p2p).
+  be_.memset_zero(b_.dkv[0], static_cast<size_t>((gathered ? size_ : 1) * n) * 4);
   float* lse_mut = const_cast<float*>(lse);  // read only by the backward block
-  // The block's dout / out views and its dq view (the q columns of grad) for rank s's K/V.
-  auto run = [&](int s, const void* kv, float* dkv) {
-    const AttnBlock blk = block_of(qkv, kv, s, lse_mut);
-    const int64_t q0 = block_range(Tl_, rank_, s).q0, kv_row = 2 * NKV_ * HS_;
+  const int cur = walk_ring([&](int, int s, const void* kv, int slot) {
+    // The block's dout / out views, its dq view (the q columns of grad) and rank s's dK/dV.
+    float* dkv = gathered ? b_.dkv[0] + slot * n : b_.dkv[slot];
+    const int64_t q0 = block_range(Tl_, rank_, s).q0;
     const AttnView dout{const_cast<char*>(static_cast<const char*>(datt) + static_cast<size_t>(q0 * row) * es), row,
                         Tl_ * row};
     const AttnView out{const_cast<char*>(static_cast<const char*>(att) + static_cast<size_t>(q0 * row) * es), row,
                        Tl_ * row};
     const AttnView dq{b_.grad + q0 * qkv_row, qkv_row, Tl_ * qkv_row};
     const AttnView dk{dkv, kv_row, Tl_ * kv_row}, dv{dkv + NKV_ * HS_, kv_row, Tl_ * kv_row};
-    be_.attention_block_backward(blk, dout, out, dq, dk, dv, act_);
-  };
-  float* home = nullptr;  // this rank's own dK/dV, summed over every rank's queries
-  if (mode_ == CpComm::ALL_GATHER) {
-    // The local block is packed into the dK/dV buffer (free until the gather is done), then
-    // gathered with the others'.
-    pack_kv(b_.dkv[0], qkv);
-    comm_->all_gather(b_.kv[0], b_.dkv[0], n, act_);
-    be_.memset_zero(b_.dkv[0], static_cast<size_t>(size_ * n) * 4);
-    for (int i = 0; i < size_; ++i) {
-      const int s = (rank_ + size_ - i) % size_;
-      run(s, static_cast<const char*>(b_.kv[0]) + static_cast<size_t>(s) * bytes, b_.dkv[0] + s * n);
-    }
-    // Each rank's block of dK/dV summed over the group, its own one home.
-    home = b_.dkv[1];
-    comm_->reduce_scatter(home, b_.dkv[0], n, DType::F32, ReduceOp::SUM);
-  } else {
-    pack_kv(b_.kv[0], qkv);
-    be_.memset_zero(b_.dkv[0], static_cast<size_t>(n) * 4);
-    int cur = 0;
-    for (int i = 0; i < size_; ++i) {
-      const int s = (rank_ + size_ - i) % size_;
-      WorkHandle send, recv;
-      if (i + 1 < size_) {  // the next K/V block travels while this one computes
-        send = comm_->send_async(b_.kv[cur], n, act_, next, kKvTag);
-        recv = comm_->recv_async(b_.kv[1 - cur], n, act_, prev, kKvTag);
-      }
-      run(s, b_.kv[cur], b_.dkv[cur]);
-      if (send) comm_->wait(*send, CommOp::SEND);
-      if (recv) comm_->wait(*recv, CommOp::RECV);
-      // The gradient of rank s's K/V moves on with it (after cp hops it is home): sent after the
-      // block, received into the buffer the next step accumulates into; nothing computes
-      // meanwhile (exposed, and counted as the cp group's wait).
-      WorkHandle dsend = comm_->send_async(b_.dkv[cur], n, DType::F32, next, kGradTag);
-      WorkHandle drecv = comm_->recv_async(b_.dkv[1 - cur], n, DType::F32, prev, kGradTag);
-      comm_->wait(*dsend, CommOp::SEND);
-      comm_->wait(*drecv, CommOp::RECV);
-      cur = 1 - cur;
-    }
-    home = b_.dkv[cur];
-  }
+    be_.attention_block_backward(block_of(qkv, kv, s, lse_mut), dout, out, dq, dk, dv, act_);
+    if (gathered) return;
+    // p2p: the gradient of rank s's K/V moves on with it (after cp hops it is home): sent after
+    // the block, received into the buffer the next step accumulates into; nothing computes
+    // meanwhile (exposed, and counted as the cp group's wait).
+    WorkHandle dsend = comm_->send_async(b_.dkv[slot], n, DType::F32, next, kGradTag);
+    WorkHandle drecv = comm_->recv_async(b_.dkv[1 - slot], n, DType::F32, prev, kGradTag);
+    comm_->wait(*dsend, CommOp::SEND);
+    comm_->wait(*drecv, CommOp::RECV);
+  });
+  // This rank's own dK/dV, summed over every rank's queries: home after the ring, or each
+  // rank's block reduce-scattered to it.
+  float* home = b_.dkv[gathered ? 1 : cur];
+  if (gathered) comm_->reduce_scatter(home, b_.dkv[0], n, DType::F32, ReduceOp::SUM);
   // grad's k/v columns <- the home dK/dV; then the whole (B, Tl, QKV) fp32 gradient to act.
   be_.copy_2d(b_.grad + NH_ * HS_, static_cast<size_t>(qkv_row) * 4, home, static_cast<size_t>(2 * NKV_ * HS_) * 4,
               static_cast<size_t>(2 * NKV_ * HS_) * 4, static_cast<size_t>(B_ * Tl_));

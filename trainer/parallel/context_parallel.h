@@ -103,6 +103,13 @@ class ContextParallel {
   AttnBlock block_of(const void* qkv, const void* kv, int s, float* lse) const;
   AttnView o_view(int s) const;
   void pack_kv(void* dst, const void* qkv);
+  // The local K/V block packed where the ring starts (p2p), or every rank's gathered (all_gather).
+  void gather_kv(const void* qkv);
+  // Calls block(step, s, kv, slot) for the ring's cp steps, rank s's K/V block at kv: the
+  // gathered blocks (slot s), or the travelling one (slot: which of the two buffers) with the next
+  // hop in flight while block runs. Returns the p2p slot after the last step.
+  template <class Block>
+  int walk_ring(Block&& block);
 
   Communicator* comm_ = nullptr;
   CpComm mode_;
