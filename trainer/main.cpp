@@ -1,9 +1,10 @@
-// tetra: one binary, four commands (trainer/cli/cli.h):
+// tetra: one binary, five commands (trainer/cli/cli.h):
 //
 //   tetra train --config run.json [options]   (`tetra --config run.json [options]` is the same)
 //   tetra generate --config run.json [options]
 //   tetra data tokenize | train-tokenizer | from-llmc ...
 //   tetra ckpt inspect | export-hf ...
+//   tetra plan --config run.json --cluster NAME|FILE
 //
 // This file only parses the command line and dispatches: a line that starts with an option (or is
 // empty) is `train`'s, a word names the command, an unknown word is exit 2 naming it and the
@@ -76,6 +77,7 @@ int main(int argc, char** argv) {
   commands.push_back(tetra::cli::add_generate_command(app));
   commands.push_back(tetra::cli::add_data_command(app));
   commands.push_back(tetra::cli::add_ckpt_command(app));
+  commands.push_back(tetra::cli::add_plan_command(app));
   CLI::App& train = commands.front()->app();
   app.footer([&app, &train] {
     return "Without a command, tetra trains: `tetra --config run.json` is `tetra train --config run.json`.\n\n" +

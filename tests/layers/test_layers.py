@@ -35,12 +35,14 @@ ALLOWED = {
     "trainer/train": BASE + ["kernels", "kernels/cpu", "kernels/cuda", "trainer/core", "trainer/config",
                              "trainer/comm", "trainer/params", "trainer/data", "trainer/checkpoint", "trainer/optim",
                              "trainer/parallel", "trainer/model"],
+    "trainer/plan": BASE + ["kernels", "kernels/cpu", "trainer/core", "trainer/config", "trainer/comm",
+                            "trainer/params", "trainer/parallel", "trainer/model", "trainer/train"],
     "trainer/cli": BASE + ["kernels", "kernels/cpu", "kernels/cuda", "trainer/core", "trainer/config", "trainer/comm",
                            "trainer/params", "trainer/data", "trainer/checkpoint", "trainer/optim", "trainer/parallel",
-                           "trainer/model", "trainer/train"],
+                           "trainer/model", "trainer/train", "trainer/plan"],
     "trainer/main": BASE + ["kernels", "trainer/core", "trainer/config", "trainer/comm", "trainer/params",
                             "trainer/data", "trainer/checkpoint", "trainer/optim", "trainer/parallel", "trainer/model",
-                            "trainer/train", "trainer/cli"],
+                            "trainer/train", "trainer/plan", "trainer/cli"],
 }
 SOURCE = re.compile(r"\.(h|hpp|cpp|cc|cu|cuh)$")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)

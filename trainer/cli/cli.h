@@ -4,6 +4,7 @@
 //   tetra generate --config run.json [options]  text from trained weights (one process)
 //   tetra data tokenize | train-tokenizer | from-llmc ...   prepare token datasets
 //   tetra ckpt inspect | export-hf ...                      read and export checkpoints
+//   tetra plan --config run.json --cluster NAME|FILE        rank layouts by predicted speed and memory
 //
 // trainer/main.cpp builds one CLI11 app, lets each command add its subcommand and options to it,
 // parses the line and runs the command that was named. Only `train` starts MPI: help, the data
@@ -33,10 +34,11 @@ class Command {
   virtual int run(int* argc, char*** argv, const RuntimeOptions& runtime) = 0;
 };
 
-// Each adds its subcommand ("train", "generate", "data", "ckpt") to `tetra`.
+// Each adds its subcommand ("train", "generate", "data", "ckpt", "plan") to `tetra`.
 std::unique_ptr<Command> add_train_command(CLI::App& tetra);
 std::unique_ptr<Command> add_generate_command(CLI::App& tetra);
 std::unique_ptr<Command> add_data_command(CLI::App& tetra);
 std::unique_ptr<Command> add_ckpt_command(CLI::App& tetra);
+std::unique_ptr<Command> add_plan_command(CLI::App& tetra);
 
 }  // namespace tetra::cli

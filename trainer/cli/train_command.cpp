@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,8 @@
 #include "trainer/model/flops.h"
 #include "trainer/parallel/comm_volume.h"
 #include "trainer/params/param_layout.h"
+#include "trainer/plan/cluster.h"
+#include "trainer/plan/step_time.h"
 #include "trainer/train/compute_device.h"
 #include "trainer/train/fault_injection.h"
 #include "trainer/train/pipeline_model.h"
@@ -45,6 +48,32 @@ namespace tetra::cli {
 namespace {
 
 void print_dry_run(const tetra::Config& cfg) { fmt::print("{}", tetra::dry_run_report(cfg)); }
+
+// The step time `tetra plan` predicts for the run's own device, logged beside every measured step:
+// the GPU's preset (none for a GPU without one), or this CPU measured as `cpu-local` with the
+// rank's threads while every rank of the run measures at once (docs/planning.md).
+std::optional<tetra::PlannedStep> plan_step(const tetra::Config& cfg, const tetra::ComputeDevice& device, int64_t world) {
+  std::optional<tetra::ClusterSpec> cluster;
+  if (cfg.training.device == tetra::Device::CUDA) {
+    cluster = tetra::cluster_for_gpu(device.gpu_name, world);
+    if (!cluster) {
+      spdlog::info("planned step: no cluster preset for {} (tetra plan --cluster FILE plans for any GPU)",
+                   device.gpu_name);
+      return std::nullopt;
+    }
+  } else {
+    const bool measured = device.peak_source == "measured";
+    cluster = tetra::cpu_local_cluster(cfg.training.precision, device.threads, measured ? device.peak_flops : 0.0,
+                                       /*quick=*/true, /*concurrent=*/false);
+    cluster->nodes = std::max<int64_t>(1, (world + cluster->gpus_per_node - 1) / cluster->gpus_per_node);
+  }
+  const tetra::StepPrediction p = tetra::predict_step(cfg, *cluster);
+  return tetra::PlannedStep{
+      p.step_s, fmt::format("{:.1f} ms on {} (compute {:.1f} ms of which recomputation {:.1f}, pipeline bubble {:.1f}, "
+                            "optimizer {:.1f}, exposed communication {:.1f} ms)",
+                            p.step_s * 1e3, cluster->name, p.compute_s * 1e3, p.recompute_s * 1e3, p.bubble_s * 1e3,
+                            p.optimizer_s * 1e3, p.exposed_comm_s() * 1e3)};
+}
 
 // What a failure says to the user: Tetra's own errors as they are; a library's exception that
 // escaped (a filesystem call, a JSON access) with the path or value it concerns, never the
@@ -158,7 +187,7 @@ int TrainCommand::train(const ProcessInfo& proc, const RuntimeOptions& runtime) 
     tetra::ProcessGroups groups = tetra::ProcessGroups::create(grid, proc.rank);
     // The GPU is the bootstrap's node-local rank's.
     tetra::Trainer trainer(cfg, config_path_, groups, dump_dir_,
-                           tetra::device_options(runtime, proc.local_rank));
+                           tetra::device_options(runtime, proc.local_rank), plan_step);
     trainer.run();
     groups.world->barrier();
     return 0;

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <deque>
 #include <map>
+#include <mutex>
 #include <set>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -32,6 +34,21 @@ PipeAction interleaved_action(int k, int pp, int vp, bool forward) {
 }  // namespace
 
 PipelineSchedule PipelineSchedule::build(ScheduleKind kind, int pp, int vp, int m) {
+  // A pure function of its arguments, asked for the same tables many times over (every pipeline
+  // rank's memory plan and communication prediction, `tetra plan`'s every candidate): built once.
+  static std::mutex mutex;
+  static std::map<std::tuple<ScheduleKind, int, int, int>, PipelineSchedule> built;
+  const auto key = std::make_tuple(kind, pp, vp, m);
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (auto it = built.find(key); it != built.end()) return it->second;
+  }
+  PipelineSchedule s = build_uncached(kind, pp, vp, m);
+  std::lock_guard<std::mutex> lock(mutex);
+  return built.emplace(key, std::move(s)).first->second;
+}
+
+PipelineSchedule PipelineSchedule::build_uncached(ScheduleKind kind, int pp, int vp, int m) {
   TETRA_CHECK(pp >= 1 && m >= 1 && vp >= 1, "pipeline schedule needs pp, vp, m >= 1 (got {}, {}, {})", pp, vp, m);
   TETRA_CHECK(kind == ScheduleKind::INTERLEAVED || vp == 1, "the {} schedule runs one model chunk per rank, not {}",
               schedule_name(kind), vp);

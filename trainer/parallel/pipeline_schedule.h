@@ -48,6 +48,7 @@ struct PipelineSchedule {
 
   // Requires: pp >= 1, m >= 1; vp == 1 unless interleaved; interleaved: vp >= 2 and m % pp == 0.
   static PipelineSchedule build(ScheduleKind kind, int pp, int vp, int m);
+  static PipelineSchedule build_uncached(ScheduleKind kind, int pp, int vp, int m);  // build() caches these
 
   int stages() const { return pp * vp; }
   int stage_of(int rank, int chunk) const { return chunk * pp + rank; }

@@ -64,6 +64,7 @@ ComputeDevice make_compute_device(const TrainingConfig& training, DType act, con
     d.peak_source = peak_given ? "training.peak_gflops"
                                : fmt::format("{} dense {} peak: {}", info.name, half ? "16-bit tensor-core" : "fp32",
                                              half ? info.peak_bf16_source : info.peak_fp32_source);
+    d.gpu_name = info.name;
     d.description = fmt::format("cuda:{} {} (sm_{}, {} SMs, {:.1f} GiB)", index, info.name, info.compute_capability,
                                 info.sm_count, info.memory_bytes / 1073741824.0);
     return d;
@@ -89,6 +90,7 @@ ComputeDevice make_compute_device(const TrainingConfig& training, DType act, con
                               : measure_cpu_peak_gflops(threads, act == DType::BF16) * 1e9;
     d.peak_source = peak_given ? "training.peak_gflops" : "measured";
   }
+  d.threads = threads;
   d.description = fmt::format("cpu, {} threads", threads);
   return d;
 }

@@ -37,6 +37,8 @@ struct ComputeDevice {
   double peak_flops = 0.0;   // per rank
   std::string peak_source;   // "training.peak_gflops", "measured", or the GPU's datasheet figure
   std::string description;   // "cpu, 2 threads" or "cuda:0 NVIDIA H200 (132 SMs, 1.98 GHz)"
+  std::string gpu_name;      // the GPU's name ("NVIDIA H200"); empty on the CPU
+  int threads = 1;           // CPU threads of this rank (1 on a GPU)
 };
 
 // Throws InputError when training.device is "cuda" and this build has no CUDA backend or the

@@ -50,10 +50,11 @@ MoeTokenSpread token_spread(const MoeLayerStats& l) {
 
 std::string MetricsWriter::format_line(const StepMetrics& m) {
   std::string line = fmt::format(
-      "step {:>{}}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f}{} | {:.1f} ms | {:.0f} tok/s | "
+      "step {:>{}}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.4f}{} | {:.1f} ms{} | {:.0f} tok/s | "
       "MFU {:.1f}% | ETA {}",
       m.step, std::to_string(m.total_steps).size(), m.total_steps, m.loss, m.lr, m.grad_norm,
-      m.clip < 1.0 ? " (clipped)" : "", m.ms, m.tokens_per_s, 100.0 * m.mfu, format_duration(m.eta_s));
+      m.clip < 1.0 ? " (clipped)" : "", m.ms, m.planned_ms ? fmt::format(" (planned {:.1f})", *m.planned_ms) : "",
+      m.tokens_per_s, 100.0 * m.mfu, format_duration(m.eta_s));
   if (m.val_loss) line += fmt::format(" | val loss {:.4f}", *m.val_loss);
   if (m.pipeline)
     line += fmt::format(" | bubble {:.0f}% (ideal {:.0f}%)", 100.0 * m.pipeline->bubble, 100.0 * m.pipeline->ideal_bubble);
@@ -80,6 +81,7 @@ void MetricsWriter::write(const StepMetrics& m) {
   j["grad_norm"] = m.grad_norm;
   j["clip"] = m.clip;
   j["ms"] = m.ms;
+  if (m.planned_ms) j["planned_ms"] = *m.planned_ms;
   j["tokens_per_s"] = m.tokens_per_s;
   j["mfu"] = m.mfu;
   j["consumed_samples"] = m.consumed_samples;

@@ -43,6 +43,7 @@ struct StepMetrics {
   double grad_norm = 0.0;      // global norm before clipping
   double clip = 1.0;           // factor the gradients were multiplied by
   double ms = 0.0;             // wall time of the step
+  std::optional<double> planned_ms;  // the planner's prediction of it (trainer.h's StepPlanner)
   double tokens_per_s = 0.0;
   double mfu = 0.0;            // achieved FLOP/s / peak FLOP/s
   double eta_s = 0.0;

@@ -58,7 +58,7 @@ void check_output_paths(const Config& cfg, const std::string& dump_dir, bool wri
 }  // namespace
 
 Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroups& groups, std::string dump_dir,
-                 const DeviceOptions& device_opts)
+                 const DeviceOptions& device_opts, const StepPlanner& planner)
     : cfg_(cfg),
       groups_(groups),
       writer_(groups.rank == 0),
@@ -248,6 +248,16 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   env.samples = sampler_ != nullptr;
   env.onebit_compresses = updater_->compresses(cfg.training.steps);
   log_run_report(report, env);
+  if (planner) {
+    // Every rank plans at once: on a CPU the planner measures this machine's rates, which its
+    // ranks share; global rank 0's prediction is logged.
+    groups.world->barrier();
+    const std::optional<PlannedStep> p = planner(cfg, device, groups.grid.world());
+    if (p && groups.rank == 0) {
+      planned_step_s_ = p->step_s;
+      spdlog::info("planned step: {}", p->description);
+    }
+  }
 
   nlohmann::ordered_json start;
   start["event"] = "start";
@@ -256,6 +266,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   start["peak_flops"] = peak_flops_;
   start["world"] = groups.grid.world();
   start["memory_plan_bytes"] = report.memory.peak();
+  if (planned_step_s_) start["planned_step_ms"] = *planned_step_s_ * 1e3;
   start["activation_plan_bytes"] = report.memory.activations;
   start["optimizer_state_bytes"] = updater_->state_bytes();
   metrics_->event(start.dump());
@@ -410,6 +421,7 @@ StepMetrics Trainer::step_metrics(int64_t s, double loss, const StepUpdate& u, d
   m.loss_scale = u.loss_scale;
   m.overflow = u.overflow;
   m.ms = step_s * 1e3;
+  if (planned_step_s_) m.planned_ms = *planned_step_s_ * 1e3;
   m.tokens_per_s = static_cast<double>(tc.global_batch_size * cfg_.model.seq_len) / step_s;
   m.mfu = train_flops_per_token_ * m.tokens_per_s / peak_flops_;
   m.eta_s = eta_s;

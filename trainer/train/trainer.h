@@ -10,7 +10,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,12 +42,22 @@ class DataLoader;
 class MetricsWriter;
 class PipelineModel;
 
+// The step time the planner predicts for a run on its device (trainer/plan/, reached through the
+// command line: the loop does not know the planner), logged at start-up and beside every measured
+// step. `world` is the run's rank count. Every rank calls it at the same time.
+struct PlannedStep {
+  double step_s = 0.0;
+  std::string description;  // its parts and the cluster it was predicted for
+};
+using StepPlanner = std::function<std::optional<PlannedStep>(const Config&, const ComputeDevice&, int64_t world)>;
+
 class Trainer {
  public:
   // `dump_dir` non-empty: write initial weights, step-0 gradients and the batches (debug_dump.h).
   // `device`: the GPU (local rank), attention path and test modes (compute_device.h).
+  // `planner`: the step time to log beside the measured one (none: not logged).
   Trainer(const Config& cfg, const std::string& config_path, ProcessGroups& groups,
-          std::string dump_dir = "", const DeviceOptions& device = {});
+          std::string dump_dir = "", const DeviceOptions& device = {}, const StepPlanner& planner = {});
   ~Trainer();
 
   void run();
@@ -131,6 +143,7 @@ class Trainer {
   std::unique_ptr<Gpt> sample_model_;
   std::unique_ptr<Sampler> sampler_;
   double peak_flops_ = 0.0;
+  std::optional<double> planned_step_s_;  // global rank 0's prediction (StepPlanner)
   size_t planned_bytes_ = 0;  // this rank's memory plan (plan_memory().total())
   double train_flops_per_token_ = 0.0;
   int64_t start_step_ = 0;  // steps already done (resumed from a checkpoint)
