@@ -146,4 +146,28 @@ expect_refusal "$case" "--write-config $scratch/exists.json: the file exists (pa
   >/dev/null 2>&1 || fail "--force did not replace it"
 grep -q '"virtual_stages": 5' "$scratch/exists.json" || fail "--explain --write-config did not write the config's layout"
 
+case="the training log's planned step"
+# (peak_gflops 0: measured, as in a real run; the reference configs set it to skip measuring)
+if "$tetra" --config "$src/configs/reference_llama.json" --set training.steps=2 --set training.threads=1 \
+    --set training.peak_gflops=0 --set "logging.dir=$scratch/run" >"$scratch/run.txt" 2>&1; then
+  grep -q "planned step: .* ms on cpu-local (compute" "$scratch/run.txt" || fail "no 'planned step:' line at start-up"
+  grep -q "step 2/2 | .* ms (planned [0-9.]*) |" "$scratch/run.txt" || fail "no planned time beside the step's"
+  $py - "$scratch/run/metrics.jsonl" <<'PY' || fail "metrics.jsonl: see above"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+start = [r for r in rows if r.get("event") == "start"]
+steps = [r for r in rows if "step" in r]
+ok = start and start[0].get("planned_step_ms", 0) > 0 and len(steps) == 2 and \
+    all(s.get("planned_ms") == start[0]["planned_step_ms"] for s in steps)
+if not ok: print("planned_step_ms / planned_ms missing or different:", start, steps)
+sys.exit(0 if ok else 1)
+PY
+else
+  fail "training failed: $(tail -3 "$scratch/run.txt")"
+fi
+"$tetra" --config "$src/configs/reference_llama.json" --set training.steps=1 >"$scratch/given.txt" 2>&1 ||
+  fail "training with a given peak failed: $(tail -3 "$scratch/given.txt")"
+grep -q "planned step: not predicted, this machine's rates are not measured when training.peak_gflops is set" \
+  "$scratch/given.txt" || fail "a given peak does not say why the step is not predicted"
+
 finish "tetra plan checks"

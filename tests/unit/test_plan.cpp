@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -97,6 +98,31 @@ TEST_CASE("plan: cluster files are read key by key, and refused naming the key",
     CHECK_THAT(refusal(b), Catch::Contains("gpu.gemm_tile"));
   }
   CHECK_THROWS_WITH(load_cluster("h100", Precision::BF16), Catch::Contains("neither a preset"));
+}
+
+TEST_CASE("plan: a GPU's preset from its name, and this machine measured", "[plan]") {
+  const std::optional<ClusterSpec> h100 = cluster_for_gpu("NVIDIA H100 80GB HBM3", 20);
+  REQUIRE(h100);
+  CHECK(h100->name == "h100-80gb");
+  CHECK(h100->nodes == 3);  // 20 ranks on nodes of 8
+  CHECK(cluster_for_gpu("NVIDIA H200", 8)->name == "h200");
+  CHECK(cluster_for_gpu("NVIDIA A100-SXM4-80GB", 1)->name == "a100-80gb");
+  CHECK(cluster_for_gpu("NVIDIA B200", 1)->name == "b200");
+  CHECK_FALSE(cluster_for_gpu("NVIDIA H100 PCIe", 1));  // other clocks and links than the SXM preset
+  CHECK_FALSE(cluster_for_gpu("NVIDIA H100 NVL", 1));
+  CHECK_FALSE(cluster_for_gpu("NVIDIA L40S", 1));
+  // cpu-local: every rate measured and positive; the fractions are fractions.
+  for (const bool quick : {true, false}) {
+    const ClusterSpec c = cpu_local_cluster(Precision::FP32, 1, 0.0, quick);
+    CHECK(c.gpu.peak_fp32 > 1e9);
+    CHECK(c.gpu.gemm_efficiency > 0.0);
+    CHECK(c.gpu.gemm_efficiency <= 1.0);
+    CHECK(c.gpu.attention_forward_efficiency > 0.0);
+    CHECK(c.gpu.attention_backward_efficiency <= 1.0);
+    CHECK(c.gpu.hbm_bandwidth > 1e8);
+    CHECK(c.gpus_per_node >= 1);
+    CHECK(c.gpu.memory_bytes > c.gpu.reserved_bytes);
+  }
 }
 
 TEST_CASE("plan: the simulated schedule's bubble is the analytic one for equal stage times", "[plan]") {

@@ -186,11 +186,11 @@ class PlanCommand final : public Command {
                  cluster.name, cluster.nodes, cluster.gpus_per_node, usable_bytes(cluster) / kGiB, found.candidates,
                  found.refused, found.too_big, found.fitting.size(), found.dominated);
       if (top > 0) {
-        fmt::print("{:>3}  {:<62} {:>8} {:>10} {:>9} {:>8} {:>10} {:>6}  {}\n", "#", "layout", "GiB/GPU", "step ms",
+        fmt::print("{:>3}  {:<72} {:>8} {:>10} {:>9} {:>8} {:>10} {:>6}  {}\n", "#", "layout", "GiB/GPU", "step ms",
                    "compute", "bubble", "tokens/s", "MFU", "exposed comm ms");
         for (size_t i = 0; i < top; ++i) {
           const PlannedLayout& l = found.fitting[i];
-          fmt::print("{:>3}  {:<62} {:>8.1f} {:>10} {:>9} {:>8} {:>10.0f} {:>5.1f}%  {}\n", i + 1, l.describe(),
+          fmt::print("{:>3}  {:<72} {:>8.1f} {:>10} {:>9} {:>8} {:>10.0f} {:>5.1f}%  {}\n", i + 1, l.describe(),
                      l.memory_bytes / kGiB, ms(l.time.step_s), ms(l.time.compute_s), ms(l.time.bubble_s),
                      l.time.tokens_per_s_per_gpu, 100 * l.time.mfu, exposed_words(l.time));
         }

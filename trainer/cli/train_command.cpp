@@ -62,8 +62,14 @@ std::optional<tetra::PlannedStep> plan_step(const tetra::Config& cfg, const tetr
       return std::nullopt;
     }
   } else {
-    const bool measured = device.peak_source == "measured";
-    cluster = tetra::cpu_local_cluster(cfg.training.precision, device.threads, measured ? device.peak_flops : 0.0,
+    // A given training.peak_gflops says not to measure this machine (the tests' configs set it to
+    // start fast): without its measured rates there is nothing to predict from.
+    if (device.peak_source != "measured") {
+      spdlog::info("planned step: not predicted, this machine's rates are not measured when training.peak_gflops "
+                   "is set (tetra plan --cluster cpu-local --explain predicts it)");
+      return std::nullopt;
+    }
+    cluster = tetra::cpu_local_cluster(cfg.training.precision, device.threads, device.peak_flops,
                                        /*quick=*/true, /*concurrent=*/false);
     cluster->nodes = std::max<int64_t>(1, (world + cluster->gpus_per_node - 1) / cluster->gpus_per_node);
   }

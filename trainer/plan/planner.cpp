@@ -35,7 +35,7 @@ std::string binding(const MemoryPlan& p, double held, double usable) {
       {"weight staging", p.staging}};
   const auto* largest = std::max_element(std::begin(parts), std::end(parts),
                                          [](const auto& x, const auto& y) { return x.second < y.second; });
-  return fmt::format("{:.1f} GiB over the {:.1f} GiB usable ({} the largest part: {:.1f} GiB)", (held - usable) / kGiB,
+  return fmt::format("{:.2f} GiB over the {:.1f} GiB usable ({} the largest part: {:.1f} GiB)", (held - usable) / kGiB,
                      usable / kGiB, largest->first, static_cast<double>(largest->second) / kGiB);
 }
 
