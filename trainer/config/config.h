@@ -452,6 +452,7 @@ struct CheckpointConfig {
 struct LoggingConfig {
   std::string dir;                  // empty = no files, console only
   LogLevel level = LogLevel::INFO;
+  bool tensorboard = true;          // TensorBoard event files under dir/tensorboard (when dir is set)
 };
 
 struct Config {

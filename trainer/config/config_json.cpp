@@ -165,6 +165,7 @@ template <class L, class V>
 void visit_logging(L& l, V& v) {
   v.text("dir", l.dir);
   v.choice("level", l.level);
+  v.boolean("tensorboard", l.tensorboard);
 }
 
 // Calls f(section name, section struct, visit function) for each section, in section_names() order.

@@ -20,8 +20,9 @@ std::string format_duration(double seconds) {
   return fmt::format("{}h{:02}m", s / 3600, (s % 3600) / 60);
 }
 
-MetricsWriter::MetricsWriter(const std::string& dir) {
+MetricsWriter::MetricsWriter(const std::string& dir, bool tensorboard) {
   if (dir.empty()) return;
+  if (tensorboard) tensorboard_ = std::make_unique<TensorBoardWriter>(dir + "/tensorboard");
   const std::string path = dir + "/metrics.jsonl";
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
@@ -72,7 +73,42 @@ std::string MetricsWriter::format_line(const StepMetrics& m) {
   return line;
 }
 
+std::vector<std::pair<std::string, double>> MetricsWriter::tensorboard_scalars(const StepMetrics& m) {
+  std::vector<std::pair<std::string, double>> v = {
+      {"train/loss", m.loss}, {"train/lr", m.lr}, {"train/grad_norm", m.grad_norm}, {"train/clip", m.clip},
+      {"train/step_ms", m.ms}, {"train/tokens_per_s", m.tokens_per_s}, {"train/mfu", m.mfu},
+      {"train/consumed_samples", static_cast<double>(m.consumed_samples)}, {"train/skipped", m.skipped ? 1.0 : 0.0}};
+  if (m.planned_ms) v.push_back({"train/planned_step_ms", *m.planned_ms});
+  if (m.val_loss) v.push_back({"val/loss", *m.val_loss});
+  if (m.loss_scale) v.push_back({"train/loss_scale", *m.loss_scale});
+  if (m.pipeline) v.push_back({"pipeline/bubble", m.pipeline->bubble});
+  for (const CommRecord& c : m.comm) {
+    v.push_back({"comm/" + c.group + "/sent_bytes", c.sent_bytes});
+    v.push_back({"comm/" + c.group + "/blocked_ms", c.blocked_ms});
+  }
+  if (m.moe) {
+    for (const MoeLayerStats& l : m.moe->layers) {
+      const MoeTokenSpread t = token_spread(l);
+      const std::string p = fmt::format("moe/layer{}/", l.layer);
+      v.push_back({p + "tokens_per_expert_min", static_cast<double>(t.min)});
+      v.push_back({p + "tokens_per_expert_max", static_cast<double>(t.max)});
+      v.push_back({p + "dropped", static_cast<double>(l.dropped)});
+      v.push_back({p + "aux_loss", l.aux_loss});
+      v.push_back({p + "z_loss", l.z_loss});
+    }
+    v.push_back({"moe/expert_ms", 1e3 * m.moe->expert_s});
+    v.push_back({"moe/dispatch_ms", 1e3 * m.moe->dispatch_s});
+    v.push_back({"moe/combine_ms", 1e3 * m.moe->combine_s});
+  }
+  return v;
+}
+
+void MetricsWriter::scalars(int64_t step, const std::vector<std::pair<std::string, double>>& values) {
+  if (tensorboard_) tensorboard_->scalars(step, values);
+}
+
 void MetricsWriter::write(const StepMetrics& m) {
+  if (tensorboard_) tensorboard_->scalars(m.step, tensorboard_scalars(m));
   if (!jsonl_.is_open()) return;
   nlohmann::ordered_json j;
   j["step"] = m.step;

@@ -7,12 +7,15 @@
 
 #include <cstdint>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "trainer/model/moe.h"
 #include "trainer/parallel/comm_volume.h"
+#include "trainer/train/tensorboard.h"
 
 namespace tetra {
 
@@ -60,9 +63,15 @@ struct StepMetrics {
 
 class MetricsWriter {
  public:
-  // `dir` empty: console only. Opens (creates) dir/metrics.jsonl for appending; InputError if it
+  // `dir` empty: console only. Opens (creates) dir/metrics.jsonl for appending, and with
+  // `tensorboard` a TensorBoard event file in dir/tensorboard (tensorboard.h); InputError if it
   // cannot.
-  explicit MetricsWriter(const std::string& dir);
+  explicit MetricsWriter(const std::string& dir, bool tensorboard = false);
+  // Scalars outside a step's line (the memory at the end), to TensorBoard only.
+  void scalars(int64_t step, const std::vector<std::pair<std::string, double>>& values);
+  // What a step's line puts in TensorBoard: every number of metrics.jsonl's step object but the
+  // sample and the predicted traffic (tag, value).
+  static std::vector<std::pair<std::string, double>> tensorboard_scalars(const StepMetrics& m);
   // A line that is not a step's: the run's {"event": "start", ...}, the end's {"event": "memory", ...}.
   void event(const std::string& event_json);
   void write(const StepMetrics& m);
@@ -70,6 +79,7 @@ class MetricsWriter {
 
  private:
   std::ofstream jsonl_;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;
 };
 
 std::string format_duration(double seconds);

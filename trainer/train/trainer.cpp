@@ -218,7 +218,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     checkpoint_lock_ = lock_checkpoint_dir(cfg.checkpoint.dir);
   if (writer_) {
     log_to_file(cfg.logging.dir);
-    metrics_ = std::make_unique<MetricsWriter>(cfg.logging.dir);
+    metrics_ = std::make_unique<MetricsWriter>(cfg.logging.dir, cfg.logging.tensorboard);
   } else {
     metrics_ = std::make_unique<MetricsWriter>("");
   }
@@ -460,7 +460,7 @@ void Trainer::save_checkpoint_if_due(int64_t s, bool last, bool stop) {
   spdlog::info("checkpoint {} saved in {:.2f} s", path, seconds_since(c0));
 }
 
-void Trainer::report_memory() {
+void Trainer::report_memory(int64_t step) {
   const MemoryStats st = be_->memory_stats();
   if (!st.tracked) return;  // the same backend on every rank: all return here, or none
   // (planned, peak) as 30-bit halves in int32: exact for any size the plan can name.
@@ -492,6 +492,8 @@ void Trainer::report_memory() {
   event["event"] = "memory";
   event["ranks"] = ranks;
   metrics_->event(event.dump());
+  metrics_->scalars(step, {{"memory/planned_bytes", static_cast<double>(planned_bytes_)},
+                                          {"memory/measured_peak_bytes", static_cast<double>(st.peak)}});
   spdlog::info("backend memory: rank 0 peaked at {:.1f} MiB of a planned {:.1f} MiB (measured / planned {:.3f}; "
                "the farthest rank {:.3f})",
                static_cast<double>(st.peak) / 1048576.0, static_cast<double>(planned_bytes_) / 1048576.0,
@@ -548,7 +550,7 @@ void Trainer::run() {
   }
   save_final_weights();
   if (dump_) dump_->batches(start_step_);
-  report_memory();
+  report_memory(reached);
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
   spdlog::info("done: {} steps in {}; peak memory of this rank {:.1f} MiB (optimizer state {:.1f} MiB)",

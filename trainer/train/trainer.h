@@ -92,7 +92,7 @@ class Trainer {
   void save_final_weights();
   // Every rank's planned bytes beside the peak its backend measured (collective over the world):
   // rank 0 logs them and writes the "memory" event of metrics.jsonl.
-  void report_memory();
+  void report_memory(int64_t step);  // the last step done: where its TensorBoard scalars go
   // Sum over the pipeline (the last stage holds it) and data-parallel groups of `local`.
   double reduce_loss(float local);
   // The last step's pipeline figures of every pipeline rank (collective over the pipeline group).
