@@ -60,6 +60,13 @@ fi
 
 "$BUILD_DIR/tetra" --config configs/demo.json "${ARGS[@]}" "$@"
 
+# The run's curves (loss, validation loss, learning rate, gradient norm, throughput), drawn from
+# configs/demo.json's logging.dir.
+if [ -f runs/demo/metrics.jsonl ]; then
+  "$BUILD_DIR/tetra" plot runs/demo --out runs/demo/plot.svg --force >/dev/null &&
+    echo "run.sh: the run's curves: runs/demo/plot.svg"
+fi
+
 # How to write more text with the weights just trained (after a plain run: extra arguments may
 # change the model, or train nothing).
 if [ $# -eq 0 ]; then

@@ -1,10 +1,11 @@
-// tetra: one binary, five commands (trainer/cli/cli.h):
+// tetra: one binary, six commands (trainer/cli/cli.h):
 //
 //   tetra train --config run.json [options]   (`tetra --config run.json [options]` is the same)
 //   tetra generate --config run.json [options]
 //   tetra data tokenize | train-tokenizer | from-llmc ...
 //   tetra ckpt inspect | export-hf ...
 //   tetra plan --config run.json --cluster NAME|FILE
+//   tetra plot RUN_DIR... [--out FILE.svg|.png]
 //
 // This file only parses the command line and dispatches: a line that starts with an option (or is
 // empty) is `train`'s, a word names the command, an unknown word is exit 2 naming it and the
@@ -78,6 +79,7 @@ int main(int argc, char** argv) {
   commands.push_back(tetra::cli::add_data_command(app));
   commands.push_back(tetra::cli::add_ckpt_command(app));
   commands.push_back(tetra::cli::add_plan_command(app));
+  commands.push_back(tetra::cli::add_plot_command(app));
   CLI::App& train = commands.front()->app();
   app.footer([&app, &train] {
     return "Without a command, tetra trains: `tetra --config run.json` is `tetra train --config run.json`.\n\n" +

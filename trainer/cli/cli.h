@@ -5,6 +5,7 @@
 //   tetra data tokenize | train-tokenizer | from-llmc ...   prepare token datasets
 //   tetra ckpt inspect | export-hf ...                      read and export checkpoints
 //   tetra plan --config run.json --cluster NAME|FILE        rank layouts by predicted speed and memory
+//   tetra plot RUN_DIR... [--out FILE.svg|.png]              draw runs' curves from metrics.jsonl
 //
 // trainer/main.cpp builds one CLI11 app, lets each command add its subcommand and options to it,
 // parses the line and runs the command that was named. Only `train` starts MPI: help, the data
@@ -34,11 +35,12 @@ class Command {
   virtual int run(int* argc, char*** argv, const RuntimeOptions& runtime) = 0;
 };
 
-// Each adds its subcommand ("train", "generate", "data", "ckpt", "plan") to `tetra`.
+// Each adds its subcommand ("train", "generate", "data", "ckpt", "plan", "plot") to `tetra`.
 std::unique_ptr<Command> add_train_command(CLI::App& tetra);
 std::unique_ptr<Command> add_generate_command(CLI::App& tetra);
 std::unique_ptr<Command> add_data_command(CLI::App& tetra);
 std::unique_ptr<Command> add_ckpt_command(CLI::App& tetra);
 std::unique_ptr<Command> add_plan_command(CLI::App& tetra);
+std::unique_ptr<Command> add_plot_command(CLI::App& tetra);
 
 }  // namespace tetra::cli

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# `tetra plot` on two short runs of reference_llama (two learning rates, evaluation every 3 steps):
+#   - the SVG parses as XML; it has the six panels (loss against steps and tokens, validation loss,
+#     learning rate, gradient norm, tokens/s) and in each one curve per run, named after the run,
+#     with one point per step of that run's metrics.jsonl (per evaluation for validation loss);
+#     its x extremes are the runs' first and last steps;
+#   - --out as .png: a PNG where rsvg-convert or convert is installed, else exit 2 naming them;
+#   - refusals (exit 2, naming the problem, nothing written): a directory without metrics.jsonl,
+#     an existing output without --force, an output that is neither .svg nor .png.
+#
+# Usage: test_plot.sh <tetra binary> <source dir> <scratch dir>
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+case="runs"
+for lr in 0.01 0.003; do
+  "$tetra" --config "$src/configs/reference_llama.json" --set training.steps=7 --set training.threads=1 \
+    --set training.eval_every=3 --set training.eval_steps=1 --set "optimizer.lr=$lr" \
+    --set "logging.dir=$scratch/lr$lr" >"$scratch/lr$lr.txt" 2>&1 || fail "training lr $lr: $(tail -3 "$scratch/lr$lr.txt")"
+done
+
+case="svg"
+if "$tetra" plot "$scratch/lr0.01" "$scratch/lr0.003" --out "$scratch/cmp.svg" >"$scratch/plot.txt" 2>&1; then
+  grep -qx "$scratch/cmp.svg" "$scratch/plot.txt" || fail "the output path is not printed: $(cat "$scratch/plot.txt")"
+  $py - "$scratch/cmp.svg" "$scratch" <<'PY' || fail "the SVG: see above"
+import json, sys, xml.etree.ElementTree as ET
+svg, scratch = sys.argv[1:]
+ns = {"s": "http://www.w3.org/2000/svg"}
+root = ET.parse(svg).getroot()
+problems = []
+panels = {p.get("data-series"): p for p in root.findall("s:g[@class='panel']", ns)}
+want = ["loss", "loss_tokens", "val_loss", "lr", "grad_norm", "tokens_per_s"]
+if sorted(panels) != sorted(want): problems.append(f"panels {sorted(panels)}")
+for run in ["lr0.01", "lr0.003"]:
+    steps = [json.loads(l) for l in open(f"{scratch}/{run}/metrics.jsonl") if '"step"' in l]
+    steps = [s for s in steps if "step" in s]
+    counts = {"loss": len(steps), "loss_tokens": len(steps), "lr": len(steps), "grad_norm": len(steps),
+              "tokens_per_s": len(steps), "val_loss": sum("val_loss" in s for s in steps)}
+    if counts["val_loss"] != 3: problems.append(f"{run}: {counts['val_loss']} evaluations in metrics.jsonl, not 3")
+    for key, panel in panels.items():
+        lines = [l for l in panel.findall("s:polyline[@class='series']", ns) if l.get("data-run") == run]
+        if len(lines) != 1:
+            problems.append(f"{key}: {len(lines)} curves for {run}"); continue
+        points = lines[0].get("points").split()
+        if len(points) != counts[key]: problems.append(f"{key} {run}: {len(points)} points, {counts[key]} values")
+for key, panel in panels.items():
+    texts = [t.text for t in panel.findall("s:text", ns)]
+    if key not in ("loss_tokens", "val_loss") and not ("1" in texts and "7" in texts):
+        problems.append(f"{key}: x extremes 1 and 7 not labelled: {texts}")
+legend = [t.text for t in root.findall("s:g[@class='legend']/s:text", ns)]
+if legend != ["lr0.01", "lr0.003"]: problems.append(f"legend {legend}")
+for p in problems: print(p)
+sys.exit(1 if problems else 0)
+PY
+else
+  fail "tetra plot failed: $(tail -3 "$scratch/plot.txt")"
+fi
+
+case="png"
+"$tetra" plot "$scratch/lr0.01" --out "$scratch/one.png" >"$scratch/png.txt" 2>&1
+rc=$?
+if command -v rsvg-convert >/dev/null 2>&1 || { command -v convert >/dev/null 2>&1 && convert -version 2>/dev/null | grep -q ImageMagick; }; then
+  [[ $rc -eq 0 ]] || fail "exit $rc with a converter installed: $(tail -3 "$scratch/png.txt")"
+  [[ "$(head -c 8 "$scratch/one.png" | od -An -tx1 | tr -d ' \n')" == 89504e470d0a1a0a ]] || fail "not a PNG"
+  [[ ! -e "$scratch/one.png.svg.tmp" ]] || fail "the intermediate SVG was left behind"
+else
+  [[ $rc -eq 2 ]] || fail "exit $rc without a converter, not 2"
+  grep -q "rsvg-convert" "$scratch/png.txt" || fail "the refusal does not name the converters"
+fi
+
+# expect_refusal <case> <pattern> <args...>: exit 2, the pattern on stderr.
+expect_refusal() {
+  case="$1"
+  local pattern="$2"
+  shift 2
+  "$tetra" plot "$@" >"$scratch/out.txt" 2>"$scratch/err.txt"
+  local rc=$?
+  [[ $rc -eq 2 ]] || fail "exit $rc, not 2"
+  grep -qF -- "$pattern" "$scratch/err.txt" || fail "stderr lacks '$pattern': $(cat "$scratch/err.txt")"
+}
+mkdir -p "$scratch/empty"
+expect_refusal "no metrics.jsonl" "$scratch/empty: no metrics.jsonl" "$scratch/empty" --out "$scratch/x.svg"
+[[ ! -e "$scratch/x.svg" ]] || fail "a plot was written"
+expect_refusal "existing output" "the file exists (pass --force" "$scratch/lr0.01" --out "$scratch/cmp.svg"
+expect_refusal "not svg or png" "the picture is .svg or .png" "$scratch/lr0.01" --out "$scratch/cmp.pdf"
+case="--force"
+"$tetra" plot "$scratch/lr0.01" --out "$scratch/cmp.svg" --force >/dev/null 2>&1 || fail "--force did not replace it"
+case="default output"
+"$tetra" plot "$scratch/lr0.01" >/dev/null 2>&1 && [[ -f "$scratch/lr0.01/plot.svg" ]] || fail "no plot.svg in the run directory"
+
+finish "tetra plot checks"
