@@ -129,6 +129,7 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.checkpoint.save_on_exit == b.checkpoint.save_on_exit);
   CHECK(a.logging.dir == b.logging.dir);
   CHECK(a.logging.level == b.logging.level);
+  CHECK(a.logging.tensorboard == b.logging.tensorboard);
 }
 
 // A config that sets every key to a value other than its default (and no 0 = derive markers),
@@ -166,7 +167,7 @@ json every_key() {
     "sample": {"prompt": "The", "max_tokens": 16, "temperature": 1.5, "top_k": 7, "seed": 9},
     "checkpoint": {"dir": "ckpt/x", "every": 100, "keep": 3, "resume": "none", "init": "ckpt/base",
                    "save_on_exit": false},
-    "logging": {"dir": "runs/x", "level": "debug"}
+    "logging": {"dir": "runs/x", "level": "debug", "tensorboard": false}
   })");
 }
 
@@ -222,6 +223,7 @@ TEST_CASE("config: defaults are the documented ones and resolve as documented", 
   CHECK(c.data.valid.empty());
   CHECK(c.logging.dir.empty());
   CHECK(c.logging.level == LogLevel::INFO);
+  CHECK(c.logging.tensorboard);
 }
 
 TEST_CASE("config: derived values", "[config]") {

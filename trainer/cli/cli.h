@@ -17,6 +17,7 @@
 // ended a hung job (trainer/comm/watchdog.h).
 #pragma once
 
+#include <functional>
 #include <memory>
 
 #include <CLI/CLI.hpp>
@@ -42,5 +43,9 @@ std::unique_ptr<Command> add_data_command(CLI::App& tetra);
 std::unique_ptr<Command> add_ckpt_command(CLI::App& tetra);
 std::unique_ptr<Command> add_plan_command(CLI::App& tetra);
 std::unique_ptr<Command> add_plot_command(CLI::App& tetra);
+
+// Runs a command's body: its exit code; "error: ..." on stderr and exit 2 for bad input
+// (InputError), 1 for any other failure.
+int exit_code_of(const std::function<int()>& body);
 
 }  // namespace tetra::cli

@@ -138,15 +138,7 @@ class PlanCommand final : public Command {
   CLI::App& app() override { return *cmd_; }
 
   int run(int*, char***, const RuntimeOptions&) override {
-    try {
-      return plan();
-    } catch (const InputError& e) {
-      std::fprintf(stderr, "error: %s\n", e.what());
-      return 2;
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "error: %s\n", e.what());
-      return 1;
-    }
+    return exit_code_of([this] { return plan(); });
   }
 
  private:
@@ -218,5 +210,17 @@ class PlanCommand final : public Command {
 }  // namespace
 
 std::unique_ptr<Command> add_plan_command(CLI::App& tetra) { return std::make_unique<PlanCommand>(tetra); }
+
+int exit_code_of(const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const InputError& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
 
 }  // namespace tetra::cli

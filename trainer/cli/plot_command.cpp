@@ -205,63 +205,57 @@ class PlotCommand final : public Command {
   }
   CLI::App& app() override { return *cmd_; }
 
-  int run(int*, char***, const RuntimeOptions&) override {
-    try {
-      std::vector<Run> runs;
-      for (const std::string& d : runs_) runs.push_back(read_run(d));
-      // Two directories of the same name: their paths tell them apart.
-      for (size_t i = 0; i < runs.size(); ++i)
-        for (size_t j = 0; j < runs.size(); ++j)
-          if (i != j && runs[i].name == runs[j].name) runs[i].name = runs_[i];
-      const std::string out = out_.empty() ? (fs::path(runs_.front()) / "plot.svg").string() : out_;
-      const std::string ext = fs::path(out).extension().string();
-      if (ext != ".svg" && ext != ".png")
-        throw InputError(fmt::format("--out {}: the picture is .svg or .png", out));
-      if (fs::exists(out) && !force_)
-        throw InputError(fmt::format("--out {}: the file exists (pass --force to replace it)", out));
-      std::string converter;
-      if (ext == ".png") {
-        // ImageMagick's convert by its version line: another program may take the name.
-        if (std::system("command -v rsvg-convert >/dev/null 2>&1") == 0)
-          converter = "rsvg-convert";
-        else if (std::system("convert -version 2>/dev/null | grep -q ImageMagick") == 0)
-          converter = "convert";
-        if (converter.empty())
-          throw InputError(fmt::format("--out {}: a PNG needs rsvg-convert (librsvg2-bin) or ImageMagick's convert, "
-                                       "and neither is installed; write .svg instead", out));
-      }
-      const std::string svg_path = ext == ".svg" ? out : out + ".svg.tmp";
-      const std::string tmp = ext == ".svg" ? out + ".tmp" : svg_path;
-      {
-        std::ofstream f(tmp);
-        f << svg(runs);
-        if (!f) throw InputError(fmt::format("--out {}: cannot write it", out));
-      }
-      if (ext == ".svg") {
-        fs::rename(tmp, out);
-      } else {
-        const std::string cmd = converter == "rsvg-convert"
-                                    ? fmt::format("rsvg-convert -o {} {}", shell_quote(out), shell_quote(svg_path))
-                                    : fmt::format("convert {} {}", shell_quote(svg_path), shell_quote(out));
-        const int rc = std::system(cmd.c_str());
-        fs::remove(svg_path);
-        if (rc != 0) {
-          std::fprintf(stderr, "error: %s failed (%d) converting the plot to %s\n", converter.c_str(), rc, out.c_str());
-          return 1;
-        }
-      }
-      std::printf("%s\n", out.c_str());
-      return 0;
-    } catch (const InputError& e) {
-      std::fprintf(stderr, "error: %s\n", e.what());
-      return 2;
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "error: %s\n", e.what());
-      return 1;
-    }
-  }
+  int run(int*, char***, const RuntimeOptions&) override { return exit_code_of([this] { return plot(); }); }
 
  private:
+  int plot() {
+    std::vector<Run> runs;
+    for (const std::string& d : runs_) runs.push_back(read_run(d));
+    // Two directories of the same name: their paths tell them apart.
+    for (size_t i = 0; i < runs.size(); ++i)
+      for (size_t j = 0; j < runs.size(); ++j)
+        if (i != j && runs[i].name == runs[j].name) runs[i].name = runs_[i];
+    const std::string out = out_.empty() ? (fs::path(runs_.front()) / "plot.svg").string() : out_;
+    const std::string ext = fs::path(out).extension().string();
+    if (ext != ".svg" && ext != ".png")
+      throw InputError(fmt::format("--out {}: the picture is .svg or .png", out));
+    if (fs::exists(out) && !force_)
+      throw InputError(fmt::format("--out {}: the file exists (pass --force to replace it)", out));
+    std::string converter;
+    if (ext == ".png") {
+      // ImageMagick's convert by its version line: another program may take the name.
+      if (std::system("command -v rsvg-convert >/dev/null 2>&1") == 0)
+        converter = "rsvg-convert";
+      else if (std::system("convert -version 2>/dev/null | grep -q ImageMagick") == 0)
+        converter = "convert";
+      if (converter.empty())
+        throw InputError(fmt::format("--out {}: a PNG needs rsvg-convert (librsvg2-bin) or ImageMagick's convert, "
+                                     "and neither is installed; write .svg instead", out));
+    }
+    const std::string svg_path = ext == ".svg" ? out : out + ".svg.tmp";
+    const std::string tmp = ext == ".svg" ? out + ".tmp" : svg_path;
+    {
+      std::ofstream f(tmp);
+      f << svg(runs);
+      if (!f) throw InputError(fmt::format("--out {}: cannot write it", out));
+    }
+    if (ext == ".svg") {
+      fs::rename(tmp, out);
+    } else {
+      const std::string cmd = converter == "rsvg-convert"
+                                  ? fmt::format("rsvg-convert -o {} {}", shell_quote(out), shell_quote(svg_path))
+                                  : fmt::format("convert {} {}", shell_quote(svg_path), shell_quote(out));
+      const int rc = std::system(cmd.c_str());
+      fs::remove(svg_path);
+      if (rc != 0) {
+        std::fprintf(stderr, "error: %s failed (%d) converting the plot to %s\n", converter.c_str(), rc, out.c_str());
+        return 1;
+      }
+    }
+    std::printf("%s\n", out.c_str());
+    return 0;
+  }
+
   CLI::App* cmd_ = nullptr;
   std::vector<std::string> runs_;
   std::string out_;
