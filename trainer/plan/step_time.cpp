@@ -215,19 +215,27 @@ StepPrediction predict_step(const Config& cfg, const ClusterSpec& cluster, const
     }
     return t;
   };
-  struct LayerTime {
-    double fwd = 0, bwd = 0, recompute = 0, attention = 0;
-  };
-  auto layer_time = [&](bool is_moe, bool full_recompute) {
-    LayerTime lt;
+  // A layer's ops: the attention half, then its MLP (dense or MoE).
+  auto layer_ops = [&](bool is_moe) {
     std::vector<Op> ops = common;
     const std::vector<Op>& mlp = is_moe ? moe : dense;
     ops.insert(ops.end(), mlp.begin(), mlp.end());
-    for (const Op& op : ops) lt.fwd += op.fwd, lt.bwd += op.bwd;
-    lt.recompute = recompute_of(ops, full_recompute);
-    lt.attention = attention.fwd + attention.bwd + (full_recompute || recomputes(RecomputeModule::CORE_ATTN) ? attention.fwd : 0.0);
-    return lt;
+    return ops;
   };
+  // One layer's times by kind (dense or MoE) and full recomputation (off or on), computed once.
+  struct LayerTime {
+    double fwd = 0, bwd = 0, recompute = 0, attention = 0;
+  };
+  LayerTime layer_time[2][2];
+  for (const bool is_moe : {false, true})
+    for (const bool full_recompute : {false, true}) {
+      LayerTime& lt = layer_time[is_moe][full_recompute];
+      const std::vector<Op> ops = layer_ops(is_moe);
+      for (const Op& op : ops) lt.fwd += op.fwd, lt.bwd += op.bwd;
+      lt.recompute = recompute_of(ops, full_recompute);
+      lt.attention = attention.fwd + attention.bwd +
+                     (full_recompute || recomputes(RecomputeModule::CORE_ATTN) ? attention.fwd : 0.0);
+    }
   // Embedding (first stage) and the head: final norm, output layer, loss (last stage).
   const Op embedding = stream_op("embedding", 2 * N * C * a, 2 * N * C * 4);
   Op head = linear("output layer", N, C, Vl);
@@ -250,7 +258,7 @@ StepPrediction predict_step(const Config& cfg, const ClusterSpec& cluster, const
       for (int64_t i = 0; i < n; ++i) {
         const bool full = Tr.recompute == Recompute::FULL &&
                           (Tr.recompute_method == RecomputeMethod::UNIFORM || i < Tr.recompute_num_layers);
-        const LayerTime lt = layer_time(M.moe.is_moe_layer(first_layer[static_cast<size_t>(s)] + i), full);
+        const LayerTime& lt = layer_time[M.moe.is_moe_layer(first_layer[static_cast<size_t>(s)] + i)][full];
         fwd[r][c] += lt.fwd, bwd[r][c] += lt.bwd + lt.recompute, recompute[r][c] += lt.recompute;
         attn[r][c] += lt.attention;
       }
@@ -343,10 +351,9 @@ StepPrediction predict_step(const Config& cfg, const ClusterSpec& cluster, const
       const double buckets = std::max(1.0, std::ceil(params / bucket));
       double gather = 0.0, reduce = d.total_s;
       if (P.zero_stage >= 1) {  // the share of all-gathers (updated weights, ZeRO-3's units)
-        const double all = static_cast<double>(vol.dp.total_payload() + vol.edp.total_payload());
         const GroupVolume& v = k == PlanGroup::DP ? vol.dp : vol.edp;
         const double ag = static_cast<double>(v.payload_bytes[static_cast<size_t>(CommOp::ALL_GATHER)]);
-        gather = all > 0 ? d.total_s * ag / std::max(1.0, static_cast<double>(v.total_payload())) : 0.0;
+        gather = d.total_s * ag / std::max(1.0, static_cast<double>(v.total_payload()));
         reduce = d.total_s - gather;
       }
       const double window = P.zero_stage >= 2 ? m * last_bwd : last_bwd;
@@ -375,19 +382,16 @@ StepPrediction predict_step(const Config& cfg, const ClusterSpec& cluster, const
       out.critical_pp_rank = r;
       out.optimizer_s = optimizer;
       out.groups = gt;
-      double comp = 0.0, rec = 0.0;
-      for (int c = 0; c < vp; ++c) comp += m * (fwd[r][c] + bwd[r][c]), rec += m * recompute[r][c];
-      out.compute_s = comp;
+      double rec = 0.0;
+      for (int c = 0; c < vp; ++c) rec += m * recompute[r][c];
+      out.compute_s = compute_total;
       out.recompute_s = rec;
       out.bubble_s = span - busy[static_cast<size_t>(r)];
     }
   }
   // The critical rank's ops, per layer and micro-batch.
   {
-    std::vector<Op> ops = common;
-    const std::vector<Op>& mlp = M.moe.enabled() ? moe : dense;
-    ops.insert(ops.end(), mlp.begin(), mlp.end());
-    for (const Op& op : ops) out.ops.push_back({op.name, {op.fwd, op.bwd}});
+    for (const Op& op : layer_ops(M.moe.enabled())) out.ops.push_back({op.name, {op.fwd, op.bwd}});
     out.ops.push_back({"embedding (first stage)", {embedding.fwd, embedding.bwd}});
     out.ops.push_back({"head and loss (last stage)", {head.fwd, head.bwd}});
   }
