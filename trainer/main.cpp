@@ -6,6 +6,7 @@
 //   tetra ckpt inspect | export-hf ...
 //   tetra plan --config run.json --cluster NAME|FILE
 //   tetra plot RUN_DIR... [--out FILE.svg|.png]
+//   tetra trace merge RUN_DIR [--out FILE.json] [--svg FILE.svg]
 //
 // This file only parses the command line and dispatches: a line that starts with an option (or is
 // empty) is `train`'s, a word names the command, an unknown word is exit 2 naming it and the
@@ -80,6 +81,7 @@ int main(int argc, char** argv) {
   commands.push_back(tetra::cli::add_ckpt_command(app));
   commands.push_back(tetra::cli::add_plan_command(app));
   commands.push_back(tetra::cli::add_plot_command(app));
+  commands.push_back(tetra::cli::add_trace_command(app));
   CLI::App& train = commands.front()->app();
   app.footer([&app, &train] {
     return "Without a command, tetra trains: `tetra --config run.json` is `tetra train --config run.json`.\n\n" +

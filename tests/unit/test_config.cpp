@@ -117,6 +117,7 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.training.max_skipped_steps == b.training.max_skipped_steps);
   CHECK(a.training.spike_zscore == b.training.spike_zscore);
   CHECK(a.training.spike_window == b.training.spike_window);
+  CHECK(a.training.profile_steps == b.training.profile_steps);
   CHECK(a.training.recompute == b.training.recompute);
   CHECK(a.training.recompute_modules == b.training.recompute_modules);
   CHECK(a.training.recompute_method == b.training.recompute_method);
@@ -130,6 +131,8 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.logging.dir == b.logging.dir);
   CHECK(a.logging.level == b.logging.level);
   CHECK(a.logging.tensorboard == b.logging.tensorboard);
+  CHECK(a.logging.straggler_factor == b.logging.straggler_factor);
+  CHECK(a.logging.straggler_window == b.logging.straggler_window);
 }
 
 // A config that sets every key to a value other than its default (and no 0 = derive markers),
@@ -155,7 +158,7 @@ json every_key() {
                  "eval_every": 50, "eval_steps": 5, "log_every": 10, "threads": 2,
                  "peak_gflops": 123.5, "exit_interval": 250, "exit_after_min": 90.5,
                  "collective_timeout_s": 120.0, "max_skipped_steps": 3, "spike_zscore": 6.0,
-                 "spike_window": 20, "recompute": "full", "recompute_modules": ["norm", "act"],
+                 "spike_window": 20, "profile_steps": [3, 4], "recompute": "full", "recompute_modules": ["norm", "act"],
                  "recompute_method": "block", "recompute_num_layers": 3, "loss_chunk_rows": 512},
     "optimizer": {"lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 20, "decay": "linear",
                   "decay_steps": 400, "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.99,
@@ -167,7 +170,8 @@ json every_key() {
     "sample": {"prompt": "The", "max_tokens": 16, "temperature": 1.5, "top_k": 7, "seed": 9},
     "checkpoint": {"dir": "ckpt/x", "every": 100, "keep": 3, "resume": "none", "init": "ckpt/base",
                    "save_on_exit": false},
-    "logging": {"dir": "runs/x", "level": "debug", "tensorboard": false}
+    "logging": {"dir": "runs/x", "level": "debug", "tensorboard": false, "straggler_factor": 1.5,
+                "straggler_window": 8}
   })");
 }
 

@@ -6,6 +6,7 @@
 //   tetra ckpt inspect | export-hf ...                      read and export checkpoints
 //   tetra plan --config run.json --cluster NAME|FILE        rank layouts by predicted speed and memory
 //   tetra plot RUN_DIR... [--out FILE.svg|.png]              draw runs' curves from metrics.jsonl
+//   tetra trace merge RUN_DIR [--out F.json] [--svg F.svg]    join the ranks' timelines into one
 //
 // trainer/main.cpp builds one CLI11 app, lets each command add its subcommand and options to it,
 // parses the line and runs the command that was named. Only `train` starts MPI: help, the data
@@ -36,13 +37,14 @@ class Command {
   virtual int run(int* argc, char*** argv, const RuntimeOptions& runtime) = 0;
 };
 
-// Each adds its subcommand ("train", "generate", "data", "ckpt", "plan", "plot") to `tetra`.
+// Each adds its subcommand ("train", "generate", "data", "ckpt", "plan", "plot", "trace") to `tetra`.
 std::unique_ptr<Command> add_train_command(CLI::App& tetra);
 std::unique_ptr<Command> add_generate_command(CLI::App& tetra);
 std::unique_ptr<Command> add_data_command(CLI::App& tetra);
 std::unique_ptr<Command> add_ckpt_command(CLI::App& tetra);
 std::unique_ptr<Command> add_plan_command(CLI::App& tetra);
 std::unique_ptr<Command> add_plot_command(CLI::App& tetra);
+std::unique_ptr<Command> add_trace_command(CLI::App& tetra);
 
 // Runs a command's body: its exit code; "error: ..." on stderr and exit 2 for bad input
 // (InputError), 1 for any other failure.

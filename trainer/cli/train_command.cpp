@@ -32,6 +32,7 @@
 #include "trainer/config/config.h"
 #include "trainer/core/format.h"
 #include "trainer/core/log.h"
+#include "trainer/core/trace.h"
 #include "trainer/model/flops.h"
 #include "trainer/parallel/comm_volume.h"
 #include "trainer/params/param_layout.h"
@@ -186,6 +187,9 @@ int TrainCommand::train(const ProcessInfo& proc, const RuntimeOptions& runtime) 
   // The test hooks (runtime_options.h): none unless a test sets them.
   tetra::set_step_faults(runtime.step_fault);
   tetra::set_save_fault_hooks(runtime.save_faults);
+  tetra::set_slow_rank(runtime.timing);
+  tetra::trace::set_test_skew(proc.rank * runtime.timing.clock_skew_ms * 1e-3);
+  tetra::trace::name_thread("main");  // the training loop's track of this rank's timeline
   struct StopWatchdog {
     ~StopWatchdog() { tetra::watchdog_stop(); }
   } stop_watchdog;

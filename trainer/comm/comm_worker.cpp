@@ -4,6 +4,7 @@
 #include <pthread.h>
 
 #include "kernels/common/check.h"
+#include "trainer/core/trace.h"
 
 namespace tetra {
 
@@ -65,7 +66,7 @@ WorkHandle make_work(std::shared_ptr<Completion> completion) {
 WorkHandle make_done_work() { return std::make_unique<DoneWork>(); }
 
 CommWorker::CommWorker(const std::string& name) : state_(std::make_shared<State>()) {
-  thread_ = std::thread(&CommWorker::loop, state_);
+  thread_ = std::thread(&CommWorker::loop, state_, "comm " + name);
   const std::string thread_name = ("comm-" + name).substr(0, 15);  // the kernel keeps 15 characters
   pthread_setname_np(thread_.native_handle(), thread_name.c_str());
 }
@@ -99,7 +100,8 @@ void CommWorker::submit(std::shared_ptr<Completion> done, std::function<void()> 
   state_->cv.notify_one();
 }
 
-void CommWorker::loop(std::shared_ptr<State> state) {
+void CommWorker::loop(std::shared_ptr<State> state, std::string track) {
+  trace::name_thread(track);
   while (true) {
     Task task;
     {

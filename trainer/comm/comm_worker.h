@@ -75,7 +75,7 @@ class CommWorker {
     bool running = false;  // a task is executing
     bool stop = false;
   };
-  static void loop(std::shared_ptr<State> state);
+  static void loop(std::shared_ptr<State> state, std::string track);  // track: its name in traces
 
   std::shared_ptr<State> state_;
   std::thread thread_;

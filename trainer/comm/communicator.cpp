@@ -3,6 +3,7 @@
 
 #include "kernels/common/check.h"
 #include "trainer/comm/comm_accounting.h"
+#include "trainer/core/trace.h"
 
 namespace tetra {
 
@@ -70,6 +71,12 @@ void account_all_to_all(CommStats& stats, int group_size, int64_t payload_bytes,
   stats.calls[i] += 1;
   stats.payload_bytes[i] += payload_bytes;
   stats.sent_bytes[i] += static_cast<double>(to_others_bytes);
+}
+
+void Communicator::trace_wait(CommOp op, std::chrono::steady_clock::time_point t0,
+                              std::chrono::steady_clock::time_point t1) {
+  trace::complete("wait", fmt::format("wait {} {}", name(), comm_op_name(op)), t0, t1,
+                  "\"group\":" + trace::quote(name()) + ",\"op\":" + trace::quote(comm_op_name(op)));
 }
 
 }  // namespace tetra

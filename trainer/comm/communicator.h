@@ -29,6 +29,7 @@
 
 #include "kernels/common/dtype.h"
 #include "trainer/comm/watchdog.h"
+#include "trainer/core/trace.h"
 
 namespace tetra {
 
@@ -123,8 +124,9 @@ class Communicator {
     const WatchedWait watched(name(), members(), comm_op_name(op));
     const auto t0 = std::chrono::steady_clock::now();
     work.wait();
-    stats_.blocked_s[static_cast<int>(op)] +=
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const auto t1 = std::chrono::steady_clock::now();
+    stats_.blocked_s[static_cast<int>(op)] += std::chrono::duration<double>(t1 - t0).count();
+    if (trace::on()) trace_wait(op, t0, t1);
   }
 
   // Blocking forms.
@@ -160,6 +162,10 @@ class Communicator {
 
  protected:
   CommStats stats_;
+
+ private:
+  // The wait as a span of the calling thread's timeline (trace.h): "wait dp all_reduce".
+  void trace_wait(CommOp op, std::chrono::steady_clock::time_point t0, std::chrono::steady_clock::time_point t1);
 };
 
 }  // namespace tetra

@@ -28,6 +28,7 @@
 #include "trainer/comm/mpi_world.h"
 #include "trainer/comm/self_communicator.h"
 #include "trainer/comm/watchdog.h"
+#include "trainer/core/trace.h"
 
 namespace tetra {
 
@@ -182,7 +183,7 @@ class MpiCommunicator final : public Communicator {
     check_collective("all_reduce");
     const int n = to_int(count, "count", "all_reduce");
     account_call(stats_, CommOp::ALL_REDUCE, size(), count * bytes(type));
-    return enqueue("all_reduce", [=](MpiGroup& g) {
+    return enqueue("all_reduce", count * bytes(type), [=](MpiGroup& g) {
       MPI_Request r;
       g.check(MPI_Iallreduce(MPI_IN_PLACE, buf, n, mpi_type(type), mpi_op(op, type), g.comm, &r), "all_reduce");
       g.complete(r, "all_reduce");
@@ -203,14 +204,14 @@ class MpiCommunicator final : public Communicator {
     // non-blocking reduce-scatter (libnbc) took 113 ms for 20 MiB on two ranks of one machine where
     // its all-reduce took 7.6 ms (scripts/bench_plan.sh found ZeRO-1 steps 37% over their plan). The
     // result is the same sum; what the group is charged (account_call) is the reduce-scatter's.
-    return enqueue("reduce_scatter", [=](MpiGroup& g) {
-      const size_t whole = block * static_cast<size_t>(size());
+    const size_t whole = block * static_cast<size_t>(size()), mine = static_cast<size_t>(rank()) * block;
+    return enqueue("reduce_scatter", size() * recv_count * bytes(type), [=](MpiGroup& g) {
       if (g.scratch.size() < whole) g.scratch.resize(whole);
       MPI_Request r;
       g.check(MPI_Iallreduce(send, g.scratch.data(), n, mpi_type(type), mpi_op(op, type), g.comm, &r),
               "reduce_scatter");
       g.complete(r, "reduce_scatter");
-      if (block > 0) std::memcpy(recv, g.scratch.data() + static_cast<size_t>(rank()) * block, block);
+      if (block > 0) std::memcpy(recv, g.scratch.data() + mine, block);
     });
   }
 
@@ -223,7 +224,7 @@ class MpiCommunicator final : public Communicator {
                 "all_gather on group '{}': send overlaps recv without being this rank's block ({} elements "
                 "at element {})", name(), send_count, rank() * send_count);
     account_call(stats_, CommOp::ALL_GATHER, size(), size() * send_count * bytes(type));
-    return enqueue("all_gather", [=](MpiGroup& g) {
+    return enqueue("all_gather", size() * send_count * bytes(type), [=](MpiGroup& g) {
       const MPI_Datatype t = mpi_type(type);
       MPI_Request r;
       if (in_place)
@@ -254,7 +255,7 @@ class MpiCommunicator final : public Communicator {
       total += send_counts[r];
     }
     account_all_to_all(stats_, size(), total * bytes(type), (total - send_counts[rank()]) * bytes(type));
-    return enqueue("all_to_all_v", [=](MpiGroup& g) {
+    return enqueue("all_to_all_v", total * bytes(type), [=](MpiGroup& g) {
       const MPI_Datatype t = mpi_type(type);
       MPI_Request r;
       g.check(MPI_Ialltoallv(send, sc.data(), so.data(), t, recv, rc.data(), ro.data(), t, g.comm, &r),
@@ -268,7 +269,7 @@ class MpiCommunicator final : public Communicator {
     TETRA_CHECK(root >= 0 && root < size(), "broadcast on group '{}' of size {} from root {}", name(), size(), root);
     const int n = to_int(count, "count", "broadcast");
     account_call(stats_, CommOp::BROADCAST, size(), count * bytes(type));
-    return enqueue("broadcast",
+    return enqueue("broadcast", count * bytes(type),
                    [=](MpiGroup& g) {
                      MPI_Request r;
                      g.check(MPI_Ibcast(buf, n, mpi_type(type), root, g.comm, &r), "broadcast");
@@ -298,6 +299,8 @@ class MpiCommunicator final : public Communicator {
     batch_.clear();
     done->release();
     const WatchedWait watched(name(), members(), "send/recv group");
+    int64_t batch_bytes = 0;
+    for (const Transfer& t : batch) batch_bytes += static_cast<int64_t>(t.count) * bytes(t.type);
     worker_.submit(done, guarded("send/recv group", [batch = std::move(batch)](MpiGroup& g) {
                      // Every transfer posted at once, so they may match in any order; then all waited for.
                      std::vector<MPI_Request> requests(batch.size(), MPI_REQUEST_NULL);
@@ -313,14 +316,14 @@ class MpiCommunicator final : public Communicator {
                              "send/recv group");
                      for (size_t i = 0; i < batch.size(); ++i)
                        if (!batch[i].is_send) check_received(g, statuses[i], batch[i]);
-                   }));
+                   }, batch_bytes));
     done->wait();
   }
 
   void barrier() override {
     check_collective("barrier");
     const WatchedWait watched(name(), members(), "barrier");
-    enqueue("barrier", [](MpiGroup& g) { g.check(MPI_Barrier(g.comm), "barrier"); })->wait();
+    enqueue("barrier", 0, [](MpiGroup& g) { g.check(MPI_Barrier(g.comm), "barrier"); })->wait();
   }
 
  private:
@@ -349,7 +352,7 @@ class MpiCommunicator final : public Communicator {
   // progresses only while some thread is inside it).
   class P2pWork final : public Work {
    public:
-    P2pWork(std::shared_ptr<MpiGroup> g, Transfer t) : g_(std::move(g)), t_(t) {
+    P2pWork(std::shared_ptr<MpiGroup> g, Transfer t) : g_(std::move(g)), t_(t), posted_(trace::Clock::now()) {
       const MPI_Datatype type = mpi_type(t.type);
       g_->check(t.is_send ? MPI_Isend(t.buf, t.count, type, t.peer, t.tag, g_->comm, &request_)
                           : MPI_Irecv(t.buf, t.count, type, t.peer, t.tag, g_->comm, &request_),
@@ -387,9 +390,16 @@ class MpiCommunicator final : public Communicator {
     void finish(const MPI_Status& status) {
       done_ = true;
       if (!t_.is_send) check_received(*g_, status, t_);
+      if (trace::on())  // from posting to the completion seen here (transfers overlap: an async track)
+        trace::async_span("p2p", fmt::format("{} {} {} rank {}", g_->name, t_.is_send ? "send" : "recv",
+                                             t_.is_send ? "to" : "from", t_.peer),
+                          posted_, trace::Clock::now(),
+                          fmt::format("\"group\":{},\"bytes\":{},\"peer\":{},\"tag\":{}", trace::quote(g_->name),
+                                      static_cast<int64_t>(t_.count) * bytes(t_.type), t_.peer, t_.tag));
     }
     std::shared_ptr<MpiGroup> g_;
     Transfer t_;
+    trace::Clock::time_point posted_;
     MPI_Request request_ = MPI_REQUEST_NULL;
     bool done_ = false;
   };
@@ -397,10 +407,13 @@ class MpiCommunicator final : public Communicator {
   // `body` bound to the shared group state, and guarded: once an operation has failed, the ones
   // queued after it fail at once with the first error instead of entering MPI on a communicator
   // in an unknown state.
-  std::function<void()> guarded(const char* op, Body body) {
-    return [g = g_, op, body = std::move(body)] {
+  // Traced (trace.h) as a span of this group's worker thread with the payload `bytes`.
+  std::function<void()> guarded(const char* op, Body body, int64_t bytes) {
+    return [g = g_, op, body = std::move(body), bytes] {
       if (!g->failed.empty())
         throw Error(fmt::format("{} on group '{}' not run: an earlier operation failed: {}", op, g->name, g->failed));
+      trace::Span span(std::string_view(op).find("send") != std::string_view::npos ? "p2p" : "collective", op);
+      span.arg("group", g->name).arg("bytes", bytes);
       try {
         body(*g);
       } catch (const std::exception& e) {
@@ -410,9 +423,10 @@ class MpiCommunicator final : public Communicator {
     };
   }
 
-  WorkHandle enqueue(const char* op, Body body) {
+  // `bytes`: the operation's payload (CommStats' payload_bytes), for the trace.
+  WorkHandle enqueue(const char* op, int64_t bytes, Body body) {
     auto done = std::make_shared<Completion>();
-    worker_.submit(done, guarded(op, std::move(body)));
+    worker_.submit(done, guarded(op, std::move(body), bytes));
     return make_work(done);
   }
 

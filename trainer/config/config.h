@@ -382,6 +382,8 @@ struct TrainingConfig {
   double spike_zscore = 0.0;        // skip a step whose loss or grad norm lies more than this many
                                     // standard deviations above the recent mean; 0 = off
   int64_t spike_window = 50;        // steps in that mean (a full window is needed to judge)
+  std::vector<int64_t> profile_steps;  // [first, last] (1-based, inclusive): each rank's timeline of
+                                       // those steps in logging.dir/trace/rank_R.json; empty = none
   // Activation recomputation (Megatron's names and meanings; trainer/params/recompute.h): "none"
   // keeps what backward needs; "selective" recomputes the recompute_modules in backward instead of
   // keeping their outputs; "full" keeps only the input of each unit of layers and reruns its
@@ -453,6 +455,9 @@ struct LoggingConfig {
   std::string dir;                  // empty = no files, console only
   LogLevel level = LogLevel::INFO;
   bool tensorboard = true;          // TensorBoard event files under dir/tensorboard (when dir is set)
+  double straggler_factor = 1.25;   // a rank whose step, less its communication waits, takes this
+                                    // many times its pipeline stage's median ...
+  int64_t straggler_window = 5;     // ... in this many steps in a row is logged; 0 = off
 };
 
 struct Config {

@@ -112,6 +112,7 @@ void visit_training(T& t, V& v) {
   v.integer("max_skipped_steps", t.max_skipped_steps);
   v.number("spike_zscore", t.spike_zscore);
   v.integer("spike_window", t.spike_window);
+  v.integers("profile_steps", t.profile_steps);
   v.choice("recompute", t.recompute);
   v.choices("recompute_modules", t.recompute_modules);
   v.choice("recompute_method", t.recompute_method);
@@ -166,6 +167,8 @@ void visit_logging(L& l, V& v) {
   v.text("dir", l.dir);
   v.choice("level", l.level);
   v.boolean("tensorboard", l.tensorboard);
+  v.number("straggler_factor", l.straggler_factor);
+  v.integer("straggler_window", l.straggler_window);
 }
 
 // Calls f(section name, section struct, visit function) for each section, in section_names() order.

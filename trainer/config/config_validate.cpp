@@ -289,6 +289,20 @@ void check_ranges(const Config& c, Rules& r) {
   r.at_least("training.hysteresis", t.hysteresis, 1);
   r.non_negative("training.spike_zscore", t.spike_zscore);
   r.at_least("training.spike_window", t.spike_window, 2);
+  if (!t.profile_steps.empty()) {
+    const std::vector<int64_t>& p = t.profile_steps;
+    r.require(p.size() == 2, "training.profile_steps", p, "must be [first, last], two 1-based steps");
+    if (p.size() == 2) {
+      r.require(p[0] >= 1 && p[0] <= p[1], "training.profile_steps", p, "must be [first, last] with 1 <= first <= last");
+      r.require(p[1] <= t.steps, "training.profile_steps", p,
+                fmt::format("its last step lies beyond training.steps ({})", t.steps));
+    }
+    r.require(!c.logging.dir.empty(), "training.profile_steps", p,
+              "needs logging.dir: the timelines are written to logging.dir/trace/rank_R.json");
+  }
+  r.require(c.logging.straggler_factor == 0.0 || c.logging.straggler_factor > 1.0, "logging.straggler_factor",
+            c.logging.straggler_factor, "must be > 1 (how many times the median a straggler's step takes), or 0: off");
+  r.at_least("logging.straggler_window", c.logging.straggler_window, 0);
 
   const OptimizerConfig& o = c.optimizer;
   r.positive("optimizer.lr", o.lr);

@@ -56,6 +56,9 @@ RuntimeOptions read_runtime_options() {
   o.hang.rank = int_or("TETRA_TEST_HANG_RANK", -1);
   o.hang.step = int_or("TETRA_TEST_HANG_STEP", -1);
   o.hang.seconds = int_or("TETRA_TEST_HANG_SECONDS", 3600);
+  o.timing.slow_rank = int_or("TETRA_TEST_SLOW_RANK", -1);
+  o.timing.slow_ms = static_cast<double>(int_or("TETRA_TEST_SLOW_MS", 100));
+  o.timing.clock_skew_ms = static_cast<double>(int_or("TETRA_TEST_CLOCK_SKEW_MS", 0));
   o.save_faults.kill_at_call = int_or("TETRA_FAULT_SAVE_AT", 0);
   if (const char* v = value_of("TETRA_FAULT_SAVE_LOG")) o.save_faults.call_log = v;
   if (const char* v = value_of("TETRA_FAULT_NO_EXCHANGE")) o.save_faults.no_exchange = std::string(v) != "0";

@@ -23,6 +23,9 @@
 //   TETRA_TEST_HANG_RANK       the global rank that sleeps at the start of a step (watchdog.h)
 //   TETRA_TEST_HANG_STEP       the step it sleeps at
 //   TETRA_TEST_HANG_SECONDS    how long it sleeps (default 3600)
+//   TETRA_TEST_SLOW_RANK       the global rank that sleeps inside every step (the straggler test)
+//   TETRA_TEST_SLOW_MS         how long it sleeps per step (default 100)
+//   TETRA_TEST_CLOCK_SKEW_MS   rank r's trace clock runs r times this ahead (trace alignment test)
 //   TETRA_FAULT_SAVE_AT        k: a save kills its process (SIGKILL) just before its k-th
 //                              filesystem call (trainer/checkpoint/commit.h)
 //   TETRA_FAULT_SAVE_LOG       a file each filesystem call of a save is appended to
@@ -51,6 +54,13 @@ struct HangHook {
   int64_t rank = -1, step = -1, seconds = 3600;
 };
 
+// TETRA_TEST_SLOW_*, TETRA_TEST_CLOCK_SKEW_MS: a slow rank and skewed clocks (trace.h, straggler.h).
+struct TimingHooks {
+  int64_t slow_rank = -1;       // -1: none
+  double slow_ms = 100.0;
+  double clock_skew_ms = 0.0;   // per global rank
+};
+
 // TETRA_FAULT_*: the checkpoint commit protocol's fault points.
 struct SaveFaultHooks {
   int64_t kill_at_call = 0;  // 0: never
@@ -67,6 +77,7 @@ struct RuntimeOptions {
   bool guarded_memory = false;  // TETRA_TEST_GUARDED_MEMORY
   StepFaultHook step_fault;     // TETRA_TEST_FAULT, _STEPS, _RANK
   HangHook hang;                // TETRA_TEST_HANG_RANK, _STEP, _SECONDS
+  TimingHooks timing;           // TETRA_TEST_SLOW_RANK, _SLOW_MS, _CLOCK_SKEW_MS
   SaveFaultHooks save_faults;   // TETRA_FAULT_SAVE_AT, _SAVE_LOG, _NO_EXCHANGE
 };
 

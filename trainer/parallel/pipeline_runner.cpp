@@ -6,6 +6,7 @@
 
 #include "kernels/common/check.h"
 #include "trainer/comm/communicator.h"
+#include "trainer/core/trace.h"
 
 namespace tetra {
 
@@ -66,7 +67,12 @@ PipelineStepStats PipelineRunner::run(const std::vector<PipelineChunk*>& chunks,
     pp_.wait(*w, op);
     w.reset();
   };
-  auto compute = [&](auto&& body) {
+  // A slot's compute, timed (and a span of the timeline: "forward 3" of micro-batch 3, its chunk
+  // and stage in the args).
+  auto compute = [&](const PipeAction& a, int stage, auto&& body) {
+    trace::Span span("pipeline", "{} {}", a.forward ? "forward" : "backward", a.micro_batch);
+    span.arg("micro_batch", static_cast<int64_t>(a.micro_batch)).arg("chunk", static_cast<int64_t>(a.chunk));
+    span.arg("stage", static_cast<int64_t>(stage));
     const auto t0 = clock::now();
     body();
     st.compute_s += seconds_between(t0, clock::now());
@@ -97,7 +103,7 @@ PipelineStepStats PipelineRunner::run(const std::vector<PipelineChunk*>& chunks,
         WorkHandle in = pp_.recv_async(chunk.input(static_cast<int64_t>(slot)), numel_, type_, prev, kActivationTag);
         wait(in, CommOp::RECV);
       }
-      compute([&] { chunk.forward(static_cast<int64_t>(slot), a.micro_batch); });
+      compute(a, stage, [&] { chunk.forward(static_cast<int64_t>(slot), a.micro_batch); });
       if (stage < S - 1)
         act_send[slot] = pp_.send_async(chunk.output(static_cast<int64_t>(slot)), numel_, type_, next, kActivationTag);
       if (!forward_only) st.peak_in_flight = std::max(st.peak_in_flight, ++live);
@@ -113,7 +119,7 @@ PipelineStepStats PipelineRunner::run(const std::vector<PipelineChunk*>& chunks,
       }
       const size_t gbuf = static_cast<size_t>(a.micro_batch % schedule_.grad_buffers);
       wait(cs.grad_send[gbuf], CommOp::SEND);  // the buffer's previous gradient was received
-      compute([&] {
+      compute(a, stage, [&] {
         chunk.backward(static_cast<int64_t>(slot), a.micro_batch, a.micro_batch == cs.last_backward,
                        static_cast<int64_t>(gbuf));
       });

@@ -1,17 +1,22 @@
 // Test-only fault injection (see fault_injection.h).
 #include "trainer/train/fault_injection.h"
 
+#include <chrono>
 #include <limits>
+#include <thread>
 #include <string>
 #include <vector>
 
 #include <spdlog/spdlog.h>
+
+#include "trainer/core/trace.h"
 
 namespace tetra {
 
 namespace {
 
 StepFaultHook g_faults;
+TimingHooks g_timing;
 
 bool hits(const StepFaultHook& f, int r, int64_t step) {
   if (f.kind.empty() || r != f.rank) return false;
@@ -23,6 +28,13 @@ bool hits(const StepFaultHook& f, int r, int64_t step) {
 }  // namespace
 
 void set_step_faults(const StepFaultHook& faults) { g_faults = faults; }
+void set_slow_rank(const TimingHooks& timing) { g_timing = timing; }
+
+void inject_slowness(int rank) {
+  if (rank != g_timing.slow_rank || g_timing.slow_ms <= 0.0) return;
+  const trace::Span span("phase", "test delay");
+  std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(g_timing.slow_ms));
+}
 
 void inject_loss_fault(int rank, int64_t step, int64_t micro, Backend& be, float* losses, int64_t n) {
   const StepFaultHook& f = g_faults;

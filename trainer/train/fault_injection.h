@@ -23,6 +23,11 @@ namespace tetra {
 
 // The process's faults (none until set).
 void set_step_faults(const StepFaultHook& faults);
+// The slow rank of the straggler test (TETRA_TEST_SLOW_RANK / _MS; none until set).
+void set_slow_rank(const TimingHooks& timing);
+
+// Inside a step: the slow rank sleeps its delay (a span "test delay" of its timeline).
+void inject_slowness(int rank);
 
 // After the forward pass of micro-batch `micro` of step `step`: `losses` (n) per-token losses.
 void inject_loss_fault(int rank, int64_t step, int64_t micro, Backend& be, float* losses, int64_t n);

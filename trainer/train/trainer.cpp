@@ -19,6 +19,7 @@
 #include "trainer/comm/watchdog.h"
 #include "trainer/core/log.h"
 #include "trainer/core/output_path.h"
+#include "trainer/core/trace.h"
 #include "trainer/data/data_loader.h"
 #include "trainer/data/sample_source.h"
 #include "trainer/data/tokenizer.h"
@@ -30,6 +31,7 @@
 #include "trainer/train/run_report.h"
 #include "trainer/train/step_guard.h"
 #include "trainer/train/stop_requests.h"
+#include "trainer/train/traced_backend.h"
 
 namespace tetra {
 
@@ -112,6 +114,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
 
   be_ = std::move(device.backend);
   groups.use_backend_memory(backend_comm_factory(*be_, device_opts));
+  // Profiled steps record every op (the communicators above were made for the backend itself).
+  if (!cfg.training.profile_steps.empty()) be_ = make_traced_backend(std::move(be_));
   const size_t n = static_cast<size_t>(layout_.total);
   master_buf_ = BackendBuffer(*be_, n * 4);
   master_ = master_buf_.as<float>();
@@ -259,6 +263,12 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     }
   }
 
+  profiler_ = std::make_unique<StepProfiler>(cfg, groups);  // collective when profiling
+  straggler_ = std::make_unique<StragglerDetector>(cfg.logging, groups);
+  if (profiler_->enabled() && !be_->host_memory() && writer_)
+    spdlog::info("profiled steps synchronise the device after every op (their spans are the ops' times): they run "
+                 "slower than the others");
+
   nlohmann::ordered_json start;
   start["event"] = "start";
   start["params"] = report.model.params;
@@ -340,17 +350,28 @@ double Trainer::train_step(int64_t s) {
   const int64_t tokens = rows_ * accum_ * cfg_.parallel.dp_cp();
   // fp16: the loss gradient carries the loss scale (loss_scaler.h).
   const float dloss_scale = updater_->loss_gradient_scale(tokens);
-  for (int64_t j = 0; j < accum_; ++j) {
-    load_micro_batch(*train_loader_, j);
-    if (dump_) dump_->add_batch(s, host_batch_);
+  {
+    const trace::Span span("phase", "data");
+    for (int64_t j = 0; j < accum_; ++j) {
+      load_micro_batch(*train_loader_, j);
+      if (dump_) dump_->add_batch(s, host_batch_);
+    }
   }
-  // Forwards and backwards in the schedule's order; each chunk's last backward finalises its
-  // gradients, and their reduction overlaps the backward of earlier layers.
-  pipe_stats_ = model_->train(compute_, grads_, dloss_scale, group_done_);
-  grad_buffer_->finish();
-  model_->finish_tied_embedding(grads_);
+  inject_slowness(groups_.rank);  // test-only
+  {
+    // Forwards and backwards in the schedule's order; each chunk's last backward finalises its
+    // gradients, and their reduction overlaps the backward of earlier layers.
+    const trace::Span span("phase", "forward-backward");
+    pipe_stats_ = model_->train(compute_, grads_, dloss_scale, group_done_);
+  }
+  {
+    const trace::Span span("phase", "gradient reduction");
+    grad_buffer_->finish();
+    model_->finish_tied_embedding(grads_);
+  }
   inject_grad_fault(groups_.rank, s + 1, *be_,  // test-only; ZeRO-2's grads_ is the compact shard
                     grads_ + (grad_buffer_->shards_gradients() ? 0 : grad_buffer_->owned().front().offset));
+  const trace::Span span("phase", "loss");
   float local = 0.0f;
   if (model_->has_loss()) {
     inject_loss_fault(groups_.rank, s + 1, 0, *be_, losses_, rows_);  // test-only
@@ -432,6 +453,7 @@ StepMetrics Trainer::step_metrics(int64_t s, double loss, const StepUpdate& u, d
   CommAccounting::warn_mismatches(s + 1, m.comm);
   const bool last = s + 1 == tc.steps;
   if (valid_source_ && ((tc.eval_every > 0 && (s + 1) % tc.eval_every == 0) || last)) {
+    const trace::Span span("phase", "evaluation");
     m.val_loss = evaluate();
     if (sampler_) m.sample = sample();
   }
@@ -454,6 +476,7 @@ void Trainer::save_checkpoint_if_due(int64_t s, bool last, bool stop) {
   const bool periodic = cfg_.checkpoint.every > 0 && (s + 1) % cfg_.checkpoint.every == 0;
   const bool at_exit = cfg_.checkpoint.save_on_exit && (last || stop);
   if (cfg_.checkpoint.dir.empty() || !(periodic || at_exit)) return;
+  const trace::Span span("checkpoint", "checkpoint save");
   const auto c0 = std::chrono::steady_clock::now();
   CheckpointState state{s + 1, train_loader_->consumed_samples(), updater_->loss_scaler_state()};
   const std::string path = save_checkpoint(cfg_.checkpoint.dir, cfg_, groups_, *be_, checkpoint_buffers(), state);
@@ -517,15 +540,43 @@ void Trainer::run() {
   int64_t reached = start_step_;  // the last step done (a stop may come before tc.steps)
   for (int64_t s = start_step_; s < tc.steps; ++s) {
     watchdog_step_begin(s + 1);
+    profiler_->begin_step(s + 1);
+    const double blocked0 = straggler_->enabled() ? straggler_->blocked_s() : 0.0;
     const auto t0 = std::chrono::steady_clock::now();
-    comm_.begin_step(updater_->begin_step(s));
+    {
+      const trace::Span span("phase", "step start");
+      comm_.begin_step(updater_->begin_step(s));
+    }
     const double loss = train_step(s);
-    const StepUpdate update =
-        updater_->step(s, loss, guard, dump_ && s == 0 ? dump_gradients : Updater::GradientHook{});
-    be_->synchronize();
+    const StepUpdate update = [&] {
+      const trace::Span span("optimizer", "optimizer");
+      return updater_->step(s, loss, guard, dump_ && s == 0 ? dump_gradients : Updater::GradientHook{});
+    }();
+    {
+      const trace::Span span("phase", "synchronize");
+      be_->synchronize();
+    }
     watchdog_step_end();
     reached = s + 1;
-    const double step_s = seconds_since(t0);
+    const auto t1 = std::chrono::steady_clock::now();
+    const double step_s = std::chrono::duration<double>(t1 - t0).count();
+    trace::complete("step", fmt::format("step {}", s + 1), t0, t1, fmt::format("\"step\":{}", s + 1));
+    if (straggler_->enabled()) {
+      const double busy_s = step_s - (straggler_->blocked_s() - blocked0);
+      for (const StragglerReport& r : straggler_->observe(s + 1, busy_s)) {
+        if (!writer_) continue;
+        if (r.slow) spdlog::warn("{}", r.line);
+        else spdlog::info("{}", r.line);
+        nlohmann::ordered_json e;
+        e["event"] = "straggler";
+        e["at_step"] = s + 1;  // not "step": the key of step records
+        e["rank"] = r.rank;
+        e["slow"] = r.slow;
+        e["busy_ms"] = r.busy_ms;
+        e["median_ms"] = r.median_ms;
+        metrics_->event(e.dump());
+      }
+    }
     if (s > start_step_) avg_step_s += (step_s - avg_step_s) / static_cast<double>(s - start_step_);
     const double eta_s = (s > start_step_ ? avg_step_s : step_s) * static_cast<double>(tc.steps - s - 1);
 
@@ -536,12 +587,14 @@ void Trainer::run() {
     const bool last = s + 1 == tc.steps;
     const StopCause stop = stops.check(s + 1, last);
     save_checkpoint_if_due(s, last, stop != StopCause::NONE);
+    profiler_->end_step(s + 1, step_s * 1e3);
     if (stop != StopCause::NONE) {
       spdlog::warn("stopping after step {} ({}){}", s + 1, stop_cause_name(stop),
                    cfg_.checkpoint.save_on_exit && !cfg_.checkpoint.dir.empty() ? " (checkpoint saved)" : "");
       break;
     }
   }
+  profiler_->finish();  // a stop inside the profiled steps: what was recorded
   // The activations are done with: without a whole fp32 buffer, their memory makes room for the
   // gathered final weights (memory_plan.h's peak).
   if (!master_) {

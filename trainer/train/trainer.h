@@ -30,6 +30,8 @@
 #include "trainer/train/memory_plan.h"
 #include "trainer/train/metrics.h"
 #include "trainer/train/pipeline_model.h"
+#include "trainer/train/step_trace.h"
+#include "trainer/train/straggler.h"
 #include "trainer/train/updater.h"
 
 namespace tetra {
@@ -137,6 +139,8 @@ class Trainer {
   std::shared_ptr<SampleSource> train_source_, valid_source_;
   std::unique_ptr<DataLoader> train_loader_;
   std::unique_ptr<MetricsWriter> metrics_;
+  std::unique_ptr<StepProfiler> profiler_;         // training.profile_steps (step_trace.h)
+  std::unique_ptr<StragglerDetector> straggler_;   // logging.straggler_* (straggler.h)
   // Text samples (null when off): a micro-batch-1 model reading the same weights.
   std::unique_ptr<Tokenizer> tokenizer_;
   ParamLayout sample_layout_;

@@ -1,0 +1,263 @@
+// `tetra trace merge DIR [--out FILE.json] [--svg FILE.svg [--step N]] [--force]`: the ranks' timelines of a
+// run (training.profile_steps wrote DIR/trace/rank_R.json, or DIR is that trace folder) joined into
+// one Chrome trace, every rank a process on the common time axis the files already share
+// (trainer/train/step_trace.h); with --svg also a picture of it drawn by Tetra: one lane per rank
+// and thread, spans stacked by nesting depth and coloured by kind. The default output is
+// merged.json beside the rank files. Exit 2 for a folder without rank files, a file that is not a
+// rank's timeline, files of different profiling windows, or an existing output without --force.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "kernels/common/check.h"
+#include "trainer/cli/cli.h"
+
+namespace tetra::cli {
+
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+struct RankFile {
+  int rank = 0;
+  std::string path;
+  json doc;
+};
+
+std::vector<RankFile> read_rank_files(const fs::path& dir) {
+  const std::regex name(R"(rank_(\d+)\.json)");
+  std::vector<RankFile> files;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir)) {
+    std::smatch m;
+    const std::string file = e.path().filename().string();
+    if (!std::regex_match(file, m, name)) continue;
+    RankFile f;
+    f.rank = std::stoi(m[1].str());
+    f.path = e.path().string();
+    std::ifstream in(e.path());
+    try {
+      f.doc = json::parse(in);
+    } catch (const json::parse_error& err) {
+      throw InputError(fmt::format("tetra trace merge: {}: not JSON ({})", f.path, err.what()));
+    }
+    if (!f.doc.is_object() || !f.doc.contains("traceEvents") || !f.doc["traceEvents"].is_array() ||
+        !f.doc.contains("otherData") || !f.doc["otherData"].contains("rank") ||
+        !f.doc["otherData"].contains("profile_steps"))
+      throw InputError(fmt::format("tetra trace merge: {}: not a rank's timeline (no traceEvents, otherData.rank "
+                                   "and otherData.profile_steps)", f.path));
+    if (f.doc["otherData"]["rank"].get<int>() != f.rank)
+      throw InputError(fmt::format("tetra trace merge: {}: holds rank {}'s timeline", f.path,
+                                   f.doc["otherData"]["rank"].get<int>()));
+    files.push_back(std::move(f));
+  }
+  std::sort(files.begin(), files.end(), [](const RankFile& a, const RankFile& b) { return a.rank < b.rank; });
+  return files;
+}
+
+// ---- the picture --------------------------------------------------------------------------------
+struct Box {
+  double t0, t1;
+  std::string name, cat;
+  int depth = 0;
+};
+
+const char* colour(const std::string& cat) {
+  static const std::map<std::string, const char*> c = {
+      {"step", "#d9d9d9"},     {"phase", "#9ecae1"},    {"pipeline", "#a1d99b"}, {"op", "#fdae6b"},
+      {"wait", "#fb6a4a"},     {"collective", "#bcbddc"}, {"p2p", "#c994c7"},    {"optimizer", "#fdd0a2"},
+      {"checkpoint", "#74c476"}};
+  const auto it = c.find(cat);
+  return it == c.end() ? "#cccccc" : it->second;
+}
+
+std::string escape(const std::string& s) {
+  std::string o;
+  for (const char ch : s) {
+    if (ch == '<') o += "&lt;";
+    else if (ch == '>') o += "&gt;";
+    else if (ch == '&') o += "&amp;";
+    else if (ch == '"') o += "&quot;";
+    else o += ch;
+  }
+  return o;
+}
+
+// `step` > 0: only the spans within step `step` (from its first rank's start to its last rank's end).
+std::string timeline_svg(const json& merged, int64_t step) {
+  double from = -INFINITY, to = INFINITY;
+  if (step > 0) {
+    from = INFINITY, to = -INFINITY;
+    for (const json& e : merged["traceEvents"])
+      if (e.value("ph", "") == "X" && e.value("cat", "") == "step" && e.value("name", "") == fmt::format("step {}", step)) {
+        from = std::min(from, e["ts"].get<double>());
+        to = std::max(to, e["ts"].get<double>() + e["dur"].get<double>());
+      }
+    if (!(from < to)) throw InputError(fmt::format("--step {}: no rank's timeline holds that step", step));
+  }
+  // Lanes: (pid, tid) of the complete ("X") events, in rank then thread order.
+  std::map<std::pair<int, int>, std::vector<Box>> lanes;
+  std::map<std::pair<int, int>, std::string> lane_names;
+  std::map<int, std::string> process_names;
+  double lo = INFINITY, hi = -INFINITY;
+  for (const json& e : merged["traceEvents"]) {
+    const std::string ph = e.value("ph", "");
+    const int pid = e.value("pid", 0), tid = e.value("tid", 0);
+    if (ph == "M" && e.value("name", "") == "thread_name") lane_names[{pid, tid}] = e["args"].value("name", "");
+    if (ph == "M" && e.value("name", "") == "process_name") process_names[pid] = e["args"].value("name", "");
+    if (ph != "X") continue;
+    const double t0 = e["ts"].get<double>(), t1 = t0 + e["dur"].get<double>();
+    if (t0 < from || t1 > to) continue;
+    lanes[{pid, tid}].push_back(Box{t0, t1, e.value("name", ""), e.value("cat", ""), 0});
+    lo = std::min(lo, t0), hi = std::max(hi, t1);
+  }
+  if (lanes.empty()) throw InputError("tetra trace merge --svg: the timelines hold no span to draw");
+  const double width = 1400, left = 240, right = 20, row = 14, gap = 10;
+  auto x = [&](double t) { return left + (t - lo) / std::max(hi - lo, 1.0) * (width - left - right); };
+  std::string body;
+  double y = 40;
+  for (auto& [key, boxes] : lanes) {
+    // Depth: a span inside the one before it on its lane sits one row lower (spans nest).
+    std::sort(boxes.begin(), boxes.end(), [](const Box& a, const Box& b) {
+      return a.t0 != b.t0 ? a.t0 < b.t0 : a.t1 > b.t1;
+    });
+    std::vector<double> open;  // end times of the enclosing spans
+    int depth_max = 0;
+    for (Box& b : boxes) {
+      while (!open.empty() && open.back() <= b.t0) open.pop_back();
+      b.depth = static_cast<int>(open.size());
+      open.push_back(b.t1);
+      depth_max = std::max(depth_max, b.depth);
+    }
+    const std::string lane = fmt::format("{} · {}", process_names.count(key.first) ? process_names[key.first]
+                                                                                   : fmt::format("rank {}", key.first),
+                                         lane_names.count(key) ? lane_names[key] : fmt::format("thread {}", key.second));
+    body += fmt::format("<g class=\"lane\" data-pid=\"{}\" data-tid=\"{}\">\n<text x=\"6\" y=\"{:.1f}\" "
+                        "font-size=\"10\">{}</text>\n", key.first, key.second, y + 10, escape(lane));
+    for (const Box& b : boxes) {
+      const double x0 = x(b.t0), w = std::max(x(b.t1) - x0, 0.5), yy = y + b.depth * row;
+      body += fmt::format("<rect class=\"span\" data-cat=\"{}\" x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" "
+                          "height=\"{:.1f}\" fill=\"{}\" stroke=\"#555\" stroke-width=\"0.2\"><title>{} ({:.3f} ms)"
+                          "</title></rect>\n", escape(b.cat), x0, yy, w, row - 1, colour(b.cat), escape(b.name),
+                          (b.t1 - b.t0) / 1e3);
+      if (w > 7.0 * static_cast<double>(b.name.size()))
+        body += fmt::format("<text x=\"{:.2f}\" y=\"{:.1f}\" font-size=\"9\">{}</text>\n", x0 + 2, yy + row - 4,
+                            escape(b.name));
+    }
+    body += "</g>\n";
+    y += (depth_max + 1) * row + gap;
+  }
+  // The time axis, in ms from the first span.
+  std::string axis;
+  const double span_ms = (hi - lo) / 1e3;
+  const double tick = std::pow(10.0, std::floor(std::log10(std::max(span_ms, 1e-3) / 5)));
+  for (double t = 0; t <= span_ms + 1e-9; t += tick)
+    axis += fmt::format("<line x1=\"{0:.2f}\" y1=\"28\" x2=\"{0:.2f}\" y2=\"{1:.1f}\" stroke=\"#eee\"/><text x=\"{0:.2f}\" "
+                        "y=\"24\" font-size=\"9\" text-anchor=\"middle\">{2:g} ms</text>\n",
+                        x(lo + t * 1e3), y, t);
+  std::string legend;
+  double lx = left;
+  for (const char* cat : {"step", "phase", "pipeline", "op", "wait", "collective", "optimizer", "checkpoint"}) {
+    legend += fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"10\" height=\"10\" fill=\"{}\"/><text x=\"{:.1f}\" "
+                          "y=\"{:.1f}\" font-size=\"10\">{}</text>\n", lx, y + 6, colour(cat), lx + 14, y + 15, cat);
+    lx += 90;
+  }
+  return fmt::format("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<svg xmlns=\"http://www.w3.org/2000/svg\" "
+                     "width=\"{:.0f}\" height=\"{:.0f}\" font-family=\"sans-serif\">\n<rect width=\"100%\" "
+                     "height=\"100%\" fill=\"white\"/>\n<text x=\"6\" y=\"14\" font-size=\"12\">timeline, {} ranks, "
+                     "{:.1f} ms</text>\n{}{}{}</svg>\n",
+                     width, y + 30, process_names.size(), span_ms, axis, body, legend);
+}
+
+void write_new(const std::string& path, const std::string& text, bool force, const char* option) {
+  if (fs::exists(path) && !force)
+    throw InputError(fmt::format("{} {}: the file exists (pass --force to replace it)", option, path));
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << text;
+    if (!f) throw InputError(fmt::format("{} {}: cannot write it", option, path));
+  }
+  fs::rename(tmp, path);
+}
+
+class TraceCommand final : public Command {
+ public:
+  explicit TraceCommand(CLI::App& tetra) {
+    cmd_ = tetra.add_subcommand("trace", "work with the timelines of training.profile_steps");
+    cmd_->require_subcommand(1);
+    merge_ = cmd_->add_subcommand("merge", "join the ranks' timelines (DIR/trace/rank_R.json) into one Chrome trace "
+                                           "for Perfetto or chrome://tracing");
+    merge_->add_option("dir", dir_, "a run's logging.dir, or its trace folder")->required();
+    merge_->add_option("-o,--out", out_, "the merged trace (default: merged.json beside the rank files)");
+    merge_->add_option("--svg", svg_, "also draw the timeline as an SVG picture");
+    merge_->add_option("--step", step_, "draw only this step (its spans on every rank)")->check(CLI::PositiveNumber);
+    merge_->add_flag("--force", force_, "replace existing outputs");
+  }
+  CLI::App& app() override { return *cmd_; }
+
+  int run(int*, char***, const RuntimeOptions&) override { return exit_code_of([this] { return merge(); }); }
+
+ private:
+  int merge() {
+    fs::path dir(dir_);
+    if (fs::is_directory(dir / "trace")) dir /= "trace";
+    if (!fs::is_directory(dir))
+      throw InputError(fmt::format("tetra trace merge: {}: not a folder (give a run's logging.dir or its trace "
+                                   "folder)", dir_));
+    std::vector<RankFile> files = read_rank_files(dir);
+    if (files.empty())
+      throw InputError(fmt::format("tetra trace merge: {}: no rank_R.json (a run with training.profile_steps "
+                                   "writes them)", dir.string()));
+    const json window = files.front().doc["otherData"]["profile_steps"];
+    json merged;
+    merged["displayTimeUnit"] = "ms";
+    merged["otherData"]["ranks"] = json::array();
+    merged["otherData"]["profile_steps"] = window;
+    merged["traceEvents"] = json::array();
+    for (RankFile& f : files) {
+      if (f.doc["otherData"]["profile_steps"] != window)
+        throw InputError(fmt::format("tetra trace merge: {} profiled steps {} where {} profiled {}: timelines of "
+                                     "different runs", f.path, f.doc["otherData"]["profile_steps"].dump(),
+                                     files.front().path, window.dump()));
+      merged["otherData"]["ranks"].push_back(f.doc["otherData"]);
+      for (json& e : f.doc["traceEvents"]) {
+        // Asynchronous spans' ids are per rank: made unique across ranks.
+        if (e.contains("id")) e["id"] = static_cast<int64_t>(f.rank) * 1000000000LL + e["id"].get<int64_t>();
+        merged["traceEvents"].push_back(std::move(e));
+      }
+    }
+    const std::string out = out_.empty() ? (dir / "merged.json").string() : out_;
+    if (!svg_.empty() && fs::exists(svg_) && !force_)
+      throw InputError(fmt::format("--svg {}: the file exists (pass --force to replace it)", svg_));
+    write_new(out, merged.dump() + "\n", force_, "--out");
+    std::printf("%s (%zu ranks, %zu events)\n", out.c_str(), files.size(), merged["traceEvents"].size());
+    if (!svg_.empty()) {
+      write_new(svg_, timeline_svg(merged, step_), true, "--svg");
+      std::printf("%s\n", svg_.c_str());
+    }
+    return 0;
+  }
+
+  CLI::App* cmd_ = nullptr;
+  CLI::App* merge_ = nullptr;
+  std::string dir_, out_, svg_;
+  int64_t step_ = 0;
+  bool force_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Command> add_trace_command(CLI::App& tetra) { return std::make_unique<TraceCommand>(tetra); }
+
+}  // namespace tetra::cli
