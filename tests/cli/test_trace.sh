@@ -12,10 +12,11 @@
 #     worker thread, in order) has an instant common to all its members' spans (no rank finishes
 #     an all-reduce before every rank has started it), which the 0.5 s skews would break;
 #   - `tetra trace merge`: one file with every rank's events, asynchronous ids unique; --svg draws
-#     one lane per rank and thread; refusals (exit 2): no rank files, a file of another profiling
-#     window, a file that is not JSON, an existing output without --force;
+#     one lane per rank and thread, --step only that step's spans; refusals (exit 2): no rank files,
+#     a file of another profiling window or time axis, a missing rank, a file that is not JSON,
+#     --step without --svg, an existing output without --force;
 #   - the config's refusals: profile_steps without logging.dir, reversed, beyond training.steps;
-#   - straggler: a dp 2 run whose rank 1 sleeps 100 ms in every step (TETRA_TEST_SLOW_RANK) names
+#   - straggler: a dp 2 run whose rank 1 sleeps 300 ms in every step (TETRA_TEST_SLOW_RANK) names
 #     rank 1 as the straggler (window 3), with its coordinates, in the log and in metrics.jsonl (not
 #     as a step record), and no other rank; the same run without the hook names none (window 5).
 #
@@ -206,12 +207,22 @@ mkdir -p "$scratch/empty"
 refuse "no rank files" "no rank_R.json" "$scratch/empty"
 refuse "existing output" "pass --force" "$run"
 mkdir -p "$scratch/other/trace"
-cp "$run/trace/rank_0.json" "$run/trace/rank_1.json" "$scratch/other/trace/"
-$py - "$scratch/other/trace/rank_1.json" <<'PY'
+other_run() {  # other_run <python edit of rank 1's file, d its JSON>: the run's four files, rank 1's edited
+  cp "$run"/trace/rank_[0-3].json "$scratch/other/trace/"
+  $py - "$scratch/other/trace/rank_1.json" "$1" <<'PY'
 import json, sys
-d = json.load(open(sys.argv[1])); d["otherData"]["profile_steps"] = [2, 4]; json.dump(d, open(sys.argv[1], "w"))
+d = json.load(open(sys.argv[1])); exec(sys.argv[2]); json.dump(d, open(sys.argv[1], "w"))
 PY
+}
+other_run 'd["otherData"]["profile_steps"] = [2, 4]'
 refuse "another window" "different runs" "$scratch/other"
+other_run 'd["otherData"]["epoch_s"] += 5'
+refuse "another time axis" "different runs" "$scratch/other"
+other_run 'pass'
+rm "$scratch/other/trace/rank_2.json"
+refuse "a missing rank" "rank's file is missing" "$scratch/other"
+other_run 'pass'
+refuse "--step without --svg" "give --svg too" "$scratch/other" --step 3
 echo "{ not json" >"$scratch/other/trace/rank_1.json"
 refuse "not JSON" "rank_1.json: not JSON" "$scratch/other"
 [[ -e "$scratch/other/trace/merged.json" ]] && fail "a refused merge wrote merged.json"
@@ -230,11 +241,12 @@ config_refuse "reversed" "training.profile_steps.*1 <= first <= last" --set 'tra
 config_refuse "beyond the run" "training.profile_steps.*beyond training.steps" \
   --set 'training.profile_steps=[2,11]' --set "logging.dir=$scratch/x"
 config_refuse "factor" "logging.straggler_factor" --set logging.straggler_factor=0.5
+config_refuse "window" "logging.straggler_window" --set logging.straggler_window=20000
 
 case="straggler"
 for hook in slow none; do
   env_hook=(env)
-  [[ $hook == slow ]] && env_hook=(env TETRA_TEST_SLOW_RANK=1 TETRA_TEST_SLOW_MS=100)
+  [[ $hook == slow ]] && env_hook=(env TETRA_TEST_SLOW_RANK=1 TETRA_TEST_SLOW_MS=300)
   window=$([[ $hook == slow ]] && echo 3 || echo 5)
   if "${env_hook[@]}" timeout 300 "$mpirun" --oversubscribe -np 2 "$tetra" --config "$src/configs/reference_llama.json" \
       --set parallel.dp=2 --set model.seq_len=128 --set model.hidden_size=128 --set model.ffn_hidden_size=256 \

@@ -4,7 +4,8 @@
 // (trainer/train/step_trace.h); with --svg also a picture of it drawn by Tetra: one lane per rank
 // and thread, spans stacked by nesting depth and coloured by kind. The default output is
 // merged.json beside the rank files. Exit 2 for a folder without rank files, a file that is not a
-// rank's timeline, files of different profiling windows, or an existing output without --force.
+// rank's timeline, files of different runs (profiling window, rank count, time axis) or a missing
+// rank, or an existing output without --force.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -219,7 +220,21 @@ class TraceCommand final : public Command {
     if (files.empty())
       throw InputError(fmt::format("tetra trace merge: {}: no rank_R.json (a run with training.profile_steps "
                                    "writes them)", dir.string()));
-    const json window = files.front().doc["otherData"]["profile_steps"];
+    if (step_ > 0 && svg_.empty()) throw InputError("--step draws one step of the picture: give --svg too");
+    // One run's files: the same window and time axis (rank 0's clock at time 0), every rank present.
+    const json& first = files.front().doc["otherData"];
+    const json window = first["profile_steps"];
+    const int world = first.value("world", 0);
+    for (const RankFile& f : files) {
+      const json& o = f.doc["otherData"];
+      if (o.value("world", 0) != world || std::abs(o.value("epoch_s", 0.0) - first.value("epoch_s", 0.0)) > 1e-6)
+        throw InputError(fmt::format("tetra trace merge: {} (a run of {} ranks) and {} (of {}) do not share a time "
+                                     "axis: timelines of different runs; keep one run's files in the folder",
+                                     files.front().path, world, f.path, o.value("world", 0)));
+    }
+    if (static_cast<int>(files.size()) != world || files.back().rank != world - 1)
+      throw InputError(fmt::format("tetra trace merge: {}: {} rank file(s) of a run of {} ranks (a rank's file is "
+                                   "missing)", dir.string(), files.size(), world));
     json merged;
     merged["displayTimeUnit"] = "ms";
     merged["otherData"]["ranks"] = json::array();
@@ -238,12 +253,15 @@ class TraceCommand final : public Command {
       }
     }
     const std::string out = out_.empty() ? (dir / "merged.json").string() : out_;
+    if (fs::exists(out) && !force_)
+      throw InputError(fmt::format("--out {}: the file exists (pass --force to replace it)", out));
     if (!svg_.empty() && fs::exists(svg_) && !force_)
       throw InputError(fmt::format("--svg {}: the file exists (pass --force to replace it)", svg_));
-    write_new(out, merged.dump() + "\n", force_, "--out");
+    const std::string picture = svg_.empty() ? "" : timeline_svg(merged, step_);  // refused before anything is written
+    write_new(out, merged.dump() + "\n", true, "--out");
     std::printf("%s (%zu ranks, %zu events)\n", out.c_str(), files.size(), merged["traceEvents"].size());
     if (!svg_.empty()) {
-      write_new(svg_, timeline_svg(merged, step_), true, "--svg");
+      write_new(svg_, picture, true, "--svg");
       std::printf("%s\n", svg_.c_str());
     }
     return 0;

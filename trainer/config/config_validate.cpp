@@ -303,6 +303,8 @@ void check_ranges(const Config& c, Rules& r) {
   r.require(c.logging.straggler_factor == 0.0 || c.logging.straggler_factor > 1.0, "logging.straggler_factor",
             c.logging.straggler_factor, "must be > 1 (how many times the median a straggler's step takes), or 0: off");
   r.at_least("logging.straggler_window", c.logging.straggler_window, 0);
+  r.require(c.logging.straggler_window <= 10000, "logging.straggler_window", c.logging.straggler_window,
+            "must be <= 10000 (steps in a row)");
 
   const OptimizerConfig& o = c.optimizer;
   r.positive("optimizer.lr", o.lr);

@@ -1,5 +1,6 @@
 #include "trainer/core/trace.h"
 
+#include <cmath>
 #include <map>
 #include <mutex>
 
@@ -28,9 +29,10 @@ struct Recorder {
   double skew_s = 0.0, epoch_s = 0.0, offset_s = 0.0;
 };
 
+// Never destroyed: a communicator's worker thread may outlive main's return (detached, comm_worker.h).
 Recorder& recorder() {
-  static Recorder r;
-  return r;
+  static Recorder* r = new Recorder;
+  return *r;
 }
 
 // The calling thread's track: its number (assigned on first use, under the recorder's mutex).
@@ -96,7 +98,12 @@ std::string quote(std::string_view text) {
   return out + "\"";
 }
 
-Span& Span::arg(const char* key, std::string_view v) { return add(key, quote(v)); }
+Span& Span::arg(const char* key, std::string_view v) { return on_ ? add(key, quote(v)) : *this; }
+
+Span& Span::arg(const char* key, double v) {
+  if (!on_) return *this;
+  return add(key, std::isfinite(v) ? fmt::format("{}", v) : std::string("null"));
+}
 
 Span& Span::add(const char* key, const std::string& value) {
   if (!on_) return *this;

@@ -69,8 +69,8 @@ class Span {
   Span& operator=(const Span&) = delete;
 
   // Adds a member to the span's args (a number, or text quoted as JSON).
-  Span& arg(const char* key, int64_t v) { return add(key, fmt::format("{}", v)); }
-  Span& arg(const char* key, double v) { return add(key, fmt::format("{}", v)); }
+  Span& arg(const char* key, int64_t v) { return on_ ? add(key, fmt::format("{}", v)) : *this; }
+  Span& arg(const char* key, double v);  // a non-finite value as null
   Span& arg(const char* key, std::string_view v);
   bool recording() const { return on_; }
 

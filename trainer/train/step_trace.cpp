@@ -1,5 +1,6 @@
 #include "trainer/train/step_trace.h"
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -72,29 +73,41 @@ std::string StepProfiler::path(const std::string& logging_dir, int rank) {
   return (std::filesystem::path(logging_dir) / "trace" / fmt::format("rank_{}.json", rank)).string();
 }
 
-StepProfiler::StepProfiler(const Config& cfg, ProcessGroups& groups) {
+StepProfiler::StepProfiler(const Config& cfg, ProcessGroups& groups, int64_t first_step) : groups_(groups) {
   const std::vector<int64_t>& p = cfg.training.profile_steps;
   if (p.size() != 2) return;  // validated: [first, last] or empty
-  first_ = p[0], last_ = p[1];
   rank_ = groups.rank;
+  if (first_step > p[1]) {
+    if (rank_ == 0)
+      spdlog::info("training.profile_steps [{}, {}]: the run starts at step {}, past them: no timeline", p[0], p[1],
+                   first_step);
+    return;
+  }
+  first_ = std::max(p[0], first_step), last_ = p[1];
   const GridCoord& c = groups.coord;
   process_name_ = fmt::format("rank {} {}", rank_, rank_prefix({c.tp, c.pp, c.dp, c.ep, rank_}));
-  coords_json_ = fmt::format("\"tp\":{},\"cp\":{},\"pp\":{},\"dp\":{},\"ep\":{}", c.tp, c.cp, c.pp, c.dp, c.ep);
+  coords_json_ = fmt::format("\"tp\":{},\"cp\":{},\"pp\":{},\"dp\":{},\"ep\":{},\"world\":{}", c.tp, c.cp, c.pp,
+                             c.dp, c.ep, groups.grid.world());
   file_ = path(cfg.logging.dir, rank_);
   std::filesystem::create_directories(std::filesystem::path(file_).parent_path());
-  const Alignment a = align_clocks(*groups.world);
-  offset_s_ = a.offset_s, uncertainty_s_ = a.uncertainty_s;
-  trace::set_common_clock(a.epoch_s, a.offset_s);
   if (rank_ == 0)
     spdlog::info("profiling steps {} to {}: each rank's timeline to {}{}", first_, last_,
                  (std::filesystem::path(cfg.logging.dir) / "trace" / "rank_R.json").string(),
                  groups.grid.world() > 1 ? " on rank 0's clock" : "");
-  else
-    spdlog::debug("trace clock offset to rank 0: {:.3f} ms (± {:.3f} ms)", offset_s_ * 1e3, uncertainty_s_ * 1e3);
+}
+
+StepProfiler::~StepProfiler() {
+  if (recording_) trace::stop();
 }
 
 void StepProfiler::begin_step(int64_t step) {
   if (!enabled() || step != first_) return;
+  // Aligned now rather than at start-up: clocks of different nodes drift apart.
+  const Alignment a = align_clocks(*groups_.world);
+  offset_s_ = a.offset_s, uncertainty_s_ = a.uncertainty_s, epoch_s_ = a.epoch_s;
+  trace::set_common_clock(a.epoch_s, a.offset_s);
+  if (rank_ != 0)
+    spdlog::debug("trace clock offset to rank 0: {:.3f} ms (± {:.3f} ms)", offset_s_ * 1e3, uncertainty_s_ * 1e3);
   trace::start();
   recording_ = true;
 }
@@ -118,9 +131,16 @@ std::string StepProfiler::write() {
   info.rank = rank_;
   info.name = process_name_;
   info.other_data = fmt::format("\"rank\":{},{},\"clock_offset_ms\":{:.6f},\"clock_uncertainty_ms\":{:.6f},"
-                                "\"profile_steps\":[{},{}],\"steps\":{}",
-                                rank_, coords_json_, offset_s_ * 1e3, uncertainty_s_ * 1e3, first_, last_, steps);
-  const int64_t n = trace::write(file_, info);
+                                "\"epoch_s\":{:.9f},\"profile_steps\":[{},{}],\"steps\":{}",
+                                rank_, coords_json_, offset_s_ * 1e3, uncertainty_s_ * 1e3, epoch_s_, first_, last_,
+                                steps);
+  int64_t n = 0;
+  try {
+    n = trace::write(file_, info);
+  } catch (const std::exception& e) {  // the timeline is lost, not the run
+    spdlog::warn("timeline of steps {} to {} not written: {}", first_, last_, e.what());
+    return "";
+  }
   const std::string line = fmt::format("timeline of steps {} to {}: {} ({} events)", first_,
                                        steps_.empty() ? first_ : steps_.back().first, file_, n);
   if (rank_ == 0) spdlog::info("{}", line);

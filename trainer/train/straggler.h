@@ -2,13 +2,18 @@
 // training every rank's step takes the same wall time (the others wait for the slowest in their
 // collectives), so what is compared is each rank's busy time: its step less the time it spent
 // blocked in communication waits (CommStats::blocked_s over every group). A rank whose busy time
-// is at least logging.straggler_factor times the median of its pipeline stage's ranks (which do the
-// same work) in logging.straggler_window steps in a row is named, once, with its coordinates; a
-// line says when it is no longer slow. Megatron's straggler detector has the same aim (it times
-// GEMMs on every rank); this needs no extra kernels.
+// is at least logging.straggler_factor times the median of the other ranks of its pipeline stage
+// (which do the same work) in logging.straggler_window steps in a row is named, once, with its
+// coordinates; a line says when it is no longer slow. Megatron's straggler detector has the same aim
+// (it times GEMMs on every rank); this needs no extra kernels.
+//
+// Only where communication waits block the host (MPI: the CPU backend). NCCL's waits return at once
+// (the device waits), so on GPUs every rank's busy time would be its whole step: the check is off
+// there, and says so.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <string>
 #include <vector>
@@ -28,7 +33,8 @@ struct StragglerReport {
 
 class StragglerDetector {
  public:
-  StragglerDetector(const LoggingConfig& cfg, ProcessGroups& groups);
+  // `waits_block_host`: communication waits block the calling thread (false: the check is off).
+  StragglerDetector(const LoggingConfig& cfg, ProcessGroups& groups, bool waits_block_host);
 
   bool enabled() const { return enabled_; }
   // Every rank's seconds blocked in communication so far (all groups, both roles).
@@ -37,9 +43,10 @@ class StragglerDetector {
   // ranks that became (or stopped being) stragglers at this step, the same on every rank.
   std::vector<StragglerReport> observe(int64_t step, double busy_s);
 
-  // The pure rule, for tests: given each rank's busy times over the steps so far (busy[step][rank])
-  // and each rank's peer set id (pipeline stage), which ranks are slow after the last step.
-  static std::vector<int> slow_ranks(const std::vector<std::vector<double>>& busy, const std::vector<int>& stage,
+  // The rule, for tests: given each rank's busy times over the last steps (busy[step][rank]) and
+  // each rank's pipeline stage, the ranks at least `factor` times the median of their stage's other
+  // ranks in each of the last `window` steps.
+  static std::vector<int> slow_ranks(const std::deque<std::vector<double>>& busy, const std::vector<int>& stage,
                                      double factor, int64_t window);
 
  private:
@@ -48,7 +55,7 @@ class StragglerDetector {
   double factor_;
   int64_t window_;
   std::vector<int> stage_;                  // per global rank: its pipeline stage
-  std::vector<std::vector<double>> busy_;   // the last `window` steps' busy seconds, per rank
+  std::deque<std::vector<double>> busy_;    // the last `window` steps' busy seconds, per rank
   std::vector<bool> flagged_;               // per rank: named as a straggler and not yet cleared
 };
 

@@ -263,8 +263,9 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     }
   }
 
-  profiler_ = std::make_unique<StepProfiler>(cfg, groups);  // collective when profiling
-  straggler_ = std::make_unique<StragglerDetector>(cfg.logging, groups);
+  profiler_ = std::make_unique<StepProfiler>(cfg, groups, start_step_ + 1);
+  // NCCL's waits (a CUDA backend) leave the host running: no busy time to compare.
+  straggler_ = std::make_unique<StragglerDetector>(cfg.logging, groups, cfg.training.device != Device::CUDA);
   if (profiler_->enabled() && !be_->host_memory() && writer_)
     spdlog::info("profiled steps synchronise the device after every op (their spans are the ops' times): they run "
                  "slower than the others");
