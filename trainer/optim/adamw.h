@@ -100,6 +100,9 @@ class GradNorm {
            Communicator* tp, Communicator* pp, Communicator* dp_if_sharded, int64_t compact_base = -1);
   ~GradNorm();
   double compute(const float* grads);
+  // The same sum of squares left in backend memory at `out` (one float), reduced over the groups:
+  // nothing is read back (the caller reads it with the step's other scalars, once).
+  void squares(const float* grads, float* out);
 
  private:
   Backend& be_;
@@ -108,7 +111,7 @@ class GradNorm {
   Communicator* dp_;
   std::vector<GradRange> ranges_;  // merged
   BackendBuffer scratch_buf_;
-  float* scratch_ = nullptr;  // scratch_buf_'s
+  float* scratch_ = nullptr;  // scratch_buf_'s: each range's part, then the result
 };
 
 // torch.nn.utils.clip_grad_norm_'s factor: min(1, max_norm / (norm + 1e-6)); 1 when clip <= 0.

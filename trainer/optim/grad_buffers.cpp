@@ -56,11 +56,9 @@ GradBuffers::GradBuffers(const ParamLayout& layout, Backend& be, float* grads, P
   // without MoE blocks has no expert part, so each part cannot reduce over pp on its own.
   dense_norm_ = std::make_unique<GradNorm>(layout, dense_->owned(), be, tp, nullptr, sharded ? dp : nullptr,
                                            shard_ ? 0 : -1);
-  if (groups.pp->size() > 1) {
-    pp_ = &groups.backend(GroupKind::PP);
-    scratch_buf_ = BackendBuffer(be, 64);
-    scratch_ = scratch_buf_.as<float>();
-  }
+  if (groups.pp->size() > 1) pp_ = &groups.backend(GroupKind::PP);
+  scratch_buf_ = BackendBuffer(be, 64);  // norm()'s two sums
+  scratch_ = scratch_buf_.as<float>();
   if (has_experts) {
     expert_begin_ = expert_layout_.groups.front().first;
     // At edp 1 the expert buffer is not sharded: its shard is then its whole gradient, in shard_.
@@ -118,16 +116,25 @@ void GradBuffers::gather_compact(void* whole, const void* compact, DType type) {
   gather_params(whole, type);
 }
 
+void GradBuffers::norm_squares(const float* grads, float* out) {
+  dense_norm_->squares(grads, out);
+  if (expert_norm_) expert_norm_->squares(grads, out + 1);
+  else be_->memset_zero(out + 1, sizeof(float));
+  // Each stage holds other parameters; a stage without MoE blocks adds 0 to the expert part.
+  if (pp_) pp_->all_reduce(out, 2, DType::F32, ReduceOp::SUM);
+}
+
+double GradBuffers::norm_from_squares(const float squares[2], double dense_scale, double expert_scale) const {
+  const double d = dense_scale * std::sqrt(static_cast<double>(squares[0]));
+  const double e = expert_scale * std::sqrt(static_cast<double>(squares[1]));
+  return std::sqrt(static_cast<double>(static_cast<float>(d * d + e * e)));
+}
+
 double GradBuffers::norm(const float* grads, double dense_scale, double expert_scale) {
-  const double d = dense_scale * dense_norm_->compute(grads);
-  const double e = expert_norm_ ? expert_scale * expert_norm_->compute(grads) : 0.0;
-  float sq = static_cast<float>(d * d + e * e);
-  if (pp_) {  // each pipeline stage holds other parameters
-    be_->copy_from_host(scratch_, &sq, sizeof(float));
-    pp_->all_reduce(scratch_, 1, DType::F32, ReduceOp::SUM);
-    be_->copy_to_host(&sq, scratch_, sizeof(float));
-  }
-  return std::sqrt(static_cast<double>(sq));
+  norm_squares(grads, scratch_);
+  float squares[2];
+  be_->copy_to_host(squares, scratch_, sizeof(squares));
+  return norm_from_squares(squares, dense_scale, expert_scale);
 }
 
 }  // namespace tetra

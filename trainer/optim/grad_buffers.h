@@ -63,6 +63,11 @@ class GradBuffers final : public GradSink {
   // The global gradient norm; the dense and expert parts' norms are first multiplied by the
   // scales (1-bit Adam's compressed phase estimates the reduced norm from local gradients).
   double norm(const float* grads, double dense_scale = 1.0, double expert_scale = 1.0);
+  // norm() in two halves, so that its value is read back with the step's other scalars: the dense
+  // and the expert sums of squares, reduced over every group, into `out` (2 floats of backend
+  // memory; nothing read back), and the norm from those two values once on the host.
+  void norm_squares(const float* grads, float* out);
+  double norm_from_squares(const float squares[2], double dense_scale = 1.0, double expert_scale = 1.0) const;
   size_t num_buckets() const { return dense_->num_buckets() + (experts_ ? experts_->num_buckets() : 0); }
 
   // The parts of the layout each buffer covers (offsets those of the whole buffer).

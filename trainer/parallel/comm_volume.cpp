@@ -207,7 +207,8 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
     const int64_t sends_fwd = chunks - (last ? 1 : 0), sends_bwd = chunks - (first ? 1 : 0);
     v.pp.add(CommOp::SEND, (sends_fwd + sends_bwd) * accum, boundary);
     v.pp.add(CommOp::RECV, (sends_fwd + sends_bwd) * accum, boundary);
-    v.pp.add(CommOp::ALL_REDUCE, 2, 4);  // the loss (from the last stage) and the gradient norm
+    v.pp.add(CommOp::ALL_REDUCE, 1, 4);  // the loss (from the last stage)
+    v.pp.add(CommOp::ALL_REDUCE, 1, 8);  // the gradient norm's dense and expert sums of squares
     if (cfg.model.tie_embeddings && (first || last)) {
       const ParamSpec* wte = layout.find("embedding.wte");
       if (wte) v.embedding.add(CommOp::ALL_REDUCE, 1, wte->numel * 4);

@@ -1,4 +1,4 @@
-// StepGuard (see step_guard.h): local judgement, one MAX all-reduce of five flags, the verdict.
+// StepGuard (see step_guard.h): local judgement, one MAX all-reduce of six flags, the verdict.
 #include "trainer/train/step_guard.h"
 
 #include <cmath>
@@ -10,7 +10,7 @@
 namespace tetra {
 
 namespace {
-enum Flag { NONFINITE_LOSS, NONFINITE_NORM, LOSS_SPIKE, NORM_SPIKE, OVERFLOW, FLAGS };
+enum Flag { NONFINITE_LOSS, NONFINITE_NORM, LOSS_SPIKE, NORM_SPIKE, OVERFLOW, REQUEST, FLAGS };
 }  // namespace
 
 double StepGuard::Window::zscore(double x, size_t size) const {
@@ -41,8 +41,9 @@ StepGuard::StepGuard(const TrainingConfig& tc, Communicator& world, Backend& be)
 
 StepGuard::~StepGuard() = default;
 
-StepVerdict StepGuard::check(int64_t step, double loss, double grad_norm, bool overflow) {
+StepVerdict StepGuard::check(int64_t step, double loss, double grad_norm, bool overflow, int32_t request) {
   int32_t flags[FLAGS] = {};
+  flags[REQUEST] = request;
   flags[OVERFLOW] = overflow ? 1 : 0;
   flags[NONFINITE_LOSS] = std::isfinite(loss) ? 0 : 1;
   flags[NONFINITE_NORM] = std::isfinite(grad_norm) ? 0 : 1;
@@ -60,6 +61,7 @@ StepVerdict StepGuard::check(int64_t step, double loss, double grad_norm, bool o
   }
 
   StepVerdict v;
+  v.request = flags[REQUEST];
   if (flags[OVERFLOW]) {  // the loss scaler's case: nothing else is judged, nothing counted
     v.skip = v.overflow = true;
     v.reason = overflow ? "fp16 gradient overflow" : "fp16 gradient overflow (seen on another rank)";

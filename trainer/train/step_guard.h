@@ -34,6 +34,7 @@ struct StepVerdict {
   bool skip = false;
   bool overflow = false;  // skipped for an fp16 gradient overflow (the loss scaler's case)
   std::string reason;  // why it is skipped: "non-finite loss", "loss spike (z = 9.3)", ...
+  int32_t request = 0;  // the largest `request` of any rank (check()'s)
 };
 
 class StepGuard {
@@ -44,9 +45,11 @@ class StepGuard {
   StepGuard& operator=(const StepGuard&) = delete;
 
   // Collective over `world`. `step` is 1-based. `overflow`: this rank saw an fp16 gradient overflow
-  // (a non-finite norm of the loss-scaled gradients). Throws tetra::Error when this skip is one more
-  // than training.max_skipped_steps in a row.
-  StepVerdict check(int64_t step, double loss, double grad_norm, bool overflow = false);
+  // (a non-finite norm of the loss-scaled gradients). `request`: a number every rank must agree on
+  // by its maximum, carried by the same all-reduce (the trainer's stop request, stop_requests.h),
+  // returned in the verdict. Throws tetra::Error when this skip is one more than
+  // training.max_skipped_steps in a row.
+  StepVerdict check(int64_t step, double loss, double grad_norm, bool overflow = false, int32_t request = 0);
 
  private:
   struct Window {

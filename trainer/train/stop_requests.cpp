@@ -24,8 +24,7 @@ const char* stop_cause_name(StopCause cause) {
   return "no stop";
 }
 
-StopRequests::StopRequests(const TrainingConfig& tc, Communicator& world, Backend& be, void* scratch)
-    : tc_(tc), world_(world), be_(be), scratch_(scratch) {}
+StopRequests::StopRequests(const TrainingConfig& tc) : tc_(tc) {}
 
 void StopRequests::install_signal_handlers() {
   struct sigaction sa {};
@@ -35,19 +34,15 @@ void StopRequests::install_signal_handlers() {
   sigaction(SIGUSR1, &sa, nullptr);
 }
 
-StopCause StopRequests::check(int64_t step, bool last) {
-  // Every rank must stop after the same step: agree on whether any rank got a signal (1) or
-  // reached training.exit_after_min (2).
+int32_t StopRequests::request() const {
   int32_t flag = g_stop_signal != 0 ? 1 : 0;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - g_process_start).count();
   if (tc_.exit_after_min > 0 && seconds >= 60.0 * tc_.exit_after_min) flag = 2;
-  if (world_.size() > 1) {
-    int32_t* dev = static_cast<int32_t*>(scratch_);
-    be_.copy_from_host(dev, &flag, 4);
-    world_.all_reduce(dev, 1, DType::I32, ReduceOp::MAX);
-    be_.copy_to_host(&flag, dev, 4);
-  }
-  if (flag != 0) return static_cast<StopCause>(flag);
+  return flag;
+}
+
+StopCause StopRequests::check(int64_t step, bool last, int32_t agreed) const {
+  if (agreed != 0) return static_cast<StopCause>(agreed);
   if (tc_.exit_interval > 0 && step % tc_.exit_interval == 0 && !last) return StopCause::EXIT_INTERVAL;
   return StopCause::NONE;
 }

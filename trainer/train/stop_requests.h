@@ -4,14 +4,12 @@
 //     limit counts from there too),
 //   - the step is a multiple of training.exit_interval (and not the last one).
 // Every rank must stop after the same step: the signal and the clock are agreed on over the world
-// (one MAX all-reduce of one integer after each step), so a signal that reached one rank only
-// stops them all.
+// (their MAX, carried by the step guard's all-reduce, step_guard.h), so a signal that reached one
+// rank only stops them all.
 #pragma once
 
 #include <cstdint>
 
-#include "kernels/backend.h"
-#include "trainer/comm/communicator.h"
 #include "trainer/config/config.h"
 
 namespace tetra {
@@ -28,20 +26,19 @@ const char* stop_cause_name(StopCause cause);
 
 class StopRequests {
  public:
-  // `scratch`: 4 bytes of `be`'s memory for the agreement.
-  StopRequests(const TrainingConfig& tc, Communicator& world, Backend& be, void* scratch);
+  explicit StopRequests(const TrainingConfig& tc);
 
   // SIGTERM and SIGUSR1 request a stop instead of ending the process (from then on).
   void install_signal_handlers();
-  // Collective over the world, after step `step` (1-based; `last`: the run's last step): whether
-  // to stop after it, and why. A signal or the clock on any rank stops every rank.
-  StopCause check(int64_t step, bool last);
+  // This rank's request before step `step`'s update: 0, or a StopCause (a signal, the clock), for
+  // the guard's agreement.
+  int32_t request() const;
+  // After step `step` (1-based; `last`: the run's last step), with the agreed request (the maximum
+  // of every rank's request()): whether to stop after it, and why.
+  StopCause check(int64_t step, bool last, int32_t agreed) const;
 
  private:
   const TrainingConfig& tc_;
-  Communicator& world_;
-  Backend& be_;
-  void* scratch_;
 };
 
 }  // namespace tetra

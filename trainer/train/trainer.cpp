@@ -185,6 +185,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   targets_ = targets_buf_.as<int32_t>();
   losses_ = losses_buf_.as<float>();
   scalar_ = scalar_buf_.as<float>();
+  step_scalars_ = scalar_ + 4;
   pipe_scratch_ = pipe_scratch_buf_.as<float>();
   host_batch_.resize(static_cast<size_t>(B * (T + 1)));
   host_inputs_.resize(static_cast<size_t>(rows_));
@@ -343,12 +344,12 @@ void Trainer::load_micro_batch(DataLoader& loader, int64_t j) {
   be_->copy_from_host(targets_ + j * rows_, host_targets_.data(), static_cast<size_t>(rows_) * 4);
 }
 
-double Trainer::train_step(int64_t s) {
+void Trainer::train_step(int64_t s) {
   if (units_) units_->release_all(/*step=*/true);  // the last update changed every shard
   // grads_ is zero here: zeroed at start-up, then after each optimizer step.
   // The step's loss is the mean over its global batch; each micro-batch's gradient is scaled so
   // the accumulated gradient, summed over the DP ranks, is that mean's gradient.
-  const int64_t tokens = rows_ * accum_ * cfg_.parallel.dp_cp();
+  const int64_t tokens = step_tokens();
   // fp16: the loss gradient carries the loss scale (loss_scaler.h).
   const float dloss_scale = updater_->loss_gradient_scale(tokens);
   {
@@ -372,14 +373,17 @@ double Trainer::train_step(int64_t s) {
   }
   inject_grad_fault(groups_.rank, s + 1, *be_,  // test-only; ZeRO-2's grads_ is the compact shard
                     grads_ + (grad_buffer_->shards_gradients() ? 0 : grad_buffer_->owned().front().offset));
+  // The loss summed on the device and reduced there (the pipeline's last stage holds it): read
+  // back once, with the gradient norm (Updater::step).
   const trace::Span span("phase", "loss");
-  float local = 0.0f;
   if (model_->has_loss()) {
     inject_loss_fault(groups_.rank, s + 1, 0, *be_, losses_, rows_);  // test-only
-    be_->sum(scalar_, losses_, accum_ * rows_);
-    be_->copy_to_host(&local, scalar_, sizeof(float));
+    be_->sum(step_scalars_, losses_, accum_ * rows_);
+  } else {
+    be_->memset_zero(step_scalars_, sizeof(float));
   }
-  return reduce_loss(local) / static_cast<double>(tokens);
+  if (groups_.pp->size() > 1) groups_.backend(GroupKind::PP).all_reduce(step_scalars_, 1, DType::F32, ReduceOp::SUM);
+  groups_.backend(GroupKind::DP).all_reduce(step_scalars_, 1, DType::F32, ReduceOp::SUM);
 }
 
 double Trainer::reduce_loss(float local) {
@@ -530,7 +534,7 @@ void Trainer::run() {
   double avg_step_s = 0.0;  // mean over steps after the first (which pays one-off set-up costs)
   const auto run_t0 = std::chrono::steady_clock::now();
 
-  StopRequests stops(tc, groups_.backend(GroupKind::WORLD), *be_, scalar_);
+  StopRequests stops(tc);
   stops.install_signal_handlers();
   StepGuard guard(tc, groups_.backend(GroupKind::WORLD), *be_);
   // Step 0's reduced gradients, for --dump-dir; debugging output, not part of the step's traffic.
@@ -548,11 +552,13 @@ void Trainer::run() {
       const trace::Span span("phase", "step start");
       comm_.begin_step(updater_->begin_step(s));
     }
-    const double loss = train_step(s);
+    train_step(s);
     const StepUpdate update = [&] {
       const trace::Span span("optimizer", "optimizer");
-      return updater_->step(s, loss, guard, dump_ && s == 0 ? dump_gradients : Updater::GradientHook{});
+      return updater_->step(s, step_scalars_, static_cast<double>(step_tokens()), guard, stops.request(),
+                            dump_ && s == 0 ? dump_gradients : Updater::GradientHook{});
     }();
+    const double loss = update.loss;
     {
       const trace::Span span("phase", "synchronize");
       be_->synchronize();
@@ -586,7 +592,7 @@ void Trainer::run() {
     log_step(s, m);
 
     const bool last = s + 1 == tc.steps;
-    const StopCause stop = stops.check(s + 1, last);
+    const StopCause stop = stops.check(s + 1, last, update.stop_request);
     save_checkpoint_if_due(s, last, stop != StopCause::NONE);
     profiler_->end_step(s + 1, step_s * 1e3);
     if (stop != StopCause::NONE) {

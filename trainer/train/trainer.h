@@ -75,8 +75,11 @@ class Trainer {
  private:
   CheckpointBuffers checkpoint_buffers();
   // Step s's (0-based) forwards and backwards over its micro-batches: the gradients accumulated
-  // (and, but for compression, reduced). Returns the step's mean loss.
-  double train_step(int64_t s);
+  // (and, but for compression, reduced), the loss summed over the step's tokens and ranks left in
+  // step_scalars_[0] (on the device: it is read back with the gradient norm, Updater::step).
+  void train_step(int64_t s);
+  // The tokens of one step, over every rank.
+  int64_t step_tokens() const { return rows_ * accum_ * cfg_.parallel.dp_cp(); }
   // Step s's metrics, after its update `u` took `step_s` seconds; with the evaluation when one is due.
   StepMetrics step_metrics(int64_t s, double loss, const StepUpdate& u, double step_s, double eta_s);
   // The step's log lines (and, after the run's first step, which kernels it ran).
@@ -123,6 +126,7 @@ class Trainer {
   float* losses_ = nullptr;   // (accum, B*T) per-token losses of one step (last pipeline stage)
   PipelineStepStats pipe_stats_;  // of the last training step
   float* scalar_ = nullptr;   // one float of backend scratch
+  float* step_scalars_ = nullptr;  // (3) in scalar_buf_ after it: the step's loss and norm sums
   float* pipe_scratch_ = nullptr;  // (2 pp + 2) floats: pipeline figures gathered over the group
   std::vector<int32_t> host_batch_;           // (B, T+1)
   std::vector<int32_t> host_inputs_, host_targets_;

@@ -54,19 +54,26 @@ float Updater::loss_gradient_scale(int64_t tokens) const {
                  : 1.0f / static_cast<float>(tokens);
 }
 
-StepUpdate Updater::step(int64_t s, double loss, StepGuard& guard, const GradientHook& reduced) {
+StepUpdate Updater::step(int64_t s, float* scalars, double tokens, StepGuard& guard, int32_t stop_request,
+                         const GradientHook& reduced) {
   if (int8_) int8_->reduce(grads_, s);  // the step's gradient reduction, compressed
+  grad_buffers_.norm_squares(grads_, scalars + 1);
+  float host[3];
+  be_.copy_to_host(host, scalars, sizeof(host));  // the loss and the norm's two sums, at once
+  const double loss = static_cast<double>(host[0]) / tokens;
+  const float squares[2] = {host[1], host[2]};
   // Compressed: the unreduced local gradient's norm, times the group size, as an estimate (onebit_adam.h).
   const double dp = static_cast<double>(cfg_.parallel.dp_cp());
-  const double raw_norm = compressed_ ? grad_buffers_.norm(grads_, dp, static_cast<double>(cfg_.parallel.edp_cp()))
-                                      : grad_buffers_.norm(grads_);
+  const double raw_norm = compressed_
+                              ? grad_buffers_.norm_from_squares(squares, dp, static_cast<double>(cfg_.parallel.edp_cp()))
+                              : grad_buffers_.norm_from_squares(squares);
   // fp16: the gradients carry the loss scale; a non-finite norm is an overflow (loss_scaler.h).
   const double step_scale = scaler_ ? scaler_->scale() : 1.0;
   const double norm = raw_norm / step_scale;
   // A non-finite or spiking loss or norm, or an fp16 overflow: the update is skipped, the
   // gradients dropped.
   const bool overflow_here = scaler_ && !std::isfinite(raw_norm);
-  const StepVerdict verdict = guard.check(s + 1, loss, norm, overflow_here);
+  const StepVerdict verdict = guard.check(s + 1, loss, norm, overflow_here, stop_request);
   // A step skipped for an overflow is no update: the LR schedule advances with updates (loss_scaler.h).
   const int64_t updates_before = s - (scaler_ ? scaler_->skipped_steps() : 0);
   const LossScaleUpdate scaling = scaler_ ? scaler_->update(s + 1, verdict.overflow) : LossScaleUpdate{};
@@ -75,6 +82,8 @@ StepUpdate Updater::step(int64_t s, double loss, StepGuard& guard, const Gradien
   if (reduced) reduced(step_scale);
 
   StepUpdate u;
+  u.loss = loss;
+  u.stop_request = verdict.request;
   u.lr = learning_rate(cfg_.optimizer, cfg_.training.steps, updates_before);
   u.grad_norm = norm;
   u.clip = verdict.skip || compressed_ ? 1.0f : clip_factor(norm, cfg_.optimizer.grad_clip);

@@ -38,6 +38,8 @@ namespace tetra {
 
 // What one step's update did.
 struct StepUpdate {
+  double loss = 0.0;       // the step's mean loss over its tokens
+  int32_t stop_request = 0;  // the largest stop request of any rank (stop_requests.h)
   double lr = 0.0;         // the learning rate of the update
   double grad_norm = 0.0;  // global norm before clipping (without the loss scale)
   float clip = 1.0f;       // factor the gradients were multiplied by
@@ -70,10 +72,15 @@ class Updater {
 
   // Called with the reduced gradients before they are consumed (with the loss scale they carry).
   using GradientHook = std::function<void(double loss_scale)>;
-  // Step `s`'s update after its backward (`loss`: the step's loss): reduces what is left to reduce,
-  // takes the guard's verdict (collective), updates the weights and zeroes the gradients for the
-  // next step.
-  StepUpdate step(int64_t s, double loss, StepGuard& guard, const GradientHook& reduced = {});
+  // Step `s`'s update after its backward: reduces what is left to reduce, takes the guard's
+  // verdict (collective), updates the weights and zeroes the gradients for the next step.
+  // `scalars`: 3 floats of backend memory, the first holding the step's loss summed over its
+  // `tokens` tokens and every rank (the trainer leaves it there, reduced on the device); the
+  // gradient's squared norms are reduced beside it and the three read back together: the step's
+  // one read-back before the guard's agreement (the GPU is not drained for each). `stop_request`
+  // rides the guard's all-reduce (StepUpdate::stop_request: every rank's maximum).
+  StepUpdate step(int64_t s, float* scalars, double tokens, StepGuard& guard, int32_t stop_request = 0,
+                  const GradientHook& reduced = {});
 
   // Checkpoints: the optimizer's state into `b`, the loss scaler's (fp16), and both back on resume
   // from checkpoint `from` at `st`.
