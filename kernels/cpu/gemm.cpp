@@ -38,6 +38,10 @@
 // Creating a primitive costs far more than running a small one, so primitives are cached per
 // shape key (every field that changes the primitive). A training loop sees a fixed set of shapes:
 // each is created on its first call and reused ever after; per call we only swap data handles.
+// Shapes that vary (an MoE expert's row count changes every step) would create one each time: a
+// row count or inner dimension above 64 that is not a multiple of 64 runs as the multiple and
+// power-of-two pieces of the rest (rows of C apart; along K accumulated into an fp32 C), so an expert
+// GEMM family needs (largest rows / 64) + 6 primitives rather than one per row count seen.
 // The cache is not thread-safe: one backend is driven by one host thread (oneDNN parallelises
 // inside each call with OpenMP).
 //
@@ -196,6 +200,18 @@ constexpr int64_t kMaxPaddedRows = 8192;
 // rows a multiple of 1 KiB apart (the fp32 kernels' set conflicts, see the header).
 int64_t widened_ld(int64_t cols) { return (cols * 4) % 1024 == 0 ? cols + 16 : cols; }
 
+// A dimension above kShapeQuantum that is not a multiple of it, as (offset, size) pieces: the
+// largest multiple of kShapeQuantum, then the rest's powers of two, largest first.
+constexpr int64_t kShapeQuantum = 64;
+std::vector<std::pair<int64_t, int64_t>> shape_pieces(int64_t n) {
+  std::vector<std::pair<int64_t, int64_t>> pieces;
+  const int64_t head = n - n % kShapeQuantum;
+  pieces.emplace_back(0, head);
+  for (int64_t bit = kShapeQuantum / 2, at = head; bit > 0; bit /= 2)
+    if ((n % kShapeQuantum) & bit) pieces.emplace_back(at, bit), at += bit;
+  return pieces;
+}
+
 }  // namespace
 
 void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
@@ -269,6 +285,30 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
     for (int64_t k = 0; k < K; ++k) std::memcpy(dst + k * ldp * es, src + k * ldb * es, N * es);
     B = dst;
     ldb = ldp;
+  }
+
+  // Row counts (M) and inner dimensions (K) that vary from call to call (an MoE expert's tokens)
+  // would each create a primitive: above 64 and not a multiple of it, they run as a multiple of 64
+  // and the rest in power-of-two pieces, so the primitives of one family stay a few dozen.
+  if (M > kShapeQuantum && M % kShapeQuantum != 0) {
+    const size_t ea = dtype_size(ab_type), ec = dtype_size(c_type);
+    for (const auto& [m0, mc] : shape_pieces(M)) {
+      const char* a = static_cast<const char*>(A) + (trans_a ? m0 * ea : m0 * lda * ea);
+      gemm(trans_a, trans_b, mc, N, K, alpha, a, lda, B, ldb, ab_type, beta, static_cast<char*>(C) + m0 * ldc * ec,
+           ldc, c_type, bias);
+    }
+    return;
+  }
+  // Along K the pieces accumulate into C: only into fp32 (a 16-bit C would be rounded between them).
+  if (K > kShapeQuantum && K % kShapeQuantum != 0 && c_type == DType::F32) {
+    const size_t ea = dtype_size(ab_type);
+    for (const auto& [k0, kc] : shape_pieces(K)) {
+      const char* a = static_cast<const char*>(A) + (trans_a ? k0 * lda * ea : k0 * ea);
+      const char* b = static_cast<const char*>(B) + (trans_b ? k0 * ea : k0 * ldb * ea);
+      gemm(trans_a, trans_b, M, N, kc, alpha, a, lda, b, ldb, ab_type, k0 == 0 ? beta : 1.0f, C, ldc, c_type,
+           k0 == 0 ? bias : nullptr);
+    }
+    return;
   }
 
   const GemmKey key{trans_a, trans_b, bias != nullptr, ab_type, c_type, M, N, K, lda, ldb, ldc,

@@ -199,6 +199,27 @@ TEST_CASE("gemm: bf16 inputs against the loop on bf16-rounded inputs, F32 and BF
   }
 }
 
+TEST_CASE("gemm: row counts and inner dimensions cut into pieces (above 64, not a multiple of it) match the loop",
+          "[kernels]") {
+  // kernels/cpu/gemm.cpp runs M = 64 q + r as 64 q rows and r's powers of two (rows of C apart),
+  // and such a K as pieces accumulated into an fp32 C: every offset and transpose against the
+  // double loop, with bias and beta (which the pieces after the first along K must not repeat).
+  auto be = make_cpu_backend(0);
+  uint32_t seed = 4100;
+  for (const int64_t M : {65, 127, 300})
+    for (const int64_t K : {48, 131})
+      for (int ta = 0; ta < 2; ++ta)
+        for (int tb = 0; tb < 2; ++tb)
+          for (const float beta : {0.0f, 0.5f}) {
+            const int64_t N = 40;
+            INFO("M=" << M << " K=" << K << " trans_a=" << ta << " trans_b=" << tb << " beta=" << beta);
+            const GemmCase g{ta == 1, tb == 1, M, N, K, (ta ? M : K) + 3, (tb ? K : N) + 5, N + 7, 0.75f, beta, true};
+            run_gemm_case(*be, g, DType::F32, DType::F32, seed += 7);
+            run_gemm_case(*be, g, DType::BF16, DType::F32, seed += 7);
+            run_gemm_case(*be, g, DType::BF16, DType::BF16, seed += 7);
+          }
+}
+
 TEST_CASE("gemm: unsupported types and bad leading dimensions are rejected", "[kernels]") {
   auto be = make_cpu_backend(0);
   std::vector<float> a(64, 1.0f), b(64, 1.0f), c(64, 0.0f);
