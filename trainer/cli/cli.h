@@ -20,6 +20,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 
 #include <CLI/CLI.hpp>
 
@@ -49,5 +50,8 @@ std::unique_ptr<Command> add_trace_command(CLI::App& tetra);
 // Runs a command's body: its exit code; "error: ..." on stderr and exit 2 for bad input
 // (InputError), 1 for any other failure.
 int exit_code_of(const std::function<int()>& body);
+
+// `s` with &, <, > and " as XML entities (the SVG pictures of plot and trace).
+std::string xml_escape(const std::string& s);
 
 }  // namespace tetra::cli

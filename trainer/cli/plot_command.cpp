@@ -82,17 +82,6 @@ Run read_run(const std::string& dir) {
   return r;
 }
 
-std::string escape(const std::string& s) {
-  std::string o;
-  for (char c : s) {
-    if (c == '&') o += "&amp;";
-    else if (c == '<') o += "&lt;";
-    else if (c == '>') o += "&gt;";
-    else if (c == '"') o += "&quot;";
-    else o += c;
-  }
-  return o;
-}
 
 // `s` as one word of a POSIX shell command.
 std::string shell_quote(const std::string& s) {
@@ -125,7 +114,7 @@ std::string panel(const std::vector<Run>& runs, Series Run::*field, const std::s
   const double left = x0 + 70, right = x0 + w - 15, top = y0 + 30, bottom = y0 + h - 40;
   std::string o = fmt::format("<g class=\"panel\" data-series=\"{}\">\n", key);
   o += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"14\" font-weight=\"bold\">{}</text>\n", left, y0 + 18,
-                   escape(title));
+                   xml_escape(title));
   o += fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"none\" stroke=\"#888\"/>\n",
                    left, top, right - left, bottom - top);
   if (!std::isfinite(xmin)) {
@@ -145,7 +134,7 @@ std::string panel(const std::vector<Run>& runs, Series Run::*field, const std::s
   o += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"11\" text-anchor=\"end\">{}</text>\n", right, bottom + 14,
                    number_text(xmax));
   o += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"11\" text-anchor=\"middle\">{}</text>\n",
-                   (left + right) / 2, bottom + 28, escape(x_label));
+                   (left + right) / 2, bottom + 28, xml_escape(x_label));
   for (size_t k = 0; k < runs.size(); ++k) {
     const Series& s = runs[k].*field;
     if (s.x.empty()) continue;
@@ -153,7 +142,7 @@ std::string panel(const std::vector<Run>& runs, Series Run::*field, const std::s
     for (size_t i = 0; i < s.x.size(); ++i) points += fmt::format("{}{:.2f},{:.2f}", i ? " " : "", px(s.x[i]), py(s.y[i]));
     o += fmt::format("<polyline class=\"series\" data-run=\"{}\" data-series=\"{}\" fill=\"none\" stroke=\"{}\" "
                      "stroke-width=\"1.5\" points=\"{}\"/>\n",
-                     escape(runs[k].name), key, kColors[k % std::size(kColors)], points);
+                     xml_escape(runs[k].name), key, kColors[k % std::size(kColors)], points);
   }
   return o + "</g>\n";
 }
@@ -184,7 +173,7 @@ std::string svg(const std::vector<Run>& runs) {
     const double y = 20.0 + 18.0 * static_cast<double>(k);
     o += fmt::format("<g class=\"legend\"><line x1=\"20\" y1=\"{0:.1f}\" x2=\"44\" y2=\"{0:.1f}\" stroke=\"{1}\" "
                      "stroke-width=\"3\"/><text x=\"50\" y=\"{2:.1f}\" font-size=\"13\">{3}</text></g>\n",
-                     y, kColors[k % std::size(kColors)], y + 4, escape(runs[k].name));
+                     y, kColors[k % std::size(kColors)], y + 4, xml_escape(runs[k].name));
   }
   for (size_t i = 0; i < std::size(panels); ++i) {
     const Panel& p = panels[i];
@@ -265,5 +254,17 @@ class PlotCommand final : public Command {
 }  // namespace
 
 std::unique_ptr<Command> add_plot_command(CLI::App& tetra) { return std::make_unique<PlotCommand>(tetra); }
+
+std::string xml_escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '&') o += "&amp;";
+    else if (c == '<') o += "&lt;";
+    else if (c == '>') o += "&gt;";
+    else if (c == '"') o += "&quot;";
+    else o += c;
+  }
+  return o;
+}
 
 }  // namespace tetra::cli

@@ -82,17 +82,6 @@ const char* colour(const std::string& cat) {
   return it == c.end() ? "#cccccc" : it->second;
 }
 
-std::string escape(const std::string& s) {
-  std::string o;
-  for (const char ch : s) {
-    if (ch == '<') o += "&lt;";
-    else if (ch == '>') o += "&gt;";
-    else if (ch == '&') o += "&amp;";
-    else if (ch == '"') o += "&quot;";
-    else o += ch;
-  }
-  return o;
-}
 
 // `step` > 0: only the spans within step `step` (from its first rank's start to its last rank's end).
 std::string timeline_svg(const json& merged, int64_t step) {
@@ -144,16 +133,16 @@ std::string timeline_svg(const json& merged, int64_t step) {
                                                                                    : fmt::format("rank {}", key.first),
                                          lane_names.count(key) ? lane_names[key] : fmt::format("thread {}", key.second));
     body += fmt::format("<g class=\"lane\" data-pid=\"{}\" data-tid=\"{}\">\n<text x=\"6\" y=\"{:.1f}\" "
-                        "font-size=\"10\">{}</text>\n", key.first, key.second, y + 10, escape(lane));
+                        "font-size=\"10\">{}</text>\n", key.first, key.second, y + 10, xml_escape(lane));
     for (const Box& b : boxes) {
       const double x0 = x(b.t0), w = std::max(x(b.t1) - x0, 0.5), yy = y + b.depth * row;
       body += fmt::format("<rect class=\"span\" data-cat=\"{}\" x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" "
                           "height=\"{:.1f}\" fill=\"{}\" stroke=\"#555\" stroke-width=\"0.2\"><title>{} ({:.3f} ms)"
-                          "</title></rect>\n", escape(b.cat), x0, yy, w, row - 1, colour(b.cat), escape(b.name),
+                          "</title></rect>\n", xml_escape(b.cat), x0, yy, w, row - 1, colour(b.cat), xml_escape(b.name),
                           (b.t1 - b.t0) / 1e3);
       if (w > 7.0 * static_cast<double>(b.name.size()))
         body += fmt::format("<text x=\"{:.2f}\" y=\"{:.1f}\" font-size=\"9\">{}</text>\n", x0 + 2, yy + row - 4,
-                            escape(b.name));
+                            xml_escape(b.name));
     }
     body += "</g>\n";
     y += (depth_max + 1) * row + gap;
