@@ -140,7 +140,7 @@ GradNorm::GradNorm(const ParamLayout& layout, const std::vector<GradRange>& owne
     }
     at += o.numel;
   }
-  scratch_buf_ = BackendBuffer(be_, std::max<size_t>(64, (ranges_.size() + 1) * sizeof(float)));
+  scratch_buf_ = BackendBuffer(be_, std::max<size_t>(64, ranges_.size() * sizeof(float)));
   scratch_ = scratch_buf_.as<float>();
 }
 
@@ -161,14 +161,6 @@ void GradNorm::squares(const float* grads, float* out) {
   if (tp_) tp_->all_reduce(out, 1, DType::F32, ReduceOp::SUM);
   if (pp_) pp_->all_reduce(out, 1, DType::F32, ReduceOp::SUM);
   if (dp_) dp_->all_reduce(out, 1, DType::F32, ReduceOp::SUM);
-}
-
-double GradNorm::compute(const float* grads) {
-  float* out = scratch_ + ranges_.size();
-  squares(grads, out);
-  float sum = 0.0f;
-  be_.copy_to_host(&sum, out, sizeof(float));
-  return std::sqrt(static_cast<double>(sum));
 }
 
 float clip_factor(double norm, double max_norm) {

@@ -99,8 +99,7 @@ class GradNorm {
   GradNorm(const ParamLayout& layout, const std::vector<GradRange>& owned, Backend& be,
            Communicator* tp, Communicator* pp, Communicator* dp_if_sharded, int64_t compact_base = -1);
   ~GradNorm();
-  double compute(const float* grads);
-  // The same sum of squares left in backend memory at `out` (one float), reduced over the groups:
+  // The sum of squares, reduced over the groups, left in backend memory at `out` (one float):
   // nothing is read back (the caller reads it with the step's other scalars, once).
   void squares(const float* grads, float* out);
 
@@ -111,7 +110,7 @@ class GradNorm {
   Communicator* dp_;
   std::vector<GradRange> ranges_;  // merged
   BackendBuffer scratch_buf_;
-  float* scratch_ = nullptr;  // scratch_buf_'s: each range's part, then the result
+  float* scratch_ = nullptr;  // scratch_buf_'s: each range's part
 };
 
 // torch.nn.utils.clip_grad_norm_'s factor: min(1, max_norm / (norm + 1e-6)); 1 when clip <= 0.

@@ -57,8 +57,6 @@ GradBuffers::GradBuffers(const ParamLayout& layout, Backend& be, float* grads, P
   dense_norm_ = std::make_unique<GradNorm>(layout, dense_->owned(), be, tp, nullptr, sharded ? dp : nullptr,
                                            shard_ ? 0 : -1);
   if (groups.pp->size() > 1) pp_ = &groups.backend(GroupKind::PP);
-  scratch_buf_ = BackendBuffer(be, 64);  // norm()'s two sums
-  scratch_ = scratch_buf_.as<float>();
   if (has_experts) {
     expert_begin_ = expert_layout_.groups.front().first;
     // At edp 1 the expert buffer is not sharded: its shard is then its whole gradient, in shard_.
@@ -130,11 +128,5 @@ double GradBuffers::norm_from_squares(const float squares[2], double dense_scale
   return std::sqrt(static_cast<double>(static_cast<float>(d * d + e * e)));
 }
 
-double GradBuffers::norm(const float* grads, double dense_scale, double expert_scale) {
-  norm_squares(grads, scratch_);
-  float squares[2];
-  be_->copy_to_host(squares, scratch_, sizeof(squares));
-  return norm_from_squares(squares, dense_scale, expert_scale);
-}
 
 }  // namespace tetra

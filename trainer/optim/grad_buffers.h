@@ -60,12 +60,11 @@ class GradBuffers final : public GradSink {
   void gather_compact(void* whole, const void* compact, DType type);
   const std::vector<GradRange>& owned() const { return owned_; }
   bool sharded() const { return dense_->sharded(); }
-  // The global gradient norm; the dense and expert parts' norms are first multiplied by the
-  // scales (1-bit Adam's compressed phase estimates the reduced norm from local gradients).
-  double norm(const float* grads, double dense_scale = 1.0, double expert_scale = 1.0);
-  // norm() in two halves, so that its value is read back with the step's other scalars: the dense
-  // and the expert sums of squares, reduced over every group, into `out` (2 floats of backend
-  // memory; nothing read back), and the norm from those two values once on the host.
+  // The global gradient norm in two halves, so that it is read back with the step's other scalars:
+  // the dense and the expert sums of squares, reduced over every group, into `out` (2 floats of
+  // backend memory; nothing read back), then the norm from those two values on the host, the
+  // dense and expert parts' norms first multiplied by the scales (1-bit Adam's compressed phase
+  // estimates the reduced norm from local gradients).
   void norm_squares(const float* grads, float* out);
   double norm_from_squares(const float squares[2], double dense_scale = 1.0, double expert_scale = 1.0) const;
   size_t num_buckets() const { return dense_->num_buckets() + (experts_ ? experts_->num_buckets() : 0); }
@@ -82,8 +81,6 @@ class GradBuffers final : public GradSink {
   std::vector<GradRange> owned_;
   Communicator* pp_ = nullptr;  // pipeline group (size > 1), for the norm
   Backend* be_;
-  BackendBuffer scratch_buf_;
-  float* scratch_ = nullptr;  // scratch_buf_'s
   BackendBuffer shard_buf_;   // ZeRO-2: owns shard_
   float* shard_ = nullptr;
   int64_t expert_begin_ = 0;  // the first expert offset (at()'s routing)
