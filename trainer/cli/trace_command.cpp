@@ -22,6 +22,7 @@
 
 #include "kernels/common/check.h"
 #include "trainer/cli/cli.h"
+#include "trainer/core/files.h"
 
 namespace tetra::cli {
 
@@ -169,16 +170,14 @@ std::string timeline_svg(const json& merged, int64_t step) {
                      width, y + 30, process_names.size(), span_ms, axis, body, legend);
 }
 
-void write_new(const std::string& path, const std::string& text, bool force, const char* option) {
-  if (fs::exists(path) && !force)
-    throw InputError(fmt::format("{} {}: the file exists (pass --force to replace it)", option, path));
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp);
-    f << text;
-    if (!f) throw InputError(fmt::format("{} {}: cannot write it", option, path));
+// `text` to `path` through the one atomic writer (trainer/core/files.h); a failure is bad input
+// (the output path given), named with its option.
+void write_output(const std::string& path, const std::string& text, const char* option) {
+  try {
+    write_file_atomic(path, text);
+  } catch (const Error& e) {
+    throw InputError(fmt::format("{} {}: cannot write it: {}", option, path, e.what()));
   }
-  fs::rename(tmp, path);
 }
 
 class TraceCommand final : public Command {
@@ -220,6 +219,10 @@ class TraceCommand final : public Command {
         throw InputError(fmt::format("tetra trace merge: {} (a run of {} ranks) and {} (of {}) do not share a time "
                                      "axis: timelines of different runs; keep one run's files in the folder",
                                      files.front().path, world, f.path, o.value("world", 0)));
+      if (o["profile_steps"] != window)
+        throw InputError(fmt::format("tetra trace merge: {} profiled steps {} where {} profiled {}: timelines of "
+                                     "different runs", f.path, o["profile_steps"].dump(), files.front().path,
+                                     window.dump()));
     }
     if (static_cast<int>(files.size()) != world || files.back().rank != world - 1)
       throw InputError(fmt::format("tetra trace merge: {}: {} rank file(s) of a run of {} ranks (a rank's file is "
@@ -230,10 +233,6 @@ class TraceCommand final : public Command {
     merged["otherData"]["profile_steps"] = window;
     merged["traceEvents"] = json::array();
     for (RankFile& f : files) {
-      if (f.doc["otherData"]["profile_steps"] != window)
-        throw InputError(fmt::format("tetra trace merge: {} profiled steps {} where {} profiled {}: timelines of "
-                                     "different runs", f.path, f.doc["otherData"]["profile_steps"].dump(),
-                                     files.front().path, window.dump()));
       merged["otherData"]["ranks"].push_back(f.doc["otherData"]);
       for (json& e : f.doc["traceEvents"]) {
         // Asynchronous spans' ids are per rank: made unique across ranks.
@@ -247,10 +246,10 @@ class TraceCommand final : public Command {
     if (!svg_.empty() && fs::exists(svg_) && !force_)
       throw InputError(fmt::format("--svg {}: the file exists (pass --force to replace it)", svg_));
     const std::string picture = svg_.empty() ? "" : timeline_svg(merged, step_);  // refused before anything is written
-    write_new(out, merged.dump() + "\n", true, "--out");
+    write_output(out, merged.dump() + "\n", "--out");
     std::printf("%s (%zu ranks, %zu events)\n", out.c_str(), files.size(), merged["traceEvents"].size());
     if (!svg_.empty()) {
-      write_new(svg_, picture, true, "--svg");
+      write_output(svg_, picture, "--svg");
       std::printf("%s\n", svg_.c_str());
     }
     return 0;

@@ -68,18 +68,21 @@ void name_thread(const std::string& name) {
   r.thread_names[tid_locked(r)] = name;
 }
 
-void complete(const char* cat, std::string name, Clock::time_point t0, Clock::time_point t1, std::string args) {
+// An event of the calling thread's track (async: of none).
+void record(const char* cat, std::string name, Clock::time_point t0, Clock::time_point t1, std::string args,
+            bool async) {
   if (!on()) return;
   Recorder& r = recorder();
   std::lock_guard<std::mutex> lock(r.mutex);
-  r.events.push_back(Event{cat, std::move(name), std::move(args), t0, t1, tid_locked(r)});
+  r.events.push_back(Event{cat, std::move(name), std::move(args), t0, t1, async ? -1 : tid_locked(r)});
+}
+
+void complete(const char* cat, std::string name, Clock::time_point t0, Clock::time_point t1, std::string args) {
+  record(cat, std::move(name), t0, t1, std::move(args), false);
 }
 
 void async_span(const char* cat, std::string name, Clock::time_point t0, Clock::time_point t1, std::string args) {
-  if (!on()) return;
-  Recorder& r = recorder();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  r.events.push_back(Event{cat, std::move(name), std::move(args), t0, t1, -1});
+  record(cat, std::move(name), t0, t1, std::move(args), true);
 }
 
 std::string quote(std::string_view text) {

@@ -382,14 +382,17 @@ void Trainer::train_step(int64_t s) {
   } else {
     be_->memset_zero(step_scalars_, sizeof(float));
   }
-  if (groups_.pp->size() > 1) groups_.backend(GroupKind::PP).all_reduce(step_scalars_, 1, DType::F32, ReduceOp::SUM);
-  groups_.backend(GroupKind::DP).all_reduce(step_scalars_, 1, DType::F32, ReduceOp::SUM);
+  reduce_loss_on_device(step_scalars_);
+}
+
+void Trainer::reduce_loss_on_device(float* dev) {
+  if (groups_.pp->size() > 1) groups_.backend(GroupKind::PP).all_reduce(dev, 1, DType::F32, ReduceOp::SUM);
+  groups_.backend(GroupKind::DP).all_reduce(dev, 1, DType::F32, ReduceOp::SUM);
 }
 
 double Trainer::reduce_loss(float local) {
   be_->copy_from_host(scalar_, &local, sizeof(float));
-  if (groups_.pp->size() > 1) groups_.backend(GroupKind::PP).all_reduce(scalar_, 1, DType::F32, ReduceOp::SUM);
-  groups_.backend(GroupKind::DP).all_reduce(scalar_, 1, DType::F32, ReduceOp::SUM);
+  reduce_loss_on_device(scalar_);
   be_->copy_to_host(&local, scalar_, sizeof(float));
   return static_cast<double>(local);
 }
@@ -528,6 +531,22 @@ void Trainer::report_memory(int64_t step) {
                planned_bytes_ > 0 ? static_cast<double>(st.peak) / static_cast<double>(planned_bytes_) : 0.0, worst);
 }
 
+void Trainer::report_stragglers(int64_t s, double busy_s) {
+  for (const StragglerReport& r : straggler_->observe(s + 1, busy_s)) {
+    if (!writer_) continue;
+    if (r.slow) spdlog::warn("{}", r.line);
+    else spdlog::info("{}", r.line);
+    nlohmann::ordered_json e;
+    e["event"] = "straggler";
+    e["at_step"] = s + 1;  // not "step": the key of step records
+    e["rank"] = r.rank;
+    e["slow"] = r.slow;
+    e["busy_ms"] = r.busy_ms;
+    e["median_ms"] = r.median_ms;
+    metrics_->event(e.dump());
+  }
+}
+
 void Trainer::run() {
   const TrainingConfig& tc = cfg_.training;
   if (model_->has_moe()) model_->take_moe_stats();  // start the step statistics afresh
@@ -568,22 +587,7 @@ void Trainer::run() {
     const auto t1 = std::chrono::steady_clock::now();
     const double step_s = std::chrono::duration<double>(t1 - t0).count();
     trace::complete("step", fmt::format("step {}", s + 1), t0, t1, fmt::format("\"step\":{}", s + 1));
-    if (straggler_->enabled()) {
-      const double busy_s = step_s - (straggler_->blocked_s() - blocked0);
-      for (const StragglerReport& r : straggler_->observe(s + 1, busy_s)) {
-        if (!writer_) continue;
-        if (r.slow) spdlog::warn("{}", r.line);
-        else spdlog::info("{}", r.line);
-        nlohmann::ordered_json e;
-        e["event"] = "straggler";
-        e["at_step"] = s + 1;  // not "step": the key of step records
-        e["rank"] = r.rank;
-        e["slow"] = r.slow;
-        e["busy_ms"] = r.busy_ms;
-        e["median_ms"] = r.median_ms;
-        metrics_->event(e.dump());
-      }
-    }
+    if (straggler_->enabled()) report_stragglers(s, step_s - (straggler_->blocked_s() - blocked0));
     if (s > start_step_) avg_step_s += (step_s - avg_step_s) / static_cast<double>(s - start_step_);
     const double eta_s = (s > start_step_ ? avg_step_s : step_s) * static_cast<double>(tc.steps - s - 1);
 

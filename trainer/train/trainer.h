@@ -100,6 +100,11 @@ class Trainer {
   void report_memory(int64_t step);  // the last step done: where its TensorBoard scalars go
   // Sum over the pipeline (the last stage holds it) and data-parallel groups of `local`.
   double reduce_loss(float local);
+  // The same sum of the float at `dev` (backend memory), in place on the device.
+  void reduce_loss_on_device(float* dev);
+  // After step s: every rank's busy seconds compared (collective over the world); rank 0 logs and
+  // records the ranks that became, or stopped being, stragglers.
+  void report_stragglers(int64_t s, double busy_s);
   // The last step's pipeline figures of every pipeline rank (collective over the pipeline group).
   PipelineMetrics pipeline_metrics();
 
