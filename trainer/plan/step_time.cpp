@@ -64,23 +64,25 @@ std::vector<double> simulate_pipeline(ScheduleKind kind, int pp, int vp, int m,
   return free_at;
 }
 
+double gemm_seconds(const GpuSpec& g, double peak, double M, double N, double K, double es, double out_es) {
+  if (M <= 0 || N <= 0 || K <= 0) return 0.0;
+  const double tiles = std::ceil(M / static_cast<double>(g.tile_m)) * std::ceil(N / static_cast<double>(g.tile_n));
+  const double sms = static_cast<double>(g.sms);
+  // Fewer tiles than SMs: K is split so that the SMs have work (as far as K allows).
+  const double split = tiles < sms ? std::max(1.0, std::min(std::floor(sms / tiles), std::floor(K / 256.0))) : 1.0;
+  const double units = tiles * split;
+  const double wave = units / (std::ceil(units / sms) * sms);
+  const double tc = 2.0 * M * N * K / (peak * g.gemm_efficiency * wave);
+  const double tm = (es * (M * K + K * N) + out_es * M * N) / (g.hbm_bandwidth * g.hbm_efficiency);
+  return std::max(tc, tm) + std::max(g.kernel_overhead, g.gemm_latency);
+}
+
 namespace {
 
 struct Rates {
   const GpuSpec& g;
   double peak;
-  double gemm(double M, double N, double K, double es, double out_es) const {
-    if (M <= 0 || N <= 0 || K <= 0) return 0.0;
-    const double tiles = std::ceil(M / static_cast<double>(g.tile_m)) * std::ceil(N / static_cast<double>(g.tile_n));
-    const double sms = static_cast<double>(g.sms);
-    // Fewer tiles than SMs: K is split so that the SMs have work (as far as K allows).
-    const double split = tiles < sms ? std::max(1.0, std::min(std::floor(sms / tiles), std::floor(K / 256.0))) : 1.0;
-    const double units = tiles * split;
-    const double wave = units / (std::ceil(units / sms) * sms);
-    const double tc = 2.0 * M * N * K / (peak * g.gemm_efficiency * wave);
-    const double tm = (es * (M * K + K * N) + out_es * M * N) / (g.hbm_bandwidth * g.hbm_efficiency);
-    return std::max(tc, tm) + std::max(g.kernel_overhead, g.gemm_latency);
-  }
+  double gemm(double M, double N, double K, double es, double out_es) const { return gemm_seconds(g, peak, M, N, K, es, out_es); }
   double stream(double bytes) const {
     return bytes <= 0 ? 0.0 : bytes / (g.hbm_bandwidth * g.hbm_efficiency) + g.kernel_overhead;
   }

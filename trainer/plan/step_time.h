@@ -75,6 +75,11 @@ struct StepPrediction {
   double exposed_comm_s() const;
 };
 
+// One GEMM, C (M, N) = A (M, K) B (K, N), on `g` at `peak` FLOP/s: operands of `es` bytes per
+// element, C of `out_es` (the compute model's unit, exposed so that it can be held against
+// published single-kernel measurements).
+double gemm_seconds(const GpuSpec& g, double peak, double M, double N, double K, double es, double out_es);
+
 // The step of `cfg` (a validated config: model, batch and layout) on `cluster`.
 StepPrediction predict_step(const Config& cfg, const ClusterSpec& cluster, const PlanOptions& opt = {});
 
