@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include "kernels/common/check.h"
 #include "trainer/comm/process_groups.h"
 #include "trainer/core/log.h"
 #include "trainer/core/trace.h"
@@ -89,7 +90,11 @@ StepProfiler::StepProfiler(const Config& cfg, ProcessGroups& groups, int64_t fir
   coords_json_ = fmt::format("\"tp\":{},\"cp\":{},\"pp\":{},\"dp\":{},\"ep\":{},\"world\":{}", c.tp, c.cp, c.pp,
                              c.dp, c.ep, groups.grid.world());
   file_ = path(cfg.logging.dir, rank_);
-  std::filesystem::create_directories(std::filesystem::path(file_).parent_path());
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(file_).parent_path(), ec);
+  TETRA_INPUT_CHECK(!ec, "logging.dir: rank {} cannot create {}: {}; training.profile_steps writes each rank's "
+                    "timeline there: give a logging.dir every rank can write", rank_,
+                    std::filesystem::path(file_).parent_path().string(), ec.message());
   if (rank_ == 0)
     spdlog::info("profiling steps {} to {}: each rank's timeline to {}{}", first_, last_,
                  (std::filesystem::path(cfg.logging.dir) / "trace" / "rank_R.json").string(),

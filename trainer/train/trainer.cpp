@@ -48,10 +48,14 @@ namespace {
 // Every directory the run writes, checked before anything is: logging.dir (train.log,
 // metrics.jsonl, the final weights), checkpoint.dir (one checkpoint's fp32 weights and moments),
 // --dump-dir. Rank 0 writes them.
-// Every rank writes its slices into checkpoint.dir; only the writer the others.
+// Every rank writes its slices into checkpoint.dir, and under training.profile_steps its timeline
+// into logging.dir/trace; only the writer the others.
 void check_output_paths(const Config& cfg, const std::string& dump_dir, bool writer) {
   const uint64_t params = static_cast<uint64_t>(ParamLayout::build(cfg.model).total);
   if (writer && !cfg.logging.dir.empty()) check_output_dir("logging.dir", cfg.logging.dir, params * 4);
+  if (!writer && !cfg.logging.dir.empty() && !cfg.training.profile_steps.empty())
+    check_output_dir("logging.dir (each rank writes its timeline there under training.profile_steps)",
+                     cfg.logging.dir);
   const bool saves = cfg.checkpoint.every > 0 || cfg.checkpoint.save_on_exit;
   if (!cfg.checkpoint.dir.empty() && saves) check_output_dir("checkpoint.dir", cfg.checkpoint.dir, params * 12);
   if (writer && !dump_dir.empty()) check_output_dir("--dump-dir", dump_dir, params * 8);
