@@ -41,7 +41,8 @@ MODEL = {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "nu
          "position": "rope", "tie_embeddings": False, "bias": False}
 
 
-def config(workdir, name, steps, layout, ckpt_dir, every=0, resume="auto", precision="fp32", exit_at=0):
+def config(workdir, name, steps, layout, ckpt_dir, every=0, resume="auto", precision="fp32", exit_at=0,
+           training=None):
     dp, tp, sp, dist_opt = layout
     out = os.path.join(workdir, name)
     cfg = {
@@ -55,6 +56,7 @@ def config(workdir, name, steps, layout, ckpt_dir, every=0, resume="auto", preci
         "checkpoint": {"dir": ckpt_dir, "every": every, "keep": 2, "resume": resume, "save_on_exit": True},
         "logging": {"dir": out, "level": "warn"},
     }
+    cfg["training"].update(training or {})
     return harness.write_config(out, cfg, fresh=False), out
 
 
@@ -194,6 +196,22 @@ def main():
         # Rank 0's last lines reach the job's output (the README's advice: SIGUSR1 to mpirun).
         check(f"stopping after step {last}" in out_text,
               f"{signame}: rank 0's closing lines are printed")
+
+    # A signal during an evaluation far too long to finish ends it on every rank after the same
+    # validation batch, and the run stops after the step being evaluated, with its checkpoint.
+    ck = os.path.join(w, "ck_eval_signal")
+    p, o = config(w, "eval_signal", 3, LAYOUTS["dp2"], ck, training={"eval_every": 1, "eval_steps": 10**8})
+    cmd, env = launch(args, p, LAYOUTS["dp2"])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    time.sleep(6.0)  # step 1 is done in well under a second of it, the evaluation never
+    proc.send_signal(signal.SIGUSR1)
+    out_text, _ = proc.communicate(timeout=120)
+    latest = os.path.join(ck, "latest")
+    saved = open(latest).read().strip() if os.path.exists(latest) else ""
+    check(proc.returncode == 0 and saved == "step_00000001" and "evaluation stopped after" in out_text
+          and "stopping after step 1 (a signal)" in out_text,
+          f"signal during evaluation: exit {proc.returncode}, checkpoint {saved or 'missing'}, "
+          f"{'evaluation stopped' if 'evaluation stopped after' in out_text else 'no stop in the evaluation'}")
 
     # Corruption: each refused with the file named, nothing changed on disk.
     base = os.path.join(w, "ck_from_dp2tp2")

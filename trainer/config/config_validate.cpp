@@ -29,6 +29,11 @@ namespace tetra::config_detail {
 namespace {
 
 constexpr int64_t kMaxSize = std::numeric_limits<int32_t>::max();  // token ids are int32
+// A parallel degree, and the ranks of a run: 2^20 (a million GPUs) keeps every product of degrees,
+// and the per-rank tables built from them, far from overflow and from memory exhaustion.
+constexpr int64_t kMaxDegree = int64_t{1} << 20;
+constexpr int64_t kMaxThreads = int64_t{1} << 16;
+constexpr int64_t kMaxLayers = int64_t{1} << 16;  // 500 times the deepest published LLM's 126
 
 class Rules {
  public:
@@ -51,6 +56,11 @@ class Rules {
   void size(const std::string& path, int64_t v, int64_t min) {
     require(v >= min, path, v, fmt::format("must be >= {}", min));
     require(v <= kMaxSize, path, v, fmt::format("must be <= {}", kMaxSize));
+  }
+  // A parallel degree: 1 <= v <= 2^20.
+  void degree(const std::string& path, int64_t v) {
+    require(v >= 1, path, v, "must be >= 1");
+    require(v <= kMaxDegree, path, v, fmt::format("must be <= {} (2^20)", kMaxDegree));
   }
   void at_least(const std::string& path, int64_t v, int64_t min) {
     require(v >= min, path, v, fmt::format("must be >= {}", min));
@@ -133,15 +143,21 @@ void check_pipeline(const Config& c, Rules& r) {
       r.require(sum == L, "parallel.stage_layers", p.stage_layers,
                 fmt::format("adds up to {} layers, but model.num_layers is {}: the stages must hold every "
                             "layer exactly once", sum, L));
-  } else if (stages > 1) {
-    std::string hint;  // the nearest explicit split: the remainder on the first stages
-    for (int64_t s = 0; s < stages; ++s)
-      hint += fmt::format("{}{}", s ? ", " : "", L / stages + (s < L % stages ? 1 : 0));
-    r.require(L % stages == 0, "model.num_layers", L,
+  } else if (stages > 1 && L % stages != 0) {
+    // The nearest explicit split (the remainder on the first stages), written out while it is short.
+    constexpr int64_t kHintStages = 64;
+    std::string hint;
+    if (stages <= kHintStages) {
+      for (int64_t s = 0; s < stages; ++s)
+        hint += fmt::format("{}{}", s ? ", " : "", L / stages + (s < L % stages ? 1 : 0));
+      hint = fmt::format("e.g. parallel.stage_layers = [{}]", hint);
+    } else {
+      hint = fmt::format("parallel.stage_layers with {} entries adding up to {}", stages, L);
+    }
+    r.require(false, "model.num_layers", L,
               fmt::format("does not split evenly over parallel.pp ({}) x parallel.virtual_stages ({}) = {} "
-                          "stages ({} / {} = {:.2f} layers each): give the split explicitly, e.g. "
-                          "parallel.stage_layers = [{}]", pp, vp, stages, L, stages,
-                          static_cast<double>(L) / static_cast<double>(stages), hint));
+                          "stages ({} / {} = {:.2f} layers each): give the split explicitly, {}",
+                          pp, vp, stages, L, stages, static_cast<double>(L) / static_cast<double>(stages), hint));
   }
   if (p.schedule == ScheduleKind::INTERLEAVED && vp >= 2 &&
       r.ok({"training.global_batch_size", "training.micro_batch_size", "parallel.dp"})) {
@@ -217,6 +233,9 @@ void check_ranges(const Config& c, Rules& r) {
   r.size("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by, 1);
   r.size("model.seq_len", m.seq_len, 1);
   r.size("model.num_layers", m.num_layers, 1);
+  r.require(m.num_layers <= kMaxLayers, "model.num_layers", m.num_layers,
+            fmt::format("must be <= {} (2^16; the per-layer tables of the plan and the pipeline grow with it)",
+                        kMaxLayers));
   r.size("model.hidden_size", m.hidden_size, 1);
   r.size("model.num_heads", m.num_heads, 1);
   r.size("model.num_kv_heads", m.num_kv_heads, 0);
@@ -229,9 +248,9 @@ void check_ranges(const Config& c, Rules& r) {
   r.positive("model.rope_scaling.high_freq_factor", m.rope_scaling.high_freq_factor);
   r.size("model.rope_scaling.original_max_position_embeddings", m.rope_scaling.original_max_position_embeddings, 1);
   r.positive("model.init_std", m.init_std);
-  r.at_least("model.moe.num_experts", m.moe.num_experts, 0);
-  r.at_least("model.moe.top_k", m.moe.top_k, 1);
-  r.at_least("model.moe.every", m.moe.every, 1);
+  r.size("model.moe.num_experts", m.moe.num_experts, 0);
+  r.size("model.moe.top_k", m.moe.top_k, 1);
+  r.size("model.moe.every", m.moe.every, 1);
   r.size("model.moe.ffn_hidden_size", m.moe.ffn_hidden_size, 0);
   if (m.moe.capacity_factor)
     r.require(*m.moe.capacity_factor > 0.0, "model.moe.capacity_factor", *m.moe.capacity_factor,
@@ -248,8 +267,17 @@ void check_ranges(const Config& c, Rules& r) {
                  {"parallel.pp", c.parallel.pp, "pipeline"},
                  {"parallel.ep", c.parallel.ep, "expert"},
                  {"parallel.cp", c.parallel.cp, "context"}};
-  for (const auto& d : degrees) r.at_least(d.path, d.value, 1);
-  r.at_least("parallel.virtual_stages", c.parallel.virtual_stages, 1);
+  for (const auto& d : degrees) r.degree(d.path, d.value);
+  r.degree("parallel.virtual_stages", c.parallel.virtual_stages);
+  if (r.ok({"parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp"}))
+    // In double: four degrees of up to 2^20 each overflow int64.
+    r.require(static_cast<double>(c.parallel.tp) * static_cast<double>(c.parallel.cp) *
+                      static_cast<double>(c.parallel.pp) * static_cast<double>(c.parallel.dp) <=
+                  static_cast<double>(kMaxDegree),
+              "parallel.dp", c.parallel.dp,
+              fmt::format("parallel.tp x parallel.cp x parallel.pp x parallel.dp = {} x {} x {} x {} ranks; a run "
+                          "has at most {} (2^20)",
+                          c.parallel.tp, c.parallel.cp, c.parallel.pp, c.parallel.dp, kMaxDegree));
   for (size_t i = 0; i < c.parallel.stage_layers.size(); ++i)
     r.at_least(fmt::format("parallel.stage_layers[{}]", i), c.parallel.stage_layers[i], 0);
   r.at_least("parallel.bucket_size", c.parallel.bucket_size, 1);
@@ -270,9 +298,11 @@ void check_ranges(const Config& c, Rules& r) {
   r.size("training.global_batch_size", t.global_batch_size, 0);
   r.at_least("training.steps", t.steps, 1);
   r.at_least("training.eval_every", t.eval_every, 0);
-  r.at_least("training.eval_steps", t.eval_steps, 0);
+  r.size("training.eval_steps", t.eval_steps, 0);
   r.at_least("training.log_every", t.log_every, 1);
   r.at_least("training.threads", t.threads, 0);
+  r.require(t.threads <= kMaxThreads, "training.threads", t.threads,
+            fmt::format("must be <= {} (CPU threads per rank; 0 uses every core)", kMaxThreads));
   r.non_negative("training.peak_gflops", t.peak_gflops);
   r.at_least("training.exit_interval", t.exit_interval, 0);
   r.non_negative("training.exit_after_min", t.exit_after_min);

@@ -401,7 +401,7 @@ double Trainer::reduce_loss(float local) {
   return static_cast<double>(local);
 }
 
-double Trainer::evaluate() {
+std::optional<double> Trainer::evaluate(const StopRequests* stops, StopCause* stopped) {
   TETRA_CHECK(valid_source_ && cfg_.training.eval_steps > 0, "evaluate() needs validation data and "
               "training.eval_steps > 0");
   DataLoader loader(valid_source_, cfg_.model.seq_len, cfg_.training.micro_batch_size, groups_.coord.dp,
@@ -412,11 +412,28 @@ double Trainer::evaluate() {
   for (int64_t step = 0; step < cfg_.training.eval_steps; ++step) {  // a step's micro-batches at a time
     for (int64_t j = 0; j < accum_; ++j) load_micro_batch(loader, j);
     model_->forward(compute_);
-    if (!model_->has_loss()) continue;
-    be_->sum(scalar_, losses_, accum_ * rows_);
-    float sum = 0.0f;
-    be_->copy_to_host(&sum, scalar_, sizeof(float));
-    total += sum;
+    if (model_->has_loss()) {
+      be_->sum(scalar_, losses_, accum_ * rows_);
+      float sum = 0.0f;
+      be_->copy_to_host(&sum, scalar_, sizeof(float));
+      total += sum;
+    }
+    if (stops && step + 1 < cfg_.training.eval_steps) {
+      // Every rank leaves after the same batch: the request's maximum over the world (not counted
+      // as the step's traffic).
+      const CommAccounting::Paused paused(comm_);
+      const float mine = static_cast<float>(stops->request());
+      be_->copy_from_host(scalar_, &mine, sizeof(float));
+      groups_.backend(GroupKind::WORLD).all_reduce(scalar_, 1, DType::F32, ReduceOp::MAX);
+      float agreed = 0.0f;
+      be_->copy_to_host(&agreed, scalar_, sizeof(float));
+      if (agreed != 0.0f) {
+        spdlog::warn("evaluation stopped after {} of {} validation batches ({}): no validation loss for this step",
+                     step + 1, cfg_.training.eval_steps, stop_cause_name(static_cast<StopCause>(agreed)));
+        if (stopped) *stopped = static_cast<StopCause>(agreed);
+        return std::nullopt;
+      }
+    }
   }
   return reduce_loss(static_cast<float>(total)) / static_cast<double>(rows_ * micro_batches * cfg_.parallel.dp_cp());
 }
@@ -441,7 +458,8 @@ PipelineMetrics Trainer::pipeline_metrics() {
   return p;
 }
 
-StepMetrics Trainer::step_metrics(int64_t s, double loss, const StepUpdate& u, double step_s, double eta_s) {
+StepMetrics Trainer::step_metrics(int64_t s, double loss, const StepUpdate& u, double step_s, double eta_s,
+                                  const StopRequests& stops, StopCause* eval_stop) {
   const TrainingConfig& tc = cfg_.training;
   StepMetrics m;
   m.step = s + 1;
@@ -466,8 +484,8 @@ StepMetrics Trainer::step_metrics(int64_t s, double loss, const StepUpdate& u, d
   const bool last = s + 1 == tc.steps;
   if (valid_source_ && ((tc.eval_every > 0 && (s + 1) % tc.eval_every == 0) || last)) {
     const trace::Span span("phase", "evaluation");
-    m.val_loss = evaluate();
-    if (sampler_) m.sample = sample();
+    m.val_loss = evaluate(&stops, eval_stop);
+    if (sampler_ && m.val_loss) m.sample = sample();
   }
   return m;
 }
@@ -595,12 +613,13 @@ void Trainer::run() {
     if (s > start_step_) avg_step_s += (step_s - avg_step_s) / static_cast<double>(s - start_step_);
     const double eta_s = (s > start_step_ ? avg_step_s : step_s) * static_cast<double>(tc.steps - s - 1);
 
-    const StepMetrics m = step_metrics(s, loss, update, step_s, eta_s);
+    StopCause eval_stop = StopCause::NONE;
+    const StepMetrics m = step_metrics(s, loss, update, step_s, eta_s, stops, &eval_stop);
     metrics_->write(m);
     log_step(s, m);
 
     const bool last = s + 1 == tc.steps;
-    const StopCause stop = stops.check(s + 1, last, update.stop_request);
+    const StopCause stop = eval_stop != StopCause::NONE ? eval_stop : stops.check(s + 1, last, update.stop_request);
     save_checkpoint_if_due(s, last, stop != StopCause::NONE);
     profiler_->end_step(s + 1, step_s * 1e3);
     if (stop != StopCause::NONE) {

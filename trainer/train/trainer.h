@@ -31,6 +31,7 @@
 #include "trainer/train/metrics.h"
 #include "trainer/train/pipeline_model.h"
 #include "trainer/train/step_trace.h"
+#include "trainer/train/stop_requests.h"
 #include "trainer/train/straggler.h"
 #include "trainer/train/updater.h"
 
@@ -64,8 +65,10 @@ class Trainer {
 
   void run();
   // Mean loss over `eval_steps` global batches of the validation set, from its start (each DP
-  // rank evaluates its slice of each).
-  double evaluate();
+  // rank evaluates its slice of each). With `stops`, a stop request (a signal, the clock) is agreed
+  // over the world after each validation batch and ends the evaluation early: nullopt, the agreed
+  // cause in *stopped.
+  std::optional<double> evaluate(const StopRequests* stops = nullptr, StopCause* stopped = nullptr);
   // The continuation of sample.prompt by the current weights (every rank calls it; each TP group
   // samples together). Requires samples_enabled().
   std::string sample();
@@ -81,7 +84,9 @@ class Trainer {
   // The tokens of one step, over every rank.
   int64_t step_tokens() const { return rows_ * accum_ * cfg_.parallel.dp_cp(); }
   // Step s's metrics, after its update `u` took `step_s` seconds; with the evaluation when one is due.
-  StepMetrics step_metrics(int64_t s, double loss, const StepUpdate& u, double step_s, double eta_s);
+  // An evaluation ended by a stop request sets *eval_stop.
+  StepMetrics step_metrics(int64_t s, double loss, const StepUpdate& u, double step_s, double eta_s,
+                           const StopRequests& stops, StopCause* eval_stop);
   // The step's log lines (and, after the run's first step, which kernels it ran).
   void log_step(int64_t s, const StepMetrics& m);
   // Saves a checkpoint after step s when one is due: every checkpoint.every steps, and at the end
