@@ -158,4 +158,24 @@ run_case 0 "$scratch/loss_scaling/config.json" --set training.precision=fp16 --s
   --set training.min_loss_scale=2 --dry-run
 run_case 0 "$scratch/loss_scaling/config.json" --set training.precision=fp16 --set training.loss_scale=4096 --dry-run
 
+# Out-of-range counts are refused before any arithmetic on them: no overflow, divide by zero, huge
+# message or silent truncation; the limits are the documented ones.
+start_case huge_values
+write_config "$scratch/huge_values/config.json" ""
+run_case 2 "$scratch/huge_values/config.json" --set parallel.tp=144115188075855872 --print-config
+expect_stderr 'parallel.tp: 144115188075855872: must be <= 1048576 (2^20)'
+run_case 2 "$scratch/huge_values/config.json" --set parallel.dp=1024 --set parallel.tp=1024 --set parallel.pp=1024 \
+  --set parallel.cp=1024 --dry-run
+expect_stderr 'parallel.tp x parallel.cp x parallel.pp x parallel.dp = 1024 x 1024 x 1024 x 1024 ranks; a run has at most 1048576'
+run_case 2 "$scratch/huge_values/config.json" --set parallel.pp=1000000 --dry-run
+expect_stderr 'give the split explicitly, parallel.stage_layers with 1000000 entries adding up to 1'
+[[ $(wc -c <"$err") -lt 2000 ]] || fail "the uneven-stages message is $(wc -c <"$err") bytes"
+run_case 2 "$scratch/huge_values/config.json" --set model.num_layers=1000000 --set model.moe.num_experts=2147483648 \
+  --set training.threads=4294967298 --set training.eval_steps=9223372036854775807 --dry-run
+expect_stderr 'model.num_layers: 1000000: must be <= 65536'
+expect_stderr 'model.moe.num_experts: 2147483648: must be <= 2147483647'
+expect_stderr 'training.threads: 4294967298: must be <= 65536'
+expect_stderr 'training.eval_steps: 9223372036854775807: must be <= 2147483647'
+expect_no_output_files
+
 finish "config error checks"
