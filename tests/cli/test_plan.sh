@@ -121,6 +121,8 @@ b = json.loads(json.dumps(good)); b["gpu"]["peak_tflops"]["bf16"] = "fast"; writ
 b = json.loads(json.dumps(good)); b["gpus_per_node"] = 0; write("range.json", b)
 b = json.loads(json.dumps(good)); b["gpu"]["memory_gib"] = 1; b["gpu"]["reserved_gib"] = 0.5; write("small.json", b)
 write("broken.json", '{"nodes": 8,')
+write("dupkey.json", json.dumps(good).replace('"nodes": 8', '"nodes": 1, "nodes": 8'))
+write("overflow.json", json.dumps(good).replace('"nodes": 8', '"nodes": 1e400'))
 PY
 case="good cluster file"
 "$tetra" plan --config "$cfg70" --cluster "$scratch/good.json" --top 1 >"$scratch/good.txt" 2>&1 ||
@@ -130,7 +132,13 @@ expect_refusal "missing key" "missing.json: gpu.hbm_gbps: missing" plan --config
 expect_refusal "unknown key" "unknown.json: inter_node.bandwith_gbps: unknown key" plan --config "$cfg70" --cluster "$scratch/unknown.json"
 expect_refusal "mistyped key" "gpu.peak_tflops.bf16: \"fast\" is not a number" plan --config "$cfg70" --cluster "$scratch/mistyped.json"
 expect_refusal "out of range" "gpus_per_node: 0 is outside" plan --config "$cfg70" --cluster "$scratch/range.json"
-expect_refusal "not JSON" "broken.json: not valid JSON" plan --config "$cfg70" --cluster "$scratch/broken.json"
+expect_refusal "not JSON" "broken.json:1:13: invalid JSON" plan --config "$cfg70" --cluster "$scratch/broken.json"
+expect_refusal "duplicate key" "dupkey.json: nodes: duplicate key" plan --config "$cfg70" --cluster "$scratch/dupkey.json"
+expect_refusal "number beyond a double" "overflow.json:1:" plan --config "$cfg70" --cluster "$scratch/overflow.json"
+mkfifo "$scratch/fifo.json"
+timeout 20 "$tetra" plan --config "$cfg70" --cluster "$scratch/fifo.json" >"$scratch/out.txt" 2>"$scratch/err.txt"
+[[ $? -eq 2 ]] && grep -qF "fifo.json is a named pipe (FIFO)" "$scratch/err.txt" ||
+  fail "a named pipe as the cluster file: $(tail -2 "$scratch/err.txt")"
 expect_refusal "no such cluster" "--cluster h100: neither a preset" plan --config "$cfg70" --cluster h100
 expect_refusal "too few GPUs" "give --nodes 8" plan --config "$cfg70" --cluster h100-80gb --explain
 expect_refusal "nothing fits" "no layout of this model fits" plan --config "$cfg70" --cluster "$scratch/small.json"

@@ -82,6 +82,13 @@ expect_refusal "no metrics.jsonl" "$scratch/empty: no metrics.jsonl" "$scratch/e
 [[ ! -e "$scratch/x.svg" ]] || fail "a plot was written"
 expect_refusal "existing output" "the file exists (pass --force" "$scratch/lr0.01" --out "$scratch/cmp.svg"
 expect_refusal "not svg or png" "the picture is .svg or .png" "$scratch/lr0.01" --out "$scratch/cmp.pdf"
+mkdir -p "$scratch/bad_step" "$scratch/big_loss"
+printf '{"step":1,"loss":2.0}\n{"step":"abc","loss":2.0}\n' >"$scratch/bad_step/metrics.jsonl"
+expect_refusal "a step of another type" 'bad_step/metrics.jsonl:2: step: must be an integer, got the string "abc"' \
+  "$scratch/bad_step" --out "$scratch/x.svg"
+printf '{"step":1,"loss":1e400}\n' >"$scratch/big_loss/metrics.jsonl"
+expect_refusal "a number beyond a double" "big_loss/metrics.jsonl:1:22: invalid JSON: number overflow" \
+  "$scratch/big_loss" --out "$scratch/x.svg"
 case="--force"
 "$tetra" plot "$scratch/lr0.01" --out "$scratch/cmp.svg" --force >/dev/null 2>&1 || fail "--force did not replace it"
 case="default output"

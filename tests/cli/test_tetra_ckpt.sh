@@ -404,6 +404,17 @@ PY
   expect_refusal "$tetra" ckpt export-hf "$dir" "$scratch/damaged/$case/hf"
   [[ ! -e "$scratch/damaged/$case/hf" ]] || fail "export-hf created $scratch/damaged/$case/hf"
 
+  case=manifest_layout_degree_zero  # the layout that wrote it is checked like the rest
+  dir=$(damaged llama)
+  $py - "$dir/manifest.json" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))
+m["layout"]["tp"] = 0
+json.dump(m, open(sys.argv[1], "w"), indent=1)
+PY
+  names=("error: $dir/manifest.json: field layout.tp is 0, outside [1, 1048576]")
+  expect_refusal "$tetra" ckpt inspect "$dir"
+
   case=unreadable_checkpoint  # a directory the user may not enter (as root: checked as nobody)
   dir=$(damaged llama)
   as_user=()

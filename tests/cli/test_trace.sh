@@ -227,7 +227,15 @@ refuse "a missing rank" "rank's file is missing" "$scratch/other"
 other_run 'pass'
 refuse "--step without --svg" "give --svg too" "$scratch/other" --step 3
 echo "{ not json" >"$scratch/other/trace/rank_1.json"
-refuse "not JSON" "rank_1.json: not JSON" "$scratch/other"
+refuse "not JSON" "rank_1.json:1:4: invalid JSON" "$scratch/other"
+other_run 'd["otherData"]["rank"] = "1"'
+refuse "a rank of another type" 'rank_1.json: otherData.rank: must be an integer, got the string "1"' "$scratch/other"
+other_run 'd["traceEvents"] = [{"ph": "X", "name": "x", "pid": 1, "tid": 0, "ts": 1}]'
+refuse "a span without its duration" "rank_1.json: traceEvents\\[0\\].dur: missing" "$scratch/other"
+other_run 'pass'
+echo '{}' >"$scratch/other/trace/rank_99999999999.json"
+refuse "a rank number beyond any run" "rank 99999999999 is beyond any run's" "$scratch/other"
+rm "$scratch/other/trace/rank_99999999999.json"
 [[ -e "$scratch/other/trace/merged.json" ]] && fail "a refused merge wrote merged.json"
 
 case="config refusals"

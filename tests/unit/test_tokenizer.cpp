@@ -213,7 +213,7 @@ TEST_CASE("gpt2 tokenizer files: every defect is an InputError naming the file",
   // not one of the 256 byte characters.
   write_file(dir + "/encoder.json", enc.substr(0, enc.size() / 2));
   CHECK_THAT(input_error([&] { load_gpt2_tokenizer(dir); }),
-             Contains(dir + "/encoder.json") && Contains("not valid JSON"));
+             Contains(dir + "/encoder.json:") && Contains(": invalid JSON:"));
   auto j = nlohmann::json::parse(enc);
   auto no_eot = j;
   no_eot.erase("<|endoftext|>");

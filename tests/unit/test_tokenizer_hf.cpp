@@ -482,7 +482,7 @@ TEST_CASE("hf tokenizer files: every defect is refused, naming the file and the 
 
   // Not JSON; not there at all.
   write_file(file, good.dump().substr(0, 100));
-  CHECK_THAT(input_error([&] { load_tokenizer("hf:" + dir); }), Contains(file + ": not valid JSON"));
+  CHECK_THAT(input_error([&] { load_tokenizer("hf:" + dir); }), Contains(file + ":1:") && Contains(": invalid JSON:"));
   CHECK_THAT(input_error([&] { load_tokenizer("hf:" + dir + "/nowhere"); }),
              Contains(dir + "/nowhere/tokenizer.json: cannot open"));
   // tokenizer_config.json: bad JSON, an eos_token that is no token, split_special_tokens, an
@@ -490,7 +490,7 @@ TEST_CASE("hf tokenizer files: every defect is refused, naming the file and the 
   // name the end of documents (two special tokens).
   write_tokenizer(dir, good, config);
   write_file(cfg, "{\"eos_token\": ");
-  CHECK_THAT(input_error([&] { load_tokenizer("hf:" + dir); }), Contains(cfg + ": not valid JSON"));
+  CHECK_THAT(input_error([&] { load_tokenizer("hf:" + dir); }), Contains(cfg + ":1:15: invalid JSON:"));
   for (const auto& [change, what] : std::vector<std::pair<json, std::string>>{
            {{{"eos_token", "</s>"}}, "eos_token \"</s>\" is no token of " + file},
            {{{"eos_token", "<|end|>"}, {"split_special_tokens", true}}, "split_special_tokens true is not supported"},

@@ -13,6 +13,7 @@
 #include "kernels/common/check.h"
 #include "kernels/common/math.h"
 #include "trainer/checkpoint/safetensors.h"
+#include "trainer/core/json_text.h"
 #include "trainer/params/param_layout.h"
 
 namespace tetra {
@@ -22,14 +23,13 @@ using json = nlohmann::json;
 
 namespace {
 
-json read_json_file(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) throw InputError(fmt::format("{}: cannot open (a Hugging Face model directory has config.json)", path));
-  try {
-    return json::parse(f);
-  } catch (const json::parse_error& e) {
-    throw InputError(fmt::format("{}: not valid JSON: {}", path, e.what()));
-  }
+// A JSON file of a Hugging Face model directory (config.json, the shard index): a regular file,
+// strict JSON (json_text.h).
+json read_hf_json(const std::string& path) {
+  std::error_code ec;
+  if (!fs::exists(path, ec))
+    throw InputError(fmt::format("{}: cannot open (a Hugging Face model directory has config.json)", path));
+  return read_json_file(path, "Hugging Face file", "give a Hugging Face model directory");
 }
 
 // Typed reads of config.json's keys, each error naming the file and the key.
@@ -172,7 +172,7 @@ HfModel read_hf_model(const std::string& dir, int64_t seq_len) {
     throw InputError(fmt::format("{}: not a directory (a Hugging Face model directory: config.json and "
                                  "model.safetensors)", dir));
   HfConfig c{(fs::path(dir) / "config.json").string(), {}};
-  c.j = read_json_file(c.path);
+  c.j = read_hf_json(c.path);
   if (!c.j.is_object()) throw InputError(fmt::format("{}: not a JSON object", c.path));
   HfModel hf;
   hf.dir = dir;
@@ -187,7 +187,7 @@ HfModel read_hf_model(const std::string& dir, int64_t seq_len) {
   // The weights: one file, or the shards an index names.
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
   if (fs::exists(index)) {
-    const json j = read_json_file(index.string());
+    const json j = read_hf_json(index.string());
     if (!j.contains("weight_map") || !j["weight_map"].is_object())
       throw InputError(fmt::format("{}: weight_map: missing or not an object", index.string()));
     std::set<std::string> seen;

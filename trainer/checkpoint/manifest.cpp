@@ -15,8 +15,9 @@
 #include <fmt/format.h>
 
 #include "kernels/common/check.h"
-#include "trainer/params/param_layout.h"
 #include "trainer/core/files.h"
+#include "trainer/core/json_text.h"
+#include "trainer/params/param_layout.h"
 
 namespace tetra {
 
@@ -125,11 +126,12 @@ Manifest read_manifest(const std::string& checkpoint_dir) {
   m.dir = checkpoint_dir;
   m.path = (fs::path(checkpoint_dir) / "manifest.json").string();
   const Fields f(m.path);
+  const std::string text = read_text(m.path, "checkpoint manifest");
   json j;
   try {
-    j = json::parse(read_text(m.path, "checkpoint manifest"));
-  } catch (const json::exception& e) {
-    throw InputError(fmt::format("{}: malformed manifest: {}", m.path, e.what()));
+    j = parse_json_text(m.path, text);
+  } catch (const InputError& e) {
+    throw InputError(fmt::format("malformed manifest: {}", e.what()));
   }
   if (!j.is_object() || j.value("format", json()) != "tetra-checkpoint" || j.value("version", json()) != 1)
     throw InputError(fmt::format("{}: not a tetra-checkpoint version 1 manifest (format {}, version {})", m.path,
@@ -171,6 +173,26 @@ Manifest read_manifest(const std::string& checkpoint_dir) {
     m.loss_scaler = s;
   }
   m.layout = f.at(j, "layout", "layout");
+  {  // The layout that wrote the checkpoint (a description: resharding reads the slices themselves).
+    const json& l = m.layout;
+    if (!l.is_object()) throw InputError(fmt::format("{}: field layout is {}, not an object", m.path, l.dump()));
+    constexpr int64_t kMaxDegree = int64_t{1} << 20;
+    int64_t ranks = 1;
+    for (const char* axis : {"tp", "pp", "dp", "ep", "cp"}) {
+      if (!l.contains(axis) && (std::string(axis) == "cp" || std::string(axis) == "ep")) continue;  // older ones
+      const int64_t d = f.integer(l, axis, fmt::format("layout.{}", axis), 1, kMaxDegree);
+      if (std::string(axis) != "ep") ranks *= d;
+    }
+    const int64_t world = f.integer(l, "world", "layout.world", 1, kMaxDegree);
+    if (world != ranks)
+      throw InputError(fmt::format("{}: field layout.world is {}, but tp x cp x pp x dp of the layout is {}", m.path,
+                                   world, ranks));
+    f.string(l, "order", "layout.order");
+    for (const char* flag : {"sequence_parallel", "distributed_optimizer"})
+      if (!f.at(l, flag, fmt::format("layout.{}", flag)).is_boolean())
+        throw InputError(fmt::format("{}: field layout.{} is {}, not true or false", m.path, flag, l[flag].dump()));
+    if (l.contains("zero_stage")) f.integer(l, "zero_stage", "layout.zero_stage", 0, 3);
+  }
   m.config = f.at(j, "config", "config");
   m.model = model_of(j, f);
 

@@ -1,6 +1,7 @@
 #include "trainer/checkpoint/safetensors.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +13,8 @@
 #include <nlohmann/json.hpp>
 
 #include "trainer/checkpoint/commit.h"
+#include "trainer/core/files.h"
+#include "trainer/core/json_text.h"
 #include "kernels/common/check.h"
 
 namespace tetra {
@@ -114,8 +117,16 @@ void write_safetensors(const std::string& path, const std::vector<TensorRecord>&
 }
 
 SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK and fstat: a named pipe is refused, not waited on (files.h).
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd_ < 0) throw InputError(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
+    const std::string kind(::fstat(fd_, &st) == 0 ? file_kind_name(st.st_mode) : "unreadable");
+    ::close(fd_);
+    throw InputError(fmt::format("{}: is {}, not a regular file; a safetensors file was expected", path, kind));
+  }
+  ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_NONBLOCK);
   const off_t size = ::lseek(fd_, 0, SEEK_END);
   const uint64_t file_size = size < 0 ? 0 : static_cast<uint64_t>(size);
   uint64_t n = 0;
@@ -129,36 +140,43 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
     throw InputError(fmt::format("{}: truncated safetensors header", path));
   }
   try {
-    const nlohmann::json header = nlohmann::json::parse(text);
+    const std::string where = path + " (header)";
+    const nlohmann::json header = parse_json_text(where, text);
     if (!header.is_object()) throw InputError(fmt::format("{}: malformed safetensors header: not a JSON object", path));
     const uint64_t data_begin = 8 + n;
     for (auto it = header.begin(); it != header.end(); ++it) {
       if (it.key() == "__metadata__") continue;
       Entry e;
-      try {
-        e.dtype = dtype_from_name(it.value().at("dtype").get<std::string>(), path);
-        e.shape = it.value().at("shape").get<std::vector<int64_t>>();
-        int64_t numel = 1;
-        for (int64_t d : e.shape) {
-          if (d < 0 || d > (int64_t{1} << 40))
-            throw InputError(fmt::format("{}: tensor {}: invalid dimension {}", path, it.key(), d));
-          numel *= d;
-        }
-        auto offs = it.value().at("data_offsets").get<std::vector<uint64_t>>();
-        if (offs.size() != 2 || offs[1] < offs[0] || offs[1] > file_size - data_begin ||
-            offs[1] - offs[0] != static_cast<uint64_t>(numel) * dtype_size(e.dtype))
-          throw InputError(fmt::format("{}: tensor {}: data_offsets do not match its shape or the file size",
-                                       path, it.key()));
-        e.begin = data_begin + offs[0];
-        e.end = data_begin + offs[1];
-      } catch (const nlohmann::json::exception& ex) {
-        throw InputError(fmt::format("{}: tensor {}: malformed entry: {}", path, it.key(), ex.what()));
+      const nlohmann::json& t = it.value();
+      const std::string name = it.key();
+      e.dtype = dtype_from_name(json_string(where, json_member(where, t, name, "dtype"), name + ".dtype"), path);
+      const nlohmann::json& shape = json_member(where, t, name, "shape");
+      if (!shape.is_array())
+        throw InputError(fmt::format("{}: {}.shape: must be an array of sizes, got {}", where, name, json_kind(shape)));
+      int64_t numel = 1;
+      for (size_t i = 0; i < shape.size(); ++i) {
+        const int64_t d = json_integer(where, shape[i], fmt::format("{}.shape[{}]", name, i));
+        if (d < 0 || d > (int64_t{1} << 40))
+          throw InputError(fmt::format("{}: tensor {}: invalid dimension {}", path, name, d));
+        e.shape.push_back(d);
+        numel *= d;
       }
-      entries_.emplace(it.key(), std::move(e));
+      const nlohmann::json& offsets = json_member(where, t, name, "data_offsets");
+      std::vector<uint64_t> offs;
+      if (offsets.is_array())
+        for (size_t i = 0; i < offsets.size(); ++i) {
+          const int64_t o = json_integer(where, offsets[i], fmt::format("{}.data_offsets[{}]", name, i));
+          if (o < 0) throw InputError(fmt::format("{}: {}.data_offsets[{}]: negative ({})", where, name, i, o));
+          offs.push_back(static_cast<uint64_t>(o));
+        }
+      if (offs.size() != 2 || offs[1] < offs[0] || offs[1] > file_size - data_begin ||
+          offs[1] - offs[0] != static_cast<uint64_t>(numel) * dtype_size(e.dtype))
+        throw InputError(fmt::format("{}: tensor {}: data_offsets do not match its shape or the file size", path,
+                                     name));
+      e.begin = data_begin + offs[0];
+      e.end = data_begin + offs[1];
+      entries_.emplace(name, std::move(e));
     }
-  } catch (const nlohmann::json::exception& e) {
-    ::close(fd_);
-    throw InputError(fmt::format("{}: malformed safetensors header: {}", path, e.what()));
   } catch (...) {
     ::close(fd_);
     throw;

@@ -21,6 +21,8 @@
 
 #include "kernels/common/check.h"
 #include "trainer/cli/cli.h"
+#include "trainer/core/files.h"
+#include "trainer/core/json_text.h"
 
 namespace tetra::cli {
 
@@ -40,26 +42,26 @@ struct Run {
 // A run's steps from metrics.jsonl (the lines with a "step" key; a resumed run's later lines win).
 Run read_run(const std::string& dir) {
   const fs::path path = fs::path(dir) / "metrics.jsonl";
-  std::ifstream in(path);
-  if (!in) throw InputError(fmt::format("tetra plot: {}: no metrics.jsonl (a run's logging.dir holds one)", dir));
+  std::error_code ec;
+  if (!fs::exists(path, ec))
+    throw InputError(fmt::format("tetra plot: {}: no metrics.jsonl (a run's logging.dir holds one)", dir));
+  const std::string text = read_text(path.string(), "metrics file", "give a run's logging.dir");
   Run r;
   r.name = fs::path(dir).lexically_normal().filename().string();
   if (r.name.empty()) r.name = fs::path(dir).lexically_normal().parent_path().filename().string();
-  std::string line;
   std::vector<nlohmann::json> steps;
   int64_t n = 0;
-  while (std::getline(in, line)) {
+  for (size_t start = 0; start < text.size();) {
+    const size_t end = std::min(text.find('\n', start), text.size());
+    const std::string line = text.substr(start, end - start);
+    start = end + 1;
     ++n;
     if (line.empty()) continue;
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::parse_error& e) {
-      throw InputError(fmt::format("tetra plot: {}:{}: not JSON: {}", path.string(), n, e.what()));
-    }
-    if (!j.contains("step")) continue;
+    const nlohmann::json j = parse_json_text(path.string(), line, n);
+    if (!j.is_object() || !j.contains("step")) continue;
+    const int64_t step = json_integer(fmt::format("{}:{}", path.string(), n), j["step"], "step");
     // A resumed run repeats steps: the later line replaces the earlier ones from that step on.
-    while (!steps.empty() && steps.back()["step"].get<int64_t>() >= j["step"].get<int64_t>()) steps.pop_back();
+    while (!steps.empty() && steps.back()["step"].get<int64_t>() >= step) steps.pop_back();
     steps.push_back(j);
   }
   if (steps.empty()) throw InputError(fmt::format("tetra plot: {}: metrics.jsonl holds no step", dir));

@@ -23,6 +23,7 @@
 #include "kernels/common/check.h"
 #include "trainer/cli/cli.h"
 #include "trainer/core/files.h"
+#include "trainer/core/json_text.h"
 
 namespace tetra::cli {
 
@@ -31,11 +32,67 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
+constexpr int64_t kMaxRanks = int64_t{1} << 20;       // a run's ranks (config.md)
+constexpr int64_t kIdsPerRank = 1000000000;           // asynchronous span ids: made unique per rank
+
 struct RankFile {
   int rank = 0;
   std::string path;
   json doc;
 };
+
+// The fields the merge and the picture read, checked once: a rank file that lacks one or holds
+// another type is an input error naming the file and the field.
+void check_rank_file(const RankFile& f) {
+  const std::string& p = f.path;
+  if (!f.doc.is_object() || !f.doc.contains("traceEvents") || !f.doc["traceEvents"].is_array() ||
+      !f.doc.contains("otherData") || !f.doc["otherData"].is_object() || !f.doc["otherData"].contains("rank") ||
+      !f.doc["otherData"].contains("profile_steps"))
+    throw InputError(fmt::format("tetra trace merge: {}: not a rank's timeline (no traceEvents, otherData.rank "
+                                 "and otherData.profile_steps)", p));
+  const json& other = f.doc["otherData"];
+  const int64_t rank = json_integer(p, other["rank"], "otherData.rank");
+  if (rank != f.rank) throw InputError(fmt::format("tetra trace merge: {}: holds rank {}'s timeline", p, rank));
+  const int64_t world = json_integer(p, json_member(p, other, "otherData", "world"), "otherData.world");
+  if (world < 1 || world > kMaxRanks)
+    throw InputError(fmt::format("{}: otherData.world: {} is outside [1, {}]", p, world, kMaxRanks));
+  json_number(p, json_member(p, other, "otherData", "epoch_s"), "otherData.epoch_s");
+  const json& window = other["profile_steps"];
+  if (!window.is_array() || window.size() != 2)
+    throw InputError(fmt::format("{}: otherData.profile_steps: must be [first, last], got {}", p, json_kind(window)));
+  for (size_t i = 0; i < 2; ++i) json_integer(p, window[i], fmt::format("otherData.profile_steps[{}]", i));
+  const json& events = f.doc["traceEvents"];
+  for (size_t i = 0; i < events.size(); ++i) {
+    const json& e = events[i];
+    const std::string at = fmt::format("traceEvents[{}]", i);
+    if (!e.is_object()) throw InputError(fmt::format("{}: {}: must be an object, got {}", p, at, json_kind(e)));
+    for (const char* key : {"ph", "name", "cat"})
+      if (e.contains(key)) json_string(p, e[key], at + "." + key);
+    for (const char* key : {"pid", "tid"})
+      if (e.contains(key)) {
+        const int64_t v = json_integer(p, e[key], at + "." + key);
+        if (v < 0 || v > INT32_MAX)
+          throw InputError(fmt::format("{}: {}.{}: {} is outside [0, 2^31-1]", p, at, key, v));
+      }
+    if (e.contains("id")) {
+      const int64_t id = json_integer(p, e["id"], at + ".id");
+      if (id < 0 || id >= kIdsPerRank)
+        throw InputError(fmt::format("{}: {}.id: {} is outside [0, {})", p, at, id, kIdsPerRank));
+    }
+    const std::string ph = e.value("ph", "");
+    if (ph == "X") {
+      json_number(p, json_member(p, e, at, "ts"), at + ".ts");
+      json_number(p, json_member(p, e, at, "dur"), at + ".dur");
+    } else if (e.contains("ts")) {
+      json_number(p, e["ts"], at + ".ts");
+    }
+    if (ph == "M" && e.contains("args")) {
+      const json& args = e["args"];
+      if (!args.is_object()) throw InputError(fmt::format("{}: {}.args: must be an object, got {}", p, at, json_kind(args)));
+      if (args.contains("name")) json_string(p, args["name"], at + ".args.name");
+    }
+  }
+}
 
 std::vector<RankFile> read_rank_files(const fs::path& dir) {
   const std::regex name(R"(rank_(\d+)\.json)");
@@ -45,22 +102,14 @@ std::vector<RankFile> read_rank_files(const fs::path& dir) {
     const std::string file = e.path().filename().string();
     if (!std::regex_match(file, m, name)) continue;
     RankFile f;
-    f.rank = std::stoi(m[1].str());
     f.path = e.path().string();
-    std::ifstream in(e.path());
-    try {
-      f.doc = json::parse(in);
-    } catch (const json::parse_error& err) {
-      throw InputError(fmt::format("tetra trace merge: {}: not JSON ({})", f.path, err.what()));
-    }
-    if (!f.doc.is_object() || !f.doc.contains("traceEvents") || !f.doc["traceEvents"].is_array() ||
-        !f.doc.contains("otherData") || !f.doc["otherData"].contains("rank") ||
-        !f.doc["otherData"].contains("profile_steps"))
-      throw InputError(fmt::format("tetra trace merge: {}: not a rank's timeline (no traceEvents, otherData.rank "
-                                   "and otherData.profile_steps)", f.path));
-    if (f.doc["otherData"]["rank"].get<int>() != f.rank)
-      throw InputError(fmt::format("tetra trace merge: {}: holds rank {}'s timeline", f.path,
-                                   f.doc["otherData"]["rank"].get<int>()));
+    const std::string digits = m[1].str();
+    if (digits.size() > 7 || std::stoll(digits) >= kMaxRanks)
+      throw InputError(fmt::format("tetra trace merge: {}: rank {} is beyond any run's (at most {} ranks); remove "
+                                   "the file", f.path, digits, kMaxRanks));
+    f.rank = std::stoi(digits);
+    f.doc = read_json_file(f.path, "rank timeline", "a run's trace folder holds rank_R.json files");
+    check_rank_file(f);
     files.push_back(std::move(f));
   }
   std::sort(files.begin(), files.end(), [](const RankFile& a, const RankFile& b) { return a.rank < b.rank; });
@@ -236,7 +285,7 @@ class TraceCommand final : public Command {
       merged["otherData"]["ranks"].push_back(f.doc["otherData"]);
       for (json& e : f.doc["traceEvents"]) {
         // Asynchronous spans' ids are per rank: made unique across ranks.
-        if (e.contains("id")) e["id"] = static_cast<int64_t>(f.rank) * 1000000000LL + e["id"].get<int64_t>();
+        if (e.contains("id")) e["id"] = static_cast<int64_t>(f.rank) * kIdsPerRank + e["id"].get<int64_t>();
         merged["traceEvents"].push_back(std::move(e));
       }
     }

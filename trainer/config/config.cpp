@@ -24,6 +24,7 @@
 #include "trainer/config/config_detail.h"
 #include "trainer/core/format.h"
 #include "trainer/core/files.h"
+#include "trainer/core/json_text.h"
 #include "trainer/core/runtime_options.h"
 
 namespace tetra {
@@ -91,120 +92,16 @@ std::string read_file(const std::string& path) {
   }
 }
 
-// "file:line:column: invalid JSON: <what the parser says>", from the offset of the last byte the
-// parser read (1-based; one past the end when the input ended too early).
-std::string syntax_error(const std::string& path, const std::string& text,
-                         const nlohmann::json::parse_error& e) {
-  const size_t pos = std::min(e.byte > 0 ? e.byte - 1 : 0, text.size());
-  size_t line = 1, line_start = 0;
-  for (size_t i = 0; i < pos; ++i)
-    if (text[i] == '\n') ++line, line_start = i + 1;
-  const size_t column = pos - line_start + 1;
-  // nlohmann's message: "[json.exception.parse_error.101] parse error at line L, column C: <why>".
-  std::string why = e.what();
-  const size_t at = why.find("parse error");
-  const size_t colon = at == std::string::npos ? std::string::npos : why.find(": ", at);
-  if (colon != std::string::npos) why = why.substr(colon + 2);
-  return fmt::format("{}:{}:{}: invalid JSON: {}", path, line, column, why);
-}
-
-// "file:line:column" of byte offset `pos` of `text` (1-based line and column).
-std::string text_position(const std::string& path, const std::string& text, size_t pos) {
-  pos = std::min(pos, text.size());
-  size_t line = 1, line_start = 0;
-  for (size_t i = 0; i < pos; ++i)
-    if (text[i] == '\n') ++line, line_start = i + 1;
-  return fmt::format("{}:{}:{}", path, line, pos - line_start + 1);
-}
-
-// The byte offset at which the parser stops on `text` (the end of the token it refused): a SAX
-// parse that records the position of its error. nlohmann reports a number too large for a double
-// (1e999) as out_of_range, without a position.
-size_t error_offset(const std::string& text) {
-  struct Locator : nlohmann::json_sax<json> {
-    size_t at = 0;
-    bool null() override { return true; }
-    bool boolean(bool) override { return true; }
-    bool number_integer(number_integer_t) override { return true; }
-    bool number_unsigned(number_unsigned_t) override { return true; }
-    bool number_float(number_float_t, const string_t&) override { return true; }
-    bool string(string_t&) override { return true; }
-    bool binary(binary_t&) override { return true; }
-    bool start_object(std::size_t) override { return true; }
-    bool key(string_t&) override { return true; }
-    bool end_object() override { return true; }
-    bool start_array(std::size_t) override { return true; }
-    bool end_array() override { return true; }
-    bool parse_error(std::size_t position, const std::string&, const nlohmann::detail::exception&) override {
-      at = position;
-      return false;
-    }
-  } locator;
-  json::sax_parse(text, &locator, json::input_format_t::json, /*strict=*/true, /*ignore_comments=*/true);
-  return locator.at;
-}
-
-// Parses `text`, reporting every key that appears twice in one object.
+// Parses `text`, reporting every key that appears twice in one object (json_text.h's rules).
 json parse_text(const std::string& path, const std::string& text, Problems& problems) {
-  struct Frame {
-    bool array = false;
-    size_t count = 0;  // elements of an array seen so far
-    std::set<std::string> keys;
-    std::string key;  // the object's current key
-  };
-  std::vector<Frame> stack;
-  auto location = [&] {
-    std::string s;
-    for (const Frame& f : stack)
-      s += f.array ? fmt::format("[{}]", f.count - 1) : (s.empty() ? "" : ".") + f.key;
-    return s;
-  };
-  auto element_starts = [&] {
-    if (!stack.empty() && stack.back().array) ++stack.back().count;
-  };
-  using event = nlohmann::json::parse_event_t;
-  auto callback = [&](int, event ev, json& parsed) {
-    switch (ev) {
-      case event::object_start:
-      case event::array_start:
-        element_starts();
-        stack.push_back({ev == event::array_start, 0, {}, {}});
-        break;
-      case event::object_end:
-      case event::array_end:
-        stack.pop_back();
-        break;
-      case event::key: {
-        Frame& f = stack.back();
-        f.key = parsed.get<std::string>();
-        if (f.key.find('\0') != std::string::npos)
-          problems.add_plain(location(), "the key contains a NUL character (\\u0000); remove it");
-        if (!f.keys.insert(f.key).second)
-          problems.add_plain(location(),
-                             "duplicate key; the later value would silently replace "
-                             "the earlier one");
-        break;
-      }
-      case event::value:
-        element_starts();
-        // A NUL cannot be part of a path or a name: the system would silently cut the string there.
-        if (parsed.is_string() && parsed.get_ref<const std::string&>().find('\0') != std::string::npos)
-          problems.add_plain(location(), "the string contains a NUL character (\\u0000); remove it");
-        break;
-    }
-    return true;
-  };
   try {
-    return json::parse(text, callback, /*allow_exceptions=*/true, /*ignore_comments=*/true);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw ConfigError({syntax_error(path, text, e)});
-  } catch (const nlohmann::json::exception& e) {  // a number out of range: 1e999, -1e999
-    std::string why = e.what();
-    const size_t bracket = why.find("] ");
-    if (bracket != std::string::npos) why = why.substr(bracket + 2);
-    const size_t end = error_offset(text);
-    throw ConfigError({fmt::format("{}: invalid JSON: {} (a double holds at most about 1.8e308)",
-                                   text_position(path, text, end > 0 ? end - 1 : 0), why)});
+    return parse_json_text(path, text, [&](const std::string& where, const std::string& message) {
+      problems.add_plain(where, message);
+    });
+  } catch (const ConfigError&) {
+    throw;
+  } catch (const InputError& e) {
+    throw ConfigError({e.what()});
   }
 }
 

@@ -43,6 +43,7 @@
 
 #include "kernels/common/check.h"
 #include "trainer/core/files.h"
+#include "trainer/core/json_text.h"
 #include "trainer/data/bpe_tables.h"
 #include "trainer/data/tokenizer.h"
 
@@ -195,9 +196,9 @@ void Gpt2Tokenizer::load_encoder(const std::string& path,
   const std::string text = read_whole_file(path);
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw InputError(fmt::format("{}: not valid JSON ({}); {}", path, e.what(), kFetchHint));
+    j = parse_json_text(path, text);
+  } catch (const InputError& e) {
+    throw InputError(fmt::format("{}; {}", e.what(), kFetchHint));
   }
   TETRA_INPUT_CHECK(j.is_object() && !j.empty(),
                     "{}: expected a JSON object mapping each token to its id; {}", path,

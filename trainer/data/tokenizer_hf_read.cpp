@@ -21,6 +21,7 @@
 
 #include "kernels/common/check.h"
 #include "trainer/core/files.h"
+#include "trainer/core/json_text.h"
 #include "trainer/data/bpe_tables.h"
 #include "trainer/data/tokenizer_hf_parts.h"
 
@@ -43,13 +44,7 @@ std::string read_text_file(const std::string& path, const char* what) {
   return read_text(path, what, "give the directory that holds tokenizer.json");
 }
 
-json parse_json(const std::string& path, const std::string& text) {
-  try {
-    return json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw InputError(fmt::format("{}: not valid JSON ({})", path, e.what()));
-  }
-}
+json parse_json(const std::string& path, const std::string& text) { return parse_json_text(path, text); }
 
 // A JSON object of the file at `path` ("model", "added_tokens[3]"), read field by field.
 class Obj {

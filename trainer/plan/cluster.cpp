@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <array>
 #include <barrier>
 #include <thread>
@@ -19,6 +20,7 @@
 #include "kernels/backend.h"
 #include "kernels/common/check.h"
 #include "kernels/cpu/peak.h"
+#include "trainer/core/json_text.h"
 
 namespace tetra {
 
@@ -134,7 +136,8 @@ class Reader {
   }
   int64_t integer(const std::string& k, int64_t lo, int64_t hi) {
     const nlohmann::json& v = at(k);
-    if (!v.is_number_integer()) fail(key(k), fmt::format("{} is not an integer", v.dump()));
+    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{INT64_MAX}))
+      fail(key(k), fmt::format("{} is not an integer of at most 2^63-1", v.dump()));
     const int64_t x = v.get<int64_t>();
     if (x < lo || x > hi) fail(key(k), fmt::format("{} is outside [{}, {}]", x, lo, hi));
     return x;
@@ -398,20 +401,13 @@ ClusterSpec load_cluster(const std::string& name_or_path, Precision precision, i
     if (name_or_path == p.name) c = from_preset(p), found = true;
   if (!found && name_or_path == "cpu-local") c = cpu_local_cluster(precision), found = true;
   if (!found) {
-    std::ifstream in(name_or_path);
-    if (!in) {
+    std::error_code ec;
+    if (!std::filesystem::exists(name_or_path, ec)) {
       std::string names;
       for (const std::string& n : cluster_preset_names()) names += (names.empty() ? "" : ", ") + n;
-      throw InputError(fmt::format("--cluster {}: neither a preset ({}) nor a readable file", name_or_path, names));
+      throw InputError(fmt::format("--cluster {}: neither a preset ({}) nor a file", name_or_path, names));
     }
-    std::stringstream ss;
-    ss << in.rdbuf();
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(ss.str(), nullptr, true, true);
-    } catch (const nlohmann::json::parse_error& e) {
-      throw InputError(fmt::format("{}: not valid JSON: {}", name_or_path, e.what()));
-    }
+    const nlohmann::json j = read_json_file(name_or_path, "--cluster", "give a cluster JSON file or a preset name");
     c = cluster_from_json(j, name_or_path);
   }
   if (nodes > 0) c.nodes = nodes;
