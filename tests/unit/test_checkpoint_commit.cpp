@@ -54,14 +54,23 @@ TEST_CASE("resume auto: latest first, else the newest complete checkpoint", "[ch
   CHECK(tetra::checkpoint_to_resume(auto_resume(d)).empty());  // nothing there: a fresh start
   make_checkpoint(d, "step_00000002");
   make_checkpoint(d, "step_00000004");
-  fs::create_directories(fs::path(d) / "step_00000006");  // a directory without a manifest: no checkpoint
-  fs::create_directories(fs::path(d) / ".step_00000008.tmp");
+  fs::create_directories(fs::path(d) / ".step_00000008.tmp");  // a save that stopped while staging
+  // A step_* without a manifest (step_* are renamed in complete, so it was damaged) beyond the step
+  // to resume: refused, since this run's save of that step would replace it; once moved away, fine.
+  fs::create_directories(fs::path(d) / "step_00000006");
+  CHECK_THROWS_WITH(tetra::checkpoint_to_resume(auto_resume(d)),
+                    Catch::Matchers::Contains("holds step_00000006 without its manifest.json") &&
+                        Catch::Matchers::Contains("newer than the checkpoint to resume from (step 4)"));
+  write(d + "/latest", "step_00000002\n");
+  CHECK_THROWS_AS(tetra::checkpoint_to_resume(auto_resume(d)), tetra::InputError);
+  fs::remove(fs::path(d) / "latest");
+  fs::remove(fs::path(d) / "step_00000006");
   // No latest: the newest complete step.
   CHECK(tetra::checkpoint_to_resume(auto_resume(d)) == (fs::path(d) / "step_00000004").string());
   // latest names one: that one, even if it is not the newest.
   write(d + "/latest", "step_00000002\n");
   CHECK(tetra::checkpoint_to_resume(auto_resume(d)) == (fs::path(d) / "step_00000002").string());
-  // latest names an incomplete one: the newest complete.
+  // latest names one that is not there: the newest complete.
   write(d + "/latest", "step_00000006\n");
   CHECK(tetra::checkpoint_to_resume(auto_resume(d)) == (fs::path(d) / "step_00000004").string());
   // latest outside the directory: refused.

@@ -292,6 +292,24 @@ std::string checkpoint_to_resume(const CheckpointConfig& cfg) {
           cfg.dir, done.size(), done.back().name));
     return "";
   }
+  // A step_* directory is renamed into place only once complete (a replaced one is set aside
+  // first), so one without its manifest was damaged or copied in part. A save of its step would
+  // replace it: refused while it lies beyond the checkpoint this run resumes from (-1: none).
+  auto refuse_damaged_beyond = [&](int64_t resume_step) {
+    for (const std::string& n : list_dir(cfg.dir)) {
+      const int64_t step = step_of_checkpoint_name(n);
+      if (step < 0 || kind_of_name(n) != CheckpointEntry::NAMED || step <= resume_step ||
+          !is_dir(fs::path(cfg.dir) / n) || complete(fs::path(cfg.dir) / n))
+        continue;
+      throw InputError(fmt::format(
+          "checkpoint.dir {} holds {} without its manifest.json (not a complete checkpoint: damaged, or copied in "
+          "part){}; this run would replace it when it saves step {}: restore its manifest.json, or move it out of {}",
+          cfg.dir, n,
+          resume_step < 0 ? std::string(" and no complete checkpoint")
+                          : fmt::format(", newer than the checkpoint to resume from (step {})", resume_step),
+          step, cfg.dir));
+    }
+  };
   const fs::path latest = fs::path(cfg.dir) / "latest";
   std::string named;
   struct stat st {};
@@ -312,15 +330,20 @@ std::string checkpoint_to_resume(const CheckpointConfig& cfg) {
           spdlog::warn("checkpoint.resume auto: {} names {}, which an interrupted save left as {}: resuming from it",
                        latest.string(), named, c.name);
         warn_newer(done, step, cfg.dir);
+        refuse_damaged_beyond(step);
         return (fs::path(cfg.dir) / c.name).string();
       }
   }
   if (done.empty()) {
-    if (named.empty()) return "";
+    if (named.empty()) {
+      refuse_damaged_beyond(-1);
+      return "";
+    }
     throw InputError(fmt::format("{} names \"{}\", which is not a complete checkpoint, and {} holds no other; set "
                                  "checkpoint.resume to another step_* directory or \"none\"", latest.string(),
                                  named, cfg.dir));
   }
+  refuse_damaged_beyond(done.back().step);
   const std::string path = (fs::path(cfg.dir) / done.back().name).string();
   spdlog::warn("checkpoint.resume auto: {}; resuming from the newest complete checkpoint, {} (step {})",
                named.empty() ? fmt::format("{} is missing", latest.string())
