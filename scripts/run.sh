@@ -47,7 +47,7 @@ if ! datasets_present; then
   echo "run.sh: tokenizing $DATA_DIR/sotu (98% of the addresses to train on, 2% to validate)"
   # `tetra data` writes every part under a temporary name and renames them all at the end.
   "$BUILD_DIR/tetra" data tokenize --tokenizer "sentencepiece:$TOKENIZER.model" \
-    --input "$DATA_DIR/sotu" --output "$DATASET" --split 98,2
+    --input "$DATA_DIR/sotu" --output "$DATASET" --split 98,2 --force  # an interrupted try may have left parts
 fi
 
 # configs/demo.json names the default data directory; point it at another one when

@@ -126,6 +126,17 @@ cp "$run1/model.safetensors" "$scratch/copy.safetensors"
   --weights "$scratch/copy.safetensors" >"$scratch/gen_copy.out" 2>&1 || fail "exit $?: $(cat "$scratch/gen_copy.out")"
 cmp -s "$scratch/gen_copy.out" "$scratch/gen_greedy.out" || fail "--weights: $(cat "$scratch/gen_copy.out")"
 
+case=generate_logits_out  # an existing file is replaced only with --force, and refused before any work
+echo keep >"$scratch/keep.safetensors"
+"$tetra" generate --config "$scratch/tp1.json" --prompt-ids 1,2 --max-tokens 1 --logits-out "$scratch/keep.safetensors" \
+  >/dev/null 2>"$scratch/logits.err" && fail "an existing --logits-out was replaced without --force"
+grep -qF "$scratch/keep.safetensors: the file exists (pass --force to replace it)" "$scratch/logits.err" ||
+  fail "message: $(cat "$scratch/logits.err")"
+[[ "$(cat "$scratch/keep.safetensors")" == keep ]] || fail "the refused run changed the file"
+"$tetra" generate --config "$scratch/tp1.json" --prompt-ids 1,2 --max-tokens 1 --logits-out "$scratch/keep.safetensors" \
+  --force >/dev/null 2>"$scratch/logits.err" || fail "--force: $(cat "$scratch/logits.err")"
+[[ "$(head -c 4 "$scratch/keep.safetensors")" != keep ]] || fail "--force did not write the logits"
+
 case=generate_hf_tokenizer
 # The same weights through a Hugging Face tokenizer.json (data.tokenizer "hf:<dir>"): its 258 ids
 # are within the model's 448, and only they are sampled.

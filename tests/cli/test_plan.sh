@@ -142,6 +142,14 @@ timeout 20 "$tetra" plan --config "$cfg70" --cluster "$scratch/fifo.json" >"$scr
 expect_refusal "no such cluster" "--cluster h100: neither a preset" plan --config "$cfg70" --cluster h100
 expect_refusal "too few GPUs" "give --nodes 8" plan --config "$cfg70" --cluster h100-80gb --explain
 expect_refusal "nothing fits" "no layout of this model fits" plan --config "$cfg70" --cluster "$scratch/small.json"
+expect_refusal "more GPUs than the batch can use" "no layout of this model spans 100 x 8 GPUs" \
+  plan --config "$src/configs/reference_llama.json" --cluster h100-80gb --nodes 100
+expect_refusal "--nodes 0" "--nodes: 0: must be a whole number from 1 to 1048576" plan --config "$cfg70" \
+  --cluster h100-80gb --nodes 0
+mkdir -p "$scratch/a_dir"
+expect_refusal "--write-config onto a directory" "--write-config $scratch/a_dir: is a directory" plan --config "$cfg70" \
+  --cluster h100-80gb --nodes 8 --write-config "$scratch/a_dir" --force
+[[ -z "$(ls -A "$scratch/a_dir")" && ! -e "$scratch/a_dir.tmp" ]] || fail "something was written for --write-config a_dir"
 expect_refusal "no global batch" "training.global_batch_size" plan --config "$cfg70" --set training.global_batch_size=0 \
   --cluster h100-80gb
 

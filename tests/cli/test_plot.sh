@@ -89,6 +89,9 @@ expect_refusal "a step of another type" 'bad_step/metrics.jsonl:2: step: must be
 printf '{"step":1,"loss":1e400}\n' >"$scratch/big_loss/metrics.jsonl"
 expect_refusal "a number beyond a double" "big_loss/metrics.jsonl:1:22: invalid JSON: number overflow" \
   "$scratch/big_loss" --out "$scratch/x.svg"
+mkdir -p "$scratch/dir.svg"
+expect_refusal "a directory as the output" "--out $scratch/dir.svg: is a directory; give a file name" \
+  "$scratch/lr0.01" --out "$scratch/dir.svg" --force
 case="--force"
 "$tetra" plot "$scratch/lr0.01" --out "$scratch/cmp.svg" --force >/dev/null 2>&1 || fail "--force did not replace it"
 case="default output"

@@ -76,6 +76,25 @@ assert all(eod not in d[:-1] for d in docs)
 assert all(len(d) > 100 for d in docs)  # 40 lines of words each, a 300-piece vocabulary
 PY
 
+case=existing_outputs  # a dataset or tokenizer is replaced only with --force
+md5=$(md5sum <"$scratch/text.bin")
+"$tetra" data tokenize --tokenizer "$spm" --input "$scratch/corpus/doc00.txt" --output "$scratch/text" \
+  >/dev/null 2>"$scratch/exists.err" && fail "an existing dataset was replaced without --force"
+grep -qF "$scratch/text.bin: the file exists (pass --force to replace it)" "$scratch/exists.err" ||
+  fail "message: $(cat "$scratch/exists.err")"
+[[ "$(md5sum <"$scratch/text.bin")" == "$md5" ]] || fail "the refused run changed text.bin"
+"$tetra" data train-tokenizer --input "$scratch/corpus" --vocab-size 300 --output "$scratch/spm" \
+  >/dev/null 2>"$scratch/exists.err" && fail "an existing tokenizer was replaced without --force"
+grep -qF "$scratch/spm.model: the file exists (pass --force" "$scratch/exists.err" || fail "message: $(cat "$scratch/exists.err")"
+"$tetra" data tokenize --tokenizer "$spm" --input "$scratch/corpus/doc00.txt" --output "$scratch/textf" \
+  >/dev/null 2>&1 || fail "a new output refused"
+"$tetra" data tokenize --tokenizer "$spm" --input "$scratch/corpus" --output "$scratch/textf" --force \
+  >/dev/null 2>&1 || fail "--force did not replace the dataset"
+cmp -s "$scratch/text.bin" "$scratch/textf.bin" || fail "the replaced dataset is not the new one"
+"$tetra" data tokenize --tokenizer "$spm" --input "$scratch/corpus/doc00.txt" --output "$scratch/" \
+  >/dev/null 2>"$scratch/exists.err" && fail "a prefix ending in / was accepted"
+grep -qF "names a directory, not a prefix" "$scratch/exists.err" || fail "message: $(cat "$scratch/exists.err")"
+
 case=threads
 "$tetra" data tokenize --tokenizer "$spm" --input "$scratch/corpus" --output "$scratch/text2" \
   --threads 2 >/dev/null 2>&1 || fail "exit $?"

@@ -334,14 +334,14 @@ TEST_CASE("prepare: --split writes train and valid datasets by document", "[data
   const std::string msg = tokenize_error(o);
   CHECK_THAT(msg, Contains("valid part got none of the 3 documents"));
 
-  // The valid part cannot be renamed into place (a directory holds its name) after the train
-  // part was: the train part is taken away again, a run leaves all of its datasets or none.
+  // A directory holding the valid part's name is refused before anything is written (the
+  // train part included): a run leaves all of its datasets or none.
   const std::string late = dir + "/late";
   fs::create_directories(late + "_valid.bin/occupied");
   o = options({dir + "/in.jsonl"}, late, DocumentFormat::JSONL);
   o.split = {3, 1};
   CHECK_THAT(input_error([&] { tokenize_to_dataset(ByteTokenizer(), o); }),
-             Contains("cannot rename"));
+             Contains("late_valid.bin: is a directory; give a file name"));
   CHECK(no_dataset_at(late + "_train"));
   for (const char* ext : {".idx", ".bin.tmp", ".idx.tmp"})
     CHECK_FALSE(fs::exists(late + "_valid" + ext));
@@ -458,6 +458,7 @@ TEST_CASE("prepare: an error after data was written leaves the previous dataset 
   lines += "{\"text\": null}\n";
   write_text(dir + "/late.jsonl", lines);
   TokenizeOptions o = options({dir + "/late.jsonl"}, out, DocumentFormat::JSONL, 1);
+  o.force = true;  // to replace the earlier dataset
   const std::string msg = input_error([&] { tokenize_to_dataset(ByteTokenizer(), o); });
   CHECK_THAT(msg, Contains("late.jsonl:5001: field \"text\" is a JSON null"));
   CHECK_FALSE(fs::exists(out + ".bin.tmp"));
@@ -580,10 +581,10 @@ TEST_CASE("prepare: llm.c gpt-2 shards become documents cut at <|endoftext|>", "
 
   // Another delimiter on request.
   write_llmc(dir + "/zero.bin", kLlmcMagicGpt2, 1, {0, 9, 0, 8});
-  LlmcOptions o = llmc_options({dir + "/zero.bin"}, dir + "/zero");
+  LlmcOptions o = llmc_options({dir + "/zero.bin"}, dir + "/zero_docs");
   o.eot = 0;
   convert_llmc_shards(o);
-  CHECK(read_docs(dir + "/zero") == std::vector<std::vector<int32_t>>{{9, 0}, {8, 0}});
+  CHECK(read_docs(dir + "/zero_docs") == std::vector<std::vector<int32_t>>{{9, 0}, {8, 0}});
 }
 
 TEST_CASE("prepare: llm.c llama-3 shards (uint32) become int32 documents", "[data][prepare]") {
@@ -644,4 +645,26 @@ TEST_CASE("prepare: bad llm.c shards are InputErrors naming file and field, leav
 
   CHECK_THAT(llmc_error(llmc_options({dir + "/good.bin"}, dir + "/missing/out")),
              Contains("does not exist"));
+}
+
+TEST_CASE("prepare: an existing dataset is replaced only on request; a prefix must name the files",
+          "[data][prepare]") {
+  const std::string dir = fresh_dir("existing");
+  const std::string out = dir + "/out";
+  write_text(dir + "/first.txt", "the first dataset");
+  write_text(dir + "/second.txt", "the second one");
+  tokenize_to_dataset(ByteTokenizer(), options({dir + "/first.txt"}, out));
+  const auto bin = read_file(out + ".bin");
+  TokenizeOptions o = options({dir + "/second.txt"}, out);
+  CHECK_THAT(input_error([&] { tokenize_to_dataset(ByteTokenizer(), o); }),
+             Contains(out + ".bin: the file exists (pass --force to replace it)"));
+  CHECK(read_file(out + ".bin") == bin);
+  o.force = true;
+  tokenize_to_dataset(ByteTokenizer(), o);
+  CHECK(read_docs(out) == std::vector<std::vector<int32_t>>{doc_of("the second one")});
+  // "dir/" would write dir/.bin and dir/.idx: refused.
+  o = options({dir + "/first.txt"}, dir + "/");
+  CHECK_THAT(input_error([&] { tokenize_to_dataset(ByteTokenizer(), o); }),
+             Contains("names a directory, not a prefix"));
+  CHECK_FALSE(fs::exists(dir + "/.bin"));
 }

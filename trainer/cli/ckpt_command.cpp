@@ -465,7 +465,7 @@ class CkptCommand final : public Command {
     import_->add_option("OUT", out_, "the checkpoint directory to create: new or empty")->required();
     import_->add_option("--seq-len", seq_len_, "model.seq_len (0: GPT-2's n_positions, else max_position_embeddings "
                                                "up to 4096)")
-        ->check(CLI::NonNegativeNumber)
+        ->check(whole_number_in(0, INT32_MAX))
         ->capture_default_str();
   }
 

@@ -18,6 +18,7 @@
 // ended a hung job (trainer/comm/watchdog.h).
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -50,6 +51,9 @@ std::unique_ptr<Command> add_trace_command(CLI::App& tetra);
 // Runs a command's body: its exit code; "error: ..." on stderr and exit 2 for bad input
 // (InputError), 1 for any other failure.
 int exit_code_of(const std::function<int()>& body);
+
+// A check for a whole-number option: "--nodes: 0: must be a whole number from 1 to 1048576".
+CLI::Validator whole_number_in(int64_t lo, int64_t hi);
 
 // `s` with &, <, > and " as XML entities (the SVG pictures of plot and trace).
 std::string xml_escape(const std::string& s);

@@ -1,9 +1,12 @@
 // `tetra data`: prepares the token datasets tetra trains on.
 //
 //   tetra data tokenize --tokenizer gpt2:<dir>|sentencepiece:<model>|hf:<dir> --input <files/dirs...>
-//                       [--jsonl [--json-key text]] --output <prefix> [--threads N] [--split 98,2]
-//   tetra data train-tokenizer --input <files/dirs...> [--vocab-size 4096] --output <prefix>
-//   tetra data from-llmc --input <shard.bin/dirs...> --output <prefix> [--eot ID]
+//                       [--jsonl [--json-key text]] --output <prefix> [--threads N] [--split 98,2] [--force]
+//   tetra data train-tokenizer --input <files/dirs...> [--vocab-size 4096] --output <prefix> [--force]
+//   tetra data from-llmc --input <shard.bin/dirs...> --output <prefix> [--eot ID] [--force]
+//
+// An existing output is refused unless --force (a dataset or tokenizer is never replaced by
+// mistake).
 //
 // The work is done by the library (trainer/data/prepare*.h); this file parses the command line,
 // draws progress on stderr (a bar on a terminal, a line every few seconds otherwise) and prints
@@ -30,6 +33,7 @@
 #include "kernels/common/check.h"
 #include "trainer/cli/cli.h"
 #include "trainer/core/format.h"
+#include "trainer/core/output_path.h"
 #include "trainer/data/prepare.h"
 #include "trainer/data/prepare_input.h"
 #include "trainer/data/prepare_llmc.h"
@@ -156,6 +160,7 @@ class DataCommand final : public Command {
         ->required();
     tokenize_->add_option("--threads", tok_.threads, "tokenizer threads (0: all hardware threads)")
         ->capture_default_str();
+    tokenize_->add_flag("--force", tok_.force, "replace existing datasets of the output prefix");
     tokenize_->add_option("--split", split_spec_,
                          "weights train,valid[,test], e.g. 98,2: writes PREFIX_train, "
                          "PREFIX_valid[, PREFIX_test], dealing documents in a fixed pattern");
@@ -169,6 +174,7 @@ class DataCommand final : public Command {
         ->required();
     train_->add_option("--threads", spm_.threads, "trainer threads (0: all hardware threads)")
         ->capture_default_str();
+    train_->add_flag("--force", spm_force_, "replace an existing PREFIX.model and PREFIX.vocab");
     train_
         ->add_option("--character-coverage", spm_.character_coverage,
                      "share of characters the vocabulary covers")
@@ -185,6 +191,7 @@ class DataCommand final : public Command {
         ->required();
     from_llmc_->add_option("--output", llmc_.output_prefix, "output prefix: writes PREFIX.bin, .idx")
         ->required();
+    from_llmc_->add_flag("--force", llmc_.force, "replace an existing dataset of the output prefix");
     from_llmc_
         ->add_option("--eot", llmc_.eot,
                      "the token that starts every document (default: 50256 for gpt-2 shards, "
@@ -221,6 +228,7 @@ class DataCommand final : public Command {
                             spm_output_, ext, spm_output_.substr(0, spm_output_.size() - ext.size()));
         }
         tetra::check_output_prefix(spm_output_, "--output");
+        for (const char* ext : {".model", ".vocab"}) tetra::check_output_file("--output", spm_output_ + ext, spm_force_);
         const std::vector<tetra::InputFile> files = tetra::list_input_files(spm_inputs_);
         tetra::check_text_files(files);
         tetra::train_sentencepiece(paths_of(files), spm_output_, spm_);
@@ -270,6 +278,7 @@ class DataCommand final : public Command {
   // train-tokenizer
   std::vector<std::string> spm_inputs_;
   std::string spm_output_;
+  bool spm_force_ = false;
   tetra::SentencePieceTrainOptions spm_;
   // from-llmc
   tetra::LlmcOptions llmc_;

@@ -21,6 +21,7 @@
 #include "trainer/cli/cli.h"
 #include "trainer/comm/launcher.h"
 #include "trainer/config/config.h"
+#include "trainer/core/output_path.h"
 #include "trainer/train/compute_device.h"
 #include "trainer/train/generate.h"
 
@@ -49,6 +50,7 @@ struct GenerateArgs {
   int64_t max_tokens = 0, top_k = 0;
   double temperature = 0.0;
   uint64_t seed = 0;
+  bool force = false;
   CLI::Option *prompt_opt = nullptr, *max_tokens_opt = nullptr, *temperature_opt = nullptr, *top_k_opt = nullptr,
               *seed_opt = nullptr;
 
@@ -111,6 +113,7 @@ struct GenerateArgs {
         ->excludes(prompt_opt);
     cmd->add_option("--logits-out", logits_out, "with --prompt-ids: write the prompt's logits (fp32, prompt length "
                                                 "x vocab_size) to this safetensors file");
+    cmd->add_flag("--force", force, "replace an existing --logits-out file");
     max_tokens_opt = cmd->add_option("--max-tokens", max_tokens, "most tokens to generate (default: "
                                      "sample.max_tokens)")->check(whole_number())->check(at_least(1));
     temperature_opt = cmd->add_option("--temperature", temperature, "0 = greedy (default: "
@@ -128,8 +131,9 @@ struct GenerateArgs {
   }
 };
 
-// "3,17, 5" -> the ids; --logits-out checked before any work (its directory exists, it is no directory).
-tetra::IdPrompt parse_prompt_ids(const std::string& text, const std::string& logits_out) {
+// "3,17, 5" -> the ids; --logits-out checked before any work (check_output_file: a new file, unless --force,
+// in a writable directory).
+tetra::IdPrompt parse_prompt_ids(const std::string& text, const std::string& logits_out, bool force) {
   tetra::IdPrompt p;
   size_t at = 0;
   while (at <= text.size()) {
@@ -146,15 +150,7 @@ tetra::IdPrompt parse_prompt_ids(const std::string& text, const std::string& log
     p.ids.push_back(static_cast<int32_t>(v));
     at = comma + 1;
   }
-  if (!logits_out.empty()) {
-    namespace fs = std::filesystem;
-    std::error_code ec;
-    const fs::path out(logits_out), parent = out.parent_path().empty() ? fs::path(".") : out.parent_path();
-    if (fs::is_directory(out, ec))
-      throw tetra::InputError(fmt::format("--logits-out {}: is a directory; give a file name", logits_out));
-    if (!fs::is_directory(parent, ec))
-      throw tetra::InputError(fmt::format("--logits-out {}: the directory {} does not exist", logits_out, parent.string()));
-  }
+  if (!logits_out.empty()) tetra::check_output_file("--logits-out", logits_out, force);
   p.logits_out = logits_out;
   return p;
 }
@@ -173,7 +169,7 @@ int run_generate(const GenerateArgs& args, const tetra::RuntimeOptions& runtime)
     tetra::Config cfg = tetra::load_config(args.config_path, args.overrides);
     args.apply(cfg.sample);
     std::optional<tetra::IdPrompt> ids;
-    if (!args.prompt_ids.empty()) ids = parse_prompt_ids(args.prompt_ids, args.logits_out);
+    if (!args.prompt_ids.empty()) ids = parse_prompt_ids(args.prompt_ids, args.logits_out, args.force);
     else if (!args.logits_out.empty()) throw tetra::InputError("--logits-out needs --prompt-ids (the prompt's token ids)");
     // One process: the node's first GPU (local rank 0).
     const tetra::GeneratedText text = tetra::generate_command(

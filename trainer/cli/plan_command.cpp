@@ -8,6 +8,7 @@
 // The run config gives the model, sequence length, global batch and precision; the cluster its
 // GPUs (cluster.h, docs/clusters.md). Exit 0; 2 on bad input (config, cluster file, an existing
 // --write-config file without --force, no layout that fits), the message naming the key or file.
+#include <charconv>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -20,6 +21,8 @@
 #include "kernels/common/check.h"
 #include "trainer/cli/cli.h"
 #include "trainer/config/config.h"
+#include "trainer/core/files.h"
+#include "trainer/core/output_path.h"
 #include "trainer/plan/cluster.h"
 #include "trainer/plan/planner.h"
 
@@ -98,16 +101,12 @@ std::string explain(const PlannedLayout& l, const ClusterSpec& c) {
 }
 
 void write_config(const Config& cfg, const std::string& path, bool force) {
-  if (std::filesystem::exists(path) && !force)
-    throw InputError(fmt::format("--write-config {}: the file exists (pass --force to replace it)", path));
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    if (!out) throw InputError(fmt::format("--write-config {}: cannot write it", path));
-    out << config_to_json(cfg).dump(2) << "\n";
-    if (!out) throw InputError(fmt::format("--write-config {}: write failed", path));
+  check_output_file("--write-config", path, force);
+  try {
+    write_file_atomic(path, config_to_json(cfg).dump(2) + "\n");
+  } catch (const Error& e) {
+    throw InputError(fmt::format("--write-config {}: cannot write it: {}", path, e.what()));
   }
-  std::filesystem::rename(tmp, path);
 }
 
 class PlanCommand final : public Command {
@@ -121,8 +120,8 @@ class PlanCommand final : public Command {
     cmd_->add_option("--set", overrides_, "override a config key: section.key=value (repeatable)");
     cmd_->add_option("--cluster", cluster_, "a preset (" + presets + ") or a cluster JSON file (docs/clusters.md)")
         ->required();
-    cmd_->add_option("--nodes", nodes_, "nodes of the cluster (a preset has one)")->check(CLI::PositiveNumber);
-    cmd_->add_option("--top", top_, "layouts to print (default 10)")->check(CLI::PositiveNumber);
+    cmd_->add_option("--nodes", nodes_, "nodes of the cluster (a preset has one)")->check(whole_number_in(1, 1 << 20));
+    cmd_->add_option("--top", top_, "layouts to print (default 10)")->check(whole_number_in(1, 1 << 20));
     cmd_->add_flag("--json", json_, "print JSON instead of a table");
     cmd_->add_flag("--explain", explain_, "itemise the config's own layout instead of searching");
     cmd_->add_option("--write-config", write_path_, "write the best layout (with --explain: the config's) as a config");
@@ -144,8 +143,7 @@ class PlanCommand final : public Command {
  private:
   int plan() {
     const Config cfg = load_config(config_path_, overrides_);
-    if (!write_path_.empty() && std::filesystem::exists(write_path_) && !force_)
-      throw InputError(fmt::format("--write-config {}: the file exists (pass --force to replace it)", write_path_));
+    if (!write_path_.empty()) check_output_file("--write-config", write_path_, force_);
     ClusterSpec cluster = load_cluster(cluster_, cfg.training.precision, nodes_);
     if (explain_) {
       const int64_t world = cfg.parallel.world();
@@ -191,6 +189,18 @@ class PlanCommand final : public Command {
         fmt::print("over the memory: {}: {:.1f} GiB, {}\n", l.describe(), l.memory_bytes / kGiB, l.binds);
       for (const auto& [key, n] : found.refusal_keys) fmt::print("refused: {} layout(s) by {}\n", n, key);
     }
+    if (found.fitting.empty() && found.candidates == 0)
+      throw InputError(fmt::format(
+          "no layout of this model spans {} x {} GPUs: tensor parallelism is a power of two up to {} (the heads, a "
+          "node's GPUs), context parallelism a power of two dividing model.seq_len ({}), pipeline parallelism at most "
+          "model.num_layers ({}), and the data-parallel rest times a micro-batch (1 to 16) must divide "
+          "training.global_batch_size ({}); give fewer GPUs (--nodes) or a larger global batch",
+          cluster.nodes, cluster.gpus_per_node, std::min(cfg.model.num_heads, cluster.gpus_per_node),
+          cfg.model.seq_len, cfg.model.num_layers, cfg.training.global_batch_size));
+    if (found.fitting.empty() && found.too_big == 0)
+      throw InputError(fmt::format("every layout of this model on {} x {} GPUs is refused by the config rules (the "
+                                   "keys are counted above): give another GPU count (--nodes) or change the model "
+                                   "or batch to suit them", cluster.nodes, cluster.gpus_per_node));
     if (found.fitting.empty())
       throw InputError(fmt::format("no layout of this model fits {} x {} GPUs of {:.1f} GiB (see above): add nodes or "
                                    "shrink the model, sequence or batch", cluster.nodes, cluster.gpus_per_node,
@@ -210,6 +220,17 @@ class PlanCommand final : public Command {
 }  // namespace
 
 std::unique_ptr<Command> add_plan_command(CLI::App& tetra) { return std::make_unique<PlanCommand>(tetra); }
+
+CLI::Validator whole_number_in(int64_t lo, int64_t hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& v) {
+        int64_t x = 0;
+        const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+        if (ec == std::errc() && end == v.data() + v.size() && x >= lo && x <= hi) return std::string();
+        return fmt::format("{}: must be a whole number from {} to {}", v, lo, hi);
+      },
+      fmt::format("{}..{}", lo, hi));
+}
 
 int exit_code_of(const std::function<int()>& body) {
   try {

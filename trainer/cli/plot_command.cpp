@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -23,6 +25,7 @@
 #include "trainer/cli/cli.h"
 #include "trainer/core/files.h"
 #include "trainer/core/json_text.h"
+#include "trainer/core/output_path.h"
 
 namespace tetra::cli {
 
@@ -210,8 +213,7 @@ class PlotCommand final : public Command {
     const std::string ext = fs::path(out).extension().string();
     if (ext != ".svg" && ext != ".png")
       throw InputError(fmt::format("--out {}: the picture is .svg or .png", out));
-    if (fs::exists(out) && !force_)
-      throw InputError(fmt::format("--out {}: the file exists (pass --force to replace it)", out));
+    check_output_file("--out", out, force_);
     std::string converter;
     if (ext == ".png") {
       // ImageMagick's convert by its version line: another program may take the name.
@@ -223,16 +225,19 @@ class PlotCommand final : public Command {
         throw InputError(fmt::format("--out {}: a PNG needs rsvg-convert (librsvg2-bin) or ImageMagick's convert, "
                                      "and neither is installed; write .svg instead", out));
     }
-    const std::string svg_path = ext == ".svg" ? out : out + ".svg.tmp";
-    const std::string tmp = ext == ".svg" ? out + ".tmp" : svg_path;
-    {
-      std::ofstream f(tmp);
-      f << svg(runs);
-      if (!f) throw InputError(fmt::format("--out {}: cannot write it", out));
-    }
+    const std::string svg_path = out + ".svg.tmp";
     if (ext == ".svg") {
-      fs::rename(tmp, out);
+      try {
+        write_file_atomic(out, svg(runs));
+      } catch (const Error& e) {
+        throw InputError(fmt::format("--out {}: cannot write it: {}", out, e.what()));
+      }
     } else {
+      {
+        std::ofstream f(svg_path);
+        f << svg(runs);
+        if (!f) throw InputError(fmt::format("--out {}: cannot write the picture beside it: {}", out, std::strerror(errno)));
+      }
       const std::string cmd = converter == "rsvg-convert"
                                   ? fmt::format("rsvg-convert -o {} {}", shell_quote(out), shell_quote(svg_path))
                                   : fmt::format("convert {} {}", shell_quote(svg_path), shell_quote(out));

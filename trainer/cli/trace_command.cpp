@@ -24,6 +24,7 @@
 #include "trainer/cli/cli.h"
 #include "trainer/core/files.h"
 #include "trainer/core/json_text.h"
+#include "trainer/core/output_path.h"
 
 namespace tetra::cli {
 
@@ -239,7 +240,7 @@ class TraceCommand final : public Command {
     merge_->add_option("dir", dir_, "a run's logging.dir, or its trace folder")->required();
     merge_->add_option("-o,--out", out_, "the merged trace (default: merged.json beside the rank files)");
     merge_->add_option("--svg", svg_, "also draw the timeline as an SVG picture");
-    merge_->add_option("--step", step_, "draw only this step (its spans on every rank)")->check(CLI::PositiveNumber);
+    merge_->add_option("--step", step_, "draw only this step (its spans on every rank)")->check(whole_number_in(1, INT64_MAX));
     merge_->add_flag("--force", force_, "replace existing outputs");
   }
   CLI::App& app() override { return *cmd_; }
@@ -290,10 +291,8 @@ class TraceCommand final : public Command {
       }
     }
     const std::string out = out_.empty() ? (dir / "merged.json").string() : out_;
-    if (fs::exists(out) && !force_)
-      throw InputError(fmt::format("--out {}: the file exists (pass --force to replace it)", out));
-    if (!svg_.empty() && fs::exists(svg_) && !force_)
-      throw InputError(fmt::format("--svg {}: the file exists (pass --force to replace it)", svg_));
+    check_output_file("--out", out, force_);
+    if (!svg_.empty()) check_output_file("--svg", svg_, force_);
     const std::string picture = svg_.empty() ? "" : timeline_svg(merged, step_);  // refused before anything is written
     write_output(out, merged.dump() + "\n", "--out");
     std::printf("%s (%zu ranks, %zu events)\n", out.c_str(), files.size(), merged["traceEvents"].size());

@@ -55,4 +55,28 @@ void check_output_dir(const std::string& what, const std::string& path, uint64_t
                                  bytes_needed / 1048576.0));
 }
 
+void check_output_file(const std::string& what, const std::string& path, bool force) {
+  if (path.find('\0') != std::string::npos)
+    throw InputError(fmt::format("{}: the path contains a NUL character; give a path without one", what));
+  if (path.empty()) throw InputError(fmt::format("{}: the path is empty", what));
+  const fs::path p(path);
+  const std::string name = p.filename().string();
+  if (name.empty() || name == "." || name == "..")
+    throw InputError(fmt::format("{} {}: names a directory; give a file name", what, path));
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) throw InputError(fmt::format("{} {}: is a directory; give a file name", what, path));
+    if (!S_ISREG(st.st_mode))
+      throw InputError(fmt::format("{} {}: exists and is not a regular file; give a file name", what, path));
+    if (!force) throw InputError(fmt::format("{} {}: the file exists (pass --force to replace it)", what, path));
+  }
+  const fs::path parent = p.parent_path().empty() ? fs::path(".") : p.parent_path();
+  if (::stat(parent.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    throw InputError(fmt::format("{} {}: the directory {} does not exist; create it first", what, path,
+                                 parent.string()));
+  if (::access(parent.c_str(), W_OK | X_OK) != 0)
+    throw InputError(fmt::format("{} {}: the directory {} is not writable: {}", what, path, parent.string(),
+                                 std::strerror(errno)));
+}
+
 }  // namespace tetra

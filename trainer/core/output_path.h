@@ -16,4 +16,10 @@ namespace tetra {
 // filesystem, too little free space.
 void check_output_dir(const std::string& what, const std::string& path, uint64_t bytes_needed = 0);
 
+// That the file `path` (named in messages as `what`, e.g. "--out") can be written: a file name (not
+// a directory, nor a path ending in '/'), in an existing directory this process can write into;
+// and, unless `force`, that it does not exist yet ("the file exists (pass --force to replace
+// it)"). Creates nothing. InputError naming `what` and the path otherwise.
+void check_output_file(const std::string& what, const std::string& path, bool force);
+
 }  // namespace tetra

@@ -11,12 +11,16 @@
 #include <thread>
 
 #include "kernels/common/check.h"
+#include "trainer/core/output_path.h"
 #include "trainer/data/indexed_dataset.h"
 #include "trainer/data/tokenizer.h"
 
 namespace tetra {
 
 namespace {
+
+// Tokenizer threads: beyond any machine's cores, and each one costs a thread and its buffers.
+constexpr int kMaxThreads = 4096;
 
 // Runs fn(i) for every i in [0, n) on `threads` threads, the calling thread being one of them,
 // and returns when all are done. Indices are handed out one at a time (documents differ widely in
@@ -154,8 +158,8 @@ std::vector<std::string> split_prefixes(const std::string& prefix, size_t parts)
 // ---------------------------------------------------------------------------------------------
 PrepareSummary tokenize_to_dataset(const Tokenizer& tokenizer, const TokenizeOptions& opt) {
   const auto t0 = std::chrono::steady_clock::now();
-  TETRA_INPUT_CHECK(opt.threads >= 0, "--threads {}: give 0 (all hardware threads) or more",
-                    opt.threads);
+  TETRA_INPUT_CHECK(opt.threads >= 0 && opt.threads <= kMaxThreads,
+                    "--threads {}: give 0 (all hardware threads) or up to {}", opt.threads, kMaxThreads);
   const int threads = opt.threads > 0
                           ? opt.threads
                           : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
@@ -169,6 +173,8 @@ PrepareSummary tokenize_to_dataset(const Tokenizer& tokenizer, const TokenizeOpt
   const std::vector<std::string> prefixes =
       opt.split.empty() ? std::vector<std::string>{opt.output_prefix}
                         : split_prefixes(opt.output_prefix, opt.split.size());
+  for (const std::string& p : prefixes)
+    for (const char* ext : {".bin", ".idx"}) check_output_file("--output", p + ext, opt.force);
   const int64_t vocab = tokenizer.vocab_size();
   const int32_t eod = tokenizer.eod_id();
   TETRA_CHECK(eod >= 0 && eod < vocab, "tokenizer {}: end-of-document id {} outside vocab {}",

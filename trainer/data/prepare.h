@@ -88,6 +88,7 @@ struct TokenizeOptions {
   std::string output_prefix;
   int threads = 0;                   // 0: one per hardware thread
   std::vector<int64_t> split;        // empty: one dataset at output_prefix; else parse_split's
+  bool force = false;                // replace existing datasets (else they are refused)
   ProgressCallback progress;         // may be empty
   double progress_interval_s = 0.5;  // least time between two progress calls (the last is extra)
 };

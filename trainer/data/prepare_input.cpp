@@ -162,6 +162,10 @@ void check_output_prefix(const std::string& prefix, std::string_view what) {
                       "PREFIX.idx are written); did you mean {}?",
                       what, prefix, ext, prefix.substr(0, prefix.size() - ext.size()));
   }
+  const std::string name = fs::path(prefix).filename().string();
+  TETRA_INPUT_CHECK(!name.empty() && name != "." && name != "..",
+                    "{} {} names a directory, not a prefix: give the files' name too, e.g. {}corpus", what, prefix,
+                    prefix.ends_with('/') ? prefix : prefix + "/");
   fs::path dir = fs::path(prefix).parent_path();
   if (dir.empty()) dir = ".";
   std::error_code ec;

@@ -15,6 +15,7 @@
 #include "kernels/common/check.h"
 #include "trainer/data/indexed_dataset.h"
 #include "trainer/core/files.h"
+#include "trainer/core/output_path.h"
 
 namespace tetra {
 
@@ -93,6 +94,7 @@ PrepareSummary convert_llmc_shards(const LlmcOptions& opt) {
   // ---- every header first: one format, a delimiter that fits ----------------------------------
   const std::vector<InputFile> files = list_input_files(opt.inputs, ".bin");
   check_output_prefix(opt.output_prefix, "--output");
+  for (const char* ext : {".bin", ".idx"}) check_output_file("--output", opt.output_prefix + ext, opt.force);
   std::vector<LlmcShard> shards;
   for (const InputFile& f : files) {
     shards.push_back(read_llmc_header(f.path));

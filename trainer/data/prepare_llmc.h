@@ -49,6 +49,7 @@ struct LlmcOptions {
   std::vector<std::string> inputs;  // shard files, or directories (their *.bin files)
   std::string output_prefix;
   int64_t eot = -1;  // the delimiter; -1: 50256 (gpt-2) or 128000 (llama-3)
+  bool force = false;  // replace an existing dataset (else it is refused)
   ProgressCallback progress;
   double progress_interval_s = 0.5;
 };
