@@ -178,4 +178,13 @@ expect_stderr 'training.threads: 4294967298: must be <= 65536'
 expect_stderr 'training.eval_steps: 9223372036854775807: must be <= 2147483647'
 expect_no_output_files
 
+# A directory where the final weights go is found before training, not at the end.
+start_case weights_dir
+write_config "$scratch/weights_dir/config.json" ""
+mkdir -p "$scratch/weights_dir/logs/model.safetensors"
+run_case 2 "$scratch/weights_dir/config.json"
+expect_stderr "logs/model.safetensors is a directory, not a file: the run writes its final weights there"
+[[ ! -e "$scratch/weights_dir/logs/train.log" && ! -e "$scratch/weights_dir/logs/metrics.jsonl" ]] ||
+  fail "the refused run wrote into logging.dir"
+
 finish "config error checks"

@@ -1,6 +1,7 @@
 #include "trainer/train/trainer.h"
 
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
@@ -17,6 +18,7 @@
 #include "trainer/checkpoint/checkpoint.h"
 #include "trainer/comm/process_groups.h"
 #include "trainer/comm/watchdog.h"
+#include "trainer/core/files.h"
 #include "trainer/core/log.h"
 #include "trainer/core/output_path.h"
 #include "trainer/core/trace.h"
@@ -52,7 +54,16 @@ namespace {
 // into logging.dir/trace; only the writer the others.
 void check_output_paths(const Config& cfg, const std::string& dump_dir, bool writer) {
   const uint64_t params = static_cast<uint64_t>(ParamLayout::build(cfg.model).total);
-  if (writer && !cfg.logging.dir.empty()) check_output_dir("logging.dir", cfg.logging.dir, params * 4);
+  if (writer && !cfg.logging.dir.empty()) {
+    check_output_dir("logging.dir", cfg.logging.dir, params * 4);
+    // The final weights replace a file there at the end; anything else in their place would only
+    // be found then.
+    const std::filesystem::path weights = std::filesystem::path(cfg.logging.dir) / "model.safetensors";
+    struct stat st {};
+    TETRA_INPUT_CHECK(::lstat(weights.c_str(), &st) != 0 || S_ISREG(st.st_mode),
+                      "logging.dir: {} is {}, not a file: the run writes its final weights there; move it away or "
+                      "choose another logging.dir", weights.string(), file_kind_name(st.st_mode));
+  }
   if (!writer && !cfg.logging.dir.empty() && !cfg.training.profile_steps.empty())
     check_output_dir("logging.dir (each rank writes its timeline there under training.profile_steps)",
                      cfg.logging.dir);
