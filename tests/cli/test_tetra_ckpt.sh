@@ -223,6 +223,18 @@ if [[ -f "$scratch/llama/ckpt/$step_dir/manifest.json" ]]; then
   expect_refusal "$tetra" ckpt export-hf "$llama" "$scratch/out/other"
   [[ $(ls "$scratch/out/other") == notes.txt ]] || fail "wrote into OUT: $(ls "$scratch/out/other")"
 
+  case=import_out_not_empty  # import-hf has no --force: its message does not offer one
+  names=("$scratch/out/other" "not empty" "choose an empty or new directory")
+  expect_refusal "$tetra" ckpt import-hf "$out" "$scratch/out/other"
+  grep -qF -- "--force" "$scratch/$case.err" && fail "import-hf offers --force, which it does not have"
+
+  case=export_shard_size_out_of_range  # no overflow to a shard per tensor, no zero-byte limit
+  for size in 1e20 0.5B infGB; do
+    names=("--max-shard-size $size")
+    expect_refusal "$tetra" ckpt export-hf "$llama" "$scratch/out/shards_$size" --max-shard-size "$size"
+    [[ ! -e "$scratch/out/shards_$size" ]] || fail "--max-shard-size $size: OUT was created"
+  done
+
   case=export_out_force
   "$tetra" ckpt export-hf "$llama" "$out" --force >"$scratch/$case.out" 2>"$scratch/$case.err" ||
     fail "exit $?: $(cat "$scratch/$case.err")"

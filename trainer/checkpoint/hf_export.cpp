@@ -284,7 +284,7 @@ std::string not_writable(const std::filesystem::path& dir) {
 
 }  // namespace
 
-void hf_check_output_dir(const std::string& out, bool force) {
+void hf_check_output_dir(const std::string& out, bool force, bool can_force) {
   namespace fs = std::filesystem;
   if (out.empty())
     throw InputError("OUT is empty: name a new or empty directory to write model.safetensors and config.json in");
@@ -334,9 +334,11 @@ void hf_check_output_dir(const std::string& out, bool force) {
     std::string list;
     for (size_t i = 0; i < held.size() && i < 3; ++i) list += (i ? ", " : "") + held[i];
     if (held.size() > 3) list += fmt::format(" and {} more", held.size() - 3);
-    throw InputError(fmt::format("{}: the output directory is not empty (it holds {}): pass --force to replace "
-                                 "model.safetensors and config.json in it, or choose an empty or new directory",
-                                 out, list));
+    throw InputError(can_force ? fmt::format("{}: the output directory is not empty (it holds {}): pass --force to "
+                                             "replace model.safetensors and config.json in it, or choose an empty or "
+                                             "new directory", out, list)
+                               : fmt::format("{}: the output directory is not empty (it holds {}): choose an empty or "
+                                             "new directory", out, list));
   }
   for (const char* name : {"model.safetensors", "config.json"}) {
     const fs::path p = fs::path(out) / name;

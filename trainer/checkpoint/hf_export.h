@@ -58,7 +58,7 @@ std::map<std::string, std::string> hf_metadata();
 // directory); one that exists must be a writable directory, and empty unless `force` (which then
 // replaces OUT/model.safetensors and OUT/config.json, each a regular file if present, and leaves
 // the rest). InputError naming `out` and what would fix it otherwise; the messages name the
-// option `--force` (`tetra ckpt export-hf`'s).
-void hf_check_output_dir(const std::string& out, bool force);
+// option `--force` (`tetra ckpt export-hf`'s) where `can_force` (import-hf has none).
+void hf_check_output_dir(const std::string& out, bool force, bool can_force = true);
 
 }  // namespace tetra

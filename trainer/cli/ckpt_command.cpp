@@ -23,6 +23,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cctype>
 #include <cerrno>
 #include <cstring>
@@ -262,9 +263,13 @@ int64_t shard_bytes(const std::string& text) {
   std::transform(unit.begin(), unit.end(), unit.begin(), [](unsigned char c) { return std::toupper(c); });
   const std::map<std::string, double> units = {{"", 1.0}, {"B", 1.0}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}};
   const auto it = units.find(unit);
-  if (used == 0 || it == units.end() || !(v > 0))
+  if (used == 0 || it == units.end() || !std::isfinite(v) || !(v > 0))
     throw InputError(fmt::format("--max-shard-size {}: expected a size such as 5GB, 500MB or a byte count", text));
-  return static_cast<int64_t>(v * it->second);
+  // At least one byte, at most 1 PB (beyond any file a loader maps): no overflow, no zero limit.
+  const double bytes = v * it->second;
+  if (!(bytes >= 1.0) || bytes > 1e15)
+    throw InputError(fmt::format("--max-shard-size {}: {:.4g} bytes; give from 1 byte to 1000TB", text, bytes));
+  return static_cast<int64_t>(bytes);
 }
 
 int export_hf(const std::string& dir, const std::string& out, const std::string& dtype_name, bool force,
@@ -354,7 +359,7 @@ int export_hf(const std::string& dir, const std::string& out, const std::string&
 }
 
 int import_hf(const std::string& hf_dir, const std::string& out, int64_t seq_len) {
-  tetra::hf_check_output_dir(out, false);  // before any work: a refusal reads and writes nothing
+  tetra::hf_check_output_dir(out, false, /*can_force=*/false);  // before any work: a refusal reads and writes nothing
   const tetra::HfModel hf = tetra::read_hf_model(hf_dir, seq_len);
   json j = {{"model", hf.model}, {"data", {{"synthetic", true}}}, {"checkpoint", {{"dir", out}}}};
   tetra::Config cfg;
