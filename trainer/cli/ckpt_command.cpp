@@ -54,6 +54,7 @@
 #include "kernels/common/check.h"
 #include "trainer/cli/cli.h"
 #include "trainer/core/format.h"
+#include "trainer/core/output_path.h"
 #include "trainer/params/param_layout.h"
 
 namespace tetra::cli {
@@ -294,6 +295,10 @@ int export_hf(const std::string& dir, const std::string& out, const std::string&
       ck.model.vocab_size > 50256)
     eos = 50256;
   const json config = tetra::hf_config(ck.model, arch, dtype, eos);
+  // Room for the tensors (plus a MiB for headers and config.json) before OUT is created.
+  uint64_t need = uint64_t{1} << 20;
+  for (const tetra::TensorRecord& r : records) need += r.data.size();
+  tetra::check_output_dir("OUT", out, need);
 
   std::error_code ec;
   fs::create_directories(out, ec);
@@ -371,6 +376,8 @@ int import_hf(const std::string& hf_dir, const std::string& out, int64_t seq_len
     throw InputError(fmt::format("{}/config.json describes a model Tetra cannot build:{}", hf_dir, list));
   }
   std::vector<float> master = tetra::read_hf_weights(hf, cfg.model);
+  // Room for the weights and the two (zero) moments, fp32, plus a MiB for the manifest.
+  tetra::check_output_dir("OUT", out, master.size() * 12 + (uint64_t{1} << 20));
   // Step 0 with zero moments, saved as a one-rank run would: any layout loads it (resharding).
   const tetra::ParamLayout layout = tetra::ParamLayout::build(cfg.model);
   std::vector<float> zeros(master.size(), 0.0f), zeros2(master.size(), 0.0f);
