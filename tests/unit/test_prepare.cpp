@@ -647,7 +647,7 @@ TEST_CASE("prepare: bad llm.c shards are InputErrors naming file and field, leav
              Contains("does not exist"));
 }
 
-TEST_CASE("prepare: an existing dataset is replaced only on request; a prefix must name the files",
+TEST_CASE("prepare: an existing dataset is replaced only on request, and a prefix must name the files",
           "[data][prepare]") {
   const std::string dir = fresh_dir("existing");
   const std::string out = dir + "/out";

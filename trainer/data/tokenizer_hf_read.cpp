@@ -55,7 +55,7 @@ class Obj {
   }
 
   [[noreturn]] void fail(const std::string& field, const std::string& what) const {
-    throw InputError(fmt::format("{}: {} {}", file_, field, what));
+    throw InputError(fmt::format("{}: {} {}", file_, field.empty() ? "the document" : field, what));
   }
   std::string at(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
   const std::string& path() const { return path_; }

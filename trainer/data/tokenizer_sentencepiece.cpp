@@ -43,8 +43,16 @@ class SentencePieceTokenizer final : public Tokenizer {
                       "{}: no such SentencePiece model file; train one (train_sentencepiece "
                       "writes <prefix>.model) or fix the path", model_file);
     const auto status = processor_.Load(model_file);
-    TETRA_INPUT_CHECK(status.ok(), "{}: cannot load the SentencePiece model ({}); is it a "
-                      ".model file written by SentencePiece?", model_file, status.ToString());
+    if (!status.ok()) {
+      // A file that is no serialized model fails in the protobuf parse: said so, without the
+      // library's source location.
+      const std::string why = status.ToString();
+      throw InputError(why.find("ParseFromArray") != std::string::npos
+                           ? fmt::format("{}: not a SentencePiece model (its bytes do not parse as one); give the "
+                                         ".model file SentencePiece wrote", model_file)
+                           : fmt::format("{}: cannot load the SentencePiece model ({}); is it a .model file "
+                                         "written by SentencePiece?", model_file, why));
+    }
     eod_id_ = processor_.eos_id();
     TETRA_INPUT_CHECK(eod_id_ >= 0 && eod_id_ < processor_.GetPieceSize(),
                       "{}: the model has no eos piece (eos_id {}), which Tetra uses as the "
