@@ -92,6 +92,11 @@ expect_refusal "a number beyond a double" "big_loss/metrics.jsonl:1:22: invalid 
 mkdir -p "$scratch/dir.svg"
 expect_refusal "a directory as the output" "--out $scratch/dir.svg: is a directory; give a file name" \
   "$scratch/lr0.01" --out "$scratch/dir.svg" --force
+mkdir -p "$scratch/fifo_run" && mkfifo "$scratch/fifo_run/metrics.jsonl"
+case="a named pipe as metrics.jsonl"
+timeout -s KILL 20 "$tetra" plot "$scratch/fifo_run" --out "$scratch/x.svg" >/dev/null 2>"$scratch/err.txt"
+rc=$?
+[[ $rc -eq 2 ]] && grep -qF "metrics.jsonl is a named pipe (FIFO)" "$scratch/err.txt" || fail "exit $rc: $(cat "$scratch/err.txt")"
 case="--force"
 "$tetra" plot "$scratch/lr0.01" --out "$scratch/cmp.svg" --force >/dev/null 2>&1 || fail "--force did not replace it"
 case="default output"

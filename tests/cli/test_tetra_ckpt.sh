@@ -427,6 +427,13 @@ PY
   names=("error: $dir/manifest.json: field layout.tp is 0, outside [1, 1048576]")
   expect_refusal "$tetra" ckpt inspect "$dir"
 
+  case=rank_file_named_pipe  # refused without blocking on it
+  dir=$(damaged llama)
+  rank_file=$(ls "$dir"/rank_*.safetensors | head -1)
+  rm "$rank_file" && mkfifo "$rank_file"
+  names=("$rank_file" "named pipe (FIFO)")
+  expect_refusal timeout -s KILL 20 "$tetra" ckpt inspect "$dir"
+
   case=unreadable_checkpoint  # a directory the user may not enter (as root: checked as nobody)
   dir=$(damaged llama)
   as_user=()

@@ -236,6 +236,12 @@ other_run 'pass'
 echo '{}' >"$scratch/other/trace/rank_99999999999.json"
 refuse "a rank number beyond any run" "rank 99999999999 is beyond any run's" "$scratch/other"
 rm "$scratch/other/trace/rank_99999999999.json"
+rm "$scratch/other/trace/rank_1.json" && mkfifo "$scratch/other/trace/rank_1.json"
+timeout -s KILL 20 "$tetra" trace merge "$scratch/other" >"$scratch/refuse.txt" 2>&1
+rc=$?
+[[ $rc -eq 2 ]] && grep -qF "rank_1.json is a named pipe (FIFO)" "$scratch/refuse.txt" ||
+  fail "a named pipe as a rank file: exit $rc: $(cat "$scratch/refuse.txt")"
+rm "$scratch/other/trace/rank_1.json"
 [[ -e "$scratch/other/trace/merged.json" ]] && fail "a refused merge wrote merged.json"
 
 case="config refusals"
