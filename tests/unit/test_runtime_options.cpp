@@ -81,7 +81,7 @@ TEST_CASE("runtime options: each variable into its field", "[runtime_options]") 
                              {"TETRA_TEST_HANG_SECONDS", "7"},
                              {"TETRA_FAULT_SAVE_AT", "12"},
                              {"TETRA_FAULT_SAVE_LOG", "/tmp/calls.log"},
-                             {"TETRA_FAULT_NO_EXCHANGE", "yes"}});
+                             {"TETRA_FAULT_NO_EXCHANGE", "1"}});
   const RuntimeOptions o = read_runtime_options();
   CHECK(o.attention == "cudnn");
   CHECK(o.nccl_blocking_wait);
@@ -98,11 +98,11 @@ TEST_CASE("runtime options: each variable into its field", "[runtime_options]") 
   CHECK(o.save_faults.no_exchange);
 }
 
-TEST_CASE("runtime options: empty is unset, and switches take only their value", "[runtime_options]") {
+TEST_CASE("runtime options: empty is unset, and 0 is off", "[runtime_options]") {
   const Environment env(Vars{{"TETRA_ATTENTION", ""},
-                             {"TETRA_NCCL_BLOCKING_WAIT", "true"},
+                             {"TETRA_NCCL_BLOCKING_WAIT", "0"},
                              {"TETRA_TEST_GUARDED_MEMORY", "0"},
-                             {"TETRA_TEST_FAULT", "nan-loss"},  // without TETRA_TEST_FAULT_STEPS: no fault
+                             {"TETRA_TEST_FAULT", ""},
                              {"TETRA_FAULT_NO_EXCHANGE", "0"},
                              {"TETRA_TEST_HANG_SECONDS", ""}});
   const RuntimeOptions o = read_runtime_options();
@@ -112,6 +112,26 @@ TEST_CASE("runtime options: empty is unset, and switches take only their value",
   CHECK(o.step_fault.kind.empty());
   CHECK_FALSE(o.save_faults.no_exchange);
   CHECK(o.hang.seconds == 3600);
+}
+
+TEST_CASE("runtime options: a switch, number or fault the variable cannot take is refused, naming it",
+          "[runtime_options]") {
+  const std::vector<std::pair<Vars, std::string>> cases = {
+      {{{"TETRA_NCCL_BLOCKING_WAIT", "true"}}, "TETRA_NCCL_BLOCKING_WAIT=true is not a switch value"},
+      {{{"TETRA_TEST_GUARDED_MEMORY", "yes"}}, "TETRA_TEST_GUARDED_MEMORY=yes is not a switch value"},
+      {{{"TETRA_FAULT_NO_EXCHANGE", "2"}}, "TETRA_FAULT_NO_EXCHANGE=2 is not a switch value"},
+      {{{"TETRA_TEST_HANG_SECONDS", "10s"}}, "TETRA_TEST_HANG_SECONDS=10s is not a whole number"},
+      {{{"TETRA_FAULT_SAVE_AT", "x"}}, "TETRA_FAULT_SAVE_AT=x is not a whole number"},
+      {{{"TETRA_TEST_FAULT", "nan-loss"}}, "TETRA_TEST_FAULT and TETRA_TEST_FAULT_STEPS go together"},
+      {{{"TETRA_TEST_FAULT", "bogus"}, {"TETRA_TEST_FAULT_STEPS", "1"}}, "TETRA_TEST_FAULT=bogus is not one of"},
+      {{{"TETRA_TEST_FAULT", "nan-loss"}, {"TETRA_TEST_FAULT_STEPS", "2,x"}}, "\"x\" is not a step"},
+  };
+  for (const auto& [vars, want] : cases) {
+    INFO(want);
+    const Environment env(vars);
+    CHECK_THROWS_AS(read_runtime_options(), InputError);
+    CHECK_THROWS_WITH(read_runtime_options(), Contains(want));
+  }
 }
 
 TEST_CASE("runtime options: a value the variable cannot take names the variable", "[runtime_options]") {

@@ -124,6 +124,9 @@ class TrainCommand final : public Command {
     ProcessInfo proc;
     try {
       proc = dist_init(argc, argv, runtime.rendezvous_dir);
+    } catch (const InputError& e) {  // a launch set up wrongly (TETRA_RENDEZVOUS without srun)
+      std::fprintf(stderr, "error: cannot start MPI: %s\n", e.what());
+      return 2;
     } catch (const std::exception& e) {
       std::fprintf(stderr, "error: cannot start MPI: %s\n", e.what());
       return 1;

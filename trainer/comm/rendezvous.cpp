@@ -117,7 +117,7 @@ Rendezvous rendezvous_prepare(const std::string& base_dir) {
   const char* procid = env("SLURM_PROCID");
   const char* ntasks = env("SLURM_NTASKS");
   if (procid == nullptr || ntasks == nullptr)
-    throw Error(fmt::format("TETRA_RENDEZVOUS={} is set but SLURM_PROCID / SLURM_NTASKS are not: the rendezvous "
+    throw InputError(fmt::format("TETRA_RENDEZVOUS={} is set but SLURM_PROCID / SLURM_NTASKS are not: the rendezvous "
                             "bootstrap is for `srun --mpi=none tetra ...`; unset it for mpirun or one process",
                             base));
   r.active = true;

@@ -1,6 +1,7 @@
 // The one reader of the TETRA_* variables; see runtime_options.h.
 #include "trainer/core/runtime_options.h"
 
+#include <charconv>
 #include <cstdlib>
 #include <sstream>
 
@@ -18,14 +19,25 @@ const char* value_of(const char* name) {
   return (v != nullptr && v[0] != '\0') ? v : nullptr;
 }
 
-bool is_one(const char* name) {
+// A switch: unset or empty is off; "1" on, "0" off; anything else is refused (a typo such as
+// "true" must not silently mean off).
+bool switch_on(const char* name) {
   const char* v = value_of(name);
-  return v != nullptr && std::string(v) == "1";
+  if (v == nullptr) return false;
+  const std::string s(v);
+  TETRA_INPUT_CHECK(s == "0" || s == "1", "{}={} is not a switch value: give 1 (on) or 0 (off), or unset it", name, s);
+  return s == "1";
 }
 
+// A whole number, or `fallback` when unset or empty; anything else is refused.
 int64_t int_or(const char* name, int64_t fallback) {
   const char* v = value_of(name);
-  return v != nullptr ? std::atoll(v) : fallback;
+  if (v == nullptr) return fallback;
+  const std::string s(v);
+  int64_t x = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), x);
+  TETRA_INPUT_CHECK(ec == std::errc() && end == s.data() + s.size(), "{}={} is not a whole number", name, s);
+  return x;
 }
 
 }  // namespace
@@ -39,19 +51,31 @@ RuntimeOptions read_runtime_options() {
                       "unset it for auto)", s);
     o.attention = s;
   }
-  o.nccl_blocking_wait = is_one("TETRA_NCCL_BLOCKING_WAIT");
+  o.nccl_blocking_wait = switch_on("TETRA_NCCL_BLOCKING_WAIT");
   if (const char* v = value_of("TETRA_RENDEZVOUS")) o.rendezvous_dir = v;
   if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES")) o.cuda_visible_devices = v;
 
-  o.guarded_memory = is_one("TETRA_TEST_GUARDED_MEMORY");
-  const char* kind = std::getenv("TETRA_TEST_FAULT");
-  const char* steps = std::getenv("TETRA_TEST_FAULT_STEPS");
-  if (kind != nullptr && steps != nullptr) {
-    o.step_fault.kind = kind;
+  o.guarded_memory = switch_on("TETRA_TEST_GUARDED_MEMORY");
+  const char* kind = value_of("TETRA_TEST_FAULT");
+  const char* steps = value_of("TETRA_TEST_FAULT_STEPS");
+  if (kind != nullptr || steps != nullptr) {
+    TETRA_INPUT_CHECK(kind != nullptr && steps != nullptr,
+                      "TETRA_TEST_FAULT and TETRA_TEST_FAULT_STEPS go together (a fault kind and the steps it hits); "
+                      "set both or neither");
+    const std::string k(kind);
+    TETRA_INPUT_CHECK(k == "nan-loss" || k == "inf-loss" || k == "spike-loss" || k == "nan-grad",
+                      "TETRA_TEST_FAULT={} is not one of nan-loss, inf-loss, spike-loss, nan-grad", k);
+    o.step_fault.kind = k;
     std::stringstream in(steps);
-    for (std::string item; std::getline(in, item, ',');)
-      if (!item.empty()) o.step_fault.steps.push_back(std::atoll(item.c_str()));
-    if (const char* rank = std::getenv("TETRA_TEST_FAULT_RANK")) o.step_fault.rank = std::atoi(rank);
+    for (std::string item; std::getline(in, item, ',');) {
+      if (item.empty()) continue;
+      int64_t step = 0;
+      const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), step);
+      TETRA_INPUT_CHECK(ec == std::errc() && end == item.data() + item.size() && step >= 1,
+                        "TETRA_TEST_FAULT_STEPS={}: \"{}\" is not a step (1-based, comma-separated)", steps, item);
+      o.step_fault.steps.push_back(step);
+    }
+    o.step_fault.rank = static_cast<int>(int_or("TETRA_TEST_FAULT_RANK", 0));
   }
   o.hang.rank = int_or("TETRA_TEST_HANG_RANK", -1);
   o.hang.step = int_or("TETRA_TEST_HANG_STEP", -1);
@@ -61,7 +85,7 @@ RuntimeOptions read_runtime_options() {
   o.timing.clock_skew_ms = static_cast<double>(int_or("TETRA_TEST_CLOCK_SKEW_MS", 0));
   o.save_faults.kill_at_call = int_or("TETRA_FAULT_SAVE_AT", 0);
   if (const char* v = value_of("TETRA_FAULT_SAVE_LOG")) o.save_faults.call_log = v;
-  if (const char* v = value_of("TETRA_FAULT_NO_EXCHANGE")) o.save_faults.no_exchange = std::string(v) != "0";
+  o.save_faults.no_exchange = switch_on("TETRA_FAULT_NO_EXCHANGE");
   return o;
 }
 

@@ -32,7 +32,8 @@
 //   TETRA_FAULT_NO_EXCHANGE    1: saves act as on a filesystem without RENAME_EXCHANGE
 //
 // An empty variable is an unset one. A value that is not one of the variable's (TETRA_ATTENTION=
-// flash) is an InputError naming the variable; the test hooks read numbers leniently, as before.
+// flash, a switch other than 1 or 0, a number that is not a whole number, a fault kind without its
+// steps) is an InputError naming the variable.
 #pragma once
 
 #include <cstdint>
