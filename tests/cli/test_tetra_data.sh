@@ -95,6 +95,16 @@ cmp -s "$scratch/text.bin" "$scratch/textf.bin" || fail "the replaced dataset is
   >/dev/null 2>"$scratch/exists.err" && fail "a prefix ending in / was accepted"
 grep -qF "names a directory, not a prefix" "$scratch/exists.err" || fail "message: $(cat "$scratch/exists.err")"
 
+case=foreign_tmp_files  # a file of the temporary names is someone's: never truncated or removed
+echo precious >"$scratch/textg.bin.tmp"
+echo precious >"$scratch/textg.idx.tmp"
+"$tetra" data tokenize --tokenizer "$spm" --input "$scratch/corpus" --output "$scratch/textg" >/dev/null 2>&1 ||
+  fail "tokenize beside foreign .tmp files failed"
+cmp -s "$scratch/text.bin" "$scratch/textg.bin" || fail "the dataset written beside them differs"
+[[ "$(cat "$scratch/textg.bin.tmp")" == precious && "$(cat "$scratch/textg.idx.tmp")" == precious ]] ||
+  fail "a foreign .tmp file was changed"
+ls "$scratch"/textg.*.tmp.* >/dev/null 2>&1 && fail "temporary files left: $(ls "$scratch"/textg.*)"
+
 case=threads
 "$tetra" data tokenize --tokenizer "$spm" --input "$scratch/corpus" --output "$scratch/text2" \
   --threads 2 >/dev/null 2>&1 || fail "exit $?"

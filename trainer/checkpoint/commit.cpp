@@ -144,6 +144,11 @@ void recover_checkpoint_dir(const std::string& dir) {
   std::vector<fs::path> stale;
   bool renamed = false;
   for (const std::string& n : names) {
+    // A pointer file an interrupted publish left (files.h's temporary names).
+    if (n == "latest.tmp" || n.rfind("latest.tmp.", 0) == 0) {
+      stale.push_back(fs::path(dir) / n);
+      continue;
+    }
     if (n.rfind(".step_", 0) != 0) continue;
     const fs::path p = fs::path(dir) / n;
     if (n.size() > 4 && n.compare(n.size() - 4, 4, ".del") == 0) {

@@ -70,10 +70,9 @@ void write_safetensors(const std::string& path, const std::vector<TensorView>& t
   uint8_t length_le[8];  // the format's length is little-endian whatever the host
   for (int i = 0; i < 8; ++i) length_le[i] = static_cast<uint8_t>(n >> (8 * i));
 
-  const std::string tmp = path + ".tmp";
-  checkpoint_io_point("create", tmp);  // fault-injection points of a checkpoint save (commit.h)
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw Error(fmt::format("{}: cannot create: {}", tmp, std::strerror(errno)));
+  checkpoint_io_point("create", path + ".tmp");  // fault-injection points of a checkpoint save (commit.h)
+  std::string tmp;
+  int fd = create_temp_beside(path, &tmp);
   try {
     write_all(fd, length_le, 8, tmp);
     write_all(fd, text.data(), text.size(), tmp);

@@ -5,6 +5,8 @@
 // converted by an installed rsvg-convert or ImageMagick convert (exit 2 naming both when neither
 // is installed). The default output is the first run directory's plot.svg. Exit 2 for a run
 // directory without steps in metrics.jsonl, or an existing output without --force.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -225,7 +227,7 @@ class PlotCommand final : public Command {
         throw InputError(fmt::format("--out {}: a PNG needs rsvg-convert (librsvg2-bin) or ImageMagick's convert, "
                                      "and neither is installed; write .svg instead", out));
     }
-    const std::string svg_path = out + ".svg.tmp";
+    std::string svg_path;  // the picture the converter reads: out.svg.tmp beside the PNG (files.h)
     if (ext == ".svg") {
       try {
         write_file_atomic(out, svg(runs));
@@ -234,9 +236,19 @@ class PlotCommand final : public Command {
       }
     } else {
       {
-        std::ofstream f(svg_path);
-        f << svg(runs);
-        if (!f) throw InputError(fmt::format("--out {}: cannot write the picture beside it: {}", out, std::strerror(errno)));
+        int fd = -1;
+        try {
+          fd = create_temp_beside(out + ".svg", &svg_path);
+        } catch (const Error& e) {
+          throw InputError(fmt::format("--out {}: cannot write the picture beside it: {}", out, e.what()));
+        }
+        const std::string text = svg(runs);
+        const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+        ::close(fd);
+        if (!written) {
+          fs::remove(svg_path);
+          throw InputError(fmt::format("--out {}: cannot write the picture beside it ({})", out, svg_path));
+        }
       }
       const std::string cmd = converter == "rsvg-convert"
                                   ? fmt::format("rsvg-convert -o {} {}", shell_quote(out), shell_quote(svg_path))

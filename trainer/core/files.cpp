@@ -114,31 +114,48 @@ void rename_path(const std::string& from, const std::string& to, const IoPoint& 
     throw Error(fmt::format("cannot rename {} to {}: {}", from, to, std::strerror(errno)));
 }
 
+int create_temp_beside(const std::string& path, std::string* tmp) {
+  *tmp = path + ".tmp";
+  int fd = ::open(tmp->c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0 && errno == EEXIST) {
+    *tmp = fmt::format("{}.tmp.{}", path, ::getpid());
+    fd = ::open(tmp->c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  }
+  if (fd < 0) throw Error(fmt::format("{}: cannot create: {}", *tmp, std::strerror(errno)));
+  return fd;
+}
+
 void write_file_atomic(const std::string& path, const std::string& text, const IoPoint& io_point) {
-  const std::string tmp = path + ".tmp";
-  if (io_point) io_point("write", tmp);
-  // One descriptor writes, syncs and closes: a write-back error is reported on it.
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw Error(fmt::format("{}: cannot create: {}", tmp, std::strerror(errno)));
+  if (io_point) io_point("write", path + ".tmp");
+  // One descriptor writes, syncs and closes: a write-back error is reported on it. A failure
+  // removes the temporary file it made.
+  std::string tmp;
+  const int fd = create_temp_beside(path, &tmp);
+  auto fail = [&](const std::string& message) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw Error(message);
+  };
   size_t at = 0;
   while (at < text.size()) {
     const ssize_t n = ::write(fd, text.data() + at, text.size() - at);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = errno;
-      ::close(fd);
-      throw Error(fmt::format("{}: cannot write: {}", tmp, std::strerror(err)));
-    }
+    if (n <= 0) fail(fmt::format("{}: cannot write: {}", tmp, std::strerror(errno)));
     at += static_cast<size_t>(n);
   }
   if (io_point) io_point("fsync", tmp);
-  if (::fsync(fd) != 0) {
+  if (::fsync(fd) != 0) fail(fmt::format("{}: fsync failed: {}", tmp, std::strerror(errno)));
+  if (::close(fd) != 0) {
     const int err = errno;
-    ::close(fd);
-    throw Error(fmt::format("{}: fsync failed: {}", tmp, std::strerror(err)));
+    ::unlink(tmp.c_str());
+    throw Error(fmt::format("{}: close failed: {}", tmp, std::strerror(err)));
   }
-  if (::close(fd) != 0) throw Error(fmt::format("{}: close failed: {}", tmp, std::strerror(errno)));
-  rename_path(tmp, path, io_point);
+  try {
+    rename_path(tmp, path, io_point);
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
   const std::string parent = fs::path(path).parent_path().string();
   fsync_directory(parent.empty() ? "." : parent, io_point);
 }

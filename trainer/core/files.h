@@ -39,7 +39,13 @@ void check_not_special_file(const std::string& path, std::string_view role, std:
 // in the same words, naming `role` and `fix`).
 std::string read_text(const std::string& path, std::string_view role, std::string_view fix = "");
 
-// Writes `text` to `path` atomically and durably: into `path`.tmp, fsync'd, renamed over `path`,
+// Creates the temporary file a writer of `path` fills before renaming it over `path`, write-only
+// (O_CLOEXEC), and returns its descriptor; its name in *tmp: `path`.tmp, or, where a file of that
+// name exists already (someone's own, or one a killed writer left), `path`.tmp.<pid>: an existing
+// file is never truncated. Error naming the file and the reason.
+int create_temp_beside(const std::string& path, std::string* tmp);
+
+// Writes `text` to `path` atomically and durably: into `path`.tmp (create_temp_beside), fsync'd, renamed over `path`,
 // the directory fsync'd. A reader sees the old content or the new, never a part. Error (a runtime
 // failure) naming the file and the reason. `io_point`, if given, is called before each step that
 // touches the disk ("write" / "fsync" with the path): the checkpoint fault tests kill there.

@@ -461,18 +461,21 @@ IndexedDatasetWriter::IndexedDatasetWriter(std::string prefix, IndexedDType dtyp
     : prefix_(std::move(prefix)), dtype_(dtype) {
   TETRA_CHECK(is_integer_dtype(dtype_), "token datasets hold integers, not {}",
               indexed_dtype_name(dtype_));
-  const std::string tmp = prefix_ + ".bin.tmp";
-  bin_ = std::fopen(tmp.c_str(), "wb");
-  TETRA_INPUT_CHECK(bin_ != nullptr,
-                    "cannot create {}: {}; check that the directory exists and is writable", tmp,
-                    std::strerror(errno));
+  int fd = -1;
+  try {
+    fd = create_temp_beside(prefix_ + ".bin", &bin_tmp_);
+  } catch (const Error& e) {
+    throw InputError(fmt::format("{}; check that the directory exists and is writable", e.what()));
+  }
+  bin_ = ::fdopen(fd, "wb");
+  TETRA_CHECK(bin_ != nullptr, "fdopen {}: {}", bin_tmp_, std::strerror(errno));
 }
 
 IndexedDatasetWriter::~IndexedDatasetWriter() {
   if (finished_) return;
   if (bin_ != nullptr) std::fclose(bin_);
-  std::remove((prefix_ + ".bin.tmp").c_str());
-  std::remove((prefix_ + ".idx.tmp").c_str());
+  if (!bin_tmp_.empty()) std::remove(bin_tmp_.c_str());
+  if (!idx_tmp_.empty()) std::remove(idx_tmp_.c_str());
 }
 
 void IndexedDatasetWriter::write_bytes(const void* data, size_t size, const std::string& path,
@@ -484,7 +487,7 @@ void IndexedDatasetWriter::write_bytes(const void* data, size_t size, const std:
 
 void IndexedDatasetWriter::add_document(std::span<const int32_t> tokens) {
   TETRA_CHECK(!finished_, "add_document after finish() on {}", prefix_);
-  const std::string tmp = prefix_ + ".bin.tmp";
+  const std::string& tmp = bin_tmp_;
   TETRA_INPUT_CHECK(tokens.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()),
                     "document {} of {} has {} tokens; the format stores lengths as int32",
                     lengths_.size(), prefix_, tokens.size());
@@ -506,13 +509,20 @@ void IndexedDatasetWriter::add_document(std::span<const int32_t> tokens) {
 
 void IndexedDatasetWriter::finish() {
   TETRA_CHECK(!finished_, "finish() called twice on {}", prefix_);
-  const std::string bin_tmp = prefix_ + ".bin.tmp", idx_tmp = prefix_ + ".idx.tmp";
+  const std::string& bin_tmp = bin_tmp_;
   std::FILE* bin = bin_;
   bin_ = nullptr;
   fsync_and_close(bin, bin_tmp);
 
-  std::FILE* idx = std::fopen(idx_tmp.c_str(), "wb");
-  TETRA_INPUT_CHECK(idx != nullptr, "cannot create {}: {}", idx_tmp, std::strerror(errno));
+  int idx_fd = -1;
+  try {
+    idx_fd = create_temp_beside(prefix_ + ".idx", &idx_tmp_);
+  } catch (const Error& e) {
+    throw InputError(e.what());
+  }
+  const std::string& idx_tmp = idx_tmp_;
+  std::FILE* idx = ::fdopen(idx_fd, "wb");
+  TETRA_CHECK(idx != nullptr, "fdopen {}: {}", idx_tmp, std::strerror(errno));
   const uint64_t seq_count = lengths_.size();
   const uint64_t doc_count = seq_count + 1;  // document_indices = [0, 1, ..., S]
   const uint8_t code = static_cast<uint8_t>(dtype_);

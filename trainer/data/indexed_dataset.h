@@ -130,6 +130,7 @@ class IndexedDatasetWriter {
   std::string prefix_;
   IndexedDType dtype_;
   std::FILE* bin_ = nullptr;
+  std::string bin_tmp_, idx_tmp_;  // the temporary files this writer made (files.h's create_temp_beside)
   bool finished_ = false;
   int64_t num_tokens_ = 0;
   std::vector<int32_t> lengths_;
