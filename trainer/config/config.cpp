@@ -106,7 +106,7 @@ json parse_text(const std::string& path, const std::string& text, Problems& prob
 }
 
 void apply_override(json& j, const std::string& text, Problems& problems) {
-  const std::string where = "override \"" + text + "\"";
+  const std::string where = "override \"" + (text.size() > 80 ? text.substr(0, 77) + "..." : text) + "\"";
   const size_t eq = text.find('=');
   if (eq == std::string::npos) {
     problems.add_plain(where, "expected section.key=value");
@@ -125,8 +125,17 @@ void apply_override(json& j, const std::string& text, Problems& problems) {
                        "expected section.key=value, with no empty name in \"" + key_path + "\"");
     return;
   }
-  json value = json::parse(value_text, nullptr, /*allow_exceptions=*/false);
-  if (value.is_discarded()) value = value_text;
+  // Strict JSON (json_text.h: its depth limit, duplicate keys), else the text as a string.
+  json value;
+  try {
+    value = parse_json_text(where, value_text);
+  } catch (const InputError& e) {
+    if (std::string(e.what()).find("levels deep") != std::string::npos) {
+      problems.add_plain(where, "the value nests too deep (see the config file's rules)");
+      return;
+    }
+    value = value_text;
+  }
   if (!j.is_object()) return;  // parse_config reports the root itself
   json* node = &j;
   std::string walked;

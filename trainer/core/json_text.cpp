@@ -8,11 +8,14 @@
 
 #include "kernels/common/check.h"
 #include "trainer/core/files.h"
+#include "trainer/core/format.h"
 
 namespace tetra {
 namespace {
 
 using json = nlohmann::json;
+
+constexpr size_t kMaxDepth = 256;  // arrays and objects inside one another
 
 // "file:line:column" of byte offset `pos` of `text` (1-based line and column).
 std::string text_position(const std::string& file, const std::string& text, size_t pos, int64_t first_line) {
@@ -88,6 +91,14 @@ json parse_json_text(const std::string& file, const std::string& text, const Jso
       case event::object_start:
       case event::array_start:
         element_starts();
+        // Every reader (and dump, and destruction) of a value recurses over its nesting: a deep
+        // one would exhaust the stack. No file Tetra reads nests anywhere near this.
+        if (stack.size() >= kMaxDepth) {
+          std::string where = location();
+          if (where.size() > 60) where = where.substr(0, 60) + "...";
+          throw InputError(fmt::format("{}: {}: nested more than {} levels deep; no file Tetra reads nests so deep",
+                                       file, where, kMaxDepth));
+        }
         stack.push_back({ev == event::array_start, 0, {}, {}});
         break;
       case event::object_end:
@@ -131,7 +142,7 @@ json parse_json_text(const std::string& file, const std::string& text, int64_t f
   json j = parse_json_text(
       file, text,
       [&](const std::string& path, const std::string& message) {
-        if (first.empty()) first = fmt::format("{}: {}: {}", file, path, message);
+        if (first.empty()) first = fmt::format("{}: {}: {}", file, printable(path), message);
       },
       first_line);
   if (!first.empty()) throw InputError(first);
@@ -171,8 +182,11 @@ const json& json_member(const std::string& file, const json& object, const std::
 }
 
 int64_t json_integer(const std::string& file, const json& v, const std::string& json_path) {
-  if (v.is_number_integer()) return v.get<int64_t>();
-  if (v.is_number_unsigned() && v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX)) return v.get<int64_t>();
+  if (v.is_number_unsigned()) {
+    if (v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX)) return v.get<int64_t>();
+  } else if (v.is_number_integer()) {
+    return v.get<int64_t>();
+  }
   throw InputError(fmt::format("{}: {}: must be an integer, got {}", file, json_path, json_kind(v)));
 }
 
