@@ -33,7 +33,8 @@ constexpr int64_t kMaxSize = std::numeric_limits<int32_t>::max();  // token ids 
 // and the per-rank tables built from them, far from overflow and from memory exhaustion.
 constexpr int64_t kMaxDegree = int64_t{1} << 20;
 constexpr int64_t kMaxThreads = int64_t{1} << 16;
-constexpr int64_t kMaxLayers = int64_t{1} << 16;  // 500 times the deepest published LLM's 126
+constexpr int64_t kMaxLayers = int64_t{1} << 16;
+constexpr int64_t kMaxScheduleSlots = int64_t{1} << 22;  // micro-batches x pp x virtual_stages per step  // 500 times the deepest published LLM's 126
 
 class Rules {
  public:
@@ -545,6 +546,18 @@ void check_cross_field(const Config& c, Rules& r) {
               fmt::format("must be a multiple of training.micro_batch_size * parallel.dp "
                           "({} * {} = {})",
                           t.micro_batch_size, c.parallel.dp, per_step));
+    // The schedule table holds every pipeline rank's forward and backward of every micro-batch
+    // and model chunk (and the memory plan and communication prediction walk it).
+    if (r.ok({"parallel.pp", "parallel.virtual_stages"}) && t.global_batch_size % per_step == 0) {
+      const double slots = static_cast<double>(c.grad_accum_steps()) * static_cast<double>(c.parallel.pp) *
+                           static_cast<double>(c.parallel.virtual_stages);
+      r.require(slots <= static_cast<double>(kMaxScheduleSlots), "training.global_batch_size", t.global_batch_size,
+                fmt::format("gives {} micro-batches per step, which with parallel.pp {} x parallel.virtual_stages "
+                            "{} is {:.0f} pipeline slots; a step has at most {} (2^22): raise "
+                            "training.micro_batch_size or lower the global batch",
+                            c.grad_accum_steps(), c.parallel.pp, c.parallel.virtual_stages, slots,
+                            kMaxScheduleSlots));
+    }
   }
   check_pipeline(c, r);
   check_loss_scaling(c, r);

@@ -38,7 +38,7 @@ std::string GroupVolume::describe() const {
 
 std::vector<std::vector<int>> zero3_step_phases(const Config& cfg, const ParamLayout& layout) {
   const ParallelConfig& par = cfg.parallel;
-  const PipelineSchedule schedule = PipelineSchedule::build(par.schedule, static_cast<int>(par.pp),
+  const PipelineSchedule& schedule = PipelineSchedule::build(par.schedule, static_cast<int>(par.pp),
                                                             static_cast<int>(par.virtual_stages),
                                                             static_cast<int>(cfg.grad_accum_steps()));
   const Recomputation rc = Recomputation::from(cfg.training);

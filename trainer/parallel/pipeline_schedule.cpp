@@ -33,7 +33,7 @@ PipeAction interleaved_action(int k, int pp, int vp, bool forward) {
 
 }  // namespace
 
-PipelineSchedule PipelineSchedule::build(ScheduleKind kind, int pp, int vp, int m) {
+const PipelineSchedule& PipelineSchedule::build(ScheduleKind kind, int pp, int vp, int m) {
   // A pure function of its arguments, asked for the same tables many times over (every pipeline
   // rank's memory plan and communication prediction, `tetra plan`'s every candidate): built once.
   static std::mutex mutex;
@@ -92,9 +92,22 @@ PipelineSchedule PipelineSchedule::build_uncached(ScheduleKind kind, int pp, int
     }
   }
   // The fewest gradient send buffers per chunk with which the runner cannot deadlock (each
-  // micro-batch its own buffer always works: nothing is then reused within a step).
-  for (s.grad_buffers = 1; s.grad_buffers < m; ++s.grad_buffers)
-    if (check_schedule(s).empty()) break;
+  // micro-batch its own buffer always works: nothing is then reused within a step). More buffers
+  // only relax the waits: doubling finds a count that works (the answer is small for every
+  // schedule, a few checks), bisection the first one.
+  int lo = 1, hi = 1;
+  for (;;) {
+    s.grad_buffers = hi;
+    if (hi >= m || check_schedule(s).empty()) break;
+    lo = hi + 1;
+    hi = std::min(2 * hi, m);
+  }
+  while (lo < hi) {
+    s.grad_buffers = lo + (hi - lo) / 2;
+    if (check_schedule(s).empty()) hi = s.grad_buffers;
+    else lo = s.grad_buffers + 1;
+  }
+  s.grad_buffers = lo;
   return s;
 }
 

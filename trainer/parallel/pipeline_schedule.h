@@ -47,7 +47,8 @@ struct PipelineSchedule {
   int grad_buffers = 1;
 
   // Requires: pp >= 1, m >= 1; vp == 1 unless interleaved; interleaved: vp >= 2 and m % pp == 0.
-  static PipelineSchedule build(ScheduleKind kind, int pp, int vp, int m);
+  // The table, built once per (kind, pp, vp, m) and kept for the process (a reference to it).
+  static const PipelineSchedule& build(ScheduleKind kind, int pp, int vp, int m);
   static PipelineSchedule build_uncached(ScheduleKind kind, int pp, int vp, int m);  // build() caches these
 
   int stages() const { return pp * vp; }

@@ -29,7 +29,7 @@ std::vector<double> simulate_pipeline(ScheduleKind kind, int pp, int vp, int m,
                                       const std::vector<std::vector<double>>& forward,
                                       const std::vector<std::vector<double>>& backward, double message_s,
                                       std::vector<double>* busy) {
-  const PipelineSchedule s = PipelineSchedule::build(kind, pp, vp, m);
+  const PipelineSchedule& s = PipelineSchedule::build(kind, pp, vp, m);
   const int S = s.stages();
   std::vector<std::vector<double>> fwd_end(static_cast<size_t>(S), std::vector<double>(static_cast<size_t>(m), -1.0));
   std::vector<std::vector<double>> bwd_end = fwd_end;

@@ -27,7 +27,7 @@ StageSlice stage_slice(const Config& cfg, int64_t pp_rank) {
   return slice;
 }
 
-PipelineSchedule make_schedule(const Config& cfg, int64_t micro_batches) {
+const PipelineSchedule& make_schedule(const Config& cfg, int64_t micro_batches) {
   return PipelineSchedule::build(cfg.parallel.schedule, static_cast<int>(cfg.parallel.pp),
                                  static_cast<int>(cfg.parallel.virtual_stages), static_cast<int>(micro_batches));
 }
@@ -148,7 +148,7 @@ PipelineModel::SharedActivations PipelineModel::shared_activations(const Config&
 }
 
 ActivationSplit PipelineModel::activation_split(const Config& cfg, int64_t pp_rank) {
-  const PipelineSchedule s = make_schedule(cfg, cfg.grad_accum_steps());
+  const PipelineSchedule& s = make_schedule(cfg, cfg.grad_accum_steps());
   TensorSlicing slicing;  // the activations do not depend on which TP / EP slice
   slicing.ep = cfg.parallel.ep;
   const ParamLayout layout = ParamLayout::build(cfg.model, slicing, stage_slice(cfg, pp_rank));
@@ -166,7 +166,7 @@ size_t PipelineModel::activation_bytes_for(const Config& cfg, int64_t pp_rank) {
 }
 
 size_t PipelineModel::input_grad_bytes_for(const Config& cfg, int64_t pp_rank) {
-  const PipelineSchedule s = make_schedule(cfg, cfg.grad_accum_steps());
+  const PipelineSchedule& s = make_schedule(cfg, cfg.grad_accum_steps());
   const StageSlice stage = stage_slice(cfg, pp_rank);
   const int64_t Ns = cfg.training.micro_batch_size * cfg.model.seq_len / cfg.parallel.cp /
                      (cfg.parallel.sequence_parallel && cfg.parallel.tp > 1 ? cfg.parallel.tp : 1);

@@ -42,7 +42,7 @@ struct ProcessGroups;
 StageSlice stage_slice(const Config& cfg, int64_t pp_rank);
 
 // The schedule a config asks for, with `micro_batches` per step.
-PipelineSchedule make_schedule(const Config& cfg, int64_t micro_batches);
+const PipelineSchedule& make_schedule(const Config& cfg, int64_t micro_batches);
 
 // What a pipeline rank's activation memory is made of (PipelineModel::activation_split).
 struct ActivationSplit {
