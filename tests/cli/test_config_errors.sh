@@ -176,6 +176,13 @@ expect_stderr 'model.num_layers: 1000000: must be <= 65536'
 expect_stderr 'model.moe.num_experts: 2147483648: must be <= 2147483647'
 expect_stderr 'training.threads: 4294967298: must be <= 65536'
 expect_stderr 'training.eval_steps: 9223372036854775807: must be <= 2147483647'
+run_case 2 "$scratch/huge_values/config.json" --set model.moe.num_experts=2147483647 --set model.hidden_size=65536 \
+  --set sample.max_tokens=9223372036854775807 --set training.global_batch_size=1073741824 --dry-run
+expect_stderr 'model.hidden_size: 65536: with these sizes the model has about'
+expect_stderr 'sample.max_tokens: 9223372036854775807: must be <= 1048576'
+expect_stderr 'pipeline slots; a step has at most 4194304 (2^22)'
+run_case 2 "$scratch/huge_values/config.json" --set training.steps=1e400 --dry-run
+expect_stderr 'override "training.steps=1e400": invalid JSON: number overflow'
 expect_no_output_files
 
 # A directory where the final weights go is found before training, not at the end.

@@ -136,6 +136,11 @@ grep -qF "$scratch/keep.safetensors: the file exists (pass --force to replace it
 "$tetra" generate --config "$scratch/tp1.json" --prompt-ids 1,2 --max-tokens 1 --logits-out "$scratch/keep.safetensors" \
   --force >/dev/null 2>"$scratch/logits.err" || fail "--force: $(cat "$scratch/logits.err")"
 [[ "$(head -c 4 "$scratch/keep.safetensors")" != keep ]] || fail "--force did not write the logits"
+md5=$(md5sum <"$run1/model.safetensors")
+"$tetra" generate --config "$scratch/tp1.json" --prompt-ids 1,2 --max-tokens 1 --logits-out "$run1/model.safetensors" \
+  --force >/dev/null 2>"$scratch/logits.err" && fail "--logits-out onto the weights it reads was accepted"
+grep -qF "is also an input" "$scratch/logits.err" || fail "message: $(cat "$scratch/logits.err")"
+[[ "$(md5sum <"$run1/model.safetensors")" == "$md5" ]] || fail "the weights were changed"
 
 case=generate_hf_tokenizer
 # The same weights through a Hugging Face tokenizer.json (data.tokenizer "hf:<dir>"): its 258 ids

@@ -95,6 +95,17 @@ cmp -s "$scratch/text.bin" "$scratch/textf.bin" || fail "the replaced dataset is
   >/dev/null 2>"$scratch/exists.err" && fail "a prefix ending in / was accepted"
 grep -qF "names a directory, not a prefix" "$scratch/exists.err" || fail "message: $(cat "$scratch/exists.err")"
 
+case=output_is_input  # even with --force, an output that is an input is refused (it would destroy it)
+cp "$scratch/corpus/doc00.txt" "$scratch/self.bin"
+"$tetra" data tokenize --tokenizer "$spm" --input "$scratch/self.bin" --output "$scratch/self" --force \
+  >/dev/null 2>"$scratch/self.err" && fail "tokenize over its own input was accepted"
+grep -qF "is also an input" "$scratch/self.err" || fail "message: $(cat "$scratch/self.err")"
+cmp -s "$scratch/corpus/doc00.txt" "$scratch/self.bin" || fail "the input was changed"
+ln -sf "$scratch/nowhere" "$scratch/link.bin"
+"$tetra" data tokenize --tokenizer "$spm" --input "$scratch/corpus/doc00.txt" --output "$scratch/link" \
+  >/dev/null 2>"$scratch/self.err" && fail "a dangling symbolic link was replaced without --force"
+grep -qF "is a symbolic link (pass --force" "$scratch/self.err" || fail "message: $(cat "$scratch/self.err")"
+
 case=foreign_tmp_files  # a file of the temporary names is someone's: never truncated or removed
 echo precious >"$scratch/textg.bin.tmp"
 echo precious >"$scratch/textg.idx.tmp"

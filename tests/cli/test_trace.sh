@@ -242,6 +242,15 @@ rc=$?
 [[ $rc -eq 2 ]] && grep -qF "rank_1.json is a named pipe (FIFO)" "$scratch/refuse.txt" ||
   fail "a named pipe as a rank file: exit $rc: $(cat "$scratch/refuse.txt")"
 rm "$scratch/other/trace/rank_1.json"
+other_run 'pass'
+cp "$scratch/other/trace/rank_1.json" "$scratch/other/trace/rank_0001.json"
+refuse "two files of one rank" "both hold rank 1's timeline" "$scratch/other"
+rm "$scratch/other/trace/rank_0001.json"
+other_run 'd["traceEvents"][0].update({"ph": "X", "ts": 1e308, "dur": 1e308})'
+refuse "a time beyond any run" "is outside \\[" "$scratch/other" --svg "$scratch/huge.svg"
+other_run 'pass'
+refuse "--svg onto --out" "is the --out file too" "$scratch/other" --out "$scratch/same.json" --svg "$scratch/same.json"
+refuse "--out onto a rank file" "is also an input" "$scratch/other" --out "$scratch/other/trace/rank_0.json" --force
 [[ -e "$scratch/other/trace/merged.json" ]] && fail "a refused merge wrote merged.json"
 
 case="config refusals"

@@ -125,6 +125,9 @@ TEST_CASE("runtime options: a switch, number or fault the variable cannot take i
       {{{"TETRA_TEST_FAULT", "nan-loss"}}, "TETRA_TEST_FAULT and TETRA_TEST_FAULT_STEPS go together"},
       {{{"TETRA_TEST_FAULT", "bogus"}, {"TETRA_TEST_FAULT_STEPS", "1"}}, "TETRA_TEST_FAULT=bogus is not one of"},
       {{{"TETRA_TEST_FAULT", "nan-loss"}, {"TETRA_TEST_FAULT_STEPS", "2,x"}}, "\"x\" is not a step"},
+      {{{"TETRA_TEST_FAULT", "nan-loss"}, {"TETRA_TEST_FAULT_STEPS", ","}}, "TETRA_TEST_FAULT_STEPS=, names no step"},
+      {{{"TETRA_TEST_FAULT", "nan-loss"}, {"TETRA_TEST_FAULT_STEPS", "1"}, {"TETRA_TEST_FAULT_RANK", "4294967296"}},
+       "TETRA_TEST_FAULT_RANK=4294967296 is not a rank"},
   };
   for (const auto& [vars, want] : cases) {
     INFO(want);

@@ -304,8 +304,12 @@ std::string checkpoint_to_resume(const CheckpointConfig& cfg) {
     for (const std::string& n : list_dir(cfg.dir)) {
       const int64_t step = step_of_checkpoint_name(n);
       if (step < 0 || kind_of_name(n) != CheckpointEntry::NAMED || step <= resume_step ||
-          !is_dir(fs::path(cfg.dir) / n) || complete(fs::path(cfg.dir) / n))
+          complete(fs::path(cfg.dir) / n))
         continue;
+      if (!is_dir(fs::path(cfg.dir) / n))  // a file or a link in a checkpoint's place
+        throw InputError(fmt::format("checkpoint.dir {} holds {}, which is not a directory; this run would replace "
+                                     "it when it saves step {}: move it out of {}",
+                                     cfg.dir, n, step, cfg.dir));
       throw InputError(fmt::format(
           "checkpoint.dir {} holds {} without its manifest.json (not a complete checkpoint: damaged, or copied in "
           "part){}; this run would replace it when it saves step {}: restore its manifest.json, or move it out of {}",

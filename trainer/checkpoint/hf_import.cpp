@@ -1,6 +1,7 @@
 #include "trainer/checkpoint/hf_import.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -89,13 +90,16 @@ void read_rope(const HfConfig& c, json& model) {
     return;
   }
   if (type == "llama3") {
+    const double original = c.number(r, where, "original_max_position_embeddings", std::nullopt);
+    if (!(original >= 1.0 && original <= 2147483647.0 && original == std::floor(original)))
+      c.bad(where + "original_max_position_embeddings",
+            fmt::format("{} is not a whole number of positions (1 to 2^31-1)", r["original_max_position_embeddings"].dump()));
     model["rope_scaling"] = json{
         {"type", "llama3"},
         {"factor", c.number(r, where, "factor", std::nullopt)},
         {"low_freq_factor", c.number(r, where, "low_freq_factor", std::nullopt)},
         {"high_freq_factor", c.number(r, where, "high_freq_factor", std::nullopt)},
-        {"original_max_position_embeddings",
-         static_cast<int64_t>(c.number(r, where, "original_max_position_embeddings", std::nullopt))}};
+        {"original_max_position_embeddings", static_cast<int64_t>(original)}};
     return;
   }
   c.bad(where + type_key, fmt::format("\"{}\" is not supported (Tetra implements \"default\", \"linear\" and "

@@ -131,12 +131,6 @@ void print_summary(const tetra::PrepareSummary& s) {
              human(static_cast<double>(s.tokens) / secs));
 }
 
-std::vector<std::string> paths_of(const std::vector<tetra::InputFile>& files) {
-  std::vector<std::string> out;
-  for (const tetra::InputFile& f : files) out.push_back(f.path);
-  return out;
-}
-
 class DataCommand final : public Command {
  public:
   explicit DataCommand(CLI::App& tetra) {
@@ -228,10 +222,11 @@ class DataCommand final : public Command {
                             spm_output_, ext, spm_output_.substr(0, spm_output_.size() - ext.size()));
         }
         tetra::check_output_prefix(spm_output_, "--output");
-        for (const char* ext : {".model", ".vocab"}) tetra::check_output_file("--output", spm_output_ + ext, spm_force_);
         const std::vector<tetra::InputFile> files = tetra::list_input_files(spm_inputs_);
+        for (const char* ext : {".model", ".vocab"})
+          tetra::check_output_file("--output", spm_output_ + ext, spm_force_, tetra::input_paths(files));
         tetra::check_text_files(files);
-        tetra::train_sentencepiece(paths_of(files), spm_output_, spm_);
+        tetra::train_sentencepiece(tetra::input_paths(files), spm_output_, spm_);
         const std::string model = spm_output_ + ".model";
         const std::unique_ptr<tetra::Tokenizer> t = tetra::load_tokenizer("sentencepiece:" + model);
         fmt::print("wrote {} and {}.vocab: {}, vocabulary {}, end-of-document id {}\n", model,

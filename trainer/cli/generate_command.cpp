@@ -133,7 +133,8 @@ struct GenerateArgs {
 
 // "3,17, 5" -> the ids; --logits-out checked before any work (check_output_file: a new file, unless --force,
 // in a writable directory).
-tetra::IdPrompt parse_prompt_ids(const std::string& text, const std::string& logits_out, bool force) {
+tetra::IdPrompt parse_prompt_ids(const std::string& text, const std::string& logits_out, bool force,
+                                 const std::vector<std::string>& inputs) {
   tetra::IdPrompt p;
   size_t at = 0;
   while (at <= text.size()) {
@@ -150,7 +151,7 @@ tetra::IdPrompt parse_prompt_ids(const std::string& text, const std::string& log
     p.ids.push_back(static_cast<int32_t>(v));
     at = comma + 1;
   }
-  if (!logits_out.empty()) tetra::check_output_file("--logits-out", logits_out, force);
+  if (!logits_out.empty()) tetra::check_output_file("--logits-out", logits_out, force, inputs);
   p.logits_out = logits_out;
   return p;
 }
@@ -169,7 +170,10 @@ int run_generate(const GenerateArgs& args, const tetra::RuntimeOptions& runtime)
     tetra::Config cfg = tetra::load_config(args.config_path, args.overrides);
     args.apply(cfg.sample);
     std::optional<tetra::IdPrompt> ids;
-    if (!args.prompt_ids.empty()) ids = parse_prompt_ids(args.prompt_ids, args.logits_out, args.force);
+    if (!args.prompt_ids.empty()) ids = parse_prompt_ids(
+          args.prompt_ids, args.logits_out, args.force,
+          {args.config_path, args.weights, args.weights + "/model.safetensors",
+           cfg.logging.dir.empty() ? std::string() : cfg.logging.dir + "/model.safetensors"});
     else if (!args.logits_out.empty()) throw tetra::InputError("--logits-out needs --prompt-ids (the prompt's token ids)");
     // One process: the node's first GPU (local rank 0).
     const tetra::GeneratedText text = tetra::generate_command(

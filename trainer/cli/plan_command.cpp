@@ -143,7 +143,7 @@ class PlanCommand final : public Command {
  private:
   int plan() {
     const Config cfg = load_config(config_path_, overrides_);
-    if (!write_path_.empty()) check_output_file("--write-config", write_path_, force_);
+    if (!write_path_.empty()) check_output_file("--write-config", write_path_, force_, {config_path_, cluster_});
     ClusterSpec cluster = load_cluster(cluster_, cfg.training.precision, nodes_);
     if (explain_) {
       const int64_t world = cfg.parallel.world();

@@ -215,7 +215,9 @@ class PlotCommand final : public Command {
     const std::string ext = fs::path(out).extension().string();
     if (ext != ".svg" && ext != ".png")
       throw InputError(fmt::format("--out {}: the picture is .svg or .png", out));
-    check_output_file("--out", out, force_);
+    std::vector<std::string> inputs;
+    for (const std::string& r : runs_) inputs.push_back((fs::path(r) / "metrics.jsonl").string());
+    check_output_file("--out", out, force_, inputs);
     std::string converter;
     if (ext == ".png") {
       // ImageMagick's convert by its version line: another program may take the name.

@@ -81,11 +81,19 @@ void check_rank_file(const RankFile& f) {
         throw InputError(fmt::format("{}: {}.id: {} is outside [0, {})", p, at, id, kIdsPerRank));
     }
     const std::string ph = e.value("ph", "");
+    // Times in microseconds: within 30 years either side of the run's epoch (the picture's axis
+    // is built from them).
+    constexpr double kMaxUs = 1e15;
+    auto time_us = [&](const json& v, const std::string& field, double lo) {
+      const double t = json_number(p, v, field);
+      if (!(t >= lo && t <= kMaxUs))
+        throw InputError(fmt::format("{}: {}: {} is outside [{}, {}] microseconds", p, field, v.dump(), lo, kMaxUs));
+    };
     if (ph == "X") {
-      json_number(p, json_member(p, e, at, "ts"), at + ".ts");
-      json_number(p, json_member(p, e, at, "dur"), at + ".dur");
+      time_us(json_member(p, e, at, "ts"), at + ".ts", -kMaxUs);
+      time_us(json_member(p, e, at, "dur"), at + ".dur", 0.0);
     } else if (e.contains("ts")) {
-      json_number(p, e["ts"], at + ".ts");
+      time_us(e["ts"], at + ".ts", -kMaxUs);
     }
     if (ph == "M" && e.contains("args")) {
       const json& args = e["args"];
@@ -114,6 +122,10 @@ std::vector<RankFile> read_rank_files(const fs::path& dir) {
     files.push_back(std::move(f));
   }
   std::sort(files.begin(), files.end(), [](const RankFile& a, const RankFile& b) { return a.rank < b.rank; });
+  for (size_t i = 1; i < files.size(); ++i)
+    if (files[i].rank == files[i - 1].rank)
+      throw InputError(fmt::format("tetra trace merge: {} and {} both hold rank {}'s timeline; keep one",
+                                   files[i - 1].path, files[i].path, files[i].rank));
   return files;
 }
 
@@ -291,8 +303,14 @@ class TraceCommand final : public Command {
       }
     }
     const std::string out = out_.empty() ? (dir / "merged.json").string() : out_;
-    check_output_file("--out", out, force_);
-    if (!svg_.empty()) check_output_file("--svg", svg_, force_);
+    std::vector<std::string> inputs;
+    for (const RankFile& f : files) inputs.push_back(f.path);
+    check_output_file("--out", out, force_, inputs);
+    if (!svg_.empty()) {
+      check_output_file("--svg", svg_, force_, inputs);
+      TETRA_INPUT_CHECK(fs::absolute(svg_).lexically_normal() != fs::absolute(out).lexically_normal(),
+                        "--svg {} is the --out file too: give the picture and the merged trace different names", svg_);
+    }
     const std::string picture = svg_.empty() ? "" : timeline_svg(merged, step_);  // refused before anything is written
     write_output(out, merged.dump() + "\n", "--out");
     std::printf("%s (%zu ranks, %zu events)\n", out.c_str(), files.size(), merged["traceEvents"].size());

@@ -125,13 +125,20 @@ void apply_override(json& j, const std::string& text, Problems& problems) {
                        "expected section.key=value, with no empty name in \"" + key_path + "\"");
     return;
   }
-  // Strict JSON (json_text.h: its depth limit, duplicate keys), else the text as a string.
+  // Strict JSON (json_text.h's rules), else the text as a string (`logging.dir=runs/a`). What is
+  // meant as JSON (an array or object, a number too large for a double) and breaks the rules is
+  // reported, not taken as a string.
   json value;
   try {
     value = parse_json_text(where, value_text);
   } catch (const InputError& e) {
-    if (std::string(e.what()).find("levels deep") != std::string::npos) {
-      problems.add_plain(where, "the value nests too deep (see the config file's rules)");
+    const std::string why = e.what();
+    const size_t first = value_text.find_first_not_of(" \t");
+    const bool meant_as_json = (first != std::string::npos && (value_text[first] == '[' || value_text[first] == '{')) ||
+                               why.find("number overflow") != std::string::npos ||
+                               why.find("duplicate key") != std::string::npos;
+    if (meant_as_json) {
+      problems.add_plain(where, why.substr(why.find(": ") + 2));
       return;
     }
     value = value_text;

@@ -34,6 +34,8 @@ constexpr int64_t kMaxSize = std::numeric_limits<int32_t>::max();  // token ids 
 constexpr int64_t kMaxDegree = int64_t{1} << 20;
 constexpr int64_t kMaxThreads = int64_t{1} << 16;
 constexpr int64_t kMaxLayers = int64_t{1} << 16;
+constexpr double kMaxParameters = 1e15;
+constexpr int64_t kMaxSampleTokens = int64_t{1} << 20;
 constexpr int64_t kMaxScheduleSlots = int64_t{1} << 22;  // micro-batches x pp x virtual_stages per step  // 500 times the deepest published LLM's 126
 
 class Rules {
@@ -354,6 +356,8 @@ void check_ranges(const Config& c, Rules& r) {
             to_string(c.checkpoint.resume),
             "must be \"auto\", \"none\" or the path of a checkpoint directory");
   r.at_least("sample.max_tokens", c.sample.max_tokens, 1);
+  r.require(c.sample.max_tokens <= kMaxSampleTokens, "sample.max_tokens", c.sample.max_tokens,
+            fmt::format("must be <= {} (each token recomputes the whole context)", kMaxSampleTokens));
   r.non_negative("sample.temperature", c.sample.temperature);
   r.at_least("sample.top_k", c.sample.top_k, 0);
   if (!c.data.split.empty()) {
@@ -622,9 +626,32 @@ void check_recompute(const Config& c, Rules& r) {
 
 }  // namespace
 
+// The model's size, bounded before anything counts it in int64: parameters, FLOPs and bytes are
+// products of sizes that each pass their own range (an MoE of 2^31 experts of width 2^31 would
+// wrap). About 10^15 parameters is a thousand times the largest model trained.
+void check_model_size(const Config& c, Rules& r) {
+  const ModelConfig& m = c.model;
+  if (!r.ok({"model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
+             "model.head_dim", "model.ffn_hidden_size", "model.moe.num_experts", "model.moe.ffn_hidden_size"}))
+    return;
+  const double h = static_cast<double>(m.hidden_size), heads = static_cast<double>(m.num_heads);
+  const double kv = m.num_kv_heads > 0 ? static_cast<double>(m.num_kv_heads) : heads;
+  const double hd = m.head_dim > 0 ? static_cast<double>(m.head_dim) : h / heads;
+  const double ffn = std::max(static_cast<double>(m.ffn_hidden_size), 4.0 * h);
+  const double experts = std::max(1.0, static_cast<double>(m.moe.num_experts));
+  const double expert_ffn = std::max(ffn, static_cast<double>(m.moe.ffn_hidden_size));
+  const double per_layer = h * hd * (heads + 2.0 * kv) + heads * hd * h + 3.0 * h * expert_ffn * experts + experts * h;
+  const double params = 2.0 * static_cast<double>(m.vocab_size) * h + static_cast<double>(m.num_layers) * per_layer;
+  r.require(params <= kMaxParameters, "model.hidden_size", m.hidden_size,
+            fmt::format("with these sizes the model has about {:.3g} parameters; at most {:.0e} can be counted "
+                        "(model.vocab_size, num_layers, hidden_size, ffn_hidden_size and moe.num_experts multiply)",
+                        params, kMaxParameters));
+}
+
 void resolve_and_validate(Config& c, Problems& problems) {
   Rules rules(problems);
   check_ranges(c, rules);
+  check_model_size(c, rules);
   resolve(c, rules);
   check_cross_field(c, rules);
   check_recompute(c, rules);

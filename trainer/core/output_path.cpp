@@ -55,7 +55,8 @@ void check_output_dir(const std::string& what, const std::string& path, uint64_t
                                  bytes_needed / 1048576.0));
 }
 
-void check_output_file(const std::string& what, const std::string& path, bool force) {
+void check_output_file(const std::string& what, const std::string& path, bool force,
+                       const std::vector<std::string>& inputs) {
   if (path.find('\0') != std::string::npos)
     throw InputError(fmt::format("{}: the path contains a NUL character; give a path without one", what));
   if (path.empty()) throw InputError(fmt::format("{}: the path is empty", what));
@@ -64,6 +65,14 @@ void check_output_file(const std::string& what, const std::string& path, bool fo
   if (name.empty() || name == "." || name == "..")
     throw InputError(fmt::format("{} {}: names a directory; give a file name", what, path));
   struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode) && !force)
+    throw InputError(fmt::format("{} {}: is a symbolic link (pass --force to replace the link)", what, path));
+  for (const std::string& input : inputs) {
+    std::error_code ec;
+    if (fs::equivalent(path, input, ec))
+      throw InputError(fmt::format("{} {}: is also an input ({}): writing it would destroy what is read; write "
+                                   "elsewhere", what, path, input));
+  }
   if (::stat(path.c_str(), &st) == 0) {
     if (S_ISDIR(st.st_mode)) throw InputError(fmt::format("{} {}: is a directory; give a file name", what, path));
     if (!S_ISREG(st.st_mode))

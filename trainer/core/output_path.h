@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace tetra {
 
@@ -19,7 +20,10 @@ void check_output_dir(const std::string& what, const std::string& path, uint64_t
 // That the file `path` (named in messages as `what`, e.g. "--out") can be written: a file name (not
 // a directory, nor a path ending in '/'), in an existing directory this process can write into;
 // and, unless `force`, that it does not exist yet ("the file exists (pass --force to replace
-// it)"). Creates nothing. InputError naming `what` and the path otherwise.
-void check_output_file(const std::string& what, const std::string& path, bool force);
+// it)"; a symbolic link, even a dangling one, counts as existing); and, even with `force`, that it
+// is none of `inputs` (the files the command reads: replacing one would destroy what it reads).
+// Creates nothing. InputError naming `what` and the path otherwise.
+void check_output_file(const std::string& what, const std::string& path, bool force,
+                       const std::vector<std::string>& inputs = {});
 
 }  // namespace tetra

@@ -75,7 +75,11 @@ RuntimeOptions read_runtime_options() {
                         "TETRA_TEST_FAULT_STEPS={}: \"{}\" is not a step (1-based, comma-separated)", steps, item);
       o.step_fault.steps.push_back(step);
     }
-    o.step_fault.rank = static_cast<int>(int_or("TETRA_TEST_FAULT_RANK", 0));
+    TETRA_INPUT_CHECK(!o.step_fault.steps.empty(), "TETRA_TEST_FAULT_STEPS={} names no step", steps);
+    const int64_t rank = int_or("TETRA_TEST_FAULT_RANK", 0);
+    TETRA_INPUT_CHECK(rank >= 0 && rank < (int64_t{1} << 20), "TETRA_TEST_FAULT_RANK={} is not a rank (0 to 2^20-1)",
+                      rank);
+    o.step_fault.rank = static_cast<int>(rank);
   }
   o.hang.rank = int_or("TETRA_TEST_HANG_RANK", -1);
   o.hang.step = int_or("TETRA_TEST_HANG_STEP", -1);

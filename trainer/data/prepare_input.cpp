@@ -149,6 +149,12 @@ std::vector<InputFile> list_input_files(const std::vector<std::string>& inputs,
   return files;
 }
 
+std::vector<std::string> input_paths(const std::vector<InputFile>& files) {
+  std::vector<std::string> paths;
+  for (const InputFile& f : files) paths.push_back(f.path);
+  return paths;
+}
+
 void check_files_not_empty(const std::vector<InputFile>& files) {
   for (const InputFile& f : files)
     TETRA_INPUT_CHECK(f.size > 0, "{}: the file is empty: there is no document in it", f.path);

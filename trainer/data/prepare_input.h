@@ -36,6 +36,9 @@ struct InputFile {
 std::vector<InputFile> list_input_files(const std::vector<std::string>& inputs,
                                         std::string_view dir_extension = "");
 
+// The files' paths.
+std::vector<std::string> input_paths(const std::vector<InputFile>& files);
+
 // InputError unless every file has at least one byte ("<path>: the file is empty").
 void check_files_not_empty(const std::vector<InputFile>& files);
 

@@ -240,7 +240,8 @@ void train_sentencepiece(const std::vector<std::string>& files, const std::strin
                     opt.character_coverage);
   TETRA_INPUT_CHECK(opt.max_sentences >= 0, "SentencePiece max_sentences {} must be >= 0 (0: all)",
                     opt.max_sentences);
-  TETRA_INPUT_CHECK(opt.threads >= 0, "SentencePiece threads {} must be >= 0 (0: all cores)",
+  TETRA_INPUT_CHECK(opt.threads >= 0 && opt.threads <= 128,
+                    "--threads {}: give 0 (all cores, at most 128) or 1 to 128 (SentencePiece's trainer threads)",
                     opt.threads);
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
   const int threads = std::clamp<int>(opt.threads > 0 ? opt.threads : cores, 1, 128);
