@@ -58,11 +58,19 @@ TEST_CASE("resume auto: latest first, else the newest complete checkpoint", "[ch
   // A step_* without a manifest (step_* are renamed in complete, so it was damaged) beyond the step
   // to resume: refused, since this run's save of that step would replace it; once moved away, fine.
   fs::create_directories(fs::path(d) / "step_00000006");
-  CHECK_THROWS_WITH(tetra::checkpoint_to_resume(auto_resume(d)),
+  CHECK_THROWS_WITH(tetra::checkpoint_to_resume(auto_resume(d), 10),
                     Catch::Matchers::Contains("holds step_00000006 without its manifest.json") &&
                         Catch::Matchers::Contains("newer than the checkpoint to resume from (step 4)"));
   write(d + "/latest", "step_00000002\n");
-  CHECK_THROWS_AS(tetra::checkpoint_to_resume(auto_resume(d)), tetra::InputError);
+  CHECK_THROWS_AS(tetra::checkpoint_to_resume(auto_resume(d), 10), tetra::InputError);
+  // A run that saves no step as late (its last step 5), or a reader that saves none: no refusal.
+  CHECK(tetra::checkpoint_to_resume(auto_resume(d), 5) == (fs::path(d) / "step_00000002").string());
+  CHECK(tetra::checkpoint_to_resume(auto_resume(d)) == (fs::path(d) / "step_00000002").string());
+  // A file in a step_*'s place is refused too.
+  fs::remove(fs::path(d) / "step_00000006");
+  write(d + "/step_00000006", "not a checkpoint\n");
+  CHECK_THROWS_WITH(tetra::checkpoint_to_resume(auto_resume(d), 10),
+                    Catch::Matchers::Contains("holds step_00000006, which is not a directory"));
   fs::remove(fs::path(d) / "latest");
   fs::remove(fs::path(d) / "step_00000006");
   // No latest: the newest complete step.

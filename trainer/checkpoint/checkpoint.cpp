@@ -108,10 +108,10 @@ void check_same_model(const Manifest& manifest, const Config& cfg) {
                                "give a run of another model its own checkpoint.dir", manifest.path, diff));
 }
 
-std::string agree_checkpoint_to_resume(const CheckpointConfig& cfg, ProcessGroups& groups) {
+std::string agree_checkpoint_to_resume(const CheckpointConfig& cfg, ProcessGroups& groups, int64_t last_save) {
   // Rank 0 decides; every rank takes its answer (a rank whose view of the directory lags behind,
   // as network filesystems' caches can, must not load another step), and must see it.
-  const std::string mine = groups.rank == 0 ? checkpoint_to_resume(cfg) : std::string();
+  const std::string mine = groups.rank == 0 ? checkpoint_to_resume(cfg, last_save) : std::string();
   const std::string chosen = all_gather_strings(*groups.world, mine)[0];
   struct stat st {};
   if (!chosen.empty() && ::stat((fs::path(chosen) / "manifest.json").c_str(), &st) != 0)

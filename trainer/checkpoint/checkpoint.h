@@ -86,7 +86,7 @@ void check_same_model(const Manifest& manifest, const Config& cfg);
 
 // The checkpoint to resume (commit.h's checkpoint_to_resume) as rank 0 finds it, on every rank
 // (collective): all ranks load the same step. InputError on a rank that cannot see it.
-std::string agree_checkpoint_to_resume(const CheckpointConfig& cfg, ProcessGroups& groups);
+std::string agree_checkpoint_to_resume(const CheckpointConfig& cfg, ProcessGroups& groups, int64_t last_save = -1);
 
 // Loads `path` into the buffers (collective). InputError naming the file (and tensor) when the
 // checkpoint is of another model, incomplete or corrupt. `weights_only` (checkpoint.init): the

@@ -275,7 +275,7 @@ void warn_newer(const std::vector<CheckpointEntry>& done, int64_t step, const st
 
 }  // namespace
 
-std::string checkpoint_to_resume(const CheckpointConfig& cfg) {
+std::string checkpoint_to_resume(const CheckpointConfig& cfg, int64_t last_save) {
   if (cfg.resume.kind == ResumeKind::PATH) {
     const std::string& path = cfg.resume.path;
     if (!is_dir(path) || !complete(path))
@@ -303,7 +303,7 @@ std::string checkpoint_to_resume(const CheckpointConfig& cfg) {
   auto refuse_damaged_beyond = [&](int64_t resume_step) {
     for (const std::string& n : list_dir(cfg.dir)) {
       const int64_t step = step_of_checkpoint_name(n);
-      if (step < 0 || kind_of_name(n) != CheckpointEntry::NAMED || step <= resume_step ||
+      if (step < 0 || kind_of_name(n) != CheckpointEntry::NAMED || step <= resume_step || step > last_save ||
           complete(fs::path(cfg.dir) / n))
         continue;
       if (!is_dir(fs::path(cfg.dir) / n))  // a file or a link in a checkpoint's place

@@ -102,6 +102,9 @@ int lock_checkpoint_dir(const std::string& dir);
 // with no checkpoint in `dir`). "auto" takes what `latest` names, or else the newest complete
 // checkpoint (saying so in the log). InputError when an explicit path is not a checkpoint, or when
 // `latest` names a directory outside `dir`, or names an incomplete one and no complete one exists.
-std::string checkpoint_to_resume(const CheckpointConfig& cfg);
+// `last_save` >= 0: the caller saves checkpoints of steps up to it into `dir` (a training run), so
+// a step_* there that is not a complete checkpoint, beyond the one resumed and not beyond
+// `last_save`, is an InputError too (the save of its step would replace it); -1: it saves none.
+std::string checkpoint_to_resume(const CheckpointConfig& cfg, int64_t last_save = -1);
 
 }  // namespace tetra

@@ -101,7 +101,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   ComputeDevice device = make_compute_device(cfg.training, act_, device_opts);
   // The checkpoint to resume from is found (or refused) and its manifest checked against this
   // model before any file is written; so is every path the run will write.
-  const std::string resume = agree_checkpoint_to_resume(cfg.checkpoint, groups);
+  const bool saves = !cfg.checkpoint.dir.empty() && (cfg.checkpoint.every > 0 || cfg.checkpoint.save_on_exit);
+  const std::string resume = agree_checkpoint_to_resume(cfg.checkpoint, groups, saves ? cfg.training.steps : -1);
   // Nothing to resume: checkpoint.init's weights start the run (found as checkpoint.resume's path).
   std::string init;
   if (resume.empty() && !cfg.checkpoint.init.empty()) {
