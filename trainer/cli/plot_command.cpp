@@ -73,7 +73,12 @@ Run read_run(const std::string& dir) {
   double tokens = 0.0;
   for (const nlohmann::json& j : steps) {
     const double step = j["step"].get<double>();
-    auto number = [&](const char* key) { return j.contains(key) && j[key].is_number() ? j[key].get<double>() : NAN; };
+    // A value no training writes (beyond 1e30 in size) would overflow the axes' arithmetic: not drawn,
+    // as a non-finite one is not.
+    auto number = [&](const char* key) {
+      const double v = j.contains(key) && j[key].is_number() ? j[key].get<double>() : NAN;
+      return std::abs(v) <= 1e30 ? v : NAN;
+    };
     tokens += number("tokens_per_s") * number("ms") / 1e3;  // the step's tokens
     const double loss = number("loss");
     if (std::isfinite(loss) && !j.contains("skipped")) {
