@@ -412,7 +412,7 @@ m = json.load(open(sys.argv[1]))
 m["config"]["data"] = 5
 json.dump(m, open(sys.argv[1], "w"), indent=1)
 PY
-  names=("error: $dir/manifest.json: malformed manifest" "type_error")
+  names=("error: $dir/manifest.json: field config.data is 5, not a data section")
   expect_refusal "$tetra" ckpt export-hf "$dir" "$scratch/damaged/$case/hf"
   [[ ! -e "$scratch/damaged/$case/hf" ]] || fail "export-hf created $scratch/damaged/$case/hf"
 

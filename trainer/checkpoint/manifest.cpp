@@ -84,6 +84,8 @@ class Fields {
 // The model the manifest's config describes (validated as a config of its own).
 ModelConfig model_of(const json& manifest, const Fields& f) {
   const json& config = f.at(manifest, "config", "config");
+  if (!config.is_object())
+    throw InputError(fmt::format("{}: field config is {}, not an object (the run's config)", f.where(), config.dump()));
   const json& model = f.at(config, "model", "config.model");
   const nlohmann::json cfg = {{"model", nlohmann::json::parse(model.dump())}, {"data", {{"synthetic", true}}}};
   try {

@@ -291,9 +291,13 @@ int export_hf(const std::string& dir, const std::string& out, const std::string&
   // GPT-2's BPE ends documents with <|endoftext|> (id 50256); other tokenizers are not known here.
   int64_t eos = -1;
   const json& cfg = ck.config;
-  if (cfg.contains("data") && cfg["data"].value("tokenizer", "").rfind("gpt2:", 0) == 0 &&
-      ck.model.vocab_size > 50256)
-    eos = 50256;
+  if (cfg.contains("data")) {
+    const json& data = cfg["data"];
+    if (!data.is_object() || (data.contains("tokenizer") && !data["tokenizer"].is_string()))
+      throw InputError(fmt::format("{}: field config.data is {}, not a data section (an object whose tokenizer is a "
+                                   "string)", ck.path, data.dump()));
+    if (data.value("tokenizer", "").rfind("gpt2:", 0) == 0 && ck.model.vocab_size > 50256) eos = 50256;
+  }
   const json config = tetra::hf_config(ck.model, arch, dtype, eos);
   // Room for the tensors (plus a MiB for headers and config.json) before OUT is created.
   uint64_t need = uint64_t{1} << 20;
