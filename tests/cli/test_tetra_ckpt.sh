@@ -180,6 +180,16 @@ damaged() {
   echo "$scratch/damaged/$case/$step_dir"
 }
 
+# edit_manifest <step dir> <python statement on m, the manifest>: rewrites its manifest.json.
+edit_manifest() {
+  $py - "$1/manifest.json" "$2" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))
+exec(sys.argv[2])
+json.dump(m, open(sys.argv[1], "w"), indent=1)
+PY
+}
+
 # ---- single rank: both styles ------------------------------------------------------------------
 for style in llama gpt2; do
   case="inspect_$style"
@@ -406,24 +416,14 @@ grep -q "filesystem error" "$scratch/$case.err" && fail "the raw exception: $(ca
 if [[ -f "$scratch/llama/ckpt/$step_dir/manifest.json" ]]; then
   case=manifest_value_of_another_type  # config.data a number: export-hf reads data.tokenizer from it
   dir=$(damaged llama)
-  $py - "$dir/manifest.json" <<'PY'
-import json, sys
-m = json.load(open(sys.argv[1]))
-m["config"]["data"] = 5
-json.dump(m, open(sys.argv[1], "w"), indent=1)
-PY
+  edit_manifest "$dir" 'm["config"]["data"] = 5'
   names=("error: $dir/manifest.json: field config.data is 5, not a data section")
   expect_refusal "$tetra" ckpt export-hf "$dir" "$scratch/damaged/$case/hf"
   [[ ! -e "$scratch/damaged/$case/hf" ]] || fail "export-hf created $scratch/damaged/$case/hf"
 
   case=manifest_layout_degree_zero  # the layout that wrote it is checked like the rest
   dir=$(damaged llama)
-  $py - "$dir/manifest.json" <<'PY'
-import json, sys
-m = json.load(open(sys.argv[1]))
-m["layout"]["tp"] = 0
-json.dump(m, open(sys.argv[1], "w"), indent=1)
-PY
+  edit_manifest "$dir" 'm["layout"]["tp"] = 0'
   names=("error: $dir/manifest.json: field layout.tp is 0, outside [1, 1048576]")
   expect_refusal "$tetra" ckpt inspect "$dir"
 
