@@ -11,6 +11,7 @@
 #include <limits>
 #include <set>
 #include <sstream>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -178,14 +179,12 @@ Manifest read_manifest(const std::string& checkpoint_dir) {
   {  // The layout that wrote the checkpoint (a description: resharding reads the slices themselves).
     const json& l = m.layout;
     if (!l.is_object()) throw InputError(fmt::format("{}: field layout is {}, not an object", m.path, l.dump()));
-    constexpr int64_t kMaxDegree = int64_t{1} << 20;
     int64_t ranks = 1;
-    for (const char* axis : {"tp", "pp", "dp", "ep", "cp"}) {
-      if (!l.contains(axis) && (std::string(axis) == "cp" || std::string(axis) == "ep")) continue;  // older ones
-      const int64_t d = f.integer(l, axis, fmt::format("layout.{}", axis), 1, kMaxDegree);
-      if (std::string(axis) != "ep") ranks *= d;
-    }
-    const int64_t world = f.integer(l, "world", "layout.world", 1, kMaxDegree);
+    for (const char* axis : {"tp", "cp", "pp", "dp"})  // cp: absent from older checkpoints
+      if (l.contains(axis) || std::string_view(axis) != "cp")
+        ranks *= f.integer(l, axis, fmt::format("layout.{}", axis), 1, kMaxRanks);
+    if (l.contains("ep")) f.integer(l, "ep", "layout.ep", 1, kMaxRanks);  // within dp; absent from older ones
+    const int64_t world = f.integer(l, "world", "layout.world", 1, kMaxRanks);
     if (world != ranks)
       throw InputError(fmt::format("{}: field layout.world is {}, but tp x cp x pp x dp of the layout is {}", m.path,
                                    world, ranks));

@@ -1,7 +1,6 @@
 #include "trainer/checkpoint/safetensors.h"
 
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -116,16 +115,9 @@ void write_safetensors(const std::string& path, const std::vector<TensorRecord>&
 }
 
 SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
-  // O_NONBLOCK and fstat: a named pipe is refused, not waited on (files.h).
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd_ < 0) throw InputError(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
-  struct stat st {};
-  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
-    const std::string kind(::fstat(fd_, &st) == 0 ? file_kind_name(st.st_mode) : "unreadable");
-    ::close(fd_);
-    throw InputError(fmt::format("{}: is {}, not a regular file; a safetensors file was expected", path, kind));
-  }
-  ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_NONBLOCK);
+  if (::access(path.c_str(), F_OK) != 0)
+    throw InputError(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
+  fd_ = open_regular_file(path, "safetensors file", "give a .safetensors file");  // never blocks on a pipe
   const off_t size = ::lseek(fd_, 0, SEEK_END);
   const uint64_t file_size = size < 0 ? 0 : static_cast<uint64_t>(size);
   uint64_t n = 0;

@@ -223,10 +223,10 @@ class DataCommand final : public Command {
         }
         tetra::check_output_prefix(spm_output_, "--output");
         const std::vector<tetra::InputFile> files = tetra::list_input_files(spm_inputs_);
-        for (const char* ext : {".model", ".vocab"})
-          tetra::check_output_file("--output", spm_output_ + ext, spm_force_, tetra::input_paths(files));
+        const std::vector<std::string> paths = tetra::input_paths(files);
+        for (const char* ext : {".model", ".vocab"}) tetra::check_output_file("--output", spm_output_ + ext, spm_force_, paths);
         tetra::check_text_files(files);
-        tetra::train_sentencepiece(tetra::input_paths(files), spm_output_, spm_);
+        tetra::train_sentencepiece(paths, spm_output_, spm_);
         const std::string model = spm_output_ + ".model";
         const std::unique_ptr<tetra::Tokenizer> t = tetra::load_tokenizer("sentencepiece:" + model);
         fmt::print("wrote {} and {}.vocab: {}, vocabulary {}, end-of-document id {}\n", model,

@@ -62,14 +62,7 @@ Run read_run(const std::string& dir) {
     start = end + 1;
     ++n;
     if (line.empty()) continue;
-    nlohmann::json j;
-    try {
-      j = parse_json_text(path.string(), line, n);
-    } catch (const InputError& e) {  // a duplicate key or a NUL is named by its key: add the line
-      const std::string why = e.what(), bare = path.string() + ": ";
-      if (why.rfind(bare, 0) != 0) throw;
-      throw InputError(fmt::format("{}:{}: {}", path.string(), n, why.substr(bare.size())));
-    }
+    const nlohmann::json j = parse_json_line(path.string(), line, n);
     if (!j.is_object() || !j.contains("step")) continue;
     const int64_t step = json_integer(fmt::format("{}:{}", path.string(), n), j["step"], "step");
     // A resumed run repeats steps: the later line replaces the earlier ones from that step on.

@@ -22,6 +22,7 @@
 
 #include "kernels/common/check.h"
 #include "trainer/cli/cli.h"
+#include "trainer/config/config.h"
 #include "trainer/core/files.h"
 #include "trainer/core/json_text.h"
 #include "trainer/core/output_path.h"
@@ -33,8 +34,7 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-constexpr int64_t kMaxRanks = int64_t{1} << 20;       // a run's ranks (config.md)
-constexpr int64_t kIdsPerRank = 1000000000;           // asynchronous span ids: made unique per rank
+constexpr int64_t kIdsPerRank = 1000000000;  // asynchronous span ids: made unique per rank
 
 struct RankFile {
   int rank = 0;

@@ -132,12 +132,12 @@ void apply_override(json& j, const std::string& text, Problems& problems) {
   try {
     value = parse_json_text(where, value_text);
   } catch (const InputError& e) {
-    const std::string why = e.what();
+    // Not JSON at all, and not meant as an array or object: the text itself. JSON that breaks a
+    // rule (a number beyond a double, a key twice) is reported.
     const size_t first = value_text.find_first_not_of(" \t");
-    const bool meant_as_json = (first != std::string::npos && (value_text[first] == '[' || value_text[first] == '{')) ||
-                               why.find("number overflow") != std::string::npos ||
-                               why.find("duplicate key") != std::string::npos;
-    if (meant_as_json) {
+    const bool structured = first != std::string::npos && (value_text[first] == '[' || value_text[first] == '{');
+    if (dynamic_cast<const JsonSyntaxError*>(&e) == nullptr || structured) {
+      const std::string why = e.what();
       problems.add_plain(where, why.substr(why.find(": ") + 2));
       return;
     }

@@ -351,6 +351,9 @@ struct ParallelConfig {
 // The largest loss scale (2^64): the scaler never grows past it, and no configured scale may
 // exceed it. Beyond it a gradient norm of the scaled gradients overflows fp32's sum of squares.
 inline constexpr double kMaxLossScale = 18446744073709551616.0;
+// The most ranks a run has (and so the most of any parallel degree): 2^20, a million GPUs, keeps
+// every product of degrees, and the per-rank tables built from them, far from overflow.
+inline constexpr int64_t kMaxRanks = int64_t{1} << 20;
 
 struct TrainingConfig {
   Device device = Device::CPU;
@@ -449,6 +452,9 @@ struct CheckpointConfig {
   std::string init;                 // a checkpoint whose weights start a run that resumes nothing:
                                     // fresh optimizer, step 0, the data from its start ("" = none)
   bool save_on_exit = true;         // save when training ends or on SIGTERM / SIGUSR1
+
+  // The run writes checkpoints: a dir, and periodic saves or one at exit.
+  bool saves() const { return !dir.empty() && (every > 0 || save_on_exit); }
 };
 
 struct LoggingConfig {

@@ -29,14 +29,11 @@ namespace tetra::config_detail {
 namespace {
 
 constexpr int64_t kMaxSize = std::numeric_limits<int32_t>::max();  // token ids are int32
-// A parallel degree, and the ranks of a run: 2^20 (a million GPUs) keeps every product of degrees,
-// and the per-rank tables built from them, far from overflow and from memory exhaustion.
-constexpr int64_t kMaxDegree = int64_t{1} << 20;
 constexpr int64_t kMaxThreads = int64_t{1} << 16;
-constexpr int64_t kMaxLayers = int64_t{1} << 16;
+constexpr int64_t kMaxLayers = int64_t{1} << 16;  // 500 times the deepest published LLM's 126
 constexpr double kMaxParameters = 1e15;
 constexpr int64_t kMaxSampleTokens = int64_t{1} << 20;
-constexpr int64_t kMaxScheduleSlots = int64_t{1} << 22;  // micro-batches x pp x virtual_stages per step  // 500 times the deepest published LLM's 126
+constexpr int64_t kMaxScheduleSlots = int64_t{1} << 22;  // micro-batches x pp x virtual_stages per step
 
 class Rules {
  public:
@@ -63,7 +60,7 @@ class Rules {
   // A parallel degree: 1 <= v <= 2^20.
   void degree(const std::string& path, int64_t v) {
     require(v >= 1, path, v, "must be >= 1");
-    require(v <= kMaxDegree, path, v, fmt::format("must be <= {} (2^20)", kMaxDegree));
+    require(v <= kMaxRanks, path, v, fmt::format("must be <= {} (2^20)", kMaxRanks));
   }
   void at_least(const std::string& path, int64_t v, int64_t min) {
     require(v >= min, path, v, fmt::format("must be >= {}", min));
@@ -276,11 +273,11 @@ void check_ranges(const Config& c, Rules& r) {
     // In double: four degrees of up to 2^20 each overflow int64.
     r.require(static_cast<double>(c.parallel.tp) * static_cast<double>(c.parallel.cp) *
                       static_cast<double>(c.parallel.pp) * static_cast<double>(c.parallel.dp) <=
-                  static_cast<double>(kMaxDegree),
+                  static_cast<double>(kMaxRanks),
               "parallel.dp", c.parallel.dp,
               fmt::format("parallel.tp x parallel.cp x parallel.pp x parallel.dp = {} x {} x {} x {} ranks; a run "
                           "has at most {} (2^20)",
-                          c.parallel.tp, c.parallel.cp, c.parallel.pp, c.parallel.dp, kMaxDegree));
+                          c.parallel.tp, c.parallel.cp, c.parallel.pp, c.parallel.dp, kMaxRanks));
   for (size_t i = 0; i < c.parallel.stage_layers.size(); ++i)
     r.at_least(fmt::format("parallel.stage_layers[{}]", i), c.parallel.stage_layers[i], 0);
   r.at_least("parallel.bucket_size", c.parallel.bucket_size, 1);

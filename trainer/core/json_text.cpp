@@ -127,8 +127,8 @@ json parse_json_text(const std::string& file, const std::string& text, const Jso
   } catch (const json::parse_error& e) {
     // The offset of the last byte the parser read (one past the end when the input ended early).
     const size_t pos = e.byte > 0 ? e.byte - 1 : 0;
-    throw InputError(fmt::format("{}: invalid JSON: {}", text_position(file, text, pos, first_line),
-                                 parser_reason(e.what())));
+    throw JsonSyntaxError(fmt::format("{}: invalid JSON: {}", text_position(file, text, pos, first_line),
+                                      parser_reason(e.what())));
   } catch (const json::exception& e) {  // a number out of range: 1e999, -1e999
     const size_t end = error_offset(text);
     throw InputError(fmt::format("{}: invalid JSON: {} (a double holds at most about 1.8e308)",
@@ -137,16 +137,30 @@ json parse_json_text(const std::string& file, const std::string& text, const Jso
   }
 }
 
-json parse_json_text(const std::string& file, const std::string& text, int64_t first_line) {
+namespace {
+
+// parse_json_text with the first problem an InputError "<where>: <json path>: <message>".
+json parse_refusing_problems(const std::string& file, const std::string& where, const std::string& text,
+                             int64_t first_line) {
   std::string first;
   json j = parse_json_text(
       file, text,
       [&](const std::string& path, const std::string& message) {
-        if (first.empty()) first = fmt::format("{}: {}: {}", file, printable(path), message);
+        if (first.empty()) first = fmt::format("{}: {}: {}", where, printable(path), message);
       },
       first_line);
   if (!first.empty()) throw InputError(first);
   return j;
+}
+
+}  // namespace
+
+json parse_json_text(const std::string& file, const std::string& text, int64_t first_line) {
+  return parse_refusing_problems(file, file, text, first_line);
+}
+
+json parse_json_line(const std::string& file, const std::string& text, int64_t line) {
+  return parse_refusing_problems(file, fmt::format("{}:{}", file, line), text, line);
 }
 
 json read_json_file(const std::string& path, std::string_view role, std::string_view fix) {

@@ -17,20 +17,33 @@
 #include <string>
 #include <string_view>
 
+#include "kernels/common/check.h"
+
 namespace tetra {
+
+// A text that is not JSON at all (a syntax error), as opposed to JSON that breaks a rule above: a
+// reader that also takes plain text (a `--set` value) tells them apart by it.
+class JsonSyntaxError : public InputError {
+ public:
+  using InputError::InputError;
+};
 
 // Receives a problem that does not stop the parse: the JSON path ("training.steps", "a[2].b")
 // and what is wrong ("duplicate key; ...").
 using JsonProblemSink = std::function<void(const std::string& json_path, const std::string& message)>;
 
-// Parses `text`, read from `file` (for messages). InputError on a syntax error or a number out of
-// range; duplicate keys and NULs go to `problems`. `first_line`: the line number of the text's
+// Parses `text`, read from `file` (for messages). JsonSyntaxError on a syntax error, InputError on
+// a number out of range or nesting too deep; duplicate keys and NULs go to `problems`. `first_line`: the line number of the text's
 // first line in `file` (a line of a JSON-lines file).
 nlohmann::json parse_json_text(const std::string& file, const std::string& text, const JsonProblemSink& problems,
                                int64_t first_line = 1);
 
 // The same, with the first duplicate key or NUL an InputError: "<file>: <json path>: <message>".
 nlohmann::json parse_json_text(const std::string& file, const std::string& text, int64_t first_line = 1);
+
+// One line of a JSON-lines file (metrics.jsonl): the same, every message naming the line
+// ("<file>:<line>: <json path>: <message>", "<file>:<line>:<column>: invalid JSON: ...").
+nlohmann::json parse_json_line(const std::string& file, const std::string& text, int64_t line);
 
 // read_text(path, role, fix) (a regular file, never blocking on a named pipe), then
 // parse_json_text.

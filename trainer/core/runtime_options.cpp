@@ -3,6 +3,7 @@
 
 #include <charconv>
 #include <cstdlib>
+#include <optional>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -29,15 +30,21 @@ bool switch_on(const char* name) {
   return s == "1";
 }
 
+// `s` as a whole number, or nullopt.
+std::optional<int64_t> whole_number(const std::string& s) {
+  int64_t x = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), x);
+  if (ec != std::errc() || end != s.data() + s.size()) return std::nullopt;
+  return x;
+}
+
 // A whole number, or `fallback` when unset or empty; anything else is refused.
 int64_t int_or(const char* name, int64_t fallback) {
   const char* v = value_of(name);
   if (v == nullptr) return fallback;
-  const std::string s(v);
-  int64_t x = 0;
-  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), x);
-  TETRA_INPUT_CHECK(ec == std::errc() && end == s.data() + s.size(), "{}={} is not a whole number", name, s);
-  return x;
+  const std::optional<int64_t> x = whole_number(v);
+  TETRA_INPUT_CHECK(x.has_value(), "{}={} is not a whole number", name, v);
+  return *x;
 }
 
 }  // namespace
@@ -69,11 +76,10 @@ RuntimeOptions read_runtime_options() {
     std::stringstream in(steps);
     for (std::string item; std::getline(in, item, ',');) {
       if (item.empty()) continue;
-      int64_t step = 0;
-      const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), step);
-      TETRA_INPUT_CHECK(ec == std::errc() && end == item.data() + item.size() && step >= 1,
-                        "TETRA_TEST_FAULT_STEPS={}: \"{}\" is not a step (1-based, comma-separated)", steps, item);
-      o.step_fault.steps.push_back(step);
+      const std::optional<int64_t> step = whole_number(item);
+      TETRA_INPUT_CHECK(step && *step >= 1, "TETRA_TEST_FAULT_STEPS={}: \"{}\" is not a step (1-based, comma-separated)",
+                        steps, item);
+      o.step_fault.steps.push_back(*step);
     }
     TETRA_INPUT_CHECK(!o.step_fault.steps.empty(), "TETRA_TEST_FAULT_STEPS={} names no step", steps);
     const int64_t rank = int_or("TETRA_TEST_FAULT_RANK", 0);

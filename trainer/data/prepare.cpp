@@ -173,8 +173,9 @@ PrepareSummary tokenize_to_dataset(const Tokenizer& tokenizer, const TokenizeOpt
   const std::vector<std::string> prefixes =
       opt.split.empty() ? std::vector<std::string>{opt.output_prefix}
                         : split_prefixes(opt.output_prefix, opt.split.size());
+  const std::vector<std::string> input_names = input_paths(files);
   for (const std::string& p : prefixes)
-    for (const char* ext : {".bin", ".idx"}) check_output_file("--output", p + ext, opt.force, input_paths(files));
+    for (const char* ext : {".bin", ".idx"}) check_output_file("--output", p + ext, opt.force, input_names);
   const int64_t vocab = tokenizer.vocab_size();
   const int32_t eod = tokenizer.eod_id();
   TETRA_CHECK(eod >= 0 && eod < vocab, "tokenizer {}: end-of-document id {} outside vocab {}",

@@ -94,8 +94,8 @@ PrepareSummary convert_llmc_shards(const LlmcOptions& opt) {
   // ---- every header first: one format, a delimiter that fits ----------------------------------
   const std::vector<InputFile> files = list_input_files(opt.inputs, ".bin");
   check_output_prefix(opt.output_prefix, "--output");
-  for (const char* ext : {".bin", ".idx"})
-    check_output_file("--output", opt.output_prefix + ext, opt.force, input_paths(files));
+  const std::vector<std::string> input_names = input_paths(files);
+  for (const char* ext : {".bin", ".idx"}) check_output_file("--output", opt.output_prefix + ext, opt.force, input_names);
   std::vector<LlmcShard> shards;
   for (const InputFile& f : files) {
     shards.push_back(read_llmc_header(f.path));

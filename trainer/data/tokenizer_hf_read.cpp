@@ -44,7 +44,6 @@ std::string read_text_file(const std::string& path, const char* what) {
   return read_text(path, what, "give the directory that holds tokenizer.json");
 }
 
-json parse_json(const std::string& path, const std::string& text) { return parse_json_text(path, text); }
 
 // A JSON object of the file at `path` ("model", "added_tokens[3]"), read field by field.
 class Obj {
@@ -536,7 +535,7 @@ int32_t read_special(const Obj& c, const char* key,
 
 void read_config(const std::string& path, Parts& parts,
                  const std::unordered_map<std::string, int32_t>& file_vocab) {
-  const json j = parse_json(path, read_text_file(path, "tokenizer_config.json"));
+  const json j = parse_json_text(path, read_text_file(path, "tokenizer_config.json"));
   const Obj c(path, j, "");
   parts.bos_id = read_special(c, "bos_token", file_vocab, parts.json_path);
   parts.eos_id = read_special(c, "eos_token", file_vocab, parts.json_path);
@@ -577,7 +576,7 @@ Parts read_parts(const std::string& dir) {
   Parts parts;
   parts.dir = dir;
   parts.json_path = dir + "/tokenizer.json";
-  const json j = parse_json(parts.json_path, read_text_file(parts.json_path, "tokenizer.json"));
+  const json j = parse_json_text(parts.json_path, read_text_file(parts.json_path, "tokenizer.json"));
   const Obj root(parts.json_path, j, "");
 
   if (const auto v = root.opt_str("version"); v && *v != "1.0")

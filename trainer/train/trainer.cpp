@@ -67,8 +67,7 @@ void check_output_paths(const Config& cfg, const std::string& dump_dir, bool wri
   if (!writer && !cfg.logging.dir.empty() && !cfg.training.profile_steps.empty())
     check_output_dir("logging.dir (each rank writes its timeline there under training.profile_steps)",
                      cfg.logging.dir);
-  const bool saves = cfg.checkpoint.every > 0 || cfg.checkpoint.save_on_exit;
-  if (!cfg.checkpoint.dir.empty() && saves) check_output_dir("checkpoint.dir", cfg.checkpoint.dir, params * 12);
+  if (cfg.checkpoint.saves()) check_output_dir("checkpoint.dir", cfg.checkpoint.dir, params * 12);
   if (writer && !dump_dir.empty()) check_output_dir("--dump-dir", dump_dir, params * 8);
 }
 
@@ -101,8 +100,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   ComputeDevice device = make_compute_device(cfg.training, act_, device_opts);
   // The checkpoint to resume from is found (or refused) and its manifest checked against this
   // model before any file is written; so is every path the run will write.
-  const bool saves = !cfg.checkpoint.dir.empty() && (cfg.checkpoint.every > 0 || cfg.checkpoint.save_on_exit);
-  const std::string resume = agree_checkpoint_to_resume(cfg.checkpoint, groups, saves ? cfg.training.steps : -1);
+  const std::string resume =
+      agree_checkpoint_to_resume(cfg.checkpoint, groups, cfg.checkpoint.saves() ? cfg.training.steps : -1);
   // Nothing to resume: checkpoint.init's weights start the run (found as checkpoint.resume's path).
   std::string init;
   if (resume.empty() && !cfg.checkpoint.init.empty()) {
@@ -235,7 +234,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   }
   // This run's hold on checkpoint.dir, then the run directory, once everything they depend on has
   // been read and checked (train.log starts with the lines logged so far).
-  if (writer_ && !cfg.checkpoint.dir.empty() && (cfg.checkpoint.every > 0 || cfg.checkpoint.save_on_exit))
+  if (writer_ && cfg.checkpoint.saves())
     checkpoint_lock_ = lock_checkpoint_dir(cfg.checkpoint.dir);
   if (writer_) {
     log_to_file(cfg.logging.dir);
