@@ -73,6 +73,22 @@ def losses(out):
     return {step: raw for step, (raw, _) in harness.last_run(out).items()}
 
 
+def popen(cmd, env):
+    """The run in a session of its own, so that finish() can end all of its processes."""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+
+
+def finish(proc, timeout=120):
+    """The run's output once it exits; a run still going after `timeout` s is killed (every rank),
+    so that a failure leaves no process behind, and the output says so."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()[0] + f"\n(killed: still running after {timeout} s)"
+
+
 def tree_digest(path):
     h = hashlib.sha256()
     for root, _, files in sorted(os.walk(path)):
@@ -179,14 +195,14 @@ def main():
         p, o = config(w, f"signal_{signame}", 100000, LAYOUTS["dp2"], ck)
         cmd, env = launch(args, p, LAYOUTS["dp2"])
         if signame == "SIGTERM":  # mpirun turns SIGTERM into a kill of its ranks: signal them directly
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            proc = popen(cmd, env)
             time.sleep(2.5)
             subprocess.run(["pkill", "-TERM", "-f", f"^{args.tetra} --config {p}"], check=False)
         else:  # mpirun forwards SIGUSR1 to every rank
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            proc = popen(cmd, env)
             time.sleep(2.5)
             proc.send_signal(signal.SIGUSR1)
-        out_text, _ = proc.communicate(timeout=120)
+        out_text = finish(proc)
         done = losses(o)
         latest = os.path.join(ck, "latest")
         saved = open(latest).read().strip() if os.path.exists(latest) else ""
@@ -202,10 +218,10 @@ def main():
     ck = os.path.join(w, "ck_eval_signal")
     p, o = config(w, "eval_signal", 3, LAYOUTS["dp2"], ck, training={"eval_every": 1, "eval_steps": 10**8})
     cmd, env = launch(args, p, LAYOUTS["dp2"])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = popen(cmd, env)
     time.sleep(6.0)  # step 1 is done in well under a second of it, the evaluation never
     proc.send_signal(signal.SIGUSR1)
-    out_text, _ = proc.communicate(timeout=120)
+    out_text = finish(proc)
     latest = os.path.join(ck, "latest")
     saved = open(latest).read().strip() if os.path.exists(latest) else ""
     check(proc.returncode == 0 and saved == "step_00000001" and "evaluation stopped after" in out_text
