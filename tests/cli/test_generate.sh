@@ -216,6 +216,39 @@ rc=$?
 grep -qF -- "$scratch/fifo.safetensors: is a FIFO, not a regular file" "$scratch/$case.err" ||
   fail "stderr: $(cat "$scratch/$case.err")"
 
+# Weights files that lie: tensors that do not lie end to end (the header length less its padding:
+# every value read from the wrong bytes), a weight that is NaN; refused naming the file and the tensor.
+$py - "$run1/model.safetensors" "$scratch" <<'PY' || fail "damaged copies of the weights"
+import json, struct, sys
+import numpy as np
+raw = open(sys.argv[1], "rb").read()
+(n,) = struct.unpack_from("<Q", raw, 0)
+header, data = json.loads(raw[8:8 + n]), bytearray(raw[8 + n:])
+h = json.dumps(header, separators=(",", ":")).encode()
+pad = -len(h) % 8 or 8
+open(sys.argv[2] + "/short.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + b" " * pad + data)
+begin = header["layers.0.mlp.fc.weight"]["data_offsets"][0]
+data[begin:begin + 4] = np.array([np.nan], "<f4").tobytes()
+open(sys.argv[2] + "/nan.safetensors", "wb").write(raw[:8 + n] + data)
+PY
+bad weights_header_short "$scratch/short.safetensors: the header's tensors cover bytes [0, " \
+  --weights "$scratch/short.safetensors"
+bad weights_nan "$scratch/nan.safetensors: tensor layers.0.mlp.fc.weight holds NaN at [0, 0]" \
+  --weights "$scratch/nan.safetensors"
+# --prompt-ids given empty is no prompt of ids (not "no --prompt-ids": the text prompt).
+bad prompt_ids_empty '--prompt-ids: "": no token ids' --prompt-ids ''
+# --logits-out where no file can be created: refused before the weights are read.
+bad logits_out_proc "--logits-out /proc/x.safetensors: cannot create a file in /proc" \
+  --prompt-ids 1,2 --logits-out /proc/x.safetensors
+# A GPT-2 directory of another length: the config's model.seq_len is named, not a --seq-len that
+# generate does not have.
+mkdir -p "$scratch/hf_gpt2"
+echo '{"model_type": "gpt2", "n_positions": 16, "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 448}' \
+  >"$scratch/hf_gpt2/config.json"
+bad gpt2_seq_len "model.seq_len 32: GPT-2's learned position table has n_positions = 16 rows" \
+  --prompt-ids 1 --weights "$scratch/hf_gpt2"
+grep -qF -- "--seq-len" "$scratch/gpt2_seq_len.err" && fail "names --seq-len: $(cat "$scratch/gpt2_seq_len.err")"
+
 case=generate_under_mpirun
 timeout 120 "$mpirun" --oversubscribe -np 2 "$tetra" generate --config "$scratch/tp1.json" \
   >"$scratch/mpi_gen.out" 2>"$scratch/mpi_gen.err"

@@ -305,6 +305,38 @@ if [[ -f "$scratch/llama/ckpt/$step_dir/manifest.json" ]]; then
   names=("$scratch/out/file" "not a directory")
   expect_refusal "$tetra" ckpt export-hf "$scratch/out/not_a_checkpoint" "$scratch/out/file"
   grep -q "not a checkpoint" "$scratch/$case.err" && fail "read DIR before checking OUT"
+
+  # A write that fails: exit 1 naming the file and the reason, and no half export left in OUT
+  # (weights without their config.json, or the reverse). A file-size limit (EFBIG) stops the weights.
+  case=export_write_fails
+  (trap '' XFSZ; ulimit -f 64; exec "$tetra" ckpt export-hf "$llama" "$scratch/out/limited") \
+    >"$scratch/$case.out" 2>"$scratch/$case.err"
+  rc=$?
+  [[ $rc -eq 1 ]] || fail "exit code $rc, expected 1: $(cat "$scratch/$case.err")"
+  grep -q "model.safetensors.*File too large" "$scratch/$case.err" || fail "message: $(cat "$scratch/$case.err")"
+  [[ ! -e "$scratch/out/limited" ]] || fail "OUT left behind: $(ls -A "$scratch/out/limited")"
+  # A filesystem out of inodes (a tmpfs in a mount namespace of its own): with room for one file,
+  # config.json is written and the weights are not; with none, config.json fails.
+  case=export_out_of_inodes
+  if unshare -Urm true 2>/dev/null; then
+    for inodes in 2 3; do
+      mnt="$scratch/out/inodes_$inodes"
+      mkdir -p "$mnt"
+      unshare -Urm bash -c 'mount -t tmpfs -o size=64m,nr_inodes=$3 tmpfs "$2" || exit 99
+                            "$1" ckpt export-hf "$4" "$2/hf"; rc=$?; ls -A "$2" >"$5.left"; exit $rc' \
+        _ "$tetra" "$mnt" "$inodes" "$llama" "$scratch/$case.$inodes" \
+        >"$scratch/$case.$inodes.out" 2>"$scratch/$case.$inodes.err"
+      rc=$?
+      [[ $rc -eq 1 ]] || fail "$inodes inodes: exit code $rc, expected 1: $(cat "$scratch/$case.$inodes.err")"
+      want=$([[ $inodes -eq 2 ]] && echo config.json || echo model.safetensors)
+      grep -q "$want.*No space left on device" "$scratch/$case.$inodes.err" ||
+        fail "$inodes inodes: the message does not name $want and the reason: $(cat "$scratch/$case.$inodes.err")"
+      [[ ! -s "$scratch/$case.$inodes.left" ]] ||
+        fail "$inodes inodes: OUT left behind: $(cat "$scratch/$case.$inodes.left")"
+    done
+  else
+    echo "note [$case]: skipped (no mount namespace here)"
+  fi
 fi
 
 # ---- dp = 2 with the distributed optimizer: two rank files of sharded slices -------------------
@@ -399,6 +431,160 @@ if train mixed2 1 llama --set model.position=learned; then
   expect_refusal "$tetra" ckpt export-hf "$scratch/mixed2/ckpt" "$scratch/mixed2/hf"
   [[ ! -e "$scratch/mixed2/hf" ]] || fail "export-hf created $scratch/mixed2/hf"
 fi
+
+# ---- import-hf: Hugging Face directories that lie, checked from the headers before a weight is read --
+# write_hf <dir> [kind]: a 2-layer Llama in Hugging Face's layout (config.json + F32 model.safetensors),
+# damaged as `kind` says: short (the header length less the header's padding spaces: the JSON
+# still parses), overlap (v_proj's data_offsets are k_proj's), nan / inf / bf16nan / tiednan (a
+# weight that is not a number), f64 (model.norm.weight stored as F64), rope5 / ropeboth /
+# ropeagree (rope_scaling shapes), maxpos0, huge (config.json of a 2.8e9-parameter model beside
+# the small tensors), big (a consistent model of 117M parameters whose weights are a sparse file
+# of zeros), index_empty (a shard index with a weight_map entry "").
+write_hf() {
+  $py - "$@" <<'PY'
+import json, os, struct, sys
+import numpy as np
+d, kind = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "")
+big = kind == "big"
+V, C, F, L, NH, NKV = (32000, 1024, 2816, 4, 8, 8) if big else (96, 48, 80, 2, 4, 2)
+hd = C // NH
+shapes = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,), "lm_head.weight": (V, C)}
+for i in range(L):
+    p = f"model.layers.{i}."
+    shapes.update({p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
+                   p + "self_attn.q_proj.weight": (NH * hd, C), p + "self_attn.k_proj.weight": (NKV * hd, C),
+                   p + "self_attn.v_proj.weight": (NKV * hd, C), p + "self_attn.o_proj.weight": (C, NH * hd),
+                   p + "mlp.gate_proj.weight": (F, C), p + "mlp.up_proj.weight": (F, C),
+                   p + "mlp.down_proj.weight": (C, F)})
+cfg = {"model_type": "llama", "vocab_size": V, "hidden_size": C, "intermediate_size": F, "num_hidden_layers": L,
+       "num_attention_heads": NH, "num_key_value_heads": NKV, "hidden_act": "silu", "max_position_embeddings": 64,
+       "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": kind == "tiednan"}
+rng = np.random.default_rng(7)
+sd = {} if big else {n: (rng.standard_normal(s) * 0.08).astype(np.float32) for n, s in shapes.items()}
+if kind == "tiednan":
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # the tied copy, bit for bit
+if kind in ("nan", "tiednan"):
+    sd["model.embed_tokens.weight"][3, 5] = np.nan
+if kind == "inf":
+    sd["model.layers.1.mlp.up_proj.weight"][0, 0] = np.inf
+llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+if kind == "rope5":
+    cfg["rope_scaling"] = {"rope_type": 5, "factor": 8.0}
+if kind == "ropeboth":
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    cfg["rope_scaling"] = llama3
+if kind == "ropeagree":
+    cfg["rope_parameters"] = dict(llama3, rope_theta=10000.0)
+    cfg["rope_scaling"] = llama3
+if kind == "huge":
+    cfg.update({"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 40, "num_attention_heads": 16,
+                "num_key_value_heads": 8, "vocab_size": 32000})
+if kind == "maxpos0":
+    cfg["max_position_embeddings"] = 0
+os.makedirs(d, exist_ok=True)
+json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+header, chunks, off = {}, [], 0
+for name in sorted(shapes):
+    dtype = "F64" if kind == "f64" and name == "model.norm.weight" else "BF16" if kind == "bf16nan" else "F32"
+    size = int(np.prod(shapes[name])) * {"F64": 8, "BF16": 2, "F32": 4}[dtype]
+    if not big:
+        a = sd[name]
+        if dtype == "F64":
+            raw = a.astype("<f8").tobytes()
+        elif dtype == "BF16":
+            bits = (a.astype("<f4").view("<u4") >> 16).astype("<u2")
+            if name == "model.embed_tokens.weight":
+                bits[3, 5] = 0x7FC1  # a NaN
+            raw = bits.tobytes()
+        else:
+            raw = a.astype("<f4").tobytes()
+        chunks.append(raw)
+    header[name] = {"dtype": dtype, "shape": list(shapes[name]), "data_offsets": [off, off + size]}
+    off += size
+if kind == "overlap":
+    header["model.layers.0.self_attn.v_proj.weight"]["data_offsets"] = \
+        header["model.layers.0.self_attn.k_proj.weight"]["data_offsets"]
+h = json.dumps(header, separators=(",", ":")).encode()
+pad = -len(h) % 8 or 8  # at least one space, so that "short" can leave them out
+n = len(h) + (0 if kind == "short" else pad)
+with open(os.path.join(d, "model.safetensors"), "wb") as f:
+    f.write(struct.pack("<Q", n) + h + b" " * pad + b"".join(chunks))
+    if big:
+        f.truncate(8 + len(h) + pad + off)  # zeros, on no disk
+if kind == "index_empty":
+    wm = {k: "model.safetensors" for k in shapes}
+    wm["model.norm.weight"] = ""
+    json.dump({"metadata": {}, "weight_map": wm}, open(os.path.join(d, "model.safetensors.index.json"), "w"))
+PY
+}
+
+# import_refused <kind> <names...>: write_hf <kind>, then import-hf is refused (exit 2, the message
+# naming each of <names>) and writes nothing.
+import_refused() {
+  local kind="$1"
+  shift
+  case="import_$kind"
+  names=("$@")
+  write_hf "$scratch/hf/$kind" "$kind" || { fail "write_hf $kind"; return; }
+  expect_refusal "$tetra" ckpt import-hf "$scratch/hf/$kind" "$scratch/imp/$kind"
+  [[ ! -e "$scratch/imp/$kind" ]] || fail "OUT was written: $(ls -a "$scratch/imp/$kind")"
+}
+
+# limited_to <KiB> <command...>: the command under an address-space limit (ulimit -v).
+limited_to() { (ulimit -v "$1" && shift && exec "$@"); }
+
+case=import_good
+write_hf "$scratch/hf/good" || fail "write_hf"
+"$tetra" ckpt import-hf "$scratch/hf/good" "$scratch/imp/good" >"$scratch/$case.out" 2>"$scratch/$case.err" ||
+  fail "exit $?: $(cat "$scratch/$case.err")"
+
+# Tensors that do not lie end to end in the data section: every value would be read from the
+# wrong bytes.
+import_refused short "$scratch/hf/short/model.safetensors" "the header's tensors cover bytes [0, " \
+  "of a data section of"
+import_refused overlap "$scratch/hf/overlap/model.safetensors" "tensor model.layers.0.self_attn." "overlap tensor"
+# Weights that are not numbers: the file, the tensor and the index (a tied copy too: not "differs").
+import_refused nan "$scratch/hf/nan/model.safetensors" "tensor model.embed_tokens.weight holds NaN at [3, 5]"
+import_refused inf "tensor model.layers.1.mlp.up_proj.weight holds inf at [0, 0]"
+import_refused bf16nan "tensor model.embed_tokens.weight holds NaN at [3, 5]"
+import_refused tiednan "tensor model.embed_tokens.weight holds NaN at [3, 5]"
+grep -q "differs" "$scratch/$case.err" && fail "a NaN made the tied copies differ: $(cat "$scratch/$case.err")"
+# RoPE scaling that would be read as plain RoPE.
+import_refused rope5 "config.json: rope_scaling.rope_type: 5 is not a string"
+import_refused ropeboth "rope_parameters and rope_scaling disagree" "llama3" "default"
+case=import_ropeagree  # both keys, the same scaling: imported with it
+write_hf "$scratch/hf/ropeagree" ropeagree
+"$tetra" ckpt import-hf "$scratch/hf/ropeagree" "$scratch/imp/ropeagree" >"$scratch/$case.out" 2>"$scratch/$case.err" ||
+  fail "exit $?: $(cat "$scratch/$case.err")"
+grep -q '"llama3"' "$scratch/imp/ropeagree/model.json" || fail "no llama3 scaling: $(cat "$scratch/imp/ropeagree/model.json")"
+# Messages that name the culprit.
+import_refused f64 "$scratch/hf/f64/model.safetensors: tensor model.norm.weight: unsupported safetensors dtype \"F64\""
+import_refused maxpos0 "config.json: max_position_embeddings: 0: must be at least 1" "--seq-len"
+import_refused index_empty "model.safetensors.index.json: weight_map.model.norm.weight: \"\" is not a file"
+# A config.json far larger than its tensors: the first wrong shape, from the headers, before the
+# 11 GB of weights it describes are allocated (under a limit that allocation would exceed).
+case=import_huge
+write_hf "$scratch/hf/huge" huge
+names=("tensor model.embed_tokens.weight has shape [96, 48], config.json implies [32000, 2048]")
+expect_refusal limited_to 4000000 "$tetra" ckpt import-hf "$scratch/hf/huge" "$scratch/imp/huge"
+[[ ! -e "$scratch/imp/huge" ]] || fail "OUT was written"
+# A consistent model larger than the memory the process may use: refused with both numbers.
+case=import_memory
+write_hf "$scratch/hf/big" big
+names=("GiB of host memory but the process's address-space limit (ulimit -v" "$scratch/hf/big")
+expect_refusal limited_to 600000 "$tetra" ckpt import-hf "$scratch/hf/big" "$scratch/imp/big"
+[[ ! -e "$scratch/imp/big" ]] || fail "OUT was written"
+# A write that fails halfway (a file-size limit: EFBIG) leaves nothing in OUT, and the retry succeeds.
+case=import_write_fails
+(trap '' XFSZ; ulimit -f 64; exec "$tetra" ckpt import-hf "$scratch/hf/good" "$scratch/imp/limited") \
+  >"$scratch/$case.out" 2>"$scratch/$case.err"
+rc=$?
+[[ $rc -eq 1 ]] || fail "exit code $rc, expected 1: $(cat "$scratch/$case.err")"
+grep -q "File too large" "$scratch/$case.err" || fail "the reason is not said: $(cat "$scratch/$case.err")"
+[[ ! -e "$scratch/imp/limited" ]] || fail "OUT left behind: $(ls -a "$scratch/imp/limited")"
+"$tetra" ckpt import-hf "$scratch/hf/good" "$scratch/imp/limited" >"$scratch/$case.retry" 2>&1 ||
+  fail "the retry: exit $?: $(cat "$scratch/$case.retry")"
 
 # ---- not a checkpoint --------------------------------------------------------------------------
 case=not_a_checkpoint

@@ -193,8 +193,15 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
   };
   const float* master = b.master_shard ? host_view(b.master_shard, static_cast<size_t>(state_numel), host_master)
                                        : host_view(b.master_full, total, host_master);
-  const float* m = host_view(b.exp_avg, static_cast<size_t>(state_numel), host_m);
-  const float* v = host_view(b.exp_avg_sq, static_cast<size_t>(state_numel), host_v);
+  // Zero moments: every slice's view points at one block of zeros as large as the largest parameter.
+  std::vector<float> zeros;
+  if (b.zero_moments) {
+    int64_t largest = 0;
+    for (const ParamSpec& p : layout.params) largest = std::max(largest, p.numel);
+    zeros.assign(static_cast<size_t>(largest), 0.0f);
+  }
+  const float* m = b.zero_moments ? nullptr : host_view(b.exp_avg, static_cast<size_t>(state_numel), host_m);
+  const float* v = b.zero_moments ? nullptr : host_view(b.exp_avg_sq, static_cast<size_t>(state_numel), host_v);
 
   // Experts are replicated over expert-DP only: its first rank writes them.
   // The CP ranks of a replica hold the same weights, like its DP ranks.
@@ -219,6 +226,8 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
           const float* src;
           if (k == "model")
             src = b.master_shard ? master + compact : master + p.offset + local;
+          else if (b.zero_moments)
+            src = zeros.data();
           else
             src = (k == "optim/exp_avg" ? m : v) + compact;
           TensorView t;

@@ -71,6 +71,8 @@ struct CheckpointBuffers {
   float* master_shard = nullptr;  // ...the optimizer holds the owned ranges' master weights
   float* exp_avg = nullptr;       // owned ranges, back to back
   float* exp_avg_sq = nullptr;
+  bool zero_moments = false;      // save only: the moments are zero (an import at step 0), written
+                                  // from one zero block instead of exp_avg / exp_avg_sq
   void* compute = nullptr;        // weights the model reads (restored from the master weights);
   DType compute_type = DType::F32;  // may equal master_full in fp32
   bool compute_compact = false;     // ZeRO-3: compute holds the owned ranges back to back (16-bit)

@@ -1,7 +1,11 @@
 #include "trainer/checkpoint/hf_import.h"
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -10,6 +14,7 @@
 #include <set>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "kernels/common/check.h"
 #include "kernels/common/math.h"
@@ -73,40 +78,61 @@ struct HfConfig {
   }
 };
 
-// RoPE scaling from `rope_parameters` (transformers v5: it holds rope_theta too) or `rope_scaling`.
-void read_rope(const HfConfig& c, json& model) {
-  model["rope_theta"] = c.number("rope_theta", 10000.0);
-  const char* key = c.has("rope_parameters") ? "rope_parameters" : c.has("rope_scaling") ? "rope_scaling" : nullptr;
-  if (!key) return;
+// One RoPE description, `rope_parameters` or `rope_scaling`, as the run config's model.rope_scaling
+// (null: plain RoPE, "default"). A type that is not a string is refused, not read as "default".
+json rope_scaling_of(const HfConfig& c, const char* key) {
   const json& r = c.j[key];
   if (!r.is_object()) c.bad(key, fmt::format("{} is not an object", r.dump()));
   const std::string where = std::string(key) + ".";
-  if (r.contains("rope_theta")) model["rope_theta"] = c.number(r, where, "rope_theta", std::nullopt);
   const char* type_key = r.contains("rope_type") ? "rope_type" : "type";
-  const std::string type = r.contains(type_key) && r[type_key].is_string() ? r[type_key].get<std::string>() : "default";
-  if (type == "default") return;
-  if (type == "linear") {
-    model["rope_scaling"] = json{{"type", "linear"}, {"factor", c.number(r, where, "factor", std::nullopt)}};
-    return;
+  std::string type = "default";
+  if (r.contains(type_key) && !r[type_key].is_null()) {
+    if (!r[type_key].is_string())
+      c.bad(where + type_key, fmt::format("{} is not a string (\"default\", \"linear\" or \"llama3\")",
+                                          r[type_key].dump()));
+    type = r[type_key].get<std::string>();
   }
+  if (type == "default") return nullptr;
+  if (type == "linear") return json{{"type", "linear"}, {"factor", c.number(r, where, "factor", std::nullopt)}};
   if (type == "llama3") {
     const double original = c.number(r, where, "original_max_position_embeddings", std::nullopt);
     if (!(original >= 1.0 && original <= 2147483647.0 && original == std::floor(original)))
       c.bad(where + "original_max_position_embeddings",
             fmt::format("{} is not a whole number of positions (1 to 2^31-1)", r["original_max_position_embeddings"].dump()));
-    model["rope_scaling"] = json{
-        {"type", "llama3"},
-        {"factor", c.number(r, where, "factor", std::nullopt)},
-        {"low_freq_factor", c.number(r, where, "low_freq_factor", std::nullopt)},
-        {"high_freq_factor", c.number(r, where, "high_freq_factor", std::nullopt)},
-        {"original_max_position_embeddings", static_cast<int64_t>(original)}};
-    return;
+    return json{{"type", "llama3"},
+                {"factor", c.number(r, where, "factor", std::nullopt)},
+                {"low_freq_factor", c.number(r, where, "low_freq_factor", std::nullopt)},
+                {"high_freq_factor", c.number(r, where, "high_freq_factor", std::nullopt)},
+                {"original_max_position_embeddings", static_cast<int64_t>(original)}};
   }
   c.bad(where + type_key, fmt::format("\"{}\" is not supported (Tetra implements \"default\", \"linear\" and "
                                       "\"llama3\")", type));
 }
 
-json llama_family(const HfConfig& c, const std::string& type, int64_t seq_len) {
+// RoPE from `rope_parameters` (transformers v5: it holds rope_theta too) and `rope_scaling` (the
+// older key). Both may be present; then they must describe the same scaling.
+void read_rope(const HfConfig& c, json& model) {
+  model["rope_theta"] = c.number("rope_theta", 10000.0);
+  json scaling = nullptr;
+  const bool params = c.has("rope_parameters"), older = c.has("rope_scaling");
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {  // rope_parameters' rope_theta wins
+    if (!c.has(key)) continue;
+    const json s = rope_scaling_of(c, key);
+    const json& r = c.j[key];
+    if (r.contains("rope_theta")) model["rope_theta"] = c.number(r, std::string(key) + ".", "rope_theta", std::nullopt);
+    if (params && older && std::string(key) == "rope_parameters" && s != scaling) {
+      auto text = [](const json& x) { return x.is_null() ? std::string("plain RoPE (\"default\")") : x.dump(); };
+      throw InputError(fmt::format("{}: rope_parameters and rope_scaling disagree: rope_parameters is {}, "
+                                   "rope_scaling is {}; keep the one the model was trained with and remove the "
+                                   "other", c.path, text(s), text(scaling)));
+    }
+    scaling = s;
+  }
+  if (!scaling.is_null()) model["rope_scaling"] = scaling;
+}
+
+json llama_family(const HfConfig& c, const std::string& type, int64_t seq_len, const std::string& seq_len_from,
+                  std::map<std::string, std::string>& sources) {
   const std::string act = c.string("hidden_act", "silu");
   if (act != "silu") c.bad("hidden_act", fmt::format("\"{}\" (Tetra's gated MLP is SwiGLU: \"silu\")", act));
   if (c.boolean("attention_bias", false))
@@ -123,6 +149,21 @@ json llama_family(const HfConfig& c, const std::string& type, int64_t seq_len) {
     c.bad("partial_rotary_factor", "RoPE on part of each head is not supported");
   const int64_t heads = c.integer("num_attention_heads"), hidden = c.integer("hidden_size");
   const int64_t max_pos = c.integer("max_position_embeddings", 2048);
+  if (seq_len == 0 && max_pos < 1)
+    c.bad("max_position_embeddings", fmt::format("{}: must be at least 1 (the longest sequence the model takes; or "
+                                                 "give {})", max_pos, seq_len_from));
+  sources = {{"vocab_size", "vocab_size"},
+             {"seq_len", seq_len > 0 ? seq_len_from : "max_position_embeddings"},
+             {"num_layers", "num_hidden_layers"},
+             {"hidden_size", "hidden_size"},
+             {"num_heads", "num_attention_heads"},
+             {"num_kv_heads", c.has("num_key_value_heads") ? "num_key_value_heads" : "num_attention_heads"},
+             {"head_dim", c.has("head_dim") ? "head_dim" : "hidden_size / num_attention_heads"},
+             {"ffn_hidden_size", "intermediate_size"},
+             {"norm_eps", "rms_norm_eps"},
+             {"rope_theta", c.has("rope_parameters") ? "rope_parameters.rope_theta or rope_theta" : "rope_theta"},
+             {"rope_scaling", c.has("rope_parameters") ? "rope_parameters" : "rope_scaling"},
+             {"tie_embeddings", "tie_word_embeddings"}};
   json m = {{"vocab_size", c.integer("vocab_size")},
             {"seq_len", seq_len > 0 ? seq_len : std::min<int64_t>(max_pos, 4096)},
             {"num_layers", c.integer("num_hidden_layers")},
@@ -143,7 +184,8 @@ json llama_family(const HfConfig& c, const std::string& type, int64_t seq_len) {
   return m;
 }
 
-json gpt2(const HfConfig& c, int64_t seq_len) {
+json gpt2(const HfConfig& c, int64_t seq_len, const std::string& seq_len_from,
+          std::map<std::string, std::string>& sources) {
   const std::string act = c.string("activation_function", "gelu_new");
   if (act != "gelu_new" && act != "gelu_pytorch_tanh")
     c.bad("activation_function", fmt::format("\"{}\" (Tetra's GELU is the tanh approximation: \"gelu_new\")", act));
@@ -152,8 +194,16 @@ json gpt2(const HfConfig& c, int64_t seq_len) {
   if (!c.boolean("scale_attn_weights", true)) c.bad("scale_attn_weights", "false: unscaled attention is not supported");
   const int64_t n_pos = c.integer("n_positions", 1024), C = c.integer("n_embd");
   if (seq_len > 0 && seq_len != n_pos)
-    throw InputError(fmt::format("--seq-len {}: GPT-2's learned position table has n_positions = {} rows ({}); "
-                                 "import it at that length", seq_len, n_pos, c.path));
+    throw InputError(fmt::format("{} {}: GPT-2's learned position table has n_positions = {} rows ({}); {}",
+                                 seq_len_from, seq_len, n_pos, c.path,
+                                 seq_len_from.rfind("--", 0) == 0
+                                     ? fmt::format("import it at that length (leave {} out)", seq_len_from)
+                                     : fmt::format("set {} to {}", seq_len_from, n_pos)));
+  sources = {{"vocab_size", "vocab_size"},     {"seq_len", "n_positions"},
+             {"num_layers", "n_layer"},        {"hidden_size", "n_embd"},
+             {"num_heads", "n_head"},          {"num_kv_heads", "n_head"},
+             {"ffn_hidden_size", c.has("n_inner") ? "n_inner" : "4 x n_embd"},
+             {"norm_eps", "layer_norm_epsilon"}, {"tie_embeddings", "tie_word_embeddings"}};
   return json{{"vocab_size", c.integer("vocab_size")},
               {"seq_len", n_pos},
               {"num_layers", c.integer("n_layer")},
@@ -171,7 +221,7 @@ json gpt2(const HfConfig& c, int64_t seq_len) {
 
 }  // namespace
 
-HfModel read_hf_model(const std::string& dir, int64_t seq_len) {
+HfModel read_hf_model(const std::string& dir, int64_t seq_len, const std::string& seq_len_from) {
   if (!fs::is_directory(dir))
     throw InputError(fmt::format("{}: not a directory (a Hugging Face model directory: config.json and "
                                  "model.safetensors)", dir));
@@ -182,9 +232,9 @@ HfModel read_hf_model(const std::string& dir, int64_t seq_len) {
   hf.dir = dir;
   hf.model_type = c.string("model_type", "");
   if (hf.model_type == "llama" || hf.model_type == "mistral" || hf.model_type == "qwen2" || hf.model_type == "qwen3")
-    hf.model = llama_family(c, hf.model_type, seq_len);
+    hf.model = llama_family(c, hf.model_type, seq_len, seq_len_from, hf.sources);
   else if (hf.model_type == "gpt2")
-    hf.model = gpt2(c, seq_len);
+    hf.model = gpt2(c, seq_len, seq_len_from, hf.sources);
   else
     c.bad("model_type", fmt::format("\"{}\" is not imported (Tetra imports \"llama\", \"mistral\", \"qwen2\", "
                                     "\"qwen3\" and \"gpt2\")", hf.model_type));
@@ -199,10 +249,19 @@ HfModel read_hf_model(const std::string& dir, int64_t seq_len) {
       if (!file.is_string())
         throw InputError(fmt::format("{}: weight_map.{}: {} is not a file name", index.string(), name, file.dump()));
       const std::string f = file.get<std::string>();
-      if (f.find('/') != std::string::npos || f == "." || f == "..")
-        throw InputError(fmt::format("{}: weight_map.{}: \"{}\" is not a file of this directory", index.string(),
-                                     name, f));
-      if (seen.insert(f).second) hf.weight_files.push_back((fs::path(dir) / f).string());
+      if (f.empty() || f.find('/') != std::string::npos || f == "." || f == "..")
+        throw InputError(fmt::format("{}: weight_map.{}: \"{}\" is not a file of this directory (a shard's file "
+                                     "name, such as model-00001-of-00002.safetensors)", index.string(), name, f));
+      if (!seen.insert(f).second) continue;
+      const fs::path shard = fs::path(dir) / f;
+      std::error_code ec;
+      const fs::file_status st = fs::status(shard, ec);
+      if (st.type() == fs::file_type::not_found)
+        throw InputError(fmt::format("{}: weight_map.{}: \"{}\": no such file in {}", index.string(), name, f, dir));
+      if (st.type() != fs::file_type::regular)
+        throw InputError(fmt::format("{}: weight_map.{}: {} is not a regular file{}", index.string(), name,
+                                     shard.string(), ec ? " (" + ec.message() + ")" : std::string()));
+      hf.weight_files.push_back(shard.string());
     }
   } else if (fs::exists(fs::path(dir) / "model.safetensors")) {
     hf.weight_files.push_back((fs::path(dir) / "model.safetensors").string());
@@ -213,124 +272,153 @@ HfModel read_hf_model(const std::string& dir, int64_t seq_len) {
   return hf;
 }
 
-std::vector<float> read_hf_weights(const HfModel& hf, const ModelConfig& m) {
+namespace {
+
+// One Hugging Face tensor of a Tetra parameter: its name and shape in the files, and whether it is
+// a GPT-2 Conv1D weight, stored (in, out), the transpose of Tetra's (out, in).
+struct HfPart {
+  std::string name;
+  std::vector<int64_t> shape;
+  bool conv1d = false;
+};
+// A parameter of the single-rank layout and the tensors it is made of, back to back.
+struct HfParam {
+  std::string param;
+  std::vector<HfPart> parts;
+};
+
+// The mapping of the whole model, in the layout's order: the one list both the check of the files
+// (names, shapes, types: before anything is allocated) and the read go through.
+std::vector<HfParam> hf_params(const ModelConfig& m, bool gpt2) {
+  const int64_t C = m.hidden_size, V = m.vocab_size, F = m.ffn_hidden_size, L = m.num_layers;
+  const int64_t HS = m.head_size(), NH = m.num_heads, NKV = m.num_kv_heads;
+  std::vector<HfParam> out;
+  auto add = [&](std::string param, std::vector<HfPart> parts) { out.push_back({std::move(param), std::move(parts)}); };
+  if (!gpt2) {
+    add("embedding.wte", {{"model.embed_tokens.weight", {V, C}}});
+    for (int64_t l = 0; l < L; ++l) {
+      const std::string t = fmt::format("layers.{}.", l), h = fmt::format("model.layers.{}.", l);
+      add(t + "norm1.weight", {{h + "input_layernorm.weight", {C}}});
+      add(t + "attn.qkv.weight", {{h + "self_attn.q_proj.weight", {NH * HS, C}},
+                                  {h + "self_attn.k_proj.weight", {NKV * HS, C}},
+                                  {h + "self_attn.v_proj.weight", {NKV * HS, C}}});
+      if (m.has_qkv_bias())
+        add(t + "attn.qkv.bias", {{h + "self_attn.q_proj.bias", {NH * HS}}, {h + "self_attn.k_proj.bias", {NKV * HS}},
+                                  {h + "self_attn.v_proj.bias", {NKV * HS}}});
+      if (m.qk_norm) {  // Qwen3: one RMSNorm weight over head_dim for the q heads, one for the k heads
+        add(t + "attn.q_norm.weight", {{h + "self_attn.q_norm.weight", {HS}}});
+        add(t + "attn.k_norm.weight", {{h + "self_attn.k_norm.weight", {HS}}});
+      }
+      add(t + "attn.proj.weight", {{h + "self_attn.o_proj.weight", {C, NH * HS}}});
+      add(t + "norm2.weight", {{h + "post_attention_layernorm.weight", {C}}});
+      add(t + "mlp.fc.weight", {{h + "mlp.gate_proj.weight", {F, C}}, {h + "mlp.up_proj.weight", {F, C}}});
+      add(t + "mlp.proj.weight", {{h + "mlp.down_proj.weight", {C, F}}});
+    }
+    add("final_norm.weight", {{"model.norm.weight", {C}}});
+  } else {
+    const int64_t T = m.seq_len, QKV = 3 * C;
+    add("embedding.wte", {{"transformer.wte.weight", {V, C}}});
+    add("embedding.wpe", {{"transformer.wpe.weight", {T, C}}});
+    for (int64_t l = 0; l < L; ++l) {
+      const std::string t = fmt::format("layers.{}.", l), h = fmt::format("transformer.h.{}.", l);
+      add(t + "norm1.weight", {{h + "ln_1.weight", {C}}});
+      add(t + "norm1.bias", {{h + "ln_1.bias", {C}}});
+      add(t + "attn.qkv.weight", {{h + "attn.c_attn.weight", {C, QKV}, true}});
+      add(t + "attn.qkv.bias", {{h + "attn.c_attn.bias", {QKV}}});
+      add(t + "attn.proj.weight", {{h + "attn.c_proj.weight", {C, C}, true}});
+      add(t + "attn.proj.bias", {{h + "attn.c_proj.bias", {C}}});
+      add(t + "norm2.weight", {{h + "ln_2.weight", {C}}});
+      add(t + "norm2.bias", {{h + "ln_2.bias", {C}}});
+      add(t + "mlp.fc.weight", {{h + "mlp.c_fc.weight", {C, F}, true}});
+      add(t + "mlp.fc.bias", {{h + "mlp.c_fc.bias", {F}}});
+      add(t + "mlp.proj.weight", {{h + "mlp.c_proj.weight", {F, C}, true}});
+      add(t + "mlp.proj.bias", {{h + "mlp.c_proj.bias", {C}}});
+    }
+    add("final_norm.weight", {{"transformer.ln_f.weight", {C}}});
+    add("final_norm.bias", {{"transformer.ln_f.bias", {C}}});
+  }
+  if (!m.tie_embeddings) add("lm_head.weight", {{"lm_head.weight", {V, C}}});
+  return out;
+}
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+}  // namespace
+
+void check_host_memory_for(const std::string& what, uint64_t bytes) {
+  const double physical = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  double room = physical > 0 ? 0.95 * physical : 0.0;
+  std::string limit = physical > 0 ? fmt::format("this machine has {:.2f} GiB of memory", physical / 1073741824.0) : "";
+  // An address-space limit (ulimit -v) below the memory: what is left of it under the limit.
+  rlimit as {};
+  if (::getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY) {
+    double used = 0;
+    if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+      unsigned long pages = 0;
+      if (std::fscanf(f, "%lu", &pages) == 1) used = static_cast<double>(pages) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+      std::fclose(f);
+    }
+    const double left = std::max(0.0, static_cast<double>(as.rlim_cur) - used);
+    if (room == 0.0 || left < room) {
+      room = left;
+      limit = fmt::format("the process's address-space limit (ulimit -v: {:.2f} GiB) leaves {:.2f} GiB",
+                          static_cast<double>(as.rlim_cur) / 1073741824.0, left / 1073741824.0);
+    }
+  }
+  if (room > 0 && static_cast<double>(bytes) > room)
+    throw InputError(fmt::format("{} needs {:.2f} GiB of host memory but {}: use a machine with more memory", what,
+                                 static_cast<double>(bytes) / 1073741824.0, limit));
+}
+
+std::vector<float> read_hf_weights(const HfModel& hf, const ModelConfig& m, uint64_t also_needed_bytes) {
   const ParamLayout layout = ParamLayout::build(m);
   std::vector<std::unique_ptr<SafetensorsReader>> readers;
-  std::map<std::string, std::pair<const SafetensorsReader*, const SafetensorsReader::Entry*>> tensors;
+  struct Found {
+    const SafetensorsReader* reader;
+    const SafetensorsReader::Entry* entry;
+  };
+  std::map<std::string, Found> tensors;
   const bool gpt2 = hf.model_type == "gpt2";
   for (const std::string& f : hf.weight_files) {
-    readers.push_back(std::make_unique<SafetensorsReader>(f));
+    readers.push_back(std::make_unique<SafetensorsReader>(f));  // every header checked, nothing read yet
     for (const auto& [name, e] : readers.back()->entries()) {
       // GPT-2 files saved by transformers prefix "transformer."; the original release does not.
       const std::string key = gpt2 && name.rfind("transformer.", 0) != 0 && name.rfind("lm_head.", 0) != 0
                                   ? "transformer." + name : name;
-      if (!tensors.emplace(key, std::make_pair(readers.back().get(), &e)).second)
+      if (!tensors.emplace(key, Found{readers.back().get(), &e}).second)
         throw InputError(fmt::format("{}: tensor {} is also in another file of {}", f, name, hf.dir));
     }
   }
+  // Every tensor the model needs, its shape and its type, from the headers alone.
   std::set<std::string> used;
-  // Tensor `name` as fp32, its shape checked against `shape` (Tetra's view of it).
-  auto take = [&](const std::string& name, const std::vector<int64_t>& shape) {
-    const auto it = tensors.find(name);
+  int64_t largest = 0;  // elements of the largest tensor read
+  auto check = [&](const HfPart& part) -> const Found& {
+    const auto it = tensors.find(part.name);
     if (it == tensors.end())
-      throw InputError(fmt::format("{}: tensor {} is missing (the model config.json describes needs it)", hf.dir, name));
+      throw InputError(fmt::format("{}: tensor {} is missing (the model config.json describes needs it)", hf.dir,
+                                   part.name));
     const auto& [reader, e] = it->second;
-    if (e->shape != shape)
-      throw InputError(fmt::format("{}: tensor {} has shape [{}], config.json implies [{}]", reader->path(), name,
-                                   fmt::join(e->shape, ", "), fmt::join(shape, ", ")));
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    std::vector<float> out(static_cast<size_t>(n));
-    if (e->dtype == DType::F32) {
-      reader->read(*e, out.data());
-    } else if (e->dtype == DType::BF16 || e->dtype == DType::F16) {
-      std::vector<uint16_t> raw(static_cast<size_t>(n));
-      reader->read(*e, raw.data());
-      for (size_t i = 0; i < raw.size(); ++i)
-        out[i] = e->dtype == DType::BF16 ? math::bf16_bits_to_f32(raw[i]) : math::f16_bits_to_f32(raw[i]);
-    } else {
-      throw InputError(fmt::format("{}: tensor {} is {}: weights must be F32, BF16 or F16", reader->path(), name,
+    if (e->shape != part.shape)
+      throw InputError(fmt::format("{}: tensor {} has shape [{}], config.json implies [{}]", reader->path(), part.name,
+                                   fmt::join(e->shape, ", "), fmt::join(part.shape, ", ")));
+    if (!is_weight_dtype(e->dtype))
+      throw InputError(fmt::format("{}: tensor {} is {}: weights must be F32, BF16 or F16", reader->path(), part.name,
                                    dtype_name(e->dtype)));
-    }
-    used.insert(name);
-    return out;
+    used.insert(part.name);
+    largest = std::max(largest, numel_of(part.shape));
+    return it->second;
   };
-  std::vector<float> master(static_cast<size_t>(layout.total), 0.0f);
-  auto put = [&](const std::string& param, const std::vector<std::vector<float>>& parts) {
-    const ParamSpec* p = layout.find(param);
-    TETRA_CHECK(p != nullptr, "import: the model has no parameter {}", param);
-    int64_t at = 0;
-    for (const std::vector<float>& part : parts) {
-      TETRA_CHECK(at + static_cast<int64_t>(part.size()) <= p->held(), "import: {} overfilled", param);
-      std::memcpy(master.data() + p->offset + at, part.data(), part.size() * 4);
-      at += static_cast<int64_t>(part.size());
-    }
-    TETRA_CHECK(at == p->held(), "import: {} has {} values of {}", param, at, p->held());
-  };
-  // (R, C) row-major -> (C, R) row-major.
-  auto transposed = [](const std::vector<float>& w, int64_t R, int64_t C) {
-    std::vector<float> t(w.size());
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t c = 0; c < C; ++c) t[static_cast<size_t>(c * R + r)] = w[static_cast<size_t>(r * C + c)];
-    return t;
-  };
-  const int64_t C = m.hidden_size, V = m.vocab_size, F = m.ffn_hidden_size, L = m.num_layers;
-  const int64_t HS = m.head_size(), NH = m.num_heads, NKV = m.num_kv_heads;
-  std::string embed, head;
-  if (!gpt2) {
-    embed = "model.embed_tokens.weight";
-    put("embedding.wte", {take(embed, {V, C})});
-    for (int64_t l = 0; l < L; ++l) {
-      const std::string t = fmt::format("layers.{}.", l), h = fmt::format("model.layers.{}.", l);
-      put(t + "norm1.weight", {take(h + "input_layernorm.weight", {C})});
-      put(t + "attn.qkv.weight", {take(h + "self_attn.q_proj.weight", {NH * HS, C}),
-                                  take(h + "self_attn.k_proj.weight", {NKV * HS, C}),
-                                  take(h + "self_attn.v_proj.weight", {NKV * HS, C})});
-      if (m.has_qkv_bias())
-        put(t + "attn.qkv.bias", {take(h + "self_attn.q_proj.bias", {NH * HS}), take(h + "self_attn.k_proj.bias", {NKV * HS}),
-                                  take(h + "self_attn.v_proj.bias", {NKV * HS})});
-      if (m.qk_norm) {  // Qwen3: one RMSNorm weight over head_dim for the q heads, one for the k heads
-        put(t + "attn.q_norm.weight", {take(h + "self_attn.q_norm.weight", {HS})});
-        put(t + "attn.k_norm.weight", {take(h + "self_attn.k_norm.weight", {HS})});
-      }
-      put(t + "attn.proj.weight", {take(h + "self_attn.o_proj.weight", {C, NH * HS})});
-      put(t + "norm2.weight", {take(h + "post_attention_layernorm.weight", {C})});
-      put(t + "mlp.fc.weight", {take(h + "mlp.gate_proj.weight", {F, C}), take(h + "mlp.up_proj.weight", {F, C})});
-      put(t + "mlp.proj.weight", {take(h + "mlp.down_proj.weight", {C, F})});
-    }
-    put("final_norm.weight", {take("model.norm.weight", {C})});
-  } else {
-    embed = "transformer.wte.weight";
-    const int64_t T = m.seq_len, QKV = 3 * C;
-    put("embedding.wte", {take(embed, {V, C})});
-    put("embedding.wpe", {take("transformer.wpe.weight", {T, C})});
-    for (int64_t l = 0; l < L; ++l) {
-      const std::string t = fmt::format("layers.{}.", l), h = fmt::format("transformer.h.{}.", l);
-      put(t + "norm1.weight", {take(h + "ln_1.weight", {C})});
-      put(t + "norm1.bias", {take(h + "ln_1.bias", {C})});
-      // Conv1D weights are (in, out): the transposes of Tetra's (out, in).
-      put(t + "attn.qkv.weight", {transposed(take(h + "attn.c_attn.weight", {C, QKV}), C, QKV)});
-      put(t + "attn.qkv.bias", {take(h + "attn.c_attn.bias", {QKV})});
-      put(t + "attn.proj.weight", {transposed(take(h + "attn.c_proj.weight", {C, C}), C, C)});
-      put(t + "attn.proj.bias", {take(h + "attn.c_proj.bias", {C})});
-      put(t + "norm2.weight", {take(h + "ln_2.weight", {C})});
-      put(t + "norm2.bias", {take(h + "ln_2.bias", {C})});
-      put(t + "mlp.fc.weight", {transposed(take(h + "mlp.c_fc.weight", {C, F}), C, F)});
-      put(t + "mlp.fc.bias", {take(h + "mlp.c_fc.bias", {F})});
-      put(t + "mlp.proj.weight", {transposed(take(h + "mlp.c_proj.weight", {F, C}), F, C)});
-      put(t + "mlp.proj.bias", {take(h + "mlp.c_proj.bias", {C})});
-    }
-    put("final_norm.weight", {take("transformer.ln_f.weight", {C})});
-    put("final_norm.bias", {take("transformer.ln_f.bias", {C})});
-  }
-  head = "lm_head.weight";
-  if (!m.tie_embeddings) {
-    put("lm_head.weight", {take(head, {V, C})});
-  } else if (tensors.count(head)) {  // a tied model saved with its (equal) copy of the embedding
-    if (take(head, {V, C}) != take(embed, {V, C}))
-      throw InputError(fmt::format("{}: lm_head.weight differs from {} but config.json ties them "
-                                   "(tie_word_embeddings)", hf.dir, embed));
-  }
+  const std::vector<HfParam> params = hf_params(m, gpt2);
+  for (const HfParam& p : params)
+    for (const HfPart& part : p.parts) check(part);
+  const std::string embed = gpt2 ? "transformer.wte.weight" : "model.embed_tokens.weight";
+  const HfPart head{"lm_head.weight", {m.vocab_size, m.hidden_size}};
+  const bool tied_copy = m.tie_embeddings && tensors.count(head.name);  // a tied model saved with its copy
+  if (tied_copy) check(head);
   // What the model does not read: buffers that are no parameters are ignored, anything else is
   // an error (a parameter this import would silently drop).
   std::vector<std::string> left;
@@ -348,7 +436,63 @@ std::vector<float> read_hf_weights(const HfModel& hf, const ModelConfig& m) {
                                  "implement: importing without them would change the model)", hf.dir, left.size(),
                                  hf.model_type, list, left.size() > 5 ? ", ..." : ""));
   }
+  // The fp32 weights, one tensor read at a time (its values, its 16-bit bits, its transpose), and
+  // what the caller holds beside them.
+  const uint64_t need = static_cast<uint64_t>(layout.total) * 4 + static_cast<uint64_t>(largest) * 10 + also_needed_bytes;
+  check_host_memory_for(fmt::format("{}: reading the weights of {} parameters", hf.dir, layout.total), need);
+
+  std::vector<float> master(static_cast<size_t>(layout.total), 0.0f);
+  std::vector<float> values;
+  for (const HfParam& p : params) {
+    const ParamSpec* spec = layout.find(p.param);
+    TETRA_CHECK(spec != nullptr, "import: the model has no parameter {}", p.param);
+    int64_t at = 0;
+    for (const HfPart& part : p.parts) {
+      const Found& f = tensors.at(part.name);
+      const int64_t n = numel_of(part.shape);
+      TETRA_CHECK(at + n <= spec->held(), "import: {} overfilled", p.param);
+      float* dst = master.data() + spec->offset + at;
+      if (!part.conv1d) {
+        read_weights_f32(*f.reader, part.name, *f.entry, dst);
+      } else {  // (R, C) row-major -> (C, R) row-major
+        values.resize(static_cast<size_t>(n));
+        read_weights_f32(*f.reader, part.name, *f.entry, values.data());
+        const int64_t R = part.shape[0], Cc = part.shape[1];
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t c = 0; c < Cc; ++c) dst[c * R + r] = values[static_cast<size_t>(r * Cc + c)];
+      }
+      at += n;
+    }
+    TETRA_CHECK(at == spec->held(), "import: {} has {} values of {}", p.param, at, spec->held());
+  }
+  if (tied_copy) {  // the copy must be the embedding, bit for bit
+    const Found& f = tensors.at(head.name);
+    values.resize(static_cast<size_t>(numel_of(head.shape)));
+    read_weights_f32(*f.reader, head.name, *f.entry, values.data());
+    const ParamSpec* wte = layout.find("embedding.wte");
+    TETRA_CHECK(wte != nullptr && wte->held() == static_cast<int64_t>(values.size()), "import: embedding.wte");
+    if (std::memcmp(values.data(), master.data() + wte->offset, values.size() * 4) != 0)
+      throw InputError(fmt::format("{}: lm_head.weight differs from {} but config.json ties them "
+                                   "(tie_word_embeddings)", hf.dir, embed));
+  }
   return master;
+}
+
+std::string hf_config_problems(const HfModel& hf, const std::vector<std::string>& problems) {
+  std::string list;
+  for (const std::string& p : problems) {
+    std::string line = "\n  " + p;
+    if (p.rfind("model.", 0) == 0) {
+      const std::string key = p.substr(6, p.find_first_of(".:", 6) - 6);
+      const auto it = hf.sources.find(key);
+      if (it != hf.sources.end())
+        line += it->second.rfind("--", 0) == 0 || it->second.rfind("model.", 0) == 0
+                    ? fmt::format(" (from {})", it->second)
+                    : fmt::format(" (from config.json's {})", it->second);
+    }
+    list += line;
+  }
+  return list;
 }
 
 }  // namespace tetra

@@ -4,17 +4,20 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "trainer/checkpoint/commit.h"
 #include "trainer/core/files.h"
 #include "trainer/core/json_text.h"
 #include "kernels/common/check.h"
+#include "kernels/common/math.h"
 
 namespace tetra {
 
@@ -26,13 +29,13 @@ int64_t TensorRecord::numel() const {
 
 namespace {
 
-DType dtype_from_name(const std::string& s, const std::string& path) {
+DType dtype_from_name(const std::string& s, const std::string& path, const std::string& tensor) {
   if (s == "F32") return DType::F32;
   if (s == "BF16") return DType::BF16;
   if (s == "F16") return DType::F16;
   if (s == "I32") return DType::I32;
-  throw InputError(fmt::format("{}: unsupported safetensors dtype \"{}\" (Tetra reads F32, BF16, F16, I32)",
-                               path, s));
+  throw InputError(fmt::format("{}: tensor {}: unsupported safetensors dtype \"{}\" (Tetra reads F32, BF16, F16, "
+                               "I32)", path, tensor, s));
 }
 
 void write_all(int fd, const void* data, size_t bytes, const std::string& path) {
@@ -135,12 +138,13 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
     const nlohmann::json header = parse_json_text(where, text);
     if (!header.is_object()) throw InputError(fmt::format("{}: malformed safetensors header: not a JSON object", path));
     const uint64_t data_begin = 8 + n;
+    data_begin_ = static_cast<int64_t>(data_begin);
     for (auto it = header.begin(); it != header.end(); ++it) {
       if (it.key() == "__metadata__") continue;
       Entry e;
       const nlohmann::json& t = it.value();
       const std::string name = it.key();
-      e.dtype = dtype_from_name(json_string(where, json_member(where, t, name, "dtype"), name + ".dtype"), path);
+      e.dtype = dtype_from_name(json_string(where, json_member(where, t, name, "dtype"), name + ".dtype"), path, name);
       const nlohmann::json& shape = json_member(where, t, name, "shape");
       if (!shape.is_array())
         throw InputError(fmt::format("{}: {}.shape: must be an array of sizes, got {}", where, name, json_kind(shape)));
@@ -168,10 +172,45 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
       e.end = data_begin + offs[1];
       entries_.emplace(name, std::move(e));
     }
+    check_tiling(file_size - data_begin);
   } catch (...) {
     ::close(fd_);
     throw;
   }
+}
+
+void SafetensorsReader::check_tiling(uint64_t data_size) const {
+  // The format (and its reference implementation) lays the tensors end to end: sorted by offset,
+  // the first starts at 0, each starts where the one before ends, the last ends at the end of the
+  // file. A header length off by a few bytes, or an offset edited into another tensor's bytes,
+  // passes every per-tensor check and reads every value from the wrong bytes: refused here.
+  std::vector<std::pair<const std::string*, const Entry*>> order;
+  for (const auto& [name, e] : entries_) order.emplace_back(&name, &e);
+  std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+    return a.second->begin != b.second->begin ? a.second->begin < b.second->begin : a.second->end < b.second->end;
+  });
+  const uint64_t data_begin = static_cast<uint64_t>(data_begin_);
+  uint64_t at = 0;  // where the next tensor must start, relative to the data section
+  const std::string* previous = nullptr;
+  const char* why = "(the tensors must lie end to end in the data section: the header length or an offset is wrong)";
+  for (const auto& [name, e] : order) {
+    const uint64_t begin = e->begin - data_begin, end = e->end - data_begin;
+    if (begin < at)
+      throw InputError(fmt::format("{}: tensor {}: data_offsets [{}, {}] overlap tensor {}, which ends at {} {}",
+                                   path_, *name, begin, end, *previous, at, why));
+    if (begin > at && previous)
+      throw InputError(fmt::format("{}: tensor {}: data_offsets [{}, {}] leave bytes [{}, {}) after tensor {} to "
+                                   "no tensor {}", path_, *name, begin, end, at, begin, *previous, why));
+    if (begin > at)
+      throw InputError(fmt::format("{}: tensor {}: data_offsets [{}, {}]: the first tensor must start at 0 {}", path_,
+                                   *name, begin, end, why));
+    at = end;
+    previous = name;
+  }
+  if (at != data_size)
+    throw InputError(fmt::format("{}: the header's tensors cover bytes [0, {}) of a data section of {} bytes{} {}",
+                                 path_, at, data_size,
+                                 previous ? fmt::format(" (the last is tensor {})", *previous) : std::string(), why));
 }
 
 SafetensorsReader::~SafetensorsReader() {
@@ -191,6 +230,38 @@ void SafetensorsReader::read(const Entry& e, void* out) const {
     if (n <= 0) throw InputError(fmt::format("{}: file truncated", path_));
     p += n;
     at += static_cast<uint64_t>(n);
+  }
+}
+
+bool is_weight_dtype(DType dtype) { return dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16; }
+
+void read_weights_f32(const SafetensorsReader& reader, const std::string& name, const SafetensorsReader::Entry& e,
+                      float* out) {
+  if (!is_weight_dtype(e.dtype))
+    throw InputError(fmt::format("{}: tensor {} is {}: weights must be F32, BF16 or F16", reader.path(), name,
+                                 dtype_name(e.dtype)));
+  int64_t n = 1;
+  for (int64_t d : e.shape) n *= d;
+  if (e.dtype == DType::F32) {
+    reader.read(e, out);
+  } else {
+    std::vector<uint16_t> raw(static_cast<size_t>(n));
+    reader.read(e, raw.data());
+    for (size_t i = 0; i < raw.size(); ++i)
+      out[i] = e.dtype == DType::BF16 ? math::bf16_bits_to_f32(raw[i]) : math::f16_bits_to_f32(raw[i]);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isfinite(out[i])) continue;
+    std::vector<int64_t> index(e.shape.size());  // i as an index into the shape, row-major
+    int64_t rest = i;
+    for (size_t d = e.shape.size(); d-- > 0;) {
+      index[d] = rest % e.shape[d];
+      rest /= e.shape[d];
+    }
+    throw InputError(fmt::format("{}: tensor {} holds {} at [{}] (element {} of {}): weights must be finite numbers "
+                                 "(the file is damaged, or the model had diverged when it was saved)",
+                                 reader.path(), name, std::isnan(out[i]) ? "NaN" : out[i] > 0 ? "inf" : "-inf",
+                                 fmt::join(index, ", "), i, n));
   }
 }
 

@@ -39,7 +39,9 @@ void write_safetensors(const std::string& path, const std::vector<TensorView>& t
 std::vector<TensorRecord> read_safetensors(const std::string& path);
 
 // Reads tensors one at a time, each with one positioned read: the header is parsed and checked at
-// open (every entry's offsets against its shape and the file size), the data is read on demand.
+// open (every entry's offsets against its shape, and the entries, sorted by offset, laid end to end
+// from the start of the data section to the end of the file, as the format requires), the data
+// is read on demand.
 class SafetensorsReader {
  public:
   struct Entry {
@@ -59,9 +61,21 @@ class SafetensorsReader {
   void read(const Entry& e, void* out) const;
 
  private:
+  void check_tiling(uint64_t data_size) const;  // InputError naming the first tensor out of place
+
   std::string path_;
   int fd_ = -1;
+  int64_t data_begin_ = 0;  // 8 + the header length
   std::map<std::string, Entry> entries_;
 };
+
+// Entry `name` of `reader` as fp32 weights into `out` (its numel values): F32 as stored, BF16 and
+// F16 widened exactly. InputError naming the file and the tensor for another dtype, and for a value
+// that is not finite (NaN, inf), with its index in the tensor's shape: a weight that is not a
+// number would otherwise surface steps later as a "diverged" run.
+void read_weights_f32(const SafetensorsReader& reader, const std::string& name, const SafetensorsReader::Entry& e,
+                      float* out);
+// Whether read_weights_f32 reads the type: F32, BF16, F16.
+bool is_weight_dtype(DType dtype);
 
 }  // namespace tetra

@@ -14,7 +14,11 @@
 // assembles each "model/" tensor from its slices (the same checks on the slices it reads) and
 // writes it under Hugging Face's names and layouts (trainer/checkpoint/hf_export.h). OUT is
 // checked before any of that: a new directory (created with its parents) or an empty one; a
-// non-empty one only with --force, which replaces the two files and leaves the rest. Nothing is written unless the whole export succeeds up to the write.
+// non-empty one only with --force, which replaces the two files and leaves the rest. Nothing is
+// written unless the whole export succeeds up to the write, and a write that fails takes back the
+// files the export wrote. `import-hf` checks every tensor of HF_DIR from its headers (names,
+// shapes, types, the data sections laid end to end) and the host's memory before it reads a
+// weight; a failure after it began writing OUT removes what it wrote, so a retry finds OUT empty.
 //
 // Exit codes: 0 success; 2 a bad checkpoint or bad input, the message naming the file, tensor and
 // slice of the first problem; 1 any other failure. A filesystem or JSON exception that escapes
@@ -53,6 +57,7 @@
 #include "trainer/config/config.h"
 #include "kernels/common/check.h"
 #include "trainer/cli/cli.h"
+#include "trainer/core/files.h"
 #include "trainer/core/format.h"
 #include "trainer/core/output_path.h"
 #include "trainer/params/param_layout.h"
@@ -273,6 +278,15 @@ int64_t shard_bytes(const std::string& text) {
   return static_cast<int64_t>(bytes);
 }
 
+// Removes what a failed import or export wrote into `out` (the `names` of its own entries, and
+// `out` itself when this command created it and it is empty again), so that the retry finds OUT
+// as it was. Best effort: the failure being reported matters more.
+void remove_written(const std::string& out, const std::vector<std::string>& names, bool created_out) {
+  std::error_code ec;
+  for (const std::string& n : names) fs::remove_all(fs::path(out) / n, ec);
+  if (created_out) fs::remove(out, ec);  // only if empty
+}
+
 int export_hf(const std::string& dir, const std::string& out, const std::string& dtype_name, bool force,
               const std::string& max_shard) {
   const int64_t max_shard_bytes = shard_bytes(max_shard);
@@ -305,6 +319,7 @@ int export_hf(const std::string& dir, const std::string& out, const std::string&
   tetra::check_output_dir("OUT", out, need);
 
   std::error_code ec;
+  const bool created_out = !fs::exists(out, ec);
   fs::create_directories(out, ec);
   if (ec || !fs::is_directory(out))
     throw InputError(fmt::format("{}: cannot create the output directory: {}", out,
@@ -330,29 +345,33 @@ int export_hf(const std::string& dir, const std::string& out, const std::string&
          name.size() > 12 && name.compare(name.size() - 12, 12, ".safetensors") == 0))
       fs::remove(entry.path());
   }
+  // Every file through the atomic writers (a temporary name, fsync, rename), config.json first; a
+  // write that fails (a full disk, no inodes left) is exit 1 naming the file and the reason, and
+  // takes back what this export wrote, so that OUT never holds weights without their config.
+  std::vector<std::string> written;
   std::string weights = (fs::path(out) / "model.safetensors").string();
-  if (shards.size() == 1) {
-    tetra::write_safetensors(weights, shards[0], tetra::hf_metadata());
-  } else {
-    fs::remove(weights);
-    json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", json::object()}};
-    for (size_t k = 0; k < shards.size(); ++k) {
-      const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, shards.size());
-      tetra::write_safetensors((fs::path(out) / file).string(), shards[k], tetra::hf_metadata());
-      for (const tetra::TensorRecord& r : shards[k]) index["weight_map"][r.name] = file;
+  try {
+    written.push_back("config.json");
+    tetra::write_file_atomic((fs::path(out) / "config.json").string(), config.dump(2) + "\n");
+    if (shards.size() == 1) {
+      written.push_back("model.safetensors");
+      tetra::write_safetensors(weights, shards[0], tetra::hf_metadata());
+    } else {
+      fs::remove(weights);
+      json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", json::object()}};
+      for (size_t k = 0; k < shards.size(); ++k) {
+        const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, shards.size());
+        written.push_back(file);
+        tetra::write_safetensors((fs::path(out) / file).string(), shards[k], tetra::hf_metadata());
+        for (const tetra::TensorRecord& r : shards[k]) index["weight_map"][r.name] = file;
+      }
+      weights = (fs::path(out) / "model.safetensors.index.json").string();
+      written.push_back("model.safetensors.index.json");
+      tetra::write_file_atomic(weights, index.dump(2) + "\n");
     }
-    weights = (fs::path(out) / "model.safetensors.index.json").string();
-    std::ofstream f(weights, std::ios::trunc);
-    f << index.dump(2) << "\n";
-    f.flush();
-    if (!f) throw InputError(fmt::format("{}: cannot write", weights));
-  }
-  {
-    const std::string path = (fs::path(out) / "config.json").string();
-    std::ofstream f(path, std::ios::trunc);
-    f << config.dump(2) << "\n";
-    f.flush();
-    if (!f) throw InputError(fmt::format("{}: cannot write", path));
+  } catch (...) {
+    remove_written(out, written, created_out);
+    throw;
   }
   int64_t elements = 0;
   for (const tetra::TensorRecord& r : records) elements += r.numel();
@@ -375,33 +394,41 @@ int import_hf(const std::string& hf_dir, const std::string& out, int64_t seq_len
   try {
     cfg = tetra::config_from_json(j);
   } catch (const tetra::ConfigError& e) {
-    std::string list;
-    for (const std::string& p : e.problems()) list += "\n  " + p;
-    throw InputError(fmt::format("{}/config.json describes a model Tetra cannot build:{}", hf_dir, list));
+    throw InputError(fmt::format("{}/config.json describes a model Tetra cannot build:{}", hf_dir,
+                                 tetra::hf_config_problems(hf, e.problems())));
   }
-  std::vector<float> master = tetra::read_hf_weights(hf, cfg.model);
-  // Room for the weights and the two (zero) moments, fp32, plus a MiB for the manifest.
-  tetra::check_output_dir("OUT", out, master.size() * 12 + (uint64_t{1} << 20));
-  // Step 0 with zero moments, saved as a one-rank run would: any layout loads it (resharding).
   const tetra::ParamLayout layout = tetra::ParamLayout::build(cfg.model);
-  std::vector<float> zeros(master.size(), 0.0f), zeros2(master.size(), 0.0f);
+  // Room for the weights and the two (zero) moments, fp32, plus a MiB for the manifest.
+  tetra::check_output_dir("OUT", out, static_cast<uint64_t>(layout.total) * 12 + (uint64_t{1} << 20));
+  // Every header checked, then the memory (the weights, and the zero block the moments are written
+  // from), then the weights read.
+  int64_t largest = 0;
+  for (const tetra::ParamSpec& p : layout.params) largest = std::max(largest, p.numel);
+  std::vector<float> master = tetra::read_hf_weights(hf, cfg.model, static_cast<uint64_t>(largest) * 4);
+  // Step 0 with zero moments, saved as a one-rank run would: any layout loads it (resharding).
   const std::vector<tetra::GradRange> owned = {{0, layout.total}};
   tetra::CheckpointBuffers b;
   b.layout = &layout;
   b.owned = &owned;
   b.master_full = master.data();
-  b.exp_avg = zeros.data();
-  b.exp_avg_sq = zeros2.data();
+  b.zero_moments = true;
   b.compute = master.data();
   auto be = tetra::make_cpu_backend(1);
   tetra::ProcessGroups groups = tetra::ProcessGroups::create(tetra::RankGrid::build(tetra::GridSizes{}), 0);
-  const std::string step = tetra::save_checkpoint(out, cfg, groups, *be, b, tetra::CheckpointState{});
+  // OUT was new or empty: what is in it after a failure is this import's, and goes.
+  std::error_code ec;
+  const bool created_out = !fs::exists(out, ec);
   const std::string model_json = (fs::path(out) / "model.json").string();
-  {
-    std::ofstream f(model_json, std::ios::trunc);
-    f << json{{"model", hf.model}}.dump(2) << "\n";
-    f.flush();
-    if (!f) throw InputError(fmt::format("{}: cannot write", model_json));
+  std::string step;
+  try {
+    step = tetra::save_checkpoint(out, cfg, groups, *be, b, tetra::CheckpointState{});
+    tetra::write_file_atomic(model_json, json{{"model", hf.model}}.dump(2) + "\n");
+  } catch (...) {
+    std::vector<std::string> names;
+    for (fs::directory_iterator it(out, ec), end; !ec && it != end; it.increment(ec))
+      names.push_back(it->path().filename().string());
+    remove_written(out, names, created_out);
+    throw;
   }
   int64_t params = 0;
   for (const tetra::ParamSpec& p : layout.params) params += p.held();

@@ -2,8 +2,13 @@
 // checkpoint's, or a Hugging Face model's), one
 // process, tp 1 (trainer/train/generate.h does the work). The sampling options override the
 // config's sample section under the config's own rules for it.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <charconv>
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -51,7 +56,7 @@ struct GenerateArgs {
   double temperature = 0.0;
   uint64_t seed = 0;
   bool force = false;
-  CLI::Option *prompt_opt = nullptr, *max_tokens_opt = nullptr, *temperature_opt = nullptr, *top_k_opt = nullptr,
+  CLI::Option *prompt_opt = nullptr, *prompt_ids_opt = nullptr, *max_tokens_opt = nullptr, *temperature_opt = nullptr, *top_k_opt = nullptr,
               *seed_opt = nullptr;
 
   // A whole number in int64_t (CLI11 would wrap, round or misreport what does not fit).
@@ -108,7 +113,7 @@ struct GenerateArgs {
                                           "checkpoint (step_* or checkpoint.dir) or a Hugging Face model "
                                           "directory");
     prompt_opt = cmd->add_option("--prompt", prompt, "text to continue (default: sample.prompt)");
-    cmd->add_option("--prompt-ids", prompt_ids, "token ids to continue, comma-separated, instead of text: no "
+    prompt_ids_opt = cmd->add_option("--prompt-ids", prompt_ids, "token ids to continue, comma-separated, instead of text: no "
                                                 "tokenizer needed; prints the prompt and generated ids as JSON")
         ->excludes(prompt_opt);
     cmd->add_option("--logits-out", logits_out, "with --prompt-ids: write the prompt's logits (fp32, prompt length "
@@ -131,10 +136,30 @@ struct GenerateArgs {
   }
 };
 
+// That a file can be created in the directory of `path` (named as `what`): a directory that
+// access(2) calls writable may still refuse new files (/proc, /sys). A file of a name of its own
+// is created and removed at once. InputError naming `what` otherwise.
+void check_can_create(const std::string& what, const std::string& path) {
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  const std::string probe =
+      ((parent.empty() ? std::filesystem::path(".") : parent) / fmt::format(".tetra-probe.{}", ::getpid())).string();
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    if (errno == EEXIST) return;  // a file of that name: the directory takes files
+    throw tetra::InputError(fmt::format("{} {}: cannot create a file in {}: {}; write elsewhere", what, path,
+                                        parent.empty() ? "." : parent.string(), std::strerror(errno)));
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
 // "3,17, 5" -> the ids; --logits-out checked before any work (check_output_file: a new file, unless --force,
-// in a writable directory).
+// in a writable directory that takes new files).
 tetra::IdPrompt parse_prompt_ids(const std::string& text, const std::string& logits_out, bool force,
                                  const std::vector<std::string>& inputs) {
+  if (text.find_first_not_of(" \t") == std::string::npos)
+    throw tetra::InputError(fmt::format("--prompt-ids: \"{}\": no token ids (give whole numbers >= 0, "
+                                        "comma-separated, e.g. 1,15043,29892)", text));
   tetra::IdPrompt p;
   size_t at = 0;
   while (at <= text.size()) {
@@ -151,7 +176,10 @@ tetra::IdPrompt parse_prompt_ids(const std::string& text, const std::string& log
     p.ids.push_back(static_cast<int32_t>(v));
     at = comma + 1;
   }
-  if (!logits_out.empty()) tetra::check_output_file("--logits-out", logits_out, force, inputs);
+  if (!logits_out.empty()) {
+    tetra::check_output_file("--logits-out", logits_out, force, inputs);
+    check_can_create("--logits-out", logits_out);
+  }
   p.logits_out = logits_out;
   return p;
 }
@@ -170,7 +198,7 @@ int run_generate(const GenerateArgs& args, const tetra::RuntimeOptions& runtime)
     tetra::Config cfg = tetra::load_config(args.config_path, args.overrides);
     args.apply(cfg.sample);
     std::optional<tetra::IdPrompt> ids;
-    if (!args.prompt_ids.empty()) ids = parse_prompt_ids(
+    if (args.prompt_ids_opt->count()) ids = parse_prompt_ids(
           args.prompt_ids, args.logits_out, args.force,
           {args.config_path, args.weights, args.weights + "/model.safetensors",
            cfg.logging.dir.empty() ? std::string() : cfg.logging.dir + "/model.safetensors"});

@@ -1,6 +1,7 @@
 #include "trainer/train/generate.h"
 #include "trainer/train/compute_device.h"
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -116,44 +117,45 @@ void check_weights_file(const std::string& path, const std::string& missing_hint
 
 std::vector<float> load_weights(const std::string& path, const ParamLayout& layout) {
   check_weights_file(path, "expected the safetensors file of the model's weights");
-  std::vector<TensorRecord> records = read_safetensors(path);
-  std::map<std::string, const TensorRecord*> by_name;
-  for (const TensorRecord& r : records) by_name[r.name] = &r;
-  for (const TensorRecord& r : records)
-    if (!layout.find(r.name))
+  const SafetensorsReader reader(path);  // the header checked, nothing read yet
+  // Every tensor's name, shape and type from the header, before anything is allocated.
+  for (const auto& [name, e] : reader.entries())
+    if (!layout.find(name))
       throw InputError(fmt::format("{}: tensor \"{}\" is not a parameter of the config's model (other "
                                    "model settings than the run that wrote it?)",
-                                   path, r.name));
-  std::vector<float> params(static_cast<size_t>(layout.total), 0.0f);
-  std::vector<float> global;
+                                   path, name));
+  auto global_numel = [](const ParamSpec& spec) {
+    int64_t n = 1;
+    for (int64_t d : spec.global_shape) n *= d;
+    return n;
+  };
+  int64_t largest = 0;
   for (const ParamSpec& spec : layout.params) {
-    auto it = by_name.find(spec.name);
-    if (it == by_name.end())
+    const SafetensorsReader::Entry* e = reader.find(spec.name);
+    if (!e)
       throw InputError(fmt::format("{}: no tensor \"{}\" (shape [{}]), which the config's model has", path,
                                    spec.name, fmt::join(spec.global_shape, ", ")));
-    const TensorRecord& r = *it->second;
-    if (r.shape != spec.global_shape)
+    if (e->shape != spec.global_shape)
       throw InputError(fmt::format("{}: tensor \"{}\" has shape [{}] but the config's model needs [{}]", path,
-                                   spec.name, fmt::join(r.shape, ", "), fmt::join(spec.global_shape, ", ")));
-    const size_t n = static_cast<size_t>(r.numel());
-    global.resize(n);
-    if (r.dtype == DType::F32) {
-      std::memcpy(global.data(), r.data.data(), n * 4);
-    } else if (r.dtype == DType::BF16 || r.dtype == DType::F16) {
-      for (size_t i = 0; i < n; ++i) {
-        uint16_t bits;
-        std::memcpy(&bits, r.data.data() + 2 * i, 2);
-        global[i] = r.dtype == DType::F16 ? math::f16_bits_to_f32(bits) : math::bf16_bits_to_f32(bits);
-      }
-    } else {
+                                   spec.name, fmt::join(e->shape, ", "), fmt::join(spec.global_shape, ", ")));
+    if (!is_weight_dtype(e->dtype))
       throw InputError(fmt::format("{}: tensor \"{}\" is {}, not a floating-point type", path, spec.name,
-                                   dtype_name(r.dtype)));
-    }
+                                   dtype_name(e->dtype)));
+    if (spec.tp_split) largest = std::max(largest, global_numel(spec));
+  }
+  std::vector<float> params(static_cast<size_t>(layout.total), 0.0f);
+  std::vector<float> global;
+  global.reserve(static_cast<size_t>(largest));
+  for (const ParamSpec& spec : layout.params) {
+    const SafetensorsReader::Entry& e = *reader.find(spec.name);
     float* dst = params.data() + spec.offset;
-    if (!spec.tp_split)
-      std::memcpy(dst, global.data(), n * 4);
-    else
-      for (int64_t e = 0; e < spec.held(); ++e) dst[e] = global[static_cast<size_t>(spec.global_index(e))];
+    if (!spec.tp_split) {
+      read_weights_f32(reader, spec.name, e, dst);  // finite values, or the tensor and index named
+      continue;
+    }
+    global.resize(static_cast<size_t>(global_numel(spec)));
+    read_weights_f32(reader, spec.name, e, global.data());
+    for (int64_t el = 0; el < spec.held(); ++el) dst[el] = global[static_cast<size_t>(spec.global_index(el))];
   }
   return params;
 }
@@ -182,8 +184,8 @@ std::vector<float> load_weights_dir(const std::string& dir, const Config& cfg) {
               : std::string(" (training writes <logging.dir>/model.safetensors)")));
     }
   }
-  std::vector<float> host(static_cast<size_t>(layout.total), 0.0f);
   if (!step.empty()) {
+    std::vector<float> host(static_cast<size_t>(layout.total), 0.0f);
     // The trainer's own loader (every slice's checksum verified, the model compared key by key),
     // on one rank, weights only, into host memory.
     std::unique_ptr<Backend> cpu = make_cpu_backend(1);
@@ -197,13 +199,14 @@ std::vector<float> load_weights_dir(const std::string& dir, const Config& cfg) {
     return host;
   }
   // A Hugging Face directory: its config.json must describe the config's model.
-  const HfModel hf = read_hf_model(dir, cfg.model.seq_len);
+  const HfModel hf = read_hf_model(dir, cfg.model.seq_len, "model.seq_len");
   nlohmann::json have;
   try {
     have = nlohmann::json::parse(
         config_to_json(config_from_json(nlohmann::json{{"model", hf.model}, {"data", {{"synthetic", true}}}})).dump())["model"];
   } catch (const ConfigError& e) {
-    throw InputError(fmt::format("{}/config.json describes a model Tetra cannot build: {}", dir, e.what()));
+    throw InputError(fmt::format("{}/config.json describes a model Tetra cannot build:{}", dir,
+                                 hf_config_problems(hf, e.problems())));
   }
   nlohmann::json want = nlohmann::json::parse(config_to_json(cfg).dump())["model"];
   std::string diff;
@@ -214,7 +217,11 @@ std::vector<float> load_weights_dir(const std::string& dir, const Config& cfg) {
   if (!diff.empty())
     throw InputError(fmt::format("{}: another model than the config's ({}); put the model section `tetra ckpt "
                                  "import-hf` writes (model.json) in the config", dir, diff));
-  return read_hf_weights(hf, cfg.model);
+  // Beside the fp32 weights, generate_command holds them in the compute type (and, for a 16-bit
+  // one, an fp32 copy to round from).
+  const DType act = precision_dtype(cfg.training.precision);
+  const uint64_t n = static_cast<uint64_t>(layout.total);
+  return read_hf_weights(hf, cfg.model, n * dtype_size(act) + (act == DType::F32 ? 0 : n * 4));
 }
 
 GeneratedText generate_command(const Config& config, const std::string& weights_path, const DeviceOptions& device,
