@@ -466,6 +466,9 @@ TEST_CASE("hf tokenizer files: every defect is refused, naming the file and the 
   refused([](json& t) { t["model"]["merges"] = json::array({json::array({"a", "b"}), json::array({"ab", "z"})}); },
           "model.merges[1] \"ab\" + \"z\": the merged \"abz\" is not in model.vocab");
   refused([](json& t) { t["model"]["vocab"]["q"] = -4; }, "model.vocab \"q\" has id -4");
+  // An id far beyond the number of tokens would size the id tables by the id (gigabytes).
+  refused([](json& t) { t["model"]["vocab"]["zzz"] = 10000000; },
+          "model.vocab \"zzz\" has id 10000000 but the vocabulary has 258 tokens");
   refused([](json& t) { t["model"]["unk_token"] = "<nope>"; }, "model.unk_token \"<nope>\" is not in model.vocab");
   refused([](json& t) { t["added_tokens"][0]["id"] = 300; }, "added_tokens[0].id 300 for \"<|end|>\"");
   refused([](json& t) { t["added_tokens"][1].erase("content"); }, "added_tokens[1].content is missing");

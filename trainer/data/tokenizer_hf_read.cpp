@@ -351,6 +351,19 @@ void read_model(const Obj& root, Parts& parts,
     // (A byte-level token with a character that stands for no byte can never come out of the
     // byte-level pre-tokenizer: it stays for decoding only, as in the Rust library.)
   }
+  // The id tables are dense (one entry per id up to the largest), so an id far beyond the number
+  // of tokens would size them by the id rather than by the file: such an id is refused.
+  const auto tokens = static_cast<int64_t>(file_vocab.size());
+  const int64_t id_limit = 2 * tokens + 65536;
+  if (max_id >= id_limit) {
+    for (const auto& [token, id] : file_vocab) {
+      if (id == max_id)
+        m.fail(m.at("vocab"),
+               fmt::format("\"{}\" has id {} but the vocabulary has {} tokens: Tetra reads ids "
+                           "below 2 x tokens + 65536 ({}); renumber the vocabulary densely",
+                           token, id, tokens, id_limit));
+    }
+  }
   parts.vocab_size = max_id + 1;
   parts.token_text.assign(static_cast<size_t>(parts.vocab_size), std::string());
   parts.has_id.assign(static_cast<size_t>(parts.vocab_size), 0);
