@@ -136,7 +136,8 @@ void require_equal(const Config& a, const Config& b) {
 }
 
 // A config that sets every key to a value other than its default (and no 0 = derive markers),
-// except data.split, which excludes data.valid.
+// except data.split, which excludes data.valid, and training.recompute_modules, which belongs to
+// "selective" recomputation (the recompute keys here are "full"'s).
 json every_key() {
   return json::parse(R"({
     "model": {"vocab_size": 32000, "make_vocab_size_divisible_by": 64, "seq_len": 256, "num_layers": 4, "hidden_size": 512,
@@ -149,7 +150,7 @@ json every_key() {
               "moe": {"num_experts": 0, "top_k": 1, "every": 2, "ffn_hidden_size": 512,
                       "capacity_factor": 1.25, "aux_loss_coeff": 0.02, "z_loss_coeff": 0.001}},
     "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "cp": 1, "cp_comm": "all_gather", "order": "tp-pp-dp",
-                 "sequence_parallel": true, "distributed_optimizer": true, "zero_stage": 1, "reshard_after_forward": false, "bucket_size": 1000,
+                 "sequence_parallel": true, "distributed_optimizer": true, "zero_stage": 3, "reshard_after_forward": false, "bucket_size": 1000,
                  "schedule": "gpipe", "virtual_stages": 1, "stage_layers": [4],
                  "grad_compression": "bf16", "onebit_warmup_steps": 7},
     "training": {"device": "cpu", "precision": "fp16", "loss_scale": 0.0, "initial_loss_scale": 1024.0,
@@ -158,7 +159,7 @@ json every_key() {
                  "eval_every": 50, "eval_steps": 5, "log_every": 10, "threads": 2,
                  "peak_gflops": 123.5, "exit_interval": 250, "exit_after_min": 90.5,
                  "collective_timeout_s": 120.0, "max_skipped_steps": 3, "spike_zscore": 6.0,
-                 "spike_window": 20, "profile_steps": [3, 4], "recompute": "full", "recompute_modules": ["norm", "act"],
+                 "spike_window": 20, "profile_steps": [3, 4], "recompute": "full", "recompute_modules": ["core_attn"],
                  "recompute_method": "block", "recompute_num_layers": 3, "loss_chunk_rows": 512},
     "optimizer": {"lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 20, "decay": "linear",
                   "decay_steps": 400, "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.99,

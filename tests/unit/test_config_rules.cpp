@@ -1,9 +1,13 @@
 // The config rules, each with its message: types, single-value ranges, cross-field and parallel
-// layout rules, pipeline layouts, data / evaluation / tokenizer rules, fp16 loss scaling.
+// layout rules, pipeline layouts, data / evaluation / tokenizer rules, fp16 loss scaling, keys of
+// one mode given under another.
 //
 // Messages are checked by their JSON path and the phrase that states the rule, so rewording the
 // explanation after the phrase does not break a test, but reporting the wrong key does.
 #include <catch2/catch.hpp>
+#include <fmt/format.h>
+
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -401,4 +405,69 @@ TEST_CASE("config: fp16 loss scaling keys and their rules", "[config]") {
                            "parallel.grad_compression", gc)).empty());
   }
   CHECK(problems_of(with(with(fp16, "parallel.dp", 2), "parallel.grad_compression", "bf16")).empty());
+}
+
+TEST_CASE("config: a key of one mode, given under another, is refused", "[config]") {
+  // Recomputation: recompute_modules belongs to "selective", recompute_method and
+  // recompute_num_layers to "full"; away from their defaults under another mode they are refused.
+  const json selective = with(base(), "training.recompute", "selective");
+  const json full = with(base(), "training.recompute", "full");
+  CHECK(problems_of(with(selective, "training.recompute_modules", json::array({"norm", "act"}))).empty());
+  CHECK(problems_of(with(with(full, "training.recompute_method", "block"), "training.recompute_num_layers", 2)).empty());
+  for (const json& other : {base(), full}) {
+    INFO(other.dump());
+    require_one(with(other, "training.recompute_modules", json::array({"norm"})), "training.recompute_modules: [\"norm\"]: ",
+                "applies to training.recompute \"selective\" only");
+  }
+  for (const json& other : {base(), selective}) {
+    INFO(other.dump());
+    require_one(with(other, "training.recompute_num_layers", 2), "training.recompute_num_layers: 2: ",
+                "applies to training.recompute \"full\" only");
+    require_one(with(other, "training.recompute_method", "block"), "training.recompute_method: \"block\": ",
+                "applies to training.recompute \"full\" only");
+  }
+  require_one(with(base(), "training.recompute_num_layers", 3), "training.recompute_num_layers: 3: ",
+              "(it is \"none\"); remove training.recompute_num_layers or set training.recompute to \"full\"");
+  // At their defaults they are no problem (a written-out config carries them all).
+  CHECK(problems_of(with(with(with(base(), "training.recompute_modules", json::array({"core_attn"})),
+                              "training.recompute_method", "uniform"), "training.recompute_num_layers", 1)).empty());
+
+  // ZeRO-3's reshard_after_forward under another stage.
+  const json dp2 = with(base(), "parallel.dp", 2);
+  CHECK(problems_of(with(with(dp2, "parallel.zero_stage", 3), "parallel.reshard_after_forward", false)).empty());
+  CHECK(problems_of(with(dp2, "parallel.reshard_after_forward", nullptr)).empty());
+  for (const int stage : {0, 1, 2}) {
+    INFO("stage " << stage);
+    require_one(with(with(dp2, "parallel.zero_stage", stage), "parallel.reshard_after_forward", false),
+                "parallel.reshard_after_forward: false: ",
+                fmt::format("applies to parallel.zero_stage 3 only (it is {}", stage));
+  }
+  // distributed_optimizer false beside a stage that shards the optimizer state: a contradiction,
+  // not resolved to true without a word. Absent, or true, it resolves with the stage.
+  for (const int stage : {1, 2, 3}) {
+    INFO("stage " << stage);
+    require_one(with(with(dp2, "parallel.zero_stage", stage), "parallel.distributed_optimizer", false),
+                "parallel.distributed_optimizer: false: ", fmt::format("contradicts parallel.zero_stage {}", stage));
+    CHECK(config_from_json(with(dp2, "parallel.zero_stage", stage)).parallel.distributed_optimizer);
+  }
+  CHECK(problems_of(with(with(dp2, "parallel.zero_stage", 0), "parallel.distributed_optimizer", false)).empty());
+  CHECK(config_from_json(with(dp2, "parallel.distributed_optimizer", true)).parallel.zero_stage == 1);
+}
+
+TEST_CASE("config: checkpoint.init is not checkpoint.dir nor inside it", "[config]") {
+  const std::string dir = tmp_dir() + "/init_in_dir";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir + "/base/step_00000000");
+  std::filesystem::create_directories(dir + "/other");
+  std::filesystem::create_symlink(dir + "/base", dir + "/link");
+  const json j = with(base(), "checkpoint.dir", dir + "/base");
+  for (const std::string& init : {dir + "/base", dir + "/base/", dir + "/./other/../base", dir + "/link",
+                                  dir + "/base/step_00000000"}) {
+    INFO(init);
+    require_one(with(j, "checkpoint.init", init), "checkpoint.init: ",
+                "is checkpoint.dir (" + dir + "/base) or inside it");
+  }
+  CHECK(problems_of(with(j, "checkpoint.init", dir + "/other")).empty());
+  CHECK(problems_of(with(j, "checkpoint.init", dir + "/base_2")).empty());  // a prefix of the name is not inside
+  CHECK(problems_of(with(with(j, "checkpoint.init", dir + "/base"), "checkpoint.dir", "")).empty());
 }

@@ -36,9 +36,11 @@ TEST_CASE("recompute: config keys, defaults and rules", "[recompute][config]") {
   j = with(j, "training.recompute_modules", json::array({"norm", "act"}));
   const Recomputation sel = Recomputation::from(config_from_json(j).training);
   CHECK((sel.kind == Recompute::SELECTIVE && sel.norm && sel.act && !sel.core_attn && !sel.moe_act));
-  // Modules name nothing outside selective.
-  const Recomputation none = Recomputation::from(config_from_json(with(j, "training.recompute", "none")).training);
-  CHECK((!none.norm && !none.act));
+  // Modules outside selective are refused (test_config_rules.cpp), and the defaults name nothing.
+  require_one(with(j, "training.recompute", "none"), "training.recompute_modules: [\"norm\",\"act\"]: ",
+              "applies to training.recompute \"selective\" only");
+  const Recomputation none = Recomputation::from(config_from_json(base()).training);
+  CHECK((!none.norm && !none.act && !none.core_attn));
 
   require_one(with(base(), "training.recompute", "partial"), "training.recompute: \"partial\": ",
               "must be one of none, selective, full");

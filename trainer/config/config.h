@@ -321,6 +321,7 @@ struct ParallelConfig {
   RankOrder order = RankOrder::TP_CP_DP_PP;  // rank order, fastest-varying axis first
   bool sequence_parallel = false;      // norms and residual on sequence shards (needs tp > 1)
   bool distributed_optimizer = false;  // shard fp32 master weights and Adam moments over dp
+  bool distributed_optimizer_given = false;  // the config gave distributed_optimizer (not written back)
   // ZeRO stage over dp: 0 none, 1 the optimizer state (= distributed_optimizer), 2 the gradients
   // too, 3 the compute weights too (gathered per parameter group). Resolved together: distributed_optimizer true means at least 1, a stage >= 1 sets it.
   int64_t zero_stage = 0;

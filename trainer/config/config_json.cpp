@@ -77,7 +77,7 @@ void visit_parallel(P& p, V& v) {
   v.choice("cp_comm", p.cp_comm);
   v.choice("order", p.order);
   v.boolean("sequence_parallel", p.sequence_parallel);
-  v.boolean("distributed_optimizer", p.distributed_optimizer);
+  v.boolean("distributed_optimizer", p.distributed_optimizer, p.distributed_optimizer_given);
   v.integer("zero_stage", p.zero_stage);
   v.optional_boolean("reshard_after_forward", p.reshard_after_forward);
   v.integer("bucket_size", p.bucket_size);
@@ -420,6 +420,13 @@ class SectionReader {
       problems_.add(path(key), show(*v), "expected true or false, got " + type_phrase(*v));
   }
 
+  // The same, and whether the key is there (a rule refuses some explicit values it would
+  // otherwise resolve).
+  void boolean(const char* key, bool& out, bool& given) {
+    given = section_ != nullptr && section_->contains(key);
+    boolean(key, out);
+  }
+
   void text(const char* key, std::string& out) {
     const json* v = find(key);
     if (!v) return;
@@ -598,6 +605,7 @@ class SectionWriter {
   void integer(const char* key, const uint64_t& v) { out_[key] = v; }
   void number(const char* key, const double& v) { out_[key] = v; }
   void boolean(const char* key, const bool& v) { out_[key] = v; }
+  void boolean(const char* key, const bool& v, const bool&) { out_[key] = v; }
   void optional_boolean(const char* key, const std::optional<bool>& v) { out_[key] = v ? json(*v) : json(nullptr); }
   void optional_number(const char* key, const std::optional<double>& v) {
     out_[key] = v ? json(*v) : json(nullptr);

@@ -21,6 +21,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <filesystem>
+#include <iterator>
 #include <limits>
 
 #include "trainer/config/config_detail.h"
@@ -412,6 +414,11 @@ void resolve(Config& c, Rules& r) {
     m.moe.ffn_hidden_size = m.ffn_hidden_size;
   ParallelConfig& par = c.parallel;
   if (r.ok({"parallel.zero_stage", "parallel.distributed_optimizer"})) {
+    r.require(!(par.zero_stage >= 1 && par.distributed_optimizer_given && !par.distributed_optimizer),
+              "parallel.distributed_optimizer", false,
+              fmt::format("contradicts parallel.zero_stage {}: every ZeRO stage from 1 shards the optimizer "
+                          "state over dp (the distributed optimizer); remove parallel.distributed_optimizer or "
+                          "set parallel.zero_stage to 0", par.zero_stage));
     if (par.distributed_optimizer && par.zero_stage == 0) par.zero_stage = 1;
     if (par.zero_stage >= 1) par.distributed_optimizer = true;
   }
@@ -419,6 +426,22 @@ void resolve(Config& c, Rules& r) {
   if (t.global_batch_size == 0 &&
       r.ok({"training.global_batch_size", "training.micro_batch_size", "parallel.dp"}))
     t.global_batch_size = t.micro_batch_size * c.parallel.dp;
+}
+
+// Whether `path` is `dir` or lies inside it, as the filesystem resolves the two (".", "..", a
+// trailing "/", symbolic links of the parts that exist).
+bool inside_directory(const std::string& path, const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec_p, ec_d;
+  const fs::path p = fs::weakly_canonical(fs::absolute(path), ec_p);
+  const fs::path d = fs::weakly_canonical(fs::absolute(dir), ec_d);
+  if (ec_p || ec_d) return false;
+  auto pi = p.begin();
+  for (auto di = d.begin(); di != d.end(); ++di, ++pi) {
+    if (di->empty() && std::next(di) == d.end()) break;  // a trailing "/"
+    if (pi == p.end() || *pi != *di) return false;
+  }
+  return true;
 }
 
 void check_cross_field(const Config& c, Rules& r) {
@@ -590,6 +613,11 @@ void check_cross_field(const Config& c, Rules& r) {
   if (r.ok({"checkpoint.every", "checkpoint.dir"}))
     r.require(c.checkpoint.every == 0 || !c.checkpoint.dir.empty(), "checkpoint.every", c.checkpoint.every,
               "saving checkpoints needs checkpoint.dir");
+  if (r.ok({"checkpoint.init", "checkpoint.dir"}) && !c.checkpoint.init.empty() && !c.checkpoint.dir.empty())
+    r.require(!inside_directory(c.checkpoint.init, c.checkpoint.dir), "checkpoint.init", c.checkpoint.init,
+              fmt::format("is checkpoint.dir ({}) or inside it: the run would take it for a checkpoint of its own "
+                          "to resume, and rotating its checkpoints (checkpoint.keep) would delete it; give "
+                          "checkpoint.dir a directory of its own", c.checkpoint.dir));
   if (r.ok({"sample.prompt", "data.tokenizer"}))
     r.require(c.sample.prompt.empty() || !d.tokenizer.empty(), "sample.prompt", c.sample.prompt,
               "sampling text needs the tokenizer: set data.tokenizer");
@@ -606,11 +634,39 @@ void check_cross_field(const Config& c, Rules& r) {
   }
 }
 
-// training.recompute and its companions (trainer/params/recompute.h).
+// training.recompute and its companions (trainer/params/recompute.h); parallel.reshard_after_forward.
+// A key that applies to one mode only, given a value other than its default under another mode, is
+// refused (as the loss-scaling keys are, check_loss_scaling), not ignored.
 void check_recompute(const Config& c, Rules& r) {
   const TrainingConfig& t = c.training;
+  const TrainingConfig defaults;
   r.size("training.recompute_num_layers", t.recompute_num_layers, 1);
   r.size("training.loss_chunk_rows", t.loss_chunk_rows, 0);
+  if (r.ok({"training.recompute"})) {
+    const auto only_under = [&](const char* key, const json& value, Recompute mode) {
+      r.require(false, key, value,
+                fmt::format("applies to training.recompute \"{}\" only (it is \"{}\"); remove {} or set "
+                            "training.recompute to \"{}\"", to_string(mode), to_string(t.recompute), key,
+                            to_string(mode)));
+    };
+    if (t.recompute != Recompute::SELECTIVE && t.recompute_modules != defaults.recompute_modules &&
+        r.ok({"training.recompute_modules"}))
+      only_under("training.recompute_modules", config_to_json(c)["training"]["recompute_modules"],
+                 Recompute::SELECTIVE);
+    if (t.recompute != Recompute::FULL && t.recompute_method != defaults.recompute_method &&
+        r.ok({"training.recompute_method"}))
+      only_under("training.recompute_method", std::string(to_string(t.recompute_method)), Recompute::FULL);
+    if (t.recompute != Recompute::FULL && t.recompute_num_layers != defaults.recompute_num_layers &&
+        r.ok({"training.recompute_num_layers"}))
+      only_under("training.recompute_num_layers", t.recompute_num_layers, Recompute::FULL);
+  }
+  const ParallelConfig& par = c.parallel;
+  if (par.reshard_after_forward && par.zero_stage != 3 &&
+      r.ok({"parallel.reshard_after_forward", "parallel.zero_stage"}))
+    r.require(false, "parallel.reshard_after_forward", *par.reshard_after_forward,
+              fmt::format("applies to parallel.zero_stage 3 only (it is {}: no weights are gathered); remove "
+                          "parallel.reshard_after_forward (or set it to null) or set parallel.zero_stage to 3",
+                          par.zero_stage));
   if (t.recompute == Recompute::SELECTIVE) {
     r.require(!t.recompute_modules.empty(), "training.recompute_modules", json::array(),
               "\"selective\" recomputation needs at least one module: norm, act, moe_act or core_attn");
