@@ -9,7 +9,13 @@
 #             slice (export-hf too, where the damage is in a model/ tensor);
 #   export-hf from the sharded checkpoints: bit for bit the trainer's final weights once mapped
 #             back; a tied Llama has no lm_head.weight; a model with no Hugging Face equivalent
-#             is refused with exit 2 naming the config keys, writing nothing.
+#             is refused with exit 2 naming the config keys, writing nothing; a write that fails
+#             (a file-size limit, a filesystem out of inodes) is exit 1 naming the file, and
+#             leaves no half export;
+#   import-hf of Hugging Face directories that lie (shifted or overlapping tensors, weights that
+#             are not finite, RoPE scaling that would be read as plain RoPE, a config.json far
+#             larger than its tensors, a model beyond the memory limit): exit 2 naming the file,
+#             tensor or key, OUT not created; a failed write leaves OUT as it was.
 #
 # Usage: test_tetra_ckpt.sh <tetra binary> <source dir> <scratch dir>
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -572,9 +578,13 @@ expect_refusal limited_to 4000000 "$tetra" ckpt import-hf "$scratch/hf/huge" "$s
 # A consistent model larger than the memory the process may use: refused with both numbers.
 case=import_memory
 write_hf "$scratch/hf/big" big
-names=("GiB of host memory but the process's address-space limit (ulimit -v" "$scratch/hf/big")
-expect_refusal limited_to 600000 "$tetra" ckpt import-hf "$scratch/hf/big" "$scratch/imp/big"
-[[ ! -e "$scratch/imp/big" ]] || fail "OUT was written"
+names=("GiB of host memory but the process's address-space limit (ulimit -v" "$scratch/hf/big" "116,925,440")
+if limited_to 600000 "$tetra" --help >/dev/null 2>&1; then
+  expect_refusal limited_to 600000 "$tetra" ckpt import-hf "$scratch/hf/big" "$scratch/imp/big"
+  [[ ! -e "$scratch/imp/big" ]] || fail "OUT was written"
+else
+  echo "note [$case]: skipped (the binary does not start in 600 MB of address space here)"
+fi
 # A write that fails halfway (a file-size limit: EFBIG) leaves nothing in OUT, and the retry succeeds.
 case=import_write_fails
 (trap '' XFSZ; ulimit -f 64; exec "$tetra" ckpt import-hf "$scratch/hf/good" "$scratch/imp/limited") \

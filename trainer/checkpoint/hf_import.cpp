@@ -19,6 +19,7 @@
 #include "kernels/common/check.h"
 #include "kernels/common/math.h"
 #include "trainer/checkpoint/safetensors.h"
+#include "trainer/core/format.h"
 #include "trainer/core/json_text.h"
 #include "trainer/params/param_layout.h"
 
@@ -359,7 +360,8 @@ void check_host_memory_for(const std::string& what, uint64_t bytes) {
     double used = 0;
     if (FILE* f = std::fopen("/proc/self/statm", "r")) {
       unsigned long pages = 0;
-      if (std::fscanf(f, "%lu", &pages) == 1) used = static_cast<double>(pages) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+      if (std::fscanf(f, "%lu", &pages) == 1)
+        used = static_cast<double>(pages) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
       std::fclose(f);
     }
     const double left = std::max(0.0, static_cast<double>(as.rlim_cur) - used);
@@ -438,8 +440,9 @@ std::vector<float> read_hf_weights(const HfModel& hf, const ModelConfig& m, uint
   }
   // The fp32 weights, one tensor read at a time (its values, its 16-bit bits, its transpose), and
   // what the caller holds beside them.
-  const uint64_t need = static_cast<uint64_t>(layout.total) * 4 + static_cast<uint64_t>(largest) * 10 + also_needed_bytes;
-  check_host_memory_for(fmt::format("{}: reading the weights of {} parameters", hf.dir, layout.total), need);
+  const uint64_t need =
+      static_cast<uint64_t>(layout.total) * 4 + static_cast<uint64_t>(largest) * 10 + also_needed_bytes;
+  check_host_memory_for(fmt::format("{}: reading the weights of {} parameters", hf.dir, grouped(layout.total)), need);
 
   std::vector<float> master(static_cast<size_t>(layout.total), 0.0f);
   std::vector<float> values;

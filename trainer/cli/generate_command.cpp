@@ -56,8 +56,8 @@ struct GenerateArgs {
   double temperature = 0.0;
   uint64_t seed = 0;
   bool force = false;
-  CLI::Option *prompt_opt = nullptr, *prompt_ids_opt = nullptr, *max_tokens_opt = nullptr, *temperature_opt = nullptr, *top_k_opt = nullptr,
-              *seed_opt = nullptr;
+  CLI::Option *prompt_opt = nullptr, *prompt_ids_opt = nullptr, *max_tokens_opt = nullptr,
+              *temperature_opt = nullptr, *top_k_opt = nullptr, *seed_opt = nullptr;
 
   // A whole number in int64_t (CLI11 would wrap, round or misreport what does not fit).
   static CLI::Validator whole_number() {
@@ -113,8 +113,9 @@ struct GenerateArgs {
                                           "checkpoint (step_* or checkpoint.dir) or a Hugging Face model "
                                           "directory");
     prompt_opt = cmd->add_option("--prompt", prompt, "text to continue (default: sample.prompt)");
-    prompt_ids_opt = cmd->add_option("--prompt-ids", prompt_ids, "token ids to continue, comma-separated, instead of text: no "
-                                                "tokenizer needed; prints the prompt and generated ids as JSON")
+    prompt_ids_opt = cmd->add_option("--prompt-ids", prompt_ids, "token ids to continue, comma-separated, instead "
+                                                                 "of text: no tokenizer needed; prints the prompt and "
+                                                                 "generated ids as JSON")
         ->excludes(prompt_opt);
     cmd->add_option("--logits-out", logits_out, "with --prompt-ids: write the prompt's logits (fp32, prompt length "
                                                 "x vocab_size) to this safetensors file");
