@@ -194,4 +194,36 @@ expect_stderr "logs/model.safetensors is a directory, not a file: the run writes
 [[ ! -e "$scratch/weights_dir/logs/train.log" && ! -e "$scratch/weights_dir/logs/metrics.jsonl" ]] ||
   fail "the refused run wrote into logging.dir"
 
+# What logging.dir's appended files and TensorBoard's directory must be is found before train.log
+# is written.
+for what in tensorboard metrics.jsonl train.log; do
+  start_case "logs_$what"
+  write_config "$scratch/$case/config.json" ""
+  mkdir -p "$scratch/$case/logs"
+  if [[ $what == tensorboard ]]; then echo x >"$scratch/$case/logs/tensorboard"; else mkdir "$scratch/$case/logs/$what"; fi
+  run_case 2 "$scratch/$case/config.json"
+  if [[ $what == tensorboard ]]; then
+    expect_stderr "logs/tensorboard exists and is not a directory"
+  else
+    expect_stderr "logs/$what is a directory, not a regular file: the run appends to it"
+  fi
+  [[ $(ls "$scratch/$case/logs") == "$what" ]] || fail "the refused run wrote into logging.dir: $(ls "$scratch/$case/logs")"
+done
+
+# checkpoint.init that is checkpoint.dir (or inside it): the run would resume the import as its own
+# checkpoint and rotate it away. Refused; the checkpoint is untouched.
+start_case init_is_dir
+write_config "$scratch/$case/config.json" ""
+run_case 0 "$scratch/$case/config.json" --set "checkpoint.dir=$scratch/$case/base" --set checkpoint.every=2 \
+  --set "logging.dir=$scratch/$case/first"
+[[ -d "$scratch/$case/base/step_00000002" ]] || fail "no checkpoint to start from"
+for init in base base/ ./base/step_00000002; do
+  run_case 2 "$scratch/$case/config.json" --set "checkpoint.init=$init" --set "checkpoint.dir=$scratch/$case/base" \
+    --set checkpoint.every=1 --set checkpoint.keep=1 --set training.steps=4
+  expect_stderr "checkpoint.init: "
+  expect_stderr "is checkpoint.dir ($scratch/$case/base) or inside it"
+done
+[[ $(ls "$scratch/$case/base") == "$(printf 'latest\nstep_00000002')" ]] || fail "checkpoint.dir changed: $(ls "$scratch/$case/base")"
+expect_no_output_files
+
 finish "config error checks"

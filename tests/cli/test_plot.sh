@@ -6,7 +6,9 @@
 #     its x extremes are the runs' first and last steps;
 #   - --out as .png: a PNG where rsvg-convert or convert is installed, else exit 2 naming them;
 #   - refusals (exit 2, naming the problem, nothing written): a directory without metrics.jsonl,
-#     an existing output without --force, an output that is neither .svg nor .png.
+#     an existing output without --force, an output that is neither .svg nor .png, a damaged line
+#     (a value of another type, a line that is not an object, a step below 1);
+#   - a line cut short by an unfinished write is read past with a warning naming it.
 #
 # Usage: test_plot.sh <tetra binary> <source dir> <scratch dir>
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -100,6 +102,59 @@ rc=$?
 mkdir -p "$scratch/dup_key"
 printf '{"step":1,"loss":2.0}\n{"step":2,"loss":2.0,"loss":3}\n' >"$scratch/dup_key/metrics.jsonl"
 expect_refusal "a key twice on a line" "dup_key/metrics.jsonl:2: loss: duplicate key" "$scratch/dup_key" --out "$scratch/x.svg"
+# Values of another type, a line that is not an object, a step below 1: refused, not dropped.
+mkdir -p "$scratch/loss_string" "$scratch/array_line" "$scratch/negative_step"
+printf '{"step":1,"loss":2.0}\n{"step":2,"loss":"1.5"}\n' >"$scratch/loss_string/metrics.jsonl"
+expect_refusal "a loss that is a string" 'loss_string/metrics.jsonl:2: loss: must be a number, got the string "1.5"' \
+  "$scratch/loss_string" --out "$scratch/x.svg"
+printf '{"step":1,"loss":2.0}\n[1,2,3]\n' >"$scratch/array_line/metrics.jsonl"
+expect_refusal "a line that is an array" 'array_line/metrics.jsonl:2: each line of metrics.jsonl is a JSON object, this one is an array' \
+  "$scratch/array_line" --out "$scratch/x.svg"
+printf '{"step":-5,"loss":2.0}\n{"step":1,"loss":2.0}\n' >"$scratch/negative_step/metrics.jsonl"
+expect_refusal "a negative step" 'negative_step/metrics.jsonl:1: step: -5 is not a step (steps count from 1)' \
+  "$scratch/negative_step" --out "$scratch/x.svg"
+[[ ! -e "$scratch/x.svg" ]] || fail "a plot was written"
+printf '{"step":1,"loss":null,"lr":0.1}\n' >"$scratch/negative_step/metrics.jsonl"
+case="a non-finite loss (null) is not a refusal"
+"$tetra" plot "$scratch/negative_step" --out "$scratch/null.svg" >/dev/null 2>"$scratch/err.txt" ||
+  fail "refused: $(cat "$scratch/err.txt")"
+
+# A line cut short by a write that did not finish (a full disk) is read past with a warning naming
+# it: the last line without its newline, one before a later run's start event, one that event was
+# glued to (as a run appended before the writer started a new line). A damaged line elsewhere is
+# still refused.
+# expect_cut <case> <dir> <line>: plotted (exit 0) with a warning naming <dir>/metrics.jsonl:<line>.
+expect_cut() {
+  case="$1"
+  "$tetra" plot "$2" --out "$scratch/cut.svg" --force >"$scratch/out.txt" 2>"$scratch/err.txt"
+  local rc=$?
+  [[ $rc -eq 0 ]] || fail "exit $rc, not 0: $(cat "$scratch/err.txt")"
+  grep -qF "warning: $2/metrics.jsonl:$3: the line is cut short" "$scratch/err.txt" ||
+    fail "no warning naming line $3: $(cat "$scratch/err.txt")"
+}
+start_event='{"event":"start","params":1000}'
+mkdir -p "$scratch/cut_last" "$scratch/cut_before_start" "$scratch/cut_glued" "$scratch/cut_middle"
+lines=$(wc -l <"$scratch/lr0.01/metrics.jsonl")
+head -c -40 "$scratch/lr0.01/metrics.jsonl" >"$scratch/cut_last/metrics.jsonl"
+expect_cut "a cut last line" "$scratch/cut_last" "$lines"
+{ head -c -40 "$scratch/lr0.01/metrics.jsonl"; printf '\n%s\n{"step":9,"loss":1.0}\n' "$start_event"; } \
+  >"$scratch/cut_before_start/metrics.jsonl"
+expect_cut "a cut line before a later run's start" "$scratch/cut_before_start" "$lines"
+{ head -c -40 "$scratch/lr0.01/metrics.jsonl"; printf '%s\n{"step":9,"loss":1.0}\n' "$start_event"; } \
+  >"$scratch/cut_glued/metrics.jsonl"
+expect_cut "a later run's start glued to a cut line" "$scratch/cut_glued" "$lines"
+{ head -c -40 "$scratch/lr0.01/metrics.jsonl"; printf '\n{"step":9,"loss":1.0}\n'; } >"$scratch/cut_middle/metrics.jsonl"
+expect_refusal "a cut line in the middle" "cut_middle/metrics.jsonl:$lines:" "$scratch/cut_middle" --out "$scratch/x.svg"
+# A run in a logging.dir whose metrics.jsonl was cut: its lines start on a new line.
+case="a run after a cut line"
+cp -r "$scratch/cut_last" "$scratch/cut_then_run"
+"$tetra" --config "$src/configs/reference_llama.json" --set training.steps=2 --set training.threads=1 \
+  --set "logging.dir=$scratch/cut_then_run" >"$scratch/cut_then_run.txt" 2>&1 || fail "training: $(tail -3 "$scratch/cut_then_run.txt")"
+grep -qF "metrics.jsonl: the last line is cut short" "$scratch/cut_then_run.txt" || fail "no warning of the cut line"
+sed -n "$((lines + 1))p" "$scratch/cut_then_run/metrics.jsonl" | grep -q '^{"event":"start"' ||
+  fail "the run's start event is not on a line of its own"
+expect_cut "a run after a cut line" "$scratch/cut_then_run" "$lines"
+
 case="--force"
 "$tetra" plot "$scratch/lr0.01" --out "$scratch/cmp.svg" --force >/dev/null 2>&1 || fail "--force did not replace it"
 case="default output"

@@ -44,27 +44,76 @@ struct Run {
   Series loss, loss_tokens, val_loss, lr, grad_norm, throughput;
 };
 
+// True when `line` is a run's start event (the first line a run appends to metrics.jsonl).
+bool is_start_event(const std::string& file, const std::string& line, int64_t n) {
+  if (!line.starts_with("{\"event\":\"start\"")) return false;
+  try {
+    const nlohmann::json j = parse_json_line(file, line, n);
+    return j.is_object() && j.value("event", "") == "start";
+  } catch (const InputError&) {
+    return false;
+  }
+}
+
 // A run's steps from metrics.jsonl (the lines with a "step" key; a resumed run's later lines win).
+// Every line is a JSON object; a step line's step is an integer >= 1 and its plotted values are
+// numbers (or null: a non-finite value). One kind of damage is read past, with a warning naming the
+// line: a line cut short by a write that did not finish (a full disk, a killed run) — the file's
+// last line without its newline, or a line followed by (or glued to) a later run's start event.
 Run read_run(const std::string& dir) {
   const fs::path path = fs::path(dir) / "metrics.jsonl";
   std::error_code ec;
   if (!fs::exists(path, ec))
     throw InputError(fmt::format("tetra plot: {}: no metrics.jsonl (a run's logging.dir holds one)", dir));
-  const std::string text = read_text(path.string(), "metrics file", "give a run's logging.dir");
+  const std::string file = path.string();
+  const std::string text = read_text(file, "metrics file", "give a run's logging.dir");
   Run r;
   r.name = fs::path(dir).lexically_normal().filename().string();
   if (r.name.empty()) r.name = fs::path(dir).lexically_normal().parent_path().filename().string();
-  std::vector<nlohmann::json> steps;
-  int64_t n = 0;
+  std::vector<std::string> lines;
   for (size_t start = 0; start < text.size();) {
     const size_t end = std::min(text.find('\n', start), text.size());
-    const std::string line = text.substr(start, end - start);
+    lines.push_back(text.substr(start, end - start));
     start = end + 1;
-    ++n;
+  }
+  const bool cut_at_end = !text.empty() && text.back() != '\n';
+  auto cut_short = [&](int64_t n, const char* how) {
+    std::fprintf(stderr, "warning: %s:%lld: the line is cut short (a write that did not finish)%s; plotted "
+                 "without it\n", file.c_str(), static_cast<long long>(n), how);
+  };
+  std::vector<nlohmann::json> steps;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const std::string& line = lines[i];
+    const auto n = static_cast<int64_t>(i + 1);
     if (line.empty()) continue;
-    const nlohmann::json j = parse_json_line(path.string(), line, n);
-    if (!j.is_object() || !j.contains("step")) continue;
-    const int64_t step = json_integer(fmt::format("{}:{}", path.string(), n), j["step"], "step");
+    nlohmann::json j;
+    try {
+      j = parse_json_line(file, line, n);
+    } catch (const JsonSyntaxError&) {
+      if (i + 1 == lines.size() && cut_at_end) {
+        cut_short(n, ", the file's last");
+        continue;
+      }
+      if (i + 1 < lines.size() && is_start_event(file, lines[i + 1], n + 1)) {
+        cut_short(n, ", before a later run's start");
+        continue;
+      }
+      const size_t glued = line.find("{\"event\":\"start\"", 1);
+      if (glued != std::string::npos && is_start_event(file, line.substr(glued), n)) {
+        cut_short(n, ", a later run's start event appended to it");
+        continue;
+      }
+      throw;
+    }
+    if (!j.is_object())
+      throw InputError(fmt::format("{}:{}: each line of metrics.jsonl is a JSON object, this one is {}", file, n,
+                                   json_kind(j)));
+    if (!j.contains("step")) continue;
+    const std::string at = fmt::format("{}:{}", file, n);
+    const int64_t step = json_integer(at, j["step"], "step");
+    if (step < 1) throw InputError(fmt::format("{}: step: {} is not a step (steps count from 1)", at, step));
+    for (const char* key : {"loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "ms"})
+      if (j.contains(key) && !j[key].is_null()) json_number(at, j[key], key);
     // A resumed run repeats steps: the later line replaces the earlier ones from that step on.
     while (!steps.empty() && steps.back()["step"].get<int64_t>() >= step) steps.pop_back();
     steps.push_back(j);

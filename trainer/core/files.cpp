@@ -160,4 +160,47 @@ void write_file_atomic(const std::string& path, const std::string& text, const I
   fsync_directory(parent.empty() ? "." : parent, io_point);
 }
 
+AppendFile::~AppendFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+int AppendFile::open(const std::string& path) {
+  if (fd_ >= 0) ::close(fd_);
+  path_ = path;
+  failed_ = false;
+  fd_ = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+  return fd_ >= 0 ? 0 : errno;
+}
+
+bool AppendFile::empty_or_ends_with(char c) const {
+  struct stat st;
+  if (fd_ < 0 || ::fstat(fd_, &st) != 0 || st.st_size == 0) return true;
+  // The descriptor is write-only: the last byte is read through another one.
+  const int rd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (rd < 0) return true;
+  char last = c;
+  const bool read = ::pread(rd, &last, 1, st.st_size - 1) == 1;
+  ::close(rd);
+  return !read || last == c;
+}
+
+bool AppendFile::append(std::string_view record) {
+  if (fd_ < 0 || failed_) return false;
+  size_t done = 0;
+  while (done < record.size()) {
+    const ssize_t n = ::write(fd_, record.data() + done, record.size() - done);
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    const int err = n < 0 ? errno : ENOSPC;  // a write of 0 bytes: the device takes no more
+    failed_ = true;
+    spdlog::warn("{}: write failed: {}; nothing more is written to it in this run", path_,
+                 std::strerror(err));
+    return false;
+  }
+  return true;
+}
+
 }  // namespace tetra

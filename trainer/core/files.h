@@ -60,4 +60,33 @@ void write_file_atomic(const std::string& path, const std::string& text, const I
 void rename_path(const std::string& from, const std::string& to, const IoPoint& io_point = nullptr);
 void fsync_directory(const std::string& dir, const IoPoint& io_point = nullptr);
 
+// A file that grows by whole records and whose write failures must be seen without stopping the
+// run (metrics.jsonl, a TensorBoard event file). Opened with O_APPEND; each record is written with
+// write(2) until it is whole. The first failure is a warning naming the file and the reason, and
+// the file is not written again by this process: a record after a partial one would be damage in
+// the middle of the file, while a partial last record is what its readers skip.
+class AppendFile {
+ public:
+  AppendFile() = default;
+  ~AppendFile();
+  AppendFile(const AppendFile&) = delete;
+  AppendFile& operator=(const AppendFile&) = delete;
+
+  // Opens `path` for appending, creating it (mode 0644 less the umask). Returns 0, or the errno
+  // of the failure.
+  int open(const std::string& path);
+  bool is_open() const { return fd_ >= 0; }
+  const std::string& path() const { return path_; }
+  // Whether the file is empty or its last byte is `c` (a JSON-lines file: '\n').
+  bool empty_or_ends_with(char c) const;
+  // Appends `record` whole; after a failure (warned once) nothing. Returns whether it was written.
+  bool append(std::string_view record);
+  bool failed() const { return failed_; }
+
+ private:
+  int fd_ = -1;
+  bool failed_ = false;
+  std::string path_;
+};
+
 }  // namespace tetra

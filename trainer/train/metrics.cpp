@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 
 #include <fmt/format.h>
@@ -26,16 +27,21 @@ MetricsWriter::MetricsWriter(const std::string& dir, bool tensorboard) {
   const std::string path = dir + "/metrics.jsonl";
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  jsonl_.open(path, std::ios::app);
-  if (!jsonl_)
-    throw InputError(fmt::format("logging.dir: cannot open {} for appending{}; choose a writable "
-                                 "directory", path, ec ? ": " + ec.message() : std::string()));
+  if (const int err = jsonl_.open(path); err != 0)
+    throw InputError(fmt::format("logging.dir: cannot open {} for appending: {}; choose a writable directory", path,
+                                 ec ? ec.message() : std::strerror(err)));
+  // A write that did not finish (a full disk, a killed run) left a cut last line: this run's lines
+  // start on a line of their own, and readers skip the cut one.
+  if (!jsonl_.empty_or_ends_with('\n')) {
+    spdlog::warn("{}: the last line is cut short (an earlier write did not finish); this run's lines start on a "
+                 "new line", path);
+    jsonl_.append("\n");
+  }
 }
 
 void MetricsWriter::event(const std::string& event_json) {
   if (!jsonl_.is_open()) return;
-  jsonl_ << event_json << '\n';
-  jsonl_.flush();
+  jsonl_.append(event_json + '\n');
 }
 
 MoeTokenSpread token_spread(const MoeLayerStats& l) {
@@ -169,8 +175,7 @@ void MetricsWriter::write(const StepMetrics& m) {
     j["comm"] = comm;
   }
   // A sample may end inside a UTF-8 character (a byte-level BPE decodes bytes): replace, not throw.
-  jsonl_ << j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << '\n';
-  jsonl_.flush();
+  jsonl_.append(j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + '\n');
 }
 
 }  // namespace tetra

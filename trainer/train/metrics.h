@@ -3,16 +3,20 @@
 // metrics.jsonl is appended to, never truncated: a run in a directory that already holds one adds
 // an {"event": "start", ...} line and then its own step lines, so nothing earlier is lost.
 // Consumers select lines with a "step" key.
+//
+// A write that fails (a full disk) is a warning naming the file and the reason, once; the run goes
+// on and writes no more lines to that file (files.h's AppendFile). A file whose last line was cut
+// by such a failure gets a newline before the next run's first line.
 #pragma once
 
 #include <cstdint>
-#include <fstream>
 #include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "trainer/core/files.h"
 #include "trainer/model/moe.h"
 #include "trainer/parallel/comm_volume.h"
 #include "trainer/train/tensorboard.h"
@@ -76,9 +80,11 @@ class MetricsWriter {
   void event(const std::string& event_json);
   void write(const StepMetrics& m);
   static std::string format_line(const StepMetrics& m);
+  // Whether a write of metrics.jsonl or of the TensorBoard file has failed (and was warned of).
+  bool write_failed() const { return jsonl_.failed() || (tensorboard_ && tensorboard_->failed()); }
 
  private:
-  std::ofstream jsonl_;
+  AppendFile jsonl_;
   std::unique_ptr<TensorBoardWriter> tensorboard_;
 };
 

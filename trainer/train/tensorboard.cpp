@@ -75,10 +75,9 @@ TensorBoardWriter::TensorBoardWriter(const std::string& dir) {
   char host[256] = "localhost";
   gethostname(host, sizeof(host) - 1);
   path_ = fmt::format("{}/events.out.tfevents.{}.{}.{}", dir, static_cast<int64_t>(now_s()), host, getpid());
-  out_.open(path_, std::ios::binary | std::ios::app);
-  if (!out_)
-    throw InputError(fmt::format("logging.dir: cannot create the TensorBoard file {}{}; choose a writable directory "
-                                 "or set logging.tensorboard to false", path_, ec ? ": " + ec.message() : std::string()));
+  if (const int err = out_.open(path_); err != 0)
+    throw InputError(fmt::format("logging.dir: cannot create the TensorBoard file {}: {}; choose a writable directory "
+                                 "or set logging.tensorboard to false", path_, ec ? ec.message() : std::strerror(err)));
   std::string event;
   key(event, 1, 1);
   fixed(event, now_s());
@@ -111,8 +110,7 @@ void TensorBoardWriter::record(const std::string& event) {
   fixed(header, masked_crc(header.data(), header.size()));
   std::string footer;
   fixed(footer, masked_crc(event.data(), event.size()));
-  out_ << header << event << footer;
-  out_.flush();
+  out_.append(header + event + footer);
 }
 
 }  // namespace tetra

@@ -10,14 +10,17 @@
 //   Summary { repeated Value value = 1; }
 //   Value   { string tag = 1; float simple_value = 2; }
 // The first event carries file_version "brain.Event:2"; each later one a step's scalars.
+// A failed write is a warning naming the file, once, and the file is not written again in the run
+// (files.h's AppendFile): TensorBoard reads the records before a cut one.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <fstream>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "trainer/core/files.h"
 
 namespace tetra {
 
@@ -32,11 +35,12 @@ class TensorBoardWriter {
   // One event holding every (tag, value) of a step.
   void scalars(int64_t step, const std::vector<std::pair<std::string, double>>& values);
   const std::string& path() const { return path_; }
+  bool failed() const { return out_.failed(); }
 
  private:
   void record(const std::string& event);
   std::string path_;
-  std::ofstream out_;
+  AppendFile out_;
 };
 
 }  // namespace tetra

@@ -63,6 +63,17 @@ void check_output_paths(const Config& cfg, const std::string& dump_dir, bool wri
     TETRA_INPUT_CHECK(::lstat(weights.c_str(), &st) != 0 || S_ISREG(st.st_mode),
                       "logging.dir: {} is {}, not a file: the run writes its final weights there; move it away or "
                       "choose another logging.dir", weights.string(), file_kind_name(st.st_mode));
+    // The files the run appends to, and TensorBoard's directory: found now, before train.log is
+    // written, rather than when each is opened.
+    for (const char* name : {"train.log", "metrics.jsonl"}) {
+      const std::filesystem::path file = std::filesystem::path(cfg.logging.dir) / name;
+      TETRA_INPUT_CHECK(::stat(file.c_str(), &st) != 0 || S_ISREG(st.st_mode),
+                        "logging.dir: {} is {}, not a regular file: the run appends to it; move it away or choose "
+                        "another logging.dir", file.string(), file_kind_name(st.st_mode));
+    }
+    if (cfg.logging.tensorboard)
+      check_output_dir("logging.dir (logging.tensorboard writes an event file in its tensorboard/)",
+                       (std::filesystem::path(cfg.logging.dir) / "tensorboard").string());
   }
   if (!writer && !cfg.logging.dir.empty() && !cfg.training.profile_steps.empty())
     check_output_dir("logging.dir (each rank writes its timeline there under training.profile_steps)",
