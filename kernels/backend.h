@@ -245,6 +245,13 @@ class Backend {
                                    const int32_t* topk_idx, const float* dtopk_prob,
                                    const float* expert_grad, float z_scale, int64_t N, int64_t E,
                                    int64_t K) = 0;
+  // Gates from the chosen probabilities, per token (math::moe_gates_row): gates (N, K) F32 =
+  // scale topk_prob / (sum over the token's K when normalize, else 1). gates must not alias
+  // topk_prob. Backward (math::moe_gates_row_backward): dtopk_prob (N, K) from dgates (N, K).
+  virtual void moe_gates_forward(float* gates, const float* topk_prob, int64_t N, int64_t K, bool normalize,
+                                 float scale) = 0;
+  virtual void moe_gates_backward(float* dtopk_prob, const float* dgates, const float* topk_prob, int64_t N,
+                                  int64_t K, bool normalize, float scale) = 0;
   // Row gather (token permutation): dst[p, :] = src[rows[p], :] for p < M; rows of C elements of
   // type act. dst must not alias src.
   virtual void moe_gather_rows(void* dst, const void* src, const int32_t* rows, int64_t M,

@@ -339,6 +339,28 @@ TETRA_HD uint64_t fnv1a64(const char* s) {
   return h;
 }
 
+// MoE gates of one token from its K chosen router probabilities p (g and p distinct):
+// g_k = scale p_k / S with S = sum_j p_j when `normalize` (top-k renormalisation: Mixtral's, and
+// Megatron's softmax after top-k), else g_k = scale p_k.
+TETRA_HD void moe_gates_row(float* g, const float* p, int64_t K, bool normalize, float scale) {
+  float s = 0.0f;
+  for (int64_t k = 0; k < K; ++k) s += p[k];
+  const float f = normalize ? scale / s : scale;
+  for (int64_t k = 0; k < K; ++k) g[k] = p[k] * f;
+}
+// Its backward: dp_m = scale (dg_m - sum_k dg_k p_k / S) / S when normalising, else scale dg_m.
+TETRA_HD void moe_gates_row_backward(float* dp, const float* dg, const float* p, int64_t K, bool normalize,
+                                     float scale) {
+  if (!normalize) {
+    for (int64_t k = 0; k < K; ++k) dp[k] = scale * dg[k];
+    return;
+  }
+  float s = 0.0f, dot = 0.0f;
+  for (int64_t k = 0; k < K; ++k) s += p[k], dot += dg[k] * p[k];
+  const float f = scale / s, c = dot / s;
+  for (int64_t k = 0; k < K; ++k) dp[k] = f * (dg[k] - c);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Integer rounding of sizes, counts and grid dimensions (x >= 0, m > 0), in x's type (m is
 // converted to it): ceil_div(x, m) = ceil(x / m); round_up(x, m) = x rounded up to a multiple of m.

@@ -266,6 +266,16 @@ class GuardedBackend final : public Backend {
             {expert_grad, "expert_grad"}});
     inner_->moe_router_backward(dlogits, probs, lse, topk_idx, dtopk_prob, expert_grad, z_scale, N, E, K);
   }
+  void moe_gates_forward(float* gates, const float* topk_prob, int64_t N, int64_t K, bool normalize,
+                         float scale) override {
+    Open o(*this, "moe_gates_forward", {{gates, "gates"}, {topk_prob, "topk_prob"}});
+    inner_->moe_gates_forward(gates, topk_prob, N, K, normalize, scale);
+  }
+  void moe_gates_backward(float* dtopk_prob, const float* dgates, const float* topk_prob, int64_t N, int64_t K,
+                          bool normalize, float scale) override {
+    Open o(*this, "moe_gates_backward", {{dtopk_prob, "dtopk_prob"}, {dgates, "dgates"}, {topk_prob, "topk_prob"}});
+    inner_->moe_gates_backward(dtopk_prob, dgates, topk_prob, N, K, normalize, scale);
+  }
   void moe_gather_rows(void* dst, const void* src, const int32_t* rows, int64_t M, int64_t C, DType act) override {
     Open o(*this, "moe_gather_rows", {{dst, "dst"}, {src, "src"}, {rows, "rows"}});
     inner_->moe_gather_rows(dst, src, rows, M, C, act);

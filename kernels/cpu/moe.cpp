@@ -128,6 +128,21 @@ void CpuBackend::moe_router_backward(float* dlogits, const float* probs, const f
   }
 }
 
+void CpuBackend::moe_gates_forward(float* gates, const float* topk_prob, int64_t N, int64_t K, bool normalize,
+                                   float scale) {
+  const int nt = team_size(threads_);
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t i = 0; i < N; ++i) math::moe_gates_row(gates + i * K, topk_prob + i * K, K, normalize, scale);
+}
+
+void CpuBackend::moe_gates_backward(float* dtopk_prob, const float* dgates, const float* topk_prob, int64_t N,
+                                    int64_t K, bool normalize, float scale) {
+  const int nt = team_size(threads_);
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t i = 0; i < N; ++i)
+    math::moe_gates_row_backward(dtopk_prob + i * K, dgates + i * K, topk_prob + i * K, K, normalize, scale);
+}
+
 void CpuBackend::moe_gather_rows(void* dst, const void* src, const int32_t* rows, int64_t M, int64_t C,
                                  DType act) {
   const int nt = team_size(threads_);

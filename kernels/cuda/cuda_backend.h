@@ -137,6 +137,10 @@ class CudaBackend final : public Backend {
                            const int32_t* topk_idx, const float* dtopk_prob,
                            const float* expert_grad, float z_scale, int64_t N, int64_t E,
                            int64_t K) override;
+  void moe_gates_forward(float* gates, const float* topk_prob, int64_t N, int64_t K, bool normalize,
+                         float scale) override;
+  void moe_gates_backward(float* dtopk_prob, const float* dgates, const float* topk_prob, int64_t N, int64_t K,
+                          bool normalize, float scale) override;
   void moe_gather_rows(void* dst, const void* src, const int32_t* rows, int64_t M, int64_t C,
                        DType act) override;
   void moe_combine(void* out, const void* y, const int32_t* pos, const float* weights, int64_t N,

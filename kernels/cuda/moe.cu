@@ -99,6 +99,20 @@ router_backward_kernel(float* dlogits, const float* probs, const float* lse,
     dlogits[row * E + j] = p[j] * (dp_of(j) - dot) + z * p[j];
 }
 
+// ---- gates ----------------------------------------------------------------------------------
+
+__global__ void moe_gates_kernel(float* gates, const float* topk_prob, int64_t N, int64_t K, bool normalize,
+                                 float scale) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i < N) math::moe_gates_row(gates + i * K, topk_prob + i * K, K, normalize, scale);
+}
+
+__global__ void moe_gates_backward_kernel(float* dtopk_prob, const float* dgates, const float* topk_prob, int64_t N,
+                                          int64_t K, bool normalize, float scale) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i < N) math::moe_gates_row_backward(dtopk_prob + i * K, dgates + i * K, topk_prob + i * K, K, normalize, scale);
+}
+
 // ---- gather ---------------------------------------------------------------------------------
 
 // dst[p, :] = src[rows[p], :], rows of `words` W-sized words (W: the widest word the row length
@@ -228,6 +242,28 @@ void CudaBackend::moe_router_backward(float* dlogits, const float* probs, const 
                                  cuda::as_stream(stream_)>>>(dlogits, probs, lse, topk_idx,
                                                              dtopk_prob, expert_grad, z_scale, N,
                                                              E, K);
+  TETRA_CUDA_LAUNCHED();
+}
+
+void CudaBackend::moe_gates_forward(float* gates, const float* topk_prob, int64_t N, int64_t K, bool normalize,
+                                    float scale) {
+  TETRA_CHECK(N >= 0 && K >= 1, "moe_gates_forward: N {} K {}", N, K);
+  if (N == 0) return;
+  const int64_t blocks = (N + cuda::kRowThreads - 1) / cuda::kRowThreads;
+  TETRA_CHECK(blocks <= 0x7fffffff, "moe_gates_forward: N ({}) too large", N);
+  cuda::moe_gates_kernel<<<static_cast<unsigned>(blocks), cuda::kRowThreads, 0, cuda::as_stream(stream_)>>>(
+      gates, topk_prob, N, K, normalize, scale);
+  TETRA_CUDA_LAUNCHED();
+}
+
+void CudaBackend::moe_gates_backward(float* dtopk_prob, const float* dgates, const float* topk_prob, int64_t N,
+                                     int64_t K, bool normalize, float scale) {
+  TETRA_CHECK(N >= 0 && K >= 1, "moe_gates_backward: N {} K {}", N, K);
+  if (N == 0) return;
+  const int64_t blocks = (N + cuda::kRowThreads - 1) / cuda::kRowThreads;
+  TETRA_CHECK(blocks <= 0x7fffffff, "moe_gates_backward: N ({}) too large", N);
+  cuda::moe_gates_backward_kernel<<<static_cast<unsigned>(blocks), cuda::kRowThreads, 0,
+                                    cuda::as_stream(stream_)>>>(dtopk_prob, dgates, topk_prob, N, K, normalize, scale);
   TETRA_CUDA_LAUNCHED();
 }
 

@@ -287,4 +287,42 @@ TEST_CASE("cuda moe_combine_backward vs cpu", "[cuda][moe]") {
   }
 }
 
+
+// Gates from the chosen probabilities (math::moe_gates_row, one function on both sides):
+// renormalised or not, scaled or not. The GPU may contract a multiply and an add into one FMA, so
+// each value is held to a few units of fp32 rounding of the terms it sums.
+TEST_CASE("cuda moe_gates_forward and backward vs cpu", "[cuda][moe]") {
+  Backends& be = backends();
+  uint64_t seed = 90;
+  for (int64_t N : {1, 7, 300}) {
+    for (int64_t K : {1, 2, 6}) {
+      for (bool normalize : {false, true}) {
+        for (float scale : {1.0f, 2.5f}) {
+          INFO("N=" << N << " K=" << K << " normalize=" << normalize << " scale=" << scale);
+          std::vector<float> q = random_values(static_cast<size_t>(N * K), seed += 3);
+          for (float& v : q) v = 0.05f + std::fabs(v);  // probabilities: positive
+          const std::vector<float> dg = random_values(static_cast<size_t>(N * K), seed += 3);
+          Twin tq(q, DType::F32), tdg(dg, DType::F32), gates(N * K, DType::F32), dq(N * K, DType::F32);
+          be.cpu->moe_gates_forward(gates.cpu_f32(), tq.cpu_f32(), N, K, normalize, scale);
+          be.gpu->moe_gates_forward(gates.gpu_f32(), tq.gpu_f32(), N, K, normalize, scale);
+          be.cpu->moe_gates_backward(dq.cpu_f32(), tdg.cpu_f32(), tq.cpu_f32(), N, K, normalize, scale);
+          be.gpu->moe_gates_backward(dq.gpu_f32(), tdg.gpu_f32(), tq.gpu_f32(), N, K, normalize, scale);
+          std::vector<double> tol_g(static_cast<size_t>(N * K)), tol_d(static_cast<size_t>(N * K));
+          for (int64_t i = 0; i < N; ++i) {
+            double s = 0, dot = 0;
+            for (int64_t k = 0; k < K; ++k) s += q[i * K + k], dot += std::fabs(dg[i * K + k] * q[i * K + k]);
+            const double f = normalize ? scale / s : scale;
+            for (int64_t k = 0; k < K; ++k) {
+              tol_g[i * K + k] = 16 * kU * q[i * K + k] * f * (K + 2);
+              tol_d[i * K + k] = 16 * kU * f * (std::fabs(dg[i * K + k]) + (normalize ? dot / s : 0.0)) * (K + 2);
+            }
+          }
+          require_within(gates.cpu_values(), gates.gpu_values(), tol_g, "gates");
+          require_within(dq.cpu_values(), dq.gpu_values(), tol_d, "dtopk_prob");
+        }
+      }
+    }
+  }
+}
+
 }  // namespace tetra::cuda_testing

@@ -31,6 +31,9 @@ LLAMA = {"vocab_size": 256, "seq_len": 64, "num_layers": 4, "hidden_size": 64, "
          "tie_embeddings": False, "bias": False}
 MOE = dict(LLAMA, moe={"num_experts": 4, "top_k": 2, "every": 2, "ffn_hidden_size": 96, "aux_loss_coeff": 0.01})
 MOE_CAP = dict(GPT2, moe={"num_experts": 4, "top_k": 1, "ffn_hidden_size": 128, "capacity_factor": 1.25})
+# Dropless rows planned for the balanced load (max_load_factor 1): with the router forced to skew
+# (TETRA_TEST_MOE_ROUTE) blocks exceed it and run in passes, inside the same plan.
+MOE_BOUND = dict(LLAMA, moe=dict(MOE["moe"], max_load_factor=1.0))
 SELECTIVE = {"recompute": "selective", "recompute_modules": ["norm", "act", "core_attn"]}
 
 # (name, model, parallel, training overrides)
@@ -65,12 +68,19 @@ CONFIGS = [
     # The distributed optimizer shards the experts over expert-DP (dp / ep), the rest over dp.
     ("moe_dp4_ep2_zero1_bf16", MOE, {"dp": 4, "ep": 2, "distributed_optimizer": True}, {"precision": "bf16"}),
     ("moe_capacity_bf16", MOE_CAP, {}, {"precision": "bf16"}),
+    ("moe_ep2_bound_balanced", MOE_BOUND, {"dp": 2, "ep": 2}, {}),
+    ("moe_ep2_bound_skew", MOE_BOUND, {"dp": 2, "ep": 2}, {}),
+    ("moe_dp4_ep4_bound_one_bf16", MOE_BOUND, {"dp": 4, "ep": 4}, {"precision": "bf16"}),
+    ("moe_dp4_ep2_pp2_bound_one", MOE_BOUND, {"dp": 4, "ep": 2, "pp": 2}, {"global_batch_size": 16}),
     ("llama_selective", LLAMA, {}, SELECTIVE),
     ("moe_selective_moe_act", MOE, {}, {"recompute": "selective", "recompute_modules": ["moe_act", "norm"]}),
     ("gpt2_full_uniform2", GPT2, {}, {"recompute": "full", "recompute_method": "uniform", "recompute_num_layers": 2}),
     ("llama_tp2_sp_full_block1", LLAMA, {"tp": 2, "sequence_parallel": True},
      {"recompute": "full", "recompute_method": "block", "recompute_num_layers": 1}),
 ]
+
+# The router forced (TETRA_TEST_MOE_ROUTE) on these: each must really exceed the bound.
+ROUTED = {"moe_ep2_bound_skew": "skew", "moe_dp4_ep4_bound_one_bf16": "one", "moe_dp4_ep2_pp2_bound_one": "one"}
 
 # --dry-run and the run compute the plan with the same function; three layouts check the printing.
 DRY_RUN_CHECKED = {"gpt2_dp2_zero1_bf16", "llama_pp2_interleaved", "moe_dp4_ep2_zero1_bf16", "gpt2_dp2_zero2_bf16",
@@ -102,10 +112,14 @@ def main():
         out = os.path.join(args.workdir, name)
         path = harness.write_config(out, config(model, par, training, out))
         world = par.get("tp", 1) * par.get("pp", 1) * par.get("dp", 1)
-        r = harness.run_tetra(args, ["--config", path], world)
+        env = {"TETRA_TEST_MOE_ROUTE": ROUTED[name]} if name in ROUTED else None
+        r = harness.run_tetra(args, ["--config", path], world, env=env)
         if r.returncode != 0:
             check(False, f"{name}: exit code {r.returncode}")
             continue
+        if name in ROUTED:
+            over = sum(j["moe"]["over_bound"] for _, j in harness.metrics_lines(out) if "moe" in j and "step" in j)
+            check(over > 0, f"{name}: blocks exceeded the row bound ({over}), so the plan held them")
         events = [j for _, j in harness.metrics_lines(out) if j.get("event") == "memory"]
         if not check(len(events) == 1, f"{name}: one memory event in metrics.jsonl ({len(events)})"):
             continue

@@ -51,6 +51,19 @@ MODELS = {
                   "position": "rope", "tie_embeddings": False, "bias": False,
                   "moe": {"num_experts": 4, "top_k": 1, "every": 2, "ffn_hidden_size": 24,
                           "aux_loss_coeff": 0.01}},
+    # Today's routers: Mixtral's gates renormalised over the top-2; DeepSeek-style scaled
+    # renormalised gates over the top-3 with the first block dense.
+    "mixtral_moe": {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 2,
+                    "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 48, "norm": "rmsnorm",
+                    "activation": "swiglu", "position": "rope", "tie_embeddings": False, "bias": False,
+                    "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 24, "aux_loss_coeff": 0.01,
+                            "router_pre_softmax": False}},
+    "deepseek_moe": {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 4,
+                     "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 48, "norm": "rmsnorm",
+                     "activation": "swiglu", "position": "rope", "tie_embeddings": False, "bias": False,
+                     "moe": {"num_experts": 8, "top_k": 3, "ffn_hidden_size": 16, "aux_loss_coeff": 0.01,
+                             "router_pre_softmax": False, "router_topk_scaling_factor": 2.5,
+                             "first_k_dense_replace": 1}},
 }
 # (dp, tp, ep, sequence_parallel, distributed_optimizer). With tp > 1 the experts are split over
 # TP like the dense MLP; the distributed optimizer shards the experts over expert-DP and the rest
@@ -65,6 +78,10 @@ LAYOUTS = {
                  (4, 1, 4, False, 3)],
     "llama_moe": [(4, 1, 1, False, False), (4, 1, 2, False, False), (4, 1, 4, False, False),
                   (2, 2, 2, True, False), (4, 1, 2, False, 2), (4, 1, 2, False, 3)],
+    "mixtral_moe": [(4, 1, 2, False, False), (4, 1, 4, False, True), (2, 2, 2, True, False), (4, 1, 2, False, 2),
+                    (4, 1, 4, False, 3)],
+    "deepseek_moe": [(4, 1, 2, False, False), (4, 1, 4, False, True), (2, 2, 2, True, False), (4, 1, 2, False, 2),
+                     (4, 1, 4, False, 3)],
 }
 
 
@@ -97,7 +114,8 @@ def config(model, capacity=None, precision="fp32"):
     }
 
 
-def run(args, name, cfg, dp, ep, checkpoint=None, dump=True, dist_opt=False, tp=1, sp=False, pp=1, schedule="1f1b"):
+def run(args, name, cfg, dp, ep, checkpoint=None, dump=True, dist_opt=False, tp=1, sp=False, pp=1, schedule="1f1b",
+        env=None):
     out = os.path.join(args.workdir, name)
     cfg = json.loads(json.dumps(cfg))
     cfg["parallel"].update({"dp": dp, "ep": ep, "tp": tp, "sequence_parallel": sp,
@@ -108,7 +126,7 @@ def run(args, name, cfg, dp, ep, checkpoint=None, dump=True, dist_opt=False, tp=
         cfg["checkpoint"] = checkpoint
     path = harness.write_config(out, cfg)
     r = harness.run_tetra(args, ["--config", path] + (["--dump-dir", os.path.join(out, "dump")] if dump else []),
-                          dp * tp * pp)
+                          dp * tp * pp, env=env)
     if r.returncode != 0:
         check(False, f"{name}: exit code {r.returncode}")
         return None
@@ -146,7 +164,9 @@ def main():
             continue
         harness.check_loss_falls(checks, f"{model} single-rank", [s["loss"] for s in ref[0]])
         layers = ref[0][0].get("moe", {}).get("layers", [])
-        blocks = [b for b in range(MODELS[model]["num_layers"]) if b % MODELS[model]["moe"].get("every", 1) == 0]
+        moe = MODELS[model]["moe"]
+        blocks = [b for b in range(MODELS[model]["num_layers"])
+                  if b % moe.get("every", 1) == 0 and b >= moe.get("first_k_dense_replace", 0)]
         check([l["layer"] for l in layers] == blocks and all(l["aux_loss"] > 0 and l["tokens_per_expert"]["max"] > 0
                                                              for l in layers),
               f"{model}: routing statistics of MoE blocks {blocks} logged ({layers})")
@@ -192,6 +212,31 @@ def main():
         dropped = sum(l["dropped"] for s in ref[0] for l in s["moe"]["layers"])
         check(dropped > 0, f"capacity factor 1.0: the single-rank run drops tokens ({dropped} over {STEPS} steps)")
         compare("capacity_dp4_ep2", ref, got, 4, 2)
+
+    # Rows over the bound: with model.moe.max_load_factor 1 and the router forced to favour expert 0
+    # (skew) or to send every token to experts 0..top_k-1 (one: every row to EP rank 0), the blocks
+    # whose rows exceed what a slot keeps run in passes and recompute their experts' hidden rows in
+    # backward. The curve and step-0 gradients still match the single-rank run (whose rows never
+    # exceed: a rank's experts see its own tokens), and the events are counted and warned of.
+    for route in ("skew", "one"):
+        env = {"TETRA_TEST_MOE_ROUTE": route}
+        for model in ("gpt2_moe", "llama_moe"):
+            cfg = config(model)
+            cfg["model"]["moe"]["max_load_factor"] = 1.0
+            ref = run(args, f"bound_{route}_{model}_single", cfg, 1, 1, env=env)
+            for dp, tp, ep, pp in [(4, 1, 2, 1), (4, 1, 4, 1), (2, 1, 2, 2), (2, 2, 2, 1)]:
+                name = f"bound_{route}_{model}_dp{dp}_tp{tp}_ep{ep}_pp{pp}"
+                got = run(args, name, cfg, dp, ep, tp=tp, pp=pp, env=env)
+                if ref is None or got is None:
+                    continue
+                compare(name, ref, got, dp, ep, tp, pp)
+                over = sum(s["moe"]["over_bound"] for s in got[0])
+                check(over > 0, f"{name}: blocks over the row bound counted in metrics.jsonl ({over})")
+                log = open(os.path.join(args.workdir, name, "train.log")).read()
+                check("received more rows than the" in log, f"{name}: the log warns of the blocks over the bound")
+            if ref:
+                over = sum(s["moe"]["over_bound"] for s in ref[0])
+                check(over == 0, f"bound_{route}_{model}_single: one rank's experts never exceed their rows ({over})")
 
     # Checkpoints: saved at ep = 2 (step 10), resumed at ep = 1, ep = 4 (with the distributed
     # optimizer: its moments resharded too), at tp = 2 x ep = 2 and on one rank.

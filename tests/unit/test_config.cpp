@@ -52,6 +52,10 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.model.moe.every == b.model.moe.every);
   CHECK(a.model.moe.ffn_hidden_size == b.model.moe.ffn_hidden_size);
   CHECK(a.model.moe.capacity_factor == b.model.moe.capacity_factor);
+  CHECK(a.model.moe.max_load_factor == b.model.moe.max_load_factor);
+  CHECK(a.model.moe.router_pre_softmax == b.model.moe.router_pre_softmax);
+  CHECK(a.model.moe.router_topk_scaling_factor == b.model.moe.router_topk_scaling_factor);
+  CHECK(a.model.moe.first_k_dense_replace == b.model.moe.first_k_dense_replace);
   CHECK(a.model.moe.aux_loss_coeff == b.model.moe.aux_loss_coeff);
   CHECK(a.model.moe.z_loss_coeff == b.model.moe.z_loss_coeff);
   CHECK(a.parallel.dp == b.parallel.dp);
@@ -148,7 +152,9 @@ json every_key() {
                                "high_freq_factor": 3.0, "original_max_position_embeddings": 128},
               "tie_embeddings": false, "bias": false, "qkv_bias": true, "qk_norm": true, "init_std": 0.01,
               "moe": {"num_experts": 0, "top_k": 1, "every": 2, "ffn_hidden_size": 512,
-                      "capacity_factor": 1.25, "aux_loss_coeff": 0.02, "z_loss_coeff": 0.001}},
+                      "capacity_factor": 1.25, "max_load_factor": null, "router_pre_softmax": false,
+                      "router_topk_scaling_factor": 2.5, "first_k_dense_replace": 1,
+                      "aux_loss_coeff": 0.02, "z_loss_coeff": 0.001}},
     "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "cp": 1, "cp_comm": "all_gather", "order": "tp-pp-dp",
                  "sequence_parallel": true, "distributed_optimizer": true, "zero_stage": 3, "reshard_after_forward": false, "bucket_size": 1000,
                  "schedule": "gpipe", "virtual_stages": 1, "stage_layers": [4],

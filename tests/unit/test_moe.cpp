@@ -19,7 +19,14 @@ using namespace tetra;
 
 namespace {
 
-ModelConfig moe_config(bool swiglu, int64_t K, std::optional<double> capacity) {
+// The router's gates: as the probabilities are (Switch), or renormalised over the top-k
+// (Mixtral), times a scaling factor (DeepSeek).
+struct Gates {
+  bool pre_softmax = true;
+  std::optional<double> scale;
+};
+
+ModelConfig moe_config(bool swiglu, int64_t K, std::optional<double> capacity, Gates gates = {}) {
   ModelConfig m;
   m.vocab_size = 29;
   m.seq_len = 6;
@@ -37,6 +44,8 @@ ModelConfig moe_config(bool swiglu, int64_t K, std::optional<double> capacity) {
   m.moe.capacity_factor = capacity;
   m.moe.aux_loss_coeff = 0.5;  // large: their gradients must be visible in the checks
   m.moe.z_loss_coeff = 0.25;
+  m.moe.router_pre_softmax = gates.pre_softmax;
+  m.moe.router_topk_scaling_factor = gates.scale;
   return m;
 }
 
@@ -73,11 +82,20 @@ Reference reference(const ModelConfig& m, const ParamLayout& L, const std::vecto
     r.z += lse * lse / N;
     for (int64_t e = 0; e < E; ++e) prob[e] = std::exp(logit[e] - lse), psum[e] += prob[e];
     std::vector<int> taken(E, 0);
+    std::vector<int64_t> chosen;
+    double chosen_sum = 0;
     for (int64_t k = 0; k < K; ++k) {
       int64_t best = -1;
       for (int64_t e = 0; e < E; ++e)
         if (!taken[e] && (best < 0 || prob[e] > prob[best])) best = e;
       taken[best] = 1;
+      chosen.push_back(best);
+      chosen_sum += prob[best];
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t best = chosen[k];
+      const double gate = (m.moe.router_pre_softmax ? prob[best] : prob[best] / chosen_sum) *
+                          m.moe.router_topk_scaling_factor.value_or(1.0);
       ++routed[best];
       if (cap >= 0 && used[best] >= cap) {
         r.dropped[i * K + k] = 1;
@@ -98,7 +116,7 @@ Reference reference(const ModelConfig& m, const ParamLayout& L, const std::vecto
       for (int64_t c = 0; c < C; ++c) {
         double y = p.experts_proj_b >= 0 ? w[p.experts_proj_b + best * C + c] : 0.0;
         for (int64_t f = 0; f < F; ++f) y += static_cast<double>(w[p.experts_proj_w + (best * C + c) * F + f]) * a[f];
-        r.out[i * C + c] += prob[best] * y;
+        r.out[i * C + c] += gate * y;
       }
     }
   }
@@ -114,8 +132,8 @@ struct LayerHarness {
   std::unique_ptr<MoeLayers> moe;
   std::vector<float> w, h, res, out;
 
-  LayerHarness(bool swiglu, int64_t K, std::optional<double> capacity, DType act = DType::F32)
-      : cfg(moe_config(swiglu, K, capacity)), layout(ParamLayout::build(cfg)) {
+  LayerHarness(bool swiglu, int64_t K, std::optional<double> capacity, DType act = DType::F32, Gates gates = {})
+      : cfg(moe_config(swiglu, K, capacity, gates)), layout(ParamLayout::build(cfg)) {
     C = cfg.hidden_size;
     moe = std::make_unique<MoeLayers>(cfg, layout, *be, act, N, nullptr);
     w.resize(layout.total);
@@ -139,8 +157,8 @@ struct LayerHarness {
   }
 };
 
-void check_forward(bool swiglu, int64_t K, std::optional<double> capacity) {
-  LayerHarness t(swiglu, K, capacity);
+void check_forward(bool swiglu, int64_t K, std::optional<double> capacity, Gates gates = {}) {
+  LayerHarness t(swiglu, K, capacity, DType::F32, gates);
   t.moe->forward(0, WeightView(t.w.data(), nullptr, sizeof(t.w[0])), t.h.data(), t.res.data(), t.out.data(), 1.0f);
   const Reference r = reference(t.cfg, t.layout, t.w, t.h, t.res, t.N);
   // fp32 GEMMs of length <= 16 against double: ~1e-6 relative; outputs are O(1).
@@ -158,8 +176,8 @@ void check_forward(bool swiglu, int64_t K, std::optional<double> capacity) {
   if (capacity) CHECK(dropped > 0);  // the capacity case must really drop something
 }
 
-void check_backward(bool swiglu, int64_t K, std::optional<double> capacity, float r_scale) {
-  LayerHarness t(swiglu, K, capacity);
+void check_backward(bool swiglu, int64_t K, std::optional<double> capacity, float r_scale, Gates gates = {}) {
+  LayerHarness t(swiglu, K, capacity, DType::F32, gates);
   const std::vector<float> R = tetra_test::randn(t.N * t.C, 8, r_scale);
   const float lw = 1.0f;
   t.moe->forward(0, WeightView(t.w.data(), nullptr, sizeof(t.w[0])), t.h.data(), t.res.data(), t.out.data(), lw);
@@ -223,6 +241,9 @@ TEST_CASE("MoE layer forward matches a plain-loop reference (top-1, top-2, gelu,
   check_forward(true, 2, std::nullopt);
   check_forward(false, 2, 0.5);
   check_forward(true, 1, 0.75);
+  check_forward(false, 2, std::nullopt, Gates{false, std::nullopt});  // renormalised (Mixtral)
+  check_forward(true, 3, std::nullopt, Gates{false, 2.5});            // renormalised and scaled
+  check_forward(false, 2, 0.5, Gates{true, 0.5});                     // scaled, with drops
 }
 
 TEST_CASE("MoE layer backward matches finite differences (experts, router, input, aux and z losses)", "[moe][gradcheck]") {
@@ -231,6 +252,10 @@ TEST_CASE("MoE layer backward matches finite differences (experts, router, input
   check_backward(false, 2, 0.5, 1.0f);  // dropped assignments carry no gradient
   // Without the output term only the aux and z losses remain: the router's gradient is theirs.
   check_backward(false, 2, std::nullopt, 0.0f);
+  // Renormalised gates: the gradient through g = q / sum q (and the scale).
+  check_backward(false, 2, std::nullopt, 1.0f, Gates{false, std::nullopt});
+  check_backward(true, 3, std::nullopt, 1.0f, Gates{false, 2.5});
+  check_backward(false, 2, 0.5, 1.0f, Gates{true, 0.5});
 }
 
 TEST_CASE("MoE degenerate router: every token to one expert, the capacity keeps exactly the first tokens", "[moe]") {

@@ -34,6 +34,7 @@
 #include "trainer/core/log.h"
 #include "trainer/core/trace.h"
 #include "trainer/model/flops.h"
+#include "trainer/model/moe.h"
 #include "trainer/parallel/comm_volume.h"
 #include "trainer/params/param_layout.h"
 #include "trainer/plan/cluster.h"
@@ -191,6 +192,9 @@ int TrainCommand::train(const ProcessInfo& proc, const RuntimeOptions& runtime) 
   tetra::set_step_faults(runtime.step_fault);
   tetra::set_save_fault_hooks(runtime.save_faults);
   tetra::set_slow_rank(runtime.timing);
+  tetra::set_moe_route_bias(runtime.moe_route == "one"    ? tetra::MoeRouteBias::kOne
+                            : runtime.moe_route == "skew" ? tetra::MoeRouteBias::kSkew
+                                                          : tetra::MoeRouteBias::kNone);
   tetra::trace::set_test_skew(proc.rank * runtime.timing.clock_skew_ms * 1e-3);
   tetra::trace::name_thread("main");  // the training loop's track of this rank's timeline
   struct StopWatchdog {

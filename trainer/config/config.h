@@ -251,10 +251,24 @@ struct MoeConfig {
   int64_t ffn_hidden_size = 0;            // of each expert; 0 = model.ffn_hidden_size
   std::optional<double> capacity_factor;  // null = dropless; else each expert takes at most
                                           // ceil(factor * tokens * top_k / num_experts) tokens
+  // Dropless with expert parallelism: the rows a rank's experts keep per MoE block and micro-batch
+  // in flight are planned for this multiple of the balanced load (tokens * top_k); a block that
+  // receives more is computed in passes and recomputed in backward (moe.h). null = the default,
+  // kDefaultMaxLoadFactor; not used with a capacity factor (the capacity bounds the rows).
+  std::optional<double> max_load_factor;
+  static constexpr double kDefaultMaxLoadFactor = 1.5;
+  // The gates: true = the softmax over all E experts of the chosen ones (Switch; Megatron's
+  // moe_router_pre_softmax); false = renormalised over the top-k (the softmax of the chosen
+  // logits: Mixtral, Qwen3-MoE's norm_topk_prob, Megatron's default).
+  bool router_pre_softmax = true;
+  std::optional<double> router_topk_scaling_factor;  // gates multiplied by it (DeepSeek's routed_scaling_factor); null = 1
+  int64_t first_k_dense_replace = 0;  // blocks [0, k) keep the dense MLP (DeepSeek's first_k_dense_replace)
   double aux_loss_coeff = 0.01;           // Switch / GShard load-balancing loss
   double z_loss_coeff = 0.0;              // router z-loss (ST-MoE)
   bool enabled() const { return num_experts > 0; }
-  bool is_moe_layer(int64_t l) const { return enabled() && l % every == 0; }
+  bool is_moe_layer(int64_t l) const { return enabled() && l >= first_k_dense_replace && l % every == 0; }
+  // The gates are not the chosen probabilities as they are (renormalised or scaled).
+  bool transforms_gates() const { return !router_pre_softmax || router_topk_scaling_factor.value_or(1.0) != 1.0; }
 };
 
 // model.rope_scaling: how RoPE's frequencies are stretched for longer contexts (Hugging Face's

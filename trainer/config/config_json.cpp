@@ -32,6 +32,10 @@ void visit_moe(M& m, V& v) {
   v.integer("every", m.every);
   v.integer("ffn_hidden_size", m.ffn_hidden_size);
   v.optional_number("capacity_factor", m.capacity_factor);
+  v.optional_number("max_load_factor", m.max_load_factor);
+  v.boolean("router_pre_softmax", m.router_pre_softmax);
+  v.optional_number("router_topk_scaling_factor", m.router_topk_scaling_factor);
+  v.integer("first_k_dense_replace", m.first_k_dense_replace);
   v.number("aux_loss_coeff", m.aux_loss_coeff);
   v.number("z_loss_coeff", m.z_loss_coeff);
 }
@@ -236,6 +240,9 @@ const std::map<std::string, std::string>& foreign_names() {
       {"moe_aux_loss_coeff", "model.moe.aux_loss_coeff"},
       {"router_aux_loss_coef", "model.moe.aux_loss_coeff"},
       {"moe_z_loss_coeff", "model.moe.z_loss_coeff"},
+      {"moe_router_pre_softmax", "model.moe.router_pre_softmax"},
+      {"moe_router_topk_scaling_factor", "model.moe.router_topk_scaling_factor"},
+      {"routed_scaling_factor", "model.moe.router_topk_scaling_factor"},
       {"data_parallel_size", "parallel.dp"},
       {"context_parallel_size", "parallel.cp"},
       {"cp_comm_type", "parallel.cp_comm"},

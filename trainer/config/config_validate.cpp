@@ -257,6 +257,18 @@ void check_ranges(const Config& c, Rules& r) {
   if (m.moe.capacity_factor)
     r.require(*m.moe.capacity_factor > 0.0, "model.moe.capacity_factor", *m.moe.capacity_factor,
               "must be > 0, or null for dropless routing");
+  if (m.moe.max_load_factor) {
+    r.require(*m.moe.max_load_factor >= 1.0, "model.moe.max_load_factor", *m.moe.max_load_factor,
+              "must be >= 1 (a multiple of the balanced load, tokens x top_k rows per rank), or null for the "
+              "default");
+    r.require(!m.moe.capacity_factor, "model.moe.max_load_factor", *m.moe.max_load_factor,
+              "applies to dropless routing only: with model.moe.capacity_factor the capacity bounds the rows; "
+              "remove one of the two");
+  }
+  if (m.moe.router_topk_scaling_factor)
+    r.require(*m.moe.router_topk_scaling_factor > 0.0, "model.moe.router_topk_scaling_factor",
+              *m.moe.router_topk_scaling_factor, "must be > 0, or null for 1");
+  r.size("model.moe.first_k_dense_replace", m.moe.first_k_dense_replace, 0);
   r.non_negative("model.moe.aux_loss_coeff", m.moe.aux_loss_coeff);
   r.non_negative("model.moe.z_loss_coeff", m.moe.z_loss_coeff);
 
@@ -510,6 +522,10 @@ void check_cross_field(const Config& c, Rules& r) {
   }
   // Mixture of Experts, and expert parallelism (carved out of data parallelism).
   const MoeConfig& moe = m.moe;
+  if (r.ok({"model.moe.num_experts", "model.moe.first_k_dense_replace", "model.num_layers"}) && moe.enabled())
+    r.require(moe.first_k_dense_replace < m.num_layers, "model.moe.first_k_dense_replace", moe.first_k_dense_replace,
+              fmt::format("leaves no MoE block among model.num_layers ({}): it must be below it, or set "
+                          "model.moe.num_experts 0 for a dense model", m.num_layers));
   if (r.ok({"model.moe.num_experts", "model.moe.top_k"}) && moe.enabled())
     r.require(moe.top_k <= moe.num_experts, "model.moe.top_k", moe.top_k,
               fmt::format("model.moe.top_k ({}) must be <= model.moe.num_experts ({})", moe.top_k,

@@ -26,6 +26,8 @@
 //   TETRA_TEST_SLOW_RANK       the global rank that sleeps inside every step (the straggler test)
 //   TETRA_TEST_SLOW_MS         how long it sleeps per step (default 100)
 //   TETRA_TEST_CLOCK_SKEW_MS   rank r's trace clock runs r times this ahead (trace alignment test)
+//   TETRA_TEST_MOE_ROUTE       one | skew: the MoE router's logits biased so that every token
+//                              chooses experts 0..top_k-1 (one), or expert 0 is favoured (skew)
 //   TETRA_FAULT_SAVE_AT        k: a save kills its process (SIGKILL) just before its k-th
 //                              filesystem call (trainer/checkpoint/commit.h)
 //   TETRA_FAULT_SAVE_LOG       a file each filesystem call of a save is appended to
@@ -80,6 +82,7 @@ struct RuntimeOptions {
   HangHook hang;                // TETRA_TEST_HANG_RANK, _STEP, _SECONDS
   TimingHooks timing;           // TETRA_TEST_SLOW_RANK, _SLOW_MS, _CLOCK_SKEW_MS
   SaveFaultHooks save_faults;   // TETRA_FAULT_SAVE_AT, _SAVE_LOG, _NO_EXCHANGE
+  std::string moe_route;        // TETRA_TEST_MOE_ROUTE: "", one or skew
 };
 
 // The options of this process's environment. InputError naming the variable for a value it

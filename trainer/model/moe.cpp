@@ -42,6 +42,19 @@ MoeRoutingPlan plan_moe_routing(const int32_t* topk_idx, int64_t N, int64_t K, i
   return plan;
 }
 
+namespace {
+MoeRouteBias g_route_bias = MoeRouteBias::kNone;
+}  // namespace
+
+void set_moe_route_bias(MoeRouteBias bias) { g_route_bias = bias; }
+
+int64_t moe_row_bound(const MoeConfig& moe, int64_t N, int64_t ep, int64_t worst) {
+  if (ep == 1 || moe.capacity_factor) return worst;  // every rank's rows are its own, or capped
+  const double factor = moe.max_load_factor.value_or(MoeConfig::kDefaultMaxLoadFactor);
+  const double balanced = static_cast<double>(N * moe.top_k);
+  return std::min(worst, std::max<int64_t>(1, static_cast<int64_t>(std::ceil(factor * balanced))));
+}
+
 int64_t moe_capacity(const MoeConfig& moe, int64_t N) {
   if (!moe.capacity_factor) return -1;
   return static_cast<int64_t>(std::ceil(*moe.capacity_factor * static_cast<double>(N * moe.top_k) /
@@ -70,12 +83,14 @@ struct MoeLayers::Layer {
   float* probs;       // (N, E)
   float* lse;         // (N)
   int32_t* topk_idx;  // (N, K)
-  float* topk_prob;   // (N, K) the gates
+  float* topk_prob;   // (N, K) the chosen experts' probabilities
+  float* gates;       // (N, K) the gates: topk_prob renormalised or scaled (else topk_prob itself)
   int32_t* pos;       // (N, K)
   int32_t* rows;      // (M_max)
-  void* x_exp;        // (R_max, C) the rows the local experts see, expert-major
-  void* fc;           // (R_max, FC)
-  void* act;          // (R_max, F)
+  void* region;       // the kept rows: x_exp, fc, act (rows_region elements)
+  void* x_exp;        // (R, C) the rows the local experts see, expert-major (in region)
+  void* fc;           // (R, FC) in region; null for a block over the bound (recomputed)
+  void* act;          // (R, F) in region; the scratch's when recomputed (moe_act or over the bound)
   void* y_local;      // (M_max, C) expert outputs of this rank's assignments (x_perm order)
   int32_t* regroup;   // (R_max) expert-major row -> source-major row (ep > 1)
   int32_t* ungroup;   // (R_max) source-major row -> expert-major row (ep > 1)
@@ -84,6 +99,7 @@ struct MoeLayers::Layer {
   std::vector<int64_t> routed_seq;  // tokens routed to each expert over the whole sequence (CP group)
   ExpertExchange x;  // rows to / from each EP rank, rows of each local expert (R in all)
   int64_t M = 0;
+  bool over = false;  // R > B: the experts ran in passes of B rows and backward recomputes fc
   float loss_weight = 0.0f;
 };
 
@@ -92,14 +108,17 @@ struct MoeLayers::Scratch {
   void* src;           // (R_max, C) received rows, source-major (ep > 1)
   void* y_exp;         // (R_max, C) expert outputs, expert-major (ep > 1; else the layer's y_local)
   float* dgates;       // (N, K)
+  float* dtopk;        // (N, K) the chosen probabilities' gradient (gates transformed; else dgates)
   float* dlogits;      // (N, E)
   void* dlogits_act;   // (N, E) act
   float* expert_grad;  // (E)
   void* dy_local;      // (M_max, C)
-  void* dy_exp;        // (R_max, C) (ep > 1; else dy_local)
-  void* dact;          // (R_max, F)
-  void* act;           // (R_max, F) the experts' activation, recomputed (moe_act; else null)
-  void* dfc;           // (R_max, FC)
+  void* dy_exp;        // (R_max, C) (ep > 1: over y_exp, which only forward uses; else dy_local)
+  void* dact;          // (B, F)
+  void* act;           // (B, F) the experts' activation, recomputed (moe_act, or a block over the
+                       // bound; else null)
+  void* fc;            // (B, FC) a pass's fc of a block over the bound (null when none can be)
+  void* dfc;           // (B, FC)
   void* dx_exp;        // (R_max, C)
   void* dx_local;      // (M_max, C) (ep > 1; else dx_exp)
   int32_t* counts;     // (E + ep El) send and received per-expert counts
@@ -118,10 +137,15 @@ namespace {
 
 struct Sizes {
   int64_t N, C, E, K, El, F, FC, cap, M_max, R_max, ep;
+  // B: the rows of the local experts a slot keeps per block (the bound); rows_region: the
+  // elements of a block's kept rows region, B (C + FC + F) (F: when the activation is kept), at
+  // least R_max C so that a block over the bound keeps its input rows there.
+  int64_t B, rows_region;
+  bool gates;          // the gates are transformed (renormalised or scaled): kept apart
   bool recompute_act;  // the experts' activation is scratch, recomputed in backward
 };
 
-Sizes sizes_of(const ModelConfig& cfg, int64_t N, int64_t ep, int64_t tp) {
+Sizes sizes_of(const ModelConfig& cfg, int64_t N, int64_t ep, int64_t tp, bool recompute_act) {
   Sizes s{};
   const MoeConfig& m = cfg.moe;
   s.N = N;
@@ -134,29 +158,41 @@ Sizes sizes_of(const ModelConfig& cfg, int64_t N, int64_t ep, int64_t tp) {
   s.FC = cfg.activation == Activation::SWIGLU ? 2 * s.F : s.F;
   s.cap = moe_capacity(m, N);
   s.M_max = s.cap < 0 ? N * s.K : std::min(N * s.K, s.E * s.cap);
-  // Worst case at the experts: every EP rank sends all its (kept) rows here.
-  s.R_max = ep == 1 ? s.M_max : ep * (s.cap < 0 ? N * s.K : std::min(N * s.K, s.El * s.cap));
+  // Worst case at the experts: every EP rank sends all its (kept) rows here. A token chooses K
+  // distinct experts, so one expert receives at most N rows (cap when fewer) from each rank.
+  const int64_t per_expert = s.cap < 0 ? N : std::min(N, s.cap);
+  s.R_max = ep == 1 ? s.M_max : ep * std::min(s.M_max, s.El * per_expert);
+  s.recompute_act = recompute_act;
+  s.gates = m.transforms_gates();
+  s.B = moe_row_bound(m, N, ep, s.R_max);
+  const int64_t width = s.C + s.FC + (recompute_act ? 0 : s.F);
+  // A block over the bound keeps only its input rows (R_max C at most) in the region.
+  s.B = std::max(s.B, std::min(s.R_max, (s.R_max * s.C + width - 1) / width));
+  s.rows_region = std::max(s.B * width, s.R_max * s.C);
   return s;
 }
 
-
 // What every slot shares: the backward's gradients, the exchange buffers, the recomputed
-// activation (moe_act).
+// activation (moe_act) and, for a block over the bound, its experts' hidden rows a pass at a time.
+// The row-wide (C) buffers hold R_max rows, the hidden-wide (F, FC) ones B.
 template <class S>
 size_t carve_scratch(ArenaCarver& c, const Sizes& z, DType act, S& x) {
-  x.act = z.recompute_act ? c.take(z.R_max * z.F, act) : nullptr;
+  const bool over = z.B < z.R_max;  // a block can exceed the bound
+  x.act = z.recompute_act || over ? c.take(z.B * z.F, act) : nullptr;
+  x.fc = over ? c.take(z.B * z.FC, act) : nullptr;
   const bool ep = z.ep > 1;
   x.send = ep ? c.take(z.M_max * z.C, act) : nullptr;
   x.src = ep ? c.take(z.R_max * z.C, act) : nullptr;
   x.y_exp = ep ? c.take(z.R_max * z.C, act) : nullptr;
   x.dgates = c.f32(z.N * z.K);
+  x.dtopk = z.gates ? c.f32(z.N * z.K) : x.dgates;
   x.dlogits = c.f32(z.N * z.E);
   x.dlogits_act = act == DType::F32 ? nullptr : c.take(z.N * z.E, act);
   x.expert_grad = c.f32(z.E);
   x.dy_local = c.take(z.M_max * z.C, act);
-  x.dy_exp = ep ? c.take(z.R_max * z.C, act) : x.dy_local;
-  x.dact = c.take(z.R_max * z.F, act);
-  x.dfc = c.take(z.R_max * z.FC, act);
+  x.dy_exp = ep ? x.y_exp : x.dy_local;
+  x.dact = c.take(z.B * z.F, act);
+  x.dfc = c.take(z.B * z.FC, act);
   x.dx_exp = c.take(z.R_max * z.C, act);
   x.dx_local = ep ? c.take(z.M_max * z.C, act) : x.dx_exp;
   x.counts = c.i32(z.E + z.ep * z.El);
@@ -164,10 +200,9 @@ size_t carve_scratch(ArenaCarver& c, const Sizes& z, DType act, S& x) {
 }
 
 // One slot: the saved state of each of the chunk's MoE blocks (`layers`, or measure only when it
-// is empty); the experts' activation is the scratch's when it is recomputed.
+// is empty). The kept rows (x_exp, fc, act) share one region per block, placed by forward.
 template <class L>
-size_t carve_slot(ArenaCarver& c, const Sizes& z, DType act, int64_t moe_blocks, L* const* layers,
-                  void* recomputed_act) {
+size_t carve_slot(ArenaCarver& c, const Sizes& z, DType act, int64_t moe_blocks, L* const* layers) {
   for (int64_t j = 0; j < moe_blocks; ++j) {
     L tmp;
     L& s = layers ? *layers[j] : tmp;
@@ -176,11 +211,10 @@ size_t carve_slot(ArenaCarver& c, const Sizes& z, DType act, int64_t moe_blocks,
     s.lse = c.f32(z.N);
     s.topk_idx = c.i32(z.N * z.K);
     s.topk_prob = c.f32(z.N * z.K);
+    s.gates = z.gates ? c.f32(z.N * z.K) : s.topk_prob;
     s.pos = c.i32(z.N * z.K);
     s.rows = c.i32(z.M_max);
-    s.x_exp = c.take(z.R_max * z.C, act);
-    s.fc = c.take(z.R_max * z.FC, act);
-    s.act = z.recompute_act ? recomputed_act : c.take(z.R_max * z.F, act);
+    s.region = c.take(z.rows_region, act);
     s.y_local = c.take(z.M_max * z.C, act);
     s.regroup = z.ep > 1 ? c.i32(z.R_max) : nullptr;
     s.ungroup = z.ep > 1 ? c.i32(z.R_max) : nullptr;
@@ -204,13 +238,12 @@ int64_t count_moe_blocks(const ModelConfig& cfg, int64_t l0, int64_t layers) {
 ActivationSizes MoeLayers::sizes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp,
                                     int64_t l0, int64_t layers, bool recompute_act) {
   if (!cfg.moe.enabled() || count_moe_blocks(cfg, l0, layers) == 0) return {};
-  Sizes z = sizes_of(cfg, N, ep, tp);
-  z.recompute_act = recompute_act;
+  const Sizes z = sizes_of(cfg, N, ep, tp, recompute_act);
   ActivationSizes out;
   Scratch unused;
   ArenaCarver sc(nullptr), sl(nullptr);
   out.scratch = carve_scratch(sc, z, act, unused);
-  out.slot = carve_slot<Layer>(sl, z, act, count_moe_blocks(cfg, l0, layers), nullptr, nullptr);
+  out.slot = carve_slot<Layer>(sl, z, act, count_moe_blocks(cfg, l0, layers), nullptr);
   return out;
 }
 
@@ -230,10 +263,10 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   TETRA_CHECK(layout.slicing.ep == ep_size && layout.slicing.ep_rank == (ep_ ? ep_->rank() : 0),
               "the parameter layout is for EP rank {} of {}, the model for rank {} of {}", layout.slicing.ep_rank,
               layout.slicing.ep, ep_ ? ep_->rank() : 0, ep_size);
-  Sizes z = sizes_of(cfg, N, ep_size, tp_size);
-  z.recompute_act = recompute_act_ = recompute_act;
+  const Sizes z = sizes_of(cfg, N, ep_size, tp_size, recompute_act);
+  recompute_act_ = recompute_act;
   N_ = z.N, C_ = z.C, E_ = z.E, K_ = z.K, El_ = z.El, F_ = z.F, FC_ = z.FC, cap_ = z.cap;
-  M_max_ = z.M_max, R_max_ = z.R_max;
+  M_max_ = z.M_max, R_max_ = z.R_max, B_ = z.B;
   e0_ = layout.slicing.ep_rank * El_;
   dispatcher_ = std::make_unique<ExpertDispatcher>(ep_, be, act, C_, E_);
   swiglu_ = cfg.activation == Activation::SWIGLU;
@@ -286,7 +319,7 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
       ptrs.push_back(layers_.back().get());
     }
     ArenaCarver c(r.slot(i));
-    carve_slot<Layer>(c, z, act, blocks_, ptrs.data(), sc_->act);
+    carve_slot<Layer>(c, z, act, blocks_, ptrs.data());
   }
 }
 
@@ -319,6 +352,9 @@ void MoeStepStats::merge(const MoeStepStats& other) {
     }
     mine->micro_batches = n;
     mine->dropped += o.dropped;
+    mine->max_rows = std::max(mine->max_rows, o.max_rows);
+    mine->bound_rows = std::max(mine->bound_rows, o.bound_rows);
+    mine->over_bound += o.over_bound;
     if (mine->tokens_per_expert.size() < o.tokens_per_expert.size())
       mine->tokens_per_expert.resize(o.tokens_per_expert.size(), 0);
     for (size_t e = 0; e < o.tokens_per_expert.size(); ++e) mine->tokens_per_expert[e] += o.tokens_per_expert[e];
@@ -345,7 +381,7 @@ MoeStepStats MoeLayers::take_stats() {
     }
   for (MoeLayerStats& l : stats_.layers) {
     std::fill(l.tokens_per_expert.begin(), l.tokens_per_expert.end(), 0);
-    l.dropped = l.micro_batches = 0;
+    l.dropped = l.micro_batches = l.max_rows = l.over_bound = 0;
     l.aux_loss = l.z_loss = 0.0;
   }
   stats_.expert_s = stats_.dispatch_s = stats_.combine_s = 0.0;
@@ -353,98 +389,118 @@ MoeStepStats MoeLayers::take_stats() {
   return out;
 }
 
-void MoeLayers::experts_forward(Layer& s, const BlockParams& p, const WeightView& weights) {
-  const auto t0 = std::chrono::steady_clock::now();
+namespace {
+
+// Calls f(j, a, b) for each local expert j with rows [a, b) of [r0, r1) (expert-major rows,
+// expert j's block of n_j rows after those of experts < j).
+template <class F>
+void for_expert_pieces(const std::vector<int64_t>& expert_rows, int64_t r0, int64_t r1, F&& f) {
+  int64_t o = 0;
+  for (size_t j = 0; j < expert_rows.size(); ++j) {
+    const int64_t a = std::max(o, r0), b = std::min(o + expert_rows[j], r1);
+    if (b > a) f(static_cast<int64_t>(j), a, b);
+    o += expert_rows[j];
+  }
+}
+
+}  // namespace
+
+void MoeLayers::experts_forward(const Layer& s, const BlockParams& p, const WeightView& weights, int64_t r0,
+                                int64_t r1, void* fc_rows, void* act_rows, void* y_rows) {
   const size_t es = dtype_size(act_);
   auto w = [&](int64_t offset, int64_t j, int64_t per_expert) -> const void* {
     if (offset < 0) return nullptr;
     return weights(offset + j * per_expert);
   };
-  char* x = static_cast<char*>(s.x_exp);
-  char* fc = static_cast<char*>(s.fc);
-  char* a = static_cast<char*>(s.act);
-  char* y = static_cast<char*>(ep_ ? sc_->y_exp : s.y_local);
+  const char* x = static_cast<const char*>(s.x_exp);
+  char* fc = static_cast<char*>(fc_rows);
+  char* a = static_cast<char*>(act_rows);
+  char* y = static_cast<char*>(y_rows);
   const bool tp0 = !tp_ || tp_->rank() == 0;  // the proj bias once over the TP partial sums
-  int64_t o = 0;
-  for (int64_t j = 0; j < El_; ++j) {  // fc = x W1_j^T + b1_j            (n, FC)
-    const int64_t n = s.x.expert_rows[j];
-    if (n > 0)
-      be_.gemm(false, true, n, FC_, C_, 1.0f, x + o * C_ * es, C_, w(p.experts_fc_w, j, FC_ * C_), C_, act_, 0.0f,
-               fc + o * FC_ * es, FC_, act_, w(p.experts_fc_b, j, FC_));
-    o += n;
-  }
-  if (s.x.R > 0) {
+  // fc = x W1_j^T + b1_j            (n, FC)
+  for_expert_pieces(s.x.expert_rows, r0, r1, [&](int64_t j, int64_t lo, int64_t hi) {
+    be_.gemm(false, true, hi - lo, FC_, C_, 1.0f, x + lo * C_ * es, C_, w(p.experts_fc_w, j, FC_ * C_), C_, act_,
+             0.0f, fc + (lo - r0) * FC_ * es, FC_, act_, w(p.experts_fc_b, j, FC_));
+  });
+  if (r1 > r0) {
     if (swiglu_)
-      be_.swiglu_forward(a, fc, s.x.R, F_, act_);
+      be_.swiglu_forward(a, fc, r1 - r0, F_, act_);
     else
-      be_.gelu_forward(a, fc, s.x.R * F_, act_);
+      be_.gelu_forward(a, fc, (r1 - r0) * F_, act_);
   }
-  o = 0;
-  for (int64_t j = 0; j < El_; ++j) {  // y = a W2_j^T + b2_j             (n, C)
-    const int64_t n = s.x.expert_rows[j];
-    if (n > 0)
-      be_.gemm(false, true, n, C_, F_, 1.0f, a + o * F_ * es, F_, w(p.experts_proj_w, j, C_ * F_), F_, act_, 0.0f,
-               y + o * C_ * es, C_, act_, tp0 ? w(p.experts_proj_b, j, C_) : nullptr);
-    o += n;
-  }
-  stats_.expert_s += since(t0);
+  // y = a W2_j^T + b2_j             (n, C)
+  for_expert_pieces(s.x.expert_rows, r0, r1, [&](int64_t j, int64_t lo, int64_t hi) {
+    be_.gemm(false, true, hi - lo, C_, F_, 1.0f, a + (lo - r0) * F_ * es, F_, w(p.experts_proj_w, j, C_ * F_), F_,
+             act_, 0.0f, y + lo * C_ * es, C_, act_, tp0 ? w(p.experts_proj_b, j, C_) : nullptr);
+  });
 }
 
-void MoeLayers::experts_backward(Layer& s, const BlockParams& p, const WeightView& weights, const GradTarget& grads) {
-  const auto t0 = std::chrono::steady_clock::now();
+void MoeLayers::experts_backward(const Layer& s, const BlockParams& p, const WeightView& weights,
+                                 const GradTarget& grads, int64_t r0, int64_t r1, void* fc_rows, void* act_rows,
+                                 bool refc, bool react) {
   const size_t es = dtype_size(act_);
   auto w = [&](int64_t offset, int64_t j, int64_t per_expert) -> const void* {
-    return weights(offset + j * per_expert);
+    return offset < 0 ? nullptr : weights(offset + j * per_expert);
   };
   auto g = [&](int64_t offset, int64_t j, int64_t per_expert) -> float* {
     return offset < 0 ? nullptr : grads(offset + j * per_expert);
   };
   const char* x = static_cast<const char*>(s.x_exp);
-  const char* fc = static_cast<const char*>(s.fc);
-  const char* a = static_cast<const char*>(s.act);
+  char* fc = static_cast<char*>(fc_rows);
+  char* a = static_cast<char*>(act_rows);
   const char* dy = static_cast<const char*>(sc_->dy_exp);
   char* dact = static_cast<char*>(sc_->dact);
   char* dfc = static_cast<char*>(sc_->dfc);
   char* dx = static_cast<char*>(sc_->dx_exp);
-  if (recompute_act_ && s.x.R > 0) {  // moe_act: the activation again, as forward computed it
+  const int64_t n_rows = r1 - r0;
+  if (refc)  // a block over the bound: fc again, as forward computed it
+    for_expert_pieces(s.x.expert_rows, r0, r1, [&](int64_t j, int64_t lo, int64_t hi) {
+      be_.gemm(false, true, hi - lo, FC_, C_, 1.0f, x + lo * C_ * es, C_, w(p.experts_fc_w, j, FC_ * C_), C_, act_,
+               0.0f, fc + (lo - r0) * FC_ * es, FC_, act_, w(p.experts_fc_b, j, FC_));
+    });
+  if (react && n_rows > 0) {  // moe_act (or over the bound): the activation again, from fc
     if (swiglu_)
-      be_.swiglu_forward(s.act, s.fc, s.x.R, F_, act_);
+      be_.swiglu_forward(a, fc, n_rows, F_, act_);
     else
-      be_.gelu_forward(s.act, s.fc, s.x.R * F_, act_);
+      be_.gelu_forward(a, fc, n_rows * F_, act_);
   }
-  int64_t o = 0;
-  for (int64_t j = 0; j < El_; ++j) {
-    const int64_t n = s.x.expert_rows[j];
-    if (n > 0) {
-      // dact = dy W2_j (n, F); dW2_j += dy^T a (C, F); db2_j += colsum dy.
-      be_.gemm(false, false, n, F_, C_, 1.0f, dy + o * C_ * es, C_, w(p.experts_proj_w, j, C_ * F_), F_, act_,
-               0.0f, dact + o * F_ * es, F_, act_);
-      be_.gemm(true, false, C_, F_, n, 1.0f, dy + o * C_ * es, C_, a + o * F_ * es, F_, act_, 1.0f,
-               g(p.experts_proj_w, j, C_ * F_), F_, DType::F32);
-      if (p.experts_proj_b >= 0) be_.bias_backward(g(p.experts_proj_b, j, C_), dy + o * C_ * es, n, C_, act_);
-    }
-    o += n;
-  }
-  if (s.x.R > 0) {
+  // dact = dy W2_j (n, F); dW2_j += dy^T a (C, F); db2_j += colsum dy.
+  for_expert_pieces(s.x.expert_rows, r0, r1, [&](int64_t j, int64_t lo, int64_t hi) {
+    const int64_t n = hi - lo;
+    be_.gemm(false, false, n, F_, C_, 1.0f, dy + lo * C_ * es, C_, w(p.experts_proj_w, j, C_ * F_), F_, act_, 0.0f,
+             dact + (lo - r0) * F_ * es, F_, act_);
+    be_.gemm(true, false, C_, F_, n, 1.0f, dy + lo * C_ * es, C_, a + (lo - r0) * F_ * es, F_, act_, 1.0f,
+             g(p.experts_proj_w, j, C_ * F_), F_, DType::F32);
+    if (p.experts_proj_b >= 0) be_.bias_backward(g(p.experts_proj_b, j, C_), dy + lo * C_ * es, n, C_, act_);
+  });
+  if (n_rows > 0) {
     if (swiglu_)
-      be_.swiglu_backward(dfc, fc, dact, s.x.R, F_, act_);
+      be_.swiglu_backward(dfc, fc, dact, n_rows, F_, act_);
     else
-      be_.gelu_backward(dfc, fc, dact, s.x.R * F_, act_);
+      be_.gelu_backward(dfc, fc, dact, n_rows * F_, act_);
   }
-  o = 0;
-  for (int64_t j = 0; j < El_; ++j) {
-    const int64_t n = s.x.expert_rows[j];
-    if (n > 0) {
-      // dx = dfc W1_j (n, C); dW1_j += dfc^T x (FC, C); db1_j += colsum dfc.
-      be_.gemm(false, false, n, C_, FC_, 1.0f, dfc + o * FC_ * es, FC_, w(p.experts_fc_w, j, FC_ * C_), C_, act_,
-               0.0f, dx + o * C_ * es, C_, act_);
-      be_.gemm(true, false, FC_, C_, n, 1.0f, dfc + o * FC_ * es, FC_, x + o * C_ * es, C_, act_, 1.0f,
-               g(p.experts_fc_w, j, FC_ * C_), C_, DType::F32);
-      if (p.experts_fc_b >= 0) be_.bias_backward(g(p.experts_fc_b, j, FC_), dfc + o * FC_ * es, n, FC_, act_);
-    }
-    o += n;
+  // dx = dfc W1_j (n, C); dW1_j += dfc^T x (FC, C); db1_j += colsum dfc.
+  for_expert_pieces(s.x.expert_rows, r0, r1, [&](int64_t j, int64_t lo, int64_t hi) {
+    const int64_t n = hi - lo;
+    be_.gemm(false, false, n, C_, FC_, 1.0f, dfc + (lo - r0) * FC_ * es, FC_, w(p.experts_fc_w, j, FC_ * C_), C_,
+             act_, 0.0f, dx + lo * C_ * es, C_, act_);
+    be_.gemm(true, false, FC_, C_, n, 1.0f, dfc + (lo - r0) * FC_ * es, FC_, x + lo * C_ * es, C_, act_, 1.0f,
+             g(p.experts_fc_w, j, FC_ * C_), C_, DType::F32);
+    if (p.experts_fc_b >= 0) be_.bias_backward(g(p.experts_fc_b, j, FC_), dfc + (lo - r0) * FC_ * es, n, FC_, act_);
+  });
+}
+
+void MoeLayers::place_rows(Layer& s) {
+  const size_t es = dtype_size(act_);
+  char* base = static_cast<char*>(s.region);
+  s.over = s.x.R > B_;
+  if (!s.over) {  // x_exp (B, C), fc (B, FC), act (B, F) unless recomputed
+    s.fc = base + static_cast<size_t>(B_ * C_) * es;
+    s.act = recompute_act_ ? sc_->act : base + static_cast<size_t>(B_ * (C_ + FC_)) * es;
+  } else {  // only x_exp (R, C) is kept
+    s.fc = nullptr;
+    s.act = nullptr;
   }
-  stats_.expert_s += since(t0);
 }
 
 void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, const void* residual, void* out,
@@ -456,7 +512,18 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
   // Router: fp32 logits, softmax, top-K.
   be_.gemm(false, true, N_, E_, C_, 1.0f, h, C_, weights(p.router_w), C_, act_,
            0.0f, s.logits, E_, DType::F32);
+  if (g_route_bias != MoeRouteBias::kNone) {  // test-only (set_moe_route_bias)
+    std::vector<float>& lg = sc_->h_probs;    // (N E), not yet in use
+    be_.copy_to_host(lg.data(), s.logits, lg.size() * 4);
+    for (int64_t i = 0; i < N_; ++i)
+      for (int64_t e = 0; e < (g_route_bias == MoeRouteBias::kOne ? K_ : 1); ++e)
+        lg[static_cast<size_t>(i * E_ + e)] += g_route_bias == MoeRouteBias::kOne ? 30.0f : 3.0f;
+    be_.copy_from_host(s.logits, lg.data(), lg.size() * 4);
+  }
   be_.moe_router_forward(s.probs, s.lse, s.topk_idx, s.topk_prob, s.logits, N_, E_, K_);
+  if (s.gates != s.topk_prob)
+    be_.moe_gates_forward(s.gates, s.topk_prob, N_, K_, !cfg_.moe.router_pre_softmax,
+                          static_cast<float>(cfg_.moe.router_topk_scaling_factor.value_or(1.0)));
   std::vector<int32_t>& idx = sc_->h_idx;
   be_.copy_to_host(idx.data(), s.topk_idx, idx.size() * 4);
   s.plan = plan_moe_routing(idx.data(), N_, K_, E_, cap_);
@@ -464,14 +531,17 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
   be_.copy_from_host(s.pos, s.plan.pos.data(), s.plan.pos.size() * 4);
   if (s.M > 0) be_.copy_from_host(s.rows, s.plan.rows.data(), static_cast<size_t>(s.M) * 4);
 
+  s.x_exp = s.region;
   if (!ep_) {
     be_.moe_gather_rows(s.x_exp, h, s.rows, s.M, C_, act_);
     s.x.expert_rows = s.plan.kept;
     s.x.R = s.M;
+    place_rows(s);
   } else {
     s.x = dispatcher_->exchange_counts(s.plan.kept, sc_->counts, sc_->h_counts, sc_->h_regroup, sc_->h_ungroup);
     TETRA_CHECK(s.x.R <= R_max_, "MoE dispatch: {} rows for this rank's experts, planned for at most {}", s.x.R,
                 R_max_);
+    place_rows(s);
     if (s.x.R > 0) {
       be_.copy_from_host(s.regroup, sc_->h_regroup.data(), static_cast<size_t>(s.x.R) * 4);
       be_.copy_from_host(s.ungroup, sc_->h_ungroup.data(), static_cast<size_t>(s.x.R) * 4);
@@ -479,13 +549,23 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
     be_.moe_gather_rows(sc_->send, h, s.rows, s.M, C_, act_);
     dispatcher_->dispatch(s.x, sc_->send, sc_->src, s.regroup, s.x_exp);
   }
-  experts_forward(s, p, weights);
+  {
+    const auto t0 = std::chrono::steady_clock::now();
+    void* y = ep_ ? sc_->y_exp : s.y_local;
+    if (!s.over) {
+      experts_forward(s, p, weights, 0, s.x.R, s.fc, s.act, y);
+    } else {  // over the bound: passes of B rows through the scratch; backward computes fc again
+      for (int64_t r0 = 0; r0 < s.x.R; r0 += B_)
+        experts_forward(s, p, weights, r0, std::min(s.x.R, r0 + B_), sc_->fc, sc_->act, y);
+    }
+    stats_.expert_s += since(t0);
+  }
   if (ep_) dispatcher_->combine(s.x, sc_->y_exp, sc_->src, s.ungroup, s.y_local);
   if (!residual)
     be_.memset_zero(out, static_cast<size_t>(N_ * C_) * es);
   else if (out != residual)
     be_.copy(out, residual, static_cast<size_t>(N_ * C_) * es);
-  be_.moe_combine(out, s.y_local, s.pos, s.topk_prob, N_, K_, C_, /*accumulate=*/true, act_);
+  be_.moe_combine(out, s.y_local, s.pos, s.gates, N_, K_, C_, /*accumulate=*/true, act_);
 
   if (loss_weight != 0.0f) {
     const std::vector<float>& probs = sc_->h_probs;
@@ -524,6 +604,9 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
     MoeLayerStats& st = stats_.layers[index_of_layer_[l]];
     for (int64_t e = 0; e < E_; ++e) st.tokens_per_expert[e] += s.plan.routed[e];
     st.dropped += s.plan.dropped;
+    st.max_rows = std::max(st.max_rows, s.x.R);
+    st.bound_rows = B_;
+    st.over_bound += s.over ? 1 : 0;
     st.aux_loss += aux;
     st.z_loss += z;
     ++st.micro_batches;
@@ -537,10 +620,19 @@ void MoeLayers::backward(int64_t l, const WeightView& weights, const GradTarget&
   Layer& s = layer(slot, l);
   const BlockParams& p = layout_.blocks[l];
   // Combine: dy = g dout at each kept assignment's row; the gates' gradient <dout, y>.
-  be_.moe_combine_backward(sc_->dy_local, sc_->dgates, dout, s.y_local, s.pos, s.topk_prob, N_, K_, C_, act_);
+  be_.moe_combine_backward(sc_->dy_local, sc_->dgates, dout, s.y_local, s.pos, s.gates, N_, K_, C_, act_);
   if (tp_) tp_->all_reduce(sc_->dgates, N_ * K_, DType::F32);  // y was this rank's partial sum
   if (ep_) dispatcher_->dispatch(s.x, sc_->dy_local, sc_->src, s.regroup, sc_->dy_exp);
-  experts_backward(s, p, weights, grads);
+  {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!s.over) {
+      experts_backward(s, p, weights, grads, 0, s.x.R, s.fc, s.act, false, recompute_act_);
+    } else {
+      for (int64_t r0 = 0; r0 < s.x.R; r0 += B_)
+        experts_backward(s, p, weights, grads, r0, std::min(s.x.R, r0 + B_), sc_->fc, sc_->act, true, true);
+    }
+    stats_.expert_s += since(t0);
+  }
   if (ep_) dispatcher_->combine(s.x, sc_->dx_exp, sc_->src, s.ungroup, sc_->dx_local);
   be_.moe_combine(dh, sc_->dx_local, s.pos, nullptr, N_, K_, C_, /*accumulate=*/false, act_);
 
@@ -556,7 +648,10 @@ void MoeLayers::backward(int64_t l, const WeightView& weights, const GradTarget&
     eg[e] = static_cast<float>(aux_scale * static_cast<double>(s.routed_seq[static_cast<size_t>(e)]));
   be_.copy_from_host(sc_->expert_grad, eg.data(), eg.size() * 4);
   const float z_scale = static_cast<float>(cfg_.moe.z_loss_coeff * lw / static_cast<double>(N_));
-  be_.moe_router_backward(sc_->dlogits, s.probs, s.lse, s.topk_idx, sc_->dgates, sc_->expert_grad, z_scale, N_, E_,
+  if (sc_->dtopk != sc_->dgates)  // through the renormalisation and scaling
+    be_.moe_gates_backward(sc_->dtopk, sc_->dgates, s.topk_prob, N_, K_, !cfg_.moe.router_pre_softmax,
+                           static_cast<float>(cfg_.moe.router_topk_scaling_factor.value_or(1.0)));
+  be_.moe_router_backward(sc_->dlogits, s.probs, s.lse, s.topk_idx, sc_->dtopk, sc_->expert_grad, z_scale, N_, E_,
                           K_);
   const void* dl = sc_->dlogits;
   if (act_ != DType::F32) {

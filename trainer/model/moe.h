@@ -5,7 +5,9 @@
 //   logits = h W_r^T                  (N, E) fp32 (16-bit inputs' products are exact in fp32;
 //                                     fp32 accumulation)
 //   p = softmax(logits)               (N, E) fp32; the top-K experts of each row and their
-//                                     probabilities g (N, K) are the gates (not renormalised)
+//                                     probabilities q (N, K); the gates g = s q / sum_k q
+//                                     (router_pre_softmax false: renormalised) or s q (true),
+//                                     s = router_topk_scaling_factor (1 when null)
 //   plan (host): assignments (i, k) sorted by expert, token order within an expert; with a
 //     capacity factor an expert keeps its first ceil(factor N K / E) assignments and drops the
 //     rest (a dropped assignment contributes nothing: the token's residual passes through)
@@ -65,6 +67,17 @@ struct MoeRoutingPlan {
 };
 // capacity < 0: dropless.
 MoeRoutingPlan plan_moe_routing(const int32_t* topk_idx, int64_t N, int64_t K, int64_t E, int64_t capacity);
+// The rows of its local experts a rank keeps per MoE block and micro-batch (the plan's bound),
+// given the worst case `worst` (every EP rank's rows to this rank's experts): the worst case with
+// ep 1 (a rank's experts see its own N K rows) or a capacity factor; else
+// ceil(max_load_factor N K), N K being the balanced load.
+int64_t moe_row_bound(const MoeConfig& moe, int64_t N, int64_t ep, int64_t worst);
+// Test-only (TETRA_TEST_MOE_ROUTE, trainer/core/runtime_options.h; installed by the train
+// command): the router's logits biased after the router GEMM, before the softmax, so that a test
+// can force skewed or all-to-one routing. kOne: +30 on experts 0..top_k-1 (every token chooses
+// them: all rows to EP rank 0 when it holds top_k experts); kSkew: +3 on expert 0.
+enum class MoeRouteBias { kNone, kOne, kSkew };
+void set_moe_route_bias(MoeRouteBias bias);
 // Rows per expert under the capacity factor for N tokens (-1 when dropless).
 int64_t moe_capacity(const MoeConfig& moe, int64_t N);
 
@@ -73,6 +86,9 @@ struct MoeLayerStats {
   int64_t layer = 0;
   std::vector<int64_t> tokens_per_expert;  // routed assignments, summed over micro-batches
   int64_t dropped = 0;
+  int64_t max_rows = 0;     // the most rows this rank's experts received in one micro-batch
+  int64_t bound_rows = 0;   // the rows planned for (moe_row_bound)
+  int64_t over_bound = 0;   // micro-batches whose rows exceeded it (computed in passes, recomputed)
   double aux_loss = 0.0, z_loss = 0.0;     // mean over micro-batches
   int64_t micro_batches = 0;
 };
@@ -81,6 +97,9 @@ struct MoeStepStats {
   double expert_s = 0.0;            // expert GEMMs and activations, forward and backward
   double dispatch_s = 0.0, combine_s = 0.0;  // the all-to-alls (with the count exchange)
   int64_t dispatch_bytes = 0, combine_bytes = 0;  // payload this rank sent
+  // Micro-batch blocks over the row bound in the step, summed over every rank (the trainer's
+  // reduction; 0 until then).
+  int64_t over_bound_world = 0;
   // Contribution to the step's objective: sum over layers of coeff * mean loss.
   double objective(const MoeConfig& moe) const;
   // Adds `other` (statistics of other micro-batches or other blocks): per block, counts summed and
@@ -135,8 +154,15 @@ class MoeLayers {
   struct Layer;  // per-block saved state (moe.cpp)
 
  private:
-  void experts_forward(Layer& s, const BlockParams& p, const WeightView& weights);
-  void experts_backward(Layer& s, const BlockParams& p, const WeightView& weights, const GradTarget& grads);
+  // The local experts over rows [r0, r1) of the block's expert-major rows: fc and act (rows from
+  // r0) and y (the whole block's rows). Backward: dy, dx the whole block's; fc and act from r0,
+  // computed again from x first when `refc` (a block over the bound), act from fc when `react`.
+  // Where block s's kept rows go, once its received row count is known (s.over when above B).
+  void place_rows(Layer& s);
+  void experts_forward(const Layer& s, const BlockParams& p, const WeightView& weights, int64_t r0, int64_t r1,
+                       void* fc, void* act, void* y);
+  void experts_backward(const Layer& s, const BlockParams& p, const WeightView& weights, const GradTarget& grads,
+                        int64_t r0, int64_t r1, void* fc, void* act, bool refc, bool react);
 
   const ModelConfig& cfg_;
   const ParamLayout& layout_;
@@ -146,7 +172,7 @@ class MoeLayers {
   Communicator* tp_;  // null without tensor parallelism
   Communicator* cp_ = nullptr;  // null without context parallelism
   std::unique_ptr<ExpertDispatcher> dispatcher_;  // the EP exchanges (parallel/expert_dispatch.h)
-  int64_t N_, C_, E_, K_, El_, e0_, F_, FC_, cap_, M_max_, R_max_;
+  int64_t N_, C_, E_, K_, El_, e0_, F_, FC_, cap_, M_max_, R_max_, B_;
   bool swiglu_;
   bool recompute_act_ = false;
   std::vector<int> index_of_layer_;  // block -> its index among the chunk's MoE blocks, -1 for dense blocks

@@ -67,6 +67,8 @@ std::string MetricsWriter::format_line(const StepMetrics& m) {
     line += fmt::format(" | bubble {:.0f}% (ideal {:.0f}%)", 100.0 * m.pipeline->bubble, 100.0 * m.pipeline->ideal_bubble);
   if (m.loss_scale) line += fmt::format(" | loss scale {}", *m.loss_scale);
   if (m.skipped) line += fmt::format(" | SKIPPED ({})", *m.skipped);
+  if (m.moe && m.moe->over_bound_world > 0)
+    line += fmt::format(" | moe over bound {}", m.moe->over_bound_world);
   if (m.moe)
     for (const MoeLayerStats& l : m.moe->layers) {
       const MoeTokenSpread t = token_spread(l);
@@ -99,6 +101,8 @@ std::vector<std::pair<std::string, double>> MetricsWriter::tensorboard_scalars(c
       v.push_back({p + "tokens_per_expert_min", static_cast<double>(t.min)});
       v.push_back({p + "tokens_per_expert_max", static_cast<double>(t.max)});
       v.push_back({p + "dropped", static_cast<double>(l.dropped)});
+      v.push_back({p + "max_rows", static_cast<double>(l.max_rows)});
+      v.push_back({p + "over_bound", static_cast<double>(l.over_bound)});
       v.push_back({p + "aux_loss", l.aux_loss});
       v.push_back({p + "z_loss", l.z_loss});
     }
@@ -147,10 +151,13 @@ void MetricsWriter::write(const StepMetrics& m) {
       layers.push_back({{"layer", l.layer},
                         {"tokens_per_expert", {{"min", t.min}, {"mean", t.mean}, {"max", t.max}}},
                         {"dropped", l.dropped},
+                        {"rows", {{"max", l.max_rows}, {"bound", l.bound_rows}}},
+                        {"over_bound", l.over_bound},
                         {"aux_loss", l.aux_loss},
                         {"z_loss", l.z_loss}});
     }
     j["moe"] = {{"layers", layers},
+                {"over_bound", m.moe->over_bound_world},
                 {"expert_ms", 1e3 * m.moe->expert_s},
                 {"dispatch_ms", 1e3 * m.moe->dispatch_s},
                 {"combine_ms", 1e3 * m.moe->combine_s},

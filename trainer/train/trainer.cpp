@@ -502,6 +502,7 @@ StepMetrics Trainer::step_metrics(int64_t s, double loss, const StepUpdate& u, d
   m.comm = comm_.records();
   if (groups_.pp->size() > 1) m.pipeline = pipeline_metrics();
   if (model_->has_moe()) m.moe = model_->take_moe_stats();
+  if (cfg_.model.moe.enabled()) count_moe_over_bound(m);
   CommAccounting::warn_mismatches(s + 1, m.comm);
   const bool last = s + 1 == tc.steps;
   if (valid_source_ && ((tc.eval_every > 0 && (s + 1) % tc.eval_every == 0) || last)) {
@@ -510,6 +511,33 @@ StepMetrics Trainer::step_metrics(int64_t s, double loss, const StepUpdate& u, d
     if (sampler_ && m.val_loss) m.sample = sample();
   }
   return m;
+}
+
+void Trainer::count_moe_over_bound(StepMetrics& m) {
+  // The blocks over the row bound on any rank (every rank takes part; not the step's traffic).
+  float mine = 0.0f;
+  if (m.moe)
+    for (const MoeLayerStats& l : m.moe->layers) mine += static_cast<float>(l.over_bound);
+  {
+    const CommAccounting::Paused paused(comm_);
+    be_->copy_from_host(scalar_, &mine, sizeof(float));
+    groups_.backend(GroupKind::WORLD).all_reduce(scalar_, 1, DType::F32, ReduceOp::SUM);
+    be_->copy_to_host(&mine, scalar_, sizeof(float));
+  }
+  if (!m.moe) m.moe = MoeStepStats{};
+  m.moe->over_bound_world = static_cast<int64_t>(mine);
+  if (m.moe->over_bound_world > 0 && !warned_moe_over_bound_) {
+    warned_moe_over_bound_ = true;
+    int64_t rows = 0, bound = 0;
+    for (const MoeLayerStats& l : m.moe->layers) rows = std::max(rows, l.max_rows), bound = std::max(bound, l.bound_rows);
+    spdlog::warn("step {}: {} MoE block(s) of a micro-batch received more rows than the {} planned per rank "
+                 "(model.moe.max_load_factor {}{}): they ran in passes and recompute their experts' hidden "
+                 "rows in backward (more time; the weight gradients are summed in pieces). Raise model.moe.max_load_factor if this persists; "
+                 "metrics.jsonl counts it under moe.over_bound",
+                 m.step, m.moe->over_bound_world, bound,
+                 cfg_.model.moe.max_load_factor.value_or(MoeConfig::kDefaultMaxLoadFactor),
+                 rows > 0 ? fmt::format(", this rank's most {}", rows) : "");
+  }
 }
 
 void Trainer::log_step(int64_t s, const StepMetrics& m) {

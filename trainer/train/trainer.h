@@ -89,6 +89,9 @@ class Trainer {
                            const StopRequests& stops, StopCause* eval_stop);
   // The step's log lines (and, after the run's first step, which kernels it ran).
   void log_step(int64_t s, const StepMetrics& m);
+  // MoE: the step's blocks over the row bound summed over the world into m.moe (collective), and
+  // a warning the first time there are any.
+  void count_moe_over_bound(StepMetrics& m);
   // Saves a checkpoint after step s when one is due: every checkpoint.every steps, and at the end
   // of the run or before a stop (checkpoint.save_on_exit).
   void save_checkpoint_if_due(int64_t s, bool last, bool stop);
@@ -136,6 +139,7 @@ class Trainer {
   float* losses_ = nullptr;   // (accum, B*T) per-token losses of one step (last pipeline stage)
   PipelineStepStats pipe_stats_;  // of the last training step
   float* scalar_ = nullptr;   // one float of backend scratch
+  bool warned_moe_over_bound_ = false;
   float* step_scalars_ = nullptr;  // (3) in scalar_buf_ after it: the step's loss and norm sums
   float* pipe_scratch_ = nullptr;  // (2 pp + 2) floats: pipeline figures gathered over the group
   std::vector<int32_t> host_batch_;           // (B, T+1)
