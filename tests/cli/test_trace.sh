@@ -223,7 +223,14 @@ other_run 'd["otherData"]["epoch_s"] += 5'
 refuse "another time axis" "different runs" "$scratch/other"
 other_run 'pass'
 rm "$scratch/other/trace/rank_2.json"
-refuse "a missing rank" "rank's file is missing" "$scratch/other"
+refuse "a missing rank" "3 rank file(s) of a run of 4 ranks: rank_2.json is missing" "$scratch/other"
+rm "$scratch/other/trace/rank_0.json"
+refuse "two missing ranks" "rank_0.json, rank_2.json are missing" "$scratch/other"
+other_run 'pass'
+$py -c 'import json, sys; d = json.load(open(sys.argv[1])); d["otherData"]["rank"] = 7; json.dump(d, open(sys.argv[2], "w"))' \
+  "$scratch/other/trace/rank_3.json" "$scratch/other/trace/rank_7.json"
+refuse "a rank beyond the run's" "rank_7.json: rank 7's file in a run of 4 ranks" "$scratch/other"
+rm "$scratch/other/trace/rank_7.json"
 other_run 'pass'
 refuse "--step without --svg" "give --svg too" "$scratch/other" --step 3
 echo "{ not json" >"$scratch/other/trace/rank_1.json"

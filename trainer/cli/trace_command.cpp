@@ -286,9 +286,26 @@ class TraceCommand final : public Command {
                                      "different runs", f.path, o["profile_steps"].dump(), files.front().path,
                                      window.dump()));
     }
-    if (static_cast<int>(files.size()) != world || files.back().rank != world - 1)
-      throw InputError(fmt::format("tetra trace merge: {}: {} rank file(s) of a run of {} ranks (a rank's file is "
-                                   "missing)", dir.string(), files.size(), world));
+    if (files.back().rank >= world)
+      throw InputError(fmt::format("tetra trace merge: {}: rank {}'s file in a run of {} ranks: a timeline of "
+                                   "another run; keep one run's files in the folder", files.back().path,
+                                   files.back().rank, world));
+    if (static_cast<int>(files.size()) != world) {
+      // The ranks without a file (the first few, if many).
+      std::string missing;
+      int count = 0;
+      for (int r = 0, k = 0; r < world; ++r) {
+        if (k < static_cast<int>(files.size()) && files[k].rank == r) {
+          ++k;
+          continue;
+        }
+        if (++count <= 8) missing += fmt::format("{}rank_{}.json", missing.empty() ? "" : ", ", r);
+      }
+      if (count > 8) missing += fmt::format(" and {} more", count - 8);
+      throw InputError(fmt::format("tetra trace merge: {}: {} rank file(s) of a run of {} ranks: {} {} missing "
+                                   "(copy it from the node that ran that rank, or profile again)",
+                                   dir.string(), files.size(), world, missing, count == 1 ? "is" : "are"));
+    }
     json merged;
     merged["displayTimeUnit"] = "ms";
     merged["otherData"]["ranks"] = json::array();
