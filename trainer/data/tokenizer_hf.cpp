@@ -586,11 +586,12 @@ std::string HfTokenizer::normalize(std::string s) const {
   return s;
 }
 
-// Cuts s by the (start, end) matches of `for_each_match` as Split's behavior says; appends to out.
-template <class ForEachMatch>
+// Cuts s by the (start, end) matches of `for_each_match` as Split's behavior says; appends to out
+// (a vector of {text, at_start}).
+template <class ForEachMatch, class Out>
 void split_pieces(const std::string& s, bool at_start, hf::SplitBehavior behavior, bool invert,
                   ForEachMatch&& for_each_match, std::vector<std::pair<size_t, size_t>>& spans,
-                  std::vector<uint8_t>& is_match, std::vector<std::pair<std::string, bool>>& out) {
+                  std::vector<uint8_t>& is_match, Out& out) {
   spans.clear();
   is_match.clear();
   size_t prev = 0;
@@ -656,7 +657,7 @@ void split_pieces(const std::string& s, bool at_start, hf::SplitBehavior behavio
 void HfTokenizer::pre_tokenize(std::vector<Piece>& pieces) const {
   std::vector<std::pair<size_t, size_t>> spans;
   std::vector<uint8_t> is_match;
-  std::vector<std::pair<std::string, bool>> cut;
+  std::vector<Piece> cut;
   for (size_t k = 0; k < parts_.pre_tokenizers.size(); ++k) {
     const hf::PreTokenizer& p = parts_.pre_tokenizers[k];
     cut.clear();
@@ -696,9 +697,15 @@ void HfTokenizer::pre_tokenize(std::vector<Piece>& pieces) const {
           break;
         }
       }
+      // What is cut is held once: the piece's own text, and the scratch of a long one, go now.
+      std::string().swap(piece.text);
+      if (spans.capacity() > (size_t{1} << 16)) {
+        std::vector<std::pair<size_t, size_t>>().swap(spans);
+        std::vector<uint8_t>().swap(is_match);
+      }
     }
-    pieces.clear();
-    for (auto& [text, at_start] : cut) pieces.push_back({std::move(text), at_start});
+    pieces.swap(cut);
+    std::vector<Piece>().swap(cut);
   }
 }
 
