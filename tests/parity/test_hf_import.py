@@ -26,9 +26,16 @@ Import -> 10 steps on dp 2 x tp 2 (SP, distributed optimizer, vocabulary padded 
 export-hf: the Hugging Face forward of the exported files gives the loss Tetra computes with the
 trained weights.
 
+Mixture of Experts: Mixtral (MixtralForCausalLM, gates renormalised over the top-2, stored in
+bf16 over two shards) and Qwen3-MoE (Qwen3MoeForCausalLM, q/k norms, top-3 of 8, norm_topk_prob)
+go through all of the above, with the HF forward's sparse MoE block written from transformers'
+modeling code, and also train one step on dp 2 x tp 2 x ep 2 (SP) and dp 2 x ep 2 x pp 2 against
+the HF forward of the same global batch.
+
 Refusals (exit 2, the message naming the key or tensor, nothing written): a sliding window, a
 RoPE type Tetra lacks, an unknown model_type, a tensor the model does not have, a missing tensor,
-a non-empty OUT.
+a non-empty OUT; for MoE Qwen2-MoE (shared experts), DeepSeek (MLA), a decoder_sparse_step other
+than 1, dense layers among the experts, router jitter, experts in a dense family.
 
 Usage: /usr/bin/python3 test_hf_import.py --tetra BIN --workdir DIR [--mpirun MPIRUN]
 """
@@ -82,8 +89,26 @@ def write_bf16_safetensors(path, tensors):
 # ---- random models in Hugging Face's layout -----------------------------------------------------
 
 def llama_like(kind):
-    rng = np.random.default_rng({"llama": 7, "qwen2": 8, "qwen3": 10}[kind])
-    if kind == "qwen3":
+    rng = np.random.default_rng({"llama": 7, "qwen2": 8, "qwen3": 10, "mixtral": 11, "qwen3_moe": 12}[kind])
+    if kind == "mixtral":  # MixtralForCausalLM: 4 experts, top-2, gates renormalised over the two
+        cfg = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": 72, "hidden_size": 64,
+               "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+               "rope_theta": 1000000.0, "tie_word_embeddings": False, "sliding_window": None,
+               "num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
+               "output_router_logits": False, "router_jitter_noise": 0.0}
+        hd = 16
+    elif kind == "qwen3_moe":  # Qwen3MoeForCausalLM: q/k norms, 8 experts, top-3, norm_topk_prob
+        cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 84,
+               "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "hidden_act": "silu",
+               "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+               "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
+               "sliding_window": None, "max_window_layers": 28, "num_experts": 8, "num_experts_per_tok": 3,
+               "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+               "router_aux_loss_coef": 0.001, "output_router_logits": False}
+        hd = 32
+    elif kind == "qwen3":
         cfg = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 88, "hidden_size": 64,
                "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                "head_dim": 32, "hidden_act": "silu", "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
@@ -117,13 +142,27 @@ def llama_like(kind):
         sd[p + "self_attn.k_proj.weight"] = w(NKV * hd, C)
         sd[p + "self_attn.v_proj.weight"] = w(NKV * hd, C)
         sd[p + "self_attn.o_proj.weight"] = w(C, NH * hd)
-        sd[p + "mlp.gate_proj.weight"] = w(F_, C)
-        sd[p + "mlp.up_proj.weight"] = w(F_, C)
-        sd[p + "mlp.down_proj.weight"] = w(C, F_)
+        if kind == "mixtral":
+            E, FE = cfg["num_local_experts"], cfg["intermediate_size"]
+            sd[p + "block_sparse_moe.gate.weight"] = 4 * w(E, C)
+            for e in range(E):
+                x = p + f"block_sparse_moe.experts.{e}."
+                sd[x + "w1.weight"], sd[x + "w3.weight"], sd[x + "w2.weight"] = w(FE, C), w(FE, C), w(C, FE)
+        elif kind == "qwen3_moe":
+            E, FE = cfg["num_experts"], cfg["moe_intermediate_size"]
+            sd[p + "mlp.gate.weight"] = 4 * w(E, C)
+            for e in range(E):
+                x = p + f"mlp.experts.{e}."
+                sd[x + "gate_proj.weight"], sd[x + "up_proj.weight"] = w(FE, C), w(FE, C)
+                sd[x + "down_proj.weight"] = w(C, FE)
+        else:
+            sd[p + "mlp.gate_proj.weight"] = w(F_, C)
+            sd[p + "mlp.up_proj.weight"] = w(F_, C)
+            sd[p + "mlp.down_proj.weight"] = w(C, F_)
         if kind == "qwen2":
             for x, n in (("q", NH), ("k", NKV), ("v", NKV)):
                 sd[p + f"self_attn.{x}_proj.bias"] = w(n * hd)
-        if kind == "qwen3":  # RMSNorm over each head's q and k (one weight of head_dim each)
+        if kind in ("qwen3", "qwen3_moe"):  # RMSNorm over each head's q and k (one weight of head_dim each)
             sd[p + "self_attn.q_norm.weight"] = 1 + 3 * w(hd)
             sd[p + "self_attn.k_norm.weight"] = 1 + 3 * w(hd)
         sd[p + "self_attn.rotary_emb.inv_freq"] = np.zeros(hd // 2, np.float32)  # a buffer: ignored
@@ -193,6 +232,26 @@ def inv_freq_hf(cfg, hd):
     return inv
 
 
+def sparse_moe(sd, cfg, p, h):
+    """MixtralSparseMoeBlock / Qwen3MoeSparseMoeBlock: softmax over the router's logits, the top-k
+    experts, their weights renormalised (Mixtral always, Qwen3-MoE with norm_topk_prob), the
+    weighted sum of the chosen SwiGLU experts."""
+    mixtral = cfg["model_type"] == "mixtral"
+    pre = p + ("block_sparse_moe." if mixtral else "mlp.")
+    E = cfg["num_local_experts"] if mixtral else cfg["num_experts"]
+    probs = torch.softmax(h @ sd[pre + "gate.weight"].T, dim=-1)
+    top, idx = torch.topk(probs, cfg["num_experts_per_tok"], dim=-1)
+    if mixtral or cfg.get("norm_topk_prob"):
+        top = top / top.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(h)
+    for e in range(E):
+        x = pre + f"experts.{e}."
+        w1, w3, w2 = (("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"))
+        y = (F.silu(h @ sd[x + w1 + ".weight"].T) * (h @ sd[x + w3 + ".weight"].T)) @ sd[x + w2 + ".weight"].T
+        out = out + (top * (idx == e)).sum(dim=-1, keepdim=True) * y
+    return out
+
+
 def llama_logits(sd, cfg, tokens):
     c, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or c // nh
@@ -232,6 +291,9 @@ def llama_logits(sd, cfg, tokens):
         a = torch.softmax((q @ k.transpose(2, 3)) * hd ** -0.5 + mask, dim=-1) @ v
         x = x + a.transpose(1, 2).reshape(b, t, nh * hd) @ sd[p + "self_attn.o_proj.weight"].T
         h = rms(x, sd[p + "post_attention_layernorm.weight"])
+        if cfg["model_type"] in ("mixtral", "qwen3_moe"):
+            x = x + sparse_moe(sd, cfg, p, h)
+            continue
         g = F.silu(h @ sd[p + "mlp.gate_proj.weight"].T) * (h @ sd[p + "mlp.up_proj.weight"].T)
         x = x + g @ sd[p + "mlp.down_proj.weight"].T
     x = rms(x, sd["model.norm.weight"])
@@ -263,7 +325,14 @@ def gpt2_logits(sd, cfg, tokens):
 
 # ---- the runs -----------------------------------------------------------------------------------
 
-LAYOUTS = [("tp1", {}, 1), ("tp2_sp", {"tp": 2, "sequence_parallel": True}, 2), ("pp2", {"pp": 2}, 2)]
+# (name, parallel, ranks, global batch, the run whose dumped batch it trains on: None = its own)
+LAYOUTS = [("tp1", {}, 1, 2, None), ("tp2_sp", {"tp": 2, "sequence_parallel": True}, 2, 2, None),
+           ("pp2", {"pp": 2}, 2, 2, None)]
+# MoE models also on expert parallelism (carved out of dp 2, which dumps no batch: it trains on the
+# same global batch of 4 as the single-rank run before it).
+MOE_LAYOUTS = [("tp1_gbs4", {}, 1, 4, None),
+               ("dp2_tp2_ep2_sp", {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True}, 4, 4, "tp1_gbs4"),
+               ("dp2_ep2_pp2", {"dp": 2, "ep": 2, "pp": 2}, 4, 4, "tp1_gbs4")]
 
 
 def family(args, kind, cfg, sd, shards, dtype, seq_len):
@@ -305,7 +374,13 @@ def family(args, kind, cfg, sd, shards, dtype, seq_len):
         keys = (["n_embd", "n_layer", "n_head", "vocab_size"] if kind == "gpt2" else
                 ["model_type", "hidden_size", "num_key_value_heads", "intermediate_size", "vocab_size",
                  "tie_word_embeddings"])
-        check(all(ecfg.get(k) == cfg.get(k) for k in keys), f"{kind}: exported config.json keeps {keys}")
+        if kind == "mixtral":
+            keys += ["num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"]
+        if kind == "qwen3_moe":
+            keys += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                     "router_aux_loss_coef"]
+        check(all(ecfg.get(k) == cfg.get(k) for k in keys), f"{kind}: exported config.json keeps {keys} "
+              f"({ {k: ecfg.get(k) for k in keys} })")
         if kind != "gpt2":
             hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
             same_rope = torch.equal(inv_freq_hf(ecfg, hd), inv_freq_hf(cfg, hd)) and ecfg["head_dim"] == hd
@@ -337,12 +412,14 @@ def family(args, kind, cfg, sd, shards, dtype, seq_len):
                       f"{kind}: the sharded export imports again to the same model section")
     ref_sd = {n: torch.from_numpy(a.astype(np.float64)) for n, a in stored.items()}
     T = model["seq_len"]
-    for name, par, world in LAYOUTS:
+    moe = "moe" in model
+    batch_of = {}
+    for name, par, world, gbs, batch_from in LAYOUTS + (MOE_LAYOUTS if moe else []):
         run = os.path.join(work, name)
         # Vocabularies of 72..96 padded to 128 rows on every layout (the last tp 2 rank: 8..32 real
         # rows of 64): the padding must change nothing.
-        config = {"model": dict(model, make_vocab_size_divisible_by=32), "parallel": dict(par, dp=1),
-                  "training": {"micro_batch_size": 2, "global_batch_size": 2, "steps": 1, "threads": 1,
+        config = {"model": dict(model, make_vocab_size_divisible_by=32), "parallel": dict({"dp": 1}, **par),
+                  "training": {"micro_batch_size": 2, "global_batch_size": gbs, "steps": 1, "threads": 1,
                                "precision": "fp32", "peak_gflops": 10, "seed": 3},
                   "optimizer": {"lr": 1e-3, "warmup_steps": 0},
                   "data": {"synthetic": True},
@@ -354,8 +431,13 @@ def family(args, kind, cfg, sd, shards, dtype, seq_len):
         if r.returncode != 0:
             continue
         loss = harness.step_records(os.path.join(run, "logs"))[0]["loss"]
-        batches, _ = read_safetensors(os.path.join(run, "dump", "batches.safetensors"))
-        sample = torch.from_numpy(batches["step_0"]).long()
+        if batch_from is None:  # dp 1: the run dumps its batch
+            batches, _ = read_safetensors(os.path.join(run, "dump", "batches.safetensors"))
+            batch_of[name] = torch.from_numpy(batches["step_0"]).long()
+        if batch_from not in (None,) and batch_from not in batch_of:
+            check(False, f"{kind} {name}: the batch of {batch_from} to compare with")
+            continue
+        sample = batch_of[batch_from or name]
         with torch.no_grad():
             logits = (gpt2_logits if kind == "gpt2" else llama_logits)(ref_sd, cfg, sample[:, :T])
             want = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), sample[:, 1:].reshape(-1)).item()
@@ -479,6 +561,17 @@ def refusals(args):
         ("missing tensor", base_cfg, {n: a for n, a in base_sd.items() if n != "model.layers.1.mlp.up_proj.weight"},
          "model.layers.1.mlp.up_proj.weight"),
     ]
+    # MoE: what the two MoE families may hold that Tetra does not map.
+    moe_cfg, moe_sd = llama_like("qwen3_moe")
+    mix_cfg, mix_sd = llama_like("mixtral")
+    cases += [
+        ("qwen2 moe", dict(moe_cfg, model_type="qwen2_moe", shared_expert_intermediate_size=64), moe_sd, "model_type"),
+        ("deepseek mla", dict(moe_cfg, model_type="deepseek_v3", kv_lora_rank=16), moe_sd, "model_type"),
+        ("sparse step", dict(moe_cfg, decoder_sparse_step=2), moe_sd, "decoder_sparse_step"),
+        ("dense layers among experts", dict(moe_cfg, mlp_only_layers=[1]), moe_sd, "mlp_only_layers"),
+        ("router jitter", dict(mix_cfg, router_jitter_noise=0.1), mix_sd, "router_jitter_noise"),
+        ("experts in a dense family", dict(base_cfg, num_local_experts=4), base_sd, "num_local_experts"),
+    ]
     for what, cfg, sd, key in cases:
         d = os.path.join(args.workdir, "refuse", what.replace(" ", "_"))
         write_hf(os.path.join(d, "hf"), cfg, sd)
@@ -505,6 +598,10 @@ def main():
     family(args, "qwen2", cfg, sd, shards=1, dtype="bf16", seq_len=32)
     cfg, sd = llama_like("qwen3")
     family(args, "qwen3", cfg, sd, shards=1, dtype="fp32", seq_len=32)
+    cfg, sd = llama_like("mixtral")
+    family(args, "mixtral", cfg, sd, shards=2, dtype="bf16", seq_len=32)
+    cfg, sd = llama_like("qwen3_moe")
+    family(args, "qwen3_moe", cfg, sd, shards=1, dtype="fp32", seq_len=32)
     cfg, sd = gpt2_like()
     family(args, "gpt2", cfg, sd, shards=1, dtype="fp32", seq_len=0)
     refusals(args)

@@ -65,7 +65,27 @@ std::vector<float> fetch(const HfWeightSource& weights, const ParamLayout& layou
   return w;
 }
 
-void llama_tensors(const ModelConfig& m, const ParamLayout& layout, const HfWeightSource& weights, RecordWriter& w) {
+// A MoE block's router and experts under Mixtral's (block_sparse_moe, w1 w3 w2) or Qwen3-MoE's
+// (mlp, gate_proj up_proj down_proj) names: Tetra's global (E, 2F, C) [gate | up] and (E, C, F)
+// tensors cut per expert.
+void moe_tensors(const ModelConfig& m, const ParamLayout& layout, const HfWeightSource& weights, bool mixtral,
+                 const std::string& t, const std::string& h, RecordWriter& w) {
+  const int64_t C = m.hidden_size, E = m.moe.num_experts, FE = m.moe.ffn_hidden_size;
+  const std::string moe = h + (mixtral ? "block_sparse_moe." : "mlp.");
+  w.add(moe + "gate.weight", {E, C}, fetch(weights, layout, t + "mlp.router.weight"));
+  const std::vector<float> fc = fetch(weights, layout, t + "mlp.experts.fc.weight");
+  const std::vector<float> proj = fetch(weights, layout, t + "mlp.experts.proj.weight");
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string x = fmt::format("{}experts.{}.", moe, e);
+    const float* f = fc.data() + e * 2 * FE * C;
+    w.add(x + (mixtral ? "w1.weight" : "gate_proj.weight"), {FE, C}, f);
+    w.add(x + (mixtral ? "w3.weight" : "up_proj.weight"), {FE, C}, f + FE * C);
+    w.add(x + (mixtral ? "w2.weight" : "down_proj.weight"), {C, FE}, proj.data() + e * C * FE);
+  }
+}
+
+void llama_tensors(const ModelConfig& m, const ParamLayout& layout, const HfWeightSource& weights, HfArch arch,
+                   RecordWriter& w) {
   const int64_t C = m.hidden_size, HS = m.head_size(), NH = m.num_heads, NKV = m.num_kv_heads;
   const int64_t F = m.ffn_hidden_size, V = m.vocab_size;
   w.add("model.embed_tokens.weight", {V, C}, fetch(weights, layout, "embedding.wte"));
@@ -89,6 +109,10 @@ void llama_tensors(const ModelConfig& m, const ParamLayout& layout, const HfWeig
     }
     w.add(h + "self_attn.o_proj.weight", {C, NH * HS}, fetch(weights, layout, t + "attn.proj.weight"));
     w.add(h + "post_attention_layernorm.weight", {C}, fetch(weights, layout, t + "norm2.weight"));
+    if (m.moe.is_moe_layer(l)) {
+      moe_tensors(m, layout, weights, arch == HfArch::MIXTRAL, t, h, w);
+      continue;
+    }
     // fc 2F rows of C: [gate | up]
     const std::vector<float> fc = fetch(weights, layout, t + "mlp.fc.weight");
     w.add(h + "mlp.gate_proj.weight", {F, C}, fc.data());
@@ -130,7 +154,15 @@ json token_id(int64_t id) { return id < 0 ? json(nullptr) : json(id); }
 }  // namespace
 
 const char* hf_model_type(HfArch arch) {
-  return arch == HfArch::LLAMA ? "llama" : arch == HfArch::QWEN2 ? "qwen2" : arch == HfArch::QWEN3 ? "qwen3" : "gpt2";
+  switch (arch) {
+    case HfArch::LLAMA: return "llama";
+    case HfArch::QWEN2: return "qwen2";
+    case HfArch::QWEN3: return "qwen3";
+    case HfArch::MIXTRAL: return "mixtral";
+    case HfArch::QWEN3_MOE: return "qwen3_moe";
+    case HfArch::GPT2: break;
+  }
+  return "gpt2";
 }
 
 HfArch hf_architecture(const ModelConfig& m) {
@@ -155,8 +187,21 @@ HfArch hf_architecture(const ModelConfig& m) {
       bad.push_back(fmt::format("model.num_kv_heads {} (GPT-2 has multi-head attention only: num_kv_heads "
                                 "= num_heads = {})", m.num_kv_heads, m.num_heads));
   }
-  if (m.moe.enabled())
-    bad.push_back(fmt::format("model.moe.num_experts {} (the export writes dense models only)", m.moe.num_experts));
+  const MoeConfig& moe = m.moe;
+  if (moe.enabled()) {  // Mixtral (no q/k norms) or Qwen3-MoE (q/k norms): experts in every block
+    if (!rope) bad.push_back(fmt::format("model.moe.num_experts {} with GPT-2's layout (Hugging Face's MoE "
+                                         "families are Llama-style)", moe.num_experts));
+    if (m.qkv_bias) bad.push_back("model.qkv_bias true with experts (Qwen2-MoE's shared experts are not exported)");
+    if (moe.every != 1 || moe.first_k_dense_replace != 0)
+      bad.push_back(fmt::format("model.moe.every {} / first_k_dense_replace {} (Mixtral and Qwen3-MoE have "
+                                "experts in every block: 1 and 0)", moe.every, moe.first_k_dense_replace));
+    if (moe.router_topk_scaling_factor.value_or(1.0) != 1.0)
+      bad.push_back(fmt::format("model.moe.router_topk_scaling_factor {} (neither family scales its gates)",
+                                *moe.router_topk_scaling_factor));
+    if (!m.qk_norm && moe.router_pre_softmax)
+      bad.push_back("model.moe.router_pre_softmax true without model.qk_norm (Mixtral renormalises its gates "
+                    "over the top-k: false; Qwen3-MoE, which may not, has q/k norms)");
+  }
   if (!bad.empty()) {
     std::string list;
     for (const std::string& b : bad) list += (list.empty() ? "" : "; ") + b;
@@ -167,6 +212,7 @@ HfArch hf_architecture(const ModelConfig& m) {
         to_string(m.position), rope ? "Llama" : "GPT-2", list));
   }
   if (!rope) return HfArch::GPT2;
+  if (moe.enabled()) return m.qk_norm ? HfArch::QWEN3_MOE : HfArch::MIXTRAL;
   return m.qk_norm ? HfArch::QWEN3 : m.qkv_bias ? HfArch::QWEN2 : HfArch::LLAMA;
 }
 
@@ -195,14 +241,18 @@ json hf_config(const ModelConfig& m, HfArch arch, DType dtype, int64_t eos_token
     // The Llama family's keys; Qwen2 adds its sliding-window switch (off) and has q/k/v biases
     // (implied by its model type), Qwen3 is Qwen2 with attention_bias false and per-head q/k
     // norms (implied by its type), Llama names its biases and its pretraining_tp.
-    const bool qwen = arch == HfArch::QWEN2 || arch == HfArch::QWEN3;
-    json c{{"architectures", {arch == HfArch::QWEN3   ? "Qwen3ForCausalLM"
-                              : arch == HfArch::QWEN2 ? "Qwen2ForCausalLM"
-                                                      : "LlamaForCausalLM"}},
-           {"model_type", arch == HfArch::QWEN3 ? "qwen3" : arch == HfArch::QWEN2 ? "qwen2" : "llama"},
+    const bool qwen = arch == HfArch::QWEN2 || arch == HfArch::QWEN3 || arch == HfArch::QWEN3_MOE;
+    const char* architecture = arch == HfArch::QWEN3       ? "Qwen3ForCausalLM"
+                               : arch == HfArch::QWEN2     ? "Qwen2ForCausalLM"
+                               : arch == HfArch::MIXTRAL   ? "MixtralForCausalLM"
+                               : arch == HfArch::QWEN3_MOE ? "Qwen3MoeForCausalLM"
+                                                           : "LlamaForCausalLM";
+    json c{{"architectures", {architecture}},
+           {"model_type", hf_model_type(arch)},
            {"vocab_size", m.vocab_size},
            {"hidden_size", m.hidden_size},
-           {"intermediate_size", m.ffn_hidden_size},
+           // Mixtral's intermediate_size is its experts' (it has no dense MLP).
+           {"intermediate_size", arch == HfArch::MIXTRAL ? m.moe.ffn_hidden_size : m.ffn_hidden_size},
            {"num_hidden_layers", m.num_layers},
            {"num_attention_heads", m.num_heads},
            {"num_key_value_heads", m.num_kv_heads},
@@ -217,6 +267,26 @@ json hf_config(const ModelConfig& m, HfArch arch, DType dtype, int64_t eos_token
     if (qwen) {
       c["use_sliding_window"] = false;
       c["sliding_window"] = nullptr;
+    }
+    if (m.moe.enabled()) {
+      // The load-balancing coefficient in Hugging Face's convention (E/N^2 sum_e routed_e P_e,
+      // top_k times Tetra's).
+      const double aux = m.moe.aux_loss_coeff / static_cast<double>(m.moe.top_k);
+      if (arch == HfArch::MIXTRAL) {
+        c["sliding_window"] = nullptr;
+        c["num_local_experts"] = m.moe.num_experts;
+        c["num_experts_per_tok"] = m.moe.top_k;
+        c["router_jitter_noise"] = 0.0;
+      } else {
+        c["moe_intermediate_size"] = m.moe.ffn_hidden_size;
+        c["num_experts"] = m.moe.num_experts;
+        c["num_experts_per_tok"] = m.moe.top_k;
+        c["norm_topk_prob"] = !m.moe.router_pre_softmax;
+        c["decoder_sparse_step"] = 1;
+        c["mlp_only_layers"] = json::array();
+      }
+      c["router_aux_loss_coef"] = aux;
+      c["output_router_logits"] = false;
     }
     if (arch != HfArch::QWEN2) c["attention_bias"] = false;
     if (arch == HfArch::LLAMA) {
@@ -252,7 +322,7 @@ std::vector<TensorRecord> hf_tensors(const ModelConfig& m, HfArch arch, DType dt
   const ParamLayout layout = ParamLayout::build(m);
   RecordWriter w{dtype, {}};
   if (arch != HfArch::GPT2)
-    llama_tensors(m, layout, weights, w);
+    llama_tensors(m, layout, weights, arch, w);
   else
     gpt2_tensors(m, layout, weights, w);
   return std::move(w.out);

@@ -132,6 +132,42 @@ void read_rope(const HfConfig& c, json& model) {
   if (!scaling.is_null()) model["rope_scaling"] = scaling;
 }
 
+// The experts of Mixtral (MixtralSparseMoeBlock) and Qwen3-MoE (Qwen3MoeSparseMoeBlock): a
+// linear router without bias, the softmax over all experts, the top-k renormalised (Mixtral
+// always, Qwen3-MoE with norm_topk_prob), SwiGLU experts without biases in every block, dropless.
+// Their load-balancing loss (load_balancing_loss_func) is E/N^2 sum_e routed_e P_e, top_k times
+// Tetra's (Megatron's) E/(N^2 k) sum_e routed_e P_e: the coefficient is scaled to the same objective.
+json moe_block(const HfConfig& c, const std::string& type, std::map<std::string, std::string>& sources) {
+  const bool mixtral = type == "mixtral";
+  const char* experts_key = mixtral ? "num_local_experts" : "num_experts";
+  const char* ffn_key = mixtral ? "intermediate_size" : "moe_intermediate_size";
+  const int64_t E = c.integer(experts_key), K = c.integer("num_experts_per_tok", 2);
+  if (E < 1) c.bad(experts_key, fmt::format("{}: a \"{}\" model has experts", E, type));
+  if (mixtral) {
+    if (c.has("router_jitter_noise") && c.number("router_jitter_noise") != 0.0)
+      c.bad("router_jitter_noise", "multiplicative jitter on the router's input is not supported (0: none)");
+  } else {
+    if (c.integer("decoder_sparse_step", 1) != 1)
+      c.bad("decoder_sparse_step", fmt::format("{}: Tetra's MoE blocks are every model.moe.every-th from block 0; "
+                                               "Qwen's step puts them at blocks step-1, 2 step-1, ... (1: every "
+                                               "block)", c.integer("decoder_sparse_step", 1)));
+    if (c.has("mlp_only_layers") && !(c.j["mlp_only_layers"].is_array() && c.j["mlp_only_layers"].empty()))
+      c.bad("mlp_only_layers", fmt::format("{}: dense blocks among the MoE ones are not imported ([]: none)",
+                                           c.j["mlp_only_layers"].dump()));
+    if (c.has("shared_expert_intermediate_size") && c.integer("shared_expert_intermediate_size") > 0)
+      c.bad("shared_expert_intermediate_size", "shared experts are not imported");
+  }
+  json moe = {{"num_experts", E},
+              {"top_k", K},
+              {"every", 1},
+              {"ffn_hidden_size", c.integer(ffn_key)},
+              {"capacity_factor", nullptr},
+              {"router_pre_softmax", mixtral ? false : !c.boolean("norm_topk_prob", false)},
+              {"aux_loss_coeff", c.number("router_aux_loss_coef", 0.001) * static_cast<double>(K)},
+              {"z_loss_coeff", 0.0}};
+  return moe;
+}
+
 json llama_family(const HfConfig& c, const std::string& type, int64_t seq_len, const std::string& seq_len_from,
                   std::map<std::string, std::string>& sources) {
   const std::string act = c.string("hidden_act", "silu");
@@ -139,13 +175,17 @@ json llama_family(const HfConfig& c, const std::string& type, int64_t seq_len, c
   if (c.boolean("attention_bias", false))
     c.bad("attention_bias", "true: biases on q, k, v and o_proj (Tetra has q/k/v biases only, as Qwen2)");
   if (c.boolean("mlp_bias", false)) c.bad("mlp_bias", "true: biases in the MLP are not supported for this family");
-  if (type == "mistral" && c.has("sliding_window"))
+  if ((type == "mistral" || type == "mixtral") && c.has("sliding_window"))
     c.bad("sliding_window", fmt::format("{}: sliding-window attention is not supported (null: full attention)",
                                         c.j["sliding_window"].dump()));
-  if ((type == "qwen2" || type == "qwen3") && c.boolean("use_sliding_window", false))
+  if ((type == "qwen2" || type == "qwen3" || type == "qwen3_moe") && c.boolean("use_sliding_window", false))
     c.bad("use_sliding_window", "true: sliding-window attention is not supported");
-  for (const char* moe : {"num_experts", "num_local_experts", "n_routed_experts"})
-    if (c.has(moe) && c.integer(moe) > 0) c.bad(moe, "a Mixture-of-Experts router this importer does not map");
+  const bool moe = type == "mixtral" || type == "qwen3_moe";
+  if (!moe)
+    for (const char* key : {"num_experts", "num_local_experts", "n_routed_experts"})
+      if (c.has(key) && c.integer(key) > 0)
+        c.bad(key, fmt::format("experts in a \"{}\" model: Tetra imports Mixture-of-Experts models as \"mixtral\" "
+                               "and \"qwen3_moe\"", type));
   if (c.has("partial_rotary_factor") && c.number("partial_rotary_factor") != 1.0)
     c.bad("partial_rotary_factor", "RoPE on part of each head is not supported");
   const int64_t heads = c.integer("num_attention_heads"), hidden = c.integer("hidden_size");
@@ -180,8 +220,9 @@ json llama_family(const HfConfig& c, const std::string& type, int64_t seq_len, c
             {"tie_embeddings", c.boolean("tie_word_embeddings", false)},
             {"bias", false},
             {"qkv_bias", type == "qwen2"},
-            {"qk_norm", type == "qwen3"}};
+            {"qk_norm", type == "qwen3" || type == "qwen3_moe"}};
   read_rope(c, m);
+  if (moe) m["moe"] = moe_block(c, type, sources);
   return m;
 }
 
@@ -232,13 +273,21 @@ HfModel read_hf_model(const std::string& dir, int64_t seq_len, const std::string
   HfModel hf;
   hf.dir = dir;
   hf.model_type = c.string("model_type", "");
-  if (hf.model_type == "llama" || hf.model_type == "mistral" || hf.model_type == "qwen2" || hf.model_type == "qwen3")
+  if (hf.model_type == "llama" || hf.model_type == "mistral" || hf.model_type == "qwen2" || hf.model_type == "qwen3" ||
+      hf.model_type == "mixtral" || hf.model_type == "qwen3_moe")
     hf.model = llama_family(c, hf.model_type, seq_len, seq_len_from, hf.sources);
+  else if (hf.model_type == "qwen2_moe")
+    c.bad("model_type", "\"qwen2_moe\": its shared expert and shared-expert gate are not imported yet (Tetra "
+                        "imports the Mixture-of-Experts models \"mixtral\" and \"qwen3_moe\")");
+  else if (hf.model_type.rfind("deepseek", 0) == 0)
+    c.bad("model_type", fmt::format("\"{}\": DeepSeek's multi-head latent attention (kv_lora_rank, q_lora_rank) "
+                                    "is not implemented", hf.model_type));
   else if (hf.model_type == "gpt2")
     hf.model = gpt2(c, seq_len, seq_len_from, hf.sources);
   else
     c.bad("model_type", fmt::format("\"{}\" is not imported (Tetra imports \"llama\", \"mistral\", \"qwen2\", "
-                                    "\"qwen3\" and \"gpt2\")", hf.model_type));
+                                    "\"qwen3\", \"gpt2\", and the Mixture-of-Experts \"mixtral\" and "
+                                    "\"qwen3_moe\")", hf.model_type));
   // The weights: one file, or the shards an index names.
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
   if (fs::exists(index)) {
@@ -290,7 +339,7 @@ struct HfParam {
 
 // The mapping of the whole model, in the layout's order: the one list both the check of the files
 // (names, shapes, types: before anything is allocated) and the read go through.
-std::vector<HfParam> hf_params(const ModelConfig& m, bool gpt2) {
+std::vector<HfParam> hf_params(const ModelConfig& m, bool gpt2, const std::string& model_type) {
   const int64_t C = m.hidden_size, V = m.vocab_size, F = m.ffn_hidden_size, L = m.num_layers;
   const int64_t HS = m.head_size(), NH = m.num_heads, NKV = m.num_kv_heads;
   std::vector<HfParam> out;
@@ -312,6 +361,24 @@ std::vector<HfParam> hf_params(const ModelConfig& m, bool gpt2) {
       }
       add(t + "attn.proj.weight", {{h + "self_attn.o_proj.weight", {C, NH * HS}}});
       add(t + "norm2.weight", {{h + "post_attention_layernorm.weight", {C}}});
+      if (m.moe.is_moe_layer(l)) {
+        // Tetra's experts are global (E, 2F, C) [gate | up] and (E, C, F) tensors: each expert's
+        // tensors back to back. Mixtral names them w1 (gate), w3 (up), w2 (down).
+        const bool mixtral = model_type == "mixtral";
+        const std::string moe = h + (mixtral ? "block_sparse_moe." : "mlp.");
+        const int64_t E = m.moe.num_experts, FE = m.moe.ffn_hidden_size;
+        add(t + "mlp.router.weight", {{moe + "gate.weight", {E, C}}});
+        std::vector<HfPart> fc, proj;
+        for (int64_t e = 0; e < E; ++e) {
+          const std::string x = fmt::format("{}experts.{}.", moe, e);
+          fc.push_back({x + (mixtral ? "w1.weight" : "gate_proj.weight"), {FE, C}});
+          fc.push_back({x + (mixtral ? "w3.weight" : "up_proj.weight"), {FE, C}});
+          proj.push_back({x + (mixtral ? "w2.weight" : "down_proj.weight"), {C, FE}});
+        }
+        add(t + "mlp.experts.fc.weight", std::move(fc));
+        add(t + "mlp.experts.proj.weight", std::move(proj));
+        continue;
+      }
       add(t + "mlp.fc.weight", {{h + "mlp.gate_proj.weight", {F, C}}, {h + "mlp.up_proj.weight", {F, C}}});
       add(t + "mlp.proj.weight", {{h + "mlp.down_proj.weight", {C, F}}});
     }
@@ -414,7 +481,7 @@ std::vector<float> read_hf_weights(const HfModel& hf, const ModelConfig& m, uint
     largest = std::max(largest, numel_of(part.shape));
     return it->second;
   };
-  const std::vector<HfParam> params = hf_params(m, gpt2);
+  const std::vector<HfParam> params = hf_params(m, gpt2, hf.model_type);
   for (const HfParam& p : params)
     for (const HfPart& part : p.parts) check(part);
   const std::string embed = gpt2 ? "transformer.wte.weight" : "model.embed_tokens.weight";
