@@ -252,6 +252,15 @@ class Backend {
                                  float scale) = 0;
   virtual void moe_gates_backward(float* dtopk_prob, const float* dgates, const float* topk_prob, int64_t N,
                                   int64_t K, bool normalize, float scale) = 0;
+  // The shared expert's sigmoid gate (math::moe_shared_gate, _grad): gate (N) F32 = sigmoid(logits)
+  // and out[i, :] += gate[i] y[i, :] (fp32, rounded to act once). Backward: dy[i, :] = gate[i]
+  // dout[i, :] and dlogits[i] = gate[i] (1 - gate[i]) sum_c dout[i, c] y[i, c] (fp32; linear in y,
+  // so with y a TP partial sum dlogits is the partial sum of the whole's). out, y, dout, dy (N, C)
+  // of type act; dy may not alias dout or y.
+  virtual void moe_shared_gate_forward(void* out, float* gate, const float* logits, const void* y, int64_t N,
+                                       int64_t C, DType act) = 0;
+  virtual void moe_shared_gate_backward(void* dy, float* dlogits, const void* dout, const void* y,
+                                        const float* gate, int64_t N, int64_t C, DType act) = 0;
   // Row gather (token permutation): dst[p, :] = src[rows[p], :] for p < M; rows of C elements of
   // type act. dst must not alias src.
   virtual void moe_gather_rows(void* dst, const void* src, const int32_t* rows, int64_t M,

@@ -361,6 +361,11 @@ TETRA_HD void moe_gates_row_backward(float* dp, const float* dg, const float* p,
   for (int64_t k = 0; k < K; ++k) dp[k] = f * (dg[k] - c);
 }
 
+// The shared expert's gate of one token from its logit h . w_gate (Qwen2-MoE's shared_expert_gate),
+// and the logit's gradient from dot = <dout, shared expert output>: d/dx sigmoid(x) = g (1 - g).
+TETRA_HD float moe_shared_gate(float logit) { return sigmoid(logit); }
+TETRA_HD float moe_shared_gate_grad(float gate, float dot) { return dot * gate * (1.0f - gate); }
+
 // ---------------------------------------------------------------------------------------------
 // Integer rounding of sizes, counts and grid dimensions (x >= 0, m > 0), in x's type (m is
 // converted to it): ceil_div(x, m) = ceil(x / m); round_up(x, m) = x rounded up to a multiple of m.

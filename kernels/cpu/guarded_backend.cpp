@@ -276,6 +276,17 @@ class GuardedBackend final : public Backend {
     Open o(*this, "moe_gates_backward", {{dtopk_prob, "dtopk_prob"}, {dgates, "dgates"}, {topk_prob, "topk_prob"}});
     inner_->moe_gates_backward(dtopk_prob, dgates, topk_prob, N, K, normalize, scale);
   }
+  void moe_shared_gate_forward(void* out, float* gate, const float* logits, const void* y, int64_t N, int64_t C,
+                               DType act) override {
+    Open o(*this, "moe_shared_gate_forward", {{out, "out"}, {gate, "gate"}, {logits, "logits"}, {y, "y"}});
+    inner_->moe_shared_gate_forward(out, gate, logits, y, N, C, act);
+  }
+  void moe_shared_gate_backward(void* dy, float* dlogits, const void* dout, const void* y, const float* gate,
+                                int64_t N, int64_t C, DType act) override {
+    Open o(*this, "moe_shared_gate_backward",
+           {{dy, "dy"}, {dlogits, "dlogits"}, {dout, "dout"}, {y, "y"}, {gate, "gate"}});
+    inner_->moe_shared_gate_backward(dy, dlogits, dout, y, gate, N, C, act);
+  }
   void moe_gather_rows(void* dst, const void* src, const int32_t* rows, int64_t M, int64_t C, DType act) override {
     Open o(*this, "moe_gather_rows", {{dst, "dst"}, {src, "src"}, {rows, "rows"}});
     inner_->moe_gather_rows(dst, src, rows, M, C, act);

@@ -76,6 +76,37 @@ void combine_backward_impl(T* dy, float* dw, const T* dout, const T* y, const in
   }
 }
 
+template <typename T>
+void shared_gate_impl(T* out, float* gate, const float* logits, const T* y, int64_t N, int64_t C, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t i = 0; i < N; ++i) {
+    const float g = math::moe_shared_gate(logits[i]);
+    gate[i] = g;
+    T* o = out + i * C;
+    const T* yr = y + i * C;
+    for (int64_t c = 0; c < C; ++c) o[c] = from_f32<T>(to_f32(o[c]) + g * to_f32(yr[c]));
+  }
+}
+
+template <typename T>
+void shared_gate_backward_impl(T* dy, float* dlogits, const T* dout, const T* y, const float* gate, int64_t N,
+                               int64_t C, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t i = 0; i < N; ++i) {
+    const float g = gate[i];
+    const T* d = dout + i * C;
+    const T* yr = y + i * C;
+    T* dyr = dy + i * C;
+    float dot = 0.0f;
+    for (int64_t c = 0; c < C; ++c) {
+      const float dc = to_f32(d[c]);
+      dot += dc * to_f32(yr[c]);
+      dyr[c] = from_f32<T>(g * dc);
+    }
+    dlogits[i] = math::moe_shared_gate_grad(g, dot);
+  }
+}
+
 }  // namespace
 
 void CpuBackend::moe_router_forward(float* probs, float* lse, int32_t* topk_idx, float* topk_prob,
@@ -141,6 +172,25 @@ void CpuBackend::moe_gates_backward(float* dtopk_prob, const float* dgates, cons
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int64_t i = 0; i < N; ++i)
     math::moe_gates_row_backward(dtopk_prob + i * K, dgates + i * K, topk_prob + i * K, K, normalize, scale);
+}
+
+void CpuBackend::moe_shared_gate_forward(void* out, float* gate, const float* logits, const void* y, int64_t N,
+                                         int64_t C, DType act) {
+  const int nt = team_size(threads_);
+  with_float_type(act, "moe_shared_gate_forward", "activation type", [&](auto tag) {
+    using T = decltype(tag);
+    shared_gate_impl<T>(static_cast<T*>(out), gate, logits, static_cast<const T*>(y), N, C, nt);
+  });
+}
+
+void CpuBackend::moe_shared_gate_backward(void* dy, float* dlogits, const void* dout, const void* y,
+                                          const float* gate, int64_t N, int64_t C, DType act) {
+  const int nt = team_size(threads_);
+  with_float_type(act, "moe_shared_gate_backward", "activation type", [&](auto tag) {
+    using T = decltype(tag);
+    shared_gate_backward_impl<T>(static_cast<T*>(dy), dlogits, static_cast<const T*>(dout),
+                                 static_cast<const T*>(y), gate, N, C, nt);
+  });
 }
 
 void CpuBackend::moe_gather_rows(void* dst, const void* src, const int32_t* rows, int64_t M, int64_t C,

@@ -141,6 +141,10 @@ class CudaBackend final : public Backend {
                          float scale) override;
   void moe_gates_backward(float* dtopk_prob, const float* dgates, const float* topk_prob, int64_t N, int64_t K,
                           bool normalize, float scale) override;
+  void moe_shared_gate_forward(void* out, float* gate, const float* logits, const void* y, int64_t N, int64_t C,
+                               DType act) override;
+  void moe_shared_gate_backward(void* dy, float* dlogits, const void* dout, const void* y, const float* gate,
+                                int64_t N, int64_t C, DType act) override;
   void moe_gather_rows(void* dst, const void* src, const int32_t* rows, int64_t M, int64_t C,
                        DType act) override;
   void moe_combine(void* out, const void* y, const int32_t* pos, const float* weights, int64_t N,

@@ -205,6 +205,54 @@ combine_backward_kernel(T* dy, float* dw, const T* dout, const T* y, const int32
   if (threadIdx.x == 0) dw[a] = dot;
 }
 
+// ---- the shared expert's gate ---------------------------------------------------------------
+
+// One block per token i: gate[i] = sigmoid(logits[i]), out[i, :] += gate[i] y[i, :] (fp32).
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kRowThreads)
+shared_gate_kernel(T* out, float* gate, const float* logits, const T* y, int64_t C) {
+  const int64_t i = blockIdx.x;
+  const float g = math::moe_shared_gate(logits[i]);
+  if (threadIdx.x == 0) gate[i] = g;
+  T* o = out + i * C;
+  const T* yr = y + i * C;
+  for (int64_t c = threadIdx.x * int64_t{VEC}; c < C; c += int64_t{blockDim.x} * VEC) {
+    const Pack<T, VEC> a = load_pack<T, VEC>(o + c);
+    const Pack<T, VEC> yv = load_pack<T, VEC>(yr + c);
+    Pack<T, VEC> r;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) r.v[v] = from_float<T>(fmaf(g, to_float(yv.v[v]), to_float(a.v[v])));
+    store_pack<T, VEC>(o + c, r);
+  }
+}
+
+// One block per token i: dy[i, :] = gate[i] dout[i, :], dlogits[i] = gate (1 - gate) <dout_i, y_i>.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kRowThreads)
+shared_gate_backward_kernel(T* dy, float* dlogits, const T* dout, const T* y, const float* gate, int64_t C) {
+  __shared__ float reduce[32];
+  const int64_t i = blockIdx.x;
+  const float g = gate[i];
+  const T* d = dout + i * C;
+  const T* yr = y + i * C;
+  T* dyr = dy + i * C;
+  float dot = 0.0f;
+  for (int64_t c = threadIdx.x * int64_t{VEC}; c < C; c += int64_t{blockDim.x} * VEC) {
+    const Pack<T, VEC> dv = load_pack<T, VEC>(d + c);
+    const Pack<T, VEC> yv = load_pack<T, VEC>(yr + c);
+    Pack<T, VEC> r;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      const float dc = to_float(dv.v[v]);
+      dot = fmaf(dc, to_float(yv.v[v]), dot);
+      r.v[v] = from_float<T>(__fmul_rn(g, dc));
+    }
+    store_pack<T, VEC>(dyr + c, r);
+  }
+  dot = block_sum(dot, reduce);
+  if (threadIdx.x == 0) dlogits[i] = math::moe_shared_gate_grad(g, dot);
+}
+
 // Picks the 16-byte path for row kernels over (rows, C) of T when every row start is aligned.
 template <typename T>
 bool rows_vectorisable(int64_t C, std::initializer_list<const void*> ptrs) {
@@ -330,6 +378,51 @@ void CudaBackend::moe_combine_backward(void* dy, float* dweights, const void* do
     } else {
       cuda::combine_backward_kernel<T, 1><<<blocks, cuda::kRowThreads, 0, stream>>>(
           d_y, dweights, d_out, yy, pos, weights, K, C);
+    }
+    TETRA_CUDA_LAUNCHED();
+  });
+}
+
+void CudaBackend::moe_shared_gate_forward(void* out, float* gate, const float* logits, const void* y, int64_t N,
+                                          int64_t C, DType act) {
+  TETRA_CHECK(N >= 0 && C >= 0, "moe_shared_gate_forward: N {} C {}", N, C);
+  if (N == 0) return;
+  TETRA_CHECK(N <= 0x7fffffff, "moe_shared_gate_forward: N ({}) too large", N);
+  const cudaStream_t stream = cuda::as_stream(stream_);
+  cuda::with_float_type(act, "moe_shared_gate_forward", "activation type", [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kVec = cuda::kVec16<T>;
+    T* o = static_cast<T*>(out);
+    const T* yy = static_cast<const T*>(y);
+    if (cuda::rows_vectorisable<T>(C, {o, yy})) {
+      cuda::shared_gate_kernel<T, kVec><<<static_cast<unsigned>(N), cuda::kRowThreads, 0, stream>>>(o, gate, logits,
+                                                                                                    yy, C);
+    } else {
+      cuda::shared_gate_kernel<T, 1><<<static_cast<unsigned>(N), cuda::kRowThreads, 0, stream>>>(o, gate, logits, yy,
+                                                                                                 C);
+    }
+    TETRA_CUDA_LAUNCHED();
+  });
+}
+
+void CudaBackend::moe_shared_gate_backward(void* dy, float* dlogits, const void* dout, const void* y,
+                                           const float* gate, int64_t N, int64_t C, DType act) {
+  TETRA_CHECK(N >= 0 && C >= 0, "moe_shared_gate_backward: N {} C {}", N, C);
+  if (N == 0) return;
+  TETRA_CHECK(N <= 0x7fffffff, "moe_shared_gate_backward: N ({}) too large", N);
+  const cudaStream_t stream = cuda::as_stream(stream_);
+  cuda::with_float_type(act, "moe_shared_gate_backward", "activation type", [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kVec = cuda::kVec16<T>;
+    T* d_y = static_cast<T*>(dy);
+    const T* d_out = static_cast<const T*>(dout);
+    const T* yy = static_cast<const T*>(y);
+    if (cuda::rows_vectorisable<T>(C, {d_y, d_out, yy})) {
+      cuda::shared_gate_backward_kernel<T, kVec><<<static_cast<unsigned>(N), cuda::kRowThreads, 0, stream>>>(
+          d_y, dlogits, d_out, yy, gate, C);
+    } else {
+      cuda::shared_gate_backward_kernel<T, 1><<<static_cast<unsigned>(N), cuda::kRowThreads, 0, stream>>>(
+          d_y, dlogits, d_out, yy, gate, C);
     }
     TETRA_CUDA_LAUNCHED();
   });

@@ -1,5 +1,6 @@
 // The Mixture-of-Experts ops on the GPU against the CPU backend: router forward (softmax, lse,
-// top-k with ties to the lower index) and backward, the row gather, combine and its backward.
+// top-k with ties to the lower index) and backward, the row gather, combine and its backward, the
+// gates and the shared expert's sigmoid gate.
 // Odd sizes throughout; the row ops also run with pointers one element off the 16-byte grid, so
 // the 16-byte, 4-byte and 2-byte copy paths all run.
 #include <algorithm>
@@ -325,4 +326,70 @@ TEST_CASE("cuda moe_gates_forward and backward vs cpu", "[cuda][moe]") {
   }
 }
 
+}  // namespace tetra::cuda_testing
+
+namespace tetra::cuda_testing {
+namespace {
+
+// The shared expert's sigmoid gate (math::moe_shared_gate and _grad on both sides): gate and
+// out += gate y forward; dy = gate dout (bit for bit: one product of the same values) and
+// dlogits = gate (1 - gate) <dout, y> backward. The GPU may contract the sigmoid's and the
+// update's multiply-adds into FMAs and sums the dot in another order: the gate is held to a few
+// units of fp32 rounding, out to those of its terms plus one storage rounding, dlogits to the
+// dot's rounding over C terms.
+TEST_CASE("cuda moe_shared_gate_forward and backward vs cpu", "[cuda][moe]") {
+  Backends& be = backends();
+  uint64_t seed = 400;
+  for (int64_t N : {1, 17, 300}) {
+    for (int64_t C : {1, 8, 768, 771}) {
+      for (DType act : {DType::F32, DType::BF16, DType::F16}) {
+        for (int64_t offset : {0, 1}) {
+          INFO("N=" << N << " C=" << C << " offset=" << offset << " " << dtype_name(act));
+          std::vector<float> lg = random_values(static_cast<size_t>(N), seed += 3);
+          for (float& v : lg) v *= 3.0f;
+          Twin logits(lg, DType::F32), gate(N, DType::F32), dlogits(N, DType::F32);
+          Twin y(random_values(static_cast<size_t>(offset + N * C), seed += 3), act);
+          Twin out(random_values(static_cast<size_t>(offset + N * C), seed += 3), act);
+          Twin dout(random_values(static_cast<size_t>(offset + N * C), seed += 3), act);
+          Twin dy(random_values(static_cast<size_t>(offset + N * C), seed += 3), act);
+          const std::vector<float> out0 = out.cpu_values(), yv = y.cpu_values(), d = dout.cpu_values();
+          be.cpu->moe_shared_gate_forward(at(out.cpu(), offset, act), gate.cpu_f32(), logits.cpu_f32(),
+                                          at(y.cpu(), offset, act), N, C, act);
+          be.gpu->moe_shared_gate_forward(at(out.gpu(), offset, act), gate.gpu_f32(), logits.gpu_f32(),
+                                          at(y.gpu(), offset, act), N, C, act);
+          const std::vector<float> g = gate.cpu_values();
+          std::vector<double> tol_g(static_cast<size_t>(N));
+          for (int64_t i = 0; i < N; ++i) tol_g[i] = 16 * kU * g[i];
+          require_within(g, gate.gpu_values(), tol_g, "gate");
+          const std::vector<float> ref = out.cpu_values();
+          const double round = act == DType::F32 ? 2.0 * kU : storage_ulp(act);
+          std::vector<double> tol(ref.size(), 0.0);
+          for (int64_t i = 0; i < N; ++i)
+            for (int64_t c = 0; c < C; ++c) {
+              const size_t e = static_cast<size_t>(offset + i * C + c);
+              tol[e] = 4.0 * kU * (std::fabs(out0[e]) + 5.0 * std::fabs(g[i] * yv[e])) + round * std::fabs(ref[e]);
+            }
+          require_within(ref, out.gpu_values(), tol, "out");
+          gate.upload(g);  // both backwards from the same gate: dy is then one product of the same values
+
+          be.cpu->moe_shared_gate_backward(at(dy.cpu(), offset, act), dlogits.cpu_f32(), at(dout.cpu(), offset, act),
+                                           at(y.cpu(), offset, act), gate.cpu_f32(), N, C, act);
+          be.gpu->moe_shared_gate_backward(at(dy.gpu(), offset, act), dlogits.gpu_f32(), at(dout.gpu(), offset, act),
+                                           at(y.gpu(), offset, act), gate.gpu_f32(), N, C, act);
+          REQUIRE(dy.gpu_values() == dy.cpu_values());
+          std::vector<double> tol_d(static_cast<size_t>(N));
+          for (int64_t i = 0; i < N; ++i) {
+            double s = 0.0;
+            for (int64_t c = 0; c < C; ++c)
+              s += std::fabs(static_cast<double>(d[offset + i * C + c]) * yv[offset + i * C + c]);
+            tol_d[i] = (2.0 * (C + 1) + 4.0) * kU * s * g[i] * (1.0 - g[i]) + 1e-30;
+          }
+          require_within(dlogits.cpu_values(), dlogits.gpu_values(), tol_d, "dlogits");
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
 }  // namespace tetra::cuda_testing

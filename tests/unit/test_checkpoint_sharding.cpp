@@ -2,6 +2,7 @@
 // DP shards of the distributed optimizer), every other layout reassembles exactly its own part.
 // Each global element's value is its global index, so any misplaced element is caught. The
 // vocabulary is padded differently on every tp: the padding is in no slice and loads as nothing.
+// MoE models with a shared expert: the experts and the shared expert's TP slices alike.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -45,6 +46,16 @@ ModelConfig gpt2_like() {
   return m;
 }
 
+// Mixture of Experts with a shared expert beside the routed ones (gated: Qwen2-MoE), every block.
+ModelConfig with_shared_expert(ModelConfig m) {
+  m.moe.num_experts = 4;
+  m.moe.top_k = 2;
+  m.moe.ffn_hidden_size = 16;
+  m.moe.shared_expert_ffn_hidden_size = 24;
+  m.moe.shared_expert_gate = true;
+  return m;
+}
+
 struct Saved {
   SliceRegion region;
   std::vector<float> values;
@@ -85,7 +96,7 @@ std::vector<Saved> save(const ModelConfig& m, const std::string& name, int tp, i
 
 TEST_CASE("checkpoint slices: every layout reassembles its part from every other layout's slices",
           "[checkpoint]") {
-  for (const ModelConfig& m : {llama_like(), gpt2_like()}) {
+  for (const ModelConfig& m : {llama_like(), gpt2_like(), with_shared_expert(llama_like()), with_shared_expert(gpt2_like())}) {
     const ParamLayout whole = ParamLayout::build(m);
     for (const ParamSpec& spec : whole.params) {
       for (int save_tp : {1, 2, 4})

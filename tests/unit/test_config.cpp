@@ -56,6 +56,8 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.model.moe.router_pre_softmax == b.model.moe.router_pre_softmax);
   CHECK(a.model.moe.router_topk_scaling_factor == b.model.moe.router_topk_scaling_factor);
   CHECK(a.model.moe.first_k_dense_replace == b.model.moe.first_k_dense_replace);
+  CHECK(a.model.moe.shared_expert_ffn_hidden_size == b.model.moe.shared_expert_ffn_hidden_size);
+  CHECK(a.model.moe.shared_expert_gate == b.model.moe.shared_expert_gate);
   CHECK(a.model.moe.aux_loss_coeff == b.model.moe.aux_loss_coeff);
   CHECK(a.model.moe.z_loss_coeff == b.model.moe.z_loss_coeff);
   CHECK(a.parallel.dp == b.parallel.dp);
@@ -154,6 +156,7 @@ json every_key() {
               "moe": {"num_experts": 0, "top_k": 1, "every": 2, "ffn_hidden_size": 512,
                       "capacity_factor": 1.25, "max_load_factor": null, "router_pre_softmax": false,
                       "router_topk_scaling_factor": 2.5, "first_k_dense_replace": 1,
+                      "shared_expert_ffn_hidden_size": 256, "shared_expert_gate": true,
                       "aux_loss_coeff": 0.02, "z_loss_coeff": 0.001}},
     "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "cp": 1, "cp_comm": "all_gather", "order": "tp-pp-dp",
                  "sequence_parallel": true, "distributed_optimizer": true, "zero_stage": 3, "reshard_after_forward": false, "bucket_size": 1000,
@@ -290,6 +293,16 @@ TEST_CASE("config: derived values", "[config]") {
     for (const char* gc : {"int8", "onebit"})
       require_one(with(with(with(base(), "parallel.zero_stage", 2), "parallel.dp", 2), "parallel.grad_compression", gc),
                   fmt::format("parallel.grad_compression: \"{}\": ", gc), "cannot be combined with parallel.zero_stage 2");
+  }
+  SECTION("shared experts: the gate needs one; the width splits over tp") {
+    const json moe = with(base(), "model.moe.num_experts", 4);
+    CHECK(problems_of(with(with(moe, "model.moe.shared_expert_ffn_hidden_size", 96), "model.moe.shared_expert_gate",
+                           true)).empty());
+    require_one(with(moe, "model.moe.shared_expert_gate", true), "model.moe.shared_expert_gate: true: ",
+                "model.moe.shared_expert_ffn_hidden_size is 0");
+    require_one(with(with(with(moe, "model.moe.shared_expert_ffn_hidden_size", 97), "parallel.tp", 2),
+                     "model.num_heads", 4),
+                "model.moe.shared_expert_ffn_hidden_size: 97: ", "must be a multiple of parallel.tp (2)");
   }
   SECTION("data lists: a plain string has weight 1, objects keep their weight") {
     const Config c = config_from_json(json::parse(R"({"data": {

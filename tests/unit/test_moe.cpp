@@ -1,8 +1,8 @@
-// The Mixture-of-Experts layer (trainer/model/moe.h) at ep = 1 against a plain-loop reference of
-// routing and expert math (double precision), its backward against central finite differences
-// (expert weights, biases, router, input), the load-balancing and z losses' values and
-// gradients, dropped tokens under a capacity factor, a degenerate router, and a whole MoE model's
-// gradients through Gpt.
+// The Mixture-of-Experts layer (trainer/model/moe.h, its shared expert moe_shared.h) at ep = 1
+// against a plain-loop reference of routing and expert math (double precision), its backward
+// against central finite differences (expert weights, biases, router, shared expert and its gate,
+// input), the load-balancing and z losses' values and gradients, dropped tokens under a capacity
+// factor, a degenerate router, and a whole MoE model's gradients through Gpt.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -20,10 +20,13 @@ using namespace tetra;
 namespace {
 
 // The router's gates: as the probabilities are (Switch), or renormalised over the top-k
-// (Mixtral), times a scaling factor (DeepSeek).
+// (Mixtral), times a scaling factor (DeepSeek); and a shared expert of that width (0: none),
+// plain (DeepSeek) or with its sigmoid gate (Qwen2-MoE).
 struct Gates {
   bool pre_softmax = true;
   std::optional<double> scale;
+  int64_t shared = 0;
+  bool shared_gate = false;
 };
 
 ModelConfig moe_config(bool swiglu, int64_t K, std::optional<double> capacity, Gates gates = {}) {
@@ -46,8 +49,13 @@ ModelConfig moe_config(bool swiglu, int64_t K, std::optional<double> capacity, G
   m.moe.z_loss_coeff = 0.25;
   m.moe.router_pre_softmax = gates.pre_softmax;
   m.moe.router_topk_scaling_factor = gates.scale;
+  m.moe.shared_expert_ffn_hidden_size = gates.shared;
+  m.moe.shared_expert_gate = gates.shared_gate;
   return m;
 }
+
+double gelu_ref(double u) { return 0.5 * u * (1.0 + std::tanh(0.7978845608028654 * (u + 0.044715 * u * u * u))); }
+double silu_ref(double u) { return u / (1.0 + std::exp(-u)); }
 
 // The layer's math in plain loops, double precision, from fp32 values.
 struct Reference {
@@ -110,9 +118,7 @@ Reference reference(const ModelConfig& m, const ParamLayout& L, const std::vecto
           acc += static_cast<double>(w[p.experts_fc_w + (best * FC + f) * C + c]) * h[i * C + c];
         u[f] = acc;
       }
-      for (int64_t f = 0; f < F; ++f)
-        a[f] = swiglu ? u[f] / (1.0 + std::exp(-u[f])) * u[F + f]
-                      : 0.5 * u[f] * (1.0 + std::tanh(0.7978845608028654 * (u[f] + 0.044715 * u[f] * u[f] * u[f])));
+      for (int64_t f = 0; f < F; ++f) a[f] = swiglu ? silu_ref(u[f]) * u[F + f] : gelu_ref(u[f]);
       for (int64_t c = 0; c < C; ++c) {
         double y = p.experts_proj_b >= 0 ? w[p.experts_proj_b + best * C + c] : 0.0;
         for (int64_t f = 0; f < F; ++f) y += static_cast<double>(w[p.experts_proj_w + (best * C + c) * F + f]) * a[f];
@@ -121,6 +127,31 @@ Reference reference(const ModelConfig& m, const ParamLayout& L, const std::vecto
     }
   }
   for (int64_t e = 0; e < E; ++e) r.aux += static_cast<double>(E) / (N * N * K) * routed[e] * psum[e];
+  // The shared expert, on every token: out += g s, s = W2 act(W1 h + b1) + b2, g = sigmoid(h . w_g)
+  // with the gate, else 1.
+  if (m.moe.has_shared_expert()) {
+    const int64_t FS = m.moe.shared_expert_ffn_hidden_size, FSC = swiglu ? 2 * FS : FS;
+    for (int64_t i = 0; i < N; ++i) {
+      std::vector<double> u(FSC), a(FS);
+      for (int64_t f = 0; f < FSC; ++f) {
+        double acc = p.shared_fc_b >= 0 ? w[p.shared_fc_b + f] : 0.0;
+        for (int64_t c = 0; c < C; ++c) acc += static_cast<double>(w[p.shared_fc_w + f * C + c]) * h[i * C + c];
+        u[f] = acc;
+      }
+      for (int64_t f = 0; f < FS; ++f) a[f] = swiglu ? silu_ref(u[f]) * u[FS + f] : gelu_ref(u[f]);
+      double g = 1.0;
+      if (m.moe.shared_expert_gate) {
+        double logit = 0;
+        for (int64_t c = 0; c < C; ++c) logit += static_cast<double>(w[p.shared_gate_w + c]) * h[i * C + c];
+        g = 1.0 / (1.0 + std::exp(-logit));
+      }
+      for (int64_t c = 0; c < C; ++c) {
+        double s = p.shared_proj_b >= 0 ? w[p.shared_proj_b + c] : 0.0;
+        for (int64_t f = 0; f < FS; ++f) s += static_cast<double>(w[p.shared_proj_w + c * FS + f]) * a[f];
+        r.out[i * C + c] += g * s;
+      }
+    }
+  }
   return r;
 }
 
@@ -258,6 +289,24 @@ TEST_CASE("MoE layer backward matches finite differences (experts, router, input
   check_backward(false, 2, 0.5, 1.0f, Gates{true, 0.5});
 }
 
+TEST_CASE("MoE shared expert: forward matches the reference (gelu, swiglu, plain, gated)", "[moe]") {
+  for (bool swiglu : {false, true})
+    for (bool gate : {false, true}) {
+      INFO("swiglu " << swiglu << " gate " << gate);
+      check_forward(swiglu, 2, std::nullopt, Gates{true, std::nullopt, 24, gate});
+      check_forward(swiglu, 1, 0.5, Gates{false, std::nullopt, 8, gate});  // with drops: the shared expert still runs
+    }
+}
+
+TEST_CASE("MoE shared expert: backward matches finite differences (its MLP, its gate, the input)", "[moe][gradcheck]") {
+  for (bool swiglu : {false, true})
+    for (bool gate : {false, true}) {
+      INFO("swiglu " << swiglu << " gate " << gate);
+      check_backward(swiglu, 2, std::nullopt, 1.0f, Gates{true, std::nullopt, 24, gate});
+      check_backward(swiglu, 2, std::nullopt, 1.0f, Gates{false, 2.5, 8, gate});
+    }
+}
+
 TEST_CASE("MoE degenerate router: every token to one expert, the capacity keeps exactly the first tokens", "[moe]") {
   for (int64_t K : {1, 2}) {
     LayerHarness t(false, K, 1.0);
@@ -284,39 +333,48 @@ TEST_CASE("MoE degenerate router: every token to one expert, the capacity keeps 
 }
 
 TEST_CASE("MoE layer in bf16 follows the fp32 reference within bf16 rounding", "[moe]") {
-  LayerHarness t(true, 2, 1.0, DType::BF16);
-  // Round inputs and weights to bf16 so both see the same values.
-  auto round = [](std::vector<float>& v) {
-    for (float& x : v) x = static_cast<float>(bf16(x));
-  };
-  round(t.w), round(t.h), round(t.res);
-  std::vector<bf16> w(t.w.size()), h(t.h.size()), res(t.res.size()), out(t.out.size());
-  for (size_t i = 0; i < w.size(); ++i) w[i] = bf16(t.w[i]);
-  for (size_t i = 0; i < h.size(); ++i) h[i] = bf16(t.h[i]), res[i] = bf16(t.res[i]);
-  t.moe->forward(0, WeightView(w.data(), nullptr, sizeof(w[0])), h.data(), res.data(), out.data(), 1.0f);
-  const Reference r = reference(t.cfg, t.layout, t.w, t.h, t.res, t.N);
-  std::vector<float> got(out.size());
-  for (size_t i = 0; i < out.size(); ++i) got[i] = static_cast<float>(out[i]);
-  // bf16 rounding (2^-9 relative) of u, a, y and the output, on values O(1): ~1e-2 absolute.
-  tetra_test::expect_close(got, r.out, {3e-2, 2e-2}, "bf16 MoE output");
-  // Backward runs and gives finite values of the fp32 gradients' magnitude.
-  std::vector<bf16> dout(out.size(), bf16(0.1f)), dh(out.size());
-  std::vector<float> grads(t.layout.total, 0.0f);
-  t.moe->backward(0, WeightView(w.data(), nullptr, sizeof(w[0])), grads.data(), h.data(), dout.data(), dh.data());
-  double n2 = 0;
-  for (float g : grads) n2 += static_cast<double>(g) * g;
-  CHECK(std::isfinite(n2));
-  CHECK(n2 > 0);
+  for (const Gates gates : {Gates{}, Gates{true, std::nullopt, 24, true}}) {
+    INFO("shared expert " << gates.shared);
+    LayerHarness t(true, 2, 1.0, DType::BF16, gates);
+    // Round inputs and weights to bf16 so both see the same values.
+    auto round = [](std::vector<float>& v) {
+      for (float& x : v) x = static_cast<float>(bf16(x));
+    };
+    round(t.w), round(t.h), round(t.res);
+    std::vector<bf16> w(t.w.size()), h(t.h.size()), res(t.res.size()), out(t.out.size());
+    for (size_t i = 0; i < w.size(); ++i) w[i] = bf16(t.w[i]);
+    for (size_t i = 0; i < h.size(); ++i) h[i] = bf16(t.h[i]), res[i] = bf16(t.res[i]);
+    t.moe->forward(0, WeightView(w.data(), nullptr, sizeof(w[0])), h.data(), res.data(), out.data(), 1.0f);
+    const Reference r = reference(t.cfg, t.layout, t.w, t.h, t.res, t.N);
+    std::vector<float> got(out.size());
+    for (size_t i = 0; i < out.size(); ++i) got[i] = static_cast<float>(out[i]);
+    // bf16 rounding (2^-9 relative) of u, a, y and the output, on values O(1): ~1e-2 absolute.
+    tetra_test::expect_close(got, r.out, {3e-2, 2e-2}, "bf16 MoE output");
+    // Backward runs and gives finite values of the fp32 gradients' magnitude.
+    std::vector<bf16> dout(out.size(), bf16(0.1f)), dh(out.size());
+    std::vector<float> grads(t.layout.total, 0.0f);
+    t.moe->backward(0, WeightView(w.data(), nullptr, sizeof(w[0])), grads.data(), h.data(), dout.data(), dh.data());
+    double n2 = 0;
+    for (float g : grads) n2 += static_cast<double>(g) * g;
+    CHECK(std::isfinite(n2));
+    CHECK(n2 > 0);
+  }
 }
 
 TEST_CASE("MoE model (every other block): Gpt backward matches finite differences of loss + aux + z", "[moe][gradcheck]") {
   ModelConfig m = moe_config(false, 2, std::nullopt);
   m.num_layers = 2;
   m.moe.every = 2;  // block 0 MoE, block 1 dense
+  m.moe.shared_expert_ffn_hidden_size = 8;  // with a gated shared expert (Qwen2-MoE)
+  m.moe.shared_expert_gate = true;
   const ParamLayout L = ParamLayout::build(m);
   REQUIRE(L.blocks[0].moe);
   REQUIRE(!L.blocks[1].moe);
   REQUIRE(L.find("layers.0.mlp.experts.fc.weight")->shape == std::vector<int64_t>{4, 8, 16});
+  REQUIRE(L.find("layers.0.mlp.shared_expert.fc.weight")->shape == std::vector<int64_t>{8, 16});
+  REQUIRE(L.find("layers.0.mlp.shared_expert.proj.weight")->shape == std::vector<int64_t>{16, 8});
+  REQUIRE(L.find("layers.0.mlp.shared_expert_gate.weight")->shape == std::vector<int64_t>{1, 16});
+  REQUIRE(!L.find("layers.1.mlp.shared_expert.fc.weight"));
   REQUIRE(L.find("layers.1.mlp.fc.weight"));
   auto be = make_cpu_backend(1);
   const int64_t B = 2, N = B * m.seq_len;

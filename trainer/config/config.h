@@ -263,6 +263,12 @@ struct MoeConfig {
   bool router_pre_softmax = true;
   std::optional<double> router_topk_scaling_factor;  // gates multiplied by it (DeepSeek's routed_scaling_factor); null = 1
   int64_t first_k_dense_replace = 0;  // blocks [0, k) keep the dense MLP (DeepSeek's first_k_dense_replace)
+  // Shared experts (Qwen2-MoE, DeepSeek, Megatron's moe_shared_expert_*): an MLP of this hidden
+  // width beside the routed experts of every MoE block, run on every token; 0 = none. With
+  // shared_expert_gate its output is scaled per token by sigmoid(h w_gate) (Qwen2-MoE).
+  int64_t shared_expert_ffn_hidden_size = 0;
+  bool shared_expert_gate = false;
+  bool has_shared_expert() const { return shared_expert_ffn_hidden_size > 0; }
   double aux_loss_coeff = 0.01;           // Switch / GShard load-balancing loss
   double z_loss_coeff = 0.0;              // router z-loss (ST-MoE)
   bool enabled() const { return num_experts > 0; }

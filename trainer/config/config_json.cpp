@@ -36,6 +36,8 @@ void visit_moe(M& m, V& v) {
   v.boolean("router_pre_softmax", m.router_pre_softmax);
   v.optional_number("router_topk_scaling_factor", m.router_topk_scaling_factor);
   v.integer("first_k_dense_replace", m.first_k_dense_replace);
+  v.integer("shared_expert_ffn_hidden_size", m.shared_expert_ffn_hidden_size);
+  v.boolean("shared_expert_gate", m.shared_expert_gate);
   v.number("aux_loss_coeff", m.aux_loss_coeff);
   v.number("z_loss_coeff", m.z_loss_coeff);
 }
@@ -243,6 +245,9 @@ const std::map<std::string, std::string>& foreign_names() {
       {"moe_router_pre_softmax", "model.moe.router_pre_softmax"},
       {"moe_router_topk_scaling_factor", "model.moe.router_topk_scaling_factor"},
       {"routed_scaling_factor", "model.moe.router_topk_scaling_factor"},
+      {"moe_shared_expert_intermediate_size", "model.moe.shared_expert_ffn_hidden_size"},
+      {"shared_expert_intermediate_size", "model.moe.shared_expert_ffn_hidden_size"},
+      {"moe_shared_expert_gate", "model.moe.shared_expert_gate"},
       {"data_parallel_size", "parallel.dp"},
       {"context_parallel_size", "parallel.cp"},
       {"cp_comm_type", "parallel.cp_comm"},

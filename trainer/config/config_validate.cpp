@@ -269,6 +269,11 @@ void check_ranges(const Config& c, Rules& r) {
     r.require(*m.moe.router_topk_scaling_factor > 0.0, "model.moe.router_topk_scaling_factor",
               *m.moe.router_topk_scaling_factor, "must be > 0, or null for 1");
   r.size("model.moe.first_k_dense_replace", m.moe.first_k_dense_replace, 0);
+  r.size("model.moe.shared_expert_ffn_hidden_size", m.moe.shared_expert_ffn_hidden_size, 0);
+  if (m.moe.shared_expert_gate)
+    r.require(m.moe.has_shared_expert(), "model.moe.shared_expert_gate", true,
+              "gates the shared expert, but model.moe.shared_expert_ffn_hidden_size is 0 (no shared expert): set "
+              "it to the shared expert's hidden width, or shared_expert_gate to false");
   r.non_negative("model.moe.aux_loss_coeff", m.moe.aux_loss_coeff);
   r.non_negative("model.moe.z_loss_coeff", m.moe.z_loss_coeff);
 
@@ -536,6 +541,12 @@ void check_cross_field(const Config& c, Rules& r) {
     r.require(moe.ffn_hidden_size % c.parallel.tp == 0, "model.moe.ffn_hidden_size", moe.ffn_hidden_size,
               fmt::format("model.moe.ffn_hidden_size ({}) must be a multiple of parallel.tp ({})",
                           moe.ffn_hidden_size, c.parallel.tp));
+    if (r.ok({"model.moe.shared_expert_ffn_hidden_size"}))
+      r.require(moe.shared_expert_ffn_hidden_size % c.parallel.tp == 0, "model.moe.shared_expert_ffn_hidden_size",
+                moe.shared_expert_ffn_hidden_size,
+                fmt::format("model.moe.shared_expert_ffn_hidden_size ({}) must be a multiple of parallel.tp ({}): the "
+                            "shared expert is split over TP like the dense MLP",
+                            moe.shared_expert_ffn_hidden_size, c.parallel.tp));
     if (r.ok({"model.activation", "model.bias"}))
       r.require(!(m.activation == Activation::SWIGLU && m.bias), "model.bias", true,
                 fmt::format("the experts' swiglu fc biases cannot be split over parallel.tp ({}) yet: set "
@@ -701,7 +712,8 @@ void check_recompute(const Config& c, Rules& r) {
 void check_model_size(const Config& c, Rules& r) {
   const ModelConfig& m = c.model;
   if (!r.ok({"model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
-             "model.head_dim", "model.ffn_hidden_size", "model.moe.num_experts", "model.moe.ffn_hidden_size"}))
+             "model.head_dim", "model.ffn_hidden_size", "model.moe.num_experts", "model.moe.ffn_hidden_size",
+             "model.moe.shared_expert_ffn_hidden_size"}))
     return;
   const double h = static_cast<double>(m.hidden_size), heads = static_cast<double>(m.num_heads);
   const double kv = m.num_kv_heads > 0 ? static_cast<double>(m.num_kv_heads) : heads;
@@ -709,7 +721,9 @@ void check_model_size(const Config& c, Rules& r) {
   const double ffn = std::max(static_cast<double>(m.ffn_hidden_size), 4.0 * h);
   const double experts = std::max(1.0, static_cast<double>(m.moe.num_experts));
   const double expert_ffn = std::max(ffn, static_cast<double>(m.moe.ffn_hidden_size));
-  const double per_layer = h * hd * (heads + 2.0 * kv) + heads * hd * h + 3.0 * h * expert_ffn * experts + experts * h;
+  const double shared_ffn = static_cast<double>(m.moe.shared_expert_ffn_hidden_size);
+  const double per_layer = h * hd * (heads + 2.0 * kv) + heads * hd * h + 3.0 * h * (expert_ffn * experts + shared_ffn) +
+                           experts * h;
   const double params = 2.0 * static_cast<double>(m.vocab_size) * h + static_cast<double>(m.num_layers) * per_layer;
   r.require(params <= kMaxParameters, "model.hidden_size", m.hidden_size,
             fmt::format("with these sizes the model has about {:.3g} parameters; at most {:.0e} can be counted "

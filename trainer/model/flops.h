@@ -4,7 +4,8 @@
 // matmuls); 12 L C T counts the attention score and value products, forward and backward (C the
 // attention width num_heads x head_dim, the hidden size unless model.head_dim sets another).
 // Mixture of Experts: a token goes through top_k of num_experts experts, so N counts the experts'
-// matmul parameters times top_k / num_experts (the activated ones), the router in full.
+// matmul parameters times top_k / num_experts (the activated ones), the router and the shared
+// expert (with its gate) in full.
 #pragma once
 
 #include <cstdint>

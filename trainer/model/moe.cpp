@@ -9,6 +9,7 @@
 #include "kernels/common/check.h"
 #include "trainer/core/arena.h"
 #include "trainer/comm/communicator.h"
+#include "trainer/model/moe_shared.h"
 #include "trainer/parallel/expert_dispatch.h"
 
 namespace tetra {
@@ -94,6 +95,7 @@ struct MoeLayers::Layer {
   void* y_local;      // (M_max, C) expert outputs of this rank's assignments (x_perm order)
   int32_t* regroup;   // (R_max) expert-major row -> source-major row (ep > 1)
   int32_t* ungroup;   // (R_max) source-major row -> expert-major row (ep > 1)
+  MoeSharedExpert::Saved shared;  // the shared expert's (model.moe.shared_expert_ffn_hidden_size)
   // Host.
   MoeRoutingPlan plan;
   std::vector<int64_t> routed_seq;  // tokens routed to each expert over the whole sequence (CP group)
@@ -122,6 +124,7 @@ struct MoeLayers::Scratch {
   void* dx_exp;        // (R_max, C)
   void* dx_local;      // (M_max, C) (ep > 1; else dx_exp)
   int32_t* counts;     // (E + ep El) send and received per-expert counts
+  MoeSharedExpert::Scratch shared;  // the shared expert's
   // Host staging, sized at construction: what forward reads back from backend memory (the
   // router's choice, the received counts, the loss statistics' inputs) and the host-built index
   // maps it uploads.
@@ -143,9 +146,11 @@ struct Sizes {
   int64_t B, rows_region;
   bool gates;          // the gates are transformed (renormalised or scaled): kept apart
   bool recompute_act;  // the experts' activation is scratch, recomputed in backward
+  bool shared;         // a shared expert beside the routed ones, of shape sh
+  MoeSharedExpert::Shape sh;
 };
 
-Sizes sizes_of(const ModelConfig& cfg, int64_t N, int64_t ep, int64_t tp, bool recompute_act) {
+Sizes sizes_of(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp, bool recompute_act) {
   Sizes s{};
   const MoeConfig& m = cfg.moe;
   s.N = N;
@@ -169,6 +174,8 @@ Sizes sizes_of(const ModelConfig& cfg, int64_t N, int64_t ep, int64_t tp, bool r
   // A block over the bound keeps only its input rows (R_max C at most) in the region.
   s.B = std::max(s.B, std::min(s.R_max, (s.R_max * s.C + width - 1) / width));
   s.rows_region = std::max(s.B * width, s.R_max * s.C);
+  s.shared = m.has_shared_expert();
+  if (s.shared) s.sh = MoeSharedExpert::Shape::of(cfg, act, N, tp, recompute_act);
   return s;
 }
 
@@ -196,13 +203,16 @@ size_t carve_scratch(ArenaCarver& c, const Sizes& z, DType act, S& x) {
   x.dx_exp = c.take(z.R_max * z.C, act);
   x.dx_local = ep ? c.take(z.M_max * z.C, act) : x.dx_exp;
   x.counts = c.i32(z.E + z.ep * z.El);
+  if (z.shared) MoeSharedExpert::carve_scratch(c, z.sh, x.shared);
   return c.used();
 }
 
 // One slot: the saved state of each of the chunk's MoE blocks (`layers`, or measure only when it
 // is empty). The kept rows (x_exp, fc, act) share one region per block, placed by forward.
+// `shared`: the scratch's part of the shared expert (its recomputed activation).
 template <class L>
-size_t carve_slot(ArenaCarver& c, const Sizes& z, DType act, int64_t moe_blocks, L* const* layers) {
+size_t carve_slot(ArenaCarver& c, const Sizes& z, DType act, int64_t moe_blocks, L* const* layers,
+                  const MoeSharedExpert::Scratch& shared) {
   for (int64_t j = 0; j < moe_blocks; ++j) {
     L tmp;
     L& s = layers ? *layers[j] : tmp;
@@ -218,6 +228,7 @@ size_t carve_slot(ArenaCarver& c, const Sizes& z, DType act, int64_t moe_blocks,
     s.y_local = c.take(z.M_max * z.C, act);
     s.regroup = z.ep > 1 ? c.i32(z.R_max) : nullptr;
     s.ungroup = z.ep > 1 ? c.i32(z.R_max) : nullptr;
+    if (z.shared) MoeSharedExpert::carve_saved(c, z.sh, shared, s.shared);
   }
   return c.used();
 }
@@ -238,12 +249,12 @@ int64_t count_moe_blocks(const ModelConfig& cfg, int64_t l0, int64_t layers) {
 ActivationSizes MoeLayers::sizes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp,
                                     int64_t l0, int64_t layers, bool recompute_act) {
   if (!cfg.moe.enabled() || count_moe_blocks(cfg, l0, layers) == 0) return {};
-  const Sizes z = sizes_of(cfg, N, ep, tp, recompute_act);
+  const Sizes z = sizes_of(cfg, act, N, ep, tp, recompute_act);
   ActivationSizes out;
   Scratch unused;
   ArenaCarver sc(nullptr), sl(nullptr);
   out.scratch = carve_scratch(sc, z, act, unused);
-  out.slot = carve_slot<Layer>(sl, z, act, count_moe_blocks(cfg, l0, layers), nullptr);
+  out.slot = carve_slot<Layer>(sl, z, act, count_moe_blocks(cfg, l0, layers), nullptr, unused.shared);
   return out;
 }
 
@@ -263,7 +274,7 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   TETRA_CHECK(layout.slicing.ep == ep_size && layout.slicing.ep_rank == (ep_ ? ep_->rank() : 0),
               "the parameter layout is for EP rank {} of {}, the model for rank {} of {}", layout.slicing.ep_rank,
               layout.slicing.ep, ep_ ? ep_->rank() : 0, ep_size);
-  const Sizes z = sizes_of(cfg, N, ep_size, tp_size, recompute_act);
+  const Sizes z = sizes_of(cfg, act, N, ep_size, tp_size, recompute_act);
   recompute_act_ = recompute_act;
   N_ = z.N, C_ = z.C, E_ = z.E, K_ = z.K, El_ = z.El, F_ = z.F, FC_ = z.FC, cap_ = z.cap;
   M_max_ = z.M_max, R_max_ = z.R_max, B_ = z.B;
@@ -311,6 +322,7 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   }
   ArenaCarver sc(r.scratch);
   carve_scratch(sc, z, act, *sc_);
+  if (z.shared) shared_ = std::make_unique<MoeSharedExpert>(be_, z.sh, sc_->shared);
   for (int64_t i = 0; i < slots; ++i) {
     std::vector<Layer*> ptrs;
     for (int64_t l : blocks) {
@@ -319,7 +331,7 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
       ptrs.push_back(layers_.back().get());
     }
     ArenaCarver c(r.slot(i));
-    carve_slot<Layer>(c, z, act, blocks_, ptrs.data());
+    carve_slot<Layer>(c, z, act, blocks_, ptrs.data(), sc_->shared);
   }
 }
 
@@ -566,6 +578,11 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
   else if (out != residual)
     be_.copy(out, residual, static_cast<size_t>(N_ * C_) * es);
   be_.moe_combine(out, s.y_local, s.pos, s.gates, N_, K_, C_, /*accumulate=*/true, act_);
+  if (shared_) {  // every token through the shared expert, added beside the routed ones
+    const auto t0 = std::chrono::steady_clock::now();
+    shared_->forward(s.shared, p, weights, h, out, !tp_ || tp_->rank() == 0);
+    stats_.expert_s += since(t0);
+  }
 
   if (loss_weight != 0.0f) {
     const std::vector<float>& probs = sc_->h_probs;
@@ -664,6 +681,11 @@ void MoeLayers::backward(int64_t l, const WeightView& weights, const GradTarget&
     be_.gemm(false, false, N_, C_, E_, 1.0f, dl, E_, weights(p.router_w), C_, act_,
              1.0f, dh, C_, act_);
   be_.gemm(true, false, E_, C_, N_, 1.0f, dl, E_, h, C_, act_, 1.0f, grads(p.router_w), C_, DType::F32);
+  if (shared_) {  // dh += the shared expert's share
+    const auto t0 = std::chrono::steady_clock::now();
+    shared_->backward(s.shared, p, weights, grads, h, dout, dh, tp_);
+    stats_.expert_s += since(t0);
+  }
 }
 
 }  // namespace tetra

@@ -15,6 +15,9 @@
 //   expert e over its block:  u = x W1_e^T + b1_e (n_e, FC); a = gelu(u) | swiglu(u) (n_e, F);
 //                             y = a W2_e^T + b2_e (n_e, C)       one GEMM pair per expert
 //   out[i] = x_mid[i] + sum_k g[i,k] y[pos[i,k]]   (the residual add of the block)
+//            + g_s[i] shared(h)[i]                 (model.moe.shared_expert_ffn_hidden_size: an MLP
+//                                                   every token goes through, g_s its optional
+//                                                   sigmoid gate; moe_shared.h)
 // Losses added to the objective, per micro-batch (weighted like its mean cross-entropy):
 //   aux = E / (N^2 K) sum_e routed_e sum_i p[i,e]   (Switch; routed_e counts assignments before
 //                                                   drops; gradient through p only)
@@ -56,6 +59,7 @@ namespace tetra {
 
 class Communicator;
 class ExpertDispatcher;
+class MoeSharedExpert;
 
 // The routing of one micro-batch on one rank (host side), from the router's top-K choice.
 struct MoeRoutingPlan {
@@ -172,6 +176,7 @@ class MoeLayers {
   Communicator* tp_;  // null without tensor parallelism
   Communicator* cp_ = nullptr;  // null without context parallelism
   std::unique_ptr<ExpertDispatcher> dispatcher_;  // the EP exchanges (parallel/expert_dispatch.h)
+  std::unique_ptr<MoeSharedExpert> shared_;       // the shared expert (moe_shared.h), or null
   int64_t N_, C_, E_, K_, El_, e0_, F_, FC_, cap_, M_max_, R_max_, B_;
   bool swiglu_;
   bool recompute_act_ = false;

@@ -186,6 +186,8 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
       if (per_group[g] > 0) v.tp.add(CommOp::ALL_REDUCE, times[g], per_group[g] * 4);
     if (cfg.model.moe.enabled())  // the gates' gradient (partial sums over the experts' TP slices)
       v.tp.add(CommOp::ALL_REDUCE, moe_blocks * accum, N * cfg.model.moe.top_k * 4);
+    if (cfg.model.moe.enabled() && cfg.model.moe.shared_expert_gate)  // the shared expert gate's logits' gradient
+      v.tp.add(CommOp::ALL_REDUCE, moe_blocks * accum, N * 4);
     if (last) {  // per chunk of the fused loss (training.loss_chunk_rows; 0: one of every row)
       const int64_t chunk = cfg.training.loss_chunk_rows > 0 ? std::min(cfg.training.loss_chunk_rows, N) : N;
       const int64_t full = N / chunk, rest = N % chunk;

@@ -206,6 +206,21 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
       if (m.moe.is_moe_layer(i)) {
         bp.moe = true;
         bp.router_w = b.add(n + "mlp.router.weight", {m.moe.num_experts, C}, ParamInit::NORMAL, false, true);
+        if (m.moe.has_shared_expert()) {  // split over TP like the dense MLP; dense parameters of the block
+          const int64_t FS = m.moe.shared_expert_ffn_hidden_size, FSl = FS / p;
+          TETRA_CHECK(FS % p == 0, "tp {} must divide moe.shared_expert_ffn_hidden_size {}", p, FS);
+          std::vector<RowBlock> shared_rows = {{r * FSl, FSl}};
+          if (swiglu) shared_rows.push_back({FS + r * FSl, FSl});
+          const int64_t shared_fc = swiglu ? 2 * FS : FS;
+          const std::string se = n + "mlp.shared_expert.";
+          bp.shared_fc_w = b.add(se + "fc.weight", {shared_fc, C}, ParamInit::NORMAL, true, true, shared_rows);
+          if (m.bias) bp.shared_fc_b = b.add(se + "fc.bias", {shared_fc}, ParamInit::ZEROS, false, false, shared_rows);
+          bp.shared_proj_w =
+              b.add(se + "proj.weight", {C, FS}, ParamInit::NORMAL_SCALED, true, true, {}, r * FSl, FSl);
+          if (m.bias) bp.shared_proj_b = b.add(se + "proj.bias", {C}, ParamInit::ZEROS, false, false);
+          if (m.moe.shared_expert_gate)  // replicated, like the router
+            bp.shared_gate_w = b.add(n + "mlp.shared_expert_gate.weight", {1, C}, ParamInit::NORMAL, false, true);
+        }
       } else {
       bp.fc_w = b.add(n + "mlp.fc.weight", {fc_global, C}, ParamInit::NORMAL, true, true, fc_rows);
       if (m.bias) bp.fc_b = b.add(n + "mlp.fc.bias", {fc_global}, ParamInit::ZEROS, false, false, fc_rows);

@@ -35,7 +35,10 @@
 // Mixture of Experts (model.moe): a MoE block holds a router (layers.l.mlp.router.weight, (E, C),
 // replicated, in the block's group) instead of the dense MLP, and its experts as global 3-D
 // tensors layers.l.mlp.experts.fc.weight (E, FC, C), .fc.bias (E, FC), .proj.weight (E, C, F),
-// .proj.bias (E, C). Expert parallelism over ep ranks: rank r holds experts [r E/ep, (r+1) E/ep),
+// .proj.bias (E, C). A shared expert (model.moe.shared_expert_ffn_hidden_size) is a dense MLP of the
+// block's group, named and split over TP as the dense MLP is (layers.l.mlp.shared_expert.fc.weight,
+// .fc.bias, .proj.weight, .proj.bias), with its gate layers.l.mlp.shared_expert_gate.weight (1, C)
+// replicated like the router. Expert parallelism over ep ranks: rank r holds experts [r E/ep, (r+1) E/ep),
 // i.e. row blocks of the tensors' 2-D views (every dim but the last flattened into rows); with
 // tp > 1 each expert is split like the dense MLP (fc: row blocks of each expert's gate and up
 // rows; fc.bias and proj.weight: a column range; proj.bias replicated). All
@@ -114,6 +117,10 @@ struct BlockParams {
   bool moe = false;
   int64_t router_w = -1;
   int64_t experts_fc_w = -1, experts_fc_b = -1, experts_proj_w = -1, experts_proj_b = -1;
+  // The shared expert (model.moe.shared_expert_ffn_hidden_size > 0), this rank's TP slices as the
+  // dense MLP's: fc (FSC_l, C), (FSC_l), proj (C, FS_l), (C); its gate (1, C) replicated.
+  int64_t shared_fc_w = -1, shared_fc_b = -1, shared_proj_w = -1, shared_proj_b = -1;
+  int64_t shared_gate_w = -1;
   int expert_group = -1;  // the group of the block's experts
 };
 

@@ -202,8 +202,15 @@ StepPrediction predict_step(const Config& cfg, const ClusterSpec& cluster, const
            stream_op("dispatch and combine", 4 * N * k * C * a, 4 * N * k * C * a),
            fc,
            stream_op(gated ? "swiglu" : "gelu", (gated ? 3 : 2) * N * k * Fe * a, (gated ? 5 : 3) * N * k * Fe * a),
-           proj,
-           stream_op("residual 2", 3 * Nn * C * a, 3 * Nn * C * a)};
+           proj};
+    if (M.moe.has_shared_expert()) {  // every token through it (its gate a C-wide dot per token)
+      const double Fs = static_cast<double>(M.moe.shared_expert_ffn_hidden_size) / tp;
+      moe.push_back(linear("shared expert fc", N, C, (gated ? 2 : 1) * Fs));
+      moe.push_back(stream_op(gated ? "swiglu" : "gelu", (gated ? 3 : 2) * N * Fs * a, (gated ? 5 : 3) * N * Fs * a));
+      moe.push_back(linear("shared expert proj", N, Fs, C));
+      if (M.moe.shared_expert_gate) moe.push_back(stream_op("shared expert gate", 3 * N * C * a, 4 * N * C * a));
+    }
+    moe.push_back(stream_op("residual 2", 3 * Nn * C * a, 3 * Nn * C * a));
   }
   // The forward recomputed in backward per layer (full: everything; selective: its modules).
   auto recompute_of = [&](const std::vector<Op>& ops, bool full) {

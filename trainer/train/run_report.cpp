@@ -56,8 +56,12 @@ void log_run_report(const RunReport& report, const RunEnvironment& env) {
                cfg.model.seq_len, to_string(cfg.model.norm), to_string(cfg.model.activation),
                to_string(cfg.model.position));
   if (cfg.model.moe.enabled())
-    spdlog::info("moe: {} experts (ffn {}), top-{}, every {} blocks, {}; {} active parameters per token; ep {}",
+    spdlog::info("moe: {} experts (ffn {}), top-{}, every {} blocks{}, {}; {} active parameters per token; ep {}",
                  cfg.model.moe.num_experts, cfg.model.moe.ffn_hidden_size, cfg.model.moe.top_k, cfg.model.moe.every,
+                 cfg.model.moe.has_shared_expert()
+                     ? fmt::format(", a shared expert (ffn {}{})", cfg.model.moe.shared_expert_ffn_hidden_size,
+                                   cfg.model.moe.shared_expert_gate ? ", gated" : "")
+                     : std::string(),
                  cfg.model.moe.capacity_factor ? fmt::format("capacity factor {}", *cfg.model.moe.capacity_factor)
                                                : std::string("dropless"),
                  stats.active_params, cfg.parallel.ep);
@@ -116,9 +120,9 @@ std::string dry_run_report(const Config& cfg) {
   fmt::format_to(out, "parameters:        {} ({}; {} in matmuls)\n", stats.params, human_count(stats.params),
                  human_count(stats.matmul_params));
   if (moe.enabled())
-    fmt::format_to(out, "active parameters: {} per token ({} in matmuls; {} experts, top-{}, every {} blocks)\n",
+    fmt::format_to(out, "active parameters: {} per token ({} in matmuls; {} experts, top-{}, every {} blocks{})\n",
                    human_count(stats.active_params), human_count(stats.active_matmul_params), moe.num_experts,
-                   moe.top_k, moe.every);
+                   moe.top_k, moe.every, moe.has_shared_expert() ? ", a shared expert always active" : "");
   fmt::format_to(out, "FLOPs per token:   {} (training step: 6 x {}matmul params + 12 L C T)\n",
                  human_count(stats.train_flops_per_token), moe.enabled() ? "active " : "");
   fmt::format_to(out, "FLOPs per step:    {} ({} tokens, {} micro-batches of {} on each of {} DP ranks)\n",
