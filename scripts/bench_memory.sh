@@ -13,9 +13,14 @@
 # and the activations the plan holds (the --dry-run line). This is a benchmark, not a test:
 # nothing is asserted.
 #
+# BENCH_MODEL=moe instead: a Mixtral-style MoE (4 blocks, hidden 512, 8 SwiGLU experts of ffn 1024,
+# top-2, gates renormalised, dropless, vocab 8192), one rank, with modes none, selective moe_act
+# and selective norm+act+moe_act: what recomputing the experts' activation costs.
+#
 # Usage: scripts/bench_memory.sh
 # Environment: TETRA_BIN (skip the build; default build-cpu/tetra if it exists), TETRA_BUILD_DIR
-# (default build-release), BENCH_STEPS (5), BENCH_MB (1), BENCH_PRECISION (bf16), BENCH_SEQ (1024).
+# (default build-release), BENCH_STEPS (5), BENCH_MB (1), BENCH_PRECISION (bf16), BENCH_SEQ (1024),
+# BENCH_MODEL (gpt2 or moe).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -23,6 +28,7 @@ STEPS=${BENCH_STEPS:-5}
 MB=${BENCH_MB:-1}
 PRECISION=${BENCH_PRECISION:-bf16}
 SEQ=${BENCH_SEQ:-1024}
+MODEL=${BENCH_MODEL:-gpt2}
 CORES=$(nproc)
 PY=/usr/bin/python3
 
@@ -32,7 +38,19 @@ bench_prepare "$REPO"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
-echo "bench_memory: $(lscpu | sed -n 's/^Model name: *//p'), $CORES cores; GPT-2 124M, T $SEQ, micro-batch $MB," \
+if [[ "$MODEL" == moe ]]; then
+  MODEL_JSON='{"vocab_size": 8192, "seq_len": '$SEQ', "num_layers": 4, "hidden_size": 512, "num_heads": 8,
+           "num_kv_heads": 4, "ffn_hidden_size": 2048, "norm": "rmsnorm", "activation": "swiglu", "position": "rope",
+           "tie_embeddings": false, "bias": false,
+           "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 1024, "router_pre_softmax": false}}'
+  DESCRIBED="a Mixtral-style MoE (4 blocks, hidden 512, 8 experts of ffn 1024, top-2)"
+else
+  MODEL_JSON='{"vocab_size": 50304, "seq_len": '$SEQ', "num_layers": 12, "hidden_size": 768, "num_heads": 12,
+           "ffn_hidden_size": 3072, "norm": "layernorm", "activation": "gelu", "position": "learned",
+           "tie_embeddings": true, "bias": true}'
+  DESCRIBED="GPT-2 124M"
+fi
+echo "bench_memory: $(lscpu | sed -n 's/^Model name: *//p'), $CORES cores; $DESCRIBED, T $SEQ, micro-batch $MB," \
      "$PRECISION, $STEPS steps per mode ($(date -u +%Y-%m-%d))"
 
 run_case() {  # name recompute-json-fragment
@@ -40,9 +58,7 @@ run_case() {  # name recompute-json-fragment
   local dir="$WORK/${name// /_}"
   mkdir -p "$dir"
   cat >"$dir/config.json" <<JSON
-{"model": {"vocab_size": 50304, "seq_len": $SEQ, "num_layers": 12, "hidden_size": 768, "num_heads": 12,
-           "ffn_hidden_size": 3072, "norm": "layernorm", "activation": "gelu", "position": "learned",
-           "tie_embeddings": true, "bias": true},
+{"model": $MODEL_JSON,
  "training": {"precision": "$PRECISION", "micro_batch_size": $MB, "global_batch_size": $MB, "steps": $STEPS,
               "threads": $CORES, "peak_gflops": 100, "log_every": 1, $rc},
  "optimizer": {"lr": 6e-4, "warmup_steps": 1},
@@ -58,6 +74,11 @@ JSON
 }
 
 run_case "none" '"recompute": "none"'
+if [[ "$MODEL" == moe ]]; then
+  run_case "selective moe_act" '"recompute": "selective", "recompute_modules": ["moe_act"]'
+  run_case "selective norm+act+moe_act" '"recompute": "selective", "recompute_modules": ["norm", "act", "moe_act"]'
+  run_case "none again" '"recompute": "none"'
+else
 run_case "selective norm+act" '"recompute": "selective", "recompute_modules": ["norm", "act"]'
 run_case "selective core_attn" '"recompute": "selective", "recompute_modules": ["core_attn"]'
 run_case "full uniform 1" '"recompute": "full", "recompute_method": "uniform", "recompute_num_layers": 1'
@@ -65,6 +86,7 @@ run_case "full uniform 1" '"recompute": "full", "recompute_method": "uniform", "
 # fused chunks of loss_chunk_rows (1024: one chunk per micro-batch at T 1024, micro-batch 1; set
 # BENCH_MB=4 for four).
 run_case "none, unfused loss" '"recompute": "none", "loss_chunk_rows": 0'
+fi
 
 "$PY" - "$WORK/cases" <<'PY'
 import json, re, statistics, sys
