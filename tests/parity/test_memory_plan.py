@@ -5,8 +5,9 @@
 per micro-batch in flight and their scratch, batch, communication buffers, the fp32 staging of the
 distributed optimizer's weights, the peak). The CPU backend counts every allocation
 (kernels/common/allocation_tally.h) and at the end of a run every rank's measured peak is written
-beside its plan (metrics.jsonl's "memory" event). For each configuration below (dense and MoE; dp,
-ZeRO-1, tp with and without sequence parallelism, pp 1f1b and interleaved, ep; every recompute mode;
+beside its plan (metrics.jsonl's "memory" event). For each configuration below (dense and MoE, with
+a shared expert too; dp, ZeRO-1, tp with and without sequence parallelism, pp 1f1b and interleaved,
+ep; every recompute mode;
 fp32, bf16, fp16, bf16 gradient compression) Tetra trains two steps and every rank must report
   0.95 <= measured peak / planned peak <= 1.05
 (a plan below the measurement would let a job run out of memory; one above it hides waste), and
@@ -34,6 +35,8 @@ MOE_CAP = dict(GPT2, moe={"num_experts": 4, "top_k": 1, "ffn_hidden_size": 128, 
 # Dropless rows planned for the balanced load (max_load_factor 1): with the router forced to skew
 # (TETRA_TEST_MOE_ROUTE) blocks exceed it and run in passes, inside the same plan.
 MOE_BOUND = dict(LLAMA, moe=dict(MOE["moe"], max_load_factor=1.0))
+# A gated shared expert beside the routed ones (Qwen2-MoE): its fc, act, output and gate kept per slot.
+MOE_SHARED = dict(LLAMA, moe=dict(MOE["moe"], shared_expert_ffn_hidden_size=64, shared_expert_gate=True))
 SELECTIVE = {"recompute": "selective", "recompute_modules": ["norm", "act", "core_attn"]}
 
 # (name, model, parallel, training overrides)
@@ -72,6 +75,9 @@ CONFIGS = [
     ("moe_ep2_bound_skew", MOE_BOUND, {"dp": 2, "ep": 2}, {}),
     ("moe_dp4_ep4_bound_one_bf16", MOE_BOUND, {"dp": 4, "ep": 4}, {"precision": "bf16"}),
     ("moe_dp4_ep2_pp2_bound_one", MOE_BOUND, {"dp": 4, "ep": 2, "pp": 2}, {"global_batch_size": 16}),
+    ("moe_shared_dp2_tp2_sp_ep2", MOE_SHARED, {"dp": 2, "tp": 2, "sequence_parallel": True, "ep": 2}, {}),
+    ("moe_shared_ep2_moe_act_bf16", MOE_SHARED, {"dp": 2, "ep": 2},
+     {"precision": "bf16", "recompute": "selective", "recompute_modules": ["moe_act"]}),
     ("llama_selective", LLAMA, {}, SELECTIVE),
     ("moe_selective_moe_act", MOE, {}, {"recompute": "selective", "recompute_modules": ["moe_act", "norm"]}),
     ("gpt2_full_uniform2", GPT2, {}, {"recompute": "full", "recompute_method": "uniform", "recompute_num_layers": 2}),

@@ -19,6 +19,9 @@ micro-batches are in flight on a stage, each with its own routing state.
 bf16: two layouts against the single-rank bf16 run (BF16_RTOL).
 Checkpoints: a run saved at ep = 2 resumes at ep = 1, at ep = 4 and on a single rank, and the
 resumed steps' losses match the uninterrupted ep = 2 run's (experts are stored as global tensors).
+Shared experts: DeepSeek's plain one and Qwen2-MoE's gated one go through the same layouts; saved
+at ep = 2, they are verified by `tetra ckpt inspect` and resume at tp = 2 (with and without
+sequence parallelism, with biases too) and on one rank.
 Guard against a vacuous pass: the single-rank loss falls, the capacity run really drops tokens.
 
 Usage: /usr/bin/python3 test_moe.py --tetra BIN --workdir DIR
@@ -63,7 +66,14 @@ MODELS = {
                      "activation": "swiglu", "position": "rope", "tie_embeddings": False, "bias": False,
                      "moe": {"num_experts": 8, "top_k": 3, "ffn_hidden_size": 16, "aux_loss_coeff": 0.01,
                              "router_pre_softmax": False, "router_topk_scaling_factor": 2.5,
-                             "first_k_dense_replace": 1}},
+                             "first_k_dense_replace": 1, "shared_expert_ffn_hidden_size": 32}},
+    # Shared experts: Qwen2-MoE's, gated per token by sigmoid(h . w) (DeepSeek's above, plain).
+    "qwen2_moe": {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 2,
+                  "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 48, "norm": "rmsnorm",
+                  "activation": "swiglu", "position": "rope", "tie_embeddings": False, "bias": False,
+                  "qkv_bias": True,
+                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 16, "aux_loss_coeff": 0.01,
+                          "shared_expert_ffn_hidden_size": 40, "shared_expert_gate": True}},
 }
 # (dp, tp, ep, sequence_parallel, distributed_optimizer). With tp > 1 the experts are split over
 # TP like the dense MLP; the distributed optimizer shards the experts over expert-DP and the rest
@@ -82,6 +92,8 @@ LAYOUTS = {
                     (4, 1, 4, False, 3)],
     "deepseek_moe": [(4, 1, 2, False, False), (4, 1, 4, False, True), (2, 2, 2, True, False), (4, 1, 2, False, 2),
                      (4, 1, 4, False, 3)],
+    "qwen2_moe": [(4, 1, 2, False, False), (4, 1, 4, False, True), (2, 2, 2, True, False), (4, 1, 2, False, 2),
+                  (4, 1, 4, False, 3)],
 }
 
 
@@ -261,7 +273,49 @@ def main():
             worst = max((rel(resumed[s], ref_losses[s]) for s in resumed), default=1.0)
             check(worst <= LOSS_RTOL, f"{name}: steps 11..{STEPS} match the uninterrupted ep=2 run within "
                                       f"{LOSS_RTOL:g} (worst {worst:.2e})")
+    shared_expert_checkpoints(args)
     return checks.report()
+
+
+def shared_expert_checkpoints(args):
+    """Shared experts in checkpoints: saved at dp 4 x ep 2 (step 10), `tetra ckpt inspect` verifies
+    them, and the run resumes at tp 2 (their fc rows and proj columns resharded; with biases on the
+    GPT-2 style model, the proj bias added on TP rank 0 only) and on one rank, matching the
+    uninterrupted run's steps 11..20."""
+    for model, shared in (("qwen2_moe", None), ("gpt2_moe", {"shared_expert_ffn_hidden_size": 32,
+                                                            "shared_expert_gate": True})):
+        cfg = config(model)
+        if shared:
+            cfg["model"]["moe"].update(shared)
+        tag = f"shared_{model}"
+        ck = os.path.join(args.workdir, f"ckpt_{tag}")
+        base = run(args, f"ckpt_save_{tag}", cfg, 4, 2, checkpoint={"dir": ck, "every": 10}, dump=False)
+        step10 = os.path.join(ck, "step_00000010")
+        check(os.path.isdir(step10), f"{tag}: the dp4 ep2 run saved step_00000010")
+        if not (base and os.path.isdir(step10)):
+            continue
+        verified, err = harness.inspect_checkpoint(args, step10)
+        check(verified, f"{tag}: tetra ckpt inspect verifies the checkpoint with shared experts ({err[-200:]})")
+        with open(os.path.join(step10, "manifest.json")) as f:
+            keys = json.load(f)["tensors"]
+        names = [k for k in keys if k.startswith("model/") and "shared_expert" in k]
+        check(sorted(names) == sorted(f"model/layers.{l}.mlp.{t}" for l in range(MODELS[model]["num_layers"])
+                                      for t in ["shared_expert.fc.weight", "shared_expert.proj.weight",
+                                                "shared_expert_gate.weight"] +
+                                      (["shared_expert.fc.bias", "shared_expert.proj.bias"]
+                                       if MODELS[model].get("bias", True) else [])),
+              f"{tag}: the checkpoint holds the shared experts' tensors ({sorted(names)})")
+        ref_losses = {s["step"]: s["loss"] for s in base[0]}
+        for dp, tp, ep, sp in [(2, 2, 2, False), (4, 2, 1, True), (1, 1, 1, False)]:
+            name = f"ckpt_resume_{tag}_{layout_name(dp, tp, ep, sp, False)}"
+            got = run(args, name, cfg, dp, ep, checkpoint={"resume": step10}, dump=False, tp=tp, sp=sp)
+            if got is None:
+                continue
+            resumed = {s["step"]: s["loss"] for s in got[0]}
+            check(sorted(resumed) == list(range(11, STEPS + 1)), f"{name}: continues at step 11 ({sorted(resumed)})")
+            worst = max((rel(resumed[s], ref_losses[s]) for s in resumed), default=1.0)
+            check(worst <= LOSS_RTOL, f"{name}: steps 11..{STEPS} match the uninterrupted run within "
+                                      f"{LOSS_RTOL:g} (worst {worst:.2e})")
 
 
 if __name__ == "__main__":

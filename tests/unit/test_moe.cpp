@@ -215,6 +215,15 @@ void check_backward(bool swiglu, int64_t K, std::optional<double> capacity, floa
   std::vector<float> grads(t.layout.total, 0.0f), dh(t.N * t.C);
   t.moe->backward(0, WeightView(t.w.data(), nullptr, sizeof(t.w[0])), grads.data(), t.h.data(), R.data(), dh.data());
   t.moe->take_stats();  // objective() reads the statistics of its own forward only
+  {  // dh in dout's buffer (as Gpt passes them with sequence parallelism): the same gradients
+    t.moe->forward(0, WeightView(t.w.data(), nullptr, sizeof(t.w[0])), t.h.data(), t.res.data(), t.out.data(), lw);
+    std::vector<float> grads2(t.layout.total, 0.0f), inout = R;
+    t.moe->backward(0, WeightView(t.w.data(), nullptr, sizeof(t.w[0])), grads2.data(), t.h.data(), inout.data(),
+                    inout.data());
+    t.moe->take_stats();
+    CHECK(inout == dh);
+    CHECK(grads2 == grads);
+  }
   // Central differences, step 1e-3 on values ~0.3-1 (small enough that no routing decision
   // flips): truncation ~1e-6, fp32 rounding of J (~10) ~ 1e-6 / 1e-3 = 1e-3 absolute; sampled
   // gradients are ~1e-2..1, so 2% of each tensor's sampled vector plus 2e-3 separates a correct

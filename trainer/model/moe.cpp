@@ -636,6 +636,11 @@ void MoeLayers::backward(int64_t l, const WeightView& weights, const GradTarget&
                          int64_t slot) {
   Layer& s = layer(slot, l);
   const BlockParams& p = layout_.blocks[l];
+  if (shared_) {  // its parameters' gradients, while dout is whole (dh may be dout's buffer)
+    const auto t0 = std::chrono::steady_clock::now();
+    shared_->backward_output(s.shared, p, weights, grads, h, dout, tp_);
+    stats_.expert_s += since(t0);
+  }
   // Combine: dy = g dout at each kept assignment's row; the gates' gradient <dout, y>.
   be_.moe_combine_backward(sc_->dy_local, sc_->dgates, dout, s.y_local, s.pos, s.gates, N_, K_, C_, act_);
   if (tp_) tp_->all_reduce(sc_->dgates, N_ * K_, DType::F32);  // y was this rank's partial sum
@@ -681,11 +686,7 @@ void MoeLayers::backward(int64_t l, const WeightView& weights, const GradTarget&
     be_.gemm(false, false, N_, C_, E_, 1.0f, dl, E_, weights(p.router_w), C_, act_,
              1.0f, dh, C_, act_);
   be_.gemm(true, false, E_, C_, N_, 1.0f, dl, E_, h, C_, act_, 1.0f, grads(p.router_w), C_, DType::F32);
-  if (shared_) {  // dh += the shared expert's share
-    const auto t0 = std::chrono::steady_clock::now();
-    shared_->backward(s.shared, p, weights, grads, h, dout, dh, tp_);
-    stats_.expert_s += since(t0);
-  }
+  if (shared_) shared_->backward_input(p, weights, dh, tp_);  // dh += the shared expert's share
 }
 
 }  // namespace tetra

@@ -142,8 +142,9 @@ class MoeLayers {
   void forward(int64_t l, const WeightView& weights, const void* h, const void* residual, void* out,
                float loss_weight, int64_t slot = 0);
   // dh (N, C) is overwritten with the gradient of MoE(h) w.r.t. h given dout (N, C) (with tp > 1
-  // this rank's partial sum); parameter gradients accumulate into `grads`. The slot's last forward
-  // of the block must be the one this backward is for.
+  // this rank's partial sum; dh may be dout's buffer, as with sequence parallelism); parameter
+  // gradients accumulate into `grads`. The slot's last forward of the block must be the one this
+  // backward is for.
   void backward(int64_t l, const WeightView& weights, const GradTarget& grads, const void* h, const void* dout, void* dh,
                 int64_t slot = 0);
 

@@ -66,8 +66,8 @@ void MoeSharedExpert::forward(const Saved& s, const BlockParams& p, const Weight
   be_.moe_shared_gate_forward(out, s.gate, x_.logits, s.out, N, C, t);
 }
 
-void MoeSharedExpert::backward(const Saved& s, const BlockParams& p, const WeightView& weights,
-                               const GradTarget& grads, const void* h, const void* dout, void* dh, Communicator* tp) {
+void MoeSharedExpert::backward_output(const Saved& s, const BlockParams& p, const WeightView& weights,
+                                      const GradTarget& grads, const void* h, const void* dout, Communicator* tp) {
   const int64_t N = z_.N, C = z_.C, FS = z_.FS, FSC = z_.FSC;
   const DType t = z_.act;
   const void* ds = dout;
@@ -75,16 +75,9 @@ void MoeSharedExpert::backward(const Saved& s, const BlockParams& p, const Weigh
     // ds = g dout; dlogits = g (1 - g) <dout, s> (a partial sum under TP: summed over the group)
     be_.moe_shared_gate_backward(x_.dout_gated, x_.dlogits, dout, s.out, s.gate, N, C, t);
     if (tp) tp->all_reduce(x_.dlogits, N, DType::F32);
-    const void* dl = x_.dlogits;
-    if (t != DType::F32) {
-      be_.cast(x_.dlogits_act, t, x_.dlogits, DType::F32, N);
-      dl = x_.dlogits_act;
-    }
-    // dh += dlogits w_g (N, C) on TP rank 0 (dh is a partial sum); dw_g += dlogits^T h (1, C) on
-    // every rank (w_g is replicated, dlogits the whole gradient).
-    if (!tp || tp->rank() == 0)
-      be_.gemm(false, false, N, C, 1, 1.0f, dl, 1, weights(p.shared_gate_w), C, t, 1.0f, dh, C, t);
-    be_.gemm(true, false, 1, C, N, 1.0f, dl, 1, h, C, t, 1.0f, grads(p.shared_gate_w), C, DType::F32);
+    if (t != DType::F32) be_.cast(x_.dlogits_act, t, x_.dlogits, DType::F32, N);
+    // dw_g += dlogits^T h (1, C) on every rank (w_g is replicated, dlogits the whole gradient).
+    be_.gemm(true, false, 1, C, N, 1.0f, gate_grad(), 1, h, C, t, 1.0f, grads(p.shared_gate_w), C, DType::F32);
     ds = x_.dout_gated;
   }
   if (z_.recompute_act) activation(s.act, s.fc);  // moe_act: a again, from u
@@ -92,15 +85,22 @@ void MoeSharedExpert::backward(const Saved& s, const BlockParams& p, const Weigh
   be_.gemm(false, false, N, FS, C, 1.0f, ds, C, weights(p.shared_proj_w), FS, t, 0.0f, x_.dact, FS, t);
   be_.gemm(true, false, C, FS, N, 1.0f, ds, C, s.act, FS, t, 1.0f, grads(p.shared_proj_w), FS, DType::F32);
   if (p.shared_proj_b >= 0) be_.bias_backward(grads(p.shared_proj_b), ds, N, C, t);
-  // du = act'(u) dact (N, FSC)
+  // du = act'(u) dact (N, FSC); dW1 += du^T h (FSC, C); db1 += colsum du.
   if (z_.swiglu)
     be_.swiglu_backward(x_.dfc, s.fc, x_.dact, N, FS, t);
   else
     be_.gelu_backward(x_.dfc, s.fc, x_.dact, N * FS, t);
-  // dh += du W1 (N, C); dW1 += du^T h (FSC, C); db1 += colsum du.
-  be_.gemm(false, false, N, C, FSC, 1.0f, x_.dfc, FSC, weights(p.shared_fc_w), C, t, 1.0f, dh, C, t);
   be_.gemm(true, false, FSC, C, N, 1.0f, x_.dfc, FSC, h, C, t, 1.0f, grads(p.shared_fc_w), C, DType::F32);
   if (p.shared_fc_b >= 0) be_.bias_backward(grads(p.shared_fc_b), x_.dfc, N, FSC, t);
+}
+
+void MoeSharedExpert::backward_input(const BlockParams& p, const WeightView& weights, void* dh, Communicator* tp) {
+  const int64_t N = z_.N, C = z_.C, FSC = z_.FSC;
+  const DType t = z_.act;
+  // dh += dlogits w_g (N, C) on TP rank 0 (dh is a partial sum); dh += du W1 (N, C).
+  if (z_.gate && (!tp || tp->rank() == 0))
+    be_.gemm(false, false, N, C, 1, 1.0f, gate_grad(), 1, weights(p.shared_gate_w), C, t, 1.0f, dh, C, t);
+  be_.gemm(false, false, N, C, FSC, 1.0f, x_.dfc, FSC, weights(p.shared_fc_w), C, t, 1.0f, dh, C, t);
 }
 
 }  // namespace tetra

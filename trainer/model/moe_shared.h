@@ -69,13 +69,19 @@ class MoeSharedExpert {
 
   // out (N, C) += g s (this rank's partial sum when tp > 1); `tp0`: this rank adds the proj bias.
   void forward(const Saved& s, const BlockParams& p, const WeightView& weights, const void* h, void* out, bool tp0);
-  // dh (N, C) += the gradient of g s w.r.t. h (a partial sum when tp > 1); parameter gradients
-  // accumulate into `grads`. `tp`: the TP group (null: none).
-  void backward(const Saved& s, const BlockParams& p, const WeightView& weights, const GradTarget& grads,
-                const void* h, const void* dout, void* dh, Communicator* tp);
+  // Backward in two parts, so that the caller's input gradient may overwrite dout in between (with
+  // sequence parallelism dh and dout are one buffer): backward_output reads dout and h, and
+  // accumulates the parameter gradients into `grads`, keeping du and dlogits in the scratch;
+  // backward_input then adds the gradient of g s w.r.t. h into dh (N, C) (a partial sum when
+  // tp > 1). `tp`: the TP group (null: none).
+  void backward_output(const Saved& s, const BlockParams& p, const WeightView& weights, const GradTarget& grads,
+                       const void* h, const void* dout, Communicator* tp);
+  void backward_input(const BlockParams& p, const WeightView& weights, void* dh, Communicator* tp);
 
  private:
   void activation(void* a, const void* fc);
+  // dlogits in the GEMMs' type.
+  const void* gate_grad() const { return z_.act == DType::F32 ? static_cast<const void*>(x_.dlogits) : x_.dlogits_act; }
 
   Backend& be_;
   Shape z_;
