@@ -2,7 +2,8 @@
 // DP shards of the distributed optimizer), every other layout reassembles exactly its own part.
 // Each global element's value is its global index, so any misplaced element is caught. The
 // vocabulary is padded differently on every tp: the padding is in no slice and loads as nothing.
-// MoE models with a shared expert: the experts and the shared expert's TP slices alike.
+// MoE models with a shared expert: the experts (over EP ranks too) and the shared expert's TP
+// slices alike; with swiglu and biases each expert's fc bias is two column ranges a TP rank.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -64,16 +65,19 @@ struct Saved {
 // The slices one layout (tp, dp shards) writes of parameter `name`, as the checkpoint does: the
 // DP shard of rank d is the d-th quarter... of each group, like GradBuffer's with one bucket per
 // group.
-std::vector<Saved> save(const ModelConfig& m, const std::string& name, int tp, int dp) {
+std::vector<Saved> save(const ModelConfig& m, const std::string& name, int tp, int dp, int ep) {
   std::vector<Saved> out;
+  for (int q = 0; q < ep; ++q)
   for (int t = 0; t < tp; ++t) {
     TensorSlicing sl;
     sl.tp = tp;
     sl.tp_rank = t;
+    sl.ep = ep;
+    sl.ep_rank = q;
     sl.group_align = 16 * dp;
     const ParamLayout layout = ParamLayout::build(m, sl);
     const ParamSpec& p = *layout.find(name);
-    if (!p.tp_split && t != 0) continue;  // replicas are written once
+    if ((!p.tp_split && t != 0) || (!p.ep_split && q != 0)) continue;  // replicas are written once
     const auto& g = layout.groups[static_cast<size_t>(p.group)];
     const int64_t shard = (g.second - g.first) / dp;
     for (int d = 0; d < dp; ++d) {
@@ -96,24 +100,33 @@ std::vector<Saved> save(const ModelConfig& m, const std::string& name, int tp, i
 
 TEST_CASE("checkpoint slices: every layout reassembles its part from every other layout's slices",
           "[checkpoint]") {
-  for (const ModelConfig& m : {llama_like(), gpt2_like(), with_shared_expert(llama_like()), with_shared_expert(gpt2_like())}) {
+  ModelConfig biased_llama = llama_like();
+  biased_llama.bias = true;
+  for (const ModelConfig& m : {llama_like(), gpt2_like(), with_shared_expert(llama_like()), with_shared_expert(gpt2_like()),
+                               with_shared_expert(biased_llama)}) {
     const ParamLayout whole = ParamLayout::build(m);
+    const std::vector<int> eps = m.moe.enabled() ? std::vector<int>{1, 2} : std::vector<int>{1};
     for (const ParamSpec& spec : whole.params) {
       for (int save_tp : {1, 2, 4})
-        for (int save_dp : {1, 2, 4}) {
-          const std::vector<Saved> saved = save(m, spec.name, save_tp, save_dp);
+        for (int save_dp : {1, 2, 4})
+        for (int save_ep : eps) {
+          const std::vector<Saved> saved = save(m, spec.name, save_tp, save_dp, save_ep);
           // Each global element written exactly once.
           int64_t written = 0;
           for (const Saved& s : saved) written += s.region.numel();
-          INFO(spec.name << " saved under tp " << save_tp << " dp " << save_dp);
+          INFO(spec.name << " saved under tp " << save_tp << " dp " << save_dp << " ep " << save_ep);
           int64_t global = 1;
           for (int64_t d : spec.global_shape) global *= d;
           REQUIRE(written == global);
+          for (int load_ep : eps)
+          for (int q = 0; q < load_ep; ++q)
           for (int load_tp : {1, 2, 4})
             for (int t = 0; t < load_tp; ++t) {
               TensorSlicing sl;
               sl.tp = load_tp;
               sl.tp_rank = t;
+              sl.ep = load_ep;
+              sl.ep_rank = q;
               const ParamLayout layout = ParamLayout::build(m, sl);
               const ParamSpec& p = *layout.find(spec.name);
               std::vector<float> local(static_cast<size_t>(p.numel), -1.0f);
@@ -138,7 +151,7 @@ TEST_CASE("checkpoint slices: every layout reassembles its part from every other
               }
               for (int64_t i = p.held(); i < p.numel; ++i) padding_filled += filled[static_cast<size_t>(i)];
               CHECK(padding_filled == 0);
-              INFO("loaded under tp " << load_tp << " rank " << t);
+              INFO("loaded under tp " << load_tp << " rank " << t << ", ep " << load_ep << " rank " << q);
               CHECK(missing == 0);
               CHECK(wrong == 0);
               // local_index inverts global_index on what the rank holds.

@@ -547,11 +547,6 @@ void check_cross_field(const Config& c, Rules& r) {
                 fmt::format("model.moe.shared_expert_ffn_hidden_size ({}) must be a multiple of parallel.tp ({}): the "
                             "shared expert is split over TP like the dense MLP",
                             moe.shared_expert_ffn_hidden_size, c.parallel.tp));
-    if (r.ok({"model.activation", "model.bias"}))
-      r.require(!(m.activation == Activation::SWIGLU && m.bias), "model.bias", true,
-                fmt::format("the experts' swiglu fc biases cannot be split over parallel.tp ({}) yet: set "
-                            "model.bias to false (as Llama-style models have it) or parallel.tp to 1",
-                            c.parallel.tp));
   }
   if (r.ok({"parallel.ep", "parallel.dp", "model.moe.num_experts"}) && c.parallel.ep > 1) {
     const int64_t ep = c.parallel.ep;

@@ -80,10 +80,16 @@ struct LayoutBuilder {
           }
         break;
       case Expert::FC_B:
-        TETRA_CHECK(!(swiglu && p > 1), "expert fc biases with swiglu cannot be split over tp {}", p);
         global = {E, FCg}, local = {El, FCl};
-        if (s.ep > 1) rows.push_back({e0, El});
-        col_start = r * Fl;
+        if (swiglu && p > 1) {  // expert e's row: its gate columns [r Fl, ..), then its up columns [F + r Fl, ..)
+          for (int64_t e = e0; e < e0 + El; ++e) {
+            rows.push_back({e, 1, r * Fl, Fl});
+            rows.push_back({e, 1, F + r * Fl, Fl});
+          }
+        } else {
+          if (s.ep > 1) rows.push_back({e0, El});
+          col_start = r * Fl;
+        }
         break;
       case Expert::PROJ_W:
         global = {E, C, F}, local = {El, C, Fl};
@@ -120,19 +126,28 @@ int64_t ParamSpec::global_index(int64_t i) const {
   if (!tp_split && !ep_split) return i;
   const int64_t cols = shape.size() > 1 ? shape.back() : 1;
   const int64_t gcols = global_shape.size() > 1 ? global_shape.back() : 1;
-  int64_t row = i / cols;
-  const int64_t col = i % cols;
-  int64_t grow = row;
-  if (!row_blocks.empty()) {
-    for (const RowBlock& b : row_blocks) {
-      if (row < b.rows) {
-        grow = b.global_start + row;
-        break;
-      }
-      row -= b.rows;
-    }
+  int64_t start = 0;  // local index of the block's first element
+  for (const RowBlock& b : row_blocks) {
+    const int64_t bc = b.cols > 0 ? b.cols : cols, c0 = b.cols > 0 ? b.col0 : col_start;
+    if (i < start + b.rows * bc) return (b.global_start + (i - start) / bc) * gcols + c0 + (i - start) % bc;
+    start += b.rows * bc;
   }
-  return grow * gcols + col_start + col;
+  // No row blocks: every row (past them: the vocabulary's padding, which no caller asks for).
+  return i / cols * gcols + col_start + i % cols;
+}
+
+std::vector<RowBlock> ParamSpec::blocks() const {
+  const int64_t cols = shape.size() > 1 ? shape.back() : 1;
+  std::vector<RowBlock> out;
+  if (row_blocks.empty()) {
+    int64_t rows = 1;  // of the 2-D view: every dim but the last
+    for (size_t d = 0; d + 1 < shape.size(); ++d) rows *= shape[d];
+    out.push_back({0, shape.size() > 1 ? rows : (shape.empty() ? 1 : shape[0]), col_start, cols});
+    return out;
+  }
+  for (const RowBlock& b : row_blocks)
+    out.push_back(b.cols > 0 ? b : RowBlock{b.global_start, b.rows, col_start, cols});
+  return out;
 }
 
 ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicing, const StageSlice& stage_in) {

@@ -41,7 +41,8 @@
 // replicated like the router. Expert parallelism over ep ranks: rank r holds experts [r E/ep, (r+1) E/ep),
 // i.e. row blocks of the tensors' 2-D views (every dim but the last flattened into rows); with
 // tp > 1 each expert is split like the dense MLP (fc: row blocks of each expert's gate and up
-// rows; fc.bias and proj.weight: a column range; proj.bias replicated). All
+// rows; fc.bias a column range, with swiglu two per expert, of its gate and of its up columns, so
+// the local row is again [gate | up]; proj.weight a column range; proj.bias replicated). All
 // expert tensors come after every dense group, one group per MoE layer (groups L + 2, ...), so
 // [expert_begin, total) is one contiguous range whose gradients reduce over the expert-DP group
 // while [0, expert_begin) reduces over DP.
@@ -63,9 +64,13 @@ struct GradRange {
   int64_t offset = 0, numel = 0;  // elements of the parameter buffer
 };
 
-// Rows [global_start, global_start + rows) of the global tensor (dim 0).
+// Rows [global_start, global_start + rows) of the global tensor's 2-D view; with cols > 0 only
+// its columns [col0, col0 + cols) (else the spec's col_start and local columns). A block with a
+// column range of its own is a rectangle stored row-major after the blocks before it: what lets a
+// local row be made of two global column ranges (a swiglu expert's fc bias under TP, [gate | up]).
 struct RowBlock {
   int64_t global_start = 0, rows = 0;
+  int64_t col0 = 0, cols = 0;
 };
 
 struct ParamSpec {
@@ -74,7 +79,8 @@ struct ParamSpec {
   std::vector<int64_t> global_shape;  // the whole tensor
   // The slice, in the 2-D view (rows = product of every dim but the last, cols = the last; a 1-D
   // tensor is n x 1): the concatenation of `row_blocks` of the global rows (all rows when empty),
-  // restricted to columns [col_start, col_start + local cols) (col_start 0 for 1-D tensors).
+  // restricted to columns [col_start, col_start + local cols) (col_start 0 for 1-D tensors), or
+  // to a block's own column range (RowBlock::cols > 0).
   std::vector<RowBlock> row_blocks;
   int64_t col_start = 0;
   // Local rows after the row blocks that are no part of the global tensor: the vocabulary's
@@ -101,6 +107,9 @@ struct ParamSpec {
   int64_t held() const;
   // Flat index into the global tensor of local element `i` < held() (row-major in both).
   int64_t global_index(int64_t i) const;
+  // The local tensor as rectangles of the global 2-D view, in local order, each row-major: the
+  // row blocks with their column ranges resolved (cols > 0), or the whole local tensor's rows.
+  std::vector<RowBlock> blocks() const;
 };
 
 // Offsets of one transformer block's parameters (-1 where the config has no such parameter).
