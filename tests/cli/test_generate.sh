@@ -4,7 +4,10 @@
 # model trained a few steps with a sample at each evaluation; then model.safetensors is there,
 # `tetra generate` reproduces the last sample and is deterministic per seed, bad weights exit 2
 # with a message, and under mpirun with tp = 2 (with and without sequence parallelism) training
-# writes the same greedy samples as tp = 1 and exports weights that generate the same text.
+# writes the same greedy samples as tp = 1 and exports weights that generate the same text; a MoE
+# model trained with expert parallelism (ep = 2: every rank of the EP group runs each forward of
+# the sample) writes the samples of its ep = 1 run, and its weights and a checkpoint it saved
+# (experts as global tensors) generate them on one process.
 #
 # Usage: test_generate.sh <tetra binary> <source dir> <scratch dir>
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -42,11 +45,11 @@ assert [list(x) for x in indexed_dataset.read(d + "/valid")] == [list(x) for x i
 PY
 
 # The model's vocabulary (448) is padded beyond the tokenizer's (400): ids >= 400 are never sampled.
-write_config() {  # write_config <path> <logging dir> <parallel members> [precision]
+write_config() {  # write_config <path> <logging dir> <parallel members> [precision] [model members]
   cat >"$1" <<JSON
 {
   "model": {"vocab_size": 448, "seq_len": 32, "num_layers": 2, "hidden_size": 64, "num_heads": 4,
-            "ffn_hidden_size": 128},
+            "ffn_hidden_size": 128${5:+, $5}},
   "parallel": {$3},
   "training": {"precision": "${4:-fp32}", "micro_batch_size": 4, "steps": 100, "eval_every": 50, "eval_steps": 1, "threads": 1,
                "peak_gflops": 10, "seed": 5},
@@ -316,6 +319,49 @@ samples "$run4/train.log" >"$scratch/fp16.samples"
 [[ $(wc -l <"$scratch/fp16.samples") -eq 2 ]] || fail "samples: $(cat "$scratch/fp16.samples")"
 "$tetra" generate --config "$scratch/fp16.json" >"$scratch/gen_fp16.out" 2>&1 || fail "exit $?: $(cat "$scratch/gen_fp16.out")"
 $py - "$scratch/gen_fp16.out" "$scratch/fp16.samples" <<'PY' || fail "fp16 generate does not print the last sample"
+import sys
+out = open(sys.argv[1], encoding="utf-8").read()
+last = open(sys.argv[2], encoding="utf-8").read().splitlines()[-1]
+assert out.startswith("the cat") and out[len("the cat"):-1].replace("\n", "\\n") == last, (out, last)
+PY
+
+# ---- MoE with expert parallelism: the samples of ep = 1, and one-process generate from ep = 2 -----
+moe_model='"moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 64, "aux_loss_coeff": 0.01}'
+for ep in 1 2; do
+  case=train_moe_dp2_ep$ep
+  run5="$scratch/run_moe_ep$ep"
+  write_config "$scratch/moe_ep$ep.json" "$run5" "\"dp\": 2, \"ep\": $ep" fp32 "$moe_model"
+  [[ $ep -eq 2 ]] && $py - "$scratch/moe_ep2.json" "$scratch/ckpt_moe_ep2" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["checkpoint"] = {"dir": sys.argv[2], "every": 100}
+json.dump(c, open(sys.argv[1], "w"))
+PY
+  timeout 300 "$mpirun" --oversubscribe -np 2 "$tetra" --config "$scratch/moe_ep$ep.json" \
+    >"$scratch/moe_ep$ep.out" 2>&1 || fail "exit $?: $(tail -5 "$scratch/moe_ep$ep.out")"
+  samples "$run5/train.log" >"$scratch/moe_ep$ep.samples"
+  [[ $(wc -l <"$scratch/moe_ep$ep.samples") -eq 2 && -n "$(tail -1 "$scratch/moe_ep$ep.samples")" ]] ||
+    fail "expected a sample at each of the 2 evaluations: $(cat "$scratch/moe_ep$ep.samples")"
+  [[ $(grep -c "sample: " "$scratch/moe_ep$ep.out") -eq 2 ]] ||
+    fail "sample lines are not printed once each (rank 0): $(grep "sample: " "$scratch/moe_ep$ep.out")"
+done
+case=train_moe_ep2_samples_equal_ep1
+# The layouts reproduce each other's weights (fp32 sums reordered); greedy choices agree.
+cmp -s "$scratch/moe_ep1.samples" "$scratch/moe_ep2.samples" ||
+  fail "ep 2 samples differ: $(cat "$scratch/moe_ep2.samples") vs ep 1: $(cat "$scratch/moe_ep1.samples")"
+case=generate_moe_from_ep2
+"$tetra" generate --config "$scratch/moe_ep1.json" >"$scratch/gen_moe_ep1.out" 2>&1 ||
+  fail "exit $?: $(cat "$scratch/gen_moe_ep1.out")"
+"$tetra" generate --config "$scratch/moe_ep2.json" >"$scratch/gen_moe_ep2.out" 2>&1 ||
+  fail "from the ep 2 run's weights: exit $?: $(cat "$scratch/gen_moe_ep2.out")"
+"$tetra" generate --config "$scratch/moe_ep2.json" --weights "$scratch/ckpt_moe_ep2/step_00000100" \
+  >"$scratch/gen_moe_ckpt.out" 2>"$scratch/gen_moe_ckpt.err" ||
+  fail "from the ep 2 checkpoint: exit $?: $(cat "$scratch/gen_moe_ckpt.err")"
+cmp -s "$scratch/gen_moe_ep2.out" "$scratch/gen_moe_ep1.out" ||
+  fail "ep 2 weights: $(cat "$scratch/gen_moe_ep2.out") vs ep 1: $(cat "$scratch/gen_moe_ep1.out")"
+cmp -s "$scratch/gen_moe_ckpt.out" "$scratch/gen_moe_ep2.out" ||
+  fail "the ep 2 checkpoint: $(cat "$scratch/gen_moe_ckpt.out") vs its weights: $(cat "$scratch/gen_moe_ep2.out")"
+$py - "$scratch/gen_moe_ep2.out" "$scratch/moe_ep2.samples" <<'PY' || fail "generate does not print the ep 2 run's last sample"
 import sys
 out = open(sys.argv[1], encoding="utf-8").read()
 last = open(sys.argv[2], encoding="utf-8").read().splitlines()[-1]

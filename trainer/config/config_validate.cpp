@@ -561,11 +561,6 @@ void check_cross_field(const Config& c, Rules& r) {
       r.require(moe.num_experts % ep == 0, "parallel.ep", ep,
                 fmt::format("parallel.ep ({}) must divide model.moe.num_experts ({}): each expert-"
                             "parallel rank holds num_experts / ep experts", ep, moe.num_experts));
-    if (r.ok({"sample.prompt"}))
-      r.require(c.sample.prompt.empty(), "sample.prompt", c.sample.prompt,
-                fmt::format("text samples during training are not available with expert parallelism yet "
-                            "(parallel.ep {}): remove sample.prompt (tetra generate works on the saved weights)",
-                            ep));
   }
   if (r.ok({"parallel.tp", "parallel.sequence_parallel"}) && c.parallel.sequence_parallel) {
     r.require(c.parallel.tp > 1, "parallel.sequence_parallel", true,

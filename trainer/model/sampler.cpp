@@ -77,8 +77,8 @@ int32_t sample_token(std::span<const float> logits, double temperature, int64_t 
   return cand[last_positive];  // u * total rounded above the final sum
 }
 
-Sampler::Sampler(Gpt& model, Backend& be, Communicator* tp)
-    : model_(model), be_(be), tp_(tp && tp->size() > 1 ? tp : nullptr) {
+Sampler::Sampler(Gpt& model, Backend& be, Communicator* tp, Communicator* ep)
+    : model_(model), be_(be), tp_(tp && tp->size() > 1 ? tp : nullptr), ep_(ep && ep->size() > 1 ? ep : nullptr) {
   const ModelDims& d = model.dims();
   TETRA_CHECK(d.B == 1, "the sampling model must be built with micro_batch 1, not {}", d.B);
   TETRA_CHECK(d.tp == (tp_ ? tp_->size() : 1), "the sampling model is split over {} ranks, its group has {}",
@@ -86,6 +86,7 @@ Sampler::Sampler(Gpt& model, Backend& be, Communicator* tp)
   tokens_buf_ = BackendBuffer(be_, static_cast<size_t>(d.T) * 4);
   row_buf_ = BackendBuffer(be_, static_cast<size_t>(d.Vl) * 4);
   if (tp_) full_buf_ = BackendBuffer(be_, static_cast<size_t>(d.Vl * d.tp) * 4);
+  if (ep_) choice_buf_ = BackendBuffer(be_, 4);
   tokens_ = tokens_buf_.as<int32_t>();
   row_ = row_buf_.as<float>();
   full_ = tp_ ? full_buf_.as<float>() : row_;
@@ -120,8 +121,13 @@ std::vector<int32_t> Sampler::generate(const void* weights, std::span<const int3
     be_.cast(row_, DType::F32, row, model_.act(), V);
     if (tp_) tp_->all_gather(full_, row_, d.Vl, DType::F32);
     be_.copy_to_host(host_row_.data(), full_, host_row_.size() * 4);
-    const int32_t token = sample_token(std::span<const float>(host_row_.data(), static_cast<size_t>(vocab_limit)),
-                                       s.temperature, s.top_k, sampling_uniform(s.seed, static_cast<uint64_t>(i)));
+    int32_t token = sample_token(std::span<const float>(host_row_.data(), static_cast<size_t>(vocab_limit)),
+                                 s.temperature, s.top_k, sampling_uniform(s.seed, static_cast<uint64_t>(i)));
+    if (ep_) {  // EP rank 0's choice on every rank: the next forward is collective over the group
+      be_.copy_from_host(choice_buf_.get(), &token, 4);
+      ep_->broadcast(choice_buf_.get(), 1, DType::I32, 0);
+      be_.copy_to_host(&token, choice_buf_.get(), 4);
+    }
     if (token == eod) break;
     out.push_back(token);
     ids.push_back(token);

@@ -11,7 +11,11 @@
 // (Philox), and token choice is a pure function of the logits and that draw. With tensor
 // parallelism every rank gathers the same whole logit row, so every rank picks the same token
 // without further communication, and the text does not depend on the layout beyond the logits'
-// own rounding.
+// own rounding. With expert parallelism the experts of a MoE block are spread over the ranks of
+// the EP group, whose all-to-alls are collective: every rank of the group runs each forward of
+// the sample with the same context, and the token EP rank 0 picks is broadcast over the group,
+// so that the ranks' contexts (and their stops) cannot drift apart whatever the rounding of their
+// own logits.
 #pragma once
 
 #include <cstdint>
@@ -39,9 +43,9 @@ int32_t sample_token(std::span<const float> logits, double temperature, int64_t 
 
 class Sampler {
  public:
-  // `model`: built with micro_batch 1. `tp`: its tensor-parallel group (null or size 1: none);
-  // every rank of the group runs generate() together.
-  Sampler(Gpt& model, Backend& be, Communicator* tp);
+  // `model`: built with micro_batch 1. `tp`: its tensor-parallel group, `ep`: its expert-parallel
+  // group (null or size 1: none); every rank of both runs generate() together.
+  Sampler(Gpt& model, Backend& be, Communicator* tp, Communicator* ep = nullptr);
   ~Sampler();
   Sampler(const Sampler&) = delete;
   Sampler& operator=(const Sampler&) = delete;
@@ -56,7 +60,9 @@ class Sampler {
   Gpt& model_;
   Backend& be_;
   Communicator* tp_;
+  Communicator* ep_;
   BackendBuffer tokens_buf_, row_buf_, full_buf_;  // own the three below (full_buf_ with tp > 1)
+  BackendBuffer choice_buf_;                       // (1) int32: the token broadcast over ep (ep > 1)
   int32_t* tokens_ = nullptr;  // (1, T) backend memory
   float* row_ = nullptr;       // (V_local) fp32: this rank's slice of the row that is read
   float* full_ = nullptr;      // (V) fp32: the whole row, gathered over tp (row_ itself without)

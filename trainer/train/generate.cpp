@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
 
 #include "kernels/backend.h"
 #include "trainer/checkpoint/checkpoint.h"
@@ -195,7 +196,16 @@ std::vector<float> load_weights_dir(const std::string& dir, const Config& cfg) {
     b.layout = &layout;
     b.owned = &owned;
     b.master_full = host.data();
-    load_checkpoint(step, cfg, groups, *cpu, b, /*weights_only=*/true);
+    {
+      // Its "initialised the weights ... this run starts at step 0" line is a training run's; here
+      // stdout is the generated text.
+      struct Quiet {
+        spdlog::level::level_enum was = spdlog::get_level();
+        Quiet() { spdlog::set_level(std::max(was, spdlog::level::warn)); }
+        ~Quiet() { spdlog::set_level(was); }
+      } quiet;
+      load_checkpoint(step, cfg, groups, *cpu, b, /*weights_only=*/true);
+    }
     return host;
   }
   // A Hugging Face directory: its config.json must describe the config's model.

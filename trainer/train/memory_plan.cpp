@@ -104,8 +104,9 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   if (cfg.parallel.tp > 1) m.buffers += GradBuffer::sp_scratch_bytes(layout);
   m.batch = static_cast<size_t>(cfg.grad_accum_steps() * B * T) * 12;  // tokens, targets, losses
   const int64_t vl = cfg.model.padded_vocab_size(cfg.parallel.tp) / cfg.parallel.tp;  // vocabulary rows per rank
-  if (samples_enabled(cfg))  // the sampling model's arena and its (T) ids and two logit rows
-    m.sampling = Gpt::activation_bytes_for(cfg.model, act, 1, cfg.parallel.tp) + static_cast<size_t>(T) * 4 +
+  if (samples_enabled(cfg))  // the sampling model's arena and its (T) ids, two logit rows and chosen id
+    m.sampling = Gpt::activation_bytes_for(cfg.model, act, 1, cfg.parallel.tp, false, {}, cfg.parallel.ep) +
+                 static_cast<size_t>(T) * 4 + (cfg.parallel.ep > 1 ? 4 : 0) +
                  static_cast<size_t>(vl) * 4 +                              // its logit row
                  (cfg.parallel.tp > 1 ? static_cast<size_t>(vl * cfg.parallel.tp) * 4 : 0) +  // gathered
                  (zero3 ? n * dtype_size(act) : 0);  // ZeRO-3: the whole weights it reads, gathered

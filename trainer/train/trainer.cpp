@@ -258,9 +258,12 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     // need T divisible by tp. The parameter offsets do not depend on it.
     sample_layout_ = layout_;
     sample_layout_.slicing.sequence_parallel = false;
+    // With expert parallelism its MoE blocks exchange rows over the EP group like training's: every
+    // rank samples, the ranks of an EP group in lockstep.
     Communicator* tp = &groups.backend(GroupKind::TP);
-    sample_model_ = std::make_unique<Gpt>(cfg.model, sample_layout_, *be_, act_, 1, tp);
-    sampler_ = std::make_unique<Sampler>(*sample_model_, *be_, tp);
+    Communicator* ep = &groups.backend(GroupKind::EP);
+    sample_model_ = std::make_unique<Gpt>(cfg.model, sample_layout_, *be_, act_, 1, tp, /*chunk=*/0, /*slots=*/1, ep);
+    sampler_ = std::make_unique<Sampler>(*sample_model_, *be_, tp, ep);
     if (zero3_ && samples_enabled(cfg))
       sample_weights_buf_ = BackendBuffer(*be_, static_cast<size_t>(layout_.total) * dtype_size(act_));
   }
