@@ -30,6 +30,8 @@
 namespace tetra {
 
 enum class NormKind : uint8_t { LAYERNORM, RMSNORM };
+// How a MoE router scores the experts (Megatron's moe_router_score_function).
+enum class MoeScore : uint8_t { SOFTMAX, SIGMOID };
 
 // A strided view of per-head vectors: head h's HS values of token t of sequence b start at element
 // b * seq + t * row + h * HS of p (its element type is the op's: act, or fp32 where it says so).
@@ -97,6 +99,30 @@ class Backend {
                     const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type,
                     float beta, void* C, int64_t ldc, DType c_type,
                     const void* bias = nullptr) = 0;
+
+  // Grouped GEMMs: G independent products of gemm's contract that share the transposes, types,
+  // leading dimensions, alpha and beta, each group with its own row count rows[g] (a host array)
+  // and its own B (B[g], a host array of pointers). Group g's rows are the block after those of
+  // groups < g: with o_g = rows[0] + ... + rows[g-1], R = o_G,
+  //   gemm_grouped:   op(A) (R, K), C (R, N): for each g, rows [o_g, o_g + rows[g]) of C
+  //                     = alpha op(A)[o_g .. o_g + rows[g]) · op(B[g]) + beta C[..] + bias[g]
+  //                   (bias: null, or a host array of G pointers, each null or N elements)
+  //                   — the experts' projections, their row blocks one after another;
+  //   gemm_grouped_k: the row blocks are the reduction dimension: op(A) (M, R), op(B) (R, N),
+  //                     C[g] (M, N) = alpha op(A)[:, o_g .. o_g + rows[g]) · op(B)[o_g .. o_g + rows[g], :]
+  //                               + beta C[g]
+  //                   (C: a host array of G pointers) — the experts' weight gradients dW_g += dY_g^T X_g.
+  // A group of 0 rows is skipped (gemm_grouped_k leaves its C[g] as it is). The result is exactly
+  // that of the G gemm calls in group order: the same rounding, bit for bit on the CPU backend;
+  // what a grouped call gains is running the groups together (the CPU backend spreads small groups
+  // over its threads, kernels/cpu/gemm.cpp).
+  virtual void gemm_grouped(bool trans_a, bool trans_b, int64_t G, const int64_t* rows, int64_t N, int64_t K,
+                            float alpha, const void* A, int64_t lda, const void* const* B, int64_t ldb,
+                            DType ab_type, float beta, void* C, int64_t ldc, DType c_type,
+                            const void* const* bias = nullptr) = 0;
+  virtual void gemm_grouped_k(bool trans_a, bool trans_b, int64_t G, const int64_t* rows, int64_t M, int64_t N,
+                              float alpha, const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type,
+                              float beta, void* const* C, int64_t ldc, DType c_type) = 0;
 
   // dbias[j] += sum_i dout[i, j]. dout (N, OC) of type act; dbias F32 (OC).
   virtual void bias_backward(float* dbias, const void* dout, int64_t N, int64_t OC, DType act) = 0;
@@ -230,21 +256,27 @@ class Backend {
                                float dloss_scale) = 0;
 
   // ---- Mixture of Experts (K experts per token out of E; M rows of the expert-sorted buffer) --
-  // Router, fp32 whatever the activation type. logits (N, E) F32. probs (N, E) = softmax of each
-  // row, lse (N) = its log-sum-exp; topk_idx (N, K) int32 = the K experts of highest probability
-  // in decreasing order (equal probabilities: the lower expert index first); topk_prob (N, K) F32
-  // = their probabilities (the gates, not renormalised).
+  // Router, fp32 whatever the activation type. logits (N, E) F32. The scores, per row:
+  //   SOFTMAX  s = softmax(logits); probs (N, E) = s, lse (N) = the row's log-sum-exp
+  //   SIGMOID  s = sigmoid(logits) (math::sigmoid); probs = s / S, lse = S = sum_j s_j (the
+  //            normalised scores feed the load-balancing loss, as Megatron's)
+  // topk_idx (N, K) int32 = the K experts of highest s_j + select_bias[j] (select_bias (E) may be
+  // null: 0), in decreasing order (equal keys: the lower expert index first); topk_prob (N, K) F32
+  // = their scores s (without the bias: it only selects).
   virtual void moe_router_forward(float* probs, float* lse, int32_t* topk_idx, float* topk_prob,
-                                  const float* logits, int64_t N, int64_t E, int64_t K) = 0;
-  // dlogits (N, E) F32 is overwritten with the gradient through the softmax of
-  //   dp[i, j] = expert_grad[j] + sum_k [topk_idx[i, k] == j] dtopk_prob[i, k]
-  // (expert_grad (E) may be null: 0; it carries the load-balancing loss, the same for every row),
-  // plus the router z-loss's gradient z_scale * 2 lse[i] probs[i, j]:
-  //   dlogits[i, j] = probs[i, j] (dp[i, j] - sum_j' probs[i, j'] dp[i, j']) + 2 z_scale lse[i] probs[i, j]
+                                  const float* logits, int64_t N, int64_t E, int64_t K, MoeScore score,
+                                  const float* select_bias) = 0;
+  // dlogits (N, E) F32 is overwritten with the gradient of
+  //   dp[i, j] = expert_grad[j]                               (w.r.t. probs; expert_grad (E) may
+  //                                                            be null: 0; the load-balancing loss)
+  //   ds[i, j] = sum_k [topk_idx[i, k] == j] dtopk_prob[i, k] (w.r.t. the chosen scores)
+  // SOFTMAX: dlogits = s (dp + ds - sum_j' s_j' (dp + ds)_j') + 2 z_scale lse[i] s (the z-loss);
+  // SIGMOID: with s = probs S, dlogits = (ds + (dp - sum_j' probs_j' dp_j') / S) s (1 - s)
+  //          (z_scale must be 0: the z-loss is a softmax router's).
   virtual void moe_router_backward(float* dlogits, const float* probs, const float* lse,
                                    const int32_t* topk_idx, const float* dtopk_prob,
                                    const float* expert_grad, float z_scale, int64_t N, int64_t E,
-                                   int64_t K) = 0;
+                                   int64_t K, MoeScore score) = 0;
   // Gates from the chosen probabilities, per token (math::moe_gates_row): gates (N, K) F32 =
   // scale topk_prob / (sum over the token's K when normalize, else 1). gates must not alias
   // topk_prob. Backward (math::moe_gates_row_backward): dtopk_prob (N, K) from dgates (N, K).

@@ -6,8 +6,10 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/common/gemm_groups.h"
 #include "kernels/cpu/scratch.h"
 
 namespace tetra {
@@ -44,6 +46,12 @@ class CpuBackend final : public Backend {
   void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
             const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type, float beta,
             void* C, int64_t ldc, DType c_type, const void* bias) override;
+  void gemm_grouped(bool trans_a, bool trans_b, int64_t G, const int64_t* rows, int64_t N, int64_t K, float alpha,
+                    const void* A, int64_t lda, const void* const* B, int64_t ldb, DType ab_type, float beta,
+                    void* C, int64_t ldc, DType c_type, const void* const* bias) override;
+  void gemm_grouped_k(bool trans_a, bool trans_b, int64_t G, const int64_t* rows, int64_t M, int64_t N,
+                      float alpha, const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type,
+                      float beta, void* const* C, int64_t ldc, DType c_type) override;
   void bias_backward(float* dbias, const void* dout, int64_t N, int64_t OC, DType act) override;
 
   void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
@@ -100,11 +108,12 @@ class CpuBackend final : public Backend {
                        int64_t Vl, float dloss_scale) override;
 
   void moe_router_forward(float* probs, float* lse, int32_t* topk_idx, float* topk_prob,
-                          const float* logits, int64_t N, int64_t E, int64_t K) override;
+                          const float* logits, int64_t N, int64_t E, int64_t K, MoeScore score,
+                          const float* select_bias) override;
   void moe_router_backward(float* dlogits, const float* probs, const float* lse,
                            const int32_t* topk_idx, const float* dtopk_prob,
                            const float* expert_grad, float z_scale, int64_t N, int64_t E,
-                           int64_t K) override;
+                           int64_t K, MoeScore score) override;
   void moe_gates_forward(float* gates, const float* topk_prob, int64_t N, int64_t K, bool normalize,
                          float scale) override;
   void moe_gates_backward(float* dtopk_prob, const float* dgates, const float* topk_prob, int64_t N, int64_t K,
@@ -140,6 +149,17 @@ class CpuBackend final : public Backend {
   const char* attention_backward_kernel_ = nullptr;
   struct GemmCache;                     // oneDNN engine, stream and primitives cached per shape
   std::unique_ptr<GemmCache> gemm_cache_;
+  // gemm's oneDNN path on `cache` with `threads` threads: gemm_cache_ and threads_ for gemm, a
+  // thread's own cache and 1 for the groups a grouped GEMM spreads over the threads (gemm.cpp).
+  void gemm_dnnl(GemmCache& cache, int threads, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                 float alpha, const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type, float beta,
+                 void* C, int64_t ldc, DType c_type, const void* bias);
+  // Runs grouped_ (the problems of one grouped call, in group order, arguments checked):
+  // gemm.cpp, or gemm_loops.cpp in a build without oneDNN.
+  void gemm_problems(bool trans_a, bool trans_b, float alpha, int64_t lda, int64_t ldb, DType ab_type, float beta,
+                     int64_t ldc, DType c_type);
+  std::vector<GemmProblem> grouped_;                     // reused from call to call
+  std::vector<std::unique_ptr<GemmCache>> thread_caches_;  // one per thread, made on first use
   cpu::CpuScratch scratch_;  // the kernels' grow-only buffers, one slot per thread (scratch.h)
   AllocationTally tally_;    // what alloc() holds
 };

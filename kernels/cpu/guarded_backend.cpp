@@ -16,6 +16,7 @@
 #include <initializer_list>
 #include <map>
 #include <mutex>
+#include <vector>
 
 #include "kernels/common/check.h"
 #include "kernels/common/math.h"
@@ -133,6 +134,25 @@ class GuardedBackend final : public Backend {
             const void* bias) override {
     Open o(*this, "gemm", {{A, "A"}, {B, "B"}, {C, "C"}, {bias, "bias"}});
     inner_->gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, ab_type, beta, C, ldc, c_type, bias);
+  }
+  void gemm_grouped(bool trans_a, bool trans_b, int64_t G, const int64_t* rows, int64_t N, int64_t K, float alpha,
+                    const void* A, int64_t lda, const void* const* B, int64_t ldb, DType ab_type, float beta,
+                    void* C, int64_t ldc, DType c_type, const void* const* bias) override {
+    std::vector<Arg> args{{A, "A"}, {C, "C"}};
+    for (int64_t g = 0; g < G; ++g) {
+      args.push_back({B[g], "B[g]"});
+      if (bias) args.push_back({bias[g], "bias[g]"});
+    }
+    Open o(*this, "gemm_grouped", args);
+    inner_->gemm_grouped(trans_a, trans_b, G, rows, N, K, alpha, A, lda, B, ldb, ab_type, beta, C, ldc, c_type, bias);
+  }
+  void gemm_grouped_k(bool trans_a, bool trans_b, int64_t G, const int64_t* rows, int64_t M, int64_t N, float alpha,
+                      const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type, float beta,
+                      void* const* C, int64_t ldc, DType c_type) override {
+    std::vector<Arg> args{{A, "A"}, {B, "B"}};
+    for (int64_t g = 0; g < G; ++g) args.push_back({C[g], "C[g]"});
+    Open o(*this, "gemm_grouped_k", args);
+    inner_->gemm_grouped_k(trans_a, trans_b, G, rows, M, N, alpha, A, lda, B, ldb, ab_type, beta, C, ldc, c_type);
   }
   void bias_backward(float* dbias, const void* dout, int64_t N, int64_t OC, DType act) override {
     Open o(*this, "bias_backward", {{dbias, "dbias"}, {dout, "dout"}});
@@ -253,18 +273,19 @@ class GuardedBackend final : public Backend {
                             targets, v0, N, Vl, dloss_scale);
   }
   void moe_router_forward(float* probs, float* lse, int32_t* topk_idx, float* topk_prob, const float* logits,
-                          int64_t N, int64_t E, int64_t K) override {
+                          int64_t N, int64_t E, int64_t K, MoeScore score, const float* select_bias) override {
     Open o(*this, "moe_router_forward",
-           {{probs, "probs"}, {lse, "lse"}, {topk_idx, "topk_idx"}, {topk_prob, "topk_prob"}, {logits, "logits"}});
-    inner_->moe_router_forward(probs, lse, topk_idx, topk_prob, logits, N, E, K);
+           {{probs, "probs"}, {lse, "lse"}, {topk_idx, "topk_idx"}, {topk_prob, "topk_prob"}, {logits, "logits"},
+            {select_bias, "select_bias"}});
+    inner_->moe_router_forward(probs, lse, topk_idx, topk_prob, logits, N, E, K, score, select_bias);
   }
   void moe_router_backward(float* dlogits, const float* probs, const float* lse, const int32_t* topk_idx,
                            const float* dtopk_prob, const float* expert_grad, float z_scale, int64_t N, int64_t E,
-                           int64_t K) override {
+                           int64_t K, MoeScore score) override {
     Open o(*this, "moe_router_backward",
            {{dlogits, "dlogits"}, {probs, "probs"}, {lse, "lse"}, {topk_idx, "topk_idx"}, {dtopk_prob, "dtopk_prob"},
             {expert_grad, "expert_grad"}});
-    inner_->moe_router_backward(dlogits, probs, lse, topk_idx, dtopk_prob, expert_grad, z_scale, N, E, K);
+    inner_->moe_router_backward(dlogits, probs, lse, topk_idx, dtopk_prob, expert_grad, z_scale, N, E, K, score);
   }
   void moe_gates_forward(float* gates, const float* topk_prob, int64_t N, int64_t K, bool normalize,
                          float scale) override {
@@ -342,17 +363,23 @@ class GuardedBackend final : public Backend {
   // Opens the allocations of an op's pointer arguments (null ones skipped) while it lives.
   class Open {
    public:
-    Open(GuardedBackend& g, const char* op, std::initializer_list<Arg> args) : g_(g), op_(op), lock_(g.mutex_) {
-      TETRA_CHECK(args.size() <= open_.size(), "cpu-guarded: {} has {} pointer arguments", op, args.size());
-      for (const Arg& a : args) {
-        if (a.p == nullptr) continue;
-        const Region* r = g_.find(a.p);
+    Open(GuardedBackend& g, const char* op, std::initializer_list<Arg> args) : Open(g, op, args.begin(), args.end()) {}
+    // A grouped GEMM's arguments: one per group (its B, bias or C).
+    Open(GuardedBackend& g, const char* op, const std::vector<Arg>& args)
+        : Open(g, op, args.data(), args.data() + args.size()) {}
+    Open(GuardedBackend& g, const char* op, const Arg* first, const Arg* last) : g_(g), op_(op), lock_(g.mutex_) {
+      for (const Arg* a = first; a != last; ++a) {
+        if (a->p == nullptr) continue;
+        const Region* r = g_.find(a->p);
         if (r == nullptr)
           throw Error(fmt::format("cpu-guarded: {}: argument {} ({}) is not backend memory (host memory passed "
-                                  "to a backend op?)", op, a.what, a.p));
+                                  "to a backend op?)", op, a->what, a->p));
         bool seen = false;
         for (int i = 0; i < n_; ++i) seen = seen || open_[static_cast<size_t>(i)] == r;
-        if (!seen) open_[static_cast<size_t>(n_++)] = r;
+        if (seen) continue;
+        TETRA_CHECK(n_ < static_cast<int>(open_.size()), "cpu-guarded: {} names more than {} allocations", op,
+                    open_.size());
+        open_[static_cast<size_t>(n_++)] = r;
       }
       for (int i = 0; i < n_; ++i) g_.protect(*open_[static_cast<size_t>(i)], PROT_READ | PROT_WRITE);
     }

@@ -110,30 +110,44 @@ void shared_gate_backward_impl(T* dy, float* dlogits, const T* dout, const T* y,
 }  // namespace
 
 void CpuBackend::moe_router_forward(float* probs, float* lse, int32_t* topk_idx, float* topk_prob,
-                                    const float* logits, int64_t N, int64_t E, int64_t K) {
+                                    const float* logits, int64_t N, int64_t E, int64_t K, MoeScore score,
+                                    const float* select_bias) {
   TETRA_CHECK(K >= 1 && K <= E, "moe_router_forward: top-k {} of {} experts", K, E);
+  const bool sigmoid = score == MoeScore::SIGMOID;
   const int nt = team_size(threads_);
-#pragma omp parallel for num_threads(nt) schedule(static)
-  for (int64_t i = 0; i < N; ++i) {
-    const float* l = logits + i * E;
-    float* p = probs + i * E;
-    float mx = l[0];
-    for (int64_t j = 1; j < E; ++j) mx = std::max(mx, l[j]);
-    float s = 0.0f;
-    for (int64_t j = 0; j < E; ++j) s += std::exp(l[j] - mx);
-    lse[i] = mx + std::log(s);
-    for (int64_t j = 0; j < E; ++j) p[j] = std::exp(l[j] - mx) / s;
-    // Selection by repeated arg-max (K is small): strictly greater wins, so ties go to the lower
-    // index; an expert already taken is skipped.
-    for (int64_t k = 0; k < K; ++k) {
-      int64_t best = -1;
-      for (int64_t j = 0; j < E; ++j) {
-        bool taken = false;
-        for (int64_t q = 0; q < k; ++q) taken = taken || topk_idx[i * K + q] == j;
-        if (!taken && (best < 0 || p[j] > p[best])) best = j;
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> s(static_cast<size_t>(E)), key(static_cast<size_t>(E));
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < N; ++i) {
+      const float* l = logits + i * E;
+      float* p = probs + i * E;
+      if (!sigmoid) {
+        float mx = l[0];
+        for (int64_t j = 1; j < E; ++j) mx = std::max(mx, l[j]);
+        float sum = 0.0f;
+        for (int64_t j = 0; j < E; ++j) sum += std::exp(l[j] - mx);
+        lse[i] = mx + std::log(sum);
+        for (int64_t j = 0; j < E; ++j) s[j] = p[j] = std::exp(l[j] - mx) / sum;
+      } else {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < E; ++j) s[j] = math::sigmoid(l[j]), sum += s[j];
+        lse[i] = sum;
+        for (int64_t j = 0; j < E; ++j) p[j] = s[j] / sum;
       }
-      topk_idx[i * K + k] = static_cast<int32_t>(best);
-      topk_prob[i * K + k] = p[best];
+      for (int64_t j = 0; j < E; ++j) key[j] = select_bias ? s[j] + select_bias[j] : s[j];
+      // Selection by repeated arg-max (K is small): strictly greater wins, so ties go to the lower
+      // index; an expert already taken is skipped.
+      for (int64_t k = 0; k < K; ++k) {
+        int64_t best = -1;
+        for (int64_t j = 0; j < E; ++j) {
+          bool taken = false;
+          for (int64_t q = 0; q < k; ++q) taken = taken || topk_idx[i * K + q] == j;
+          if (!taken && (best < 0 || key[j] > key[best])) best = j;
+        }
+        topk_idx[i * K + k] = static_cast<int32_t>(best);
+        topk_prob[i * K + k] = s[best];
+      }
     }
   }
 }
@@ -141,20 +155,32 @@ void CpuBackend::moe_router_forward(float* probs, float* lse, int32_t* topk_idx,
 void CpuBackend::moe_router_backward(float* dlogits, const float* probs, const float* lse,
                                      const int32_t* topk_idx, const float* dtopk_prob,
                                      const float* expert_grad, float z_scale, int64_t N, int64_t E,
-                                     int64_t K) {
+                                     int64_t K, MoeScore score) {
+  const bool sigmoid = score == MoeScore::SIGMOID;
+  TETRA_CHECK(!sigmoid || z_scale == 0.0f, "moe_router_backward: a z-loss ({}) with sigmoid scores", z_scale);
   const int nt = team_size(threads_);
 #pragma omp parallel num_threads(nt)
   {
-    std::vector<float> dp(static_cast<size_t>(E));
+    std::vector<float> dp(static_cast<size_t>(E)), ds(static_cast<size_t>(E));
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < N; ++i) {
       const float* p = probs + i * E;
-      for (int64_t j = 0; j < E; ++j) dp[j] = expert_grad ? expert_grad[j] : 0.0f;
-      for (int64_t k = 0; k < K; ++k) dp[topk_idx[i * K + k]] += dtopk_prob[i * K + k];
-      float dot = 0.0f;
-      for (int64_t j = 0; j < E; ++j) dot += p[j] * dp[j];
-      const float z = 2.0f * z_scale * lse[i];
-      for (int64_t j = 0; j < E; ++j) dlogits[i * E + j] = p[j] * (dp[j] - dot) + z * p[j];
+      for (int64_t j = 0; j < E; ++j) dp[j] = expert_grad ? expert_grad[j] : 0.0f, ds[j] = 0.0f;
+      for (int64_t k = 0; k < K; ++k) ds[topk_idx[i * K + k]] += dtopk_prob[i * K + k];
+      if (!sigmoid) {
+        float dot = 0.0f;
+        for (int64_t j = 0; j < E; ++j) dot += p[j] * (dp[j] + ds[j]);
+        const float z = 2.0f * z_scale * lse[i];
+        for (int64_t j = 0; j < E; ++j) dlogits[i * E + j] = p[j] * (dp[j] + ds[j] - dot) + z * p[j];
+      } else {
+        const float S = lse[i];
+        float dot = 0.0f;
+        for (int64_t j = 0; j < E; ++j) dot += p[j] * dp[j];
+        for (int64_t j = 0; j < E; ++j) {
+          const float sj = p[j] * S;
+          dlogits[i * E + j] = (ds[j] + (dp[j] - dot) / S) * sj * (1.0f - sj);
+        }
+      }
     }
   }
 }

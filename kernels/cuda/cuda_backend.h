@@ -75,6 +75,12 @@ class CudaBackend final : public Backend {
   void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
             const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type, float beta,
             void* C, int64_t ldc, DType c_type, const void* bias) override;
+  void gemm_grouped(bool trans_a, bool trans_b, int64_t G, const int64_t* rows, int64_t N, int64_t K, float alpha,
+                    const void* A, int64_t lda, const void* const* B, int64_t ldb, DType ab_type, float beta,
+                    void* C, int64_t ldc, DType c_type, const void* const* bias) override;
+  void gemm_grouped_k(bool trans_a, bool trans_b, int64_t G, const int64_t* rows, int64_t M, int64_t N,
+                      float alpha, const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type,
+                      float beta, void* const* C, int64_t ldc, DType c_type) override;
   void bias_backward(float* dbias, const void* dout, int64_t N, int64_t OC, DType act) override;
 
   void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
@@ -132,11 +138,12 @@ class CudaBackend final : public Backend {
                        int64_t Vl, float dloss_scale) override;
 
   void moe_router_forward(float* probs, float* lse, int32_t* topk_idx, float* topk_prob,
-                          const float* logits, int64_t N, int64_t E, int64_t K) override;
+                          const float* logits, int64_t N, int64_t E, int64_t K, MoeScore score,
+                          const float* select_bias) override;
   void moe_router_backward(float* dlogits, const float* probs, const float* lse,
                            const int32_t* topk_idx, const float* dtopk_prob,
                            const float* expert_grad, float z_scale, int64_t N, int64_t E,
-                           int64_t K) override;
+                           int64_t K, MoeScore score) override;
   void moe_gates_forward(float* gates, const float* topk_prob, int64_t N, int64_t K, bool normalize,
                          float scale) override;
   void moe_gates_backward(float* dtopk_prob, const float* dgates, const float* topk_prob, int64_t N, int64_t K,

@@ -32,7 +32,8 @@ constexpr int kRowThreads = 128;
 
 __global__ void __launch_bounds__(kRouterWarps * 32)
 router_forward_kernel(float* probs, float* lse, int32_t* topk_idx, float* topk_prob,
-                      const float* logits, int64_t N, int64_t E, int64_t K) {
+                      const float* logits, int64_t N, int64_t E, int64_t K, bool sigmoid,
+                      const float* select_bias) {
   const int lane = threadIdx.x % 32;
   const int64_t row = blockIdx.x * int64_t{kRouterWarps} + threadIdx.x / 32;
   if (row >= N) return;  // the whole warp leaves together; the kernel has no __syncthreads
@@ -41,34 +42,41 @@ router_forward_kernel(float* probs, float* lse, int32_t* topk_idx, float* topk_p
   int32_t* idx = topk_idx + row * K;
 
   float mx = -INFINITY;
-  for (int64_t j = lane; j < E; j += 32) mx = fmaxf(mx, l[j]);
-  mx = warp_max(mx);
+  if (!sigmoid) {
+    for (int64_t j = lane; j < E; j += 32) mx = fmaxf(mx, l[j]);
+    mx = warp_max(mx);
+  }
+  // The score of expert j (softmax: once the sum is known).
   float s = 0.0f;
-  for (int64_t j = lane; j < E; j += 32) s += expf(l[j] - mx);
+  for (int64_t j = lane; j < E; j += 32) s += sigmoid ? math::sigmoid(l[j]) : expf(l[j] - mx);
   s = warp_sum(s);
-  if (lane == 0) lse[row] = mx + logf(s);
-  for (int64_t j = lane; j < E; j += 32) p[j] = expf(l[j] - mx) / s;
+  if (lane == 0) lse[row] = sigmoid ? s : mx + logf(s);
+  auto score = [&](int64_t j) { return sigmoid ? math::sigmoid(l[j]) : expf(l[j] - mx) / s; };
+  for (int64_t j = lane; j < E; j += 32) p[j] = sigmoid ? math::sigmoid(l[j]) / s : score(j);
   // Each lane reads back only the probabilities it wrote itself; topk_idx is shared (below).
 
   for (int64_t k = 0; k < K; ++k) {
     int64_t best = -1;
-    float best_p = 0.0f;
+    float best_key = 0.0f, best_s = 0.0f;
     for (int64_t j = lane; j < E; j += 32) {
       bool taken = false;
       for (int64_t q = 0; q < k; ++q) taken = taken || idx[q] == j;
-      if (!taken && (best < 0 || p[j] > best_p)) best = j, best_p = p[j];
+      const float sj = sigmoid ? math::sigmoid(l[j]) : p[j];
+      const float key = select_bias ? sj + select_bias[j] : sj;
+      if (!taken && (best < 0 || key > best_key)) best = j, best_key = key, best_s = sj;
     }
-    // Warp arg-max: the larger probability, on equal ones the lower index; -1 loses to anything.
+    // Warp arg-max: the larger key, on equal ones the lower index; -1 loses to anything.
     for (int o = 16; o > 0; o >>= 1) {
       const int64_t other = __shfl_xor_sync(kFullMask, best, o);
-      const float other_p = __shfl_xor_sync(kFullMask, best_p, o);
-      const bool take = other >= 0 && (best < 0 || other_p > best_p ||
-                                       (other_p == best_p && other < best));
-      if (take) best = other, best_p = other_p;
+      const float other_key = __shfl_xor_sync(kFullMask, best_key, o);
+      const float other_s = __shfl_xor_sync(kFullMask, best_s, o);
+      const bool take = other >= 0 && (best < 0 || other_key > best_key ||
+                                       (other_key == best_key && other < best));
+      if (take) best = other, best_key = other_key, best_s = other_s;
     }
     if (lane == 0) {
       idx[k] = static_cast<int32_t>(best);
-      topk_prob[row * K + k] = best_p;
+      topk_prob[row * K + k] = best_s;
     }
     __syncwarp();  // lane 0's idx[k] is visible to the whole warp in the next round
   }
@@ -77,26 +85,36 @@ router_forward_kernel(float* probs, float* lse, int32_t* topk_idx, float* topk_p
 __global__ void __launch_bounds__(kRouterWarps * 32)
 router_backward_kernel(float* dlogits, const float* probs, const float* lse,
                        const int32_t* topk_idx, const float* dtopk_prob,
-                       const float* expert_grad, float z_scale, int64_t N, int64_t E, int64_t K) {
+                       const float* expert_grad, float z_scale, int64_t N, int64_t E, int64_t K,
+                       bool sigmoid) {
   const int lane = threadIdx.x % 32;
   const int64_t row = blockIdx.x * int64_t{kRouterWarps} + threadIdx.x / 32;
   if (row >= N) return;
   const float* p = probs + row * E;
   const int32_t* idx = topk_idx + row * K;
   const float* dtp = dtopk_prob + row * K;
-  // dp[j] = expert_grad[j] + the dtopk_prob of the slots that chose j, added in slot order.
-  auto dp_of = [&](int64_t j) {
-    float d = expert_grad ? expert_grad[j] : 0.0f;
+  // ds[j] = the dtopk_prob of the slot that chose j (each expert is chosen once at most).
+  auto ds_of = [&](int64_t j) {
+    float d = 0.0f;
     for (int64_t k = 0; k < K; ++k)
       if (idx[k] == j) d += dtp[k];
     return d;
   };
+  auto dp_of = [&](int64_t j) { return expert_grad ? expert_grad[j] : 0.0f; };
   float dot = 0.0f;
-  for (int64_t j = lane; j < E; j += 32) dot += p[j] * dp_of(j);
+  for (int64_t j = lane; j < E; j += 32) dot += p[j] * (sigmoid ? dp_of(j) : dp_of(j) + ds_of(j));
   dot = warp_sum(dot);
-  const float z = 2.0f * z_scale * lse[row];
-  for (int64_t j = lane; j < E; j += 32)
-    dlogits[row * E + j] = p[j] * (dp_of(j) - dot) + z * p[j];
+  if (!sigmoid) {
+    const float z = 2.0f * z_scale * lse[row];
+    for (int64_t j = lane; j < E; j += 32)
+      dlogits[row * E + j] = p[j] * (dp_of(j) + ds_of(j) - dot) + z * p[j];
+  } else {
+    const float S = lse[row];
+    for (int64_t j = lane; j < E; j += 32) {
+      const float sj = p[j] * S;
+      dlogits[row * E + j] = (ds_of(j) + (dp_of(j) - dot) / S) * sj * (1.0f - sj);
+    }
+  }
 }
 
 // ---- gates ----------------------------------------------------------------------------------
@@ -266,7 +284,8 @@ bool rows_vectorisable(int64_t C, std::initializer_list<const void*> ptrs) {
 }  // namespace cuda
 
 void CudaBackend::moe_router_forward(float* probs, float* lse, int32_t* topk_idx, float* topk_prob,
-                                     const float* logits, int64_t N, int64_t E, int64_t K) {
+                                     const float* logits, int64_t N, int64_t E, int64_t K, MoeScore score,
+                                     const float* select_bias) {
   TETRA_CHECK(K >= 1 && K <= E, "moe_router_forward: top-k {} of {} experts", K, E);
   TETRA_CHECK(N >= 0, "moe_router_forward: N ({}) must be >= 0", N);
   if (N == 0) return;
@@ -274,22 +293,25 @@ void CudaBackend::moe_router_forward(float* probs, float* lse, int32_t* topk_idx
   TETRA_CHECK(blocks <= 0x7fffffff, "moe_router_forward: N ({}) too large", N);
   cuda::router_forward_kernel<<<static_cast<unsigned>(blocks), cuda::kRouterWarps * 32, 0,
                                 cuda::as_stream(stream_)>>>(probs, lse, topk_idx, topk_prob,
-                                                            logits, N, E, K);
+                                                            logits, N, E, K, score == MoeScore::SIGMOID,
+                                                            select_bias);
   TETRA_CUDA_LAUNCHED();
 }
 
 void CudaBackend::moe_router_backward(float* dlogits, const float* probs, const float* lse,
                                       const int32_t* topk_idx, const float* dtopk_prob,
                                       const float* expert_grad, float z_scale, int64_t N,
-                                      int64_t E, int64_t K) {
+                                      int64_t E, int64_t K, MoeScore score) {
   TETRA_CHECK(N >= 0 && E >= 1 && K >= 0, "moe_router_backward: N {} E {} K {}", N, E, K);
+  TETRA_CHECK(score != MoeScore::SIGMOID || z_scale == 0.0f,
+              "moe_router_backward: a z-loss ({}) with sigmoid scores", z_scale);
   if (N == 0) return;
   const int64_t blocks = (N + cuda::kRouterWarps - 1) / cuda::kRouterWarps;
   TETRA_CHECK(blocks <= 0x7fffffff, "moe_router_backward: N ({}) too large", N);
   cuda::router_backward_kernel<<<static_cast<unsigned>(blocks), cuda::kRouterWarps * 32, 0,
                                  cuda::as_stream(stream_)>>>(dlogits, probs, lse, topk_idx,
                                                              dtopk_prob, expert_grad, z_scale, N,
-                                                             E, K);
+                                                             E, K, score == MoeScore::SIGMOID);
   TETRA_CUDA_LAUNCHED();
 }
 

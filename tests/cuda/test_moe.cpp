@@ -86,9 +86,9 @@ TEST_CASE("cuda moe_router_forward vs cpu: softmax, lse, top-k with ties", "[cud
             tprob(N * K, DType::F32);
         Twin idx(std::vector<int32_t>(static_cast<size_t>(N * K), -7));
         be.cpu->moe_router_forward(probs.cpu_f32(), lse.cpu_f32(), static_cast<int32_t*>(idx.cpu()),
-                                   tprob.cpu_f32(), lg.cpu_f32(), N, E, K);
+                                   tprob.cpu_f32(), lg.cpu_f32(), N, E, K, MoeScore::SOFTMAX, nullptr);
         be.gpu->moe_router_forward(probs.gpu_f32(), lse.gpu_f32(), static_cast<int32_t*>(idx.gpu()),
-                                   tprob.gpu_f32(), lg.gpu_f32(), N, E, K);
+                                   tprob.gpu_f32(), lg.gpu_f32(), N, E, K, MoeScore::SOFTMAX, nullptr);
         const double rtol = (2.0 * E + 16.0) * kU;
         const std::vector<float> pr = probs.cpu_values(), lr = lse.cpu_values(),
                                  tr = tprob.cpu_values();
@@ -123,7 +123,7 @@ TEST_CASE("cuda moe_router_backward vs cpu", "[cuda][moe]") {
           Twin idx(std::vector<int32_t>(static_cast<size_t>(N * K), 0));
           auto* idx_cpu = static_cast<int32_t*>(idx.cpu());
           be.cpu->moe_router_forward(probs.cpu_f32(), lse.cpu_f32(), idx_cpu, tprob.cpu_f32(),
-                                     lg.cpu_f32(), N, E, K);
+                                     lg.cpu_f32(), N, E, K, MoeScore::SOFTMAX, nullptr);
           const std::vector<float> p = probs.cpu_values(), l = lse.cpu_values();
           const std::vector<int32_t> ix = to_ints(idx.cpu_values());
           Twin p_in(p, DType::F32), lse_in(l, DType::F32), idx_in(ix);
@@ -133,11 +133,11 @@ TEST_CASE("cuda moe_router_backward vs cpu", "[cuda][moe]") {
           be.cpu->moe_router_backward(dlogits.cpu_f32(), p_in.cpu_f32(), lse_in.cpu_f32(),
                                       idx_in.cpu_i32(), dtopk.cpu_f32(),
                                       with_expert_grad ? expert_grad.cpu_f32() : nullptr, z_scale,
-                                      N, E, K);
+                                      N, E, K, MoeScore::SOFTMAX);
           be.gpu->moe_router_backward(dlogits.gpu_f32(), p_in.gpu_f32(), lse_in.gpu_f32(),
                                       idx_in.gpu_i32(), dtopk.gpu_f32(),
                                       with_expert_grad ? expert_grad.gpu_f32() : nullptr, z_scale,
-                                      N, E, K);
+                                      N, E, K, MoeScore::SOFTMAX);
           std::vector<double> tol(static_cast<size_t>(N * E));
           for (int64_t i = 0; i < N; ++i) {
             std::vector<double> dp(static_cast<size_t>(E), 0.0);
@@ -288,6 +288,73 @@ TEST_CASE("cuda moe_combine_backward vs cpu", "[cuda][moe]") {
   }
 }
 
+
+// Sigmoid scores (math::sigmoid on both sides) with a selection bias of whole numbers: logits on
+// the 1/8 grid give scores at least ~1e-2 apart unless equal, and a whole-number bias cannot
+// bring two distinct keys within rounding of each other, so the chosen experts must agree
+// exactly; scores, their normalisation and sum as the softmax's tolerances. Backward: ds + (dp -
+// dot) / S times s (1 - s), with s = probs S rounded once more.
+TEST_CASE("cuda moe_router sigmoid scores with a selection bias vs cpu", "[cuda][moe]") {
+  Backends& be = backends();
+  uint64_t seed = 140;
+  for (int64_t N : {1, 7, 300}) {
+    for (int64_t E : {4, 37, 64}) {
+      for (int64_t K : {int64_t{1}, int64_t{6}}) {
+        for (bool with_bias : {false, true}) {
+          INFO("N=" << N << " E=" << E << " K=" << K << " bias=" << with_bias);
+          std::mt19937_64 rng(seed += 3);
+          std::vector<float> logits(static_cast<size_t>(N * E)), bias(static_cast<size_t>(E));
+          for (float& l : logits) l = -2.0f + 0.125f * static_cast<float>(rng() % 33);
+          for (float& b : bias) b = static_cast<float>(rng() % 3);
+          Twin lg(logits, DType::F32), tb(bias, DType::F32), probs(N * E, DType::F32), lse(N, DType::F32),
+              tprob(N * K, DType::F32);
+          Twin idx(std::vector<int32_t>(static_cast<size_t>(N * K), -7));
+          be.cpu->moe_router_forward(probs.cpu_f32(), lse.cpu_f32(), static_cast<int32_t*>(idx.cpu()),
+                                     tprob.cpu_f32(), lg.cpu_f32(), N, E, K, MoeScore::SIGMOID,
+                                     with_bias ? tb.cpu_f32() : nullptr);
+          be.gpu->moe_router_forward(probs.gpu_f32(), lse.gpu_f32(), static_cast<int32_t*>(idx.gpu()),
+                                     tprob.gpu_f32(), lg.gpu_f32(), N, E, K, MoeScore::SIGMOID,
+                                     with_bias ? tb.gpu_f32() : nullptr);
+          REQUIRE(idx.gpu_values() == idx.cpu_values());
+          const double rtol = (2.0 * E + 16.0) * kU;
+          const std::vector<float> pr = probs.cpu_values(), lr = lse.cpu_values(), tr = tprob.cpu_values();
+          std::vector<double> ptol(pr.size()), ltol(lr.size()), ttol(tr.size());
+          for (size_t i = 0; i < pr.size(); ++i) ptol[i] = rtol * std::fabs(pr[i]);
+          for (size_t i = 0; i < lr.size(); ++i) ltol[i] = rtol * std::fabs(lr[i]);
+          for (size_t i = 0; i < tr.size(); ++i) ttol[i] = 16.0 * kU * std::fabs(tr[i]);
+          require_within(pr, probs.gpu_values(), ptol, "probs");
+          require_within(lr, lse.gpu_values(), ltol, "lse");
+          require_within(tr, tprob.gpu_values(), ttol, "topk_prob");
+          // Backward on the CPU forward's outputs.
+          const std::vector<int32_t> ix = to_ints(idx.cpu_values());
+          Twin p_in(pr, DType::F32), lse_in(lr, DType::F32), idx_in(ix);
+          const std::vector<float> dtp = random_values(static_cast<size_t>(N * K), seed += 3);
+          const std::vector<float> eg = random_values(static_cast<size_t>(E), seed += 3, 0.1f);
+          Twin dtopk(dtp, DType::F32), expert_grad(eg, DType::F32), dlogits(N * E, DType::F32);
+          be.cpu->moe_router_backward(dlogits.cpu_f32(), p_in.cpu_f32(), lse_in.cpu_f32(), idx_in.cpu_i32(),
+                                      dtopk.cpu_f32(), expert_grad.cpu_f32(), 0.0f, N, E, K, MoeScore::SIGMOID);
+          be.gpu->moe_router_backward(dlogits.gpu_f32(), p_in.gpu_f32(), lse_in.gpu_f32(), idx_in.gpu_i32(),
+                                      dtopk.gpu_f32(), expert_grad.gpu_f32(), 0.0f, N, E, K, MoeScore::SIGMOID);
+          std::vector<double> tol(static_cast<size_t>(N * E));
+          for (int64_t i = 0; i < N; ++i) {
+            double D = 0.0, dot = 0.0;
+            for (int64_t j = 0; j < E; ++j) D += std::fabs(pr[i * E + j] * eg[j]), dot += pr[i * E + j] * eg[j];
+            const double S = lr[i];
+            for (int64_t j = 0; j < E; ++j) {
+              double ds = 0.0;
+              for (int64_t k = 0; k < K; ++k)
+                if (ix[i * K + k] == j) ds += dtp[i * K + k];
+              const double sj = pr[i * E + j] * S;
+              const double g = std::fabs(ds) + (std::fabs(eg[j]) + std::fabs(dot)) / S;
+              tol[i * E + j] = (2.0 * (E + 1) * kU * D / S + 16.0 * kU * g) * sj * (1.0 - sj) + 1e-12;
+            }
+          }
+          require_within(dlogits.cpu_values(), dlogits.gpu_values(), tol, "dlogits");
+        }
+      }
+    }
+  }
+}
 
 // Gates from the chosen probabilities (math::moe_gates_row, one function on both sides):
 // renormalised or not, scaled or not. The GPU may contract a multiply and an add into one FMA, so

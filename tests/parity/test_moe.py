@@ -66,8 +66,9 @@ MODELS = {
     "deepseek_moe": {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 4,
                      "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 48, "norm": "rmsnorm",
                      "activation": "swiglu", "position": "rope", "tie_embeddings": False, "bias": False,
-                     "moe": {"num_experts": 8, "top_k": 3, "ffn_hidden_size": 16, "aux_loss_coeff": 0.01,
-                             "router_pre_softmax": False, "router_topk_scaling_factor": 2.5,
+                     "moe": {"num_experts": 8, "top_k": 3, "ffn_hidden_size": 16, "aux_loss_coeff": 0.001,
+                             "router_score_function": "sigmoid", "router_enable_expert_bias": True,
+                             "router_bias_update_rate": 0.02, "router_topk_scaling_factor": 2.5,
                              "first_k_dense_replace": 1, "shared_expert_ffn_hidden_size": 32}},
     # Shared experts: Qwen2-MoE's, gated per token by sigmoid(h . w) (DeepSeek's above, plain).
     "qwen2_moe": {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 2,
@@ -226,6 +227,32 @@ def main():
         dropped = sum(l["dropped"] for s in ref[0] for l in s["moe"]["layers"])
         check(dropped > 0, f"capacity factor 1.0: the single-rank run drops tokens ({dropped} over {STEPS} steps)")
         compare("capacity_dp4_ep2", ref, got, 4, 2)
+
+    # DeepSeek-style auxiliary-loss-free balancing: the expert biases (moved after every step from
+    # the tokens of every DP and CP rank) are state the checkpoint keeps: saved at dp 4 x ep 2 after
+    # 10 steps, resumed at tp 2 x ep 2 + SP and on one rank, the remaining steps match the
+    # uninterrupted run; the manifest holds a bias per MoE block, and they have moved.
+    ck = os.path.join(args.workdir, "ckpt_bias")
+    base = run(args, "bias_save_dp4_ep2", config("deepseek_moe"), 4, 2, checkpoint={"dir": ck, "every": 10}, dump=False)
+    step10 = os.path.join(ck, "step_00000010")
+    if base and os.path.isdir(step10):
+        with open(os.path.join(step10, "manifest.json")) as f:
+            biases = json.load(f).get("moe_expert_bias", {})
+        moved = sum(abs(v) for b in biases.values() for v in b)
+        check(sorted(biases) == ["1", "2", "3"] and all(len(b) == 8 for b in biases.values()) and moved > 0,
+              f"the checkpoint holds the expert bias of MoE blocks 1..3 (blocks {sorted(biases)}, sum |bias| {moved:.3f})")
+        ref_losses = {s["step"]: s["loss"] for s in base[0]}
+        for dp, tp, ep, sp in [(2, 2, 2, True), (1, 1, 1, False)]:
+            name = f"bias_resume_{layout_name(dp, tp, ep, sp, False)}"
+            got = run(args, name, config("deepseek_moe"), dp, ep, checkpoint={"resume": step10}, dump=False, tp=tp, sp=sp)
+            if got is None:
+                continue
+            resumed = {s["step"]: s["loss"] for s in got[0]}
+            worst = max((rel(resumed[s], ref_losses[s]) for s in resumed), default=1.0)
+            check(sorted(resumed) == list(range(11, STEPS + 1)) and worst <= LOSS_RTOL,
+                  f"{name}: steps 11..{STEPS} match the uninterrupted run within {LOSS_RTOL:g} (worst {worst:.2e})")
+    else:
+        check(False, "the expert-bias run saved step_00000010")
 
     # Rows over the bound: with model.moe.max_load_factor 1 and the router forced to favour expert 0
     # (skew) or to send every token to experts 0..top_k-1 (one: every row to EP rank 0), the blocks

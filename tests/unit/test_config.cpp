@@ -56,6 +56,9 @@ void require_equal(const Config& a, const Config& b) {
   CHECK(a.model.moe.router_pre_softmax == b.model.moe.router_pre_softmax);
   CHECK(a.model.moe.router_topk_scaling_factor == b.model.moe.router_topk_scaling_factor);
   CHECK(a.model.moe.first_k_dense_replace == b.model.moe.first_k_dense_replace);
+  CHECK(a.model.moe.router_score_function == b.model.moe.router_score_function);
+  CHECK(a.model.moe.router_enable_expert_bias == b.model.moe.router_enable_expert_bias);
+  CHECK(a.model.moe.router_bias_update_rate == b.model.moe.router_bias_update_rate);
   CHECK(a.model.moe.shared_expert_ffn_hidden_size == b.model.moe.shared_expert_ffn_hidden_size);
   CHECK(a.model.moe.shared_expert_gate == b.model.moe.shared_expert_gate);
   CHECK(a.model.moe.aux_loss_coeff == b.model.moe.aux_loss_coeff);
@@ -156,6 +159,8 @@ json every_key() {
               "moe": {"num_experts": 0, "top_k": 1, "every": 2, "ffn_hidden_size": 512,
                       "capacity_factor": 1.25, "max_load_factor": null, "router_pre_softmax": false,
                       "router_topk_scaling_factor": 2.5, "first_k_dense_replace": 1,
+                      "router_score_function": "softmax", "router_enable_expert_bias": false,
+                      "router_bias_update_rate": 0.002,
                       "shared_expert_ffn_hidden_size": 256, "shared_expert_gate": true,
                       "aux_loss_coeff": 0.02, "z_loss_coeff": 0.001}},
     "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "cp": 1, "cp_comm": "all_gather", "order": "tp-pp-dp",

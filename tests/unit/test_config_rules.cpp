@@ -269,6 +269,26 @@ TEST_CASE("config: parallel layout rules", "[config]") {
   CHECK(problems_of(with(with(moe, "parallel.ep", 2), "parallel.distributed_optimizer", true)).empty());
   CHECK(problems_of(with(with(with(moe, "parallel.ep", 2), "sample.prompt", "The"), "data.tokenizer", "gpt2:t")).empty());
   require_one(with(moe, "model.moe.topk", 2), "model.moe.topk: ", "did you mean \"model.moe.top_k\"");
+  // Today's routers: the load bound, renormalised / scaled gates, dense first blocks, sigmoid
+  // scores and the expert bias, each refused where it does not apply.
+  CHECK(problems_of(with(moe, "model.moe.max_load_factor", 1.25)).empty());
+  require_one(with(moe, "model.moe.max_load_factor", 0.5), "model.moe.max_load_factor: 0.5", "must be >= 1");
+  require_one(with(with(moe, "model.moe.max_load_factor", 2.0), "model.moe.capacity_factor", 1.0),
+              "model.moe.max_load_factor: 2", "applies to dropless routing only");
+  require_one(with(moe, "model.moe.router_topk_scaling_factor", 0.0), "model.moe.router_topk_scaling_factor: 0",
+              "must be > 0");
+  require_one(with(moe, "model.moe.first_k_dense_replace", 12), "model.moe.first_k_dense_replace: 12",
+              "leaves no MoE block");
+  const json sig = with(with(moe, "model.moe.router_score_function", "sigmoid"), "model.moe.router_enable_expert_bias", true);
+  CHECK(problems_of(sig).empty());
+  CHECK(config_from_json(sig).model.moe.normalizes_gates());  // sigmoid: renormalised over the top-k (top_k 2)
+  require_one(with(moe, "model.moe.router_enable_expert_bias", true), "model.moe.router_enable_expert_bias: true",
+              "needs model.moe.router_score_function \"sigmoid\"");
+  require_one(with(sig, "model.moe.z_loss_coeff", 0.001), "model.moe.z_loss_coeff: 0.001", "a softmax router's");
+  require_one(with(sig, "model.moe.router_pre_softmax", false), "model.moe.router_pre_softmax: false",
+              "applies to softmax scores");
+  require_one(with(sig, "model.moe.router_bias_update_rate", 0.0), "model.moe.router_bias_update_rate: 0",
+              "must be > 0");
   require_one(with(base(), "model.moe", 3), "model.moe: 3: ", "expected an object");
   require_one(with(base(), "parallel.order", "tp-ep-dp"), "parallel.order: ", "tp-cp-dp-pp");
   // Context parallelism: whole chunks, an order naming cp, and what is per CP rank refused.

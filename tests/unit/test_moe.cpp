@@ -27,6 +27,8 @@ struct Gates {
   std::optional<double> scale;
   int64_t shared = 0;
   bool shared_gate = false;
+  bool sigmoid = false;            // sigmoid scores (no z-loss)
+  std::vector<float> select_bias;  // an expert bias set on the layer (sigmoid; empty: none)
 };
 
 ModelConfig moe_config(bool swiglu, int64_t K, std::optional<double> capacity, Gates gates = {}) {
@@ -51,6 +53,11 @@ ModelConfig moe_config(bool swiglu, int64_t K, std::optional<double> capacity, G
   m.moe.router_topk_scaling_factor = gates.scale;
   m.moe.shared_expert_ffn_hidden_size = gates.shared;
   m.moe.shared_expert_gate = gates.shared_gate;
+  if (gates.sigmoid) {
+    m.moe.router_score_function = RouterScore::SIGMOID;
+    m.moe.z_loss_coeff = 0.0;
+    m.moe.router_enable_expert_bias = !gates.select_bias.empty();
+  }
   return m;
 }
 
@@ -65,7 +72,8 @@ struct Reference {
 };
 
 Reference reference(const ModelConfig& m, const ParamLayout& L, const std::vector<float>& w,
-                    const std::vector<float>& h, const std::vector<float>& res, int64_t N) {
+                    const std::vector<float>& h, const std::vector<float>& res, int64_t N,
+                    const std::vector<float>& select_bias = {}) {
   const BlockParams& p = L.blocks[0];
   const int64_t C = m.hidden_size, E = m.moe.num_experts, K = m.moe.top_k, F = m.moe.ffn_hidden_size;
   const bool swiglu = m.activation == Activation::SWIGLU;
@@ -85,24 +93,31 @@ Reference reference(const ModelConfig& m, const ParamLayout& L, const std::vecto
       logit[e] = a;
       mx = std::max(mx, a);
     }
-    for (int64_t e = 0; e < E; ++e) s += std::exp(logit[e] - mx);
-    const double lse = mx + std::log(s);
-    r.z += lse * lse / N;
-    for (int64_t e = 0; e < E; ++e) prob[e] = std::exp(logit[e] - lse), psum[e] += prob[e];
+    const bool sigmoid = m.moe.router_score_function == RouterScore::SIGMOID;
+    if (!sigmoid) {
+      for (int64_t e = 0; e < E; ++e) s += std::exp(logit[e] - mx);
+      const double lse = mx + std::log(s);
+      r.z += lse * lse / N;
+      for (int64_t e = 0; e < E; ++e) prob[e] = std::exp(logit[e] - lse), psum[e] += prob[e];
+    } else {  // the scores are the sigmoids; the aux loss reads them normalised over the experts
+      for (int64_t e = 0; e < E; ++e) prob[e] = 1.0 / (1.0 + std::exp(-logit[e])), s += prob[e];
+      for (int64_t e = 0; e < E; ++e) psum[e] += prob[e] / s;
+    }
+    auto key = [&](int64_t e) { return prob[e] + (select_bias.empty() ? 0.0 : select_bias[e]); };
     std::vector<int> taken(E, 0);
     std::vector<int64_t> chosen;
     double chosen_sum = 0;
     for (int64_t k = 0; k < K; ++k) {
       int64_t best = -1;
       for (int64_t e = 0; e < E; ++e)
-        if (!taken[e] && (best < 0 || prob[e] > prob[best])) best = e;
+        if (!taken[e] && (best < 0 || key(e) > key(best))) best = e;
       taken[best] = 1;
       chosen.push_back(best);
       chosen_sum += prob[best];
     }
     for (int64_t k = 0; k < K; ++k) {
       const int64_t best = chosen[k];
-      const double gate = (m.moe.router_pre_softmax ? prob[best] : prob[best] / chosen_sum) *
+      const double gate = (m.moe.normalizes_gates() ? prob[best] / chosen_sum : prob[best]) *
                           m.moe.router_topk_scaling_factor.value_or(1.0);
       ++routed[best];
       if (cap >= 0 && used[best] >= cap) {
@@ -167,6 +182,7 @@ struct LayerHarness {
       : cfg(moe_config(swiglu, K, capacity, gates)), layout(ParamLayout::build(cfg)) {
     C = cfg.hidden_size;
     moe = std::make_unique<MoeLayers>(cfg, layout, *be, act, N, nullptr);
+    if (!gates.select_bias.empty()) moe->set_expert_bias({{0, gates.select_bias}});
     w.resize(layout.total);
     init_params(layout, cfg, 5, w.data());
     std::mt19937 rng(9);
@@ -191,7 +207,7 @@ struct LayerHarness {
 void check_forward(bool swiglu, int64_t K, std::optional<double> capacity, Gates gates = {}) {
   LayerHarness t(swiglu, K, capacity, DType::F32, gates);
   t.moe->forward(0, WeightView(t.w.data(), nullptr, sizeof(t.w[0])), t.h.data(), t.res.data(), t.out.data(), 1.0f);
-  const Reference r = reference(t.cfg, t.layout, t.w, t.h, t.res, t.N);
+  const Reference r = reference(t.cfg, t.layout, t.w, t.h, t.res, t.N, gates.select_bias);
   // fp32 GEMMs of length <= 16 against double: ~1e-6 relative; outputs are O(1).
   tetra_test::expect_close(t.out, r.out, {2e-5, 2e-5}, "MoE output");
   const MoeStepStats st = t.moe->take_stats();
@@ -284,6 +300,15 @@ TEST_CASE("MoE layer forward matches a plain-loop reference (top-1, top-2, gelu,
   check_forward(false, 2, std::nullopt, Gates{false, std::nullopt});  // renormalised (Mixtral)
   check_forward(true, 3, std::nullopt, Gates{false, 2.5});            // renormalised and scaled
   check_forward(false, 2, 0.5, Gates{true, 0.5});                     // scaled, with drops
+  // Sigmoid scores (DeepSeek-V3): gates renormalised over the top-k, scaled; a selection bias
+  // large enough to change the choice (experts 2 and 3 favoured) without entering the gates.
+  Gates sig{true, 2.5};
+  sig.sigmoid = true;
+  check_forward(true, 2, std::nullopt, sig);
+  check_forward(false, 1, std::nullopt, sig);
+  sig.select_bias = {-0.5f, 0.0f, 0.4f, 0.3f};
+  check_forward(true, 2, std::nullopt, sig);
+  check_forward(false, 3, 0.75, sig);
 }
 
 TEST_CASE("MoE layer backward matches finite differences (experts, router, input, aux and z losses)", "[moe][gradcheck]") {
@@ -296,6 +321,36 @@ TEST_CASE("MoE layer backward matches finite differences (experts, router, input
   check_backward(false, 2, std::nullopt, 1.0f, Gates{false, std::nullopt});
   check_backward(true, 3, std::nullopt, 1.0f, Gates{false, 2.5});
   check_backward(false, 2, 0.5, 1.0f, Gates{true, 0.5});
+  // Sigmoid scores: the gates through the sigmoid, the aux loss through the normalised scores;
+  // with a selection bias (which has no gradient).
+  Gates sig{true, 2.5};
+  sig.sigmoid = true;
+  check_backward(true, 2, std::nullopt, 1.0f, sig);
+  check_backward(false, 2, std::nullopt, 0.0f, sig);  // the aux loss's gradient alone
+  sig.select_bias = {-0.5f, 0.0f, 0.4f, 0.3f};
+  check_backward(false, 3, std::nullopt, 1.0f, sig);
+}
+
+TEST_CASE("MoE expert bias: the choice follows score + bias, the update moves it towards the mean load", "[moe]") {
+  Gates sig;
+  sig.sigmoid = true;
+  sig.select_bias = {0.0f, 0.0f, 0.0f, 0.0f};
+  LayerHarness t(false, 1, std::nullopt, DType::F32, sig);
+  // A bias of 10 on expert 2: every token chooses it, whatever its scores (all in (0, 1)).
+  t.moe->set_expert_bias({{0, {0.0f, 0.0f, 10.0f, 0.0f}}});
+  t.moe->forward(0, WeightView(t.w.data(), nullptr, sizeof(t.w[0])), t.h.data(), t.res.data(), t.out.data(), 1.0f);
+  const MoeStepStats st = t.moe->take_stats();
+  REQUIRE(st.layers.size() == 1);
+  CHECK(st.layers[0].tokens_per_expert == std::vector<int64_t>{0, 0, t.N, 0});
+  // The gate is the chosen sigmoid score (top-1: not renormalised), never the bias.
+  const Reference r = reference(t.cfg, t.layout, t.w, t.h, t.res, t.N, {0.0f, 0.0f, 10.0f, 0.0f});
+  tetra_test::expect_close(t.out, r.out, {2e-5, 2e-5}, "MoE output with a dominating bias");
+  // Update: mean 3; experts below it rise by the rate, above it fall, at the mean stay.
+  t.moe->update_expert_bias({{0, {1, 3, 8, 0}}, {5, {1, 1, 1, 1}}});  // block 5: not this layer's
+  const std::map<int64_t, std::vector<float>> b = t.moe->expert_bias();
+  const float rate = static_cast<float>(t.cfg.moe.router_bias_update_rate);
+  REQUIRE(b.size() == 1);
+  CHECK(b.at(0) == std::vector<float>{0.0f + rate, 0.0f, 10.0f - rate, 0.0f + rate});
 }
 
 TEST_CASE("MoE shared expert: forward matches the reference (gelu, swiglu, plain, gated)", "[moe]") {

@@ -288,6 +288,11 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
     write_safetensors(file, views);  // temp name, fsync, rename
   }
   const std::vector<std::string> all = all_gather_strings(world, slices.dump());
+  // The MoE blocks' expert biases (the same on every rank holding a block): each rank's, merged.
+  json biases = json::object();
+  for (const auto& [block, values] : state.moe_expert_bias) biases[std::to_string(block)] = values;
+  const std::vector<std::string> all_biases =
+      cfg.model.moe.router_enable_expert_bias ? all_gather_strings(world, biases.dump()) : std::vector<std::string>();
 
   if (rank0) {
     json manifest;
@@ -302,6 +307,14 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
                                      {"hysteresis_tracker", ls.hysteresis_tracker},
                                      {"skipped_steps", ls.skipped_steps},
                                      {"floor_overflows", ls.floor_overflows}};
+    }
+    if (cfg.model.moe.router_enable_expert_bias) {
+      json merged = json::object();
+      for (const std::string& s : all_biases) {
+        const json rank_biases = json::parse(s);  // (a named value: items() refers into it)
+        for (const auto& [block, values] : rank_biases.items()) merged[block] = values;
+      }
+      manifest["moe_expert_bias"] = merged;
     }
     manifest["seed"] = cfg.training.seed;
     manifest["layout"] = layout_json(cfg, world.size());
@@ -497,6 +510,7 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
   groups.world->barrier();
 
   CheckpointState st;
+  st.moe_expert_bias = manifest.moe_expert_bias;  // routing state of the model: also for checkpoint.init
   if (weights_only) {
     spdlog::info("initialised the weights from {} (step {} of the run that saved it; this run starts at step 0 "
                  "with a fresh optimizer)", path, manifest.step);
@@ -505,6 +519,9 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
   st.step = manifest.step;
   st.consumed_samples = manifest.consumed_samples;
   st.loss_scaler = manifest.loss_scaler;
+  if (cfg.model.moe.router_enable_expert_bias && manifest.moe_expert_bias.empty())
+    spdlog::warn("{} holds no MoE expert bias (saved without model.moe.router_enable_expert_bias): the biases start "
+                 "from zero", path);
   spdlog::info("resumed from {} (step {}, {} samples consumed; saved under layout {})", path, st.step,
                st.consumed_samples, manifest.layout.dump());
   return st;

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -48,6 +49,9 @@ struct CheckpointState {
                                  // scaler's skipped steps in fp16)
   int64_t consumed_samples = 0;  // the data loader's position
   std::optional<LossScalerState> loss_scaler;  // fp16 runs (absent from checkpoints of other runs)
+  // MoE auxiliary-loss-free balancing: each MoE block's expert bias, by block (the same on every
+  // rank that holds the block: saved from any of them; a resume sets every rank's blocks).
+  std::map<int64_t, std::vector<float>> moe_expert_bias;
 };
 
 // Further optimizer state of one rank (gradient compression's error feedback, compressed_exchange.h),
@@ -92,8 +96,8 @@ std::string agree_checkpoint_to_resume(const CheckpointConfig& cfg, ProcessGroup
 
 // Loads `path` into the buffers (collective). InputError naming the file (and tensor) when the
 // checkpoint is of another model, incomplete or corrupt. `weights_only` (checkpoint.init): the
-// master and compute weights alone; the moments and extra state are left as they are, and the
-// state returned is step 0.
+// master and compute weights alone (and the MoE expert biases, routing state of the model); the
+// moments and extra state are left as they are, and the state returned is step 0.
 CheckpointState load_checkpoint(const std::string& path, const Config& cfg, ProcessGroups& groups, Backend& be,
                                 const CheckpointBuffers& buffers, bool weights_only = false);
 

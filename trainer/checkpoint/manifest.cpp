@@ -175,6 +175,25 @@ Manifest read_manifest(const std::string& checkpoint_dir) {
       throw InputError(fmt::format("{}: field loss_scaler.scale is {}, not a positive finite number", m.path, s.scale));
     m.loss_scaler = s;
   }
+  if (j.contains("moe_expert_bias")) {  // {"<block>": [E finite numbers], ...}
+    const json& b = j["moe_expert_bias"];
+    if (!b.is_object())
+      throw InputError(fmt::format("{}: field moe_expert_bias is {}, not an object", m.path, b.dump().substr(0, 80)));
+    for (const auto& [key, values] : b.items()) {
+      const bool digits = !key.empty() && key.size() <= 9 &&
+                          std::all_of(key.begin(), key.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+      const std::optional<int64_t> block = digits ? std::optional<int64_t>(std::stoll(key)) : std::nullopt;
+      if (!block || !values.is_array())
+        throw InputError(fmt::format("{}: field moe_expert_bias.{} is not a block's array of biases", m.path, key));
+      std::vector<float>& out = m.moe_expert_bias[*block];
+      for (const json& v : values) {
+        if (!v.is_number() || !std::isfinite(v.get<double>()))
+          throw InputError(fmt::format("{}: field moe_expert_bias.{} holds {}, not a finite number", m.path, key,
+                                       v.dump()));
+        out.push_back(static_cast<float>(v.get<double>()));
+      }
+    }
+  }
   m.layout = f.at(j, "layout", "layout");
   {  // The layout that wrote the checkpoint (a description: resharding reads the slices themselves).
     const json& l = m.layout;

@@ -62,6 +62,7 @@ struct Manifest {
   int64_t consumed_samples = 0;
   uint64_t seed = 0;
   std::optional<LossScalerState> loss_scaler;
+  std::map<int64_t, std::vector<float>> moe_expert_bias;  // "moe_expert_bias": block -> (E) values
   nlohmann::ordered_json layout;  // the layout it was saved under (world, tp, pp, dp, ...)
   nlohmann::ordered_json config;  // the resolved config of the run that saved it
   ModelConfig model;          // config.model, validated

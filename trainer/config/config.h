@@ -31,6 +31,7 @@ enum class Norm : uint8_t { LAYERNORM, RMSNORM };                  // model.norm
 enum class Activation : uint8_t { GELU, SWIGLU };                  // model.activation
 enum class Position : uint8_t { LEARNED, ROPE };                   // model.position
 enum class RopeScaling : uint8_t { NONE, LINEAR, LLAMA3 };         // model.rope_scaling.type
+enum class RouterScore : uint8_t { SOFTMAX, SIGMOID };             // model.moe.router_score_function
 // parallel.order: the rank order, fastest-varying axis first (rank_grid.h).
 // The 24 orders of the four axes; the six of three (no cp) are accepted while parallel.cp is 1.
 enum class RankOrder : uint8_t {
@@ -64,6 +65,10 @@ struct EnumNames<Norm> {
 template <>
 struct EnumNames<Activation> {
   static constexpr EnumName<Activation> values[] = {{Activation::GELU, "gelu"}, {Activation::SWIGLU, "swiglu"}};
+};
+template <>
+struct EnumNames<RouterScore> {
+  static constexpr EnumName<RouterScore> values[] = {{RouterScore::SOFTMAX, "softmax"}, {RouterScore::SIGMOID, "sigmoid"}};
 };
 template <>
 struct EnumNames<Position> {
@@ -261,6 +266,16 @@ struct MoeConfig {
   // moe_router_pre_softmax); false = renormalised over the top-k (the softmax of the chosen
   // logits: Mixtral, Qwen3-MoE's norm_topk_prob, Megatron's default).
   bool router_pre_softmax = true;
+  // The scores: softmax over the experts, or each expert's sigmoid (DeepSeek-V3; the chosen ones'
+  // gates then renormalised over the top-k when top_k > 1, as Megatron's). Megatron's
+  // moe_router_score_function.
+  RouterScore router_score_function = RouterScore::SOFTMAX;
+  // Auxiliary-loss-free balancing (DeepSeek-V3; Megatron's moe_router_enable_expert_bias): a bias
+  // per expert added to the scores for the choice only, after each step moved by
+  // router_bias_update_rate towards the experts that received fewer tokens than the mean
+  // (sign(mean - tokens_e)); state the checkpoint keeps. Sigmoid scores only.
+  bool router_enable_expert_bias = false;
+  double router_bias_update_rate = 1e-3;
   std::optional<double> router_topk_scaling_factor;  // gates multiplied by it (DeepSeek's routed_scaling_factor); null = 1
   int64_t first_k_dense_replace = 0;  // blocks [0, k) keep the dense MLP (DeepSeek's first_k_dense_replace)
   // Shared experts (Qwen2-MoE, DeepSeek, Megatron's moe_shared_expert_*): an MLP of this hidden
@@ -274,7 +289,10 @@ struct MoeConfig {
   bool enabled() const { return num_experts > 0; }
   bool is_moe_layer(int64_t l) const { return enabled() && l >= first_k_dense_replace && l % every == 0; }
   // The gates are not the chosen probabilities as they are (renormalised or scaled).
-  bool transforms_gates() const { return !router_pre_softmax || router_topk_scaling_factor.value_or(1.0) != 1.0; }
+  bool normalizes_gates() const {
+    return router_score_function == RouterScore::SIGMOID ? top_k > 1 : !router_pre_softmax;
+  }
+  bool transforms_gates() const { return normalizes_gates() || router_topk_scaling_factor.value_or(1.0) != 1.0; }
 };
 
 // model.rope_scaling: how RoPE's frequencies are stretched for longer contexts (Hugging Face's

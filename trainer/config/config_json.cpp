@@ -34,6 +34,9 @@ void visit_moe(M& m, V& v) {
   v.optional_number("capacity_factor", m.capacity_factor);
   v.optional_number("max_load_factor", m.max_load_factor);
   v.boolean("router_pre_softmax", m.router_pre_softmax);
+  v.choice("router_score_function", m.router_score_function);
+  v.boolean("router_enable_expert_bias", m.router_enable_expert_bias);
+  v.number("router_bias_update_rate", m.router_bias_update_rate);
   v.optional_number("router_topk_scaling_factor", m.router_topk_scaling_factor);
   v.integer("first_k_dense_replace", m.first_k_dense_replace);
   v.integer("shared_expert_ffn_hidden_size", m.shared_expert_ffn_hidden_size);
@@ -243,6 +246,10 @@ const std::map<std::string, std::string>& foreign_names() {
       {"router_aux_loss_coef", "model.moe.aux_loss_coeff"},
       {"moe_z_loss_coeff", "model.moe.z_loss_coeff"},
       {"moe_router_pre_softmax", "model.moe.router_pre_softmax"},
+      {"moe_router_score_function", "model.moe.router_score_function"},
+      {"scoring_func", "model.moe.router_score_function"},
+      {"moe_router_enable_expert_bias", "model.moe.router_enable_expert_bias"},
+      {"moe_router_bias_update_rate", "model.moe.router_bias_update_rate"},
       {"moe_router_topk_scaling_factor", "model.moe.router_topk_scaling_factor"},
       {"routed_scaling_factor", "model.moe.router_topk_scaling_factor"},
       {"moe_shared_expert_intermediate_size", "model.moe.shared_expert_ffn_hidden_size"},

@@ -269,6 +269,19 @@ void check_ranges(const Config& c, Rules& r) {
     r.require(*m.moe.router_topk_scaling_factor > 0.0, "model.moe.router_topk_scaling_factor",
               *m.moe.router_topk_scaling_factor, "must be > 0, or null for 1");
   r.size("model.moe.first_k_dense_replace", m.moe.first_k_dense_replace, 0);
+  r.positive("model.moe.router_bias_update_rate", m.moe.router_bias_update_rate);
+  if (m.moe.router_score_function == RouterScore::SIGMOID) {
+    r.require(m.moe.z_loss_coeff == 0.0, "model.moe.z_loss_coeff", m.moe.z_loss_coeff,
+              "the router z-loss is a softmax router's: set it to 0 with model.moe.router_score_function "
+              "\"sigmoid\"");
+    r.require(m.moe.router_pre_softmax, "model.moe.router_pre_softmax", m.moe.router_pre_softmax,
+              "applies to softmax scores: with router_score_function \"sigmoid\" the gates are renormalised "
+              "over the top-k whenever top_k > 1; remove the key");
+  }
+  if (m.moe.router_enable_expert_bias)
+    r.require(m.moe.router_score_function == RouterScore::SIGMOID, "model.moe.router_enable_expert_bias", true,
+              "needs model.moe.router_score_function \"sigmoid\" (the bias is added to sigmoid scores, as "
+              "DeepSeek-V3's and Megatron's)");
   r.size("model.moe.shared_expert_ffn_hidden_size", m.moe.shared_expert_ffn_hidden_size, 0);
   if (m.moe.shared_expert_gate)
     r.require(m.moe.has_shared_expert(), "model.moe.shared_expert_gate", true,

@@ -424,6 +424,18 @@ void* Gpt::output_grad() { return a_->dres; }
 
 MoeStepStats Gpt::take_moe_stats() { return moe_ ? moe_->take_stats() : MoeStepStats{}; }
 
+std::map<int64_t, std::vector<float>> Gpt::moe_expert_bias() const {
+  return moe_ ? moe_->expert_bias() : std::map<int64_t, std::vector<float>>{};
+}
+
+void Gpt::set_moe_expert_bias(const std::map<int64_t, std::vector<float>>& bias) {
+  if (moe_) moe_->set_expert_bias(bias);
+}
+
+void Gpt::update_moe_expert_bias(const std::map<int64_t, std::vector<int64_t>>& tokens_per_expert) {
+  if (moe_) moe_->update_expert_bias(tokens_per_expert);
+}
+
 void Gpt::forward_logits(const void* weights, const int32_t* tokens) {
   TETRA_CHECK(d_.first && d_.last, "forward_logits() needs the whole model, not layers {} .. {} of a pipeline stage",
               d_.l0, d_.l0 + d_.L - 1);

@@ -39,6 +39,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 
 #include "kernels/backend.h"
@@ -175,6 +176,11 @@ class Gpt {
   bool has_moe() const { return moe_ != nullptr; }
   // The MoE blocks' statistics since the last call, over every activation slot (and reset).
   MoeStepStats take_moe_stats();
+  // The MoE blocks' expert biases (MoeLayers::expert_bias), their setting and their per-step
+  // update (empty / nothing without model.moe.router_enable_expert_bias).
+  std::map<int64_t, std::vector<float>> moe_expert_bias() const;
+  void set_moe_expert_bias(const std::map<int64_t, std::vector<float>>& bias);
+  void update_moe_expert_bias(const std::map<int64_t, std::vector<int64_t>>& tokens_per_expert);
 
   struct Acts;  // activation pointers into the arena (gpt.cpp)
 

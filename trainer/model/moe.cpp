@@ -114,6 +114,7 @@ struct MoeLayers::Scratch {
   float* dlogits;      // (N, E)
   void* dlogits_act;   // (N, E) act
   float* expert_grad;  // (E)
+  float* select_bias;  // (E) the block's expert bias, uploaded for its router (expert bias only)
   void* dy_local;      // (M_max, C)
   void* dy_exp;        // (R_max, C) (ep > 1: over y_exp, which only forward uses; else dy_local)
   void* dact;          // (B, F)
@@ -145,6 +146,7 @@ struct Sizes {
   // least R_max C so that a block over the bound keeps its input rows there.
   int64_t B, rows_region;
   bool gates;          // the gates are transformed (renormalised or scaled): kept apart
+  bool bias;           // the router adds an expert bias to the scores for the choice
   bool recompute_act;  // the experts' activation is scratch, recomputed in backward
   bool shared;         // a shared expert beside the routed ones, of shape sh
   MoeSharedExpert::Shape sh;
@@ -169,6 +171,7 @@ Sizes sizes_of(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t
   s.R_max = ep == 1 ? s.M_max : ep * std::min(s.M_max, s.El * per_expert);
   s.recompute_act = recompute_act;
   s.gates = m.transforms_gates();
+  s.bias = m.router_enable_expert_bias;
   s.B = moe_row_bound(m, N, ep, s.R_max);
   const int64_t width = s.C + s.FC + (recompute_act ? 0 : s.F);
   // A block over the bound keeps only its input rows (R_max C at most) in the region.
@@ -196,6 +199,7 @@ size_t carve_scratch(ArenaCarver& c, const Sizes& z, DType act, S& x) {
   x.dlogits = c.f32(z.N * z.E);
   x.dlogits_act = act == DType::F32 ? nullptr : c.take(z.N * z.E, act);
   x.expert_grad = c.f32(z.E);
+  x.select_bias = z.bias ? c.f32(z.E) : nullptr;
   x.dy_local = c.take(z.M_max * z.C, act);
   x.dy_exp = ep ? x.y_exp : x.dy_local;
   x.dact = c.take(z.B * z.F, act);
@@ -299,6 +303,7 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   sc_->h_routed.resize(static_cast<size_t>(E_));
   sc_->h_lse.resize(static_cast<size_t>(N_));
   sc_->h_eg.resize(static_cast<size_t>(E_));
+  expert_bias_.assign(blocks.size(), std::vector<float>(static_cast<size_t>(E_), 0.0f));
   for (int64_t l : blocks) {
     MoeLayerStats st;
     st.layer = l;
@@ -415,91 +420,106 @@ void for_expert_pieces(const std::vector<int64_t>& expert_rows, int64_t r0, int6
   }
 }
 
+// The local experts of one window [r0, r1) as the groups of grouped GEMMs (Backend::gemm_grouped):
+// expert j's rows in the window (0 for an expert outside it), one block after another from r0, and
+// per expert the pointers of its parameters at `offset` + j `per_expert` (null where the expert
+// has no rows in the window, or there is no such parameter: offset < 0).
+struct ExpertGroups {
+  std::vector<int64_t> rows;
+  ExpertGroups(const std::vector<int64_t>& expert_rows, int64_t r0, int64_t r1) : rows(expert_rows.size(), 0) {
+    for_expert_pieces(expert_rows, r0, r1, [&](int64_t j, int64_t a, int64_t b) { rows[static_cast<size_t>(j)] = b - a; });
+  }
+  int64_t count() const { return static_cast<int64_t>(rows.size()); }
+  template <class T, class View>
+  std::vector<T> per_expert(const View& view, int64_t offset, int64_t per_expert) const {
+    std::vector<T> out(rows.size(), nullptr);
+    if (offset >= 0)
+      for (size_t j = 0; j < rows.size(); ++j)
+        if (rows[j] > 0) out[j] = view(offset + static_cast<int64_t>(j) * per_expert);
+    return out;
+  }
+};
+
 }  // namespace
 
+// Each projection and each weight gradient is one grouped GEMM over all local experts (their row
+// blocks one after another): the same products as one gemm per expert, bit for bit, run together.
 void MoeLayers::experts_forward(const Layer& s, const BlockParams& p, const WeightView& weights, int64_t r0,
                                 int64_t r1, void* fc_rows, void* act_rows, void* y_rows) {
   const size_t es = dtype_size(act_);
-  auto w = [&](int64_t offset, int64_t j, int64_t per_expert) -> const void* {
-    if (offset < 0) return nullptr;
-    return weights(offset + j * per_expert);
-  };
-  const char* x = static_cast<const char*>(s.x_exp);
-  char* fc = static_cast<char*>(fc_rows);
-  char* a = static_cast<char*>(act_rows);
-  char* y = static_cast<char*>(y_rows);
+  const ExpertGroups g(s.x.expert_rows, r0, r1);
+  const auto w1 = g.per_expert<const void*>(weights, p.experts_fc_w, FC_ * C_);
+  const auto b1 = g.per_expert<const void*>(weights, p.experts_fc_b, FC_);
+  const auto w2 = g.per_expert<const void*>(weights, p.experts_proj_w, C_ * F_);
   const bool tp0 = !tp_ || tp_->rank() == 0;  // the proj bias once over the TP partial sums
+  const auto b2 = g.per_expert<const void*>(weights, tp0 ? p.experts_proj_b : -1, C_);
+  const char* x = static_cast<const char*>(s.x_exp) + r0 * C_ * es;  // the window's rows
+  char* y = static_cast<char*>(y_rows) + r0 * C_ * es;
   // fc = x W1_j^T + b1_j            (n, FC)
-  for_expert_pieces(s.x.expert_rows, r0, r1, [&](int64_t j, int64_t lo, int64_t hi) {
-    be_.gemm(false, true, hi - lo, FC_, C_, 1.0f, x + lo * C_ * es, C_, w(p.experts_fc_w, j, FC_ * C_), C_, act_,
-             0.0f, fc + (lo - r0) * FC_ * es, FC_, act_, w(p.experts_fc_b, j, FC_));
-  });
+  be_.gemm_grouped(false, true, g.count(), g.rows.data(), FC_, C_, 1.0f, x, C_, w1.data(), C_, act_, 0.0f, fc_rows,
+                   FC_, act_, b1.data());
   if (r1 > r0) {
     if (swiglu_)
-      be_.swiglu_forward(a, fc, r1 - r0, F_, act_);
+      be_.swiglu_forward(act_rows, fc_rows, r1 - r0, F_, act_);
     else
-      be_.gelu_forward(a, fc, (r1 - r0) * F_, act_);
+      be_.gelu_forward(act_rows, fc_rows, (r1 - r0) * F_, act_);
   }
   // y = a W2_j^T + b2_j             (n, C)
-  for_expert_pieces(s.x.expert_rows, r0, r1, [&](int64_t j, int64_t lo, int64_t hi) {
-    be_.gemm(false, true, hi - lo, C_, F_, 1.0f, a + (lo - r0) * F_ * es, F_, w(p.experts_proj_w, j, C_ * F_), F_,
-             act_, 0.0f, y + lo * C_ * es, C_, act_, tp0 ? w(p.experts_proj_b, j, C_) : nullptr);
-  });
+  be_.gemm_grouped(false, true, g.count(), g.rows.data(), C_, F_, 1.0f, act_rows, F_, w2.data(), F_, act_, 0.0f, y,
+                   C_, act_, b2.data());
 }
 
 void MoeLayers::experts_backward(const Layer& s, const BlockParams& p, const WeightView& weights,
                                  const GradTarget& grads, int64_t r0, int64_t r1, void* fc_rows, void* act_rows,
                                  bool refc, bool react) {
   const size_t es = dtype_size(act_);
-  auto w = [&](int64_t offset, int64_t j, int64_t per_expert) -> const void* {
-    return offset < 0 ? nullptr : weights(offset + j * per_expert);
-  };
-  auto g = [&](int64_t offset, int64_t j, int64_t per_expert) -> float* {
-    return offset < 0 ? nullptr : grads(offset + j * per_expert);
-  };
-  const char* x = static_cast<const char*>(s.x_exp);
-  char* fc = static_cast<char*>(fc_rows);
-  char* a = static_cast<char*>(act_rows);
-  const char* dy = static_cast<const char*>(sc_->dy_exp);
-  char* dact = static_cast<char*>(sc_->dact);
-  char* dfc = static_cast<char*>(sc_->dfc);
-  char* dx = static_cast<char*>(sc_->dx_exp);
+  const ExpertGroups g(s.x.expert_rows, r0, r1);
+  const auto w1 = g.per_expert<const void*>(weights, p.experts_fc_w, FC_ * C_);
+  const auto w2 = g.per_expert<const void*>(weights, p.experts_proj_w, C_ * F_);
+  const auto gw1 = g.per_expert<void*>(grads, p.experts_fc_w, FC_ * C_);
+  const auto gw2 = g.per_expert<void*>(grads, p.experts_proj_w, C_ * F_);
+  auto gb = [&](int64_t offset, int64_t j, int64_t per_expert) -> float* { return grads(offset + j * per_expert); };
+  const char* x = static_cast<const char*>(s.x_exp) + r0 * C_ * es;  // the window's rows
+  const char* dy = static_cast<const char*>(sc_->dy_exp) + r0 * C_ * es;
+  char* dx = static_cast<char*>(sc_->dx_exp) + r0 * C_ * es;
+  const char* a = static_cast<const char*>(act_rows);
+  const char* dfc = static_cast<const char*>(sc_->dfc);
   const int64_t n_rows = r1 - r0;
-  if (refc)  // a block over the bound: fc again, as forward computed it
-    for_expert_pieces(s.x.expert_rows, r0, r1, [&](int64_t j, int64_t lo, int64_t hi) {
-      be_.gemm(false, true, hi - lo, FC_, C_, 1.0f, x + lo * C_ * es, C_, w(p.experts_fc_w, j, FC_ * C_), C_, act_,
-               0.0f, fc + (lo - r0) * FC_ * es, FC_, act_, w(p.experts_fc_b, j, FC_));
-    });
+  if (refc) {  // a block over the bound: fc again, as forward computed it
+    const auto b1 = g.per_expert<const void*>(weights, p.experts_fc_b, FC_);
+    be_.gemm_grouped(false, true, g.count(), g.rows.data(), FC_, C_, 1.0f, x, C_, w1.data(), C_, act_, 0.0f,
+                     fc_rows, FC_, act_, b1.data());
+  }
   if (react && n_rows > 0) {  // moe_act (or over the bound): the activation again, from fc
     if (swiglu_)
-      be_.swiglu_forward(a, fc, n_rows, F_, act_);
+      be_.swiglu_forward(act_rows, fc_rows, n_rows, F_, act_);
     else
-      be_.gelu_forward(a, fc, n_rows * F_, act_);
+      be_.gelu_forward(act_rows, fc_rows, n_rows * F_, act_);
   }
   // dact = dy W2_j (n, F); dW2_j += dy^T a (C, F); db2_j += colsum dy.
-  for_expert_pieces(s.x.expert_rows, r0, r1, [&](int64_t j, int64_t lo, int64_t hi) {
-    const int64_t n = hi - lo;
-    be_.gemm(false, false, n, F_, C_, 1.0f, dy + lo * C_ * es, C_, w(p.experts_proj_w, j, C_ * F_), F_, act_, 0.0f,
-             dact + (lo - r0) * F_ * es, F_, act_);
-    be_.gemm(true, false, C_, F_, n, 1.0f, dy + lo * C_ * es, C_, a + (lo - r0) * F_ * es, F_, act_, 1.0f,
-             g(p.experts_proj_w, j, C_ * F_), F_, DType::F32);
-    if (p.experts_proj_b >= 0) be_.bias_backward(g(p.experts_proj_b, j, C_), dy + lo * C_ * es, n, C_, act_);
-  });
+  be_.gemm_grouped(false, false, g.count(), g.rows.data(), F_, C_, 1.0f, dy, C_, w2.data(), F_, act_, 0.0f,
+                   sc_->dact, F_, act_);
+  be_.gemm_grouped_k(true, false, g.count(), g.rows.data(), C_, F_, 1.0f, dy, C_, a, F_, act_, 1.0f, gw2.data(), F_,
+                     DType::F32);
+  if (p.experts_proj_b >= 0)
+    for_expert_pieces(s.x.expert_rows, r0, r1, [&](int64_t j, int64_t lo, int64_t hi) {
+      be_.bias_backward(gb(p.experts_proj_b, j, C_), dy + (lo - r0) * C_ * es, hi - lo, C_, act_);
+    });
   if (n_rows > 0) {
     if (swiglu_)
-      be_.swiglu_backward(dfc, fc, dact, n_rows, F_, act_);
+      be_.swiglu_backward(sc_->dfc, fc_rows, sc_->dact, n_rows, F_, act_);
     else
-      be_.gelu_backward(dfc, fc, dact, n_rows * F_, act_);
+      be_.gelu_backward(sc_->dfc, fc_rows, sc_->dact, n_rows * F_, act_);
   }
   // dx = dfc W1_j (n, C); dW1_j += dfc^T x (FC, C); db1_j += colsum dfc.
-  for_expert_pieces(s.x.expert_rows, r0, r1, [&](int64_t j, int64_t lo, int64_t hi) {
-    const int64_t n = hi - lo;
-    be_.gemm(false, false, n, C_, FC_, 1.0f, dfc + (lo - r0) * FC_ * es, FC_, w(p.experts_fc_w, j, FC_ * C_), C_,
-             act_, 0.0f, dx + lo * C_ * es, C_, act_);
-    be_.gemm(true, false, FC_, C_, n, 1.0f, dfc + (lo - r0) * FC_ * es, FC_, x + lo * C_ * es, C_, act_, 1.0f,
-             g(p.experts_fc_w, j, FC_ * C_), C_, DType::F32);
-    if (p.experts_fc_b >= 0) be_.bias_backward(g(p.experts_fc_b, j, FC_), dfc + (lo - r0) * FC_ * es, n, FC_, act_);
-  });
+  be_.gemm_grouped(false, false, g.count(), g.rows.data(), C_, FC_, 1.0f, dfc, FC_, w1.data(), C_, act_, 0.0f, dx,
+                   C_, act_);
+  be_.gemm_grouped_k(true, false, g.count(), g.rows.data(), FC_, C_, 1.0f, dfc, FC_, x, C_, act_, 1.0f, gw1.data(),
+                     C_, DType::F32);
+  if (p.experts_fc_b >= 0)
+    for_expert_pieces(s.x.expert_rows, r0, r1, [&](int64_t j, int64_t lo, int64_t hi) {
+      be_.bias_backward(gb(p.experts_fc_b, j, FC_), dfc + (lo - r0) * FC_ * es, hi - lo, FC_, act_);
+    });
 }
 
 void MoeLayers::place_rows(Layer& s) {
@@ -532,9 +552,15 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
         lg[static_cast<size_t>(i * E_ + e)] += g_route_bias == MoeRouteBias::kOne ? 30.0f : 3.0f;
     be_.copy_from_host(s.logits, lg.data(), lg.size() * 4);
   }
-  be_.moe_router_forward(s.probs, s.lse, s.topk_idx, s.topk_prob, s.logits, N_, E_, K_);
+  const float* select_bias = nullptr;
+  if (cfg_.moe.router_enable_expert_bias) {  // the block's bias, host state, for the choice
+    be_.copy_from_host(sc_->select_bias, expert_bias_[static_cast<size_t>(index_of_layer_[l])].data(),
+                       static_cast<size_t>(E_) * 4);
+    select_bias = sc_->select_bias;
+  }
+  be_.moe_router_forward(s.probs, s.lse, s.topk_idx, s.topk_prob, s.logits, N_, E_, K_, score(), select_bias);
   if (s.gates != s.topk_prob)
-    be_.moe_gates_forward(s.gates, s.topk_prob, N_, K_, !cfg_.moe.router_pre_softmax,
+    be_.moe_gates_forward(s.gates, s.topk_prob, N_, K_, cfg_.moe.normalizes_gates(),
                           static_cast<float>(cfg_.moe.router_topk_scaling_factor.value_or(1.0)));
   std::vector<int32_t>& idx = sc_->h_idx;
   be_.copy_to_host(idx.data(), s.topk_idx, idx.size() * 4);
@@ -616,7 +642,8 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
     for (int64_t e = 0; e < E_; ++e)
       aux += psum[static_cast<size_t>(e)] * static_cast<double>(s.routed_seq[static_cast<size_t>(e)]);
     aux *= static_cast<double>(E_) / (n_seq * n_seq * static_cast<double>(K_));
-    for (float v : lse) z += static_cast<double>(v) * v;
+    if (score() == MoeScore::SOFTMAX)  // (sigmoid scores have no z-loss; lse holds their sums)
+      for (float v : lse) z += static_cast<double>(v) * v;
     z /= static_cast<double>(N_);
     MoeLayerStats& st = stats_.layers[index_of_layer_[l]];
     for (int64_t e = 0; e < E_; ++e) st.tokens_per_expert[e] += s.plan.routed[e];
@@ -627,6 +654,42 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
     st.aux_loss += aux;
     st.z_loss += z;
     ++st.micro_batches;
+  }
+}
+
+std::map<int64_t, std::vector<float>> MoeLayers::expert_bias() const {
+  std::map<int64_t, std::vector<float>> out;
+  if (!cfg_.moe.router_enable_expert_bias) return out;
+  for (size_t l = 0; l < index_of_layer_.size(); ++l)
+    if (index_of_layer_[l] >= 0) out[static_cast<int64_t>(l)] = expert_bias_[static_cast<size_t>(index_of_layer_[l])];
+  return out;
+}
+
+void MoeLayers::set_expert_bias(const std::map<int64_t, std::vector<float>>& bias) {
+  for (const auto& [l, values] : bias) {
+    if (l < 0 || l >= static_cast<int64_t>(index_of_layer_.size()) || index_of_layer_[static_cast<size_t>(l)] < 0)
+      continue;  // another chunk's block
+    TETRA_CHECK(static_cast<int64_t>(values.size()) == E_, "MoE block {}: an expert bias of {} values for {} experts", l,
+                values.size(), E_);
+    expert_bias_[static_cast<size_t>(index_of_layer_[static_cast<size_t>(l)])] = values;
+  }
+}
+
+void MoeLayers::update_expert_bias(const std::map<int64_t, std::vector<int64_t>>& tokens_per_expert) {
+  const float rate = static_cast<float>(cfg_.moe.router_bias_update_rate);
+  for (const auto& [l, counts] : tokens_per_expert) {
+    if (l < 0 || l >= static_cast<int64_t>(index_of_layer_.size()) || index_of_layer_[static_cast<size_t>(l)] < 0)
+      continue;
+    TETRA_CHECK(static_cast<int64_t>(counts.size()) == E_, "MoE block {}: {} token counts for {} experts", l,
+                counts.size(), E_);
+    std::vector<float>& b = expert_bias_[static_cast<size_t>(index_of_layer_[static_cast<size_t>(l)])];
+    int64_t total = 0;
+    for (int64_t c : counts) total += c;
+    // sign(mean - tokens_e), in integers: E tokens_e against the total.
+    for (int64_t e = 0; e < E_; ++e) {
+      const int64_t d = total - E_ * counts[static_cast<size_t>(e)];
+      if (d != 0) b[static_cast<size_t>(e)] += d > 0 ? rate : -rate;
+    }
   }
 }
 
@@ -671,10 +734,10 @@ void MoeLayers::backward(int64_t l, const WeightView& weights, const GradTarget&
   be_.copy_from_host(sc_->expert_grad, eg.data(), eg.size() * 4);
   const float z_scale = static_cast<float>(cfg_.moe.z_loss_coeff * lw / static_cast<double>(N_));
   if (sc_->dtopk != sc_->dgates)  // through the renormalisation and scaling
-    be_.moe_gates_backward(sc_->dtopk, sc_->dgates, s.topk_prob, N_, K_, !cfg_.moe.router_pre_softmax,
+    be_.moe_gates_backward(sc_->dtopk, sc_->dgates, s.topk_prob, N_, K_, cfg_.moe.normalizes_gates(),
                            static_cast<float>(cfg_.moe.router_topk_scaling_factor.value_or(1.0)));
   be_.moe_router_backward(sc_->dlogits, s.probs, s.lse, s.topk_idx, sc_->dtopk, sc_->expert_grad, z_scale, N_, E_,
-                          K_);
+                          K_, score());
   const void* dl = sc_->dlogits;
   if (act_ != DType::F32) {
     be_.cast(sc_->dlogits_act, act_, sc_->dlogits, DType::F32, N_ * E_);

@@ -46,6 +46,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -150,6 +151,15 @@ class MoeLayers {
 
   // Statistics since the last take (and reset).
   MoeStepStats take_stats();
+  // Auxiliary-loss-free balancing (model.moe.router_enable_expert_bias): each MoE block's bias
+  // (E, fp32, host state, the same on every rank), by block; empty without it.
+  std::map<int64_t, std::vector<float>> expert_bias() const;
+  // Sets the blocks' biases (a checkpoint's); blocks of other chunks are ignored.
+  void set_expert_bias(const std::map<int64_t, std::vector<float>>& bias);
+  // After a step's update: bias_e += rate sign(mean - tokens_e) per block, from the step's tokens
+  // per expert summed over every rank that routes the block's tokens (DP and CP; the caller's
+  // reduction), blocks of other chunks ignored.
+  void update_expert_bias(const std::map<int64_t, std::vector<int64_t>>& tokens_per_expert);
   // Context parallelism: the CP group whose ranks hold the other tokens of each sequence (size 1 or
   // null: none). The load-balancing loss then uses the whole sequence's routing statistics, summed
   // over the group in each training forward (an all-reduce of the E routed counts, I32, and of the
@@ -190,6 +200,10 @@ class MoeLayers {
   struct Scratch;
   std::unique_ptr<Scratch> sc_;
   MoeStepStats stats_;
+  std::vector<std::vector<float>> expert_bias_;  // [index among the chunk's MoE blocks] (E)
+  MoeScore score() const {
+    return cfg_.moe.router_score_function == RouterScore::SIGMOID ? MoeScore::SIGMOID : MoeScore::SOFTMAX;
+  }
 };
 
 }  // namespace tetra

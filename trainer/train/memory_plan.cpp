@@ -102,7 +102,8 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
   const size_t input_grads = PipelineModel::input_grad_bytes_for(cfg, pp_rank);
   m.buffers = input_grads;
   if (cfg.parallel.tp > 1) m.buffers += GradBuffer::sp_scratch_bytes(layout);
-  m.batch = static_cast<size_t>(cfg.grad_accum_steps() * B * T) * 12;  // tokens, targets, losses
+  m.batch = static_cast<size_t>(cfg.grad_accum_steps() * B * T) * 12 +  // tokens, targets, losses
+            (cfg.model.moe.router_enable_expert_bias ? moe_expert_bias_count_bytes(cfg.model) : 0);
   const int64_t vl = cfg.model.padded_vocab_size(cfg.parallel.tp) / cfg.parallel.tp;  // vocabulary rows per rank
   if (samples_enabled(cfg))  // the sampling model's arena and its (T) ids, two logit rows and chosen id
     m.sampling = Gpt::activation_bytes_for(cfg.model, act, 1, cfg.parallel.tp, false, {}, cfg.parallel.ep) +

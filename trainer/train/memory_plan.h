@@ -13,6 +13,12 @@
 
 namespace tetra {
 
+// The buffer of the step's tokens per expert that MoE auxiliary-loss-free balancing reduces: one
+// int32 per expert of every block.
+inline size_t moe_expert_bias_count_bytes(const ModelConfig& m) {
+  return static_cast<size_t>(m.num_layers * m.moe.num_experts) * 4;
+}
+
 struct MemoryPlan {
   size_t master = 0, compute = 0, grads = 0, optimizer = 0, activations = 0, batch = 0;
   size_t sampling = 0;  // the micro-batch-1 model of the text samples (when they are on)

@@ -130,6 +130,21 @@ MoeStepStats PipelineModel::take_moe_stats() {
   return all;
 }
 
+std::map<int64_t, std::vector<float>> PipelineModel::moe_expert_bias() const {
+  std::map<int64_t, std::vector<float>> all;
+  for (const auto& c : chunks_)
+    for (auto& [l, b] : c->model().moe_expert_bias()) all[l] = b;
+  return all;
+}
+
+void PipelineModel::set_moe_expert_bias(const std::map<int64_t, std::vector<float>>& bias) {
+  for (auto& c : chunks_) c->model().set_moe_expert_bias(bias);
+}
+
+void PipelineModel::update_moe_expert_bias(const std::map<int64_t, std::vector<int64_t>>& tokens_per_expert) {
+  for (auto& c : chunks_) c->model().update_moe_expert_bias(tokens_per_expert);
+}
+
 size_t PipelineModel::activation_bytes() const { return scratch_mem_.bytes() + slot_mem_.bytes(); }
 
 PipelineModel::SharedActivations PipelineModel::shared_activations(const Config& cfg, const ParamLayout& layout,

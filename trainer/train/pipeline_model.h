@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -81,6 +82,10 @@ class PipelineModel {
   // MoE models: the statistics of this rank's MoE blocks since the last call (and reset).
   bool has_moe() const;
   MoeStepStats take_moe_stats();
+  // Every chunk's MoE expert biases, their setting and update (Gpt's, over the chunks).
+  std::map<int64_t, std::vector<float>> moe_expert_bias() const;
+  void set_moe_expert_bias(const std::map<int64_t, std::vector<float>>& bias);
+  void update_moe_expert_bias(const std::map<int64_t, std::vector<int64_t>>& tokens_per_expert);
   const PipelineSchedule& schedule() const { return schedule_; }
   size_t activation_bytes() const;
   // Activation memory of pipeline rank `pp_rank`'s chunks under `cfg`'s schedule.

@@ -47,6 +47,21 @@ class TracedBackend final : public Backend {
       inner_->gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, ab_type, beta, C, ldc, c_type, bias);
     });
   }
+  void gemm_grouped(bool trans_a, bool trans_b, int64_t G, const int64_t* rows, int64_t N, int64_t K, float alpha,
+                    const void* A, int64_t lda, const void* const* B, int64_t ldb, DType ab_type, float beta,
+                    void* C, int64_t ldc, DType c_type, const void* const* bias) override {
+    gemm_op("gemm_grouped", total_rows(G, rows), N, K, [&] {
+      inner_->gemm_grouped(trans_a, trans_b, G, rows, N, K, alpha, A, lda, B, ldb, ab_type, beta, C, ldc, c_type,
+                           bias);
+    }, G);
+  }
+  void gemm_grouped_k(bool trans_a, bool trans_b, int64_t G, const int64_t* rows, int64_t M, int64_t N, float alpha,
+                      const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type, float beta,
+                      void* const* C, int64_t ldc, DType c_type) override {
+    gemm_op("gemm_grouped_k", M, N, total_rows(G, rows), [&] {
+      inner_->gemm_grouped_k(trans_a, trans_b, G, rows, M, N, alpha, A, lda, B, ldb, ab_type, beta, C, ldc, c_type);
+    }, G);
+  }
   void bias_backward(float* dbias, const void* dout, int64_t N, int64_t OC, DType act) override {
     op("bias_backward", [&] { inner_->bias_backward(dbias, dout, N, OC, act); });
   }
@@ -148,14 +163,15 @@ class TracedBackend final : public Backend {
   }
 
   void moe_router_forward(float* probs, float* lse, int32_t* topk_idx, float* topk_prob, const float* logits,
-                          int64_t N, int64_t E, int64_t K) override {
-    op("moe_router_forward", [&] { inner_->moe_router_forward(probs, lse, topk_idx, topk_prob, logits, N, E, K); });
+                          int64_t N, int64_t E, int64_t K, MoeScore score, const float* select_bias) override {
+    op("moe_router_forward",
+       [&] { inner_->moe_router_forward(probs, lse, topk_idx, topk_prob, logits, N, E, K, score, select_bias); });
   }
   void moe_router_backward(float* dlogits, const float* probs, const float* lse, const int32_t* topk_idx,
                            const float* dtopk_prob, const float* expert_grad, float z_scale, int64_t N, int64_t E,
-                           int64_t K) override {
+                           int64_t K, MoeScore score) override {
     op("moe_router_backward", [&] {
-      inner_->moe_router_backward(dlogits, probs, lse, topk_idx, dtopk_prob, expert_grad, z_scale, N, E, K);
+      inner_->moe_router_backward(dlogits, probs, lse, topk_idx, dtopk_prob, expert_grad, z_scale, N, E, K, score);
     });
   }
   void moe_gates_forward(float* gates, const float* topk_prob, int64_t N, int64_t K, bool normalize,
@@ -213,13 +229,22 @@ class TracedBackend final : public Backend {
     f();
     if (sync_) inner_->synchronize();
   }
+  // A grouped GEMM (groups > 0) is said as one product over all its rows (M, or K for
+  // gemm_grouped_k), with the number of groups.
   template <class F>
-  void gemm_op(const char* name, int64_t M, int64_t N, int64_t K, F&& f) {
+  void gemm_op(const char* name, int64_t M, int64_t N, int64_t K, F&& f, int64_t groups = 0) {
     if (!trace::on()) return f();
     trace::Span span("op", std::string_view(name));
     span.arg("M", M).arg("N", N).arg("K", K).arg("flops", 2 * M * N * K);
+    if (groups > 0) span.arg("groups", groups);
     f();
     if (sync_) inner_->synchronize();
+  }
+
+  static int64_t total_rows(int64_t G, const int64_t* rows) {
+    int64_t r = 0;
+    for (int64_t g = 0; g < G; ++g) r += rows[g];
+    return r;
   }
 
   std::unique_ptr<Backend> inner_;

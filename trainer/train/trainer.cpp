@@ -29,6 +29,7 @@
 #include "trainer/train/compute_device.h"
 #include "trainer/train/fault_injection.h"
 #include "trainer/train/generate.h"
+#include "trainer/train/memory_plan.h"
 #include "trainer/train/pipeline_model.h"
 #include "trainer/train/run_report.h"
 #include "trainer/train/step_guard.h"
@@ -206,6 +207,8 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   targets_buf_ = BackendBuffer(*be_, batch_bytes);
   losses_buf_ = BackendBuffer(*be_, batch_bytes);
   scalar_buf_ = BackendBuffer(*be_, 64);
+  if (cfg.model.moe.router_enable_expert_bias)  // the step's tokens per expert, reduced (memory_plan.cpp)
+    moe_counts_buf_ = BackendBuffer(*be_, moe_expert_bias_count_bytes(cfg.model));
   pipe_scratch_buf_ = BackendBuffer(*be_, static_cast<size_t>(2 * cfg.parallel.pp + 2) * 4);
   tokens_ = tokens_buf_.as<int32_t>();
   targets_ = targets_buf_.as<int32_t>();
@@ -238,9 +241,11 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     start_step_ = st.step;
     train_loader_->set_consumed_samples(st.consumed_samples);
     updater_->resume(st, resume);
+    model_->set_moe_expert_bias(st.moe_expert_bias);
   } else if (!init.empty()) {
     const auto l0 = std::chrono::steady_clock::now();
-    load_checkpoint(init, cfg, groups, *be_, checkpoint_buffers(), /*weights_only=*/true);
+    const CheckpointState st = load_checkpoint(init, cfg, groups, *be_, checkpoint_buffers(), /*weights_only=*/true);
+    model_->set_moe_expert_bias(st.moe_expert_bias);
     spdlog::info("checkpoint.init {} loaded in {:.2f} s", init, seconds_since(l0));
   }
   // This run's hold on checkpoint.dir, then the run directory, once everything they depend on has
@@ -340,6 +345,7 @@ CheckpointBuffers Trainer::checkpoint_buffers() {
 
 std::string Trainer::sample() {
   TETRA_CHECK(sampler_, "sample() without sample.prompt, data.tokenizer and training.eval_steps");
+  if (cfg_.model.moe.router_enable_expert_bias) sample_model_->set_moe_expert_bias(model_->moe_expert_bias());
   if (!zero3_) return generate_text(*sampler_, compute_, *tokenizer_, cfg_.sample.prompt, cfg_.sample);
   // ZeRO-3: the sampling model reads whole weights: every shard gathered into their buffer
   // (memory_plan.h counts it with the sampling model). Not the step's traffic.
@@ -506,6 +512,7 @@ StepMetrics Trainer::step_metrics(int64_t s, double loss, const StepUpdate& u, d
   if (groups_.pp->size() > 1) m.pipeline = pipeline_metrics();
   if (model_->has_moe()) m.moe = model_->take_moe_stats();
   if (cfg_.model.moe.enabled()) count_moe_over_bound(m);
+  if (cfg_.model.moe.router_enable_expert_bias && !u.skipped) update_moe_expert_bias(m);
   CommAccounting::warn_mismatches(s + 1, m.comm);
   const bool last = s + 1 == tc.steps;
   if (valid_source_ && ((tc.eval_every > 0 && (s + 1) % tc.eval_every == 0) || last)) {
@@ -514,6 +521,33 @@ StepMetrics Trainer::step_metrics(int64_t s, double loss, const StepUpdate& u, d
     if (sampler_ && m.val_loss) m.sample = sample();
   }
   return m;
+}
+
+void Trainer::update_moe_expert_bias(const StepMetrics& m) {
+  // The step's tokens per expert of this rank's blocks, summed over every rank routing them: DP
+  // (expert parallelism is inside it) and CP; TP ranks route the same tokens (not the step's traffic).
+  std::vector<int32_t> counts;
+  std::vector<int64_t> layers;
+  if (m.moe)
+    for (const MoeLayerStats& l : m.moe->layers) {
+      layers.push_back(l.layer);
+      for (int64_t n : l.tokens_per_expert) counts.push_back(static_cast<int32_t>(n));
+    }
+  if (!counts.empty()) {
+    const CommAccounting::Paused paused(comm_);
+    TETRA_CHECK(counts.size() * 4 <= moe_expert_bias_count_bytes(cfg_.model), "MoE token counts of {} blocks",
+                layers.size());
+    void* dev = moe_counts_buf_.get();
+    be_->copy_from_host(dev, counts.data(), counts.size() * 4);
+    groups_.backend(GroupKind::DP).all_reduce(dev, static_cast<int64_t>(counts.size()), DType::I32, ReduceOp::SUM);
+    groups_.backend(GroupKind::CP).all_reduce(dev, static_cast<int64_t>(counts.size()), DType::I32, ReduceOp::SUM);
+    be_->copy_to_host(counts.data(), dev, counts.size() * 4);
+  }
+  std::map<int64_t, std::vector<int64_t>> tokens;
+  const int64_t E = cfg_.model.moe.num_experts;
+  for (size_t i = 0; i < layers.size(); ++i)
+    tokens[layers[i]].assign(counts.begin() + static_cast<int64_t>(i) * E, counts.begin() + static_cast<int64_t>(i + 1) * E);
+  model_->update_moe_expert_bias(tokens);
 }
 
 void Trainer::count_moe_over_bound(StepMetrics& m) {
@@ -561,7 +595,8 @@ void Trainer::save_checkpoint_if_due(int64_t s, bool last, bool stop) {
   if (cfg_.checkpoint.dir.empty() || !(periodic || at_exit)) return;
   const trace::Span span("checkpoint", "checkpoint save");
   const auto c0 = std::chrono::steady_clock::now();
-  CheckpointState state{s + 1, train_loader_->consumed_samples(), updater_->loss_scaler_state()};
+  CheckpointState state{s + 1, train_loader_->consumed_samples(), updater_->loss_scaler_state(), {}};
+  state.moe_expert_bias = model_->moe_expert_bias();
   const std::string path = save_checkpoint(cfg_.checkpoint.dir, cfg_, groups_, *be_, checkpoint_buffers(), state);
   spdlog::info("checkpoint {} saved in {:.2f} s", path, seconds_since(c0));
 }

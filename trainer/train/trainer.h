@@ -92,6 +92,9 @@ class Trainer {
   // MoE: the step's blocks over the row bound summed over the world into m.moe (collective), and
   // a warning the first time there are any.
   void count_moe_over_bound(StepMetrics& m);
+  // MoE auxiliary-loss-free balancing: the step's tokens per expert reduced over DP and CP
+  // (collective), then every block's expert bias moved (MoeLayers::update_expert_bias).
+  void update_moe_expert_bias(const StepMetrics& m);
   // Saves a checkpoint after step s when one is due: every checkpoint.every steps, and at the end
   // of the run or before a stop (checkpoint.save_on_exit).
   void save_checkpoint_if_due(int64_t s, bool last, bool stop);
@@ -129,6 +132,7 @@ class Trainer {
 
   // The run's backend memory, owned here (declared after be_, so freed before it); the typed
   // pointers below are views of these.
+  BackendBuffer moe_counts_buf_;  // the step's tokens per expert of the rank's MoE blocks (expert bias)
   BackendBuffer master_buf_, compute_buf_, grads_buf_, tokens_buf_, targets_buf_, losses_buf_, scalar_buf_,
       pipe_scratch_buf_;
   float* master_ = nullptr;   // fp32 master weights (whole; null when the optimizer shards them)
