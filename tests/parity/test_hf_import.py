@@ -27,14 +27,15 @@ export-hf: the Hugging Face forward of the exported files gives the loss Tetra c
 trained weights.
 
 Mixture of Experts: Mixtral (MixtralForCausalLM, gates renormalised over the top-2, stored in
-bf16 over two shards) and Qwen3-MoE (Qwen3MoeForCausalLM, q/k norms, top-3 of 8, norm_topk_prob)
-go through all of the above, with the HF forward's sparse MoE block written from transformers'
+bf16 over two shards), Qwen3-MoE (Qwen3MoeForCausalLM, q/k norms, top-3 of 8, norm_topk_prob) and
+Qwen2-MoE (Qwen2MoeForCausalLM, q/k/v biases, top-2 of 8 not renormalised, a shared expert scaled
+by sigmoid(h . shared_expert_gate)) go through all of the above, with the HF forward's sparse MoE block written from transformers'
 modeling code, and also train one step on dp 2 x tp 2 x ep 2 (SP) and dp 2 x ep 2 x pp 2 against
 the HF forward of the same global batch.
 
 Refusals (exit 2, the message naming the key or tensor, nothing written): a sliding window, a
 RoPE type Tetra lacks, an unknown model_type, a tensor the model does not have, a missing tensor,
-a non-empty OUT; for MoE Qwen2-MoE (shared experts), DeepSeek (MLA), a decoder_sparse_step other
+a non-empty OUT; for MoE a shared expert in Qwen3-MoE, DeepSeek (MLA), a decoder_sparse_step other
 than 1, dense layers among the experts, router jitter, experts in a dense family.
 
 Usage: /usr/bin/python3 test_hf_import.py --tetra BIN --workdir DIR [--mpirun MPIRUN]
@@ -89,7 +90,8 @@ def write_bf16_safetensors(path, tensors):
 # ---- random models in Hugging Face's layout -----------------------------------------------------
 
 def llama_like(kind):
-    rng = np.random.default_rng({"llama": 7, "qwen2": 8, "qwen3": 10, "mixtral": 11, "qwen3_moe": 12}[kind])
+    rng = np.random.default_rng({"llama": 7, "qwen2": 8, "qwen3": 10, "mixtral": 11, "qwen3_moe": 12,
+                                 "qwen2_moe": 13}[kind])
     if kind == "mixtral":  # MixtralForCausalLM: 4 experts, top-2, gates renormalised over the two
         cfg = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": 72, "hidden_size": 64,
                "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -97,6 +99,16 @@ def llama_like(kind):
                "rope_theta": 1000000.0, "tie_word_embeddings": False, "sliding_window": None,
                "num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
                "output_router_logits": False, "router_jitter_noise": 0.0}
+        hd = 16
+    elif kind == "qwen2_moe":  # Qwen2MoeForCausalLM: q/k/v biases, 8 experts top-2, a gated shared expert
+        cfg = {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 76,
+               "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 24,
+               "shared_expert_intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "hidden_act": "silu", "max_position_embeddings": 32768,
+               "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+               "use_sliding_window": False, "sliding_window": None, "max_window_layers": 21, "num_experts": 8,
+               "num_experts_per_tok": 2, "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+               "router_aux_loss_coef": 0.001, "output_router_logits": False}
         hd = 16
     elif kind == "qwen3_moe":  # Qwen3MoeForCausalLM: q/k norms, 8 experts, top-3, norm_topk_prob
         cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 84,
@@ -148,18 +160,23 @@ def llama_like(kind):
             for e in range(E):
                 x = p + f"block_sparse_moe.experts.{e}."
                 sd[x + "w1.weight"], sd[x + "w3.weight"], sd[x + "w2.weight"] = w(FE, C), w(FE, C), w(C, FE)
-        elif kind == "qwen3_moe":
+        elif kind in ("qwen3_moe", "qwen2_moe"):
             E, FE = cfg["num_experts"], cfg["moe_intermediate_size"]
             sd[p + "mlp.gate.weight"] = 4 * w(E, C)
             for e in range(E):
                 x = p + f"mlp.experts.{e}."
                 sd[x + "gate_proj.weight"], sd[x + "up_proj.weight"] = w(FE, C), w(FE, C)
                 sd[x + "down_proj.weight"] = w(C, FE)
+            if kind == "qwen2_moe":
+                FS = cfg["shared_expert_intermediate_size"]
+                sd[p + "mlp.shared_expert.gate_proj.weight"], sd[p + "mlp.shared_expert.up_proj.weight"] = w(FS, C), w(FS, C)
+                sd[p + "mlp.shared_expert.down_proj.weight"] = w(C, FS)
+                sd[p + "mlp.shared_expert_gate.weight"] = 4 * w(1, C)
         else:
             sd[p + "mlp.gate_proj.weight"] = w(F_, C)
             sd[p + "mlp.up_proj.weight"] = w(F_, C)
             sd[p + "mlp.down_proj.weight"] = w(C, F_)
-        if kind == "qwen2":
+        if kind in ("qwen2", "qwen2_moe"):
             for x, n in (("q", NH), ("k", NKV), ("v", NKV)):
                 sd[p + f"self_attn.{x}_proj.bias"] = w(n * hd)
         if kind in ("qwen3", "qwen3_moe"):  # RMSNorm over each head's q and k (one weight of head_dim each)
@@ -249,6 +266,10 @@ def sparse_moe(sd, cfg, p, h):
         w1, w3, w2 = (("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"))
         y = (F.silu(h @ sd[x + w1 + ".weight"].T) * (h @ sd[x + w3 + ".weight"].T)) @ sd[x + w2 + ".weight"].T
         out = out + (top * (idx == e)).sum(dim=-1, keepdim=True) * y
+    if pre + "shared_expert_gate.weight" in sd:  # Qwen2-MoE: + sigmoid(h . g) * shared_expert(h)
+        x = pre + "shared_expert."
+        y = (F.silu(h @ sd[x + "gate_proj.weight"].T) * (h @ sd[x + "up_proj.weight"].T)) @ sd[x + "down_proj.weight"].T
+        out = out + torch.sigmoid(h @ sd[pre + "shared_expert_gate.weight"].T) * y
     return out
 
 
@@ -291,7 +312,7 @@ def llama_logits(sd, cfg, tokens):
         a = torch.softmax((q @ k.transpose(2, 3)) * hd ** -0.5 + mask, dim=-1) @ v
         x = x + a.transpose(1, 2).reshape(b, t, nh * hd) @ sd[p + "self_attn.o_proj.weight"].T
         h = rms(x, sd[p + "post_attention_layernorm.weight"])
-        if cfg["model_type"] in ("mixtral", "qwen3_moe"):
+        if cfg["model_type"] in ("mixtral", "qwen3_moe", "qwen2_moe"):
             x = x + sparse_moe(sd, cfg, p, h)
             continue
         g = F.silu(h @ sd[p + "mlp.gate_proj.weight"].T) * (h @ sd[p + "mlp.up_proj.weight"].T)
@@ -376,6 +397,9 @@ def family(args, kind, cfg, sd, shards, dtype, seq_len):
                  "tie_word_embeddings"])
         if kind == "mixtral":
             keys += ["num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"]
+        if kind == "qwen2_moe":
+            keys += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                     "shared_expert_intermediate_size", "router_aux_loss_coef"]
         if kind == "qwen3_moe":
             keys += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                      "router_aux_loss_coef"]
@@ -565,7 +589,8 @@ def refusals(args):
     moe_cfg, moe_sd = llama_like("qwen3_moe")
     mix_cfg, mix_sd = llama_like("mixtral")
     cases += [
-        ("qwen2 moe", dict(moe_cfg, model_type="qwen2_moe", shared_expert_intermediate_size=64), moe_sd, "model_type"),
+        ("shared expert in qwen3 moe", dict(moe_cfg, shared_expert_intermediate_size=64), moe_sd,
+         "shared_expert_intermediate_size"),
         ("deepseek mla", dict(moe_cfg, model_type="deepseek_v3", kv_lora_rank=16), moe_sd, "model_type"),
         ("sparse step", dict(moe_cfg, decoder_sparse_step=2), moe_sd, "decoder_sparse_step"),
         ("dense layers among experts", dict(moe_cfg, mlp_only_layers=[1]), moe_sd, "mlp_only_layers"),
@@ -602,6 +627,8 @@ def main():
     family(args, "mixtral", cfg, sd, shards=2, dtype="bf16", seq_len=32)
     cfg, sd = llama_like("qwen3_moe")
     family(args, "qwen3_moe", cfg, sd, shards=1, dtype="fp32", seq_len=32)
+    cfg, sd = llama_like("qwen2_moe")
+    family(args, "qwen2_moe", cfg, sd, shards=1, dtype="fp32", seq_len=32)
     cfg, sd = gpt2_like()
     family(args, "gpt2", cfg, sd, shards=1, dtype="fp32", seq_len=0)
     refusals(args)

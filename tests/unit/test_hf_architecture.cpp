@@ -75,7 +75,16 @@ TEST_CASE("hf export: MoE layouts no family holds are refused, naming each key",
   CHECK(refusal(m).find("router_topk_scaling_factor 2.5") != std::string::npos);
   m = with_experts(llama());
   m.qkv_bias = true;
-  CHECK(refusal(m).find("model.qkv_bias true with experts") != std::string::npos);
+  CHECK(refusal(m).find("model.qkv_bias true with experts but no gated shared expert") != std::string::npos);
+  m.moe.shared_expert_ffn_hidden_size = 32;  // Qwen2-MoE: q/k/v biases and a gated shared expert
+  m.moe.shared_expert_gate = true;
+  CHECK(hf_architecture(m) == HfArch::QWEN2_MOE);
+  CHECK(hf_config(m, HfArch::QWEN2_MOE, DType::F32)["shared_expert_intermediate_size"] == 32);
+  m.qkv_bias = false;
+  CHECK(refusal(m).find("shared_expert_ffn_hidden_size 32 without model.qkv_bias") != std::string::npos);
+  m = with_experts(llama());
+  m.moe.router_score_function = RouterScore::SIGMOID;
+  CHECK(refusal(m).find("router_score_function \"sigmoid\"") != std::string::npos);
   ModelConfig g = with_experts(ModelConfig{});  // GPT-2's layout
   CHECK(refusal(g).find("with GPT-2's layout") != std::string::npos);
 }

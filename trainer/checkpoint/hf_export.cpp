@@ -82,6 +82,14 @@ void moe_tensors(const ModelConfig& m, const ParamLayout& layout, const HfWeight
     w.add(x + (mixtral ? "w3.weight" : "up_proj.weight"), {FE, C}, f + FE * C);
     w.add(x + (mixtral ? "w2.weight" : "down_proj.weight"), {C, FE}, proj.data() + e * C * FE);
   }
+  if (m.moe.has_shared_expert()) {  // Qwen2-MoE: [gate | up] rows of the shared expert, down, its gate
+    const int64_t FS = m.moe.shared_expert_ffn_hidden_size;
+    const std::vector<float> sfc = fetch(weights, layout, t + "mlp.shared_expert.fc.weight");
+    w.add(moe + "shared_expert.gate_proj.weight", {FS, C}, sfc.data());
+    w.add(moe + "shared_expert.up_proj.weight", {FS, C}, sfc.data() + FS * C);
+    w.add(moe + "shared_expert.down_proj.weight", {C, FS}, fetch(weights, layout, t + "mlp.shared_expert.proj.weight"));
+    w.add(moe + "shared_expert_gate.weight", {1, C}, fetch(weights, layout, t + "mlp.shared_expert_gate.weight"));
+  }
 }
 
 void llama_tensors(const ModelConfig& m, const ParamLayout& layout, const HfWeightSource& weights, HfArch arch,
@@ -160,6 +168,7 @@ const char* hf_model_type(HfArch arch) {
     case HfArch::QWEN3: return "qwen3";
     case HfArch::MIXTRAL: return "mixtral";
     case HfArch::QWEN3_MOE: return "qwen3_moe";
+    case HfArch::QWEN2_MOE: return "qwen2_moe";
     case HfArch::GPT2: break;
   }
   return "gpt2";
@@ -191,14 +200,24 @@ HfArch hf_architecture(const ModelConfig& m) {
   if (moe.enabled()) {  // Mixtral (no q/k norms) or Qwen3-MoE (q/k norms): experts in every block
     if (!rope) bad.push_back(fmt::format("model.moe.num_experts {} with GPT-2's layout (Hugging Face's MoE "
                                          "families are Llama-style)", moe.num_experts));
-    if (m.qkv_bias) bad.push_back("model.qkv_bias true with experts (Qwen2-MoE's shared experts are not exported)");
+    // Qwen2-MoE: q/k/v biases, a gated shared expert; Mixtral and Qwen3-MoE: neither.
+    const bool qwen2 = m.qkv_bias;
+    if (qwen2 && (!moe.has_shared_expert() || !moe.shared_expert_gate))
+      bad.push_back("model.qkv_bias true with experts but no gated shared expert (Qwen2-MoE has one: "
+                    "model.moe.shared_expert_ffn_hidden_size and shared_expert_gate)");
+    if (!qwen2 && moe.has_shared_expert())
+      bad.push_back(fmt::format("model.moe.shared_expert_ffn_hidden_size {} without model.qkv_bias (of the "
+                                "Hugging Face MoE families only Qwen2-MoE has a shared expert, gated, with q/k/v "
+                                "biases)", moe.shared_expert_ffn_hidden_size));
     if (moe.every != 1 || moe.first_k_dense_replace != 0)
       bad.push_back(fmt::format("model.moe.every {} / first_k_dense_replace {} (Mixtral and Qwen3-MoE have "
                                 "experts in every block: 1 and 0)", moe.every, moe.first_k_dense_replace));
     if (moe.router_topk_scaling_factor.value_or(1.0) != 1.0)
       bad.push_back(fmt::format("model.moe.router_topk_scaling_factor {} (neither family scales its gates)",
                                 *moe.router_topk_scaling_factor));
-    if (!m.qk_norm && moe.router_pre_softmax)
+    if (moe.router_score_function != RouterScore::SOFTMAX || moe.router_enable_expert_bias)
+      bad.push_back("model.moe.router_score_function \"sigmoid\" (these families' routers are softmax)");
+    if (!m.qk_norm && !m.qkv_bias && moe.router_pre_softmax)
       bad.push_back("model.moe.router_pre_softmax true without model.qk_norm (Mixtral renormalises its gates "
                     "over the top-k: false; Qwen3-MoE, which may not, has q/k norms)");
   }
@@ -212,7 +231,7 @@ HfArch hf_architecture(const ModelConfig& m) {
         to_string(m.position), rope ? "Llama" : "GPT-2", list));
   }
   if (!rope) return HfArch::GPT2;
-  if (moe.enabled()) return m.qk_norm ? HfArch::QWEN3_MOE : HfArch::MIXTRAL;
+  if (moe.enabled()) return m.qk_norm ? HfArch::QWEN3_MOE : m.qkv_bias ? HfArch::QWEN2_MOE : HfArch::MIXTRAL;
   return m.qk_norm ? HfArch::QWEN3 : m.qkv_bias ? HfArch::QWEN2 : HfArch::LLAMA;
 }
 
@@ -241,11 +260,13 @@ json hf_config(const ModelConfig& m, HfArch arch, DType dtype, int64_t eos_token
     // The Llama family's keys; Qwen2 adds its sliding-window switch (off) and has q/k/v biases
     // (implied by its model type), Qwen3 is Qwen2 with attention_bias false and per-head q/k
     // norms (implied by its type), Llama names its biases and its pretraining_tp.
-    const bool qwen = arch == HfArch::QWEN2 || arch == HfArch::QWEN3 || arch == HfArch::QWEN3_MOE;
+    const bool qwen = arch == HfArch::QWEN2 || arch == HfArch::QWEN3 || arch == HfArch::QWEN3_MOE ||
+                      arch == HfArch::QWEN2_MOE;
     const char* architecture = arch == HfArch::QWEN3       ? "Qwen3ForCausalLM"
                                : arch == HfArch::QWEN2     ? "Qwen2ForCausalLM"
                                : arch == HfArch::MIXTRAL   ? "MixtralForCausalLM"
                                : arch == HfArch::QWEN3_MOE ? "Qwen3MoeForCausalLM"
+                               : arch == HfArch::QWEN2_MOE ? "Qwen2MoeForCausalLM"
                                                            : "LlamaForCausalLM";
     json c{{"architectures", {architecture}},
            {"model_type", hf_model_type(arch)},
@@ -284,11 +305,12 @@ json hf_config(const ModelConfig& m, HfArch arch, DType dtype, int64_t eos_token
         c["norm_topk_prob"] = !m.moe.router_pre_softmax;
         c["decoder_sparse_step"] = 1;
         c["mlp_only_layers"] = json::array();
+        if (arch == HfArch::QWEN2_MOE) c["shared_expert_intermediate_size"] = m.moe.shared_expert_ffn_hidden_size;
       }
       c["router_aux_loss_coef"] = aux;
       c["output_router_logits"] = false;
     }
-    if (arch != HfArch::QWEN2) c["attention_bias"] = false;
+    if (arch != HfArch::QWEN2 && arch != HfArch::QWEN2_MOE) c["attention_bias"] = false;
     if (arch == HfArch::LLAMA) {
       c["mlp_bias"] = false;
       c["pretraining_tp"] = 1;

@@ -28,9 +28,9 @@
 
 namespace tetra {
 
-enum class HfArch : uint8_t { LLAMA, QWEN2, QWEN3, GPT2, MIXTRAL, QWEN3_MOE };
+enum class HfArch : uint8_t { LLAMA, QWEN2, QWEN3, GPT2, MIXTRAL, QWEN3_MOE, QWEN2_MOE };
 
-// "llama" | "qwen2" | "qwen3" | "gpt2" | "mixtral" | "qwen3_moe" (the model_type of config.json)
+// "llama" | "qwen2" | "qwen3" | "gpt2" | "mixtral" | "qwen3_moe" | "qwen2_moe" (config.json's model_type)
 const char* hf_model_type(HfArch arch);
 
 // The architecture `m` exports as. InputError naming every config key whose value has no

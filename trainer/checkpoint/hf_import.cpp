@@ -132,9 +132,10 @@ void read_rope(const HfConfig& c, json& model) {
   if (!scaling.is_null()) model["rope_scaling"] = scaling;
 }
 
-// The experts of Mixtral (MixtralSparseMoeBlock) and Qwen3-MoE (Qwen3MoeSparseMoeBlock): a
-// linear router without bias, the softmax over all experts, the top-k renormalised (Mixtral
-// always, Qwen3-MoE with norm_topk_prob), SwiGLU experts without biases in every block, dropless.
+// The experts of Mixtral (MixtralSparseMoeBlock), Qwen2-MoE (Qwen2MoeSparseMoeBlock) and Qwen3-MoE
+// (Qwen3MoeSparseMoeBlock): a linear router without bias, the softmax over all experts, the top-k
+// renormalised (Mixtral always, the Qwens with norm_topk_prob), SwiGLU experts without biases in
+// every block, dropless; Qwen2-MoE adds a shared expert scaled by sigmoid(h . shared_expert_gate).
 // Their load-balancing loss (load_balancing_loss_func) is E/N^2 sum_e routed_e P_e, top_k times
 // Tetra's (Megatron's) E/(N^2 k) sum_e routed_e P_e: the coefficient is scaled to the same objective.
 json moe_block(const HfConfig& c, const std::string& type, std::map<std::string, std::string>& sources) {
@@ -154,8 +155,8 @@ json moe_block(const HfConfig& c, const std::string& type, std::map<std::string,
     if (c.has("mlp_only_layers") && !(c.j["mlp_only_layers"].is_array() && c.j["mlp_only_layers"].empty()))
       c.bad("mlp_only_layers", fmt::format("{}: dense blocks among the MoE ones are not imported ([]: none)",
                                            c.j["mlp_only_layers"].dump()));
-    if (c.has("shared_expert_intermediate_size") && c.integer("shared_expert_intermediate_size") > 0)
-      c.bad("shared_expert_intermediate_size", "shared experts are not imported");
+    if (type == "qwen3_moe" && c.has("shared_expert_intermediate_size") && c.integer("shared_expert_intermediate_size") > 0)
+      c.bad("shared_expert_intermediate_size", "a \"qwen3_moe\" model has no shared expert (\"qwen2_moe\" has)");
   }
   json moe = {{"num_experts", E},
               {"top_k", K},
@@ -165,6 +166,12 @@ json moe_block(const HfConfig& c, const std::string& type, std::map<std::string,
               {"router_pre_softmax", mixtral ? false : !c.boolean("norm_topk_prob", false)},
               {"aux_loss_coeff", c.number("router_aux_loss_coef", 0.001) * static_cast<double>(K)},
               {"z_loss_coeff", 0.0}};
+  if (type == "qwen2_moe") {
+    const int64_t FS = c.integer("shared_expert_intermediate_size");
+    if (FS < 1) c.bad("shared_expert_intermediate_size", fmt::format("{}: a \"qwen2_moe\" model has a shared expert", FS));
+    moe["shared_expert_ffn_hidden_size"] = FS;
+    moe["shared_expert_gate"] = true;
+  }
   return moe;
 }
 
@@ -178,14 +185,15 @@ json llama_family(const HfConfig& c, const std::string& type, int64_t seq_len, c
   if ((type == "mistral" || type == "mixtral") && c.has("sliding_window"))
     c.bad("sliding_window", fmt::format("{}: sliding-window attention is not supported (null: full attention)",
                                         c.j["sliding_window"].dump()));
-  if ((type == "qwen2" || type == "qwen3" || type == "qwen3_moe") && c.boolean("use_sliding_window", false))
+  if ((type == "qwen2" || type == "qwen3" || type == "qwen3_moe" || type == "qwen2_moe") &&
+      c.boolean("use_sliding_window", false))
     c.bad("use_sliding_window", "true: sliding-window attention is not supported");
-  const bool moe = type == "mixtral" || type == "qwen3_moe";
+  const bool moe = type == "mixtral" || type == "qwen3_moe" || type == "qwen2_moe";
   if (!moe)
     for (const char* key : {"num_experts", "num_local_experts", "n_routed_experts"})
       if (c.has(key) && c.integer(key) > 0)
-        c.bad(key, fmt::format("experts in a \"{}\" model: Tetra imports Mixture-of-Experts models as \"mixtral\" "
-                               "and \"qwen3_moe\"", type));
+        c.bad(key, fmt::format("experts in a \"{}\" model: Tetra imports Mixture-of-Experts models as \"mixtral\", "
+                               "\"qwen2_moe\" and \"qwen3_moe\"", type));
   if (c.has("partial_rotary_factor") && c.number("partial_rotary_factor") != 1.0)
     c.bad("partial_rotary_factor", "RoPE on part of each head is not supported");
   const int64_t heads = c.integer("num_attention_heads"), hidden = c.integer("hidden_size");
@@ -219,7 +227,7 @@ json llama_family(const HfConfig& c, const std::string& type, int64_t seq_len, c
             {"position", "rope"},
             {"tie_embeddings", c.boolean("tie_word_embeddings", false)},
             {"bias", false},
-            {"qkv_bias", type == "qwen2"},
+            {"qkv_bias", type == "qwen2" || type == "qwen2_moe"},
             {"qk_norm", type == "qwen3" || type == "qwen3_moe"}};
   read_rope(c, m);
   if (moe) m["moe"] = moe_block(c, type, sources);
@@ -274,11 +282,8 @@ HfModel read_hf_model(const std::string& dir, int64_t seq_len, const std::string
   hf.dir = dir;
   hf.model_type = c.string("model_type", "");
   if (hf.model_type == "llama" || hf.model_type == "mistral" || hf.model_type == "qwen2" || hf.model_type == "qwen3" ||
-      hf.model_type == "mixtral" || hf.model_type == "qwen3_moe")
+      hf.model_type == "mixtral" || hf.model_type == "qwen3_moe" || hf.model_type == "qwen2_moe")
     hf.model = llama_family(c, hf.model_type, seq_len, seq_len_from, hf.sources);
-  else if (hf.model_type == "qwen2_moe")
-    c.bad("model_type", "\"qwen2_moe\": its shared expert and shared-expert gate are not imported yet (Tetra "
-                        "imports the Mixture-of-Experts models \"mixtral\" and \"qwen3_moe\")");
   else if (hf.model_type.rfind("deepseek", 0) == 0)
     c.bad("model_type", fmt::format("\"{}\": DeepSeek's multi-head latent attention (kv_lora_rank, q_lora_rank) "
                                     "is not implemented", hf.model_type));
@@ -286,8 +291,8 @@ HfModel read_hf_model(const std::string& dir, int64_t seq_len, const std::string
     hf.model = gpt2(c, seq_len, seq_len_from, hf.sources);
   else
     c.bad("model_type", fmt::format("\"{}\" is not imported (Tetra imports \"llama\", \"mistral\", \"qwen2\", "
-                                    "\"qwen3\", \"gpt2\", and the Mixture-of-Experts \"mixtral\" and "
-                                    "\"qwen3_moe\")", hf.model_type));
+                                    "\"qwen3\", \"gpt2\", and the Mixture-of-Experts \"mixtral\", \"qwen2_moe\" "
+                                    "and \"qwen3_moe\")", hf.model_type));
   // The weights: one file, or the shards an index names.
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
   if (fs::exists(index)) {
@@ -377,6 +382,13 @@ std::vector<HfParam> hf_params(const ModelConfig& m, bool gpt2, const std::strin
         }
         add(t + "mlp.experts.fc.weight", std::move(fc));
         add(t + "mlp.experts.proj.weight", std::move(proj));
+        if (m.moe.has_shared_expert()) {  // Qwen2-MoE: [gate | up] rows, down, and the gate vector
+          const int64_t FS = m.moe.shared_expert_ffn_hidden_size;
+          add(t + "mlp.shared_expert.fc.weight",
+              {{moe + "shared_expert.gate_proj.weight", {FS, C}}, {moe + "shared_expert.up_proj.weight", {FS, C}}});
+          add(t + "mlp.shared_expert.proj.weight", {{moe + "shared_expert.down_proj.weight", {C, FS}}});
+          if (m.moe.shared_expert_gate) add(t + "mlp.shared_expert_gate.weight", {{moe + "shared_expert_gate.weight", {1, C}}});
+        }
         continue;
       }
       add(t + "mlp.fc.weight", {{h + "mlp.gate_proj.weight", {F, C}}, {h + "mlp.up_proj.weight", {F, C}}});
