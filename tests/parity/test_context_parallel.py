@@ -1,7 +1,9 @@
 """Context parallelism is invisible: every cp layout reproduces the single-rank run.
 
 For a Llama-style (GQA, RoPE, SwiGLU, untied), a GPT-2-style (learned positions, MHA, tied) and a
-MoE (4 experts, top-2, dropless, load-balancing and z-losses) tiny config, Tetra trains 20 steps single-rank, then under
+MoE (4 experts, top-2, dropless, load-balancing and z-losses) tiny config (and the MoE with a
+capacity factor that drops assignments: cp 2, cp 4, cp 2 x dp 2 x ep 2, cp 2 x tp 2 + SP drop the
+same ones as one rank), Tetra trains 20 steps single-rank, then under
 `mpirun` with parallel.cp on: cp 2 and cp 4 (p2p ring and all_gather), cp 2 x tp 2 with sequence
 parallelism, cp 2 x pp 2, cp 2 x dp 2 with the distributed optimizer and with ZeRO-3, full and
 selective recomputation, and MoE cp 2 x dp 2 x ep 2. Per layout:
@@ -42,6 +44,9 @@ MODELS = {
                 moe={"num_experts": 4, "top_k": 2, "every": 1, "ffn_hidden_size": 48, "capacity_factor": None,
                      "aux_loss_coeff": 1e-2, "z_loss_coeff": 1e-3}),
 }
+# A capacity factor that drops assignments: the capacity is the whole sequence's and the
+# assignments each expert keeps are its first in the sequence's order, over the CP ranks' chunks.
+MODELS["moe_capacity"] = dict(MODELS["moe"], moe=dict(MODELS["moe"]["moe"], capacity_factor=1.0))
 # (name, parallel overrides, training overrides)
 LAYOUTS = {
     "llama": [
@@ -66,6 +71,12 @@ LAYOUTS = {
         ("cp2", {"cp": 2}, {}),
         ("cp2_dp2_ep2", {"cp": 2, "dp": 2, "ep": 2}, {}),
         ("cp2_dp2_ep2_zero1", {"cp": 2, "dp": 2, "ep": 2, "zero_stage": 1}, {}),
+    ],
+    "moe_capacity": [
+        ("cp2", {"cp": 2}, {}),
+        ("cp4_allgather", {"cp": 4, "cp_comm": "all_gather"}, {}),
+        ("cp2_dp2_ep2", {"cp": 2, "dp": 2, "ep": 2}, {}),
+        ("cp2_tp2_sp", {"cp": 2, "tp": 2, "sequence_parallel": True}, {}),
     ],
 }
 
@@ -152,6 +163,9 @@ def main():
         if ref is None:
             continue
         harness.check_loss_falls(checks, f"{model} single-rank", [s["loss"] for s in ref[0]])
+        if model == "moe_capacity":
+            dropped = sum(l["dropped"] for s in ref[0] for l in s["moe"]["layers"])
+            check(dropped > 0, f"capacity factor 1.0: the single-rank run drops assignments ({dropped} in {STEPS} steps)")
         for name, par, train in layouts:
             got = run(args, f"{model}_{name}", config(model), par, train)
             if got is not None:

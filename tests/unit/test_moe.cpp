@@ -291,6 +291,35 @@ TEST_CASE("MoE routing plan: expert-major rows, token order within an expert, ca
   CHECK(capped.pos == std::vector<int32_t>{0, 2, 3, 1, -1, 4, -1, -1, 5, -1});
 }
 
+TEST_CASE("MoE routing plan: capacity in the sequence's order over context-parallel chunks", "[moe]") {
+  // One sequence of 8 tokens, top-2 over 3 experts, in 4 chunks of 2 (cp 2): rank 0 holds chunks
+  // 0 and 3, rank 1 chunks 1 and 2. Each rank's plan, given the assignments before each of its
+  // chunks, keeps exactly the assignments the whole sequence's plan keeps.
+  const std::vector<int32_t> idx = {0, 1, 1, 0, 0, 2, 0, 1, 2, 1, 1, 0, 0, 2, 1, 2};
+  const int64_t K = 2, E = 3, cap = 3, c = 2;
+  const MoeRoutingPlan whole = plan_moe_routing(idx.data(), 8, K, E, cap);
+  CHECK(whole.dropped == 16 - 9);
+  int64_t dropped = 0;
+  for (int64_t r = 0; r < 2; ++r) {
+    const int64_t chunks[2] = {r, 3 - r};
+    std::vector<int32_t> local;
+    std::vector<int64_t> before;
+    for (int64_t q : chunks) {
+      std::vector<int64_t> n(E, 0);
+      for (int64_t a = 0; a < q * c * K; ++a) ++n[static_cast<size_t>(idx[static_cast<size_t>(a)])];
+      before.insert(before.end(), n.begin(), n.end());
+      local.insert(local.end(), idx.begin() + q * c * K, idx.begin() + (q + 1) * c * K);
+    }
+    const MoeRoutingPlan mine = plan_moe_routing(local.data(), 2 * c, K, E, cap, before.data(), c);
+    dropped += mine.dropped;
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t a = 0; a < c * K; ++a)
+        CHECK((mine.pos[static_cast<size_t>(h * c * K + a)] >= 0) ==
+              (whole.pos[static_cast<size_t>(chunks[h] * c * K + a)] >= 0));
+  }
+  CHECK(dropped == whole.dropped);
+}
+
 TEST_CASE("MoE layer forward matches a plain-loop reference (top-1, top-2, gelu, swiglu, capacity)", "[moe]") {
   check_forward(false, 1, std::nullopt);
   check_forward(false, 2, std::nullopt);

@@ -100,12 +100,6 @@ void check_context_parallel(const Config& c, Rules& r) {
                           "(the default: CP between TP and DP, as in Megatron-LM)",
                           p.cp));
   // What would make a CP rank's result differ from the whole sequence's.
-  const MoeConfig& moe = c.model.moe;
-  if (moe.enabled() && moe.capacity_factor)
-    r.require(false, "model.moe.capacity_factor", *moe.capacity_factor,
-              fmt::format("expert capacity is counted over each CP rank's own tokens, not yet over the whole "
-                          "sequence's, with parallel.cp {}: use dropless routing (null) or parallel.cp 1",
-                          p.cp));
   if (r.ok({"parallel.grad_compression"}))
     r.require(p.grad_compression == GradCompression::NONE || p.grad_compression == GradCompression::BF16,
               "parallel.grad_compression", p.grad_compression,

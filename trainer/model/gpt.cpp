@@ -314,7 +314,7 @@ ActivationSizes Gpt::activation_sizes_for(const ModelConfig& cfg, DType act, int
   const int64_t chunk = loss_chunk > 0 ? std::min(loss_chunk, d.N()) : 0;
   ActivationSizes size = dense_sizes(ArenaShape{d, act, rc, units, moe, chunk, cfg.qk_norm, cp_comm});
   // MoE blocks: their routing and expert state in each slot, their scratch beside the dense one.
-  size += MoeLayers::sizes_for(cfg, act, d.N(), ep, tp, d.l0, d.L, rc.moe_act);
+  size += MoeLayers::sizes_for(cfg, act, d.N(), ep, tp, d.l0, d.L, rc.moe_act, cp);
   return size;
 }
 
@@ -354,7 +354,7 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   cp_ = std::make_unique<ContextParallel>(cp, cp_comm, be, act, d_.B, cfg.seq_len, d_.NH, d_.NKV, d_.HS);
   const ActivationSizes dense = dense_sizes(z);
   ActivationSizes size = dense;
-  size += MoeLayers::sizes_for(cfg, act, d_.N(), ep_size, tp_size, d_.l0, d_.L, rc_.moe_act);
+  size += MoeLayers::sizes_for(cfg, act, d_.N(), ep_size, tp_size, d_.l0, d_.L, rc_.moe_act, d_.cp);
   ActivationRegions r;
   if (regions) {  // shared with the rank's other chunks
     TETRA_CHECK(regions->count == slots && regions->slot_stride >= size.slot && regions->scratch_bytes >= size.scratch,
@@ -378,8 +378,7 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   if (cfg.moe.enabled()) {  // the MoE state after the dense part, in the scratch and in each slot
     const ActivationRegions m{r.scratch + dense.scratch, r.scratch_bytes - dense.scratch, r.slots + dense.slot,
                               r.slot_stride, slots};
-    moe_ = std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep, tp, d_.l0, d_.L, rc_.moe_act, slots, &m);
-    moe_->set_context_parallel(cp);
+    moe_ = std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep, tp, d_.l0, d_.L, rc_.moe_act, slots, &m, cp);
   }
 }
 

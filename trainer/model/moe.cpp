@@ -14,21 +14,30 @@
 
 namespace tetra {
 
-MoeRoutingPlan plan_moe_routing(const int32_t* topk_idx, int64_t N, int64_t K, int64_t E, int64_t capacity) {
+MoeRoutingPlan plan_moe_routing(const int32_t* topk_idx, int64_t N, int64_t K, int64_t E, int64_t capacity,
+                                const int64_t* before, int64_t segment) {
   MoeRoutingPlan plan;
   plan.routed.assign(static_cast<size_t>(E), 0);
   plan.kept.assign(static_cast<size_t>(E), 0);
   plan.pos.assign(static_cast<size_t>(N * K), -1);
-  // Rank of each assignment within its expert, in (token, k) order: position priority.
+  TETRA_CHECK(!before || (segment > 0 && N % segment == 0), "{} tokens in segments of {}", N, segment);
+  // Rank of each assignment within its expert, in (token, k) order: position priority. With
+  // `before`, its rank in the sequence's order decides whether it is kept: the assignments to its
+  // expert before its segment, then its rank within the segment. The segments come in sequence
+  // order, so an expert keeps a prefix of its local assignments either way.
   std::vector<int64_t> rank(static_cast<size_t>(N * K));
+  std::vector<int64_t> seq(before ? static_cast<size_t>(E) : 0);
   for (int64_t a = 0; a < N * K; ++a) {
     const int32_t e = topk_idx[a];
     TETRA_CHECK(e >= 0 && e < E, "router chose expert {} of {}", e, E);
     rank[a] = plan.routed[e]++;
+    if (!before) continue;
+    if (a % (segment * K) == 0) std::copy(before + a / (segment * K) * E, before + (a / (segment * K) + 1) * E, seq.begin());
+    if (seq[e]++ < capacity) ++plan.kept[e];
   }
   std::vector<int64_t> start(static_cast<size_t>(E) + 1, 0);
   for (int64_t e = 0; e < E; ++e) {
-    plan.kept[e] = capacity < 0 ? plan.routed[e] : std::min(plan.routed[e], capacity);
+    if (!before) plan.kept[e] = capacity < 0 ? plan.routed[e] : std::min(plan.routed[e], capacity);
     plan.dropped += plan.routed[e] - plan.kept[e];
     start[e + 1] = start[e] + plan.kept[e];
   }
@@ -125,6 +134,7 @@ struct MoeLayers::Scratch {
   void* dx_exp;        // (R_max, C)
   void* dx_local;      // (M_max, C) (ep > 1; else dx_exp)
   int32_t* counts;     // (E + ep El) send and received per-expert counts
+  int32_t* cp_counts;  // (B, 2 cp, E) assignments per sequence chunk and expert (capacity under CP)
   MoeSharedExpert::Scratch shared;  // the shared expert's
   // Host staging, sized at construction: what forward reads back from backend memory (the
   // router's choice, the received counts, the loss statistics' inputs) and the host-built index
@@ -135,12 +145,15 @@ struct MoeLayers::Scratch {
   std::vector<float> h_probs, h_lse, h_eg;    // (N E), (N), (E)
   std::vector<double> h_psum;                 // (E) the probability sums of the aux loss
   std::vector<int32_t> h_routed;              // (E) routed counts, reduced over the CP group
+  std::vector<int32_t> h_cp_counts;           // (B, 2 cp, E), as cp_counts
+  std::vector<int64_t> h_before;              // (B, 2, E) assignments before each local chunk
 };
 
 namespace {
 
 struct Sizes {
   int64_t N, C, E, K, El, F, FC, cap, M_max, R_max, ep;
+  int64_t cp, cp_chunks;  // context parallelism; B 2 cp sequence chunks when capacity spans them (else 0)
   // B: the rows of the local experts a slot keeps per block (the bound); rows_region: the
   // elements of a block's kept rows region, B (C + FC + F) (F: when the activation is kept), at
   // least R_max C so that a block over the bound keeps its input rows there.
@@ -152,7 +165,8 @@ struct Sizes {
   MoeSharedExpert::Shape sh;
 };
 
-Sizes sizes_of(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp, bool recompute_act) {
+Sizes sizes_of(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp, bool recompute_act,
+               int64_t cp) {
   Sizes s{};
   const MoeConfig& m = cfg.moe;
   s.N = N;
@@ -163,7 +177,9 @@ Sizes sizes_of(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t
   s.El = s.E / ep;
   s.F = m.ffn_hidden_size / tp;
   s.FC = cfg.activation == Activation::SWIGLU ? 2 * s.F : s.F;
-  s.cap = moe_capacity(m, N);
+  s.cap = moe_capacity(m, N * cp);  // over the whole sequence's tokens (cp N)
+  s.cp = cp;
+  s.cp_chunks = cp > 1 && s.cap >= 0 ? N * cp / cfg.seq_len * 2 * cp : 0;
   s.M_max = s.cap < 0 ? N * s.K : std::min(N * s.K, s.E * s.cap);
   // Worst case at the experts: every EP rank sends all its (kept) rows here. A token chooses K
   // distinct experts, so one expert receives at most N rows (cap when fewer) from each rank.
@@ -207,6 +223,7 @@ size_t carve_scratch(ArenaCarver& c, const Sizes& z, DType act, S& x) {
   x.dx_exp = c.take(z.R_max * z.C, act);
   x.dx_local = ep ? c.take(z.M_max * z.C, act) : x.dx_exp;
   x.counts = c.i32(z.E + z.ep * z.El);
+  x.cp_counts = z.cp_chunks > 0 ? c.i32(z.cp_chunks * z.E) : nullptr;
   if (z.shared) MoeSharedExpert::carve_scratch(c, z.sh, x.shared);
   return c.used();
 }
@@ -251,9 +268,9 @@ int64_t count_moe_blocks(const ModelConfig& cfg, int64_t l0, int64_t layers) {
 }  // namespace
 
 ActivationSizes MoeLayers::sizes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp,
-                                    int64_t l0, int64_t layers, bool recompute_act) {
+                                    int64_t l0, int64_t layers, bool recompute_act, int64_t cp) {
   if (!cfg.moe.enabled() || count_moe_blocks(cfg, l0, layers) == 0) return {};
-  const Sizes z = sizes_of(cfg, act, N, ep, tp, recompute_act);
+  const Sizes z = sizes_of(cfg, act, N, ep, tp, recompute_act, cp);
   ActivationSizes out;
   Scratch unused;
   ArenaCarver sc(nullptr), sl(nullptr);
@@ -264,13 +281,15 @@ ActivationSizes MoeLayers::sizes_for(const ModelConfig& cfg, DType act, int64_t 
 
 MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t N,
                      Communicator* ep, Communicator* tp, int64_t l0, int64_t layers, bool recompute_act,
-                     int64_t slots, const ActivationRegions* regions)
+                     int64_t slots, const ActivationRegions* regions, Communicator* cp)
     : cfg_(cfg),
       layout_(layout),
       be_(be),
       act_(act),
       ep_(ep && ep->size() > 1 ? ep : nullptr),
-      tp_(tp && tp->size() > 1 ? tp : nullptr) {
+      tp_(tp && tp->size() > 1 ? tp : nullptr),
+      cp_(cp && cp->size() > 1 ? cp : nullptr) {
+  const int64_t cp_size = cp_ ? cp_->size() : 1;
   const int64_t tp_size = tp_ ? tp_->size() : 1;
   TETRA_CHECK(layout.slicing.tp == tp_size, "the parameter layout is for tp {}, the MoE blocks for {}",
               layout.slicing.tp, tp_size);
@@ -278,7 +297,7 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   TETRA_CHECK(layout.slicing.ep == ep_size && layout.slicing.ep_rank == (ep_ ? ep_->rank() : 0),
               "the parameter layout is for EP rank {} of {}, the model for rank {} of {}", layout.slicing.ep_rank,
               layout.slicing.ep, ep_ ? ep_->rank() : 0, ep_size);
-  const Sizes z = sizes_of(cfg, act, N, ep_size, tp_size, recompute_act);
+  const Sizes z = sizes_of(cfg, act, N, ep_size, tp_size, recompute_act, cp_size);
   recompute_act_ = recompute_act;
   N_ = z.N, C_ = z.C, E_ = z.E, K_ = z.K, El_ = z.El, F_ = z.F, FC_ = z.FC, cap_ = z.cap;
   M_max_ = z.M_max, R_max_ = z.R_max, B_ = z.B;
@@ -301,6 +320,8 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   sc_->h_probs.resize(static_cast<size_t>(N_ * E_));
   sc_->h_psum.resize(static_cast<size_t>(E_));
   sc_->h_routed.resize(static_cast<size_t>(E_));
+  sc_->h_cp_counts.resize(static_cast<size_t>(z.cp_chunks * E_));
+  sc_->h_before.resize(static_cast<size_t>(z.cp_chunks / cp_size * E_));
   sc_->h_lse.resize(static_cast<size_t>(N_));
   sc_->h_eg.resize(static_cast<size_t>(E_));
   expert_bias_.assign(blocks.size(), std::vector<float>(static_cast<size_t>(E_), 0.0f));
@@ -312,7 +333,7 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   }
   if (blocks_ == 0) return;  // no MoE block in this chunk: nothing is kept
   TETRA_CHECK(slots >= 1, "MoE blocks need at least one activation slot, not {}", slots);
-  const ActivationSizes size = sizes_for(cfg, act, N, ep_size, tp_size, l0, layers, recompute_act);
+  const ActivationSizes size = sizes_for(cfg, act, N, ep_size, tp_size, l0, layers, recompute_act, cp_size);
   ActivationRegions r;
   if (regions) {
     TETRA_CHECK(regions->count >= slots && regions->slot_stride >= size.slot && regions->scratch_bytes >= size.scratch,
@@ -564,7 +585,7 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
                           static_cast<float>(cfg_.moe.router_topk_scaling_factor.value_or(1.0)));
   std::vector<int32_t>& idx = sc_->h_idx;
   be_.copy_to_host(idx.data(), s.topk_idx, idx.size() * 4);
-  s.plan = plan_moe_routing(idx.data(), N_, K_, E_, cap_);
+  s.plan = plan_routing(idx.data());
   s.M = static_cast<int64_t>(s.plan.rows.size());
   be_.copy_from_host(s.pos, s.plan.pos.data(), s.plan.pos.size() * 4);
   if (s.M > 0) be_.copy_from_host(s.rows, s.plan.rows.data(), static_cast<size_t>(s.M) * 4);
@@ -693,7 +714,32 @@ void MoeLayers::update_expert_bias(const std::map<int64_t, std::vector<int64_t>>
   }
 }
 
-void MoeLayers::set_context_parallel(Communicator* cp) { cp_ = cp && cp->size() > 1 ? cp : nullptr; }
+MoeRoutingPlan MoeLayers::plan_routing(const int32_t* idx) {
+  if (!cp_ || cap_ < 0) return plan_moe_routing(idx, N_, K_, E_, cap_);
+  // Capacity over the whole sequence (context_parallel.h): of each of the B sequences, this rank
+  // holds chunks r and 2 cp - 1 - r of c tokens, back to back. The assignments of every chunk to
+  // every expert, (B, 2 cp, E), summed over the CP group, give each local chunk the assignments
+  // to each expert that precede it in the sequence's (b, t, k) order: the single-rank run's.
+  const int64_t cp = cp_->size(), r = cp_->rank(), c = cfg_.seq_len / (2 * cp), B = N_ / (2 * c);
+  std::vector<int32_t>& table = sc_->h_cp_counts;
+  std::fill(table.begin(), table.end(), 0);
+  for (int64_t a = 0; a < N_ * K_; ++a) {
+    const int64_t i = a / K_, b = i / (2 * c), q = i % (2 * c) < c ? r : 2 * cp - 1 - r;
+    ++table[static_cast<size_t>((b * 2 * cp + q) * E_ + idx[a])];
+  }
+  be_.copy_from_host(sc_->cp_counts, table.data(), table.size() * 4);
+  cp_->all_reduce(sc_->cp_counts, static_cast<int64_t>(table.size()), DType::I32, ReduceOp::SUM);
+  be_.copy_to_host(table.data(), sc_->cp_counts, table.size() * 4);
+  std::vector<int64_t>& before = sc_->h_before;  // (B, 2, E): before each local chunk, in local order
+  std::vector<int64_t> seen(static_cast<size_t>(E_), 0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t q = 0; q < 2 * cp; ++q) {
+      if (q == r || q == 2 * cp - 1 - r)
+        std::copy(seen.begin(), seen.end(), before.begin() + ((b * 2 + (q == r ? 0 : 1)) * E_));
+      for (int64_t e = 0; e < E_; ++e) seen[static_cast<size_t>(e)] += table[static_cast<size_t>((b * 2 * cp + q) * E_ + e)];
+    }
+  return plan_moe_routing(idx, N_, K_, E_, cap_, before.data(), c);
+}
 
 void MoeLayers::backward(int64_t l, const WeightView& weights, const GradTarget& grads, const void* h, const void* dout, void* dh,
                          int64_t slot) {

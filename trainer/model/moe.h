@@ -70,8 +70,11 @@ struct MoeRoutingPlan {
   std::vector<int32_t> rows;     // (M) source token of each row of x_perm
   int64_t dropped = 0;
 };
-// capacity < 0: dropless.
-MoeRoutingPlan plan_moe_routing(const int32_t* topk_idx, int64_t N, int64_t K, int64_t E, int64_t capacity);
+// capacity < 0: dropless. `before` (N / segment, E), when given: the tokens come in segments of
+// `segment` tokens, and before[s][e] assignments to expert e precede segment s in the sequence
+// (other CP ranks' chunks): the capacity is counted in the sequence's order, not this rank's.
+MoeRoutingPlan plan_moe_routing(const int32_t* topk_idx, int64_t N, int64_t K, int64_t E, int64_t capacity,
+                                const int64_t* before = nullptr, int64_t segment = 0);
 // The rows of its local experts a rank keeps per MoE block and micro-batch (the plan's bound),
 // given the worst case `worst` (every EP rank's rows to this rank's experts): the worst case with
 // ep 1 (a rank's experts see its own N K rows) or a capacity factor; else
@@ -121,9 +124,18 @@ class MoeLayers {
   // `recompute_act`: the experts' activation is not kept but recomputed from fc in backward
   // (selective "moe_act"). `regions`: where the scratch and the slots live (sizes_for() bytes of
   // each at least; null: an arena of this object's own).
+  // `cp`: the CP group whose ranks hold the other tokens of each sequence (null or size 1: none;
+  // N is then this rank's B T / cp rows). The load-balancing loss uses the whole sequence's routing
+  // statistics, summed over the group in each training forward (an all-reduce of the E routed
+  // counts, I32, and of the E probability sums, F32), so that it, and its gradient, equal the
+  // single-rank run's; with a capacity factor the capacity is the whole sequence's cp N tokens'
+  // and the assignments each expert keeps are its first in the sequence's order, over the CP
+  // ranks' chunks (an all-reduce of (B, 2 cp, E) I32 chunk counts in every forward), so that the
+  // same assignments are dropped as on one rank.
   MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t N,
             Communicator* ep, Communicator* tp = nullptr, int64_t l0 = 0, int64_t layers = -1,
-            bool recompute_act = false, int64_t slots = 1, const ActivationRegions* regions = nullptr);
+            bool recompute_act = false, int64_t slots = 1, const ActivationRegions* regions = nullptr,
+            Communicator* cp = nullptr);
   ~MoeLayers();
   MoeLayers(const MoeLayers&) = delete;
   MoeLayers& operator=(const MoeLayers&) = delete;
@@ -132,7 +144,7 @@ class MoeLayers {
   // slot (each block's routing, dispatched rows and expert activations) of the blocks in
   // [l0, l0 + layers): zero when none is a MoE block.
   static ActivationSizes sizes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp = 1,
-                                   int64_t l0 = 0, int64_t layers = -1, bool recompute_act = false);
+                                   int64_t l0 = 0, int64_t layers = -1, bool recompute_act = false, int64_t cp = 1);
   // Bytes of the arena this object allocated itself (0 when it was given regions).
   size_t activation_bytes() const { return bytes_; }
 
@@ -160,15 +172,13 @@ class MoeLayers {
   // per expert summed over every rank that routes the block's tokens (DP and CP; the caller's
   // reduction), blocks of other chunks ignored.
   void update_expert_bias(const std::map<int64_t, std::vector<int64_t>>& tokens_per_expert);
-  // Context parallelism: the CP group whose ranks hold the other tokens of each sequence (size 1 or
-  // null: none). The load-balancing loss then uses the whole sequence's routing statistics, summed
-  // over the group in each training forward (an all-reduce of the E routed counts, I32, and of the
-  // E probability sums, F32), so that it, and its gradient, equal the single-rank run's.
-  void set_context_parallel(Communicator* cp);
 
   struct Layer;  // per-block saved state (moe.cpp)
 
  private:
+  // The routing plan of the router's choice `idx` (host, N K): capacity over this rank's tokens, or
+  // under context parallelism over the whole sequence's (the CP group's chunk counts exchanged).
+  MoeRoutingPlan plan_routing(const int32_t* idx);
   // The local experts over rows [r0, r1) of the block's expert-major rows: fc and act (rows from
   // r0) and y (the whole block's rows). Backward: dy, dx the whole block's; fc and act from r0,
   // computed again from x first when `refc` (a block over the bound), act from fc when `react`.

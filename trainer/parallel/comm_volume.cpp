@@ -150,8 +150,12 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
       v.cp.add(CommOp::ALL_GATHER, (attention_forwards + L) * accum, par.cp * kv * act_bytes);
       v.cp.add(CommOp::REDUCE_SCATTER, L * accum, par.cp * kv * 4);
     }
-    // MoE blocks: the sequence's routing statistics (E counts, E probability sums) per forward.
+    // MoE blocks: the sequence's routing statistics (E counts, E probability sums) per forward, and
+    // with a capacity factor the assignments of each of the B sequences' 2 cp chunks to each expert.
     if (moe_blocks > 0) v.cp.add(CommOp::ALL_REDUCE, 2 * moe_blocks * accum, cfg.model.moe.num_experts * 4);
+    if (moe_blocks > 0 && cfg.model.moe.capacity_factor)
+      v.cp.add(CommOp::ALL_REDUCE, moe_blocks * accum,
+               cfg.training.micro_batch_size * 2 * par.cp * cfg.model.moe.num_experts * 4);
   }
 
   if (par.tp > 1) {
