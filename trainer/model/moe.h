@@ -10,7 +10,8 @@
 //                                     s = router_topk_scaling_factor (1 when null)
 //   plan (host): assignments (i, k) sorted by expert, token order within an expert; with a
 //     capacity factor an expert keeps its first ceil(factor N K / E) assignments and drops the
-//     rest (a dropped assignment contributes nothing: the token's residual passes through)
+//     rest (a dropped assignment contributes nothing: the token's residual passes through);
+//     under context parallelism N and "first" are the whole sequence's (plan_routing)
 //   x_perm = h[rows]                  (M, C) per-expert contiguous blocks, M kept assignments
 //   expert e over its block:  u = x W1_e^T + b1_e (n_e, FC); a = gelu(u) | swiglu(u) (n_e, F);
 //                             y = a W2_e^T + b2_e (n_e, C)       one GEMM pair per expert
