@@ -368,4 +368,35 @@ last = open(sys.argv[2], encoding="utf-8").read().splitlines()[-1]
 assert out.startswith("the cat") and out[len("the cat"):-1].replace("\n", "\\n") == last, (out, last)
 PY
 
+# ---- MoE with an expert bias (sigmoid router): the biases are routing state a checkpoint keeps --
+# generate from the checkpoint prints the run's last sample (the biases set, as the sampler had
+# them); a weights file, which holds no biases, is refused.
+case=train_moe_expert_bias
+bias_model='"moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 64, "aux_loss_coeff": 0.0, "router_score_function": "sigmoid", "router_enable_expert_bias": true, "router_bias_update_rate": 0.05}'
+run6="$scratch/run_moe_bias"
+write_config "$scratch/moe_bias.json" "$run6" '"dp": 2, "ep": 2' fp32 "$bias_model"
+$py - "$scratch/moe_bias.json" "$scratch/ckpt_moe_bias" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["checkpoint"] = {"dir": sys.argv[2], "every": 100}
+json.dump(c, open(sys.argv[1], "w"))
+PY
+timeout 300 "$mpirun" --oversubscribe -np 2 "$tetra" --config "$scratch/moe_bias.json" \
+  >"$scratch/moe_bias.out" 2>&1 || fail "exit $?: $(tail -5 "$scratch/moe_bias.out")"
+samples "$run6/train.log" >"$scratch/moe_bias.samples"
+case=generate_moe_expert_bias_from_checkpoint
+"$tetra" generate --config "$scratch/moe_bias.json" --weights "$scratch/ckpt_moe_bias/step_00000100" \
+  >"$scratch/gen_moe_bias.out" 2>"$scratch/gen_moe_bias.err" || fail "exit $?: $(cat "$scratch/gen_moe_bias.err")"
+$py - "$scratch/gen_moe_bias.out" "$scratch/moe_bias.samples" <<'PY' || fail "generate does not print the run's last sample"
+import sys
+out = open(sys.argv[1], encoding="utf-8").read()
+last = open(sys.argv[2], encoding="utf-8").read().splitlines()[-1]
+assert out.startswith("the cat") and out[len("the cat"):-1].replace("\n", "\\n") == last, (out, last)
+PY
+case=generate_moe_expert_bias_weights_file_refused
+"$tetra" generate --config "$scratch/moe_bias.json" >"$scratch/gen_moe_bias_file.out" 2>"$scratch/gen_moe_bias_file.err"
+rc=$?
+[[ $rc -eq 2 ]] && grep -q "router_enable_expert_bias" "$scratch/gen_moe_bias_file.err" ||
+  fail "exit $rc, expected 2 naming router_enable_expert_bias: $(cat "$scratch/gen_moe_bias_file.err")"
+
 finish "generation cases"

@@ -47,6 +47,10 @@ MODELS = {
 # A capacity factor that drops assignments: the capacity is the whole sequence's and the
 # assignments each expert keeps are its first in the sequence's order, over the CP ranks' chunks.
 MODELS["moe_capacity"] = dict(MODELS["moe"], moe=dict(MODELS["moe"]["moe"], capacity_factor=1.0))
+# DeepSeek-V3's router: sigmoid scores and an expert bias moved after every step from the tokens of
+# every CP (and DP) rank: the same biases, so the same routing, as the whole sequence on one rank.
+MODELS["moe_bias"] = dict(MODELS["moe"], moe=dict(MODELS["moe"]["moe"], z_loss_coeff=0.0, router_score_function="sigmoid",
+                                                router_enable_expert_bias=True, router_bias_update_rate=0.001))
 # (name, parallel overrides, training overrides)
 LAYOUTS = {
     "llama": [
@@ -71,6 +75,11 @@ LAYOUTS = {
         ("cp2", {"cp": 2}, {}),
         ("cp2_dp2_ep2", {"cp": 2, "dp": 2, "ep": 2}, {}),
         ("cp2_dp2_ep2_zero1", {"cp": 2, "dp": 2, "ep": 2, "zero_stage": 1}, {}),
+    ],
+    "moe_bias": [
+        ("cp2", {"cp": 2}, {}),
+        ("cp4_allgather", {"cp": 4, "cp_comm": "all_gather"}, {}),
+        ("cp2_dp2_ep2", {"cp": 2, "dp": 2, "ep": 2}, {}),
     ],
     "moe_capacity": [
         ("cp2", {"cp": 2}, {}),

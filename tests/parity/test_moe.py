@@ -68,7 +68,7 @@ MODELS = {
                      "activation": "swiglu", "position": "rope", "tie_embeddings": False, "bias": False,
                      "moe": {"num_experts": 8, "top_k": 3, "ffn_hidden_size": 16, "aux_loss_coeff": 0.001,
                              "router_score_function": "sigmoid", "router_enable_expert_bias": True,
-                             "router_bias_update_rate": 0.02, "router_topk_scaling_factor": 2.5,
+                             "router_bias_update_rate": 0.002, "router_topk_scaling_factor": 2.5,
                              "first_k_dense_replace": 1, "shared_expert_ffn_hidden_size": 32}},
     # Shared experts: Qwen2-MoE's, gated per token by sigmoid(h . w) (DeepSeek's above, plain).
     "qwen2_moe": {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "num_layers": 2,

@@ -161,7 +161,8 @@ std::vector<float> load_weights(const std::string& path, const ParamLayout& layo
   return params;
 }
 
-std::vector<float> load_weights_dir(const std::string& dir, const Config& cfg) {
+std::vector<float> load_weights_dir(const std::string& dir, const Config& cfg,
+                                    std::map<int64_t, std::vector<float>>* moe_expert_bias) {
   namespace fs = std::filesystem;
   std::error_code ec;
   const ParamLayout layout = ParamLayout::build(cfg.model);
@@ -204,7 +205,8 @@ std::vector<float> load_weights_dir(const std::string& dir, const Config& cfg) {
         Quiet() { spdlog::set_level(std::max(was, spdlog::level::warn)); }
         ~Quiet() { spdlog::set_level(was); }
       } quiet;
-      load_checkpoint(step, cfg, groups, *cpu, b, /*weights_only=*/true);
+      const CheckpointState st = load_checkpoint(step, cfg, groups, *cpu, b, /*weights_only=*/true);
+      if (moe_expert_bias) *moe_expert_bias = st.moe_expert_bias;
     }
     return host;
   }
@@ -254,10 +256,20 @@ GeneratedText generate_command(const Config& config, const std::string& weights_
         throw InputError(fmt::format("--prompt-ids: id {} outside the model's vocabulary [0, {})", id,
                                      cfg.model.vocab_size));
   }
+  std::map<int64_t, std::vector<float>> expert_bias;
+  const bool needs_bias = cfg.model.moe.enabled() && cfg.model.moe.router_enable_expert_bias;
   if (!weights_path.empty() && std::filesystem::is_directory(path, ec)) {
     if (!id_prompt) tokenizer = load_sampling_tokenizer(cfg);
-    host = load_weights_dir(path, cfg);
+    host = load_weights_dir(path, cfg, &expert_bias);
+    if (needs_bias && expert_bias.empty())
+      throw InputError(fmt::format("{}: holds no MoE expert biases, which this model's routing needs "
+                                   "(model.moe.router_enable_expert_bias): pass --weights a checkpoint of the run",
+                                   path));
   } else {
+    if (needs_bias)
+      throw InputError(fmt::format("{}: a weights file holds no MoE expert biases, which this model's routing needs "
+                                   "(model.moe.router_enable_expert_bias): pass --weights a checkpoint of the run "
+                                   "(a step_* directory or its checkpoint.dir), which keeps them", path));
     check_weights_file(path, weights_path.empty()
                                  ? "train first (tetra --config <run.json> writes it at the end of training when "
                                    "logging.dir is set) or pass --weights FILE|DIR"
@@ -280,6 +292,7 @@ GeneratedText generate_command(const Config& config, const std::string& weights_
     be->cast(weights.get(), act, master.get(), DType::F32, layout.total);
   }
   Gpt model(cfg.model, layout, *be, act, /*micro_batch=*/1);
+  model.set_moe_expert_bias(expert_bias);
   Sampler sampler(model, *be, /*tp=*/nullptr);
   GeneratedText out;
   if (!id_prompt) {

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <memory>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -55,8 +56,11 @@ std::vector<float> load_weights(const std::string& path, const ParamLayout& layo
 // (a step_* directory, or a checkpoint.dir whose latest complete step is read) of cfg's model,
 // loaded as the trainer loads one; or a Hugging Face model directory (config.json and
 // model.safetensors or its shards) whose config.json describes cfg's model. InputError naming the
-// directory, and the keys that differ, otherwise.
-std::vector<float> load_weights_dir(const std::string& dir, const Config& cfg);
+// directory, and the keys that differ, otherwise. `moe_expert_bias` (may be null) receives a
+// checkpoint's MoE expert biases (model.moe.router_enable_expert_bias; empty from a Hugging Face
+// directory).
+std::vector<float> load_weights_dir(const std::string& dir, const Config& cfg,
+                                    std::map<int64_t, std::vector<float>>* moe_expert_bias = nullptr);
 
 struct GeneratedText {
   std::string prompt, continuation;
