@@ -623,6 +623,18 @@ if [[ -f "$scratch/llama/ckpt/$step_dir/manifest.json" ]]; then
   names=("error: $dir/manifest.json: field layout.tp is 0, outside [1, 1048576]")
   expect_refusal "$tetra" ckpt inspect "$dir"
 
+  case=manifest_expert_bias_of_no_moe_block  # MoE expert biases are checked against the model
+  dir=$(damaged llama)
+  edit_manifest "$dir" 'm["moe_expert_bias"] = {"0": [0.5, 0.25]}'
+  names=("error: $dir/manifest.json: field moe_expert_bias.0 holds 2 values, but the model has no MoE block of that number")
+  expect_refusal "$tetra" ckpt inspect "$dir"
+
+  case=manifest_expert_bias_not_a_number
+  dir=$(damaged llama)
+  edit_manifest "$dir" 'm["moe_expert_bias"] = {"0": ["x"]}'
+  names=("error: $dir/manifest.json: field moe_expert_bias.0 holds \"x\", not a finite number")
+  expect_refusal "$tetra" ckpt inspect "$dir"
+
   case=rank_file_named_pipe  # refused without blocking on it
   dir=$(damaged llama)
   rank_file=$(ls "$dir"/rank_*.safetensors | head -1)

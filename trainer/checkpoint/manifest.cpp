@@ -215,6 +215,14 @@ Manifest read_manifest(const std::string& checkpoint_dir) {
   }
   m.config = f.at(j, "config", "config");
   m.model = model_of(j, f);
+  for (const auto& [block, values] : m.moe_expert_bias)  // against the model it describes
+    if (block >= m.model.num_layers || !m.model.moe.is_moe_layer(block) ||
+        static_cast<int64_t>(values.size()) != m.model.moe.num_experts)
+      throw InputError(fmt::format("{}: field moe_expert_bias.{} holds {} values, but the model has {}: the manifest "
+                                   "is corrupt", m.path, block, values.size(),
+                                   block < m.model.num_layers && m.model.moe.is_moe_layer(block)
+                                       ? fmt::format("{} experts in that block", m.model.moe.num_experts)
+                                       : std::string("no MoE block of that number")));
 
   const json& tensors = f.at(j, "tensors", "tensors");
   if (!tensors.is_object()) throw InputError(fmt::format("{}: field tensors is not an object", m.path));
