@@ -112,10 +112,10 @@ class Backend {
   //                     C[g] (M, N) = alpha op(A)[:, o_g .. o_g + rows[g]) · op(B)[o_g .. o_g + rows[g], :]
   //                               + beta C[g]
   //                   (C: a host array of G pointers) — the experts' weight gradients dW_g += dY_g^T X_g.
-  // A group of 0 rows is skipped (gemm_grouped_k leaves its C[g] as it is). The result is exactly
-  // that of the G gemm calls in group order: the same rounding, bit for bit on the CPU backend;
-  // what a grouped call gains is running the groups together (the CPU backend spreads small groups
-  // over its threads, kernels/cpu/gemm.cpp).
+  // The groups' outputs must not overlap. A group of 0 rows is skipped (gemm_grouped_k leaves its
+  // C[g] as it is). The result is exactly that of the G gemm calls: the same rounding, bit for bit
+  // on the CPU backend; what a grouped call may gain is running the groups together (the CPU
+  // backend can deal small groups out to its threads, kernels/cpu/gemm.cpp).
   virtual void gemm_grouped(bool trans_a, bool trans_b, int64_t G, const int64_t* rows, int64_t N, int64_t K,
                             float alpha, const void* A, int64_t lda, const void* const* B, int64_t ldb,
                             DType ab_type, float beta, void* C, int64_t ldc, DType c_type,

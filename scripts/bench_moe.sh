@@ -12,19 +12,58 @@
 # the other ranks); the MB of tokens this rank sent to other EP ranks; and the ep group's blocked
 # time and bytes as its communicator counted them.
 #
+# BENCH_MODE=dense instead compares, on one rank of two threads, each MoE model with the dense
+# model of the same active parameters and tokens (dense ffn = top_k x expert ffn, the router
+# aside), side by side in one run: 4 blocks of hidden 256, T = 256, micro-batch 4, fp32, dropless;
+# "8x512 top-2" (Mixtral-like) and the fine-grained "64x128 top-6" and "32x128 top-4". It prints
+# ms per step of each (median of the steps after the first), the expert ms of the MoE one, and the
+# ratio MoE step / dense step.
+#
 # Usage: scripts/bench_moe.sh
 # Environment: TETRA_BIN (skip the build), TETRA_BUILD_DIR (default build-release), BENCH_STEPS (6),
-# BENCH_EPS (default "1 2 4").
+# BENCH_EPS (default "1 2 4"), BENCH_MODE (exchange, or dense).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 STEPS=${BENCH_STEPS:-6}
 EPS=${BENCH_EPS:-"1 2 4"}
+MODE=${BENCH_MODE:-exchange}
 
 source "$REPO/scripts/bench_lib.sh"
 bench_prepare "$REPO"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
+
+if [[ "$MODE" == dense ]]; then
+  echo "bench_moe (MoE vs dense of the same active size, 1 rank, 2 threads): $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"
+  # run NAME MLP-JSON: one 1-rank training run; prints "median-ms expert-ms".
+  run() {
+    local dir="$WORK/$1"
+    mkdir -p "$dir"
+    cat >"$dir/config.json" <<JSON
+{"model": {"vocab_size": 8192, "seq_len": 256, "num_layers": 4, "hidden_size": 256, "num_heads": 4, $2},
+ "training": {"micro_batch_size": 4, "global_batch_size": 4, "steps": $STEPS, "threads": 2, "peak_gflops": 100},
+ "data": {"synthetic": true}, "logging": {"dir": "$dir", "level": "warn"}}
+JSON
+    "$TETRA_BIN" --config "$dir/config.json" >"$dir/out" 2>&1 || { echo "$1: failed" >&2; cat "$dir/out" >&2; exit 1; }
+    python3 - "$dir/metrics.jsonl" <<'PY'
+import json, statistics, sys
+steps = [j for j in map(json.loads, open(sys.argv[1])) if "step" in j][1:]
+ms = statistics.median(s["ms"] for s in steps)
+ex = statistics.median(s.get("moe", {}).get("expert_ms", 0.0) for s in steps)
+print(f"{ms:.1f} {ex:.1f}")
+PY
+  }
+  printf "%-16s %12s %11s %14s %10s\n" model "dense ms" "MoE ms" "MoE expert ms" "MoE/dense"
+  for spec in "8x512 top-2:8:2:512" "64x128 top-6:64:6:128" "32x128 top-4:32:4:128"; do
+    IFS=: read -r name E k F <<<"$spec"
+    read -r dense_ms _ < <(run "dense$E" "\"ffn_hidden_size\": $((k * F))")
+    read -r moe_ms expert_ms < <(run "moe$E" "\"moe\": {\"num_experts\": $E, \"top_k\": $k, \"ffn_hidden_size\": $F}")
+    python3 -c "import sys; n, d, m, e = sys.argv[1:]; print(f'{n:<16} {float(d):12.1f} {float(m):11.1f} {float(e):14.1f} {float(m) / float(d):10.2f}')" \
+      "$name" "$dense_ms" "$moe_ms" "$expert_ms"
+  done
+  exit 0
+fi
 
 echo "bench_moe: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(mpirun --version | head -1)"
 printf "%-10s %9s %10s %12s %11s %14s %12s %11s\n" layout ms/step "expert ms" "dispatch ms" "combine ms" \

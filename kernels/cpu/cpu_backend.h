@@ -27,6 +27,11 @@ class CpuBackend final : public Backend {
   // bf16 GEMMs (bf16 A and B, fp32 or bf16 C) run on AMX tiles where the CPU has them
   // (gemm_amx.cpp), else through oneDNN (gemm.cpp). Off forces oneDNN.
   void set_amx_gemm(bool on) { amx_gemm_ = on; }
+  // Grouped GEMMs deal small groups out to the threads, one thread each, where that is exact
+  // (gemm.cpp, gemm_problems); off (the default) runs the groups in turn on the whole team. Off
+  // by default while the exactness probe is per problem shape: MoE row counts change every step,
+  // and the probe's two extra GEMMs per new shape then outweigh the gain over a run's first steps.
+  void set_grouped_threads(bool on) { grouped_threads_ = on; }
   // Which kernels the last attention ops and bf16 GEMM ran, e.g. "attention forward amx (bf16
   // tiles), backward amx (bf16 tiles); bf16 gemm amx (bf16 tiles)".
   std::string kernel_report() const override;
@@ -140,6 +145,7 @@ class CpuBackend final : public Backend {
   int threads_;
   bool amx_attention_ = true;
   bool amx_gemm_ = true;
+  bool grouped_threads_ = false;
   const char* bf16_gemm_kernel_ = nullptr;  // what the last bf16 GEMM ran
   // Runs a bf16 GEMM on AMX tiles if it is one and they are available and enabled.
   bool gemm_amx(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
@@ -158,6 +164,9 @@ class CpuBackend final : public Backend {
   // gemm.cpp, or gemm_loops.cpp in a build without oneDNN.
   void gemm_problems(bool trans_a, bool trans_b, float alpha, int64_t lda, int64_t ldb, DType ab_type, float beta,
                      int64_t ldc, DType c_type);
+  // Whether one thread computes this problem's shape bit for bit as the team does (gemm.cpp).
+  bool alone_exact(const GemmProblem& p, bool trans_a, bool trans_b, float alpha, int64_t lda, int64_t ldb,
+                   DType ab_type, float beta, int64_t ldc, DType c_type);
   std::vector<GemmProblem> grouped_;                     // reused from call to call
   std::vector<std::unique_ptr<GemmCache>> thread_caches_;  // one per thread, made on first use
   cpu::CpuScratch scratch_;  // the kernels' grow-only buffers, one slot per thread (scratch.h)

@@ -50,8 +50,10 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <unordered_map>
@@ -61,6 +63,7 @@
 
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/dispatch.h"
+#include "kernels/cpu/amx.h"
 #include "kernels/cpu/gemm_loops.h"
 #include "kernels/cpu/host_memory.h"
 #include "kernels/common/check.h"
@@ -123,6 +126,10 @@ struct CpuBackend::GemmCache {
   // One scratchpad for every plan (they run one at a time), grown to the largest plan's need the
   // first time that plan runs. oneDNN's default would allocate it inside every execution.
   cpu::Buffer<char> scratch;
+  // Per grouped-GEMM problem shape: whether one thread computes it bit for bit as the team does
+  // (gemm_problems).
+  std::unordered_map<GemmKey, bool, GemmKeyHash> alone_exact;
+  std::vector<char> probe[8], probe_c[8];  // the probes' operands and C, per DType (probe_values)
 };
 
 CpuBackend::CpuBackend(int threads)
@@ -203,6 +210,9 @@ int64_t widened_ld(int64_t cols) { return (cols * 4) % 1024 == 0 ? cols + 16 : c
 // A dimension above kShapeQuantum that is not a multiple of it, as (offset, size) pieces: the
 // largest multiple of kShapeQuantum, then the rest's powers of two, largest first.
 constexpr int64_t kShapeQuantum = 64;
+// A grouped GEMM deals its problems out to the threads unless the most loaded thread would then
+// have this many times its share of the work (gemm_problems).
+constexpr double kMaxGroupImbalance = 1.2;
 std::vector<std::pair<int64_t, int64_t>> shape_pieces(int64_t n) {
   std::vector<std::pair<int64_t, int64_t>> pieces;
   const int64_t head = n - n % kShapeQuantum;
@@ -223,36 +233,51 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
   if (gemm_amx(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, ab_type, beta, C, ldc, c_type,
                bias))
     return;
+  gemm_dnnl(*gemm_cache_, threads_, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, ab_type, beta, C, ldc, c_type,
+            bias);
+}
 
-  // oneDNN runs on the calling thread's OpenMP team size; make it this backend's.
-  omp_set_num_threads(threads_);
+void CpuBackend::gemm_dnnl(GemmCache& cache, int threads, bool trans_a, bool trans_b, int64_t M, int64_t N,
+                           int64_t K, float alpha, const void* A, int64_t lda, const void* B, int64_t ldb,
+                           DType ab_type, float beta, void* C, int64_t ldc, DType c_type, const void* bias) {
+  // The pieces below are gemm calls again: through gemm (and its AMX path) on the backend's own
+  // cache, on this cache otherwise (a grouped GEMM's thread, which never meets an AMX case).
+  auto sub = [&](bool ta, bool tb, int64_t m, int64_t n, int64_t k, float al, const void* a, int64_t la,
+                 const void* b, int64_t lb, DType abt, float be, void* c, int64_t lc, DType ct, const void* bi) {
+    if (&cache == gemm_cache_.get())
+      gemm(ta, tb, m, n, k, al, a, la, b, lb, abt, be, c, lc, ct, bi);
+    else
+      gemm_dnnl(cache, threads, ta, tb, m, n, k, al, a, la, b, lb, abt, be, c, lc, ct, bi);
+  };
+  // oneDNN runs on the calling thread's OpenMP team size; make it this call's.
+  omp_set_num_threads(threads);
 
   if (ab_type == DType::F16) {
     // A stored (M, K) or, transposed, (K, M); B stored (K, N) or (N, K): widened as stored.
     const int64_t a_rows = trans_a ? K : M, a_cols = trans_a ? M : K;
     const int64_t b_rows = trans_b ? N : K, b_cols = trans_b ? K : N;
     const int64_t la = widened_ld(a_cols), lb = widened_ld(b_cols);
-    widen_f16(gemm_cache_->a_wide, A, a_rows, a_cols, lda, la, threads_);
-    widen_f16(gemm_cache_->b_wide, B, b_rows, b_cols, ldb, lb, threads_);
+    widen_f16(cache.a_wide, A, a_rows, a_cols, lda, la, threads);
+    widen_f16(cache.b_wide, B, b_rows, b_cols, ldb, lb, threads);
     const float* wide_bias = nullptr;
     if (bias) {
-      widen_f16(gemm_cache_->bias_wide, bias, 1, N, N, N, threads_);
-      wide_bias = gemm_cache_->bias_wide.data();
+      widen_f16(cache.bias_wide, bias, 1, N, N, N, threads);
+      wide_bias = cache.bias_wide.data();
     }
-    gemm(trans_a, trans_b, M, N, K, alpha, gemm_cache_->a_wide.data(), la, gemm_cache_->b_wide.data(), lb,
+    sub(trans_a, trans_b, M, N, K, alpha, cache.a_wide.data(), la, cache.b_wide.data(), lb,
          DType::F32, beta, C, ldc, c_type, wide_bias);
     return;
   }
 
   if (c_type != DType::F32 && c_type != ab_type) {
-    float* staging = cpu::grow(gemm_cache_->staging, M * N);
-    gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, ab_type, 0.0f, staging, N,
+    float* staging = cpu::grow(cache.staging, M * N);
+    sub(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, ab_type, 0.0f, staging, N,
          DType::F32, bias);
     const float* src = staging;
     cpu::with_float_type(c_type, "gemm", "C type", [&](auto tag) {
       using TC = decltype(tag);
       TC* c = static_cast<TC*>(C);
-#pragma omp parallel for num_threads(threads_) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static)
       for (int64_t m = 0; m < M; ++m) {
         TC* cr = c + m * ldc;
         const float* sr = src + m * N;
@@ -274,14 +299,14 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
       for (int64_t k0 = 0; k0 < K; k0 += kMaxPaddedRows) {
         const int64_t kc = std::min(kMaxPaddedRows, K - k0);
         const float* a = static_cast<const float*>(A) + (trans_a ? k0 * lda : k0);
-        gemm(trans_a, false, M, N, kc, alpha, a, lda, static_cast<const float*>(B) + k0 * ldb, ldb,
+        sub(trans_a, false, M, N, kc, alpha, a, lda, static_cast<const float*>(B) + k0 * ldb, ldb,
              ab_type, k0 == 0 ? beta : 1.0f, C, ldc, c_type, k0 == 0 ? bias : nullptr);
       }
       return;
     }
     const char* src = static_cast<const char*>(B);
-    char* dst = cpu::grow(gemm_cache_->b_staging, K * ldp * es);
-#pragma omp parallel for num_threads(threads_) schedule(static)
+    char* dst = cpu::grow(cache.b_staging, K * ldp * es);
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t k = 0; k < K; ++k) std::memcpy(dst + k * ldp * es, src + k * ldb * es, N * es);
     B = dst;
     ldb = ldp;
@@ -294,7 +319,7 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
     const size_t ea = dtype_size(ab_type), ec = dtype_size(c_type);
     for (const auto& [m0, mc] : shape_pieces(M)) {
       const char* a = static_cast<const char*>(A) + (trans_a ? m0 * ea : m0 * lda * ea);
-      gemm(trans_a, trans_b, mc, N, K, alpha, a, lda, B, ldb, ab_type, beta, static_cast<char*>(C) + m0 * ldc * ec,
+      sub(trans_a, trans_b, mc, N, K, alpha, a, lda, B, ldb, ab_type, beta, static_cast<char*>(C) + m0 * ldc * ec,
            ldc, c_type, bias);
     }
     return;
@@ -305,7 +330,7 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
     for (const auto& [k0, kc] : shape_pieces(K)) {
       const char* a = static_cast<const char*>(A) + (trans_a ? k0 * lda * ea : k0 * ea);
       const char* b = static_cast<const char*>(B) + (trans_b ? k0 * ea : k0 * ldb * ea);
-      gemm(trans_a, trans_b, M, N, kc, alpha, a, lda, b, ldb, ab_type, k0 == 0 ? beta : 1.0f, C, ldc, c_type,
+      sub(trans_a, trans_b, M, N, kc, alpha, a, lda, b, ldb, ab_type, k0 == 0 ? beta : 1.0f, C, ldc, c_type,
            k0 == 0 ? bias : nullptr);
     }
     return;
@@ -313,9 +338,9 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
 
   const GemmKey key{trans_a, trans_b, bias != nullptr, ab_type, c_type, M, N, K, lda, ldb, ldc,
                     math::f32_bits(alpha), math::f32_bits(beta)};
-  auto it = gemm_cache_->plans.find(key);
-  if (it == gemm_cache_->plans.end()) {
-    it = gemm_cache_->plans.emplace(key, make_gemm_plan(gemm_cache_->engine, key, alpha, beta))
+  auto it = cache.plans.find(key);
+  if (it == cache.plans.end()) {
+    it = cache.plans.emplace(key, make_gemm_plan(cache.engine, key, alpha, beta))
              .first;
   }
   GemmPlan& plan = it->second;
@@ -324,9 +349,152 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
   plan.c.set_data_handle(C);
   if (bias != nullptr) plan.bias.set_data_handle(const_cast<void*>(bias));
   plan.scratch.set_data_handle(
-      cpu::grow(gemm_cache_->scratch, static_cast<int64_t>(plan.scratch_bytes)));
-  plan.prim.execute(gemm_cache_->stream, plan.args);
-  gemm_cache_->stream.wait();
+      cpu::grow(cache.scratch, static_cast<int64_t>(plan.scratch_bytes)));
+  plan.prim.execute(cache.stream, plan.args);
+  cache.stream.wait();
+}
+
+// A grouped GEMM's problems (gemm_grouped.cpp): in turn on the team, the gemm loop, unless
+// set_grouped_threads (cpu_backend.h) turned on what follows. The experts of a MoE layer are many small GEMMs
+// (64-256 fine-grained experts get a few dozen rows each): split over the team, each is too small
+// to keep both threads busy (oneDNN's per-call synchronisation and B packing dominate). So the
+// problems are dealt out whole to the threads, the largest first onto the least-loaded thread,
+// and each thread runs its own on one thread, with a primitive cache of its own (the backend's is
+// not thread-safe, and a oneDNN primitive is built for the thread count it is created under, so
+// these are created with 1). A problem's result does not depend on the thread that runs it, but
+// may depend on the thread count: oneDNN's jit GEMM (and its brgemm for some shapes) splits the K
+// sum over the threads when M N is small, which changes the rounding. So each problem shape
+// (every field of the primitive key, M and K included) is first run once both ways on fixed
+// pseudo-random operands (alone_exact, remembered per shape); a shape whose bits differ runs on
+// the team, as gemm would run it. The grouped result is then that of the gemm loop bit for bit
+// (tests/unit/test_kernels_gemm_grouped.cpp checks it on real operands). The team also runs the
+// problems one after another where dealing them out would leave a thread idle for long (a few
+// large groups of unequal size), and wherever bf16 operands may reach the AMX kernels
+// (gemm_amx.cpp: they use the backend's per-thread scratch).
+namespace {
+
+// The first n values of a fixed pseudo-random sequence, stored as `type` in `pool` (grown, never
+// regenerated). Their exponents spread over 2^-10 .. 2^10, so that sums of their products are
+// inexact in fp32 whatever the input type (bf16 products of values of one binade would add up
+// exactly in any order).
+const char* probe_values(std::vector<char>& pool, int64_t n, DType type) {
+  const size_t es = dtype_size(type);
+  const int64_t have = static_cast<int64_t>(pool.size() / es);
+  if (have >= n) return pool.data();
+  pool.resize(static_cast<size_t>(n) * es);
+  for (int64_t i = have; i < n; ++i) {
+    uint64_t x = static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull;
+    x ^= x >> 31, x *= 0xbf58476d1ce4e5b9ull, x ^= x >> 29;
+    const float f = std::ldexp(1.0f + static_cast<float>(x >> 41) * (1.0f / 8388608.0f),
+                               static_cast<int>((x >> 8) % 21) - 10);
+    const float value = (x & 1u) ? -f : f;
+    if (type == DType::F32)
+      std::memcpy(pool.data() + i * 4, &value, 4);
+    else if (type == DType::BF16)
+      reinterpret_cast<bf16*>(pool.data())[i] = bf16(value);
+    else
+      reinterpret_cast<f16*>(pool.data())[i] = f16(value);
+  }
+  return pool.data();
+}
+
+}  // namespace
+
+bool CpuBackend::alone_exact(const GemmProblem& p, bool trans_a, bool trans_b, float alpha, int64_t lda, int64_t ldb,
+                             DType ab_type, float beta, int64_t ldc, DType c_type) {
+  const GemmKey key{trans_a, trans_b, p.bias != nullptr, ab_type, c_type, p.M, p.N, p.K, lda, ldb, ldc,
+                    math::f32_bits(alpha), math::f32_bits(beta)};
+  auto it = gemm_cache_->alone_exact.find(key);
+  if (it != gemm_cache_->alone_exact.end()) return it->second;
+  // The shape on fixed pseudo-random operands (probe_values), by the team and by one thread on
+  // thread 0's cache.
+  const int64_t a_n = (trans_a ? p.K : p.M) * lda, b_n = (trans_b ? p.N : p.K) * ldb, c_n = p.M * ldc;
+  const char* pool =
+      probe_values(gemm_cache_->probe[static_cast<int>(ab_type)], std::max({a_n, b_n + 7, p.N + 11}), ab_type);
+  const char* cpool = probe_values(gemm_cache_->probe_c[static_cast<int>(c_type)], c_n + 3, c_type);
+  const char* a = pool;
+  const char* b = pool + 7 * dtype_size(ab_type);  // other values than A's
+  const std::vector<char> c(cpool + 3 * dtype_size(c_type), cpool + (3 + c_n) * dtype_size(c_type));
+  std::vector<char> team = c, alone = c;
+  const void* bi = p.bias ? pool + 11 * dtype_size(ab_type) : nullptr;
+  gemm(trans_a, trans_b, p.M, p.N, p.K, alpha, a, lda, b, ldb, ab_type, beta, team.data(), ldc, c_type, bi);
+  if (thread_caches_.empty())
+    for (int t = 0; t < threads_; ++t) thread_caches_.push_back(std::make_unique<GemmCache>());
+  gemm_dnnl(*thread_caches_[0], 1, trans_a, trans_b, p.M, p.N, p.K, alpha, a, lda, b, ldb, ab_type, beta, alone.data(),
+            ldc, c_type, bi);
+  omp_set_num_threads(threads_);
+  const bool same = team == alone;
+  gemm_cache_->alone_exact.emplace(key, same);
+  return same;
+}
+
+void CpuBackend::gemm_problems(bool trans_a, bool trans_b, float alpha, int64_t lda, int64_t ldb, DType ab_type,
+                               float beta, int64_t ldc, DType c_type) {
+  const int64_t n = static_cast<int64_t>(grouped_.size());
+  auto in_turn = [&] {
+    for (const GemmProblem& p : grouped_)
+      gemm(trans_a, trans_b, p.M, p.N, p.K, alpha, p.A, lda, p.B, ldb, ab_type, beta, p.C, ldc, c_type, p.bias);
+  };
+  const bool amx = ab_type == DType::BF16 && amx_gemm_ && cpu::amx_available();
+  if (!grouped_threads_ || threads_ == 1 || n < 2 || amx) return in_turn();
+
+  // The team's turn first, for the problems one thread would not compute bit for bit as it does;
+  // then the rest dealt out: longest processing time first, each problem (largest M N K first,
+  // ties by index) to the thread with the least work so far.
+  std::vector<int64_t> order;
+  std::vector<int> owner(static_cast<size_t>(n), -1);
+  for (int64_t i = 0; i < n; ++i) {
+    const GemmProblem& p = grouped_[static_cast<size_t>(i)];
+    if (alone_exact(p, trans_a, trans_b, alpha, lda, ldb, ab_type, beta, ldc, c_type))
+      order.push_back(i);
+    else
+      gemm(trans_a, trans_b, p.M, p.N, p.K, alpha, p.A, lda, p.B, ldb, ab_type, beta, p.C, ldc, c_type, p.bias);
+  }
+  if (order.empty()) return;
+  auto work = [&](int64_t i) {
+    const GemmProblem& p = grouped_[static_cast<size_t>(i)];
+    return static_cast<double>(p.M) * static_cast<double>(p.N) * static_cast<double>(p.K);
+  };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return work(a) > work(b); });
+  std::vector<double> load(static_cast<size_t>(threads_), 0.0);
+  double total = 0.0;
+  for (int64_t i : order) {
+    const auto t = std::min_element(load.begin(), load.end()) - load.begin();
+    load[static_cast<size_t>(t)] += work(i);
+    owner[static_cast<size_t>(i)] = static_cast<int>(t);
+    total += work(i);
+  }
+  // Dealt out, the step takes the most loaded thread's time; in turn, each problem runs on the
+  // whole team at (for large problems) close to full speed.
+  const double imbalance = *std::max_element(load.begin(), load.end()) / (total / threads_);
+  if (imbalance > kMaxGroupImbalance) {
+    for (int64_t i : order) {
+      const GemmProblem& p = grouped_[static_cast<size_t>(i)];
+      gemm(trans_a, trans_b, p.M, p.N, p.K, alpha, p.A, lda, p.B, ldb, ab_type, beta, p.C, ldc, c_type, p.bias);
+    }
+    return;
+  }
+
+  if (ab_type == DType::BF16 && (c_type == DType::F32 || c_type == DType::BF16)) bf16_gemm_kernel_ = "onednn";
+  std::exception_ptr error;
+#pragma omp parallel num_threads(threads_)
+  {
+    const int t = omp_get_thread_num();
+    omp_set_num_threads(1);  // this thread's primitives are made for one thread
+    try {
+      for (int64_t i = 0; i < n; ++i)
+        if (owner[static_cast<size_t>(i)] == t) {
+          const GemmProblem& p = grouped_[static_cast<size_t>(i)];
+          gemm_dnnl(*thread_caches_[static_cast<size_t>(t)], 1, trans_a, trans_b, p.M, p.N, p.K, alpha, p.A, lda,
+                    p.B, ldb, ab_type, beta, p.C, ldc, c_type, p.bias);
+        }
+    } catch (...) {
+#pragma omp critical(tetra_gemm_grouped_error)
+      if (!error) error = std::current_exception();
+    }
+  }
+  omp_set_num_threads(threads_);
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace tetra

@@ -150,5 +150,12 @@ void CpuBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
   cpu::gemm_loops(threads_, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, ab_type, beta, C, ldc, c_type, bias);
 }
 
+// Without oneDNN the groups run one after another, each on every thread.
+void CpuBackend::gemm_problems(bool trans_a, bool trans_b, float alpha, int64_t lda, int64_t ldb, DType ab_type,
+                               float beta, int64_t ldc, DType c_type) {
+  for (const GemmProblem& p : grouped_)
+    gemm(trans_a, trans_b, p.M, p.N, p.K, alpha, p.A, lda, p.B, ldb, ab_type, beta, p.C, ldc, c_type, p.bias);
+}
+
 }  // namespace tetra
 #endif  // !TETRA_HAVE_DNNL

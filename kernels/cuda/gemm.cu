@@ -63,6 +63,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "kernels/common/gemm_groups.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/pack.cuh"
@@ -649,6 +650,36 @@ void CudaBackend::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t
       });
     });
   }
+}
+
+// Grouped GEMMs: the groups' products enqueued one after another on the backend's stream, each
+// through gemm above (its plans, its bias epilogue), so a group's result is exactly that of its
+// gemm call. cuBLASLt as shipped with CUDA 13.1 has no grouped matmul layout, and cuBLAS's
+// cublasGemmGroupedBatchedEx has no bias epilogue and reads its pointer arrays from device memory;
+// the row counts are host values here, so the loop costs no synchronisation, only G launches.
+void CudaBackend::gemm_grouped(bool trans_a, bool trans_b, int64_t G, const int64_t* rows, int64_t N, int64_t K,
+                               float alpha, const void* A, int64_t lda, const void* const* B, int64_t ldb,
+                               DType ab_type, float beta, void* C, int64_t ldc, DType c_type,
+                               const void* const* bias) {
+  TETRA_CHECK(G >= 0 && (G == 0 || rows != nullptr), "gemm_grouped: {} groups without row counts", G);
+  for (int64_t g = 0; g < G; ++g) TETRA_CHECK(rows[g] >= 0, "gemm_grouped: group {} has {} rows", g, rows[g]);
+  for_gemm_groups(trans_a, G, rows, N, K, A, lda, B, dtype_size(ab_type), C, ldc, dtype_size(c_type), bias,
+                  [&](const GemmProblem& p) {
+                    gemm(trans_a, trans_b, p.M, p.N, p.K, alpha, p.A, lda, p.B, ldb, ab_type, beta, p.C, ldc,
+                         c_type, p.bias);
+                  });
+}
+
+void CudaBackend::gemm_grouped_k(bool trans_a, bool trans_b, int64_t G, const int64_t* rows, int64_t M, int64_t N,
+                                 float alpha, const void* A, int64_t lda, const void* B, int64_t ldb, DType ab_type,
+                                 float beta, void* const* C, int64_t ldc, DType c_type) {
+  TETRA_CHECK(G >= 0 && (G == 0 || rows != nullptr), "gemm_grouped_k: {} groups without row counts", G);
+  for (int64_t g = 0; g < G; ++g) TETRA_CHECK(rows[g] >= 0, "gemm_grouped_k: group {} has {} rows", g, rows[g]);
+  for_gemm_groups_k(trans_a, trans_b, G, rows, M, N, A, lda, B, ldb, dtype_size(ab_type), C,
+                    [&](const GemmProblem& p) {
+                      gemm(trans_a, trans_b, p.M, p.N, p.K, alpha, p.A, lda, p.B, ldb, ab_type, beta, p.C, ldc,
+                           c_type, nullptr);
+                    });
 }
 
 void CudaBackend::bias_backward(float* dbias, const void* dout, int64_t N, int64_t OC, DType act) {
