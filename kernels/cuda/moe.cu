@@ -189,6 +189,26 @@ combine_kernel(T* out, const T* y, const int32_t* pos, const float* w, int64_t K
   }
 }
 
+// One block over a row of C: out[c] = g d[c], and the block's sum_c d[c] y[c] (fp32, FMA chain per
+// thread, then the block reduction) returned to every thread.
+template <typename T, int VEC>
+__device__ float scale_row_and_dot(T* out, const T* d, const T* y, float g, int64_t C, float* reduce) {
+  float dot = 0.0f;
+  for (int64_t c = threadIdx.x * int64_t{VEC}; c < C; c += int64_t{blockDim.x} * VEC) {
+    const Pack<T, VEC> dv = load_pack<T, VEC>(d + c);
+    const Pack<T, VEC> yv = load_pack<T, VEC>(y + c);
+    Pack<T, VEC> r;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      const float dc = to_float(dv.v[v]);
+      dot = fmaf(dc, to_float(yv.v[v]), dot);
+      r.v[v] = from_float<T>(__fmul_rn(g, dc));
+    }
+    store_pack<T, VEC>(out + c, r);
+  }
+  return block_sum(dot, reduce);
+}
+
 // One block per assignment a = i * K + k: dy[pos[a], :] = w[a] dout[i, :] and
 // dw[a] = sum_c dout[i, c] y[pos[a], c]; a dropped assignment (pos < 0) only sets dw[a] = 0.
 template <typename T, int VEC>
@@ -206,20 +226,7 @@ combine_backward_kernel(T* dy, float* dw, const T* dout, const T* y, const int32
   const T* d = dout + i * C;
   const T* yr = y + static_cast<int64_t>(p) * C;
   T* dyr = dy + static_cast<int64_t>(p) * C;
-  float dot = 0.0f;
-  for (int64_t c = threadIdx.x * int64_t{VEC}; c < C; c += int64_t{blockDim.x} * VEC) {
-    const Pack<T, VEC> dv = load_pack<T, VEC>(d + c);
-    const Pack<T, VEC> yv = load_pack<T, VEC>(yr + c);
-    Pack<T, VEC> r;
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) {
-      const float dc = to_float(dv.v[v]);
-      dot = fmaf(dc, to_float(yv.v[v]), dot);
-      r.v[v] = from_float<T>(__fmul_rn(g, dc));
-    }
-    store_pack<T, VEC>(dyr + c, r);
-  }
-  dot = block_sum(dot, reduce);
+  const float dot = scale_row_and_dot<T, VEC>(dyr, d, yr, g, C, reduce);
   if (threadIdx.x == 0) dw[a] = dot;
 }
 
@@ -254,20 +261,7 @@ shared_gate_backward_kernel(T* dy, float* dlogits, const T* dout, const T* y, co
   const T* d = dout + i * C;
   const T* yr = y + i * C;
   T* dyr = dy + i * C;
-  float dot = 0.0f;
-  for (int64_t c = threadIdx.x * int64_t{VEC}; c < C; c += int64_t{blockDim.x} * VEC) {
-    const Pack<T, VEC> dv = load_pack<T, VEC>(d + c);
-    const Pack<T, VEC> yv = load_pack<T, VEC>(yr + c);
-    Pack<T, VEC> r;
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) {
-      const float dc = to_float(dv.v[v]);
-      dot = fmaf(dc, to_float(yv.v[v]), dot);
-      r.v[v] = from_float<T>(__fmul_rn(g, dc));
-    }
-    store_pack<T, VEC>(dyr + c, r);
-  }
-  dot = block_sum(dot, reduce);
+  const float dot = scale_row_and_dot<T, VEC>(dyr, d, yr, g, C, reduce);
   if (threadIdx.x == 0) dlogits[i] = math::moe_shared_gate_grad(g, dot);
 }
 
