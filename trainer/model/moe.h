@@ -81,6 +81,8 @@ MoeRoutingPlan plan_moe_routing(const int32_t* topk_idx, int64_t N, int64_t K, i
 // ep 1 (a rank's experts see its own N K rows) or a capacity factor; else
 // ceil(max_load_factor N K), N K being the balanced load.
 int64_t moe_row_bound(const MoeConfig& moe, int64_t N, int64_t ep, int64_t worst);
+// Whether a block's rows can exceed that bound at all (dropless with ep > 1).
+inline bool moe_rows_can_exceed_bound(const MoeConfig& moe, int64_t ep) { return ep > 1 && !moe.capacity_factor; }
 // Test-only (TETRA_TEST_MOE_ROUTE, trainer/core/runtime_options.h; installed by the train
 // command): the router's logits biased after the router GEMM, before the softmax, so that a test
 // can force skewed or all-to-one routing. kOne: +30 on experts 0..top_k-1 (every token chooses
@@ -183,6 +185,8 @@ class MoeLayers {
   // The local experts over rows [r0, r1) of the block's expert-major rows: fc and act (rows from
   // r0) and y (the whole block's rows). Backward: dy, dx the whole block's; fc and act from r0,
   // computed again from x first when `refc` (a block over the bound), act from fc when `react`.
+  // Block l's index among the chunk's MoE blocks, -1 when it is none of them.
+  int64_t block_index(int64_t l) const;
   // Where block s's kept rows go, once its received row count is known (s.over when above B).
   void place_rows(Layer& s);
   void experts_forward(const Layer& s, const BlockParams& p, const WeightView& weights, int64_t r0, int64_t r1,

@@ -511,7 +511,8 @@ StepMetrics Trainer::step_metrics(int64_t s, double loss, const StepUpdate& u, d
   m.comm = comm_.records();
   if (groups_.pp->size() > 1) m.pipeline = pipeline_metrics();
   if (model_->has_moe()) m.moe = model_->take_moe_stats();
-  if (cfg_.model.moe.enabled()) count_moe_over_bound(m);
+  // (a collective: only where a block can exceed its bound, the same on every rank)
+  if (cfg_.model.moe.enabled() && moe_rows_can_exceed_bound(cfg_.model.moe, cfg_.parallel.ep)) count_moe_over_bound(m);
   if (cfg_.model.moe.router_enable_expert_bias && !u.skipped) update_moe_expert_bias(m);
   CommAccounting::warn_mismatches(s + 1, m.comm);
   const bool last = s + 1 == tc.steps;
