@@ -76,6 +76,7 @@ json layout_json(const Config& cfg, int world) {
               {"pp", cfg.parallel.pp},
               {"dp", cfg.parallel.dp},
               {"ep", cfg.parallel.ep},
+              {"etp", cfg.parallel.expert_tp()},
               {"cp", cfg.parallel.cp},
               {"order", cfg.parallel.order},
               {"sequence_parallel", cfg.parallel.sequence_parallel},
@@ -207,12 +208,14 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
   // The CP ranks of a replica hold the same weights, like its DP ranks.
   const bool dp_writer = b.sharded || (groups.coord.dp == 0 && groups.coord.cp == 0);
   const bool edp_writer = b.sharded || (groups.coord.edp == 0 && groups.coord.cp == 0);
-  const bool tp0 = groups.coord.tp == 0;
+  // An expert tensor's replicas over TP are those over its ETP group (the experts' own layout).
+  const bool tp0 = groups.coord.tp == 0, etp0 = groups.coord.etp == 0;
+  const auto replica = [&](const ParamSpec& p) { return !p.tp_split && !(p.expert ? etp0 : tp0); };
   std::vector<TensorView> views;
   json slices = json::array();
   for (const ParamSpec& p : layout.params) {
     // Replicas are written once: TP replicas by TP rank 0, a tied embedding by the first stage.
-    if (!(p.expert ? edp_writer : dp_writer) || (!p.tp_split && !tp0) || p.stage_copy) continue;
+    if (!(p.expert ? edp_writer : dp_writer) || replica(p) || p.stage_copy) continue;
     for (size_t o = 0; o < b.owned->size(); ++o) {
       const GradRange& r = (*b.owned)[o];
       const int64_t lo = std::max(r.offset, p.offset) - p.offset;
@@ -256,7 +259,7 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, ProcessGr
     const int64_t n = e.ranges.empty() ? 0 : xs.back() + e.ranges.back().numel;
     const float* data = e.host ? e.data : host_view(e.data, static_cast<size_t>(n), host_extra[x]);
     for (const ParamSpec& p : layout.params) {
-      if ((!p.tp_split && !tp0) || p.stage_copy) continue;
+      if (replica(p) || p.stage_copy) continue;
       for (size_t o = 0; o < e.ranges.size(); ++o) {
         const GradRange& r = e.ranges[o];
         const int64_t lo = std::max(r.offset, p.offset) - p.offset;

@@ -203,6 +203,7 @@ Manifest read_manifest(const std::string& checkpoint_dir) {
       if (l.contains(axis) || std::string_view(axis) != "cp")
         ranks *= f.integer(l, axis, fmt::format("layout.{}", axis), 1, kMaxRanks);
     if (l.contains("ep")) f.integer(l, "ep", "layout.ep", 1, kMaxRanks);  // within dp; absent from older ones
+    if (l.contains("etp")) f.integer(l, "etp", "layout.etp", 1, kMaxRanks);  // the experts' tp; absent: tp
     const int64_t world = f.integer(l, "world", "layout.world", 1, kMaxRanks);
     if (world != ranks)
       throw InputError(fmt::format("{}: field layout.world is {}, but tp x cp x pp x dp of the layout is {}", m.path,

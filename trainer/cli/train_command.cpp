@@ -175,6 +175,7 @@ int TrainCommand::train(const ProcessInfo& proc, const RuntimeOptions& runtime) 
     sizes.dp = cfg.parallel.dp;
     sizes.ep = cfg.parallel.ep;
     sizes.cp = cfg.parallel.cp;
+    sizes.etp = cfg.parallel.expert_tp();
     sizes.order = tetra::to_string(cfg.parallel.order);
     grid = tetra::RankGrid::build(sizes);
   } catch (const std::exception& e) {  // every rank read the same input: report once, exit 2

@@ -35,6 +35,8 @@ ProcessGroups ProcessGroups::create(const RankGrid& grid, int rank) {
   g.embedding = make(GroupKind::EMBEDDING);
   g.world = make(GroupKind::WORLD);
   g.cp = make(GroupKind::CP);
+  g.etp = make(GroupKind::ETP);
+  g.eshare = make(GroupKind::ESHARE);
   return g;
 }
 
@@ -49,6 +51,8 @@ Communicator& ProcessGroups::get(GroupKind kind) const {
     case GroupKind::EMBEDDING: return *embedding;
     case GroupKind::WORLD: return *world;
     case GroupKind::CP: return *cp;
+    case GroupKind::ETP: return *etp;
+    case GroupKind::ESHARE: return *eshare;
   }
   throw Error("ProcessGroups::get: unknown group kind");
 }

@@ -41,7 +41,7 @@ struct ProcessGroups {
   RankGrid grid;
   GridCoord coord;
   int rank = 0;  // global
-  std::unique_ptr<Communicator> tp, pp, dp, ep, edp, mp, embedding, world, cp;  // host memory
+  std::unique_ptr<Communicator> tp, pp, dp, ep, edp, mp, embedding, world, cp, etp, eshare;  // host memory
 
   // Collective over MPI_COMM_WORLD: every rank calls it with the same grid, in the same order
   // relative to its other collective calls. The grid's world must be MPI's world size. Without

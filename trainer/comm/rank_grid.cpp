@@ -21,6 +21,8 @@ const char* group_kind_name(GroupKind kind) {
     case GroupKind::EMBEDDING: return "embedding";
     case GroupKind::WORLD: return "world";
     case GroupKind::CP: return "cp";
+    case GroupKind::ETP: return "etp";
+    case GroupKind::ESHARE: return "eshare";
   }
   return "?";
 }
@@ -78,7 +80,11 @@ RankGrid RankGrid::build(const GridSizes& s) {
     throw InputError(fmt::format("world size {} is not tp ({}) x pp ({}) x dp ({}) = {}: {}", s.world, s.tp,
                                  s.pp, s.dp, product_text, fix));
   }
-  TETRA_INPUT_CHECK(s.dp % s.ep == 0, "parallel.ep ({}) must divide parallel.dp ({})", s.ep, s.dp);
+  TETRA_INPUT_CHECK(s.etp >= 0 && s.tp % s.expert_tp() == 0, "parallel.etp ({}) must divide parallel.tp ({})",
+                    s.etp, s.tp);
+  const int64_t shares = s.tp / s.expert_tp();
+  TETRA_INPUT_CHECK((shares * s.dp) % s.ep == 0, "parallel.ep ({}) must divide {} ({})", s.ep,
+                    shares == 1 ? "parallel.dp" : "(parallel.tp / parallel.etp) x parallel.dp", shares * s.dp);
 
   const std::vector<int> axes = parse_order(s.order);
   TETRA_INPUT_CHECK(!axes.empty(),
@@ -108,8 +114,12 @@ GridCoord RankGrid::coord(int rank) const {
   c.dp = static_cast<int>((rank / stride_[AXIS_DP]) % sizes_.dp);
   c.pp = static_cast<int>((rank / stride_[AXIS_PP]) % sizes_.pp);
   c.cp = static_cast<int>((rank / stride_[AXIS_CP]) % sizes_.cp);
-  c.ep = static_cast<int>(c.dp % sizes_.ep);
-  c.edp = static_cast<int>(c.dp / sizes_.ep);
+  const int64_t etp = sizes_.expert_tp(), shares = sizes_.tp / etp;
+  c.etp = static_cast<int>(c.tp % etp);
+  c.share = static_cast<int>(c.tp / etp);
+  const int64_t x = c.share + shares * c.dp;
+  c.ep = static_cast<int>(x % sizes_.ep);
+  c.edp = static_cast<int>(x / sizes_.ep);
   return c;
 }
 
@@ -127,6 +137,9 @@ std::vector<int> RankGrid::group(GroupKind kind, int rank) const {
   const int TP = static_cast<int>(sizes_.tp), PP = static_cast<int>(sizes_.pp);
   const int DP = static_cast<int>(sizes_.dp), EP = static_cast<int>(sizes_.ep);
   const int CP = static_cast<int>(sizes_.cp);
+  const int ETP = static_cast<int>(sizes_.expert_tp()), S = TP / ETP;
+  // The rank of flattened expert coordinate x = share + S dp, at this rank's etp, cp and pp.
+  auto expert_rank = [&](int x, int cp) { return rank_of((x % S) * ETP + c.etp, x / S, c.pp, cp); };
   std::vector<int> m;
   switch (kind) {
     case GroupKind::TP:
@@ -143,11 +156,17 @@ std::vector<int> RankGrid::group(GroupKind kind, int rank) const {
         for (int k = 0; k < CP; ++k) m.push_back(rank_of(c.tp, d, c.pp, k));
       break;
     case GroupKind::EP:
-      for (int e = 0; e < EP; ++e) m.push_back(rank_of(c.tp, c.edp * EP + e, c.pp, c.cp));
+      for (int e = 0; e < EP; ++e) m.push_back(expert_rank(c.edp * EP + e, c.cp));
       break;
     case GroupKind::EDP:
-      for (int k = 0; k < DP / EP; ++k)
-        for (int x = 0; x < CP; ++x) m.push_back(rank_of(c.tp, k * EP + c.ep, c.pp, x));
+      for (int k = 0; k < S * DP / EP; ++k)
+        for (int x = 0; x < CP; ++x) m.push_back(expert_rank(k * EP + c.ep, x));
+      break;
+    case GroupKind::ETP:
+      for (int j = 0; j < ETP; ++j) m.push_back(rank_of(c.share * ETP + j, c.dp, c.pp, c.cp));
+      break;
+    case GroupKind::ESHARE:
+      for (int h = 0; h < S; ++h) m.push_back(rank_of(h * ETP + c.etp, c.dp, c.pp, c.cp));
       break;
     case GroupKind::MP:
       for (int p = 0; p < PP; ++p)

@@ -11,18 +11,28 @@
 // next. In general, for order "a-b-c-d": rank = a + A * (b + B * (c + C * d)). An order of the
 // three other axes (the spellings before context parallelism) is accepted while cp is 1.
 //
-// Expert parallelism is carved out of data parallelism: ep divides dp and the data-parallel
-// coordinate splits into an inner expert-parallel part and an outer expert-data-parallel part,
+// The experts have a layout of their own (Megatron-Core's MoE parallel folding). Each expert is
+// split over ETP ranks, a divisor of TP: the tp coordinate splits into the expert-TP rank and the
+// share, the group of ETP ranks among the tp / ETP that route the same rows,
 //
-//   ep = dp % EP,  edp = dp / EP          (dp = edp * EP + ep)
+//   etp = tp % ETP,  share = tp / ETP     (S = TP / ETP shares; 1 when ETP = TP, the default)
+//
+// and expert parallelism is carved out of the shares and data parallelism: EP divides S x DP and
+// the flattened coordinate x = share + S dp splits into an expert-parallel and an
+// expert-data-parallel part,
+//
+//   ep = x % EP,  edp = x / EP            (x = edp * EP + ep; unfolded, x = dp)
 //
 // Groups (members listed in group-rank order):
 //   TP  vary tp            (same cp, dp, pp)    PP  vary pp   (same tp, cp, dp)
-//   CP  vary cp            (same tp, dp, pp)    EP  vary ep   (same tp, cp, pp, edp)
+//   CP  vary cp            (same tp, dp, pp)    EP  vary ep   (same etp, cp, pp, edp)
+//   ETP vary etp           (same share, cp, dp, pp): the ranks of one expert's slices
+//   ESHARE vary share      (same etp, cp, dp, pp): the TP ranks routing the other rows of the
+//       micro-batch (one member unfolded)
 //   DP  vary cp and dp, cp fastest (same tp, pp): the replicas of a dense parameter, whose
 //       gradients reduce (and whose optimizer state shards) over dp x cp (Megatron's data-parallel
 //       group "with context parallel"); the data loader uses the dp coordinate alone
-//   EDP vary cp and edp, cp fastest (same tp, pp, ep): an expert's replicas
+//   EDP vary cp and edp, cp fastest (same etp, pp, ep): an expert's replicas
 //   MP  model parallel: vary tp and pp (same cp, dp), tp fastest then pp
 //   WORLD every rank, 0 .. world-1
 //   EMBEDDING  the first and last pipeline stage of the rank's (tp, dp): the ranks holding the
@@ -41,15 +51,18 @@ struct GridSizes {
   int64_t world = 1, tp = 1, pp = 1, dp = 1, ep = 1;
   std::string order = "tp-cp-dp-pp";
   int64_t cp = 1;
+  int64_t etp = 0;  // the experts' tensor parallelism, a divisor of tp; 0: tp
+  int64_t expert_tp() const { return etp > 0 ? etp : tp; }
 };
 
 struct GridCoord {
-  int tp = 0, pp = 0, dp = 0, ep = 0, edp = 0, cp = 0;  // ep = dp % ep_size, edp = dp / ep_size
+  int tp = 0, pp = 0, dp = 0, ep = 0, edp = 0, cp = 0;  // ep = x % ep_size, edp = x / ep_size
+  int etp = 0, share = 0;                               // etp = tp % etp_size, share = tp / etp_size
 };
 
-enum class GroupKind : uint8_t { TP, PP, DP, EP, EDP, MP, EMBEDDING, WORLD, CP };
-constexpr int kGroupKinds = 9;
-// "tp", "pp", "dp", "ep", "edp", "mp", "embedding", "world", "cp"
+enum class GroupKind : uint8_t { TP, PP, DP, EP, EDP, MP, EMBEDDING, WORLD, CP, ETP, ESHARE };
+constexpr int kGroupKinds = 11;
+// "tp", "pp", "dp", "ep", "edp", "mp", "embedding", "world", "cp", "etp", "eshare"
 const char* group_kind_name(GroupKind kind);
 
 class RankGrid {

@@ -354,6 +354,14 @@ struct ParallelConfig {
   int64_t tp = 1;
   int64_t pp = 1;
   int64_t ep = 1;
+  // The experts' own tensor parallelism (Megatron-Core's expert_tensor_parallel_size, "MoE parallel
+  // folding"): each expert's hidden units split over etp ranks, a divisor of tp; unset (null): tp.
+  // With etp < tp expert parallelism spans the tp / etp groups of etp ranks as well as dp
+  // (rank_grid.h): ep divides (tp / etp) x dp.
+  std::optional<int64_t> etp;
+  int64_t expert_tp() const { return etp.value_or(tp); }
+  // The TP ranks that route different rows of a micro-batch to the experts (tp / etp; 1 unfolded).
+  int64_t expert_shares() const { return expert_tp() >= 1 && tp % expert_tp() == 0 ? tp / expert_tp() : 1; }
   int64_t cp = 1;  // context parallel: each sequence split over cp ranks (ring attention)
   CpComm cp_comm = CpComm::P2P;  // how K/V reach the other CP ranks
   RankOrder order = RankOrder::TP_CP_DP_PP;  // rank order, fastest-varying axis first
@@ -374,7 +382,7 @@ struct ParallelConfig {
   // ZeRO shard, over dp x cp (the CP ranks of a sequence see different tokens of it); an
   // expert's over expert-DP x cp.
   int64_t dp_cp() const { return dp * cp; }
-  int64_t edp_cp() const { return dp / ep * cp; }
+  int64_t edp_cp() const { return expert_shares() * dp / ep * cp; }
   // Every rank of the layout: tp x cp x pp x dp.
   int64_t world() const { return tp * cp * pp * dp; }
   int64_t bucket_size = 40000000;      // parameters per gradient bucket (Megatron's

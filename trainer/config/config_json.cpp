@@ -82,6 +82,7 @@ void visit_parallel(P& p, V& v) {
   v.integer("tp", p.tp);
   v.integer("pp", p.pp);
   v.integer("ep", p.ep);
+  v.optional_integer("etp", p.etp);
   v.integer("cp", p.cp);
   v.choice("cp_comm", p.cp_comm);
   v.choice("order", p.order);
@@ -235,6 +236,7 @@ const std::map<std::string, std::string>& foreign_names() {
       {"decoder_first_pipeline_num_layers", "parallel.stage_layers"},
       {"pipeline_model_parallel_layout", "parallel.stage_layers"},
       {"expert_model_parallel_size", "parallel.ep"},
+      {"expert_tensor_parallel_size", "parallel.etp"},
       {"num_moe_experts", "model.moe.num_experts"},
       {"num_local_experts", "model.moe.num_experts"},
       {"moe_router_topk", "model.moe.top_k"},
@@ -403,6 +405,22 @@ class SectionReader {
     keys_.pop_back();  // number() records the key again
     number(key, d);
     if (v->is_number() && std::isfinite(v->get<double>())) out = d;
+  }
+
+  // An integer, or null (unset: the default's rule decides).
+  void optional_integer(const char* key, std::optional<int64_t>& out) {
+    const json* v = find(key);
+    if (!v) return;
+    if (v->is_null()) {
+      out.reset();
+      return;
+    }
+    int64_t i = 0;
+    keys_.pop_back();  // integer() records the key again
+    integer(key, i);
+    if (v->is_number_integer() && !(v->is_number_unsigned() &&
+                                    v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())))
+      out = i;
   }
 
   // A nested object read by `visit` (its unknown keys reported with their full path).
@@ -627,6 +645,9 @@ class SectionWriter {
   void boolean(const char* key, const bool& v, const bool&) { out_[key] = v; }
   void optional_boolean(const char* key, const std::optional<bool>& v) { out_[key] = v ? json(*v) : json(nullptr); }
   void optional_number(const char* key, const std::optional<double>& v) {
+    out_[key] = v ? json(*v) : json(nullptr);
+  }
+  void optional_integer(const char* key, const std::optional<int64_t>& v) {
     out_[key] = v ? json(*v) : json(nullptr);
   }
   template <class S, class F>

@@ -542,12 +542,38 @@ void check_cross_field(const Config& c, Rules& r) {
     r.require(moe.top_k <= moe.num_experts, "model.moe.top_k", moe.top_k,
               fmt::format("model.moe.top_k ({}) must be <= model.moe.num_experts ({})", moe.top_k,
                           moe.num_experts));
-  // Experts are split over TP like the dense MLP.
+  // The experts' tensor parallelism: a divisor of tp (its groups lie inside the attention's).
+  if (c.parallel.etp) {
+    const int64_t etp = *c.parallel.etp;
+    r.degree("parallel.etp", etp);
+    if (r.ok({"parallel.etp", "parallel.tp"}))
+      r.require(c.parallel.tp % etp == 0, "parallel.etp", etp,
+                fmt::format("parallel.etp ({}) must divide parallel.tp ({}): an expert's tensor-parallel ranks are "
+                            "a part of the attention's tensor-parallel group (or set it to null: etp = tp)",
+                            etp, c.parallel.tp));
+    if (r.ok({"parallel.etp", "model.moe.num_experts"}) && !moe.enabled() && etp != c.parallel.tp)
+      r.require(false, "parallel.etp", etp,
+                "the experts' tensor parallelism needs a Mixture-of-Experts model: set model.moe.num_experts, or "
+                "parallel.etp to null");
+  }
+  const int64_t etp = c.parallel.expert_tp();
+  const bool etp_ok = r.ok({"parallel.etp", "parallel.tp"}) && etp >= 1 && c.parallel.tp % etp == 0;
+  // Each expert is split over etp ranks like the dense MLP over tp.
+  if (etp_ok && r.ok({"model.moe.num_experts", "model.moe.ffn_hidden_size"}) && moe.enabled() && etp > 1)
+    r.require(moe.ffn_hidden_size % etp == 0, "model.moe.ffn_hidden_size", moe.ffn_hidden_size,
+              c.parallel.etp ? fmt::format("model.moe.ffn_hidden_size ({}) must be a multiple of parallel.etp ({})",
+                                           moe.ffn_hidden_size, etp)
+                             : fmt::format("model.moe.ffn_hidden_size ({}) must be a multiple of parallel.tp ({}) "
+                                           "(the experts' tensor parallelism, parallel.etp, is tp unless set)",
+                                           moe.ffn_hidden_size, c.parallel.tp));
+  if (etp_ok && moe.enabled() && etp < c.parallel.tp && moe.capacity_factor && c.parallel.cp > 1)
+    r.require(false, "parallel.etp", etp,
+              fmt::format("model.moe.capacity_factor with parallel.etp ({}) < parallel.tp ({}) and parallel.cp ({}) > 1 "
+                          "is not supported (the capacity is counted over the whole sequence, split over both): make "
+                          "the experts dropless (capacity_factor null), or set parallel.etp to tp",
+                          etp, c.parallel.tp, c.parallel.cp));
   if (r.ok({"model.moe.num_experts", "model.moe.ffn_hidden_size", "parallel.tp"}) && moe.enabled() &&
       c.parallel.tp > 1) {
-    r.require(moe.ffn_hidden_size % c.parallel.tp == 0, "model.moe.ffn_hidden_size", moe.ffn_hidden_size,
-              fmt::format("model.moe.ffn_hidden_size ({}) must be a multiple of parallel.tp ({})",
-                          moe.ffn_hidden_size, c.parallel.tp));
     if (r.ok({"model.moe.shared_expert_ffn_hidden_size"}))
       r.require(moe.shared_expert_ffn_hidden_size % c.parallel.tp == 0, "model.moe.shared_expert_ffn_hidden_size",
                 moe.shared_expert_ffn_hidden_size,
@@ -557,9 +583,17 @@ void check_cross_field(const Config& c, Rules& r) {
   }
   if (r.ok({"parallel.ep", "parallel.dp", "model.moe.num_experts"}) && c.parallel.ep > 1) {
     const int64_t ep = c.parallel.ep;
-    r.require(c.parallel.dp % ep == 0, "parallel.ep", ep,
-              fmt::format("parallel.ep ({}) must divide parallel.dp ({}): expert parallelism is carved "
-                          "out of data parallelism", ep, c.parallel.dp));
+    const int64_t shares = etp_ok ? c.parallel.tp / etp : 1;
+    if (shares == 1)
+      r.require(c.parallel.dp % ep == 0, "parallel.ep", ep,
+                fmt::format("parallel.ep ({}) must divide parallel.dp ({}): expert parallelism is carved out of data "
+                            "parallelism (and, with parallel.etp < parallel.tp, out of the tp / etp groups too)",
+                            ep, c.parallel.dp));
+    else
+      r.require((shares * c.parallel.dp) % ep == 0, "parallel.ep", ep,
+                fmt::format("parallel.ep ({}) must divide (parallel.tp / parallel.etp) x parallel.dp ({} / {} x {} = "
+                            "{}): expert parallelism is carved out of the tp / etp groups and data parallelism",
+                            ep, c.parallel.tp, etp, c.parallel.dp, shares * c.parallel.dp));
     if (!moe.enabled())
       r.require(false, "parallel.ep", ep,
                 "expert parallelism needs a Mixture-of-Experts model: set model.moe.num_experts, or "

@@ -306,7 +306,7 @@ static void apply_shape(ModelDims& d, const ChunkShape& shape) {
 ActivationSizes Gpt::activation_sizes_for(const ModelConfig& cfg, DType act, int64_t micro_batch, int64_t tp,
                                           bool sequence_parallel, const ChunkShape& shape, int64_t ep,
                                           const Recomputation& rc, int64_t loss_chunk, int64_t cp,
-                                          CpComm cp_comm) {
+                                          CpComm cp_comm, int64_t etp) {
   ModelDims d = ModelDims::from(cfg, micro_batch, tp, 0, sequence_parallel, cp);
   apply_shape(d, shape);
   const std::vector<bool> moe = moe_blocks_of(cfg, d);
@@ -314,22 +314,25 @@ ActivationSizes Gpt::activation_sizes_for(const ModelConfig& cfg, DType act, int
   const int64_t chunk = loss_chunk > 0 ? std::min(loss_chunk, d.N()) : 0;
   ActivationSizes size = dense_sizes(ArenaShape{d, act, rc, units, moe, chunk, cfg.qk_norm, cp_comm});
   // MoE blocks: their routing and expert state in each slot, their scratch beside the dense one.
-  size += MoeLayers::sizes_for(cfg, act, d.N(), ep, tp, d.l0, d.L, rc.moe_act, cp);
+  size += MoeLayers::sizes_for(cfg, act, d.N(), ep, tp, d.l0, d.L, rc.moe_act, cp, etp);
   return size;
 }
 
 size_t Gpt::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch, int64_t tp,
                                  bool sequence_parallel, const ChunkShape& shape, int64_t ep,
-                                 const Recomputation& rc, int64_t loss_chunk, int64_t cp, CpComm cp_comm) {
+                                 const Recomputation& rc, int64_t loss_chunk, int64_t cp, CpComm cp_comm,
+                                 int64_t etp) {
   const ActivationSizes s =
-      activation_sizes_for(cfg, act, micro_batch, tp, sequence_parallel, shape, ep, rc, loss_chunk, cp, cp_comm);
+      activation_sizes_for(cfg, act, micro_batch, tp, sequence_parallel, shape, ep, rc, loss_chunk, cp, cp_comm, etp);
   return s.scratch + static_cast<size_t>(shape.slots) * s.slot;
 }
 
 Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
          Communicator* tp, int chunk, int64_t slots, Communicator* ep, const Recomputation& rc,
-         int64_t loss_chunk, const ActivationRegions* regions, Communicator* cp, CpComm cp_comm)
+         int64_t loss_chunk, const ActivationRegions* regions, Communicator* cp, CpComm cp_comm,
+         Communicator* etp, Communicator* eshare)
     : cfg_(cfg), layout_(layout), be_(be), act_(act), rc_(rc) {
+  if (eshare && eshare->size() <= 1) eshare = etp = nullptr;  // unfolded
   if (tp && tp->size() <= 1) tp = nullptr;
   if (cp && cp->size() <= 1) cp = nullptr;
   const int64_t tp_size = tp ? tp->size() : 1, tp_rank = tp ? tp->rank() : 0;
@@ -354,7 +357,8 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   cp_ = std::make_unique<ContextParallel>(cp, cp_comm, be, act, d_.B, cfg.seq_len, d_.NH, d_.NKV, d_.HS);
   const ActivationSizes dense = dense_sizes(z);
   ActivationSizes size = dense;
-  size += MoeLayers::sizes_for(cfg, act, d_.N(), ep_size, tp_size, d_.l0, d_.L, rc_.moe_act, d_.cp);
+  const int64_t etp_size = eshare ? (etp ? etp->size() : 1) : tp_size;
+  size += MoeLayers::sizes_for(cfg, act, d_.N(), ep_size, tp_size, d_.l0, d_.L, rc_.moe_act, d_.cp, etp_size);
   ActivationRegions r;
   if (regions) {  // shared with the rank's other chunks
     TETRA_CHECK(regions->count == slots && regions->slot_stride >= size.slot && regions->scratch_bytes >= size.scratch,
@@ -378,7 +382,8 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   if (cfg.moe.enabled()) {  // the MoE state after the dense part, in the scratch and in each slot
     const ActivationRegions m{r.scratch + dense.scratch, r.scratch_bytes - dense.scratch, r.slots + dense.slot,
                               r.slot_stride, slots};
-    moe_ = std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep, tp, d_.l0, d_.L, rc_.moe_act, slots, &m, cp);
+    moe_ = std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep, tp, d_.l0, d_.L, rc_.moe_act, slots, &m, cp,
+                                       etp, eshare);
   }
 }
 

@@ -100,10 +100,12 @@ class Gpt {
   // this rank's experts. `rc`: what backward recomputes instead of keeping (recompute.h).
   // `regions`: where the activations live, `slots` slots (activation_sizes_for() bytes of scratch
   // and per slot at least; a pipeline rank's chunks share one set); null: an arena of its own.
+  // `etp`, `eshare`: folded experts' ETP and ESHARE groups (moe.h; null: unfolded, split over tp).
   Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
       Communicator* tp = nullptr, int chunk = 0, int64_t slots = 1, Communicator* ep = nullptr,
       const Recomputation& rc = {}, int64_t loss_chunk = 0, const ActivationRegions* regions = nullptr,
-      Communicator* cp = nullptr, CpComm cp_comm = CpComm::P2P);
+      Communicator* cp = nullptr, CpComm cp_comm = CpComm::P2P, Communicator* etp = nullptr,
+      Communicator* eshare = nullptr);
   ~Gpt();
   Gpt(const Gpt&) = delete;
   Gpt& operator=(const Gpt&) = delete;
@@ -116,12 +118,13 @@ class Gpt {
                                               int64_t tp = 1, bool sequence_parallel = false,
                                               const ChunkShape& shape = {}, int64_t ep = 1,
                                               const Recomputation& rc = {}, int64_t loss_chunk = 0,
-                                              int64_t cp = 1, CpComm cp_comm = CpComm::P2P);
+                                              int64_t cp = 1, CpComm cp_comm = CpComm::P2P, int64_t etp = 0);
   // The arena of a chunk of `shape` that allocates its own: scratch + shape.slots slots.
   static size_t activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micro_batch,
                                      int64_t tp = 1, bool sequence_parallel = false,
                                      const ChunkShape& shape = {}, int64_t ep = 1, const Recomputation& rc = {},
-                                     int64_t loss_chunk = 0, int64_t cp = 1, CpComm cp_comm = CpComm::P2P);
+                                     int64_t loss_chunk = 0, int64_t cp = 1, CpComm cp_comm = CpComm::P2P,
+                                     int64_t etp = 0);
 
   // tokens, targets: (B, T) int32 in backend memory. weights: the compute copy (type act) of the
   // parameter buffer. Writes per-token losses (N) F32. If `dloss_scale` != 0 the logits' gradient

@@ -78,7 +78,8 @@ struct MoeLayers::Scratch {
   void* dx_exp;        // (R_max, C)
   void* dx_local;      // (M_max, C) (ep > 1; else dx_exp)
   int32_t* counts;     // (E + ep El) send and received per-expert counts
-  int32_t* cp_counts;  // (B, 2 cp, E) assignments per sequence chunk and expert (capacity under CP)
+  int32_t* cp_counts;  // (B, 2 cp, E) assignments per sequence chunk and expert (capacity under CP), or
+                       // (shares, E) per share (capacity with folded experts)
   MoeSharedExpert::Scratch shared;  // the shared expert's
   // Host staging, sized at construction: what forward reads back from backend memory (the
   // router's choice, the received counts, the loss statistics' inputs) and the host-built index
@@ -89,14 +90,15 @@ struct MoeLayers::Scratch {
   std::vector<float> h_probs, h_lse, h_eg;    // (N E), (N), (E)
   std::vector<double> h_psum;                 // (E) the probability sums of the aux loss
   std::vector<int32_t> h_routed;              // (E) routed counts, reduced over the CP group
-  std::vector<int32_t> h_cp_counts;           // (B, 2 cp, E), as cp_counts
+  std::vector<int32_t> h_cp_counts;           // as cp_counts
   std::vector<int64_t> h_before;              // (B, 2, E) assignments before each local chunk
 };
 
 namespace {
 
 struct Sizes {
-  int64_t N, C, E, K, El, F, FC, cap, M_max, R_max, ep;
+  // N: the rows this rank routes (a share's, at most ceil(Nfull / shares)); Nfull: the caller's rows.
+  int64_t N, Nfull, shares, C, E, K, El, F, FC, cap, M_max, R_max, ep;
   int64_t cp, cp_chunks;  // context parallelism; B 2 cp sequence chunks when capacity spans them (else 0)
   // B: the rows of the local experts a slot keeps per block (the bound); rows_region: the
   // elements of a block's kept rows region, B (C + FC + F) (F: when the activation is kept), at
@@ -109,21 +111,25 @@ struct Sizes {
   MoeSharedExpert::Shape sh;
 };
 
-Sizes sizes_of(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp, bool recompute_act,
-               int64_t cp) {
+Sizes sizes_of(const ModelConfig& cfg, DType act, int64_t Nfull, int64_t ep, int64_t tp, bool recompute_act,
+               int64_t cp, int64_t etp) {
   Sizes s{};
   const MoeConfig& m = cfg.moe;
+  if (etp <= 0) etp = tp;
+  s.shares = tp / etp;
+  s.Nfull = Nfull;
+  const int64_t N = (Nfull + s.shares - 1) / s.shares;
   s.N = N;
   s.C = cfg.hidden_size;
   s.E = m.num_experts;
   s.K = m.top_k;
   s.ep = ep;
   s.El = s.E / ep;
-  s.F = m.ffn_hidden_size / tp;
+  s.F = m.ffn_hidden_size / etp;
   s.FC = cfg.activation == Activation::SWIGLU ? 2 * s.F : s.F;
-  s.cap = moe_capacity(m, N * cp);  // over the whole sequence's tokens (cp N)
+  s.cap = moe_capacity(m, Nfull * cp);  // over the whole sequence's tokens (cp Nfull)
   s.cp = cp;
-  s.cp_chunks = cp > 1 && s.cap >= 0 ? N * cp / cfg.seq_len * 2 * cp : 0;
+  s.cp_chunks = cp > 1 && s.cap >= 0 ? Nfull * cp / cfg.seq_len * 2 * cp : s.shares > 1 && s.cap >= 0 ? s.shares : 0;
   s.M_max = s.cap < 0 ? N * s.K : std::min(N * s.K, s.E * s.cap);
   // Worst case at the experts: every EP rank sends all its (kept) rows here. A token chooses K
   // distinct experts, so one expert receives at most N rows (cap when fewer) from each rank.
@@ -139,7 +145,7 @@ Sizes sizes_of(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t
   s.B = std::max(s.B, std::min(s.R_max, (s.R_max * s.C + width - 1) / width));
   s.rows_region = s.B * width;
   s.shared = m.has_shared_expert();
-  if (s.shared) s.sh = MoeSharedExpert::Shape::of(cfg, act, N, tp, recompute_act);
+  if (s.shared) s.sh = MoeSharedExpert::Shape::of(cfg, act, Nfull, tp, recompute_act);
   return s;
 }
 
@@ -213,9 +219,9 @@ int64_t count_moe_blocks(const ModelConfig& cfg, int64_t l0, int64_t layers) {
 }  // namespace
 
 ActivationSizes MoeLayers::sizes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp,
-                                    int64_t l0, int64_t layers, bool recompute_act, int64_t cp) {
+                                    int64_t l0, int64_t layers, bool recompute_act, int64_t cp, int64_t etp) {
   if (!cfg.moe.enabled() || count_moe_blocks(cfg, l0, layers) == 0) return {};
-  const Sizes z = sizes_of(cfg, act, N, ep, tp, recompute_act, cp);
+  const Sizes z = sizes_of(cfg, act, N, ep, tp, recompute_act, cp, etp);
   ActivationSizes out;
   Scratch unused;
   ArenaCarver sc(nullptr), sl(nullptr);
@@ -226,7 +232,8 @@ ActivationSizes MoeLayers::sizes_for(const ModelConfig& cfg, DType act, int64_t 
 
 MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t N,
                      Communicator* ep, Communicator* tp, int64_t l0, int64_t layers, bool recompute_act,
-                     int64_t slots, const ActivationRegions* regions, Communicator* cp)
+                     int64_t slots, const ActivationRegions* regions, Communicator* cp, Communicator* etp,
+                     Communicator* eshare)
     : cfg_(cfg),
       layout_(layout),
       be_(be),
@@ -238,13 +245,26 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   const int64_t tp_size = tp_ ? tp_->size() : 1;
   TETRA_CHECK(layout.slicing.tp == tp_size, "the parameter layout is for tp {}, the MoE blocks for {}",
               layout.slicing.tp, tp_size);
+  // Folded experts: the ETP group's partial sums, the share's rows. Unfolded: the TP group's, every row.
+  share_ = eshare && eshare->size() > 1 ? eshare : nullptr;
+  etp_ = share_ ? (etp && etp->size() > 1 ? etp : nullptr) : tp_;
+  const int64_t etp_size = etp_ ? etp_->size() : 1;
+  TETRA_CHECK(layout.slicing.expert_tp() == etp_size && tp_size == etp_size * (share_ ? share_->size() : 1),
+              "the parameter layout is for etp {} of tp {}, the MoE blocks for etp {} of {} share(s)",
+              layout.slicing.expert_tp(), layout.slicing.tp, etp_size, share_ ? share_->size() : 1);
   const int64_t ep_size = ep_ ? ep_->size() : 1;
   TETRA_CHECK(layout.slicing.ep == ep_size && layout.slicing.ep_rank == (ep_ ? ep_->rank() : 0),
               "the parameter layout is for EP rank {} of {}, the model for rank {} of {}", layout.slicing.ep_rank,
               layout.slicing.ep, ep_ ? ep_->rank() : 0, ep_size);
-  const Sizes z = sizes_of(cfg, act, N, ep_size, tp_size, recompute_act, cp_size);
+  const Sizes z = sizes_of(cfg, act, N, ep_size, tp_size, recompute_act, cp_size, etp_size);
   recompute_act_ = recompute_act;
-  N_ = z.N, C_ = z.C, E_ = z.E, K_ = z.K, El_ = z.El, F_ = z.F, FC_ = z.FC, cap_ = z.cap;
+  Nfull_ = N;
+  shares_ = z.shares;
+  const int64_t share = share_ ? share_->rank() : 0;
+  r0_ = std::min(N, share * z.N);
+  N_ = std::min(N, r0_ + z.N) - r0_;  // this share's rows (the last shares may hold fewer, or none)
+  Nmax_ = z.N;
+  C_ = z.C, E_ = z.E, K_ = z.K, El_ = z.El, F_ = z.F, FC_ = z.FC, cap_ = z.cap;
   M_max_ = z.M_max, R_max_ = z.R_max, B_ = z.B;
   e0_ = layout.slicing.ep_rank * El_;
   dispatcher_ = std::make_unique<ExpertDispatcher>(ep_, be, act, C_, E_);
@@ -266,7 +286,7 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   sc_->h_psum.resize(static_cast<size_t>(E_));
   sc_->h_routed.resize(static_cast<size_t>(E_));
   sc_->h_cp_counts.resize(static_cast<size_t>(z.cp_chunks * E_));
-  sc_->h_before.resize(static_cast<size_t>(z.cp_chunks / cp_size * E_));
+  sc_->h_before.resize(static_cast<size_t>((cp_size > 1 ? z.cp_chunks / cp_size : 1) * E_));
   sc_->h_lse.resize(static_cast<size_t>(N_));
   sc_->h_eg.resize(static_cast<size_t>(E_));
   expert_bias_.assign(blocks.size(), std::vector<float>(static_cast<size_t>(E_), 0.0f));
@@ -278,7 +298,7 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   }
   if (blocks_ == 0) return;  // no MoE block in this chunk: nothing is kept
   TETRA_CHECK(slots >= 1, "MoE blocks need at least one activation slot, not {}", slots);
-  const ActivationSizes size = sizes_for(cfg, act, N, ep_size, tp_size, l0, layers, recompute_act, cp_size);
+  const ActivationSizes size = sizes_for(cfg, act, N, ep_size, tp_size, l0, layers, recompute_act, cp_size, etp_size);
   ActivationRegions r;
   if (regions) {
     TETRA_CHECK(regions->count >= slots && regions->slot_stride >= size.slot && regions->scratch_bytes >= size.scratch,
@@ -384,7 +404,7 @@ void MoeLayers::experts_forward(const Layer& s, const BlockParams& p, const Weig
   const auto w1 = g.per_expert<const void*>(weights, p.experts_fc_w, FC_ * C_);
   const auto b1 = g.per_expert<const void*>(weights, p.experts_fc_b, FC_);
   const auto w2 = g.per_expert<const void*>(weights, p.experts_proj_w, C_ * F_);
-  const bool tp0 = !tp_ || tp_->rank() == 0;  // the proj bias once over the TP partial sums
+  const bool tp0 = !etp_ || etp_->rank() == 0;  // the proj bias once over the ETP partial sums
   const auto b2 = g.per_expert<const void*>(weights, tp0 ? p.experts_proj_b : -1, C_);
   const char* x = static_cast<const char*>(s.x_exp) + r0 * C_ * es;  // the window's rows
   char* y = static_cast<char*>(y_rows) + r0 * C_ * es;
@@ -474,9 +494,11 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
   const BlockParams& p = layout_.blocks[l];
   const size_t es = dtype_size(act_);
   s.loss_weight = loss_weight;
+  const void* h_all = h;  // every row (the shared expert's input)
+  h = static_cast<const char*>(h) + static_cast<size_t>(r0_ * C_) * es;  // this share's rows
   // Router: fp32 logits, softmax, top-K.
-  be_.gemm(false, true, N_, E_, C_, 1.0f, h, C_, weights(p.router_w), C_, act_,
-           0.0f, s.logits, E_, DType::F32);
+  if (N_ > 0)
+    be_.gemm(false, true, N_, E_, C_, 1.0f, h, C_, weights(p.router_w), C_, act_, 0.0f, s.logits, E_, DType::F32);
   if (g_route_bias != MoeRouteBias::kNone) {  // test-only (set_moe_route_bias)
     std::vector<float>& lg = sc_->h_probs;    // (N E), not yet in use
     be_.copy_to_host(lg.data(), s.logits, lg.size() * 4);
@@ -491,15 +513,15 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
                        static_cast<size_t>(E_) * 4);
     select_bias = sc_->select_bias;
   }
-  be_.moe_router_forward(s.probs, s.lse, s.topk_idx, s.topk_prob, s.logits, N_, E_, K_, score(), select_bias);
-  if (s.gates != s.topk_prob)
+  if (N_ > 0) be_.moe_router_forward(s.probs, s.lse, s.topk_idx, s.topk_prob, s.logits, N_, E_, K_, score(), select_bias);
+  if (s.gates != s.topk_prob && N_ > 0)
     be_.moe_gates_forward(s.gates, s.topk_prob, N_, K_, cfg_.moe.normalizes_gates(),
                           static_cast<float>(cfg_.moe.router_topk_scaling_factor.value_or(1.0)));
   std::vector<int32_t>& idx = sc_->h_idx;
   be_.copy_to_host(idx.data(), s.topk_idx, idx.size() * 4);
   s.plan = plan_routing(idx.data());
   s.M = static_cast<int64_t>(s.plan.rows.size());
-  be_.copy_from_host(s.pos, s.plan.pos.data(), s.plan.pos.size() * 4);
+  if (N_ > 0) be_.copy_from_host(s.pos, s.plan.pos.data(), s.plan.pos.size() * 4);
   if (s.M > 0) be_.copy_from_host(s.rows, s.plan.rows.data(), static_cast<size_t>(s.M) * 4);
 
   s.x_exp = s.region;
@@ -533,13 +555,15 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
   }
   if (ep_) dispatcher_->combine(s.x, sc_->y_exp, sc_->src, s.ungroup, s.y_local);
   if (!residual)
-    be_.memset_zero(out, static_cast<size_t>(N_ * C_) * es);
+    be_.memset_zero(out, static_cast<size_t>(Nfull_ * C_) * es);
   else if (out != residual)
-    be_.copy(out, residual, static_cast<size_t>(N_ * C_) * es);
-  be_.moe_combine(out, s.y_local, s.pos, s.gates, N_, K_, C_, /*accumulate=*/true, act_);
+    be_.copy(out, residual, static_cast<size_t>(Nfull_ * C_) * es);
+  // (the other shares' rows: their ranks' part of the sum the caller reduces over TP)
+  be_.moe_combine(static_cast<char*>(out) + static_cast<size_t>(r0_ * C_) * es, s.y_local, s.pos, s.gates, N_, K_, C_,
+                  /*accumulate=*/true, act_);
   if (shared_) {  // every token through the shared expert, added beside the routed ones
     const auto t0 = std::chrono::steady_clock::now();
-    shared_->forward(s.shared, p, weights, h, out, !tp_ || tp_->rank() == 0);
+    shared_->forward(s.shared, p, weights, h_all, out, !tp_ || tp_->rank() == 0);
     stats_.expert_s += since(t0);
   }
 
@@ -556,28 +580,30 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
       psum[static_cast<size_t>(e)] = pe;
     }
     s.routed_seq.assign(s.plan.routed.begin(), s.plan.routed.end());
-    double n_seq = static_cast<double>(N_);
-    if (cp_) {  // the sequence's statistics: every CP rank's tokens (through backend scratch)
+    // The sequence's statistics: every share's rows (folded experts) and every CP rank's tokens,
+    // summed over those groups through backend scratch.
+    const double n_seq = static_cast<double>(Nfull_) * (cp_ ? static_cast<double>(cp_->size()) : 1.0);
+    for (Communicator* group : {share_, cp_}) {
+      if (!group) continue;
       std::vector<int32_t>& counts = sc_->h_routed;
-      for (int64_t e = 0; e < E_; ++e) counts[static_cast<size_t>(e)] = static_cast<int32_t>(s.plan.routed[e]);
+      for (int64_t e = 0; e < E_; ++e) counts[static_cast<size_t>(e)] = static_cast<int32_t>(s.routed_seq[e]);
       be_.copy_from_host(sc_->expert_grad, counts.data(), counts.size() * 4);
-      cp_->all_reduce(sc_->expert_grad, E_, DType::I32, ReduceOp::SUM);
+      group->all_reduce(sc_->expert_grad, E_, DType::I32, ReduceOp::SUM);
       be_.copy_to_host(counts.data(), sc_->expert_grad, counts.size() * 4);
       for (int64_t e = 0; e < E_; ++e) s.routed_seq[static_cast<size_t>(e)] = counts[static_cast<size_t>(e)];
       std::vector<float>& p32 = sc_->h_eg;  // (E) floats, rewritten by the backward before use
       std::copy(psum.begin(), psum.end(), p32.begin());
       be_.copy_from_host(sc_->expert_grad, p32.data(), p32.size() * 4);
-      cp_->all_reduce(sc_->expert_grad, E_, DType::F32, ReduceOp::SUM);
+      group->all_reduce(sc_->expert_grad, E_, DType::F32, ReduceOp::SUM);
       be_.copy_to_host(p32.data(), sc_->expert_grad, p32.size() * 4);
       std::copy(p32.begin(), p32.end(), psum.begin());
-      n_seq *= static_cast<double>(cp_->size());
     }
     for (int64_t e = 0; e < E_; ++e)
       aux += psum[static_cast<size_t>(e)] * static_cast<double>(s.routed_seq[static_cast<size_t>(e)]);
     aux *= static_cast<double>(E_) / (n_seq * n_seq * static_cast<double>(K_));
     if (score() == MoeScore::SOFTMAX)  // (sigmoid scores have no z-loss; lse holds their sums)
       for (float v : lse) z += static_cast<double>(v) * v;
-    z /= static_cast<double>(N_);
+    z /= static_cast<double>(std::max<int64_t>(N_, 1));
     MoeLayerStats& st = stats_.layers[index_of_layer_[l]];
     for (int64_t e = 0; e < E_; ++e) st.tokens_per_expert[e] += s.plan.routed[e];
     st.dropped += s.plan.dropped;
@@ -591,6 +617,30 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
 }
 
 MoeRoutingPlan MoeLayers::plan_routing(const int32_t* idx) {
+  if (share_ && cap_ >= 0 && N_ > 0) {
+    // Folded experts (cp 1, config_validate.cpp): the shares hold consecutive rows of the
+    // micro-batch. The assignments of every share to every expert, (shares, E), summed over the
+    // share group, give the assignments to each expert that precede this share's rows.
+    std::vector<int32_t>& table = sc_->h_cp_counts;
+    std::fill(table.begin(), table.end(), 0);
+    const int64_t g = share_->rank();
+    for (int64_t a = 0; a < N_ * K_; ++a) ++table[static_cast<size_t>(g * E_ + idx[a])];
+    be_.copy_from_host(sc_->cp_counts, table.data(), table.size() * 4);
+    share_->all_reduce(sc_->cp_counts, static_cast<int64_t>(table.size()), DType::I32, ReduceOp::SUM);
+    be_.copy_to_host(table.data(), sc_->cp_counts, table.size() * 4);
+    std::vector<int64_t>& before = sc_->h_before;  // (1, E)
+    std::fill(before.begin(), before.end(), 0);
+    for (int64_t q = 0; q < g; ++q)
+      for (int64_t e = 0; e < E_; ++e) before[static_cast<size_t>(e)] += table[static_cast<size_t>(q * E_ + e)];
+    return plan_moe_routing(idx, N_, K_, E_, cap_, before.data(), N_);
+  }
+  if (share_ && cap_ >= 0) {  // no rows here; the share group's exchange all the same
+    std::vector<int32_t>& table = sc_->h_cp_counts;
+    std::fill(table.begin(), table.end(), 0);
+    be_.copy_from_host(sc_->cp_counts, table.data(), table.size() * 4);
+    share_->all_reduce(sc_->cp_counts, static_cast<int64_t>(table.size()), DType::I32, ReduceOp::SUM);
+    return plan_moe_routing(idx, 0, K_, E_, cap_);
+  }
   if (!cp_ || cap_ < 0) return plan_moe_routing(idx, N_, K_, E_, cap_);
   // Capacity over the whole sequence (context_parallel.h): of each of the B sequences, this rank
   // holds chunks r and 2 cp - 1 - r of c tokens, back to back. The assignments of every chunk to
@@ -626,9 +676,12 @@ void MoeLayers::backward(int64_t l, const WeightView& weights, const GradTarget&
     shared_->backward_output(s.shared, p, weights, grads, h, dout, tp_);
     stats_.expert_s += since(t0);
   }
+  const size_t es = dtype_size(act_);
+  const void* h_share = static_cast<const char*>(h) + static_cast<size_t>(r0_ * C_) * es;
   // Combine: dy = g dout at each kept assignment's row; the gates' gradient <dout, y>.
-  be_.moe_combine_backward(sc_->dy_local, sc_->dgates, dout, s.y_local, s.pos, s.gates, N_, K_, C_, act_);
-  if (tp_) tp_->all_reduce(sc_->dgates, N_ * K_, DType::F32);  // y was this rank's partial sum
+  be_.moe_combine_backward(sc_->dy_local, sc_->dgates, static_cast<const char*>(dout) + static_cast<size_t>(r0_ * C_) * es,
+                           s.y_local, s.pos, s.gates, N_, K_, C_, act_);
+  if (etp_) etp_->all_reduce(sc_->dgates, N_ * K_, DType::F32);  // y was this rank's partial sum
   if (ep_) dispatcher_->dispatch(s.x, sc_->dy_local, sc_->src, s.regroup, sc_->dy_exp);
   {
     const auto t0 = std::chrono::steady_clock::now();
@@ -641,36 +694,44 @@ void MoeLayers::backward(int64_t l, const WeightView& weights, const GradTarget&
     stats_.expert_s += since(t0);
   }
   if (ep_) dispatcher_->combine(s.x, sc_->dx_exp, sc_->src, s.ungroup, sc_->dx_local);
-  be_.moe_combine(dh, sc_->dx_local, s.pos, nullptr, N_, K_, C_, /*accumulate=*/false, act_);
+  // dh: this share's rows (the other rows: the other shares' ranks' part of the sum over TP)
+  char* dh_share = static_cast<char*>(dh) + static_cast<size_t>(r0_ * C_) * es;
+  if (r0_ > 0) be_.memset_zero(dh, static_cast<size_t>(r0_ * C_) * es);
+  if (r0_ + N_ < Nfull_) be_.memset_zero(dh_share + static_cast<size_t>(N_ * C_) * es, static_cast<size_t>((Nfull_ - r0_ - N_) * C_) * es);
+  be_.moe_combine(dh_share, sc_->dx_local, s.pos, nullptr, N_, K_, C_, /*accumulate=*/false, act_);
 
   // Router: the gates' gradient, the load-balancing loss (the same additive term on p[:, e] for
   // every row) and the z-loss, through the softmax.
   const double lw = s.loss_weight;
   // The loss's weight is this rank's share of the sequence's (lw = scale x N): the sequence's loss
   // weighs cp x lw, over cp N tokens.
-  const double cp = cp_ ? static_cast<double>(cp_->size()) : 1.0, n_seq = cp * static_cast<double>(N_);
+  // (lw weighs the caller's Nfull rows: the share's rows' loss terms are the whole rows' below)
+  const double cp = cp_ ? static_cast<double>(cp_->size()) : 1.0, n_seq = cp * static_cast<double>(Nfull_);
   const double aux_scale = cfg_.moe.aux_loss_coeff * lw * cp * static_cast<double>(E_) / (n_seq * n_seq * static_cast<double>(K_));
   std::vector<float>& eg = sc_->h_eg;
   for (int64_t e = 0; e < E_; ++e)
     eg[e] = static_cast<float>(aux_scale * static_cast<double>(s.routed_seq[static_cast<size_t>(e)]));
   be_.copy_from_host(sc_->expert_grad, eg.data(), eg.size() * 4);
-  const float z_scale = static_cast<float>(cfg_.moe.z_loss_coeff * lw / static_cast<double>(N_));
-  if (sc_->dtopk != sc_->dgates)  // through the renormalisation and scaling
+  const float z_scale = static_cast<float>(cfg_.moe.z_loss_coeff * lw / static_cast<double>(Nfull_));
+  if (sc_->dtopk != sc_->dgates && N_ > 0)  // through the renormalisation and scaling
     be_.moe_gates_backward(sc_->dtopk, sc_->dgates, s.topk_prob, N_, K_, cfg_.moe.normalizes_gates(),
                            static_cast<float>(cfg_.moe.router_topk_scaling_factor.value_or(1.0)));
-  be_.moe_router_backward(sc_->dlogits, s.probs, s.lse, s.topk_idx, sc_->dtopk, sc_->expert_grad, z_scale, N_, E_,
-                          K_, score());
+  if (N_ > 0)
+    be_.moe_router_backward(sc_->dlogits, s.probs, s.lse, s.topk_idx, sc_->dtopk, sc_->expert_grad, z_scale, N_, E_,
+                            K_, score());
   const void* dl = sc_->dlogits;
-  if (act_ != DType::F32) {
+  if (act_ != DType::F32 && N_ > 0) {
     be_.cast(sc_->dlogits_act, act_, sc_->dlogits, DType::F32, N_ * E_);
     dl = sc_->dlogits_act;
   }
-  // dh += dlogits W_r (N, C) (on TP rank 0: dh is a partial sum the caller reduces over TP);
-  // dW_r += dlogits^T h (E, C) (the same on every TP rank: the router is replicated).
-  if (!tp_ || tp_->rank() == 0)
-    be_.gemm(false, false, N_, C_, E_, 1.0f, dl, E_, weights(p.router_w), C_, act_,
-             1.0f, dh, C_, act_);
-  be_.gemm(true, false, E_, C_, N_, 1.0f, dl, E_, h, C_, act_, 1.0f, grads(p.router_w), C_, DType::F32);
+  // dh += dlogits W_r (N, C) (on ETP rank 0: dh is a partial sum the caller reduces over TP);
+  // dW_r += dlogits^T h (E, C): the same on every TP rank (the router is replicated) or, folded, the
+  // share's part on its ETP rank 0 (a partial sum, reduced over TP: ParamSpec::sp_partial).
+  const bool etp0 = !etp_ || etp_->rank() == 0;
+  if (etp0 && N_ > 0)
+    be_.gemm(false, false, N_, C_, E_, 1.0f, dl, E_, weights(p.router_w), C_, act_, 1.0f, dh_share, C_, act_);
+  if ((etp0 || !share_) && N_ > 0)
+    be_.gemm(true, false, E_, C_, N_, 1.0f, dl, E_, h_share, C_, act_, 1.0f, grads(p.router_w), C_, DType::F32);
   if (shared_) shared_->backward_input(p, weights, dh, tp_);  // dh += the shared expert's share
 }
 

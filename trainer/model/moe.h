@@ -44,6 +44,17 @@
 // are added on TP rank 0). Backward: the gates' gradient <dout, y> is a partial sum too and is
 // all-reduced over TP (N K floats); the input gradient is partial (the router's share added on
 // TP rank 0 only) and the caller reduces it like a column-parallel layer's.
+//
+// Folded experts (Megatron-Core's MoE parallel folding: parallel.etp < tp, rank_grid.h): each
+// expert is split over the ETP group only, and the TP group's tp / etp shares (groups of ETP ranks)
+// route different rows: share g the g-th ceil(N / shares) rows of the N the caller gives. Its
+// routing, dispatch over EP (which then spans the shares and DP), experts and combine are those
+// above on its rows, with the ETP group in the TP group's place; its output (and input gradient)
+// is zero on the other rows, so the caller's reduction over TP still sums every row's whole
+// value. The load-balancing loss's statistics are summed over the share group (ESHARE) like the
+// CP group's, the router's gradient is the share's (on ETP rank 0; reduced over TP as a partial
+// sum), and a capacity counts the assignments of the shares before this one (an all-reduce of
+// (shares, E) I32 per forward). The shared expert stays split over the whole TP group.
 #pragma once
 
 #include <cstdint>
@@ -138,7 +149,9 @@ class MoeLayers {
   MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t N,
             Communicator* ep, Communicator* tp = nullptr, int64_t l0 = 0, int64_t layers = -1,
             bool recompute_act = false, int64_t slots = 1, const ActivationRegions* regions = nullptr,
-            Communicator* cp = nullptr);
+            Communicator* cp = nullptr, Communicator* etp = nullptr, Communicator* eshare = nullptr);
+  // (`etp`, `eshare`: the ETP and ESHARE groups of folded experts; eshare null or of size 1: unfolded,
+  // the experts split over `tp`.)
   ~MoeLayers();
   MoeLayers(const MoeLayers&) = delete;
   MoeLayers& operator=(const MoeLayers&) = delete;
@@ -146,8 +159,10 @@ class MoeLayers {
   // Scratch (the backward's gradients and the exchange buffers, shared by the slots) and one
   // slot (each block's routing, dispatched rows and expert activations) of the blocks in
   // [l0, l0 + layers): zero when none is a MoE block.
+  // `etp`: the experts' tensor parallelism (0: tp, unfolded).
   static ActivationSizes sizes_for(const ModelConfig& cfg, DType act, int64_t N, int64_t ep, int64_t tp = 1,
-                                   int64_t l0 = 0, int64_t layers = -1, bool recompute_act = false, int64_t cp = 1);
+                                   int64_t l0 = 0, int64_t layers = -1, bool recompute_act = false, int64_t cp = 1,
+                                   int64_t etp = 0);
   // Bytes of the arena this object allocated itself (0 when it was given regions).
   size_t activation_bytes() const { return bytes_; }
 
@@ -201,6 +216,9 @@ class MoeLayers {
   Communicator* ep_;  // null without expert parallelism
   Communicator* tp_;  // null without tensor parallelism
   Communicator* cp_ = nullptr;  // null without context parallelism
+  Communicator* etp_ = nullptr;    // the experts' partial sums (tp_ unfolded); null for whole experts
+  Communicator* share_ = nullptr;  // folded experts: the TP ranks routing the other rows; else null
+  int64_t Nfull_ = 0, Nmax_ = 0, r0_ = 0, shares_ = 1;  // the caller's rows; a share's most; its first row
   std::unique_ptr<ExpertDispatcher> dispatcher_;  // the EP exchanges (parallel/expert_dispatch.h)
   std::unique_ptr<MoeSharedExpert> shared_;       // the shared expert (moe_shared.h), or null
   int64_t N_, C_, E_, K_, El_, e0_, F_, FC_, cap_, M_max_, R_max_, B_;

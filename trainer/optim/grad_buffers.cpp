@@ -65,9 +65,17 @@ GradBuffers::GradBuffers(const ParamLayout& layout, Backend& be, float* grads, P
     owned_.insert(owned_.end(), experts_->owned().begin(), experts_->owned().end());
     // Each EP rank holds other experts, and with the distributed optimizer each expert-DP rank
     // other shards of them: the DP group (ep x edp ranks) then holds every expert shard once.
-    expert_norm_ = std::make_unique<GradNorm>(layout, experts_->owned(), be, tp, nullptr,
-                                              experts_->sharded() ? dp : &groups.backend(GroupKind::EP),
-                                              shard_ ? dense_owned : -1);
+    // Folded experts (rank_grid.h): the ETP ranks hold an expert's slices, the EP ranks other
+    // experts and the expert-DP ranks other shards: the sum goes over each of those groups.
+    const GridSizes& grid = groups.grid.sizes();
+    if (grid.expert_tp() < grid.tp)
+      expert_norm_ = std::make_unique<GradNorm>(layout, experts_->owned(), be, &groups.backend(GroupKind::ETP),
+                                                &groups.backend(GroupKind::EP), experts_->sharded() ? edp : nullptr,
+                                                shard_ ? dense_owned : -1);
+    else
+      expert_norm_ = std::make_unique<GradNorm>(layout, experts_->owned(), be, tp, nullptr,
+                                                experts_->sharded() ? dp : &groups.backend(GroupKind::EP),
+                                                shard_ ? dense_owned : -1);
   }
 }
 

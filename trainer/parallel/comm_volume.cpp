@@ -100,6 +100,9 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
   const int64_t accum = cfg.grad_accum_steps();
   const int64_t rows = N * C * act_bytes;
   const bool first = layout.stage.first, last = layout.stage.last;
+  // Folded experts (rank_grid.h): this rank's share of the TP group's rows.
+  const bool folded = cfg.model.moe.enabled() && par.expert_shares() > 1;
+  const int64_t coord_share = layout.slicing.tp_rank / par.expert_tp();
   // ZeRO-2 (grad_buffer.h): every bucket is reduced once per micro-batch, but a bucket holding a
   // group deferred to the end of the step (tied embeddings summed across pipeline stages first:
   // the first stage's embedding, the last stage's output layer) once per step.
@@ -188,7 +191,7 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
     }
     for (size_t g = 0; g < per_group.size(); ++g)
       if (per_group[g] > 0) v.tp.add(CommOp::ALL_REDUCE, times[g], per_group[g] * 4);
-    if (cfg.model.moe.enabled())  // the gates' gradient (partial sums over the experts' TP slices)
+    if (cfg.model.moe.enabled() && !folded)  // the gates' gradient (partial sums over the experts' TP slices)
       v.tp.add(CommOp::ALL_REDUCE, moe_blocks * accum, N * cfg.model.moe.top_k * 4);
     if (cfg.model.moe.enabled() && cfg.model.moe.shared_expert_gate)  // the shared expert gate's logits' gradient
       v.tp.add(CommOp::ALL_REDUCE, moe_blocks * accum, N * 4);
@@ -203,7 +206,19 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
       }
     }
     v.tp.add(CommOp::ALL_REDUCE, 1, 4);              // gradient norm
-    if (moe_blocks > 0) v.tp.add(CommOp::ALL_REDUCE, 1, 4);  // and its expert part
+    if (moe_blocks > 0 && !folded) v.tp.add(CommOp::ALL_REDUCE, 1, 4);  // and its expert part
+  }
+  if (folded && moe_blocks > 0) {
+    // The share's rows: the g-th ceil(N / shares) (moe.h).
+    const int64_t S = par.expert_shares(), share_rows = (N + S - 1) / S;
+    const int64_t share = coord_share, rows_here = std::max<int64_t>(0, std::min(N, (share + 1) * share_rows) - share * share_rows);
+    if (par.expert_tp() > 1) {
+      v.etp.add(CommOp::ALL_REDUCE, moe_blocks * accum, rows_here * cfg.model.moe.top_k * 4);  // the gates' gradient
+      v.etp.add(CommOp::ALL_REDUCE, 1, 4);  // the experts' gradient norm
+    }
+    v.eshare.add(CommOp::ALL_REDUCE, 2 * moe_blocks * accum, cfg.model.moe.num_experts * 4);
+    if (cfg.model.moe.capacity_factor)
+      v.eshare.add(CommOp::ALL_REDUCE, moe_blocks * accum, S * cfg.model.moe.num_experts * 4);
   }
   if (par.pp > 1) {
     const int64_t boundary = (par.sequence_parallel && par.tp > 1 ? N / par.tp : N) * C * act_bytes;
@@ -280,7 +295,8 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
     if (par.ep > 1) {
       v.ep.add(CommOp::ALL_TO_ALL, 5 * moe_blocks * accum, 0);
       const bool sharded = par.distributed_optimizer && par.edp_cp() > 1;
-      if (!sharded && moe_blocks > 0) v.ep.add(CommOp::ALL_REDUCE, 1, 4);  // the experts' gradient norm
+      // the experts' gradient norm (folded: over ep always; its sharded part over edp, above)
+      if ((!sharded || folded) && moe_blocks > 0) v.ep.add(CommOp::ALL_REDUCE, 1, 4);
     }
   }
   return v;

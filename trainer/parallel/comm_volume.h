@@ -33,7 +33,11 @@
 // all-reduced over ep (over edp when sharded). Per micro-batch and MoE block the EP group runs 5
 // all-to-alls: the per-expert counts, the tokens' dispatch and combine forward, and the same two
 // for the gradients backward; the tokens' payload depends on the routing (only the calls are
-// predicted).
+// predicted). Folded experts (parallel.etp < tp, moe.h): the gates' gradient (a share's rows)
+// and the experts' norm reduce over etp instead of tp, the norm's partial sum also over ep (and
+// edp when sharded); the router's gradient is a TP partial sum; per training forward the share
+// group (eshare) sums the routing statistics (2 all-reduces of E values per block), and with a
+// capacity factor the (shares, E) assignment counts.
 // Gradient compression (parallel.grad_compression): bf16 halves the dense bucket reductions'
 // payload; onebit's compressed steps (after its warm-up), and every int8 step, replace the reductions of each part
 // (dense over dp, experts over edp) by one all-to-all of every rank's 1-bit shards (compressed_exchange.h's
@@ -62,7 +66,7 @@ struct GroupVolume {
 };
 
 struct StepVolume {
-  GroupVolume tp, dp, pp, embedding, edp, ep, cp;
+  GroupVolume tp, dp, pp, embedding, edp, ep, cp, etp, eshare;
 };
 
 // `layout`: this rank's (its TP slice of its pipeline stage, with the run's group alignment).

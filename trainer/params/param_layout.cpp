@@ -56,14 +56,14 @@ struct LayoutBuilder {
     layout.params.back().sp_partial = layout.slicing.sequence_parallel && layout.slicing.tp > 1;
     return off;
   }
-  // One tensor of the experts [e0, e0 + El) this EP rank holds, each expert's TP slice as the dense
-  // MLP's (fc rows [r F/p, (r+1) F/p) of gate and up; proj columns; proj bias replicated). The
+  // One tensor of the experts [e0, e0 + El) this EP rank holds, each expert's ETP slice as the dense
+  // MLP's TP slice (fc rows [r F/p, (r+1) F/p) of gate and up; proj columns; proj bias replicated). The
   // slices are row blocks and a column range of the tensor's 2-D view (param_layout.h).
   enum class Expert { FC_W, FC_B, PROJ_W, PROJ_B };
   int64_t expert(std::string name, Expert part, int64_t E, int64_t C, int64_t F, bool swiglu, ParamInit init,
                  bool decay, bool matmul) {
     const TensorSlicing& s = layout.slicing;
-    const int64_t p = s.tp, r = s.tp_rank, El = E / s.ep, e0 = s.ep_rank * El, Fl = F / p;
+    const int64_t p = s.expert_tp(), r = s.expert_tp_rank(), El = E / s.ep, e0 = s.ep_rank * El, Fl = F / p;
     const int64_t FCg = swiglu ? 2 * F : F, FCl = swiglu ? 2 * Fl : Fl;
     const bool split = p > 1 || s.ep > 1;
     std::vector<RowBlock> rows;
@@ -221,6 +221,9 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
       if (m.moe.is_moe_layer(i)) {
         bp.moe = true;
         bp.router_w = b.add(n + "mlp.router.weight", {m.moe.num_experts, C}, ParamInit::NORMAL, false, true);
+        // Folded experts (etp < tp): the TP group's shares route different rows, each summing the
+        // router's gradient over its own.
+        layout.params.back().sp_partial = slicing.expert_tp() < p;
         if (m.moe.has_shared_expert()) {  // split over TP like the dense MLP; dense parameters of the block
           const int64_t FS = m.moe.shared_expert_ffn_hidden_size, FSl = FS / p;
           TETRA_CHECK(FS % p == 0, "tp {} must divide moe.shared_expert_ffn_hidden_size {}", p, FS);
@@ -264,8 +267,9 @@ ParamLayout ParamLayout::build(const ModelConfig& m, const TensorSlicing& slicin
   // The experts of every MoE block this rank holds, after all dense parameters (one group per block).
   if (m.moe.enabled()) {
     const int64_t E = m.moe.num_experts, FE = m.moe.ffn_hidden_size;
-    TETRA_CHECK(FE > 0 && FE % p == 0 && E % slicing.ep == 0 && slicing.ep_rank >= 0 && slicing.ep_rank < slicing.ep,
-                "expert layout: {} experts of ffn {} over ep rank {} of {}, tp {}", E, FE, slicing.ep_rank, slicing.ep, p);
+    TETRA_CHECK(FE > 0 && FE % slicing.expert_tp() == 0 && p % slicing.expert_tp() == 0 && E % slicing.ep == 0 && slicing.ep_rank >= 0 && slicing.ep_rank < slicing.ep,
+                "expert layout: {} experts of ffn {} over ep rank {} of {}, etp {} (tp {})", E, FE, slicing.ep_rank,
+                slicing.ep, slicing.expert_tp(), p);
     for (const auto& [first_layer, end_layer] : stage.chunks)
       for (int64_t i = first_layer; i < end_layer; ++i) {
         if (!m.moe.is_moe_layer(i)) continue;

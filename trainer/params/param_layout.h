@@ -95,7 +95,7 @@ struct ParamSpec {
   bool weight_decay = false;  // 2-D weights except position embeddings
   bool matmul = false;        // counted in the 6N FLOPs of a training step
   bool tp_split = false;      // each TP rank holds a different slice, or the tensor padded (else a
-                              // replica)
+                              // replica); of an expert tensor: each expert-TP (ETP) rank
   bool expert = false;        // an expert tensor (MoE): reduced over expert-DP, split over EP
   bool ep_split = false;      // each EP rank holds different experts
   bool sp_partial = false;    // each TP rank's gradient is a partial sum, all-reduced over TP: of
@@ -138,6 +138,10 @@ struct TensorSlicing {
   bool sequence_parallel = false;
   int64_t group_align = 16;  // elements; a multiple of 16
   int64_t ep = 1, ep_rank = 0;  // expert parallelism (MoE models only)
+  // The experts' tensor parallelism (a divisor of tp; 0: tp) and this rank's place in it.
+  int64_t etp = 0, etp_rank = -1;  // etp_rank -1: tp_rank % etp
+  int64_t expert_tp() const { return etp > 0 ? etp : tp; }
+  int64_t expert_tp_rank() const { return etp_rank >= 0 ? etp_rank : tp_rank % expert_tp(); }
 };
 
 // The layers a pipeline rank holds: one [begin, end) range per model chunk, in chunk order

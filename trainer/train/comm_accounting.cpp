@@ -10,13 +10,16 @@ CommAccounting::CommAccounting(const Config& cfg, ProcessGroups& groups) : group
   // A group's traffic is what both its communicators moved (ProcessGroups::stats). The expert
   // groups communicate only in MoE models (edp: expert gradients; ep: the tokens).
   const bool moe = cfg.model.moe.enabled();
+  const bool folded = cfg.parallel.expert_shares() > 1;  // folded experts' own groups (rank_grid.h)
   accounted_ = {{"tp", GroupKind::TP, true, &StepVolume::tp},
                 {"dp", GroupKind::DP, true, &StepVolume::dp},
                 {"pp", GroupKind::PP, true, &StepVolume::pp},
                 {"embedding", GroupKind::EMBEDDING, true, &StepVolume::embedding},
                 {"edp", GroupKind::EDP, moe, &StepVolume::edp},
                 {"ep", GroupKind::EP, moe, &StepVolume::ep},
-                {"cp", GroupKind::CP, cfg.parallel.cp > 1, &StepVolume::cp}};
+                {"cp", GroupKind::CP, cfg.parallel.cp > 1, &StepVolume::cp},
+                {"etp", GroupKind::ETP, moe && folded, &StepVolume::etp},
+                {"eshare", GroupKind::ESHARE, moe && folded, &StepVolume::eshare}};
 }
 
 std::vector<CommStats> CommAccounting::snapshot() const {

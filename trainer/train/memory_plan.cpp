@@ -1,5 +1,7 @@
 #include "trainer/train/memory_plan.h"
 
+#include <numeric>
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -36,12 +38,15 @@ ParamLayout rank_layout(const Config& cfg, int64_t tp_rank, int64_t pp_rank, int
   slicing.tp_rank = tp_rank;
   slicing.ep = cfg.parallel.ep;
   slicing.ep_rank = ep_rank;
+  slicing.etp = cfg.parallel.expert_tp();
+  slicing.etp_rank = tp_rank % slicing.etp;
   slicing.sequence_parallel = cfg.parallel.sequence_parallel;
   // Buckets split into dp aligned shards: the distributed optimizer's, and onebit's and int8's chunks.
   const GradCompression gc = cfg.parallel.grad_compression;
   const bool shards =
       cfg.parallel.distributed_optimizer || gc == GradCompression::ONEBIT || gc == GradCompression::INT8;
-  slicing.group_align = shards ? 16 * cfg.parallel.dp_cp() : 16;
+  // (A group's experts shard over expert-DP x cp: with folded experts not always a divisor of dp x cp.)
+  slicing.group_align = shards ? 16 * std::lcm(cfg.parallel.dp_cp(), cfg.model.moe.enabled() ? cfg.parallel.edp_cp() : 1) : 16;
   return ParamLayout::build(cfg.model, slicing, stage_slice(cfg, pp_rank));
 }
 
@@ -106,7 +111,8 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
             (cfg.model.moe.router_enable_expert_bias ? moe_expert_bias_count_bytes(cfg.model) : 0);
   const int64_t vl = cfg.model.padded_vocab_size(cfg.parallel.tp) / cfg.parallel.tp;  // vocabulary rows per rank
   if (samples_enabled(cfg))  // the sampling model's arena and its (T) ids, two logit rows and chosen id
-    m.sampling = Gpt::activation_bytes_for(cfg.model, act, 1, cfg.parallel.tp, false, {}, cfg.parallel.ep) +
+    m.sampling = Gpt::activation_bytes_for(cfg.model, act, 1, cfg.parallel.tp, false, {}, cfg.parallel.ep, {}, 0, 1,
+                                           CpComm::P2P, cfg.parallel.expert_tp()) +
                  static_cast<size_t>(T) * 4 + (cfg.parallel.ep > 1 ? 4 : 0) +
                  static_cast<size_t>(vl) * 4 +                              // its logit row
                  (cfg.parallel.tp > 1 ? static_cast<size_t>(vl * cfg.parallel.tp) * 4 : 0) +  // gathered

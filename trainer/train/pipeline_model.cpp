@@ -95,7 +95,8 @@ PipelineModel::PipelineModel(const Config& cfg, const ParamLayout& layout, Backe
     auto model = std::make_unique<Gpt>(cfg.model, layout, be, act, cfg.training.micro_batch_size,
                                        &groups.backend(GroupKind::TP), c, shared.slots, &groups.backend(GroupKind::EP),
                                        Recomputation::from(cfg.training), cfg.training.loss_chunk_rows, &regions,
-                                       &groups.backend(GroupKind::CP), cfg.parallel.cp_comm);
+                                       &groups.backend(GroupKind::CP), cfg.parallel.cp_comm,
+                                       &groups.backend(GroupKind::ETP), &groups.backend(GroupKind::ESHARE));
     chunks_.push_back(std::make_unique<Chunk>(*this, std::move(model), rows, tokens, targets, losses, be,
                                               schedule_.grad_buffers));
   }
@@ -154,7 +155,8 @@ PipelineModel::SharedActivations PipelineModel::shared_activations(const Config&
     const ActivationSizes a = Gpt::activation_sizes_for(
         cfg.model, precision_dtype(cfg.training.precision), cfg.training.micro_batch_size, cfg.parallel.tp,
         cfg.parallel.sequence_parallel, ChunkShape::of(layout, c, 1), cfg.parallel.ep,
-        Recomputation::from(cfg.training), cfg.training.loss_chunk_rows, cfg.parallel.cp, cfg.parallel.cp_comm);
+        Recomputation::from(cfg.training), cfg.training.loss_chunk_rows, cfg.parallel.cp, cfg.parallel.cp_comm,
+        cfg.parallel.expert_tp());
     out.scratch = std::max(out.scratch, a.scratch);
     out.stride = std::max(out.stride, a.slot);
   }

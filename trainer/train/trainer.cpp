@@ -267,7 +267,9 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     // rank samples, the ranks of an EP group in lockstep.
     Communicator* tp = &groups.backend(GroupKind::TP);
     Communicator* ep = &groups.backend(GroupKind::EP);
-    sample_model_ = std::make_unique<Gpt>(cfg.model, sample_layout_, *be_, act_, 1, tp, /*chunk=*/0, /*slots=*/1, ep);
+    sample_model_ = std::make_unique<Gpt>(cfg.model, sample_layout_, *be_, act_, 1, tp, /*chunk=*/0, /*slots=*/1, ep,
+                                          Recomputation{}, 0, nullptr, nullptr, CpComm::P2P,
+                                          &groups.backend(GroupKind::ETP), &groups.backend(GroupKind::ESHARE));
     sampler_ = std::make_unique<Sampler>(*sample_model_, *be_, tp, ep);
     if (zero3_ && samples_enabled(cfg))
       sample_weights_buf_ = BackendBuffer(*be_, static_cast<size_t>(layout_.total) * dtype_size(act_));
@@ -526,7 +528,8 @@ StepMetrics Trainer::step_metrics(int64_t s, double loss, const StepUpdate& u, d
 
 void Trainer::update_moe_expert_bias(const StepMetrics& m) {
   // The step's tokens per expert of this rank's blocks, summed over every rank routing them: DP
-  // (expert parallelism is inside it) and CP; TP ranks route the same tokens (not the step's traffic).
+  // (expert parallelism is inside it) and CP; TP ranks route the same tokens, but for folded
+  // experts' shares (ESHARE) (not the step's traffic).
   std::vector<int32_t> counts;
   std::vector<int64_t> layers;
   if (m.moe)
@@ -542,6 +545,8 @@ void Trainer::update_moe_expert_bias(const StepMetrics& m) {
     be_->copy_from_host(dev, counts.data(), counts.size() * 4);
     groups_.backend(GroupKind::DP).all_reduce(dev, static_cast<int64_t>(counts.size()), DType::I32, ReduceOp::SUM);
     groups_.backend(GroupKind::CP).all_reduce(dev, static_cast<int64_t>(counts.size()), DType::I32, ReduceOp::SUM);
+    // Folded experts: the TP group's shares route different rows (the ranks of a share, the same).
+    groups_.backend(GroupKind::ESHARE).all_reduce(dev, static_cast<int64_t>(counts.size()), DType::I32, ReduceOp::SUM);
     be_->copy_to_host(counts.data(), dev, counts.size() * 4);
   }
   std::map<int64_t, std::vector<int64_t>> tokens;

@@ -28,7 +28,15 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer, double 
       for (float& x : host_copy) x = static_cast<float>(x * scale);
     host = host_copy.data();
   }
+  // Dense tensors: their TP slices over the TP group of the first DP replica. Expert tensors:
+  // their ETP slices and the EP group's experts, of the first expert-DP replica (folded experts'
+  // groups span TP and DP ranks, rank_grid.h). Every rank may call this; those of neither replica
+  // (and the CP ranks past the first, which hold the same weights) take no part.
+  const GridCoord& c = groups_.coord;
+  const bool dense_part = c.dp == 0 && c.cp == 0, expert_part = c.edp == 0 && c.cp == 0;
+  if (!dense_part && !expert_part) return;
   Communicator& tp = *groups_.tp;
+  Communicator& etp = cfg_.parallel.expert_tp() < cfg_.parallel.tp ? *groups_.etp : tp;
   Communicator& ep = *groups_.ep;
   const int p = tp.size(), q = ep.size();
   // Every (EP rank, TP rank)'s layout: where its slices sit.
@@ -43,19 +51,22 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer, double 
     for (int64_t d : shape) n *= d;
     return n;
   };
-  const bool writes = tp.rank() == 0 && groups_.coord.ep == 0;
+  // The stage's writer: TP rank 0 of the first replica (also ETP, EP and expert-DP rank 0).
+  const bool writes = dense_part && tp.rank() == 0;
   for (size_t i = 0; i < layout_.params.size(); ++i) {
     const ParamSpec& spec = layout_.params[i];
     if (spec.stage_copy) continue;  // the first stage's original is written
+    if (!(spec.expert ? expert_part : dense_part)) continue;
+    Communicator& slices_of = spec.expert ? etp : tp;
     const int64_t global = numel_of(spec.global_shape);
     const float* whole = host + spec.offset;  // a tensor this rank holds whole
     // Slices held by other ranks: TP slices over the TP group, then experts over the EP group
     // (EP rank e's TP slices at [e p, (e+1) p) when both).
-    const int tparts = spec.tp_split ? p : 1, eparts = spec.ep_split ? q : 1;
+    const int tparts = spec.tp_split ? slices_of.size() : 1, eparts = spec.ep_split ? q : 1;
     if (tparts > 1 || eparts > 1) {
       std::vector<float> slices(static_cast<size_t>(spec.numel) * tparts * eparts);
       if (tparts > 1)
-        tp.all_gather(slices.data(), host + spec.offset, spec.numel, DType::F32);
+        slices_of.all_gather(slices.data(), host + spec.offset, spec.numel, DType::F32);
       else
         std::memcpy(slices.data(), host + spec.offset, static_cast<size_t>(spec.numel) * 4);
       if (eparts > 1) {
@@ -66,7 +77,9 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer, double 
       std::vector<float>& out = assembled.emplace_back(static_cast<size_t>(global));
       for (int e = 0; e < eparts; ++e)
         for (int t = 0; t < tparts; ++t) {
-          const ParamSpec& qs = layouts[spec.ep_split ? e : groups_.coord.ep][spec.tp_split ? t : tp.rank()].params[i];
+          // (an expert's ETP rank t: the layout of TP rank t, whose ETP rank is t)
+          const ParamSpec& qs =
+              layouts[spec.ep_split ? e : c.ep][spec.tp_split ? t : (spec.expert ? c.etp : tp.rank())].params[i];
           const float* src = slices.data() + static_cast<size_t>(e * tparts + t) * spec.numel;
           for (int64_t k = 0; k < qs.held(); ++k) out[static_cast<size_t>(qs.global_index(k))] = src[k];
         }
@@ -111,7 +124,7 @@ void Trainer::save_final_weights() {
   }
   // Global rank 0 writes, gathering the TP slices of its TP group (and the experts of its EP
   // group); the other (expert-)DP replicas hold the same weights and need not gather theirs.
-  if (groups_.coord.edp == 0 && groups_.coord.cp == 0) dump_tensors(path, weights);
+  dump_tensors(path, weights);
   spdlog::info("final weights: {} ({} tensors, fp32 master weights) in {:.1f} s", path, layout_.params.size(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }

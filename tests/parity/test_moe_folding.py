@@ -1,0 +1,198 @@
+"""Folded experts (Megatron-Core's MoE parallel folding) reproduce the single-rank run.
+
+parallel.etp sets the experts' own tensor parallelism, a divisor of tp; with etp < tp the tp / etp
+shares of each TP group route different rows of the micro-batch and expert parallelism spans the
+shares and DP (rank_grid.h, moe.h). Layouts (world <= 8), each against the single-rank run:
+  tp 2, etp 1, ep 2 + SP          every expert whole, EP over the two TP ranks (Bridge's Moonlight
+                                  layout, attention TP 2 x experts ETP 1 x EP 8, in miniature)
+  tp 2, etp 1, ep 4, dp 2 + SP    EP over TP x DP
+  tp 2, etp 1, ep 1, dp 2         no EP: the shares alone (the router's gradient a TP partial sum,
+                                  the experts replicated over expert-DP 4), without SP
+  tp 4, etp 2, ep 2 + SP          1 < etp < tp: the ETP group's partial sums
+  tp 2, etp 1, ep 2, dp 2 ZeRO-1 / ZeRO-2 / ZeRO-3, pp 2, cp 2
+and the routers of today's models (DeepSeek-style sigmoid scores, expert bias, shared expert, dense
+first block; Qwen2-MoE's gated shared expert) and a capacity factor (the shares' assignments
+counted in the micro-batch's order: the same drops as on one rank). Per layout, as test_moe.py:
+the loss and gradient norm of every step, every step-0 gradient tensor, and the communication of
+every group as predicted (etp and eshare included).
+Checkpoints reshard between foldings: saved at tp 2 x etp 1 x ep 2 x dp 2, resumed unfolded at
+tp 2 x ep 2 and on one rank; saved unfolded at dp 4 x ep 2, resumed folded; the resumed steps
+match the uninterrupted run. Bad layouts are refused naming the key.
+
+Usage: /usr/bin/python3 test_moe_folding.py --tetra BIN --workdir DIR
+"""
+import json
+import os
+import sys
+
+import harness
+from harness import Checks, read_safetensors, rel
+from test_moe import GRAD_RTOL, LOSS_RTOL, MODELS, STEPS
+
+checks = Checks()
+check = checks.check
+
+
+def config(model, capacity=None):
+    m = json.loads(json.dumps(MODELS[model]))
+    if capacity is not None:
+        m["moe"]["capacity_factor"] = capacity
+    return {
+        "model": m,
+        "training": {"micro_batch_size": 2, "global_batch_size": 8, "steps": STEPS, "threads": 1,
+                     "peak_gflops": 100, "seed": 7},
+        "optimizer": {"lr": 1e-2, "warmup_steps": 3, "grad_clip": 1.0, "weight_decay": 0.1},
+        "parallel": {"bucket_size": 2000},
+        "data": {"synthetic": True},
+        "logging": {"level": "warn"},
+    }
+
+
+def name_of(L):
+    parts = [f"tp{L['tp']}", f"etp{L.get('etp', L['tp'])}", f"ep{L.get('ep', 1)}", f"dp{L.get('dp', 1)}"]
+    for key in ("pp", "cp"):
+        if L.get(key, 1) > 1:
+            parts.append(f"{key}{L[key]}")
+    if L.get("sp"):
+        parts.append("sp")
+    if L.get("zero"):
+        parts.append(f"zero{L['zero']}")
+    return "_".join(parts)
+
+
+def run(args, name, cfg, L, checkpoint=None, dump=True, expect=0):
+    out = os.path.join(args.workdir, name)
+    cfg = json.loads(json.dumps(cfg))
+    par = cfg["parallel"]
+    par.update({"tp": L["tp"], "dp": L.get("dp", 1), "ep": L.get("ep", 1), "pp": L.get("pp", 1),
+                "cp": L.get("cp", 1), "sequence_parallel": bool(L.get("sp")),
+                "distributed_optimizer": bool(L.get("zero")), "zero_stage": L.get("zero", 0)})
+    if "etp" in L:
+        par["etp"] = L["etp"]
+    cfg["logging"]["dir"] = out
+    if checkpoint:
+        cfg["checkpoint"] = checkpoint
+    path = harness.write_config(out, cfg)
+    world = L["tp"] * L.get("dp", 1) * L.get("pp", 1) * L.get("cp", 1)
+    r = harness.run_tetra(args, ["--config", path] + (["--dump-dir", os.path.join(out, "dump")] if dump else []),
+                          world, expect=expect)
+    if expect != 0:
+        return r
+    if r.returncode != 0:
+        check(False, f"{name}: exit code {r.returncode}")
+        return None
+    steps = harness.step_records(out)
+    grads = read_safetensors(os.path.join(out, "dump", "grads_step0.safetensors"))[0] if dump else None
+    return steps, grads
+
+
+def expected_groups(L):
+    tp, dp, pp, cp, ep = L["tp"], L.get("dp", 1), L.get("pp", 1), L.get("cp", 1), L.get("ep", 1)
+    etp = L.get("etp", tp)
+    shares = tp // etp
+    edp = shares * dp // ep * cp
+    sizes = {"tp": tp, "dp": dp * cp, "pp": pp, "embedding": pp, "cp": cp, "ep": ep, "edp": edp,
+             "etp": etp if shares > 1 else 1, "eshare": shares}
+    return {g for g, n in sizes.items() if n > 1}
+
+
+def compare(name, ref, got, L):
+    ref_steps, ref_grads = ref
+    steps, g = got
+    harness.check_loss_curve(checks, name, steps, ref_steps, STEPS, LOSS_RTOL, norm_rtol=10 * LOSS_RTOL)
+    check(sorted(g) == sorted(ref_grads), f"{name}: the same {len(ref_grads)} gradient tensors")
+    harness.check_gradients(checks, name, ref_grads, g, GRAD_RTOL)
+    bad, seen = harness.comm_mismatches(steps, exact=False)
+    expected = expected_groups(L)
+    check(not bad and seen == expected, f"{name}: communication as predicted in every step (groups {sorted(seen)}, "
+                                        f"expected {sorted(expected)})")
+    if L.get("ep", 1) > 1:
+        moved = sum(s["moe"]["dispatch_bytes"] + s["moe"]["combine_bytes"] for s in steps)
+        check(moved > 0, f"{name}: tokens crossed EP ranks ({moved} bytes over {STEPS} steps)")
+
+
+LAYOUTS = {
+    "gpt2_moe": [{"tp": 2, "etp": 1, "ep": 2, "sp": True},
+                 {"tp": 2, "etp": 1, "ep": 4, "dp": 2, "sp": True},
+                 {"tp": 2, "etp": 1, "ep": 1, "dp": 2},
+                 {"tp": 4, "etp": 2, "ep": 2, "sp": True},
+                 {"tp": 2, "etp": 1, "ep": 2, "dp": 2, "sp": True, "zero": 1},
+                 {"tp": 2, "etp": 1, "ep": 2, "dp": 2, "sp": True, "zero": 2},
+                 {"tp": 2, "etp": 1, "ep": 2, "dp": 2, "sp": True, "zero": 3},
+                 {"tp": 2, "etp": 1, "ep": 2, "pp": 2, "sp": True},
+                 {"tp": 2, "etp": 1, "ep": 2, "cp": 2, "sp": True}],
+    "mixtral_moe": [{"tp": 2, "etp": 1, "ep": 4, "dp": 2, "sp": True},
+                    {"tp": 4, "etp": 2, "ep": 2, "sp": True}],
+    "deepseek_moe": [{"tp": 2, "etp": 1, "ep": 2, "sp": True},
+                     {"tp": 2, "etp": 1, "ep": 4, "dp": 2, "sp": True, "zero": 1}],
+    "qwen2_moe": [{"tp": 2, "etp": 1, "ep": 2, "sp": True},
+                  {"tp": 4, "etp": 2, "ep": 2, "sp": True}],
+}
+
+
+def resumes(args):
+    """Checkpoints reshard between foldings."""
+    for model, saved, resumed_on in [
+            ("deepseek_moe", {"tp": 2, "etp": 1, "ep": 2, "dp": 2, "sp": True},
+             [{"tp": 2, "ep": 2, "sp": True}, {"tp": 1}]),
+            ("gpt2_moe", {"tp": 1, "ep": 2, "dp": 4}, [{"tp": 2, "etp": 1, "ep": 4, "dp": 2, "sp": True}])]:
+        ck = os.path.join(args.workdir, f"ckpt_{model}_{name_of(saved)}")
+        base = run(args, f"save_{model}_{name_of(saved)}", config(model), saved, checkpoint={"dir": ck, "every": 10},
+                   dump=False)
+        step10 = os.path.join(ck, "step_00000010")
+        if not base or not os.path.isdir(step10):
+            check(False, f"{model}: the run at {name_of(saved)} saved step_00000010")
+            continue
+        with open(os.path.join(step10, "manifest.json")) as f:
+            layout = json.load(f)["layout"]
+        check(layout.get("etp") == saved.get("etp", saved["tp"]),
+              f"{model}: the manifest's layout records the experts' tp ({layout})")
+        ref = {s["step"]: s["loss"] for s in base[0]}
+        for L in resumed_on:
+            name = f"resume_{model}_{name_of(saved)}_on_{name_of(L)}"
+            got = run(args, name, config(model), L, checkpoint={"resume": step10}, dump=False)
+            if got is None:
+                continue
+            losses = {s["step"]: s["loss"] for s in got[0]}
+            worst = max((rel(losses[s], ref[s]) for s in losses), default=1.0)
+            check(sorted(losses) == list(range(11, STEPS + 1)) and worst <= LOSS_RTOL,
+                  f"{name}: steps 11..{STEPS} match the uninterrupted run within {LOSS_RTOL:g} (worst {worst:.2e})")
+
+
+def refusals(args):
+    for L, key in [({"tp": 2, "etp": 3, "ep": 1}, "parallel.etp"),
+                   ({"tp": 2, "etp": 1, "ep": 3}, "parallel.ep")]:
+        r = run(args, f"refused_{name_of(L)}", config("gpt2_moe"), L, dump=False, expect=2)
+        check(r.returncode == 2 and key in r.stderr,
+              f"{name_of(L)}: refused with exit 2 naming {key} ({r.stderr.strip()[-240:]})")
+
+
+def main():
+    args = harness.parse_args()
+    for model, layouts in LAYOUTS.items():
+        ref = run(args, f"{model}_single", config(model), {"tp": 1})
+        if ref is None:
+            continue
+        harness.check_loss_falls(checks, f"{model} single-rank", [s["loss"] for s in ref[0]])
+        for L in layouts:
+            name = f"{model}_{name_of(L)}"
+            got = run(args, name, config(model), L)
+            if got is not None:
+                compare(name, ref, got, L)
+    # A capacity factor: the shares' drops are the single-rank run's.
+    ref = run(args, "capacity_single", config("gpt2_moe", 1.0), {"tp": 1})
+    L = {"tp": 2, "etp": 1, "ep": 2, "dp": 2, "sp": True}
+    got = run(args, "capacity_" + name_of(L), config("gpt2_moe", 1.0), L)
+    if ref and got:
+        dropped = sum(l["dropped"] for s in ref[0] for l in s["moe"]["layers"])
+        check(dropped > 0, f"capacity factor 1.0: the single-rank run drops tokens ({dropped} over {STEPS} steps)")
+        got_dropped = sum(l["dropped"] for s in got[0] for l in s["moe"]["layers"])
+        check(got_dropped > 0, f"capacity factor 1.0, folded: its ranks drop tokens too ({got_dropped})")
+        compare("capacity_" + name_of(L), ref, got, L)
+    resumes(args)
+    refusals(args)
+    return checks.report()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
