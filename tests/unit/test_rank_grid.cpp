@@ -252,3 +252,84 @@ TEST_CASE("rank grid: invalid sizes and orders are refused with the values", "[d
   CHECK_THROWS_AS(g.coord(4), Error);
   CHECK_THROWS_AS(g.rank_of(2, 0, 0), Error);
 }
+
+TEST_CASE("rank grid: folded experts (etp < tp): shares of the TP group join expert parallelism", "[dist][grid]") {
+  using Catch::Matchers::Contains;
+  using G = std::vector<std::vector<int>>;
+  // Megatron-Bridge's Moonlight layout: tp 2 x dp 4 on 8 ranks, experts etp 1 x ep 8.
+  GridSizes s{8, 2, 1, 4, 8, "tp-cp-dp-pp", 1, 1};
+  const RankGrid m = RankGrid::build(s);
+  CHECK(m.groups(GroupKind::EP) == G{{0, 1, 2, 3, 4, 5, 6, 7}});
+  CHECK(m.groups(GroupKind::EDP) == G{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}});
+  CHECK(m.groups(GroupKind::ETP) == G{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}});
+  CHECK(m.groups(GroupKind::ESHARE) == G{{0, 1}, {2, 3}, {4, 5}, {6, 7}});
+  CHECK((m.coord(5).ep == 5 && m.coord(5).edp == 0 && m.coord(5).share == 1 && m.coord(5).etp == 0));
+  // tp 4 = etp 2 x 2 shares, dp 2, ep 2: rank = t + 4 d; share = t / 2, ep = share, edp = d.
+  s = GridSizes{8, 4, 1, 2, 2, "tp-cp-dp-pp", 1, 2};
+  const RankGrid f = RankGrid::build(s);
+  CHECK(f.groups(GroupKind::ETP) == G{{0, 1}, {2, 3}, {4, 5}, {6, 7}});
+  CHECK(f.groups(GroupKind::ESHARE) == G{{0, 2}, {1, 3}, {4, 6}, {5, 7}});
+  CHECK(f.groups(GroupKind::EP) == G{{0, 2}, {1, 3}, {4, 6}, {5, 7}});
+  CHECK(f.groups(GroupKind::EDP) == G{{0, 4}, {1, 5}, {2, 6}, {3, 7}});
+  // Unfolded (etp = tp): the same groups as without etp.
+  const RankGrid u = RankGrid::build({8, 2, 1, 4, 2, "tp-cp-dp-pp", 1, 2});
+  const RankGrid v = RankGrid::build({8, 2, 1, 4, 2, "tp-cp-dp-pp"});
+  for (GroupKind k : kAllKinds) CHECK(u.groups(k) == v.groups(k));
+  CHECK(u.groups(GroupKind::ESHARE) == G{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}});
+  CHECK(u.groups(GroupKind::ETP) == u.groups(GroupKind::TP));
+  CHECK_THROWS_WITH(RankGrid::build({4, 2, 1, 2, 1, "tp-cp-dp-pp", 1, 3}), Contains("parallel.etp (3) must divide"));
+  CHECK_THROWS_WITH(RankGrid::build({4, 2, 1, 2, 3, "tp-cp-dp-pp", 1, 1}),
+                    Contains("parallel.ep (3) must divide (parallel.tp / parallel.etp) x parallel.dp (4)"));
+}
+
+TEST_CASE("rank grid: folded expert groups over every small layout partition each stage exactly", "[dist][grid]") {
+  // Properties, from the definitions alone: each kind's groups partition the world; an ETP group
+  // lies in one TP group (same dp, cp, pp); EP, ETP and EDP (with cp) give each rank of a stage a
+  // distinct (etp, ep, edp, cp) and together cover the stage; an ESHARE group holds the TP ranks of
+  // one etp coordinate.
+  int64_t layouts = 0;
+  for (int world : {4, 8, 12, 16})
+    for (int tp = 1; tp <= world; ++tp)
+      for (int etp = 1; etp <= tp; ++etp)
+        for (int cp : {1, 2})
+          for (int pp = 1; pp <= 2; ++pp) {
+            if (tp % etp != 0 || world % (tp * pp * cp) != 0) continue;
+            const int dp = world / (tp * pp * cp), shares = tp / etp;
+            for (int ep = 1; ep <= shares * dp; ++ep) {
+              if ((shares * dp) % ep != 0) continue;
+              const RankGrid g = RankGrid::build({world, tp, pp, dp, ep, "tp-cp-dp-pp", cp, etp});
+              ++layouts;
+              for (GroupKind k : {GroupKind::EP, GroupKind::EDP, GroupKind::ETP, GroupKind::ESHARE}) {
+                std::vector<int> seen(static_cast<size_t>(world), 0);
+                for (const auto& grp : g.groups(k))
+                  for (int r : grp) ++seen[static_cast<size_t>(r)];
+                CHECK(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
+              }
+              for (int r = 0; r < world; ++r) {
+                const GridCoord c = g.coord(r);
+                CHECK((c.etp == c.tp % etp && c.share == c.tp / etp));
+                for (int q : g.group(GroupKind::ETP, r)) {
+                  const GridCoord o = g.coord(q);
+                  CHECK((o.dp == c.dp && o.cp == c.cp && o.pp == c.pp && o.share == c.share));
+                }
+                for (int q : g.group(GroupKind::ESHARE, r)) {
+                  const GridCoord o = g.coord(q);
+                  CHECK((o.dp == c.dp && o.cp == c.cp && o.pp == c.pp && o.etp == c.etp));
+                }
+                for (int q : g.group(GroupKind::EP, r)) {
+                  const GridCoord o = g.coord(q);
+                  CHECK((o.etp == c.etp && o.edp == c.edp && o.cp == c.cp && o.pp == c.pp));
+                }
+                CHECK(static_cast<int>(g.group(GroupKind::EP, r).size()) == ep);
+                CHECK(static_cast<int>(g.group(GroupKind::EDP, r).size()) == shares * dp / ep * cp);
+              }
+              std::map<std::vector<int>, int> owners;  // (pp, etp, ep, edp, cp) -> ranks
+              for (int r = 0; r < world; ++r) {
+                const GridCoord c = g.coord(r);
+                ++owners[{c.pp, c.etp, c.ep, c.edp, c.cp}];
+              }
+              CHECK(static_cast<int>(owners.size()) == world);
+            }
+          }
+  CHECK(layouts > 100);
+}

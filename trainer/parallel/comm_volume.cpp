@@ -291,7 +291,8 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
   if (par.dp_cp() > 1) v.dp.add(CommOp::ALL_REDUCE, 1, 4);  // the step's loss
   const MoeConfig& moe = cfg.model.moe;
   if (moe.enabled()) {
-    reduction(v.edp, layout_part(layout, true), par.edp_cp(), v.dp, false);
+    // (the sharded experts' norm: over dp unfolded, where dp x cp holds ep x edp; folded, over edp)
+    reduction(v.edp, layout_part(layout, true), par.edp_cp(), folded ? v.edp : v.dp, false);
     if (par.ep > 1) {
       v.ep.add(CommOp::ALL_TO_ALL, 5 * moe_blocks * accum, 0);
       const bool sharded = par.distributed_optimizer && par.edp_cp() > 1;

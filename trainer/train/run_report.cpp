@@ -96,8 +96,12 @@ void log_run_report(const RunReport& report, const RunEnvironment& env) {
                  predicted.dp.describe(),
                  cfg.parallel.cp > 1 ? "; cp: " + predicted.cp.describe() : std::string(),
                  cfg.model.moe.enabled()
-                     ? fmt::format("; edp: {}; ep: {} + the routed tokens", predicted.edp.describe(),
-                                   predicted.ep.describe())
+                     ? fmt::format("; edp: {}; ep: {} + the routed tokens{}", predicted.edp.describe(),
+                                   predicted.ep.describe(),
+                                   cfg.parallel.expert_shares() > 1
+                                       ? fmt::format("; etp: {}; eshare: {}", predicted.etp.describe(),
+                                                     predicted.eshare.describe())
+                                       : std::string())
                      : std::string());
   if (env.onebit_compresses) {
     const StepVolume compressed = predict_step_volume(cfg, report.layout, true);
@@ -134,7 +138,12 @@ std::string dry_run_report(const Config& cfg) {
                                           cfg.model.seq_len, cfg.model.seq_len / (2 * par.cp))
                             : "",
                  par.pp, par.dp,
-                 par.ep > 1 ? fmt::format(" (ep {} x edp {})", par.ep, par.dp / par.ep) : "", to_string(par.order),
+                 cfg.model.moe.enabled() && (par.ep > 1 || par.expert_shares() > 1)
+                     ? fmt::format(" (experts: {}ep {} x edp {})",
+                                   par.expert_shares() > 1 ? fmt::format("etp {} x ", par.expert_tp()) : "", par.ep,
+                                   par.edp_cp() / par.cp)
+                     : "",
+                 to_string(par.order),
                  par.sequence_parallel ? ", sequence parallel" : "",
                  par.distributed_optimizer ? ", distributed optimizer" : "");
   if (par.pp > 1) {
@@ -262,6 +271,10 @@ std::string dry_run_report(const Config& cfg) {
     fmt::format_to(out, "  edp ({} ranks)     {}\n", par.edp_cp(), v.edp.describe());
     fmt::format_to(out, "  ep ({} ranks)      {} (plus the routed tokens: all-to-all payload depends on the routing)\n",
                    par.ep, v.ep.describe());
+    if (par.expert_shares() > 1) {
+      fmt::format_to(out, "  etp ({} ranks)     {}\n", par.expert_tp(), v.etp.describe());
+      fmt::format_to(out, "  eshare ({} ranks)  {}\n", par.expert_shares(), v.eshare.describe());
+    }
   }
   return text;
 }
