@@ -299,11 +299,11 @@ void check_vocab_loss(Communicator* comm, Backend& be) {
 }
 
 // ---- expert dispatch -------------------------------------------------------------------------------
-void check_dispatch(Communicator* comm, Backend& be) {
+void check_dispatch(Communicator* comm, Backend& be, int chunks) {
   const int ep = comm ? comm->size() : 1, r = comm ? comm->rank() : 0;
-  const int64_t El = 2, E = El * ep, C = 3;
-  g_where = fmt::format("ep{} dispatch", ep);
-  ExpertDispatcher xd(comm, be, DType::F32, C, E);
+  const int64_t El = 3, E = El * ep, C = 3;
+  g_where = fmt::format("ep{} dispatch in {} chunk(s)", ep, chunks);
+  ExpertDispatcher xd(comm, be, DType::F32, C, E, chunks);
   expect(xd.local_experts() == El, "local experts");
   if (!xd.enabled()) {
     expect(ep == 1, "a dispatcher without a group only for one rank");
@@ -330,6 +330,14 @@ void check_dispatch(Communicator* comm, Backend& be) {
   bool inverse = true;
   for (int64_t q = 0; q < x.R; ++q) inverse = inverse && regroup[q] >= 0 && regroup[q] < x.R && ungroup[regroup[q]] == q;
   expect(inverse, "regroup and ungroup are inverse permutations");
+  // The chunks: consecutive experts, their expert-major rows consecutive ranges covering [0, R).
+  bool chunk_ok = x.chunks() == chunks && x.chunk_rows.front() == 0 && x.chunk_rows.back() == x.R;
+  for (int j = 0; j < x.chunks(); ++j) {
+    int64_t rows = 0;
+    for (int64_t i = x.chunk_experts[j]; i < x.chunk_experts[j + 1]; ++i) rows += x.expert_rows[i];
+    chunk_ok = chunk_ok && x.chunk_rows[j + 1] - x.chunk_rows[j] == rows;
+  }
+  expect(chunk_ok, "each chunk's experts own one contiguous range of the expert-major rows");
   std::vector<float> src(static_cast<size_t>(std::max<int64_t>(x.R, 1) * C)), recv(src.size());
   xd.dispatch(x, send.data(), src.data(), regroup.data(), recv.data());
   // Expert-major: local expert j's rows from source 0, 1, ... in order, each (q, e0 + j, k = 0..).
@@ -376,7 +384,7 @@ int main(int argc, char** argv) {
       check_linear(comm, *be, sp);
     }
     check_vocab_loss(comm, *be);
-    check_dispatch(comm, *be);
+    for (int chunks : {1, 2, 3}) check_dispatch(comm, *be, chunks);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "rank %d [%s]: unexpected exception: %s\n", g_rank, g_where.c_str(), e.what());
     dist_abort(1);

@@ -18,6 +18,10 @@ every group as predicted (etp and eshare included).
 Checkpoints reshard between foldings: saved at tp 2 x etp 1 x ep 2 x dp 2, resumed unfolded at
 tp 2 x ep 2 and on one rank; saved unfolded at dp 4 x ep 2, resumed folded; the resumed steps
 match the uninterrupted run. Bad layouts are refused naming the key.
+Overlapped exchanges (parallel.ep_overlap_chunks): the expert-parallel exchanges split into chunks
+of local experts, each in flight while the previous chunk's experts compute; the same rows, the
+same GEMMs: the curve is bit for bit the unchunked run's (folded and not, gpt2 with 2 local experts,
+DeepSeek-style with 4 in 3 uneven chunks), the all-to-alls counted 1 + 4 chunks per block.
 
 Usage: /usr/bin/python3 test_moe_folding.py --tetra BIN --workdir DIR
 """
@@ -57,6 +61,8 @@ def name_of(L):
         parts.append("sp")
     if L.get("zero"):
         parts.append(f"zero{L['zero']}")
+    if L.get("chunks", 1) > 1:
+        parts.append(f"chunks{L['chunks']}")
     return "_".join(parts)
 
 
@@ -65,6 +71,7 @@ def run(args, name, cfg, L, checkpoint=None, dump=True, expect=0):
     cfg = json.loads(json.dumps(cfg))
     par = cfg["parallel"]
     par.update({"tp": L["tp"], "dp": L.get("dp", 1), "ep": L.get("ep", 1), "pp": L.get("pp", 1),
+                "ep_overlap_chunks": L.get("chunks", 1),
                 "cp": L.get("cp", 1), "sequence_parallel": bool(L.get("sp")),
                 "distributed_optimizer": bool(L.get("zero")), "zero_stage": L.get("zero", 0)})
     if "etp" in L:
@@ -159,9 +166,44 @@ def resumes(args):
                   f"{name}: steps 11..{STEPS} match the uninterrupted run within {LOSS_RTOL:g} (worst {worst:.2e})")
 
 
+def overlap(args):
+    """Chunked, overlapped exchanges: bit for bit the unchunked run, as predicted."""
+    for model, L, chunks in [("gpt2_moe", {"tp": 1, "ep": 2, "dp": 4}, 2),
+                             ("gpt2_moe", {"tp": 2, "etp": 1, "ep": 4, "dp": 2, "sp": True}, 1),
+                             ("deepseek_moe", {"tp": 1, "ep": 2, "dp": 2}, 3),
+                             ("deepseek_moe", {"tp": 2, "etp": 1, "ep": 2, "sp": True, "zero": 1}, 4)]:
+        if chunks == 1:  # gpt2's 4 experts over ep 4: one local expert, one chunk; take ep 2 instead
+            L = dict(L, ep=2)
+            chunks = 2
+        plain = run(args, f"plain_{model}_{name_of(L)}", config(model), L)
+        Lc = dict(L, chunks=chunks)
+        got = run(args, f"{model}_{name_of(Lc)}", config(model), Lc)
+        if not plain or not got:
+            continue
+        same = [a["loss"] for a in plain[0]] == [b["loss"] for b in got[0]] and \
+            [a["grad_norm"] for a in plain[0]] == [b["grad_norm"] for b in got[0]]
+        check(same and len(got[0]) == STEPS,
+              f"{model}_{name_of(Lc)}: every step's loss and gradient norm equal the unchunked run's bit for bit")
+        bad, seen = harness.comm_mismatches(got[0], exact=False)
+        calls = {s["step"]: s.get("comm", {}).get("ep", {}).get("measured", {}).get("all_to_all", {}).get("calls")
+                 for s in got[0]}
+        check(not bad and seen == expected_groups(L), f"{model}_{name_of(Lc)}: communication as predicted "
+                                                      f"(groups {sorted(seen)})")
+        moe_blocks = sum(1 for b in range(MODELS[model]["num_layers"])
+                         if b % MODELS[model]["moe"].get("every", 1) == 0
+                         and b >= MODELS[model]["moe"].get("first_k_dense_replace", 0))
+        accum = 8 // (2 * L.get("dp", 1))
+        want = (1 + 4 * chunks) * moe_blocks * accum
+        check(calls and all(n == want for n in calls.values()),
+              f"{model}_{name_of(Lc)}: {want} all-to-alls per step (1 + 4 x {chunks} per block and micro-batch; "
+              f"measured {sorted(set(calls.values()))})")
+
+
 def refusals(args):
     for L, key in [({"tp": 2, "etp": 3, "ep": 1}, "parallel.etp"),
-                   ({"tp": 2, "etp": 1, "ep": 3}, "parallel.ep")]:
+                   ({"tp": 2, "etp": 1, "ep": 3}, "parallel.ep"),
+                   ({"tp": 1, "ep": 2, "dp": 2, "chunks": 3}, "parallel.ep_overlap_chunks"),
+                   ({"tp": 1, "ep": 1, "dp": 2, "chunks": 2}, "parallel.ep_overlap_chunks")]:
         r = run(args, f"refused_{name_of(L)}", config("gpt2_moe"), L, dump=False, expect=2)
         check(r.returncode == 2 and key in r.stderr,
               f"{name_of(L)}: refused with exit 2 naming {key} ({r.stderr.strip()[-240:]})")
@@ -190,6 +232,7 @@ def main():
         # fall to the other share, and equal losses say they are the single-rank run's)
         compare("capacity_" + name_of(L), ref, got, L)
     resumes(args)
+    overlap(args)
     refusals(args)
     return checks.report()
 

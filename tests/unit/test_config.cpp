@@ -163,7 +163,7 @@ json every_key() {
                       "router_bias_update_rate": 0.002,
                       "shared_expert_ffn_hidden_size": 256, "shared_expert_gate": true,
                       "aux_loss_coeff": 0.02, "z_loss_coeff": 0.001}},
-    "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "etp": 2, "cp": 1, "cp_comm": "all_gather", "order": "tp-pp-dp",
+    "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "etp": 2, "ep_overlap_chunks": 1, "cp": 1, "cp_comm": "all_gather", "order": "tp-pp-dp",
                  "sequence_parallel": true, "distributed_optimizer": true, "zero_stage": 3, "reshard_after_forward": false, "bucket_size": 1000,
                  "schedule": "gpipe", "virtual_stages": 1, "stage_layers": [4],
                  "grad_compression": "bf16", "onebit_warmup_steps": 7},

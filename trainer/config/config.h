@@ -362,6 +362,10 @@ struct ParallelConfig {
   int64_t expert_tp() const { return etp.value_or(tp); }
   // The TP ranks that route different rows of a micro-batch to the experts (tp / etp; 1 unfolded).
   int64_t expert_shares() const { return expert_tp() >= 1 && tp % expert_tp() == 0 ? tp / expert_tp() : 1; }
+  // Expert-parallel exchanges overlapped with expert compute: each rank's local experts in this
+  // many chunks, chunk j + 1's rows travelling while chunk j's experts run (expert_dispatch.h);
+  // 1: one exchange each way, not overlapped.
+  int64_t ep_overlap_chunks = 1;
   int64_t cp = 1;  // context parallel: each sequence split over cp ranks (ring attention)
   CpComm cp_comm = CpComm::P2P;  // how K/V reach the other CP ranks
   RankOrder order = RankOrder::TP_CP_DP_PP;  // rank order, fastest-varying axis first

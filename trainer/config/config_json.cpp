@@ -83,6 +83,7 @@ void visit_parallel(P& p, V& v) {
   v.integer("pp", p.pp);
   v.integer("ep", p.ep);
   v.optional_integer("etp", p.etp);
+  v.integer("ep_overlap_chunks", p.ep_overlap_chunks);
   v.integer("cp", p.cp);
   v.choice("cp_comm", p.cp_comm);
   v.choice("order", p.order);

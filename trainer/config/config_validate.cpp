@@ -581,6 +581,20 @@ void check_cross_field(const Config& c, Rules& r) {
                             "shared expert is split over TP like the dense MLP",
                             moe.shared_expert_ffn_hidden_size, c.parallel.tp));
   }
+  if (c.parallel.ep_overlap_chunks != 1) {
+    r.at_least("parallel.ep_overlap_chunks", c.parallel.ep_overlap_chunks, 1);
+    if (r.ok({"parallel.ep_overlap_chunks", "parallel.ep", "model.moe.num_experts"}) && c.parallel.ep_overlap_chunks > 1) {
+      if (!moe.enabled() || c.parallel.ep <= 1)
+        r.require(false, "parallel.ep_overlap_chunks", c.parallel.ep_overlap_chunks,
+                  "overlaps the expert-parallel exchanges, but there are none (it needs a MoE model and "
+                  "parallel.ep > 1): set it to 1");
+      else if (moe.num_experts % c.parallel.ep == 0)
+        r.require(c.parallel.ep_overlap_chunks <= moe.num_experts / c.parallel.ep, "parallel.ep_overlap_chunks",
+                  c.parallel.ep_overlap_chunks,
+                  fmt::format("splits each rank's {} local experts (model.moe.num_experts / parallel.ep) into chunks: "
+                              "at most {}", moe.num_experts / c.parallel.ep, moe.num_experts / c.parallel.ep));
+    }
+  }
   if (r.ok({"parallel.ep", "parallel.dp", "model.moe.num_experts"}) && c.parallel.ep > 1) {
     const int64_t ep = c.parallel.ep;
     const int64_t shares = etp_ok ? c.parallel.tp / etp : 1;

@@ -330,7 +330,7 @@ size_t Gpt::activation_bytes_for(const ModelConfig& cfg, DType act, int64_t micr
 Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t micro_batch,
          Communicator* tp, int chunk, int64_t slots, Communicator* ep, const Recomputation& rc,
          int64_t loss_chunk, const ActivationRegions* regions, Communicator* cp, CpComm cp_comm,
-         Communicator* etp, Communicator* eshare)
+         Communicator* etp, Communicator* eshare, int ep_chunks)
     : cfg_(cfg), layout_(layout), be_(be), act_(act), rc_(rc) {
   if (eshare && eshare->size() <= 1) eshare = etp = nullptr;  // unfolded
   if (tp && tp->size() <= 1) tp = nullptr;
@@ -383,7 +383,7 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
     const ActivationRegions m{r.scratch + dense.scratch, r.scratch_bytes - dense.scratch, r.slots + dense.slot,
                               r.slot_stride, slots};
     moe_ = std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep, tp, d_.l0, d_.L, rc_.moe_act, slots, &m, cp,
-                                       etp, eshare);
+                                       etp, eshare, ep_chunks);
   }
 }
 

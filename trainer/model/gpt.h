@@ -105,7 +105,7 @@ class Gpt {
       Communicator* tp = nullptr, int chunk = 0, int64_t slots = 1, Communicator* ep = nullptr,
       const Recomputation& rc = {}, int64_t loss_chunk = 0, const ActivationRegions* regions = nullptr,
       Communicator* cp = nullptr, CpComm cp_comm = CpComm::P2P, Communicator* etp = nullptr,
-      Communicator* eshare = nullptr);
+      Communicator* eshare = nullptr, int ep_chunks = 1);
   ~Gpt();
   Gpt(const Gpt&) = delete;
   Gpt& operator=(const Gpt&) = delete;

@@ -233,7 +233,7 @@ ActivationSizes MoeLayers::sizes_for(const ModelConfig& cfg, DType act, int64_t 
 MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t N,
                      Communicator* ep, Communicator* tp, int64_t l0, int64_t layers, bool recompute_act,
                      int64_t slots, const ActivationRegions* regions, Communicator* cp, Communicator* etp,
-                     Communicator* eshare)
+                     Communicator* eshare, int ep_chunks)
     : cfg_(cfg),
       layout_(layout),
       be_(be),
@@ -267,7 +267,7 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   C_ = z.C, E_ = z.E, K_ = z.K, El_ = z.El, F_ = z.F, FC_ = z.FC, cap_ = z.cap;
   M_max_ = z.M_max, R_max_ = z.R_max, B_ = z.B;
   e0_ = layout.slicing.ep_rank * El_;
-  dispatcher_ = std::make_unique<ExpertDispatcher>(ep_, be, act, C_, E_);
+  dispatcher_ = std::make_unique<ExpertDispatcher>(ep_, be, act, C_, E_, ep_ ? ep_chunks : 1);
   swiglu_ = cfg.activation == Activation::SWIGLU;
   const int64_t end = layer_end(cfg, l0, layers);
   std::vector<int64_t> blocks;
@@ -540,20 +540,38 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
       be_.copy_from_host(s.ungroup, sc_->h_ungroup.data(), static_cast<size_t>(s.x.R) * 4);
     }
     be_.moe_gather_rows(sc_->send, h, s.rows, s.M, C_, act_);
-    dispatcher_->dispatch(s.x, sc_->send, sc_->src, s.regroup, s.x_exp);
   }
-  {
+  // Row `row` of a row-major buffer of `width` act values (null stays null).
+  auto rows_at = [es](void* base, int64_t row, int64_t width) -> void* {
+    return base ? static_cast<char*>(base) + static_cast<size_t>(row * width) * es : nullptr;
+  };
+  // The experts over rows [a, b) of the expert-major rows (a chunk's, or all of them).
+  auto experts = [&](int64_t a, int64_t b, void* y) {
     const auto t0 = std::chrono::steady_clock::now();
-    void* y = ep_ ? sc_->y_exp : s.y_local;
     if (!s.over) {
-      experts_forward(s, p, weights, 0, s.x.R, s.fc, s.act, y);
+      experts_forward(s, p, weights, a, b, rows_at(s.fc, a, FC_), rows_at(s.act, a, F_), y);
     } else {  // over the bound: passes of B rows through the scratch; backward computes fc again
-      for (int64_t r0 = 0; r0 < s.x.R; r0 += B_)
-        experts_forward(s, p, weights, r0, std::min(s.x.R, r0 + B_), sc_->fc, sc_->act, y);
+      // (the passes at multiples of B whatever the chunks: an expert's rows split the same way)
+      for (int64_t r0 = a; r0 < b; r0 = std::min(b, (r0 / B_ + 1) * B_))
+        experts_forward(s, p, weights, r0, std::min(b, (r0 / B_ + 1) * B_), sc_->fc, sc_->act, y);
     }
     stats_.expert_s += since(t0);
+  };
+  if (!ep_) {
+    experts(0, s.x.R, s.y_local);
+  } else {
+    // Every chunk's dispatch issued, then chunk j's experts as soon as its rows are in while the
+    // later chunks travel, and its combine on its way before chunk j + 1's experts.
+    const int chunks = s.x.chunks();
+    std::vector<WorkHandle> in(static_cast<size_t>(chunks)), out_w(static_cast<size_t>(chunks));
+    for (int j = 0; j < chunks; ++j) in[j] = dispatcher_->start_dispatch(s.x, j, sc_->send, sc_->src);
+    for (int j = 0; j < chunks; ++j) {
+      dispatcher_->finish_dispatch(s.x, j, in[j], sc_->src, s.regroup, s.x_exp);
+      experts(s.x.chunk_rows[j], s.x.chunk_rows[j + 1], sc_->y_exp);
+      out_w[j] = dispatcher_->start_combine(s.x, j, sc_->y_exp, sc_->src, s.ungroup, s.y_local);
+    }
+    for (WorkHandle& w : out_w) dispatcher_->finish_combine(w);
   }
-  if (ep_) dispatcher_->combine(s.x, sc_->y_exp, sc_->src, s.ungroup, s.y_local);
   if (!residual)
     be_.memset_zero(out, static_cast<size_t>(Nfull_ * C_) * es);
   else if (out != residual)
@@ -682,18 +700,33 @@ void MoeLayers::backward(int64_t l, const WeightView& weights, const GradTarget&
   be_.moe_combine_backward(sc_->dy_local, sc_->dgates, static_cast<const char*>(dout) + static_cast<size_t>(r0_ * C_) * es,
                            s.y_local, s.pos, s.gates, N_, K_, C_, act_);
   if (etp_) etp_->all_reduce(sc_->dgates, N_ * K_, DType::F32);  // y was this rank's partial sum
-  if (ep_) dispatcher_->dispatch(s.x, sc_->dy_local, sc_->src, s.regroup, sc_->dy_exp);
-  {
+  // Row `row` of a row-major buffer of `width` act values (null stays null).
+  auto rows_at = [es](void* base, int64_t row, int64_t width) -> void* {
+    return base ? static_cast<char*>(base) + static_cast<size_t>(row * width) * es : nullptr;
+  };
+  auto experts = [&](int64_t a, int64_t b) {
     const auto t0 = std::chrono::steady_clock::now();
     if (!s.over) {
-      experts_backward(s, p, weights, grads, 0, s.x.R, s.fc, s.act, false, recompute_act_);
+      experts_backward(s, p, weights, grads, a, b, rows_at(s.fc, a, FC_), rows_at(s.act, a, F_), false, recompute_act_);
     } else {
-      for (int64_t r0 = 0; r0 < s.x.R; r0 += B_)
-        experts_backward(s, p, weights, grads, r0, std::min(s.x.R, r0 + B_), sc_->fc, sc_->act, true, true);
+      for (int64_t r0 = a; r0 < b; r0 = std::min(b, (r0 / B_ + 1) * B_))
+        experts_backward(s, p, weights, grads, r0, std::min(b, (r0 / B_ + 1) * B_), sc_->fc, sc_->act, true, true);
     }
     stats_.expert_s += since(t0);
+  };
+  if (!ep_) {
+    experts(0, s.x.R);
+  } else {  // the forward's chunk pipeline, for the output and input gradients
+    const int chunks = s.x.chunks();
+    std::vector<WorkHandle> in(static_cast<size_t>(chunks)), out_w(static_cast<size_t>(chunks));
+    for (int j = 0; j < chunks; ++j) in[j] = dispatcher_->start_dispatch(s.x, j, sc_->dy_local, sc_->src);
+    for (int j = 0; j < chunks; ++j) {
+      dispatcher_->finish_dispatch(s.x, j, in[j], sc_->src, s.regroup, sc_->dy_exp);
+      experts(s.x.chunk_rows[j], s.x.chunk_rows[j + 1]);
+      out_w[j] = dispatcher_->start_combine(s.x, j, sc_->dx_exp, sc_->src, s.ungroup, sc_->dx_local);
+    }
+    for (WorkHandle& w : out_w) dispatcher_->finish_combine(w);
   }
-  if (ep_) dispatcher_->combine(s.x, sc_->dx_exp, sc_->src, s.ungroup, sc_->dx_local);
   // dh: this share's rows (the other rows: the other shares' ranks' part of the sum over TP)
   char* dh_share = static_cast<char*>(dh) + static_cast<size_t>(r0_ * C_) * es;
   if (r0_ > 0) be_.memset_zero(dh, static_cast<size_t>(r0_ * C_) * es);

@@ -149,9 +149,11 @@ class MoeLayers {
   MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t N,
             Communicator* ep, Communicator* tp = nullptr, int64_t l0 = 0, int64_t layers = -1,
             bool recompute_act = false, int64_t slots = 1, const ActivationRegions* regions = nullptr,
-            Communicator* cp = nullptr, Communicator* etp = nullptr, Communicator* eshare = nullptr);
+            Communicator* cp = nullptr, Communicator* etp = nullptr, Communicator* eshare = nullptr,
+            int ep_chunks = 1);
   // (`etp`, `eshare`: the ETP and ESHARE groups of folded experts; eshare null or of size 1: unfolded,
-  // the experts split over `tp`.)
+  // the experts split over `tp`. `ep_chunks`: the expert-parallel exchanges in that many chunks,
+  // overlapped with the experts' compute: parallel.ep_overlap_chunks.)
   ~MoeLayers();
   MoeLayers(const MoeLayers&) = delete;
   MoeLayers& operator=(const MoeLayers&) = delete;

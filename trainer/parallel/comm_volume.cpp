@@ -294,7 +294,8 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
     // (the sharded experts' norm: over dp unfolded, where dp x cp holds ep x edp; folded, over edp)
     reduction(v.edp, layout_part(layout, true), par.edp_cp(), folded ? v.edp : v.dp, false);
     if (par.ep > 1) {
-      v.ep.add(CommOp::ALL_TO_ALL, 5 * moe_blocks * accum, 0);
+      // the counts, then each exchange (dispatch, combine, their gradients) in its chunks
+      v.ep.add(CommOp::ALL_TO_ALL, (1 + 4 * par.ep_overlap_chunks) * moe_blocks * accum, 0);
       const bool sharded = par.distributed_optimizer && par.edp_cp() > 1;
       // the experts' gradient norm (folded: over ep always; its sharded part over edp, above)
       if ((!sharded || folded) && moe_blocks > 0) v.ep.add(CommOp::ALL_REDUCE, 1, 4);

@@ -96,7 +96,8 @@ PipelineModel::PipelineModel(const Config& cfg, const ParamLayout& layout, Backe
                                        &groups.backend(GroupKind::TP), c, shared.slots, &groups.backend(GroupKind::EP),
                                        Recomputation::from(cfg.training), cfg.training.loss_chunk_rows, &regions,
                                        &groups.backend(GroupKind::CP), cfg.parallel.cp_comm,
-                                       &groups.backend(GroupKind::ETP), &groups.backend(GroupKind::ESHARE));
+                                       &groups.backend(GroupKind::ETP), &groups.backend(GroupKind::ESHARE),
+                                       static_cast<int>(cfg.parallel.ep_overlap_chunks));
     chunks_.push_back(std::make_unique<Chunk>(*this, std::move(model), rows, tokens, targets, losses, be,
                                               schedule_.grad_buffers));
   }
