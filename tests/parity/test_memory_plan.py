@@ -76,6 +76,11 @@ CONFIGS = [
     ("moe_dp4_ep4_bound_one_bf16", MOE_BOUND, {"dp": 4, "ep": 4}, {"precision": "bf16"}),
     ("moe_dp4_ep2_pp2_bound_one", MOE_BOUND, {"dp": 4, "ep": 2, "pp": 2}, {"global_batch_size": 16}),
     ("moe_shared_dp2_tp2_sp_ep2", MOE_SHARED, {"dp": 2, "tp": 2, "sequence_parallel": True, "ep": 2}, {}),
+    # Folded experts: tp 2 with whole experts (etp 1), EP over tp x dp; with the exchanges in 2 chunks.
+    ("moe_folded_tp2_etp1_ep4_dp2_sp", MOE_SHARED, {"dp": 2, "tp": 2, "etp": 1, "sequence_parallel": True, "ep": 4,
+                                                    "distributed_optimizer": True}, {}),
+    ("moe_folded_tp2_etp1_ep2_bound_one", MOE_BOUND, {"dp": 1, "tp": 2, "etp": 1, "sequence_parallel": True, "ep": 2,
+                                                      "ep_overlap_chunks": 2}, {}),
     ("moe_shared_ep2_moe_act_bf16", MOE_SHARED, {"dp": 2, "ep": 2},
      {"precision": "bf16", "recompute": "selective", "recompute_modules": ["moe_act"]}),
     ("llama_selective", LLAMA, {}, SELECTIVE),
@@ -86,7 +91,7 @@ CONFIGS = [
 ]
 
 # The router forced (TETRA_TEST_MOE_ROUTE) on these: each must really exceed the bound.
-ROUTED = {"moe_ep2_bound_skew": "skew", "moe_dp4_ep4_bound_one_bf16": "one", "moe_dp4_ep2_pp2_bound_one": "one"}
+ROUTED = {"moe_folded_tp2_etp1_ep2_bound_one": "one", "moe_ep2_bound_skew": "skew", "moe_dp4_ep4_bound_one_bf16": "one", "moe_dp4_ep2_pp2_bound_one": "one"}
 
 # --dry-run and the run compute the plan with the same function; three layouts check the printing.
 DRY_RUN_CHECKED = {"gpt2_dp2_zero1_bf16", "llama_pp2_interleaved", "moe_dp4_ep2_zero1_bf16", "gpt2_dp2_zero2_bf16",

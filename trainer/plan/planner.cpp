@@ -46,7 +46,9 @@ std::string PlannedLayout::describe() const {
   std::string pipe = p.pp > 1 ? fmt::format(" ({}{})", to_string(p.schedule),
                                             p.schedule == ScheduleKind::INTERLEAVED ? fmt::format(" x{}", p.virtual_stages) : "")
                               : "";
-  std::string ep = cfg.model.moe.enabled() ? fmt::format(" ep {}", p.ep) : "";
+  std::string ep = cfg.model.moe.enabled()
+                       ? fmt::format(" ep {}{}", p.ep, p.expert_shares() > 1 ? fmt::format(" (etp {})", p.expert_tp()) : "")
+                       : "";
   std::string cp = p.cp > 1 ? fmt::format(" cp {} ({})", p.cp, to_string(p.cp_comm)) : " cp 1";
   return fmt::format("tp {}{} pp {}{} dp {}{} zero {} mbs {} recompute {}", p.tp, cp, p.pp, pipe, p.dp, ep, p.zero_stage,
                      cfg.training.micro_batch_size, to_string(cfg.training.recompute));
@@ -98,9 +100,14 @@ PlanSearch search_layouts(const Config& base, const ClusterSpec& cluster, const 
         if (pp > 1)
           for (int64_t v = 2; v * pp <= M.num_layers; ++v)
             if (M.num_layers % (v * pp) == 0) schedules.push_back({ScheduleKind::INTERLEAVED, v});
+        // MoE: the experts split over tp like the dense MLP, or folded (whole experts, etp 1, expert
+        // parallelism over the tp ranks too).
+        std::vector<int64_t> etps = {tp};
+        if (M.moe.enabled() && tp > 1) etps.push_back(1);
         for (const auto& [schedule, vp] : schedules)
+          for (int64_t etp : etps)
           for (int64_t ep : eps) {
-            if (dp % ep != 0) continue;
+            if ((tp / etp * dp) % ep != 0 || (etp < tp && ep == 1)) continue;
             for (int64_t mbs : {1, 2, 4, 8, 16}) {
               if (gbs % (mbs * dp) != 0) continue;
               for (int64_t zero = 0; zero <= (dp * cp > 1 ? 3 : 0); ++zero)
@@ -112,6 +119,9 @@ PlanSearch search_layouts(const Config& base, const ClusterSpec& cluster, const 
                   nlohmann::json c = j;
                   nlohmann::json& p = c["parallel"];
                   p["tp"] = tp, p["cp"] = cp, p["pp"] = pp, p["dp"] = dp, p["ep"] = ep;
+                  p["etp"] = etp;
+                  // the config's overlap of the expert exchanges, where this layout has them
+                  p["ep_overlap_chunks"] = ep > 1 ? std::min(base.parallel.ep_overlap_chunks, M.moe.num_experts / ep) : 1;
                   p["sequence_parallel"] = tp > 1;
                   p["zero_stage"] = zero, p["distributed_optimizer"] = zero >= 1;
                   p["schedule"] = schedule, p["virtual_stages"] = vp;

@@ -132,6 +132,29 @@ std::pair<LinkSpec, bool> group_link(const RankGrid& grid, GroupKind kind, int r
   return {link, true};
 }
 
+// The part of the expert-parallel exchanges' time `total` (s, over `exchanges` block forwards and
+// backwards of micro-batches) not hidden behind the experts' compute (`fwd`, `bwd` s per block)
+// when each exchange is split into `chunks` (expert_dispatch.h's pipeline): every chunk's
+// dispatch issued at once, chunk j's experts once its rows are in, its combine issued after them,
+// the exchanges in issue order on one link. 1 without overlap.
+double ep_exposed_fraction(int64_t chunks, double fwd, double bwd, double total, double exchanges) {
+  if (chunks <= 1 || total <= 0.0 || exchanges <= 0.0) return 1.0;
+  const double c = static_cast<double>(chunks);
+  const double half = total / (2.0 * exchanges) / 2.0;  // dispatch, and combine, of one pass
+  double exposed = 0.0;
+  for (const double e : {fwd, bwd}) {
+    double link = 0.0, compute = 0.0;
+    std::vector<double> arrived;
+    for (int64_t j = 0; j < chunks; ++j) arrived.push_back(link += half / c);
+    for (int64_t j = 0; j < chunks; ++j) {
+      compute = std::max(compute, arrived[static_cast<size_t>(j)]) + e / c;
+      link = std::max(link, compute) + half / c;
+    }
+    exposed += std::max(link, compute) - e;
+  }
+  return std::clamp(exposed * exchanges / total, 0.0, 1.0);
+}
+
 }  // namespace
 
 StepPrediction predict_step(const Config& cfg, const ClusterSpec& cluster, const PlanOptions& opt) {
@@ -189,20 +212,25 @@ StepPrediction predict_step(const Config& cfg, const ClusterSpec& cluster, const
       stream_op("residual 2", 3 * Nn * C * a, 3 * Nn * C * a),
   };
   std::vector<Op> moe;
+  double expert_fwd = 0.0, expert_bwd = 0.0;  // a MoE block's experts (the EP exchanges' overlap)
   if (M.moe.enabled()) {
     const double E = static_cast<double>(M.moe.num_experts), k = static_cast<double>(M.moe.top_k);
     const double ep = static_cast<double>(P.ep), El = E / ep;
-    const double Fe = static_cast<double>(M.moe.ffn_hidden_size > 0 ? M.moe.ffn_hidden_size : M.ffn_hidden_size) / tp;
-    const double rows = N * k / El;  // per local expert, balanced routing
+    // Folded experts (parallel.etp < tp): each expert split over etp ranks, each share of the TP
+    // group routing N / shares rows.
+    const double etp = static_cast<double>(P.expert_tp()), shares = static_cast<double>(P.expert_shares());
+    const double Fe = static_cast<double>(M.moe.ffn_hidden_size > 0 ? M.moe.ffn_hidden_size : M.ffn_hidden_size) / etp;
+    const double rows = N / shares * k / El;  // per local expert, balanced routing
     Op router = linear("router", N, C, E);
     router.fwd += rate.stream(4 * N * E * 4), router.bwd += rate.stream(4 * N * E * 4);
     Op fc = linear("experts fc", rows, C, (gated ? 2 : 1) * Fe), proj = linear("experts proj", rows, Fe, C);
     for (Op* op : {&fc, &proj}) op->fwd *= El, op->bwd *= El;
+    const Op act = stream_op(gated ? "swiglu" : "gelu", (gated ? 3 : 2) * N / shares * k * Fe * a,
+                             (gated ? 5 : 3) * N / shares * k * Fe * a);
+    expert_fwd = fc.fwd + act.fwd + proj.fwd, expert_bwd = fc.bwd + act.bwd + proj.bwd;
     moe = {router,
            stream_op("dispatch and combine", 4 * N * k * C * a, 4 * N * k * C * a),
-           fc,
-           stream_op(gated ? "swiglu" : "gelu", (gated ? 3 : 2) * N * k * Fe * a, (gated ? 5 : 3) * N * k * Fe * a),
-           proj};
+           fc, act, proj};
     if (M.moe.has_shared_expert()) {  // every token through it (its gate a C-wide dot per token)
       const double Fs = static_cast<double>(M.moe.shared_expert_ffn_hidden_size) / tp;
       moe.push_back(linear("shared expert fc", N, C, (gated ? 2 : 1) * Fs));
@@ -275,9 +303,22 @@ StepPrediction predict_step(const Config& cfg, const ClusterSpec& cluster, const
       if (s == S - 1) fwd[r][c] += head.fwd, bwd[r][c] += head.bwd;
     }
 
+  // MoE blocks' forwards (= backwards) of micro-batches on pipeline rank r in a step.
+  auto moe_exchanges = [&](int r) {
+    double n = 0.0;
+    if (!M.moe.enabled()) return n;
+    for (int c = 0; c < vp; ++c) {
+      const int s = c * pp + r;
+      for (int64_t i = 0; i < stage_layers[static_cast<size_t>(s)]; ++i)
+        n += M.moe.is_moe_layer(first_layer[static_cast<size_t>(s)] + i) ? 1.0 : 0.0;
+    }
+    return n * m;
+  };
+
   // ---- communication per group ------------------------------------------------------------------
   GridSizes sizes;
   sizes.world = P.world(), sizes.tp = P.tp, sizes.pp = P.pp, sizes.dp = P.dp, sizes.ep = P.ep, sizes.cp = P.cp;
+  sizes.etp = P.expert_tp();
   sizes.order = std::string(to_string(P.order));
   const RankGrid grid = RankGrid::build(sizes);
   StepPrediction out;
@@ -296,11 +337,13 @@ StepPrediction predict_step(const Config& cfg, const ClusterSpec& cluster, const
     // MoE all-to-alls: the prediction counts the calls; balanced routing gives the payload.
     if (M.moe.enabled() && P.ep > 1) {
       const int idx = static_cast<int>(CommOp::ALL_TO_ALL);
-      const double token_bytes = N * static_cast<double>(M.moe.top_k) * C * a;
-      // Of the 5 all-to-alls per block and micro-batch, 4 carry tokens (dispatch, combine, and
-      // their gradients); the fifth the per-expert counts.
+      const double token_bytes = N / static_cast<double>(P.expert_shares()) * static_cast<double>(M.moe.top_k) * C * a;
+      // Of the 1 + 4 c all-to-alls per block and micro-batch (c = ep_overlap_chunks), the 4 c
+      // exchanges of dispatch, combine and their gradients carry the tokens, 4 token_bytes in all;
+      // the first, the per-expert counts.
+      const double per_block = static_cast<double>(1 + 4 * P.ep_overlap_chunks);
       vol.ep.payload_bytes[static_cast<size_t>(idx)] =
-          static_cast<int64_t>(static_cast<double>(vol.ep.calls[static_cast<size_t>(idx)]) * 0.8 * token_bytes);
+          static_cast<int64_t>(static_cast<double>(vol.ep.calls[static_cast<size_t>(idx)]) / per_block * 4.0 * token_bytes);
     }
     std::array<GroupTime, kPlanGroups> gt{};
     auto set = [&](PlanGroup g, GroupKind kind, const GroupVolume& v, int64_t size) {
@@ -323,7 +366,9 @@ StepPrediction predict_step(const Config& cfg, const ClusterSpec& cluster, const
     for (int c = 0; c < vp; ++c) compute_total += m * (fwd[r][c] + bwd[r][c]), attention_total += m * attn[r][c];
     GroupTime& tpg = g(PlanGroup::TP);
     tpg.exposed_s = opt.tp_overlap ? std::max(0.0, tpg.total_s - compute_total) : tpg.total_s;
-    g(PlanGroup::EP).exposed_s = g(PlanGroup::EP).total_s;
+    g(PlanGroup::EP).exposed_s = g(PlanGroup::EP).total_s * ep_exposed_fraction(P.ep_overlap_chunks, expert_fwd,
+                                                                                  expert_bwd, g(PlanGroup::EP).total_s,
+                                                                                  moe_exchanges(r));
     GroupTime& cpg = g(PlanGroup::CP);
     cpg.exposed_s = P.cp_comm == CpComm::P2P ? std::max(0.0, cpg.total_s - attention_total) : cpg.total_s;
     const double in_action = tpg.exposed_s + g(PlanGroup::EP).exposed_s + cpg.exposed_s;
@@ -406,6 +451,8 @@ StepPrediction predict_step(const Config& cfg, const ClusterSpec& cluster, const
   }
   Config whole = cfg;
   whole.parallel.tp = whole.parallel.pp = whole.parallel.ep = whole.parallel.cp = 1;
+  whole.parallel.etp.reset();
+  whole.parallel.ep_overlap_chunks = 1;
   whole.parallel.virtual_stages = 1;
   whole.parallel.stage_layers.clear();
   const ModelStats stats = model_stats(M, rank_layout(whole, 0, 0, 0));

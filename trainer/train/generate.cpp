@@ -240,6 +240,8 @@ GeneratedText generate_command(const Config& config, const std::string& weights_
                                const IdPrompt* id_prompt) {
   Config cfg = config;
   cfg.parallel.tp = 1;  // one process: the global tensors load whole
+  cfg.parallel.etp.reset();
+  cfg.parallel.ep_overlap_chunks = 1;
   cfg.parallel.sequence_parallel = false;
   std::string path = weights_path.empty() ? final_weights_path(cfg) : weights_path;
   if (path.empty())
