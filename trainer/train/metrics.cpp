@@ -75,6 +75,10 @@ std::string MetricsWriter::format_line(const StepMetrics& m) {
       line += fmt::format(" | moe{} tokens/expert {}/{:.1f}/{} dropped {} aux {:.4f} z {:.3f}", l.layer, t.min,
                           t.mean, t.max, l.dropped, l.aux_loss, l.z_loss);
     }
+  // The expert-parallel exchanges' time the step spent waiting on them (not hidden behind the experts).
+  if (m.moe && m.moe->dispatch_bytes + m.moe->combine_bytes > 0)
+    line += fmt::format(" | moe experts {:.1f} ms, exchanges {:.1f} ms exposed", 1e3 * m.moe->expert_s,
+                        1e3 * (m.moe->dispatch_s + m.moe->combine_s));
   for (const CommRecord& c : m.comm)
     line += fmt::format(" | {} {:.2f} MB, {:.1f} ms{}", c.group, c.sent_bytes / 1e6, c.blocked_ms,
                         c.measured == c.predicted ? "" : " (UNEXPECTED VOLUME)");
