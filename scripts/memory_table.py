@@ -28,7 +28,8 @@ column is what Megatron would print, not a corrected figure:
   - the SwiGLU block's fc output is 2*ffn wide, its act output ffn wide: 6*ffn/h bytes per token
     and h, where the formula counts 4*ffn/h; on the other hand it counts dropout masks and
     full-width K and V, which a Llama block with GQA and no dropout does not keep.
-Expert parameters are split over ep and their optimizer shard over the expert-DP group (dp / ep),
+Expert parameters are split over ep and etp and their optimizer shard over the expert-DP group
+((tp / etp) x dp / ep; dp / ep unfolded),
 as the project notes read Megatron's current code; the dense parameters over tp and pp.
 """
 import argparse
@@ -137,6 +138,7 @@ def megatron_estimate(cfg, mode):
     ffn_e = moe.get("ffn_hidden_size") or ffn
     t, p, d = par.get("tp", 1), par.get("pp", 1), par.get("dp", 1)
     ep = par.get("ep", 1)
+    etp = par.get("etp") or t  # folded experts (parallel.etp): split over etp, ep over (t / etp) x dp
     v = par.get("virtual_stages", 1) if par.get("schedule") == "interleaved" else None
     b = tr["micro_batch_size"]
     m_micro = tr["global_batch_size"] // (b * d)
@@ -156,9 +158,9 @@ def megatron_estimate(cfg, mode):
     shard_dense = (block_dense / p + embedding) / t
     if not m.get("tie_embeddings", True) and p == 1:
         shard_dense += embedding / t
-    shard_expert = block_expert / p / ep / t
+    shard_expert = block_expert / p / ep / etp
     bpp = (6 + 12 / d) if dist else 18
-    bpp_e = (6 + 12 / max(1, d // ep)) if dist else 18
+    bpp_e = (6 + 12 / max(1, (t // etp) * d // ep)) if dist else 18
     weights = shard_dense * bpp + shard_expert * bpp_e
 
     # compute_activation_memory (the sequence-parallel path), first pipeline stage
