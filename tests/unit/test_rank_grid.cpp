@@ -107,6 +107,8 @@ struct Reshape {
         all.emplace_back();
         for (int r = 0; r < TP * PP * DP; ++r) all.back().push_back(r);
         break;
+      default:  // CP, ETP, ESHARE: checked by the cases below
+        break;
     }
     return all;
   }
@@ -122,6 +124,9 @@ size_t expected_group_size(GroupKind kind, int tp, int pp, int dp, int ep, int p
     case GroupKind::MP: return static_cast<size_t>(tp) * pp;
     case GroupKind::EMBEDDING: return (pp > 1 && (pp_coord == 0 || pp_coord == pp - 1)) ? 2 : 1;
     case GroupKind::WORLD: return static_cast<size_t>(tp) * pp * dp;
+    case GroupKind::CP: return 1;
+    case GroupKind::ETP: return tp;  // unfolded: the experts split over the whole TP group
+    case GroupKind::ESHARE: return 1;
   }
   return 0;
 }

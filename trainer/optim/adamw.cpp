@@ -60,8 +60,8 @@ AdamW::AdamW(const OptimizerConfig& cfg, const ParamLayout& layout, Backend& be,
     master_buf_ = BackendBuffer(be_, bytes);
     master_ = master_buf_.as<float>();
     int64_t at = 0;
-    for (const GradRange& o : owned) {
-      be_.copy(master_ + at, initial_master + o.offset, static_cast<size_t>(o.numel) * 4);
+    for (const GradRange& o : owned) {  // (no initial weights: the caller fills the shard)
+      if (initial_master) be_.copy(master_ + at, initial_master + o.offset, static_cast<size_t>(o.numel) * 4);
       at += o.numel;
     }
   }

@@ -356,4 +356,34 @@ void init_params(const ParamLayout& layout, const ModelConfig& m, uint64_t seed,
   }
 }
 
+void init_params_range(const ParamLayout& layout, const ModelConfig& m, uint64_t seed, int64_t first, int64_t count,
+                       float* out) {
+  const float std = static_cast<float>(m.init_std);
+  const float scaled_std = std / std::sqrt(2.0f * static_cast<float>(m.num_layers));
+  const int64_t last = first + count;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < count; ++i) out[i] = 0.0f;
+  for (const ParamSpec& p : layout.params) {
+    const int64_t lo = std::max(first, p.offset), hi = std::min(last, p.offset + p.numel);
+    if (lo >= hi) continue;
+    const uint64_t stream = math::fnv1a64(p.name.c_str());
+    float* w = out + (lo - first);
+    switch (p.init) {  // as init_params: element n of the parameter, n in [lo, hi) - p.offset
+      case ParamInit::ZEROS: break;
+      case ParamInit::ONES:
+        for (int64_t n = lo - p.offset; n < hi - p.offset; ++n) w[n - (lo - p.offset)] = 1.0f;
+        break;
+      case ParamInit::NORMAL:
+      case ParamInit::NORMAL_SCALED: {
+        const float s = p.init == ParamInit::NORMAL ? std : scaled_std;
+        const int64_t n0 = lo - p.offset, n1 = std::min(hi - p.offset, p.held());  // the padding stays zero
+#pragma omp parallel for schedule(static)
+        for (int64_t n = n0; n < n1; ++n)
+          w[n - n0] = s * math::philox_normal(seed, stream, static_cast<uint64_t>(p.global_index(n)));
+        break;
+      }
+    }
+  }
+}
+
 }  // namespace tetra

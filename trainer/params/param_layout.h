@@ -186,5 +186,9 @@ struct ParamLayout {
 // Element n of a global parameter is a pure function of (seed, parameter name, n), and a rank
 // generates exactly the elements of its slice: every parallel layout starts from the same model.
 void init_params(const ParamLayout& layout, const ModelConfig& m, uint64_t seed, float* master);
+// The same values for the elements [first, first + count) of the layout's buffer only, into
+// out[0, count) (host memory): a shard's initial weights, bit for bit the whole buffer's there.
+void init_params_range(const ParamLayout& layout, const ModelConfig& m, uint64_t seed, int64_t first, int64_t count,
+                       float* out);
 
 }  // namespace tetra

@@ -144,8 +144,6 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   // Profiled steps record every op (the communicators above were made for the backend itself).
   if (!cfg.training.profile_steps.empty()) be_ = make_traced_backend(std::move(be_));
   const size_t n = static_cast<size_t>(layout_.total);
-  master_buf_ = BackendBuffer(*be_, n * 4);
-  master_ = master_buf_.as<float>();
   // ZeRO-2 keeps no whole gradient: its shards live in the gradient buffers (grad_buffer.h).
   const bool shard_gradients = cfg.parallel.zero_stage >= 2 && cfg.parallel.dp_cp() > 1;
   if (!shard_gradients) {
@@ -153,31 +151,38 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     grads_ = grads_buf_.as<float>();
     be_->memset_zero(grads_, n * 4);
   }
-  if (be_->host_memory()) {
-    init_params(layout_, cfg.model, cfg.training.seed, master_);
-  } else {
-    std::vector<float> host(n);
-    init_params(layout_, cfg.model, cfg.training.seed, host.data());
-    be_->copy_from_host(master_, host.data(), n * 4);
-  }
-  // ZeRO-3 keeps no whole compute weights: its shard is made below, beside the gradient buffers.
+  // ZeRO-3 keeps no whole compute weights: its shard is made beside the gradient buffers.
   zero3_ = cfg.parallel.zero_stage == 3 && cfg.parallel.dp_cp() > 1;
-  if (zero3_) {
-    compute_ = nullptr;
-  } else if (act_ == DType::F32) {
-    compute_ = master_;
-  } else {
-    compute_buf_ = BackendBuffer(*be_, n * dtype_size(act_));
-    compute_ = compute_buf_.get();
-    be_->cast(compute_, act_, master_, DType::F32, layout_.total);
+  // Where the distributed optimizer owns the fp32 master weights (16-bit compute, or ZeRO-3) no
+  // rank makes the whole of them: each generates its own shard (init_params_range, bit for bit the
+  // whole buffer's values there) and the compute weights are that shard rounded, all-gathered over
+  // DP unless ZeRO-3 keeps them sharded too. Otherwise the rank's whole fp32 weights are the master.
+  const bool sharded_start = cfg.parallel.distributed_optimizer && cfg.parallel.dp_cp() > 1 &&
+                             (act_ != DType::F32 || zero3_);
+  if (!sharded_start) {
+    master_buf_ = BackendBuffer(*be_, n * 4);
+    master_ = master_buf_.as<float>();
+    if (be_->host_memory()) {
+      init_params(layout_, cfg.model, cfg.training.seed, master_);
+    } else {
+      std::vector<float> host(n);
+      init_params(layout_, cfg.model, cfg.training.seed, host.data());
+      be_->copy_from_host(master_, host.data(), n * 4);
+    }
+    if (act_ == DType::F32) {
+      compute_ = master_;
+    } else {
+      compute_buf_ = BackendBuffer(*be_, n * dtype_size(act_));
+      compute_ = compute_buf_.get();
+      be_->cast(compute_, act_, master_, DType::F32, layout_.total);
+    }
   }
-  if (!dump_dir.empty()) {
+  if (!dump_dir.empty())
     dump_ = std::make_unique<DebugDump>(cfg, std::move(dump_dir), writer_,
                                         [this](const std::string& file, const float* buffer, double scale) {
                                           dump_tensors(file, buffer, scale);
                                         });
-    dump_->initial_weights(master_);
-  }
+  if (dump_ && master_) dump_->initial_weights(master_);
   // The optimizer first (with the distributed optimizer it copies its shard of the whole fp32
   // weights, which are then freed), the activations after: the whole weights and the activation
   // arenas are never held at once (memory_plan.h's peak).
@@ -186,10 +191,15 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
                                                cfg.parallel.grad_compression == GradCompression::BF16,
                                                shard_gradients, cfg.model.tie_embeddings);
   if (shard_gradients) grads_ = grad_buffer_->shard();
+  const size_t es = dtype_size(act_);
   if (zero3_ && act_ != DType::F32) {  // the 16-bit compute shard: the owned ranges back to back
-    const size_t es = dtype_size(act_);
     compute_buf_ = BackendBuffer(*be_, static_cast<size_t>(grad_buffer_->owned_numel()) * es);
     compute_ = compute_buf_.get();
+  } else if (sharded_start) {  // 16-bit compute weights, whole (gathered below)
+    compute_buf_ = BackendBuffer(*be_, n * es);
+    compute_ = compute_buf_.get();
+  }
+  if (zero3_ && act_ != DType::F32 && master_) {
     int64_t at = 0;
     for (const GradRange& o : grad_buffer_->owned()) {
       be_->cast(static_cast<char*>(compute_) + static_cast<size_t>(at) * es, act_, master_ + o.offset, DType::F32,
@@ -201,6 +211,10 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   if (updater_->holds_master_weights()) {
     master_buf_.reset();
     master_ = nullptr;
+  }
+  if (sharded_start) {
+    TETRA_CHECK(updater_->holds_master_weights(), "a sharded start-up without the optimizer's master shard");
+    initial_shard_weights(cfg);
   }
   const size_t batch_bytes = static_cast<size_t>(accum_ * rows_) * 4;
   tokens_buf_ = BackendBuffer(*be_, batch_bytes);

@@ -104,6 +104,10 @@ class Trainer {
   // tensors: the TP slices are gathered to the writing rank (TP rank 0 of DP rank 0). The values
   // are multiplied by `scale` (fp16 gradients: 1 / the loss scale).
   void dump_tensors(const std::string& file, const float* buffer, double scale = 1.0);
+  // The sharded start-up: the optimizer's master shard generated range by range (a bounded host
+  // piece at a time), the compute weights from it (gathered over DP unless ZeRO-3), and the debug
+  // dump's initial weights (gathered whole: a debugging aid only).
+  void initial_shard_weights(const Config& cfg);
   // The final weights (fp32) as global tensors to final_weights_path() (every rank calls it).
   void save_final_weights();
   // Every rank's planned bytes beside the peak its backend measured (collective over the world):

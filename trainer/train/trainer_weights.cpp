@@ -1,6 +1,7 @@
 // The Trainer's weights as files: any parameter-sized buffer of a rank written as the model's
 // global tensors (the TP slices, the experts of the EP group and every pipeline stage's tensors
 // gathered to the writing rank), and the final weights at the end of a run.
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <deque>
@@ -106,6 +107,36 @@ void Trainer::dump_tensors(const std::string& file, const float* buffer, double 
   if (writer_) write_safetensors(file, views);
 }
 
+
+void Trainer::initial_shard_weights(const Config& cfg) {
+  float* shard = updater_->master_shard();
+  const size_t es = dtype_size(act_);
+  constexpr int64_t kPiece = int64_t{1} << 24;  // elements generated on the host at a time (64 MiB)
+  std::vector<float> host;
+  int64_t at = 0;
+  for (const GradRange& o : grad_buffer_->owned()) {
+    for (int64_t done = 0; done < o.numel; done += kPiece) {
+      const int64_t len = std::min(kPiece, o.numel - done);
+      if (be_->host_memory()) {
+        init_params_range(layout_, cfg.model, cfg.training.seed, o.offset + done, len, shard + at + done);
+      } else {
+        host.resize(static_cast<size_t>(len));
+        init_params_range(layout_, cfg.model, cfg.training.seed, o.offset + done, len, host.data());
+        be_->copy_from_host(shard + at + done, host.data(), static_cast<size_t>(len) * 4);
+      }
+    }
+    if (compute_)  // ZeRO-3: the compact shard; else the whole buffer's owned range
+      be_->cast(static_cast<char*>(compute_) + static_cast<size_t>(zero3_ ? at : o.offset) * es, act_, shard + at,
+                DType::F32, o.numel);
+    at += o.numel;
+  }
+  if (compute_ && !zero3_) grad_buffer_->gather_params(compute_, act_);
+  if (dump_) {
+    BackendBuffer whole(*be_, static_cast<size_t>(layout_.total) * 4);
+    grad_buffer_->gather_compact(whole.get(), shard, DType::F32);
+    dump_->initial_weights(whole.as<float>());
+  }
+}
 
 void Trainer::save_final_weights() {
   const std::string path = final_weights_path(cfg_);
