@@ -74,7 +74,8 @@ def same(doc_value, value):
 # The type column: what the printed value may be for each documented type.
 allowed = {"int": {"int"}, "float": {"int", "float"}, "bool": {"bool"}, "enum": {"string"},
            "string": {"string"}, "list": {"list"}, "list of int": {"list"},
-           "float or null": {"int", "float", "null"}, "bool or null": {"bool", "null"}}
+           "float or null": {"int", "float", "null"}, "bool or null": {"bool", "null"},
+           "int or null": {"int", "null"}}
 
 bad = 0
 for key, value in sorted(printed.items()):

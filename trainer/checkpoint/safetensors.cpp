@@ -50,20 +50,20 @@ void write_all(int fd, const void* data, size_t bytes, const std::string& path) 
 
 }  // namespace
 
-void write_safetensors(const std::string& path, const std::vector<TensorView>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+SafetensorsWriter::SafetensorsWriter(const std::string& path, const std::vector<TensorEntry>& tensors,
+                                     const std::map<std::string, std::string>& metadata)
+    : path_(path) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   uint64_t offset = 0;
-  std::vector<size_t> sizes;
-  for (const TensorView& t : tensors) {
+  for (const TensorEntry& t : tensors) {
     int64_t numel = 1;
     for (int64_t d : t.shape) numel *= d;
-    sizes.push_back(static_cast<size_t>(numel) * dtype_size(t.dtype));
+    sizes_.push_back(static_cast<size_t>(numel) * dtype_size(t.dtype));
     header[t.name] = {{"dtype", std::string(dtype_name(t.dtype))},
                       {"shape", t.shape},
-                      {"data_offsets", {offset, offset + sizes.back()}}};
-    offset += sizes.back();
+                      {"data_offsets", {offset, offset + sizes_.back()}}};
+    offset += sizes_.back();
   }
   std::string text = header.dump();
   while ((text.size() + 8) % 8 != 0) text.push_back(' ');  // align the data section to 8 bytes
@@ -73,36 +73,78 @@ void write_safetensors(const std::string& path, const std::vector<TensorView>& t
   for (int i = 0; i < 8; ++i) length_le[i] = static_cast<uint8_t>(n >> (8 * i));
 
   checkpoint_io_point("create", path + ".tmp");  // fault-injection points of a checkpoint save (commit.h)
-  std::string tmp;
-  int fd = create_temp_beside(path, &tmp);
+  fd_ = create_temp_beside(path, &tmp_);
   try {
-    write_all(fd, length_le, 8, tmp);
-    write_all(fd, text.data(), text.size(), tmp);
-    for (size_t i = 0; i < tensors.size(); ++i) write_all(fd, tensors[i].data, sizes[i], tmp);
-    checkpoint_io_point("fsync", tmp);
-    if (::fsync(fd) != 0) throw Error(fmt::format("{}: fsync failed: {}", tmp, std::strerror(errno)));
+    write_all(fd_, length_le, 8, tmp_);
+    write_all(fd_, text.data(), text.size(), tmp_);
   } catch (...) {
-    ::close(fd);
-    std::error_code ec;
-    std::filesystem::remove(tmp, ec);
+    abandon();
     throw;
   }
-  if (::close(fd) != 0) throw Error(fmt::format("{}: close failed: {}", tmp, std::strerror(errno)));
-  checkpoint_io_point("rename", tmp + " -> " + path);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+}
+
+SafetensorsWriter::~SafetensorsWriter() { abandon(); }
+
+void SafetensorsWriter::abandon() {
+  if (fd_ < 0) return;
+  ::close(fd_);
+  fd_ = -1;
+  std::error_code ec;
+  std::filesystem::remove(tmp_, ec);
+}
+
+void SafetensorsWriter::append(const void* data) {
+  TETRA_CHECK(fd_ >= 0 && next_ < sizes_.size(), "{}: tensor {} appended to a file of {}", path_, next_ + 1,
+              sizes_.size());
+  try {
+    write_all(fd_, data, sizes_[next_], tmp_);
+  } catch (...) {
+    abandon();
+    throw;
+  }
+  ++next_;
+}
+
+void SafetensorsWriter::finish() {
+  TETRA_CHECK(fd_ >= 0 && next_ == sizes_.size(), "{}: finished after {} of {} tensors", path_, next_, sizes_.size());
+  try {
+    checkpoint_io_point("fsync", tmp_);
+    if (::fsync(fd_) != 0) throw Error(fmt::format("{}: fsync failed: {}", tmp_, std::strerror(errno)));
+  } catch (...) {
+    abandon();
+    throw;
+  }
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) {
+    std::error_code ec;
+    std::filesystem::remove(tmp_, ec);
+    throw Error(fmt::format("{}: close failed: {}", tmp_, std::strerror(errno)));
+  }
+  checkpoint_io_point("rename", tmp_ + " -> " + path_);
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
     const int err = errno;
     std::error_code ec;
-    std::filesystem::remove(tmp, ec);
-    throw Error(fmt::format("cannot rename {} to {}: {}", tmp, path, std::strerror(err)));
+    std::filesystem::remove(tmp_, ec);
+    throw Error(fmt::format("cannot rename {} to {}: {}", tmp_, path_, std::strerror(err)));
   }
   // Make the rename itself durable: fsync the directory that holds the file.
-  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  const std::filesystem::path parent = std::filesystem::path(path_).parent_path();
   checkpoint_io_point("fsync", parent.string());
   int dir = ::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY);
   if (dir >= 0) {
     ::fsync(dir);
     ::close(dir);
   }
+}
+
+void write_safetensors(const std::string& path, const std::vector<TensorView>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::vector<SafetensorsWriter::TensorEntry> entries;
+  for (const TensorView& t : tensors) entries.push_back({t.name, t.dtype, t.shape});
+  SafetensorsWriter w(path, entries, metadata);
+  for (const TensorView& t : tensors) w.append(t.data);
+  w.finish();
 }
 
 void write_safetensors(const std::string& path, const std::vector<TensorRecord>& tensors,

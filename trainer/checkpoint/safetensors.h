@@ -35,6 +35,33 @@ struct TensorView {
 void write_safetensors(const std::string& path, const std::vector<TensorView>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 
+// The same file written a tensor at a time (write_safetensors is this): the header, from the
+// tensors' names, types and shapes in file order, at construction; then append() each tensor's
+// bytes in that order; finish() fsyncs and renames into place. Destroyed unfinished, the
+// temporary file is removed and `path` left as it was.
+class SafetensorsWriter {
+ public:
+  struct TensorEntry {
+    std::string name;
+    DType dtype = DType::F32;
+    std::vector<int64_t> shape;
+  };
+  SafetensorsWriter(const std::string& path, const std::vector<TensorEntry>& tensors,
+                    const std::map<std::string, std::string>& metadata = {});
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+  void append(const void* data);  // the next tensor's numel * dtype_size bytes
+  void finish();
+
+ private:
+  void abandon();
+  std::string path_, tmp_;
+  int fd_ = -1;
+  std::vector<size_t> sizes_;
+  size_t next_ = 0;
+};
+
 // Reads every tensor; InputError naming the file on any malformed content.
 std::vector<TensorRecord> read_safetensors(const std::string& path);
 

@@ -339,6 +339,16 @@ void GradBuffer::finish() {
   std::fill(group_reported_.begin(), group_reported_.end(), 0);
 }
 
+void GradBuffer::gather_bucket(size_t i, const float* compact, float* out) {
+  TETRA_CHECK(i < buckets_.size(), "bucket {} of {}", i, buckets_.size());
+  // (buckets_ is in backward order, the last of the buffer first; owned_ in buffer order)
+  const Bucket& b = buckets_[buckets_.size() - 1 - i];
+  const GradRange& mine = owned_[i];
+  float* dst = out + (mine.offset - b.begin);
+  be_.copy(dst, compact + b.compact, static_cast<size_t>(mine.numel) * 4);
+  if (sharded_) dp_->all_gather(out, dst, mine.numel, DType::F32);
+}
+
 void GradBuffer::gather_params(void* params, DType type) {
   if (!sharded_) return;
   const size_t es = dtype_size(type);

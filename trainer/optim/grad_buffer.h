@@ -120,6 +120,15 @@ class GradBuffer final : public GradSink {
   // Distributed optimizer: all-gather each bucket's updated shards of `params` (count = the
   // layout's total, of `type`) from their owners. No-op otherwise.
   void gather_params(void* params, DType type);
+  // Bucket i's elements [begin, end) of the buffer, and its values gathered into `out` (end - begin
+  // fp32, backend memory) from every rank's shard of `compact` (this rank's owned ranges back to
+  // back, the optimizer's master shard). Collective over dp (a copy when not sharded).
+  // (i in buffer order; buckets_ holds them in backward order)
+  std::pair<int64_t, int64_t> bucket_range(size_t i) const {
+    const Bucket& b = buckets_[buckets_.size() - 1 - i];
+    return {b.begin, b.end};
+  }
+  void gather_bucket(size_t i, const float* compact, float* out);
 
   // The ranges of the buffer this rank's optimizer updates: one per bucket (its shard under the
   // distributed optimizer, the whole bucket otherwise), in buffer order, non-overlapping.

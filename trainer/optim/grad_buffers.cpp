@@ -111,6 +111,18 @@ void GradBuffers::gather_params(void* params, DType type) {
   if (experts_) experts_->gather_params(params, type);
 }
 
+size_t GradBuffers::buckets() const { return dense_->num_buckets() + (experts_ ? experts_->num_buckets() : 0); }
+
+std::pair<int64_t, int64_t> GradBuffers::bucket_range(size_t i) const {
+  if (i < dense_->num_buckets()) return dense_->bucket_range(i);
+  return experts_->bucket_range(i - dense_->num_buckets());
+}
+
+void GradBuffers::gather_bucket(size_t i, const float* compact, float* out) {
+  if (i < dense_->num_buckets()) return dense_->gather_bucket(i, compact, out);
+  experts_->gather_bucket(i - dense_->num_buckets(), compact + dense_->owned_numel(), out);
+}
+
 void GradBuffers::gather_compact(void* whole, const void* compact, DType type) {
   const size_t es = dtype_size(type);
   int64_t at = 0;

@@ -58,6 +58,12 @@ class GradBuffers final : public GradSink {
   // ranges back to back, the optimizer state's layout) and every other rank's: each owned range
   // copied to its offsets, then gather_params.
   void gather_compact(void* whole, const void* compact, DType type);
+  // Every bucket, the dense part's then the experts', in buffer order: its [begin, end) and its
+  // fp32 values gathered from `compact` (the optimizer's master shard) into `out` (GradBuffer::
+  // gather_bucket; collective over dp or expert-DP).
+  size_t buckets() const;
+  std::pair<int64_t, int64_t> bucket_range(size_t i) const;
+  void gather_bucket(size_t i, const float* compact, float* out);
   const std::vector<GradRange>& owned() const { return owned_; }
   bool sharded() const { return dense_->sharded(); }
   // The global gradient norm in two halves, so that it is read back with the step's other scalars:

@@ -118,12 +118,27 @@ MemoryPlan plan_memory(const Config& cfg, const ParamLayout& layout, int64_t pp_
                  (cfg.parallel.tp > 1 ? static_cast<size_t>(vl * cfg.parallel.tp) * 4 : 0) +  // gathered
                  (zero3 ? n * dtype_size(act) : 0);  // ZeRO-3: the whole weights it reads, gathered
   if ((act != DType::F32 || zero3) && cfg.parallel.distributed_optimizer) {
-    // The whole fp32 weights (trainer.cpp): at start-up beside everything but the activations, the
-    // batch buffers and the sampling model (allocated after); at the end, when the final weights
-    // are written, beside everything but the activations (freed before).
-    m.staging = n * 4;
     const size_t without_activations = m.total() - m.activations - input_grads - m.units;
-    m.staging_held = final_weights_path(cfg).empty() ? without_activations - m.batch - m.sampling : without_activations;
+    if (cfg.parallel.dp_cp() > 1) {
+      // The optimizer owns the master shard: no rank makes the whole fp32 weights at start-up (each
+      // generates its shard, trainer_weights.cpp); the final weights are written bucket by bucket,
+      // the largest bucket's fp32 gathered at a time, beside everything but the activations.
+      int64_t largest = 0;
+      for (const bool experts : {false, true}) {
+        const ParamLayout part = layout_part(layout, experts);
+        if (part.groups.empty()) continue;
+        for (const BucketPlan& b : plan_buckets(part, cfg.parallel.gradient_bucket_size()))
+          largest = std::max(largest, b.end - b.begin);
+      }
+      m.staging = final_weights_path(cfg).empty() ? 0 : static_cast<size_t>(largest) * 4;
+      m.staging_held = m.staging ? without_activations : 0;
+    } else {
+      // The whole fp32 weights (trainer.cpp): at start-up beside everything but the activations,
+      // the batch buffers and the sampling model (allocated after); at the end, when the final
+      // weights are written, beside everything but the activations (freed before).
+      m.staging = n * 4;
+      m.staging_held = final_weights_path(cfg).empty() ? without_activations - m.batch - m.sampling : without_activations;
+    }
   }
   return m;
 }

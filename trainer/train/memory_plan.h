@@ -31,10 +31,11 @@ struct MemoryPlan {
   // ZeRO-3: the two buffers gathered weight units are read from (weight_units.h), made with the
   // model after the whole fp32 weights are freed, and freed with it before the final weights.
   size_t units = 0;
-  // The whole fp32 weights where no buffer holds them (the distributed optimizer with 16-bit
-  // compute keeps only its shard): at start-up, before the activations are allocated, while the
-  // optimizer takes its shard; and gathered for the final weights after the activations are freed.
-  // Checkpoints are saved and loaded from the shards. `staging_held`: what is held beside it then.
+  // The distributed optimizer with 16-bit compute (or ZeRO-3) keeps only its shard of the fp32
+  // weights: the final weights are gathered a bucket at a time after the activations are freed
+  // (the largest bucket's fp32; none at start-up, where each rank generates its own shard). On one
+  // DP rank (dp x cp 1) the whole fp32 weights at start-up and for the final weights. Checkpoints
+  // are saved and loaded from the shards. `staging_held`: what is held beside it then.
   size_t staging = 0, staging_held = 0;
   bool on_device = false;  // training.device is a GPU: everything but `compression` is GPU memory
   // What is held through the steps.

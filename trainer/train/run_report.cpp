@@ -251,9 +251,11 @@ std::string dry_run_report(const Config& cfg) {
     fmt::format_to(out, "  comm buffers     {} (pipeline input gradients, sequence-parallel norm gradients)\n",
                    mib(mem.buffers));
   if (mem.staging)
-    fmt::format_to(out, "  staging          {} (the whole fp32 weights, at start-up and for the final weights, when "
-                   "the activations are not allocated: {} held then{})\n",
-                   mib(mem.staging), mib(mem.staging_held + mem.staging),
+    fmt::format_to(out, "  staging          {} ({}, when the activations are not allocated: {} held then{})\n",
+                   mib(mem.staging),
+                   cfg.parallel.dp_cp() > 1 ? "the final weights a bucket at a time: the largest bucket's fp32"
+                                            : "the whole fp32 weights, at start-up and for the final weights",
+                   mib(mem.staging_held + mem.staging),
                    mem.staging_held + mem.staging > mem.total() ? ", the peak" : "");
   if (mem.sampling)
     fmt::format_to(out, "  sampling         {} (micro-batch 1 model for the text samples)\n", mib(mem.sampling));

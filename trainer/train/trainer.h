@@ -104,6 +104,11 @@ class Trainer {
   // tensors: the TP slices are gathered to the writing rank (TP rank 0 of DP rank 0). The values
   // are multiplied by `scale` (fp16 gradients: 1 / the loss scale).
   void dump_tensors(const std::string& file, const float* buffer, double scale = 1.0);
+  // The model's global tensors into `file` (safetensors, written by global rank 0): `local(i)` the
+  // rank's values of layout parameter i (numel fp32, host memory, valid until the next call).
+  // `collective`: every rank calls, and `local` for every parameter in order (it may gather).
+  void write_global_tensors(const std::string& file, const std::function<const float*(size_t)>& local,
+                            bool collective);
   // The sharded start-up: the optimizer's master shard generated range by range (a bounded host
   // piece at a time), the compute weights from it (gathered over DP unless ZeRO-3), and the debug
   // dump's initial weights (gathered whole: a debugging aid only).

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <functional>
 
 #include <spdlog/spdlog.h>
 
@@ -16,97 +17,114 @@
 namespace tetra {
 
 void Trainer::dump_tensors(const std::string& file, const float* buffer, double scale) {
-  // Memory: a tensor held whole by this rank is written straight from the buffer (host memory,
-  // scale 1) or from one host copy of it (a GPU's, or scaled); only TP/EP-split tensors are
-  // assembled, one at a time into storage kept until the write. The writing rank holds at most one
-  // model-sized copy beyond the run's own buffers, not two.
-  std::vector<float> host_copy;
-  const float* host = buffer;
-  if (!be_->host_memory() || scale != 1.0) {
-    host_copy.resize(static_cast<size_t>(layout_.total));
-    be_->copy_to_host(host_copy.data(), buffer, host_copy.size() * 4);
-    if (scale != 1.0)
-      for (float& x : host_copy) x = static_cast<float>(x * scale);
-    host = host_copy.data();
-  }
+  // A tensor this rank holds whole is read straight from the buffer (host memory, scale 1) or
+  // through one host copy of that tensor (a GPU's, or scaled).
+  std::vector<float> host;
+  write_global_tensors(
+      file,
+      [&](size_t i) -> const float* {
+        const ParamSpec& p = layout_.params[i];
+        if (be_->host_memory() && scale == 1.0) return buffer + p.offset;
+        host.resize(static_cast<size_t>(p.numel));
+        be_->copy_to_host(host.data(), buffer + p.offset, host.size() * 4);
+        if (scale != 1.0)
+          for (float& x : host) x = static_cast<float>(x * scale);
+        return host.data();
+      },
+      /*collective=*/false);
+}
+
+void Trainer::write_global_tensors(const std::string& file, const std::function<const float*(size_t)>& local,
+                                   bool collective) {
+  // Memory: one global tensor at a time. A tensor this rank holds whole is written from `local`;
+  // TP / EP-split ones are assembled into one tensor's storage; the file is written a tensor at a
+  // time (SafetensorsWriter), later pipeline stages' tensors received one by one.
+  //
   // Dense tensors: their TP slices over the TP group of the first DP replica. Expert tensors:
   // their ETP slices and the EP group's experts, of the first expert-DP replica (folded experts'
-  // groups span TP and DP ranks, rank_grid.h). Every rank may call this; those of neither replica
-  // (and the CP ranks past the first, which hold the same weights) take no part.
+  // groups span TP and DP ranks, rank_grid.h). The CP ranks past the first hold the same weights.
+  // Without a collective source, the ranks of neither replica take no part.
   const GridCoord& c = groups_.coord;
   const bool dense_part = c.dp == 0 && c.cp == 0, expert_part = c.edp == 0 && c.cp == 0;
-  if (!dense_part && !expert_part) return;
+  if (!collective && !dense_part && !expert_part) return;
   Communicator& tp = *groups_.tp;
   Communicator& etp = cfg_.parallel.expert_tp() < cfg_.parallel.tp ? *groups_.etp : tp;
   Communicator& ep = *groups_.ep;
+  Communicator& pp = *groups_.pp;
   const int p = tp.size(), q = ep.size();
   // Every (EP rank, TP rank)'s layout: where its slices sit.
   std::vector<std::vector<ParamLayout>> layouts(q);
   for (int e = 0; e < q; ++e)
     for (int t = 0; t < p; ++t)
-      layouts[e].push_back(e == groups_.coord.ep && t == tp.rank() ? layout_ : rank_layout(cfg_, t, groups_.coord.pp, e));
-  std::deque<std::vector<float>> assembled;  // storage of the tensors put together here
-  std::vector<TensorView> views;
+      layouts[e].push_back(e == c.ep && t == tp.rank() ? layout_ : rank_layout(cfg_, t, c.pp, e));
   auto numel_of = [](const std::vector<int64_t>& shape) {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
     return n;
   };
-  // The stage's writer: TP rank 0 of the first replica (also ETP, EP and expert-DP rank 0).
+  // The stage's writer: TP rank 0 of the first replica (also ETP, EP and expert-DP rank 0); the
+  // first stage's is the file's.
   const bool writes = dense_part && tp.rank() == 0;
+  std::unique_ptr<SafetensorsWriter> out;
+  if (writes && pp.rank() == 0 && writer_) {
+    std::vector<SafetensorsWriter::TensorEntry> entries;
+    for (int s = 0; s < pp.size(); ++s)
+      for (const ParamSpec& spec : (s == pp.rank() ? layout_ : rank_layout(cfg_, 0, s)).params)
+        if (!spec.stage_copy) entries.push_back({spec.name, DType::F32, spec.global_shape});
+    out = std::make_unique<SafetensorsWriter>(file, entries);
+  }
+  std::vector<float> assembled, slices;
   for (size_t i = 0; i < layout_.params.size(); ++i) {
     const ParamSpec& spec = layout_.params[i];
+    if (!collective && !(spec.expert ? expert_part : dense_part)) continue;
+    const float* mine = local(i);  // (a collective source: every rank, every parameter)
     if (spec.stage_copy) continue;  // the first stage's original is written
     if (!(spec.expert ? expert_part : dense_part)) continue;
-    Communicator& slices_of = spec.expert ? etp : tp;
     const int64_t global = numel_of(spec.global_shape);
-    const float* whole = host + spec.offset;  // a tensor this rank holds whole
-    // Slices held by other ranks: TP slices over the TP group, then experts over the EP group
-    // (EP rank e's TP slices at [e p, (e+1) p) when both).
+    const float* whole = mine;  // a tensor this rank holds whole
+    // Slices held by other ranks: TP (experts: ETP) slices, then experts over the EP group (EP
+    // rank e's slices at [e p, (e+1) p) when both).
+    Communicator& slices_of = spec.expert ? etp : tp;
     const int tparts = spec.tp_split ? slices_of.size() : 1, eparts = spec.ep_split ? q : 1;
     if (tparts > 1 || eparts > 1) {
-      std::vector<float> slices(static_cast<size_t>(spec.numel) * tparts * eparts);
+      slices.resize(static_cast<size_t>(spec.numel) * tparts * eparts);
       if (tparts > 1)
-        slices_of.all_gather(slices.data(), host + spec.offset, spec.numel, DType::F32);
+        slices_of.all_gather(slices.data(), mine, spec.numel, DType::F32);
       else
-        std::memcpy(slices.data(), host + spec.offset, static_cast<size_t>(spec.numel) * 4);
+        std::memcpy(slices.data(), mine, static_cast<size_t>(spec.numel) * 4);
       if (eparts > 1) {
-        std::vector<float> mine(slices.begin(), slices.begin() + spec.numel * tparts);
-        ep.all_gather(slices.data(), mine.data(), spec.numel * tparts, DType::F32);
+        std::vector<float> part(slices.begin(), slices.begin() + spec.numel * tparts);
+        ep.all_gather(slices.data(), part.data(), spec.numel * tparts, DType::F32);
       }
       if (!writes) continue;
-      std::vector<float>& out = assembled.emplace_back(static_cast<size_t>(global));
+      assembled.assign(static_cast<size_t>(global), 0.0f);
       for (int e = 0; e < eparts; ++e)
         for (int t = 0; t < tparts; ++t) {
           // (an expert's ETP rank t: the layout of TP rank t, whose ETP rank is t)
           const ParamSpec& qs =
               layouts[spec.ep_split ? e : c.ep][spec.tp_split ? t : (spec.expert ? c.etp : tp.rank())].params[i];
           const float* src = slices.data() + static_cast<size_t>(e * tparts + t) * spec.numel;
-          for (int64_t k = 0; k < qs.held(); ++k) out[static_cast<size_t>(qs.global_index(k))] = src[k];
+          for (int64_t k = 0; k < qs.held(); ++k) assembled[static_cast<size_t>(qs.global_index(k))] = src[k];
         }
-      whole = out.data();
+      whole = assembled.data();
     }
-    if (writes) views.push_back(TensorView{spec.name, DType::F32, spec.global_shape, whole});
+    if (!writes) continue;
+    if (out)
+      out->append(whole);
+    else if (pp.rank() > 0)  // a later stage's writer: to the first stage's, tensor by tensor
+      pp.send(whole, global, DType::F32, 0);
   }
-  // Pipeline: TP rank 0 of every later stage sends its stage's tensors to the first stage.
-  Communicator& pp = *groups_.pp;
-  if (pp.size() > 1 && writes) {
-    if (pp.rank() > 0) {
-      for (const TensorView& v : views) pp.send(v.data, numel_of(v.shape), DType::F32, 0);
-    } else {
-      for (int s = 1; s < pp.size(); ++s)
-        for (const ParamSpec& spec : rank_layout(cfg_, 0, s).params) {
-          if (spec.stage_copy) continue;
-          const int64_t global = numel_of(spec.global_shape);
-          std::vector<float>& out = assembled.emplace_back(static_cast<size_t>(global));
-          pp.recv(out.data(), global, DType::F32, s);
-          views.push_back(TensorView{spec.name, DType::F32, spec.global_shape, out.data()});
-        }
-    }
+  if (out) {
+    for (int s = 1; s < pp.size(); ++s)
+      for (const ParamSpec& spec : rank_layout(cfg_, 0, s).params) {
+        if (spec.stage_copy) continue;
+        assembled.resize(static_cast<size_t>(numel_of(spec.global_shape)));
+        pp.recv(assembled.data(), static_cast<int64_t>(assembled.size()), DType::F32, s);
+        out->append(assembled.data());
+      }
+    out->finish();
   }
-  if (writer_) write_safetensors(file, views);
 }
-
 
 void Trainer::initial_shard_weights(const Config& cfg) {
   float* shard = updater_->master_shard();
@@ -142,20 +160,43 @@ void Trainer::save_final_weights() {
   const std::string path = final_weights_path(cfg_);
   if (path.empty()) return;
   const auto t0 = std::chrono::steady_clock::now();
-  const float* weights = master_;
-  BackendBuffer whole_buf;  // the gathered master weights, when no rank holds them whole
-  float* whole = nullptr;
-  if (!master_) {
-    // bf16 / fp16 with the distributed optimizer: each DP rank's optimizer holds the fp32 master weights
-    // of its shards, back to back; every DP rank takes part in gathering them.
-    whole_buf = BackendBuffer(*be_, static_cast<size_t>(layout_.total) * 4);
-    whole = whole_buf.as<float>();
-    grad_buffer_->gather_compact(whole, updater_->master_shard(), DType::F32);
-    weights = whole;
+  if (master_) {
+    // Global rank 0 writes, gathering the TP slices of its TP group (and the experts of its EP
+    // group); the other (expert-)DP replicas hold the same weights and take no part.
+    dump_tensors(path, master_);
+  } else {
+    // The optimizer's shards only (bf16 / fp16 with the distributed optimizer, or ZeRO-3): bucket by
+    // bucket, every DP (expert-DP) rank all-gathers the bucket's fp32 master weights from the
+    // shards, and its tensors go to the writers as the whole buffer's would. The buffer: the largest
+    // bucket (ZeRO-3: the largest parameter group), not the whole weights.
+    const float* shard = updater_->master_shard();
+    int64_t largest = 0;
+    for (size_t b = 0; b < grad_buffer_->buckets(); ++b) {
+      const auto [lo, hi] = grad_buffer_->bucket_range(b);
+      largest = std::max(largest, hi - lo);
+    }
+    BackendBuffer bucket(*be_, static_cast<size_t>(std::max<int64_t>(largest, 1)) * 4);
+    std::vector<float> host;
+    size_t current = 0;
+    bool gathered = false;
+    write_global_tensors(
+        path,
+        [&](size_t i) -> const float* {
+          const ParamSpec& p = layout_.params[i];
+          while (!gathered || p.offset >= grad_buffer_->bucket_range(current).second) {
+            if (gathered) ++current;
+            TETRA_CHECK(current < grad_buffer_->buckets(), "parameter {} beyond the last bucket", p.name);
+            grad_buffer_->gather_bucket(current, shard, bucket.as<float>());
+            gathered = true;
+          }
+          const float* at = bucket.as<float>() + (p.offset - grad_buffer_->bucket_range(current).first);
+          if (be_->host_memory()) return at;
+          host.resize(static_cast<size_t>(p.numel));
+          be_->copy_to_host(host.data(), at, host.size() * 4);
+          return host.data();
+        },
+        /*collective=*/true);
   }
-  // Global rank 0 writes, gathering the TP slices of its TP group (and the experts of its EP
-  // group); the other (expert-)DP replicas hold the same weights and need not gather theirs.
-  dump_tensors(path, weights);
   spdlog::info("final weights: {} ({} tensors, fp32 master weights) in {:.1f} s", path, layout_.params.size(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
