@@ -195,7 +195,7 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
   if (zero3_ && act_ != DType::F32) {  // the 16-bit compute shard: the owned ranges back to back
     compute_buf_ = BackendBuffer(*be_, static_cast<size_t>(grad_buffer_->owned_numel()) * es);
     compute_ = compute_buf_.get();
-  } else if (sharded_start) {  // 16-bit compute weights, whole (gathered below)
+  } else if (sharded_start && !zero3_) {  // 16-bit compute weights, whole (gathered below)
     compute_buf_ = BackendBuffer(*be_, n * es);
     compute_ = compute_buf_.get();
   }
