@@ -32,15 +32,17 @@ MODEL = {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "nu
 MOE = dict(MODEL, moe={"num_experts": 4, "top_k": 2, "every": 2, "ffn_hidden_size": 24})
 
 
-def run(args, name, model, par, precision="fp32"):
+def run(args, name, model, par, precision="fp32", steps=3, checkpoint=None):
     out = os.path.join(args.workdir, name)
     cfg = {"model": model,
-           "training": {"micro_batch_size": 2, "global_batch_size": 2 * par.get("dp", 1), "steps": 3, "threads": 1,
+           "training": {"micro_batch_size": 2, "global_batch_size": 2 * par.get("dp", 1), "steps": steps, "threads": 1,
                         "peak_gflops": 100,
                         "seed": 11, "precision": precision},
            "optimizer": {"lr": 1e-2, "warmup_steps": 1, "weight_decay": 0.1, "grad_clip": 0.0},
            "parallel": dict({"bucket_size": 700}, **par),
            "data": {"synthetic": True}, "logging": {"dir": out, "level": "warn"}}
+    if checkpoint:
+        cfg["checkpoint"] = checkpoint
     path = harness.write_config(out, cfg)
     world = par.get("tp", 1) * par.get("pp", 1) * par.get("dp", 1)
     r = harness.run_tetra(args, ["--config", path, "--dump-dir", os.path.join(out, "dump")], world)
@@ -81,6 +83,23 @@ def main():
             check(len(staging) == 1 and "a bucket at a time" in staging[0] and "start-up" not in staging[0],
                   f"{model_name} {name}: the plan stages one bucket for the final weights, nothing at start-up "
                   f"({staging})")
+    # Loading into the shards: a checkpoint saved at step 2 without the distributed optimizer, resumed
+    # sharded (each rank reads its shard of the weights, the compute weights gathered over DP), and
+    # one saved sharded, resumed unsharded: the final file is the uninterrupted run's, byte for byte.
+    for name, saved, resumed, precision in [
+            ("zero0_to_zero1_bf16", {"dp": 2}, {"dp": 2, "zero_stage": 1}, "bf16"),
+            ("zero3_to_zero0_bf16_tp2", {"dp": 2, "tp": 2, "sequence_parallel": True, "zero_stage": 3},
+             {"dp": 2, "tp": 2, "sequence_parallel": True}, "bf16"),
+            ("zero0_to_zero3_fp32", {"dp": 2}, {"dp": 2, "zero_stage": 3}, "fp32")]:
+        whole, _ = run(args, f"resume_{name}_whole", MODEL, saved, precision, steps=4)
+        ck = os.path.join(args.workdir, f"resume_{name}_ckpt")
+        run(args, f"resume_{name}_save", MODEL, saved, precision, steps=4, checkpoint={"dir": ck, "every": 2})
+        step2 = os.path.join(ck, "step_00000002")
+        out, _ = run(args, f"resume_{name}_resumed", MODEL, resumed, precision, steps=4, checkpoint={"resume": step2})
+        got = os.path.join(out, "model.safetensors")
+        check(os.path.isdir(step2) and os.path.exists(got) and
+              filecmp.cmp(got, os.path.join(whole, "model.safetensors"), shallow=False),
+              f"{name}: resumed at step 2, the final weights are the uninterrupted run's byte for byte")
     return checks.report()
 
 

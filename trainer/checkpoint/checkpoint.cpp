@@ -363,11 +363,15 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
     if (!r) r = std::make_unique<SafetensorsReader>((fs::path(path) / file).string());
     return *r;
   };
-  // What this rank needs: every local element of the weights, the owned ranges of the moments.
+  // What this rank needs: every local element of the weights, the owned ranges of the moments;
+  // where the optimizer owns the master weights (no whole fp32 buffer), of the weights too: the
+  // host holds the shard only (the compute weights are made from it, gathered over DP by
+  // b.gather_compute).
   const size_t total = static_cast<size_t>(layout.total);
-  std::vector<float> weights(total, 0.0f);
   const std::vector<int64_t> starts = compact_starts(*b.owned);
   const int64_t state_numel = b.owned->empty() ? 0 : starts.back() + b.owned->back().numel;
+  const bool shard_weights = !b.master_full && b.master_shard && (b.compute_compact || !b.compute || b.gather_compute);
+  std::vector<float> weights(shard_weights ? static_cast<size_t>(state_numel) : total, 0.0f);
   std::vector<float> m(static_cast<size_t>(state_numel)), v(static_cast<size_t>(state_numel));
   std::vector<float> values;
   // Reads the local elements [lo, hi) of `ranges` of parameter p's tensor `key` into `local` (p.numel).
@@ -428,10 +432,13 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
       const std::string key = std::string(kind) + "/" + p.name;
       const bool model = std::string(kind) == "model";
       if (weights_only && !model) continue;
-      const auto ranges = model ? std::vector<std::pair<int64_t, int64_t>>{{0, p.numel}} : local_ranges(p, *b.owned);
+      const auto ranges = model && !shard_weights ? std::vector<std::pair<int64_t, int64_t>>{{0, p.numel}}
+                                                  : local_ranges(p, *b.owned);
       read_local(key, p, ranges, local);  // checks the tensor is there even when nothing is needed
       if (ranges.empty()) continue;
-      if (model)
+      if (model && shard_weights)
+        to_compact(p, *b.owned, starts, local, weights);
+      else if (model)
         std::memcpy(weights.data() + p.offset, local.data(), static_cast<size_t>(p.numel) * 4);
       else
         to_compact(p, *b.owned, starts, local, std::string(kind) == "optim/exp_avg" ? m : v);
@@ -474,9 +481,13 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
     // No whole fp32 buffer (the distributed optimizer with 16-bit compute): the shard straight from
     // the host copy, and the compute weights rounded on the host (to nearest even, as
     // Backend::cast) a piece at a time, so that no whole fp32 copy is staged in backend memory.
+    // (the element of owned range o at i: in the host copy, compact or whole)
+    auto host_at = [&](size_t o, int64_t i) {
+      return weights[static_cast<size_t>(shard_weights ? starts[o] + i : (*b.owned)[o].offset + i)];
+    };
     if (b.master_shard)
       for (size_t o = 0; o < b.owned->size(); ++o)
-        be.copy_from_host(b.master_shard + starts[o], weights.data() + (*b.owned)[o].offset,
+        be.copy_from_host(b.master_shard + starts[o], weights.data() + (shard_weights ? starts[o] : (*b.owned)[o].offset),
                           static_cast<size_t>((*b.owned)[o].numel) * 4);
     if (b.compute && b.compute_compact) {  // ZeRO-3: the owned ranges only, back to back
       TETRA_CHECK(is_half_type(b.compute_type), "a compact compute shard of type {}", dtype_name(b.compute_type));
@@ -484,13 +495,28 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
         const GradRange& r = (*b.owned)[o];
         std::vector<uint16_t> piece(static_cast<size_t>(r.numel));
         for (int64_t i = 0; i < r.numel; ++i) {
-          const float x = weights[static_cast<size_t>(r.offset + i)];
+          const float x = host_at(o, i);
           piece[static_cast<size_t>(i)] =
               b.compute_type == DType::BF16 ? math::f32_to_bf16_bits(x) : math::f32_to_f16_bits(x);
         }
         be.copy_from_host(static_cast<char*>(b.compute) + static_cast<size_t>(starts[o]) * 2, piece.data(),
                           piece.size() * 2);
       }
+    } else if (b.compute && shard_weights) {  // the owned ranges rounded in place, then gathered over DP
+      TETRA_CHECK(is_half_type(b.compute_type), "compute weights of type {} without a whole fp32 buffer",
+                  dtype_name(b.compute_type));
+      for (size_t o = 0; o < b.owned->size(); ++o) {
+        const GradRange& r = (*b.owned)[o];
+        std::vector<uint16_t> piece(static_cast<size_t>(r.numel));
+        for (int64_t i = 0; i < r.numel; ++i) {
+          const float x = host_at(o, i);
+          piece[static_cast<size_t>(i)] =
+              b.compute_type == DType::BF16 ? math::f32_to_bf16_bits(x) : math::f32_to_f16_bits(x);
+        }
+        be.copy_from_host(static_cast<char*>(b.compute) + static_cast<size_t>(r.offset) * 2, piece.data(),
+                          piece.size() * 2);
+      }
+      b.gather_compute();
     } else if (b.compute) {
       TETRA_CHECK(is_half_type(b.compute_type), "compute weights of type {} without a whole fp32 buffer",
                   dtype_name(b.compute_type));

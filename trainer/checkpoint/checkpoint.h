@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -80,6 +81,10 @@ struct CheckpointBuffers {
   void* compute = nullptr;        // weights the model reads (restored from the master weights);
   DType compute_type = DType::F32;  // may equal master_full in fp32
   bool compute_compact = false;     // ZeRO-3: compute holds the owned ranges back to back (16-bit)
+  // Load, with master_shard and no master_full: the whole 16-bit compute weights from their owned
+  // ranges, all-gathered over DP (collective; GradBuffers::gather_params), so that no rank reads the
+  // whole weights. Unset: the loader makes them from every local element.
+  std::function<void()> gather_compute;
   std::vector<CheckpointExtra> extra;
 };
 

@@ -355,6 +355,7 @@ CheckpointBuffers Trainer::checkpoint_buffers() {
   b.compute = compute_;
   b.compute_type = act_;
   b.compute_compact = zero3_;
+  if (!master_ && compute_ && !zero3_) b.gather_compute = [this] { grad_buffer_->gather_params(compute_, act_); };
   updater_->add_checkpoint_state(b);
   return b;
 }
