@@ -31,25 +31,10 @@ import sys
 
 import harness
 from harness import Checks, read_safetensors, rel
-from test_moe import GRAD_RTOL, LOSS_RTOL, MODELS, STEPS
+from test_moe import GRAD_RTOL, LOSS_RTOL, MODELS, STEPS, config
 
 checks = Checks()
 check = checks.check
-
-
-def config(model, capacity=None):
-    m = json.loads(json.dumps(MODELS[model]))
-    if capacity is not None:
-        m["moe"]["capacity_factor"] = capacity
-    return {
-        "model": m,
-        "training": {"micro_batch_size": 2, "global_batch_size": 8, "steps": STEPS, "threads": 1,
-                     "peak_gflops": 100, "seed": 7},
-        "optimizer": {"lr": 1e-2, "warmup_steps": 3, "grad_clip": 1.0, "weight_decay": 0.1},
-        "parallel": {"bucket_size": 2000},
-        "data": {"synthetic": True},
-        "logging": {"level": "warn"},
-    }
 
 
 def name_of(L):

@@ -32,7 +32,7 @@ MODEL = {"vocab_size": 64, "make_vocab_size_divisible_by": 1, "seq_len": 16, "nu
 MOE = dict(MODEL, moe={"num_experts": 4, "top_k": 2, "every": 2, "ffn_hidden_size": 24})
 
 
-def run(args, name, model, par, precision="fp32", steps=3, checkpoint=None):
+def run(args, name, model, par, precision="fp32", steps=3, checkpoint=None, env=None):
     out = os.path.join(args.workdir, name)
     cfg = {"model": model,
            "training": {"micro_batch_size": 2, "global_batch_size": 2 * par.get("dp", 1), "steps": steps, "threads": 1,
@@ -45,7 +45,7 @@ def run(args, name, model, par, precision="fp32", steps=3, checkpoint=None):
         cfg["checkpoint"] = checkpoint
     path = harness.write_config(out, cfg)
     world = par.get("tp", 1) * par.get("pp", 1) * par.get("dp", 1)
-    r = harness.run_tetra(args, ["--config", path, "--dump-dir", os.path.join(out, "dump")], world)
+    r = harness.run_tetra(args, ["--config", path, "--dump-dir", os.path.join(out, "dump")], world, env=env)
     check(r.returncode == 0, f"{name}: exit code {r.returncode}")
     plan = harness.run_tetra(args, ["--config", path, "--dry-run"], 1)
     return out, plan.stdout
@@ -95,11 +95,37 @@ def main():
         ck = os.path.join(args.workdir, f"resume_{name}_ckpt")
         run(args, f"resume_{name}_save", MODEL, saved, precision, steps=4, checkpoint={"dir": ck, "every": 2})
         step2 = os.path.join(ck, "step_00000002")
-        out, _ = run(args, f"resume_{name}_resumed", MODEL, resumed, precision, steps=4, checkpoint={"resume": step2})
+        # (the saved slices read 37 elements at a time, so that each is read in many pieces, the
+        # checksum carried across them: TETRA_TEST_CHECKPOINT_PIECE)
+        out, _ = run(args, f"resume_{name}_resumed", MODEL, resumed, precision, steps=4, checkpoint={"resume": step2},
+                     env={"TETRA_TEST_CHECKPOINT_PIECE": "37"})
         got = os.path.join(out, "model.safetensors")
         check(os.path.isdir(step2) and os.path.exists(got) and
               filecmp.cmp(got, os.path.join(whole, "model.safetensors"), shallow=False),
               f"{name}: resumed at step 2, the final weights are the uninterrupted run's byte for byte")
+    # A corrupt slice is still caught when read in pieces: the last byte of a rank file flipped.
+    import shutil
+    src = os.path.join(args.workdir, "resume_zero0_to_zero1_bf16_ckpt", "step_00000002")
+    bad = os.path.join(args.workdir, "corrupt", "step_00000002")
+    if os.path.isdir(src):
+        shutil.rmtree(os.path.dirname(bad), ignore_errors=True)
+        shutil.copytree(src, bad)
+        rank_file = os.path.join(bad, "rank_00000.safetensors")
+        with open(rank_file, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([b[0] ^ 0x40]))
+        out = os.path.join(args.workdir, "corrupt_run")
+        cfg_path = harness.write_config(out, {
+            "model": MODEL, "data": {"synthetic": True}, "logging": {"dir": out, "level": "warn"},
+            "training": {"micro_batch_size": 2, "global_batch_size": 4, "steps": 4, "threads": 1, "peak_gflops": 100,
+                         "seed": 11, "precision": "bf16"},
+            "optimizer": {"lr": 1e-2, "warmup_steps": 1, "weight_decay": 0.1, "grad_clip": 0.0},
+            "parallel": {"bucket_size": 700, "dp": 2, "zero_stage": 1}, "checkpoint": {"resume": bad}})
+        r = harness.run_tetra(args, ["--config", cfg_path], 2, env={"TETRA_TEST_CHECKPOINT_PIECE": "37"}, expect=None)
+        check(r.returncode != 0 and "fails its checksum" in r.stdout + r.stderr,
+              f"a flipped byte in a slice read in pieces is refused as corrupt (exit {r.returncode})")
     return checks.report()
 
 

@@ -166,4 +166,10 @@ TEST_CASE("checkpoint: crc32 is zlib's", "[checkpoint]") {
   CHECK(crc32("", 0) == 0u);
   CHECK(crc32("123456789", 9) == 0xCBF43926u);  // the standard check value of CRC-32/IEEE
   CHECK(crc32("The quick brown fox jumps over the lazy dog", 43) == 0x414FA339u);
+  // Carried over pieces (a slice read in bounded pieces): every split point gives the whole's CRC,
+  // including splits inside the 8-byte steps.
+  const std::string text = "The quick brown fox jumps over the lazy dog";
+  for (size_t cut = 0; cut <= text.size(); ++cut)
+    CHECK(crc32_update(crc32(text.data(), cut), text.data() + cut, text.size() - cut) == 0x414FA339u);
+  CHECK(crc32_update(crc32_update(crc32("1234", 4), "5", 1), "6789", 4) == 0xCBF43926u);
 }

@@ -124,7 +124,15 @@ std::string agree_checkpoint_to_resume(const CheckpointConfig& cfg, ProcessGroup
 
 std::string checkpoint_name(int64_t step) { return fmt::format("step_{:08d}", step); }
 
-uint32_t crc32(const void* data, size_t bytes) {
+uint32_t crc32(const void* data, size_t bytes) { return crc32_update(0, data, bytes); }
+
+namespace {
+int64_t g_read_piece = 0;
+}  // namespace
+
+void set_checkpoint_read_piece(int64_t elements) { g_read_piece = elements; }
+
+uint32_t crc32_update(uint32_t crc, const void* data, size_t bytes) {
   // Slicing-by-8 (8 table lookups per 8 bytes) of the reflected IEEE polynomial, zlib's CRC-32.
   static const std::array<std::array<uint32_t, 256>, 8> table = [] {
     std::array<std::array<uint32_t, 256>, 8> t{};
@@ -137,7 +145,7 @@ uint32_t crc32(const void* data, size_t bytes) {
       for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xFF];
     return t;
   }();
-  uint32_t c = 0xFFFFFFFFu;
+  uint32_t c = crc ^ 0xFFFFFFFFu;
   const auto* p = static_cast<const uint8_t*>(data);
   while (bytes >= 8) {
     uint32_t lo, hi;
@@ -389,14 +397,25 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
       if (!e || e->dtype != DType::F32 || e->end - e->begin != static_cast<uint64_t>(s.region.numel()) * 4)
         throw InputError(fmt::format("{}: slice {} of tensor {} is missing or of the wrong size", f.path(), s.tensor,
                                      key));
-      values.resize(static_cast<size_t>(s.region.numel()));
-      f.read(*e, values.data());
-      if (crc32(values.data(), values.size() * 4) != s.crc)
+      // Read in pieces of at most kPiece elements (the host buffer's bound), each scattered into
+      // this rank's elements, the checksum carried over the whole slice.
+      const int64_t kPiece = g_read_piece > 0 ? g_read_piece : int64_t{1} << 22;  // 16 MiB of fp32
+      const int64_t count = s.region.numel();
+      values.resize(static_cast<size_t>(std::min(count, kPiece)));
+      uint32_t crc = 0;
+      int64_t overlaps = 0;
+      for (int64_t k0 = 0; k0 < count; k0 += kPiece) {
+        const int64_t n = std::min(kPiece, count - k0);
+        f.read_range(*e, static_cast<uint64_t>(k0) * 4, static_cast<uint64_t>(n) * 4, values.data());
+        crc = crc32_update(crc, values.data(), static_cast<size_t>(n) * 4);
+        SliceRegion piece = s.region;
+        piece.begin = s.region.begin + k0;
+        piece.end = piece.begin + n;
+        for (const auto& [lo, hi] : ranges) overlaps += scatter_slice(p, lo, hi, piece, values.data(), local.data(), filled);
+      }
+      if (crc != s.crc)
         throw InputError(fmt::format("{}: slice {} of tensor {} fails its checksum: the file is corrupt", f.path(),
                                      s.tensor, key));
-      int64_t overlaps = 0;
-      for (const auto& [lo, hi] : ranges)
-        overlaps += scatter_slice(p, lo, hi, s.region, values.data(), local.data(), filled);
       if (overlaps > 0)
         throw InputError(fmt::format("{}: slice {} of tensor {} overlaps another slice ({} elements): the "
                                      "manifest is corrupt", manifest_path, s.tensor, key, overlaps));
@@ -489,33 +508,24 @@ CheckpointState load_checkpoint(const std::string& path, const Config& cfg, Proc
       for (size_t o = 0; o < b.owned->size(); ++o)
         be.copy_from_host(b.master_shard + starts[o], weights.data() + (shard_weights ? starts[o] : (*b.owned)[o].offset),
                           static_cast<size_t>((*b.owned)[o].numel) * 4);
+    // Owned range o rounded on the host (to nearest even, as Backend::cast) into the compute
+    // weights at element `at`.
+    auto round_range = [&](size_t o, int64_t at) {
+      const GradRange& r = (*b.owned)[o];
+      std::vector<uint16_t> piece(static_cast<size_t>(r.numel));
+      for (int64_t i = 0; i < r.numel; ++i) {
+        const float x = host_at(o, i);
+        piece[static_cast<size_t>(i)] = b.compute_type == DType::BF16 ? math::f32_to_bf16_bits(x) : math::f32_to_f16_bits(x);
+      }
+      be.copy_from_host(static_cast<char*>(b.compute) + static_cast<size_t>(at) * 2, piece.data(), piece.size() * 2);
+    };
     if (b.compute && b.compute_compact) {  // ZeRO-3: the owned ranges only, back to back
       TETRA_CHECK(is_half_type(b.compute_type), "a compact compute shard of type {}", dtype_name(b.compute_type));
-      for (size_t o = 0; o < b.owned->size(); ++o) {
-        const GradRange& r = (*b.owned)[o];
-        std::vector<uint16_t> piece(static_cast<size_t>(r.numel));
-        for (int64_t i = 0; i < r.numel; ++i) {
-          const float x = host_at(o, i);
-          piece[static_cast<size_t>(i)] =
-              b.compute_type == DType::BF16 ? math::f32_to_bf16_bits(x) : math::f32_to_f16_bits(x);
-        }
-        be.copy_from_host(static_cast<char*>(b.compute) + static_cast<size_t>(starts[o]) * 2, piece.data(),
-                          piece.size() * 2);
-      }
+      for (size_t o = 0; o < b.owned->size(); ++o) round_range(o, starts[o]);
     } else if (b.compute && shard_weights) {  // the owned ranges rounded in place, then gathered over DP
       TETRA_CHECK(is_half_type(b.compute_type), "compute weights of type {} without a whole fp32 buffer",
                   dtype_name(b.compute_type));
-      for (size_t o = 0; o < b.owned->size(); ++o) {
-        const GradRange& r = (*b.owned)[o];
-        std::vector<uint16_t> piece(static_cast<size_t>(r.numel));
-        for (int64_t i = 0; i < r.numel; ++i) {
-          const float x = host_at(o, i);
-          piece[static_cast<size_t>(i)] =
-              b.compute_type == DType::BF16 ? math::f32_to_bf16_bits(x) : math::f32_to_f16_bits(x);
-        }
-        be.copy_from_host(static_cast<char*>(b.compute) + static_cast<size_t>(r.offset) * 2, piece.data(),
-                          piece.size() * 2);
-      }
+      for (size_t o = 0; o < b.owned->size(); ++o) round_range(o, (*b.owned)[o].offset);
       b.gather_compute();
     } else if (b.compute) {
       TETRA_CHECK(is_half_type(b.compute_type), "compute weights of type {} without a whole fp32 buffer",

@@ -111,5 +111,11 @@ std::string checkpoint_name(int64_t step);
 
 // CRC-32 (IEEE, as zlib's crc32) of `bytes`.
 uint32_t crc32(const void* data, size_t bytes);
+// The CRC-32 of the bytes before (`crc`) and these (zlib's crc32(crc, data, bytes)):
+// crc32_update(crc32(a), b) == crc32(a followed by b).
+uint32_t crc32_update(uint32_t crc, const void* data, size_t bytes);
+// Test-only (TETRA_TEST_CHECKPOINT_PIECE, runtime_options.h): load_checkpoint reads each saved
+// slice `elements` at a time (0: the default, 2^22, 16 MiB of fp32).
+void set_checkpoint_read_piece(int64_t elements);
 
 }  // namespace tetra

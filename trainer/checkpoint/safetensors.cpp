@@ -264,11 +264,17 @@ const SafetensorsReader::Entry* SafetensorsReader::find(const std::string& name)
   return it == entries_.end() ? nullptr : &it->second;
 }
 
-void SafetensorsReader::read(const Entry& e, void* out) const {
+void SafetensorsReader::read(const Entry& e, void* out) const { read_range(e, 0, e.end - e.begin, out); }
+
+void SafetensorsReader::read_range(const Entry& e, uint64_t offset, uint64_t bytes, void* out) const {
+  if (offset > e.end - e.begin || bytes > e.end - e.begin - offset)
+    throw InputError(fmt::format("{}: bytes [{}, {}) beyond a tensor of {}", path_, offset, offset + bytes,
+                                 e.end - e.begin));
   char* p = static_cast<char*>(out);
-  uint64_t at = e.begin;
-  while (at < e.end) {
-    const ssize_t n = ::pread(fd_, p, e.end - at, static_cast<off_t>(at));
+  uint64_t at = e.begin + offset;
+  const uint64_t end = at + bytes;
+  while (at < end) {
+    const ssize_t n = ::pread(fd_, p, end - at, static_cast<off_t>(at));
     if (n <= 0) throw InputError(fmt::format("{}: file truncated", path_));
     p += n;
     at += static_cast<uint64_t>(n);

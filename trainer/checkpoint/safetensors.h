@@ -86,6 +86,8 @@ class SafetensorsReader {
   const Entry* find(const std::string& name) const;
   // Reads entry `e`'s end - begin bytes into `out`. InputError if the file is shorter.
   void read(const Entry& e, void* out) const;
+  // Bytes [offset, offset + bytes) of the tensor's data (within it: an InputError otherwise).
+  void read_range(const Entry& e, uint64_t offset, uint64_t bytes, void* out) const;
 
  private:
   void check_tiling(uint64_t data_size) const;  // InputError naming the first tensor out of place

@@ -196,6 +196,7 @@ int TrainCommand::train(const ProcessInfo& proc, const RuntimeOptions& runtime) 
   tetra::set_moe_route_bias(runtime.moe_route == "one"    ? tetra::MoeRouteBias::kOne
                             : runtime.moe_route == "skew" ? tetra::MoeRouteBias::kSkew
                                                           : tetra::MoeRouteBias::kNone);
+  tetra::set_checkpoint_read_piece(runtime.checkpoint_piece);
   tetra::trace::set_test_skew(proc.rank * runtime.timing.clock_skew_ms * 1e-3);
   tetra::trace::name_thread("main");  // the training loop's track of this rank's timeline
   struct StopWatchdog {

@@ -96,6 +96,9 @@ RuntimeOptions read_runtime_options() {
   o.save_faults.kill_at_call = int_or("TETRA_FAULT_SAVE_AT", 0);
   if (const char* v = value_of("TETRA_FAULT_SAVE_LOG")) o.save_faults.call_log = v;
   o.save_faults.no_exchange = switch_on("TETRA_FAULT_NO_EXCHANGE");
+  o.checkpoint_piece = int_or("TETRA_TEST_CHECKPOINT_PIECE", 0);
+  TETRA_INPUT_CHECK(o.checkpoint_piece >= 0, "TETRA_TEST_CHECKPOINT_PIECE={} must be a positive number of elements",
+                    o.checkpoint_piece);
   if (const char* v = value_of("TETRA_TEST_MOE_ROUTE")) {
     const std::string route = v;
     TETRA_INPUT_CHECK(route == "one" || route == "skew", "TETRA_TEST_MOE_ROUTE={} is not one of one, skew", route);

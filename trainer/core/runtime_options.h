@@ -28,6 +28,8 @@
 //   TETRA_TEST_CLOCK_SKEW_MS   rank r's trace clock runs r times this ahead (trace alignment test)
 //   TETRA_TEST_MOE_ROUTE       one | skew: the MoE router's logits biased so that every token
 //                              chooses experts 0..top_k-1 (one), or expert 0 is favoured (skew)
+//   TETRA_TEST_CHECKPOINT_PIECE n: a checkpoint's slices are read n elements at a time (default
+//                              2^22), so that a test's small slices are read in several pieces
 //   TETRA_FAULT_SAVE_AT        k: a save kills its process (SIGKILL) just before its k-th
 //                              filesystem call (trainer/checkpoint/commit.h)
 //   TETRA_FAULT_SAVE_LOG       a file each filesystem call of a save is appended to
@@ -83,6 +85,7 @@ struct RuntimeOptions {
   TimingHooks timing;           // TETRA_TEST_SLOW_RANK, _SLOW_MS, _CLOCK_SKEW_MS
   SaveFaultHooks save_faults;   // TETRA_FAULT_SAVE_AT, _SAVE_LOG, _NO_EXCHANGE
   std::string moe_route;        // TETRA_TEST_MOE_ROUTE: "", one or skew
+  int64_t checkpoint_piece = 0; // TETRA_TEST_CHECKPOINT_PIECE: 0 = the default
 };
 
 // The options of this process's environment. InputError naming the variable for a value it
