@@ -314,7 +314,9 @@ ActivationSizes Gpt::activation_sizes_for(const ModelConfig& cfg, DType act, int
   const int64_t chunk = loss_chunk > 0 ? std::min(loss_chunk, d.N()) : 0;
   ActivationSizes size = dense_sizes(ArenaShape{d, act, rc, units, moe, chunk, cfg.qk_norm, cp_comm});
   // MoE blocks: their routing and expert state in each slot, their scratch beside the dense one.
-  size += MoeLayers::sizes_for(cfg, act, d.N(), ep, tp, d.l0, d.L, rc.moe_act, cp, etp);
+  // (whole folded experts under SP run on the rank's own rows: MoeLayers::local_rows_for)
+  const bool local = MoeLayers::local_rows_for(cfg, tp, etp > 0 ? etp : tp, sequence_parallel && tp > 1);
+  size += MoeLayers::sizes_for(cfg, act, local ? d.Ns : d.N(), ep, local ? 1 : tp, d.l0, d.L, rc.moe_act, cp, etp);
   return size;
 }
 
@@ -358,7 +360,9 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   const ActivationSizes dense = dense_sizes(z);
   ActivationSizes size = dense;
   const int64_t etp_size = eshare ? (etp ? etp->size() : 1) : tp_size;
-  size += MoeLayers::sizes_for(cfg, act, d_.N(), ep_size, tp_size, d_.l0, d_.L, rc_.moe_act, d_.cp, etp_size);
+  moe_local_ = MoeLayers::local_rows_for(cfg, tp_size, etp_size, d_.sp);
+  size += MoeLayers::sizes_for(cfg, act, moe_local_ ? d_.Ns : d_.N(), ep_size, moe_local_ ? 1 : tp_size, d_.l0, d_.L,
+                               rc_.moe_act, d_.cp, etp_size);
   ActivationRegions r;
   if (regions) {  // shared with the rank's other chunks
     TETRA_CHECK(regions->count == slots && regions->slot_stride >= size.slot && regions->scratch_bytes >= size.scratch,
@@ -382,8 +386,8 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   if (cfg.moe.enabled()) {  // the MoE state after the dense part, in the scratch and in each slot
     const ActivationRegions m{r.scratch + dense.scratch, r.scratch_bytes - dense.scratch, r.slots + dense.slot,
                               r.slot_stride, slots};
-    moe_ = std::make_unique<MoeLayers>(cfg, layout, be, act, d_.N(), ep, tp, d_.l0, d_.L, rc_.moe_act, slots, &m, cp,
-                                       etp, eshare, ep_chunks);
+    moe_ = std::make_unique<MoeLayers>(cfg, layout, be, act, moe_local_ ? d_.Ns : d_.N(), ep, tp, d_.l0, d_.L,
+                                       rc_.moe_act, slots, &m, cp, etp, eshare, ep_chunks, moe_local_);
   }
 }
 
@@ -566,6 +570,11 @@ void Gpt::forward_layer(const void* weights, int64_t slot, int64_t l, bool recom
   if (p.moe) {  // res[l+1] = res_mid + MoE(ln2); the experts' TP slices reduced like a row-parallel output
     // A recomputed unit ends at its MoE block, whose state and output were kept: nothing to redo.
     if (recompute) return;
+    if (moe_local_) {  // the rank's own rows, whole values: no TP exchange (MoeLayers::local_rows_for)
+      moe_->forward(d.l0 + l, WeightView(weights, weights_, dtype_size(act_)), s.ln2, s.res_mid, sl.res[l + 1],
+                    moe_loss_weight_, slot);
+      return;
+    }
     const void* h2 = tp.copy_to_region(a.lnfull, s.ln2);
     void* y = tp.product_target(sl.res[l + 1], a.dfull);
     moe_->forward(d.l0 + l, WeightView(weights, weights_, dtype_size(act_)), h2, tp.residual_in_product() ? s.res_mid : nullptr, y, moe_loss_weight_, slot);
@@ -653,15 +662,19 @@ void Gpt::backward(const void* weights, float* grads, int64_t slot, const int32_
     // Selective recomputation, just before each output is read (a fully recomputed layer has them all).
     const bool full = units_.full(l);
     const bool re_norm = rc_.norm && !full, re_act = rc_.act && !full, re_attn = rc_.core_attn && !full;
-    auto norm2_input = [&]() {  // ln2 over every row (gathered with SP)
+    auto norm2_input = [&]() -> const void* {  // ln2 over every row (gathered with SP)
       if (re_norm)
         be_.norm_forward(norm_, s.ln2, s.ln2_mean, s.ln2_rstd, s.res_mid, w(weights, p.norm2_w), w(weights, p.norm2_b),
                          Ns, d.C, eps_, t, t);
-      return tp.copy_to_region(a.lnfull, s.ln2);
+      return p.moe && moe_local_ ? s.ln2 : tp.copy_to_region(a.lnfull, s.ln2);
     };
-    // MLP: res[l+1] = res_mid + act W_p^T + b; g's backward gives every row's gradient.
-    const void* dout = tp.reduce_from_region_backward(a.dfull, a.dres);
-    if (p.moe) {
+    // MLP: res[l+1] = res_mid + act W_p^T + b; g's backward gives every row's gradient (a MoE block
+    // on its local rows: the rank's own, dres itself, and its input gradient whole into dc).
+    const void* dout = p.moe && moe_local_ ? a.dres : tp.reduce_from_region_backward(a.dfull, a.dres);
+    if (p.moe && moe_local_) {
+      moe_->backward(d.l0 + l, WeightView(weights, weights_, dtype_size(act_)), g, norm2_input(), dout, a.dc, slot);
+      done(p.expert_group);
+    } else if (p.moe) {
       moe_->backward(d.l0 + l, WeightView(weights, weights_, dtype_size(act_)), g, norm2_input(), dout, dx, slot);
       done(p.expert_group);
       tp.copy_to_region_backward(a.dc, dx);

@@ -233,7 +233,7 @@ ActivationSizes MoeLayers::sizes_for(const ModelConfig& cfg, DType act, int64_t 
 MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType act, int64_t N,
                      Communicator* ep, Communicator* tp, int64_t l0, int64_t layers, bool recompute_act,
                      int64_t slots, const ActivationRegions* regions, Communicator* cp, Communicator* etp,
-                     Communicator* eshare, int ep_chunks)
+                     Communicator* eshare, int ep_chunks, bool local_rows)
     : cfg_(cfg),
       layout_(layout),
       be_(be),
@@ -256,11 +256,16 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   TETRA_CHECK(layout.slicing.ep == ep_size && layout.slicing.ep_rank == (ep_ ? ep_->rank() : 0),
               "the parameter layout is for EP rank {} of {}, the model for rank {} of {}", layout.slicing.ep_rank,
               layout.slicing.ep, ep_ ? ep_->rank() : 0, ep_size);
-  const Sizes z = sizes_of(cfg, act, N, ep_size, tp_size, recompute_act, cp_size, etp_size);
+  // Local rows (whole folded experts under SP, local_rows()): the N rows are this rank's share
+  // itself, the output their whole value.
+  TETRA_CHECK(!local_rows || (share_ && !etp_ && !cfg.moe.has_shared_expert() && !cfg.moe.capacity_factor),
+              "MoE blocks on their local rows need whole folded experts, no shared expert and no capacity");
+  const Sizes z = sizes_of(cfg, act, N, ep_size, local_rows ? etp_size : tp_size, recompute_act, cp_size, etp_size);
   recompute_act_ = recompute_act;
   Nfull_ = N;
   shares_ = z.shares;
-  const int64_t share = share_ ? share_->rank() : 0;
+  seq_rows_ = local_rows ? N * share_->size() : N;
+  const int64_t share = share_ && !local_rows ? share_->rank() : 0;
   r0_ = std::min(N, share * z.N);
   N_ = std::min(N, r0_ + z.N) - r0_;  // this share's rows (the last shares may hold fewer, or none)
   Nmax_ = z.N;
@@ -298,7 +303,8 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   }
   if (blocks_ == 0) return;  // no MoE block in this chunk: nothing is kept
   TETRA_CHECK(slots >= 1, "MoE blocks need at least one activation slot, not {}", slots);
-  const ActivationSizes size = sizes_for(cfg, act, N, ep_size, tp_size, l0, layers, recompute_act, cp_size, etp_size);
+  const ActivationSizes size =
+      sizes_for(cfg, act, N, ep_size, local_rows ? etp_size : tp_size, l0, layers, recompute_act, cp_size, etp_size);
   ActivationRegions r;
   if (regions) {
     TETRA_CHECK(regions->count >= slots && regions->slot_stride >= size.slot && regions->scratch_bytes >= size.scratch,
@@ -600,7 +606,7 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
     s.routed_seq.assign(s.plan.routed.begin(), s.plan.routed.end());
     // The sequence's statistics: every share's rows (folded experts) and every CP rank's tokens,
     // summed over those groups through backend scratch.
-    const double n_seq = static_cast<double>(Nfull_) * (cp_ ? static_cast<double>(cp_->size()) : 1.0);
+    const double n_seq = static_cast<double>(seq_rows_) * (cp_ ? static_cast<double>(cp_->size()) : 1.0);
     for (Communicator* group : {share_, cp_}) {
       if (!group) continue;
       std::vector<int32_t>& counts = sc_->h_routed;
@@ -739,13 +745,13 @@ void MoeLayers::backward(int64_t l, const WeightView& weights, const GradTarget&
   // The loss's weight is this rank's share of the sequence's (lw = scale x N): the sequence's loss
   // weighs cp x lw, over cp N tokens.
   // (lw weighs the caller's Nfull rows: the share's rows' loss terms are the whole rows' below)
-  const double cp = cp_ ? static_cast<double>(cp_->size()) : 1.0, n_seq = cp * static_cast<double>(Nfull_);
+  const double cp = cp_ ? static_cast<double>(cp_->size()) : 1.0, n_seq = cp * static_cast<double>(seq_rows_);
   const double aux_scale = cfg_.moe.aux_loss_coeff * lw * cp * static_cast<double>(E_) / (n_seq * n_seq * static_cast<double>(K_));
   std::vector<float>& eg = sc_->h_eg;
   for (int64_t e = 0; e < E_; ++e)
     eg[e] = static_cast<float>(aux_scale * static_cast<double>(s.routed_seq[static_cast<size_t>(e)]));
   be_.copy_from_host(sc_->expert_grad, eg.data(), eg.size() * 4);
-  const float z_scale = static_cast<float>(cfg_.moe.z_loss_coeff * lw / static_cast<double>(Nfull_));
+  const float z_scale = static_cast<float>(cfg_.moe.z_loss_coeff * lw / static_cast<double>(seq_rows_));
   if (sc_->dtopk != sc_->dgates && N_ > 0)  // through the renormalisation and scaling
     be_.moe_gates_backward(sc_->dtopk, sc_->dgates, s.topk_prob, N_, K_, cfg_.moe.normalizes_gates(),
                            static_cast<float>(cfg_.moe.router_topk_scaling_factor.value_or(1.0)));

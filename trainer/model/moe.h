@@ -150,7 +150,16 @@ class MoeLayers {
             Communicator* ep, Communicator* tp = nullptr, int64_t l0 = 0, int64_t layers = -1,
             bool recompute_act = false, int64_t slots = 1, const ActivationRegions* regions = nullptr,
             Communicator* cp = nullptr, Communicator* etp = nullptr, Communicator* eshare = nullptr,
-            int ep_chunks = 1);
+            int ep_chunks = 1, bool local_rows = false);
+  // Whole folded experts (etp 1) under sequence parallelism, without a shared expert or a
+  // capacity: each rank's share is its own sequence-parallel shard of the rows, so the block runs
+  // on the shard itself (local_rows: N is the shard's rows, the output their whole value and the
+  // input gradient whole too) and the TP group's gather before it and reduce-scatter after it,
+  // forward and backward, are not needed (Megatron's folded dispatcher's saving).
+  static bool local_rows_for(const ModelConfig& cfg, int64_t tp, int64_t etp, bool sequence_parallel) {
+    return cfg.moe.enabled() && tp > 1 && etp == 1 && sequence_parallel && !cfg.moe.has_shared_expert() &&
+           !cfg.moe.capacity_factor;
+  }
   // (`etp`, `eshare`: the ETP and ESHARE groups of folded experts; eshare null or of size 1: unfolded,
   // the experts split over `tp`. `ep_chunks`: the expert-parallel exchanges in that many chunks,
   // overlapped with the experts' compute: parallel.ep_overlap_chunks.)
@@ -221,6 +230,7 @@ class MoeLayers {
   Communicator* etp_ = nullptr;    // the experts' partial sums (tp_ unfolded); null for whole experts
   Communicator* share_ = nullptr;  // folded experts: the TP ranks routing the other rows; else null
   int64_t Nfull_ = 0, Nmax_ = 0, r0_ = 0, shares_ = 1;  // the caller's rows; a share's most; its first row
+  int64_t seq_rows_ = 0;  // the rows of this CP rank's sequences over the TP group (the losses' N)
   std::unique_ptr<ExpertDispatcher> dispatcher_;  // the EP exchanges (parallel/expert_dispatch.h)
   std::unique_ptr<MoeSharedExpert> shared_;       // the shared expert (moe_shared.h), or null
   int64_t N_, C_, E_, K_, El_, e0_, F_, FC_, cap_, M_max_, R_max_, B_;

@@ -1,5 +1,7 @@
 #include "trainer/parallel/comm_volume.h"
 
+#include "trainer/model/moe.h"
+
 #include <algorithm>
 
 #include <fmt/format.h>
@@ -172,10 +174,14 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
     if (!par.sequence_parallel) {
       v.tp.add(CommOp::ALL_REDUCE, (fwd + bwd) * accum, rows);
     } else {
-      v.tp.add(CommOp::REDUCE_SCATTER, (fwd + bwd) * accum, rows);
+      // MoE blocks on their local rows (whole folded experts: MoeLayers::local_rows_for) skip the
+      // MLP's exchanges: its reduce-scatter forward and backward, its gather forward, and backward
+      // the gather of the output gradient and the norm output's again.
+      const int64_t local = MoeLayers::local_rows_for(cfg.model, par.tp, par.expert_tp(), true) ? moe_blocks : 0;
+      v.tp.add(CommOp::REDUCE_SCATTER, (fwd + bwd - 2 * local) * accum, rows);
       const bool fused_loss = cfg.training.loss_chunk_rows > 0;
       const int64_t gathers = (2 * L + (last ? 1 : 0) + recomputed_exchanges) + (2 * L + (first ? 1 : 0)) +
-                              (2 * L + (last && !fused_loss ? 1 : 0));
+                              (2 * L + (last && !fused_loss ? 1 : 0)) - 3 * local;
       v.tp.add(CommOp::ALL_GATHER, gathers * accum, rows);
     }
     // Gradients that are partial sums per TP rank (norms under sequence parallelism, q/k norms),
