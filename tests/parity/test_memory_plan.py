@@ -54,6 +54,11 @@ CONFIGS = [
     # ZeRO-3: the compute weights a shard too, two units gathered at a time (fp32: no compute
     # copy, the units gather the master shard).
     ("gpt2_dp2_zero3", GPT2, {"dp": 2, "zero_stage": 3}, {"global_batch_size": 8}),
+    # The distributed optimizer with a large embedding bucket and few activations: writing the final
+    # weights (that bucket's fp32 gathered from the shards, beside everything but the activations) is
+    # the run's peak (the dry run says so: STAGING_PEAK).
+    ("gpt2_bigvocab_dp2_zero1_bf16", dict(GPT2, vocab_size=16384), {"dp": 2, "zero_stage": 1},
+     {"precision": "bf16", "micro_batch_size": 1, "global_batch_size": 2}),
     ("gpt2_dp2_zero3_keep", GPT2, {"dp": 2, "zero_stage": 3, "reshard_after_forward": False}, {"global_batch_size": 8}),
     ("moe_dp4_ep2_zero3", MOE, {"dp": 4, "ep": 2, "zero_stage": 3}, {"global_batch_size": 16}),
     ("llama_dp2_pp2_zero3_bf16", LLAMA, {"dp": 2, "pp": 2, "zero_stage": 3}, {"precision": "bf16", "global_batch_size": 8}),
@@ -108,6 +113,9 @@ def config(model, par, training, out):
             "data": {"synthetic": True}, "logging": {"level": "warn", "dir": out}}
 
 
+STAGING_PEAK = {"gpt2_bigvocab_dp2_zero1_bf16"}
+
+
 def dry_run_peak(args, path):
     """The peak --dry-run prints for pipeline rank 0, in MiB (one decimal), or None; and with
     dp > 1 its "ZeRO stages" line's figure for this run's stage (None where absent)."""
@@ -144,6 +152,11 @@ def main():
         # configs a forgotten buffer (a pipeline's input gradients are ~1.5% here) hides inside 5%.
         check(all(abs(x - 1.0) <= EXACT for x in ratios),
               f"{name}: and within {EXACT:g} of it (every buffer planned)")
+        if name in STAGING_PEAK:  # the end is the peak: the plan's staging moment was measured
+            r = harness.run_tetra(args, ["train", "--config", path, "--dry-run"])
+            staging = [l for l in r.stdout.splitlines() if l.strip().startswith("staging")]
+            check(len(staging) == 1 and "the peak" in staging[0] and "a bucket at a time" in staging[0],
+                  f"{name}: the plan's peak is the final weights' bucket-by-bucket moment ({staging})")
         if name in DRY_RUN_CHECKED:
             printed, stage = dry_run_peak(args, path)
             rank0 = ranks[0]["planned_bytes"] / 2**20
