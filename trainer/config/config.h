@@ -517,6 +517,14 @@ struct LoggingConfig {
   int64_t straggler_window = 5;     // ... in this many steps in a row is logged; 0 = off
 };
 
+// MoE blocks of whole folded experts (etp 1) under sequence parallelism, without a shared expert or
+// a capacity, run on each rank's own sequence-parallel rows: no TP gather or reduce-scatter around
+// them (trainer/model/moe.h; the traffic prediction counts them out).
+inline bool moe_local_rows(const ModelConfig& m, int64_t tp, int64_t etp, bool sequence_parallel) {
+  return m.moe.enabled() && tp > 1 && etp == 1 && sequence_parallel && !m.moe.has_shared_expert() &&
+         !m.moe.capacity_factor;
+}
+
 struct Config {
   ModelConfig model;
   ParallelConfig parallel;

@@ -157,8 +157,7 @@ class MoeLayers {
   // input gradient whole too) and the TP group's gather before it and reduce-scatter after it,
   // forward and backward, are not needed (Megatron's folded dispatcher's saving).
   static bool local_rows_for(const ModelConfig& cfg, int64_t tp, int64_t etp, bool sequence_parallel) {
-    return cfg.moe.enabled() && tp > 1 && etp == 1 && sequence_parallel && !cfg.moe.has_shared_expert() &&
-           !cfg.moe.capacity_factor;
+    return moe_local_rows(cfg, tp, etp, sequence_parallel);
   }
   // (`etp`, `eshare`: the ETP and ESHARE groups of folded experts; eshare null or of size 1: unfolded,
   // the experts split over `tp`. `ep_chunks`: the expert-parallel exchanges in that many chunks,

@@ -1,7 +1,5 @@
 #include "trainer/parallel/comm_volume.h"
 
-#include "trainer/model/moe.h"
-
 #include <algorithm>
 
 #include <fmt/format.h>
@@ -174,10 +172,10 @@ StepVolume predict_step_volume(const Config& cfg, const ParamLayout& layout, boo
     if (!par.sequence_parallel) {
       v.tp.add(CommOp::ALL_REDUCE, (fwd + bwd) * accum, rows);
     } else {
-      // MoE blocks on their local rows (whole folded experts: MoeLayers::local_rows_for) skip the
+      // MoE blocks on their local rows (whole folded experts: moe_local_rows, config.h) skip the
       // MLP's exchanges: its reduce-scatter forward and backward, its gather forward, and backward
       // the gather of the output gradient and the norm output's again.
-      const int64_t local = MoeLayers::local_rows_for(cfg.model, par.tp, par.expert_tp(), true) ? moe_blocks : 0;
+      const int64_t local = moe_local_rows(cfg.model, par.tp, par.expert_tp(), true) ? moe_blocks : 0;
       v.tp.add(CommOp::REDUCE_SCATTER, (fwd + bwd - 2 * local) * accum, rows);
       const bool fused_loss = cfg.training.loss_chunk_rows > 0;
       const int64_t gathers = (2 * L + (last ? 1 : 0) + recomputed_exchanges) + (2 * L + (first ? 1 : 0)) +
