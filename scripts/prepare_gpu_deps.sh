@@ -14,15 +14,16 @@
 # carried files, the source tree (~1.5 MiB) included, so the folder travels as DIR.tar.xz, which
 # gpu_check.sh unpacks:
 #                 unpacked   .tar.xz
-#   always         13 MiB    2.2 MiB   nlohmann-json, spdlog + fmt, CLI11, Catch2, sentencepiece,
-#                                      PCRE2, pkgconf
+#   always         49 MiB     12 MiB   nlohmann-json, spdlog + fmt, CLI11, Catch2, sentencepiece,
+#                                      PCRE2, pkgconf and ICU (libicu-dev, libicu72: its data library
+#                                      alone is 30 MiB; static archives are dropped)
 #   oneDNN        +41 MiB     ~8 MiB   libdnnl (+ the OpenCL headers its CMake config requires);
 #                                      --no-dnnl leaves it out: the CPU backend then multiplies with
 #                                      the loop GEMM (kernels/cpu/gemm_loops.cpp), fine for the
 #                                      CUDA tests' CPU references, slow for CPU training
 #   --with-mpi    +31 MiB     ~6 MiB   OpenMPI 4.1 (mpirun, libmpi, headers, PMIx, UCX, libfabric);
 #                                      only useful with several GPUs (NCCL needs one per rank)
-#   all three      85 MiB     16 MiB
+#   all three     121 MiB    ~26 MiB   (ICU measured with --no-dnnl; the other rows before ICU)
 # The script prints the sizes it made. --no-archive skips the .tar.xz (xz takes a minute or more).
 #
 # Usage: scripts/prepare_gpu_deps.sh DIR [--no-dnnl] [--with-mpi] [--no-archive]
@@ -45,12 +46,14 @@ for a in "$@"; do
 done
 command -v apt-get >/dev/null && command -v dpkg >/dev/null || { echo "prepare_gpu_deps: needs apt-get and dpkg (a Debian machine)" >&2; exit 1; }
 
-BASE=(nlohmann-json3-dev libspdlog-dev libfmt-dev libcli11-dev catch2 libsentencepiece-dev libpcre2-dev pkgconf)
+# (ICU: CMakeLists.txt requires icu-uc, for the tokenizers' Unicode normalisation and categories.)
+BASE=(nlohmann-json3-dev libspdlog-dev libfmt-dev libcli11-dev catch2 libsentencepiece-dev libpcre2-dev libicu-dev
+      pkgconf)
 DNNL=(libdnnl-dev ocl-icd-opencl-dev)
-# OpenMPI's runtime closure, less optional hwloc plugins (they pull in libxml2, ICU and X11).
+# OpenMPI's runtime closure, less optional hwloc plugins (they pull in libxml2 and X11).
 MPI_ROOTS=(openmpi-bin libopenmpi3)
 MPI_EXTRA=(libopenmpi-dev)  # headers and the mpicc wrapper; not its dependencies (compilers)
-EXCLUDE='^(libc6|libc6-dev|libc-dev|libgcc-s1|libstdc\+\+6|libgomp1|gcc-[0-9]+-base|zlib1g|dpkg|debconf|perl|perl-base|openssh-client|adduser|passwd|libssl3|libudev1|libselinux1|libzstd1|liblzma5|libhwloc-plugins|libxml2|libicu[0-9]+|libx11-.*|libx11-6|libxau6|libxcb1|libxdmcp6|libxext6|libxnvctrl0|libbsd0|libmd0)$'
+EXCLUDE='^(libc6|libc6-dev|libc-dev|libgcc-s1|libstdc\+\+6|libgomp1|gcc-[0-9]+-base|zlib1g|dpkg|debconf|perl|perl-base|openssh-client|adduser|passwd|libssl3|libudev1|libselinux1|libzstd1|liblzma5|libhwloc-plugins|libxml2|libx11-.*|libx11-6|libxau6|libxcb1|libxdmcp6|libxext6|libxnvctrl0|libbsd0|libmd0)$'
 
 direct_deps() {
   apt-cache depends --no-recommends --no-suggests --no-conflicts --no-breaks --no-replaces --no-enhances "$@" \
@@ -88,6 +91,8 @@ echo "prepare_gpu_deps: fetching $(echo $PACKAGES | wc -w) packages: $(echo $PAC
 (cd "$DEBS" && apt-get download -qq $PACKAGES)
 for deb in "$DEBS"/*.deb; do dpkg -x "$deb" "$DIR"; done
 rm -rf "$DIR/usr/share/doc" "$DIR/usr/share/man" "$DIR/usr/share/lintian" "$DIR/usr/share/info"
+# The build links the shared libraries: the static archives (ICU's alone are 42 MiB) stay behind.
+find "$DIR" -name '*.a' -delete
 
 # pkg-config files name prefix=/usr: make them relative to where they lie.
 while IFS= read -r pc; do
