@@ -314,8 +314,8 @@ ActivationSizes Gpt::activation_sizes_for(const ModelConfig& cfg, DType act, int
   const int64_t chunk = loss_chunk > 0 ? std::min(loss_chunk, d.N()) : 0;
   ActivationSizes size = dense_sizes(ArenaShape{d, act, rc, units, moe, chunk, cfg.qk_norm, cp_comm});
   // MoE blocks: their routing and expert state in each slot, their scratch beside the dense one.
-  // (whole folded experts under SP run on the rank's own rows: MoeLayers::local_rows_for)
-  const bool local = MoeLayers::local_rows_for(cfg, tp, etp > 0 ? etp : tp, sequence_parallel && tp > 1);
+  // (whole folded experts under SP run on the rank's own rows: moe_local_rows)
+  const bool local = moe_local_rows(cfg, tp, etp > 0 ? etp : tp, sequence_parallel && tp > 1);
   size += MoeLayers::sizes_for(cfg, act, local ? d.Ns : d.N(), ep, local ? 1 : tp, d.l0, d.L, rc.moe_act, cp, etp);
   return size;
 }
@@ -360,7 +360,7 @@ Gpt::Gpt(const ModelConfig& cfg, const ParamLayout& layout, Backend& be, DType a
   const ActivationSizes dense = dense_sizes(z);
   ActivationSizes size = dense;
   const int64_t etp_size = eshare ? (etp ? etp->size() : 1) : tp_size;
-  moe_local_ = MoeLayers::local_rows_for(cfg, tp_size, etp_size, d_.sp);
+  moe_local_ = moe_local_rows(cfg, tp_size, etp_size, d_.sp);
   size += MoeLayers::sizes_for(cfg, act, moe_local_ ? d_.Ns : d_.N(), ep_size, moe_local_ ? 1 : tp_size, d_.l0, d_.L,
                                rc_.moe_act, d_.cp, etp_size);
   ActivationRegions r;
@@ -570,7 +570,7 @@ void Gpt::forward_layer(const void* weights, int64_t slot, int64_t l, bool recom
   if (p.moe) {  // res[l+1] = res_mid + MoE(ln2); the experts' TP slices reduced like a row-parallel output
     // A recomputed unit ends at its MoE block, whose state and output were kept: nothing to redo.
     if (recompute) return;
-    if (moe_local_) {  // the rank's own rows, whole values: no TP exchange (MoeLayers::local_rows_for)
+    if (moe_local_) {  // the rank's own rows, whole values: no TP exchange (moe_local_rows)
       moe_->forward(d.l0 + l, WeightView(weights, weights_, dtype_size(act_)), s.ln2, s.res_mid, sl.res[l + 1],
                     moe_loss_weight_, slot);
       return;

@@ -231,7 +231,7 @@ class Gpt {
   BackendBuffer arena_;
   std::unique_ptr<Acts> a_;
   std::unique_ptr<MoeLayers> moe_;  // the MoE blocks (MoE models), their state per activation slot
-  bool moe_local_ = false;           // they run on the rank's own rows (MoeLayers::local_rows_for)
+  bool moe_local_ = false;           // they run on the rank's own rows (moe_local_rows)
   float moe_loss_weight_ = 0.0f;  // forward(): the weight of the micro-batch's mean loss
 };
 

@@ -256,19 +256,17 @@ MoeLayers::MoeLayers(const ModelConfig& cfg, const ParamLayout& layout, Backend&
   TETRA_CHECK(layout.slicing.ep == ep_size && layout.slicing.ep_rank == (ep_ ? ep_->rank() : 0),
               "the parameter layout is for EP rank {} of {}, the model for rank {} of {}", layout.slicing.ep_rank,
               layout.slicing.ep, ep_ ? ep_->rank() : 0, ep_size);
-  // Local rows (whole folded experts under SP, local_rows()): the N rows are this rank's share
+  // Local rows (whole folded experts under SP, moe_local_rows()): the N rows are this rank's share
   // itself, the output their whole value.
   TETRA_CHECK(!local_rows || (share_ && !etp_ && !cfg.moe.has_shared_expert() && !cfg.moe.capacity_factor),
               "MoE blocks on their local rows need whole folded experts, no shared expert and no capacity");
   const Sizes z = sizes_of(cfg, act, N, ep_size, local_rows ? etp_size : tp_size, recompute_act, cp_size, etp_size);
   recompute_act_ = recompute_act;
   Nfull_ = N;
-  shares_ = z.shares;
   seq_rows_ = local_rows ? N * share_->size() : N;
   const int64_t share = share_ && !local_rows ? share_->rank() : 0;
   r0_ = std::min(N, share * z.N);
   N_ = std::min(N, r0_ + z.N) - r0_;  // this share's rows (the last shares may hold fewer, or none)
-  Nmax_ = z.N;
   C_ = z.C, E_ = z.E, K_ = z.K, El_ = z.El, F_ = z.F, FC_ = z.FC, cap_ = z.cap;
   M_max_ = z.M_max, R_max_ = z.R_max, B_ = z.B;
   e0_ = layout.slicing.ep_rank * El_;
@@ -641,29 +639,24 @@ void MoeLayers::forward(int64_t l, const WeightView& weights, const void* h, con
 }
 
 MoeRoutingPlan MoeLayers::plan_routing(const int32_t* idx) {
-  if (share_ && cap_ >= 0 && N_ > 0) {
+  if (share_ && cap_ >= 0) {
     // Folded experts (cp 1, config_validate.cpp): the shares hold consecutive rows of the
     // micro-batch. The assignments of every share to every expert, (shares, E), summed over the
-    // share group, give the assignments to each expert that precede this share's rows.
+    // share group (a share without rows takes part all the same), give the assignments to each
+    // expert that precede this share's rows.
     std::vector<int32_t>& table = sc_->h_cp_counts;
     std::fill(table.begin(), table.end(), 0);
     const int64_t g = share_->rank();
     for (int64_t a = 0; a < N_ * K_; ++a) ++table[static_cast<size_t>(g * E_ + idx[a])];
     be_.copy_from_host(sc_->cp_counts, table.data(), table.size() * 4);
     share_->all_reduce(sc_->cp_counts, static_cast<int64_t>(table.size()), DType::I32, ReduceOp::SUM);
+    if (N_ == 0) return plan_moe_routing(idx, 0, K_, E_, cap_);
     be_.copy_to_host(table.data(), sc_->cp_counts, table.size() * 4);
     std::vector<int64_t>& before = sc_->h_before;  // (1, E)
     std::fill(before.begin(), before.end(), 0);
     for (int64_t q = 0; q < g; ++q)
       for (int64_t e = 0; e < E_; ++e) before[static_cast<size_t>(e)] += table[static_cast<size_t>(q * E_ + e)];
     return plan_moe_routing(idx, N_, K_, E_, cap_, before.data(), N_);
-  }
-  if (share_ && cap_ >= 0) {  // no rows here; the share group's exchange all the same
-    std::vector<int32_t>& table = sc_->h_cp_counts;
-    std::fill(table.begin(), table.end(), 0);
-    be_.copy_from_host(sc_->cp_counts, table.data(), table.size() * 4);
-    share_->all_reduce(sc_->cp_counts, static_cast<int64_t>(table.size()), DType::I32, ReduceOp::SUM);
-    return plan_moe_routing(idx, 0, K_, E_, cap_);
   }
   if (!cp_ || cap_ < 0) return plan_moe_routing(idx, N_, K_, E_, cap_);
   // Capacity over the whole sequence (context_parallel.h): of each of the B sequences, this rank

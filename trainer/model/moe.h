@@ -155,10 +155,8 @@ class MoeLayers {
   // capacity: each rank's share is its own sequence-parallel shard of the rows, so the block runs
   // on the shard itself (local_rows: N is the shard's rows, the output their whole value and the
   // input gradient whole too) and the TP group's gather before it and reduce-scatter after it,
-  // forward and backward, are not needed (Megatron's folded dispatcher's saving).
-  static bool local_rows_for(const ModelConfig& cfg, int64_t tp, int64_t etp, bool sequence_parallel) {
-    return moe_local_rows(cfg, tp, etp, sequence_parallel);
-  }
+  // forward and backward, are not needed (Megatron's folded dispatcher's saving): moe_local_rows()
+  // (config.h) decides.
   // (`etp`, `eshare`: the ETP and ESHARE groups of folded experts; eshare null or of size 1: unfolded,
   // the experts split over `tp`. `ep_chunks`: the expert-parallel exchanges in that many chunks,
   // overlapped with the experts' compute: parallel.ep_overlap_chunks.)
@@ -228,7 +226,7 @@ class MoeLayers {
   Communicator* cp_ = nullptr;  // null without context parallelism
   Communicator* etp_ = nullptr;    // the experts' partial sums (tp_ unfolded); null for whole experts
   Communicator* share_ = nullptr;  // folded experts: the TP ranks routing the other rows; else null
-  int64_t Nfull_ = 0, Nmax_ = 0, r0_ = 0, shares_ = 1;  // the caller's rows; a share's most; its first row
+  int64_t Nfull_ = 0, r0_ = 0;  // the caller's rows; this share's first row
   int64_t seq_rows_ = 0;  // the rows of this CP rank's sequences over the TP group (the losses' N)
   std::unique_ptr<ExpertDispatcher> dispatcher_;  // the EP exchanges (parallel/expert_dispatch.h)
   std::unique_ptr<MoeSharedExpert> shared_;       // the shared expert (moe_shared.h), or null

@@ -199,14 +199,6 @@ Trainer::Trainer(const Config& cfg, const std::string& config_path, ProcessGroup
     compute_buf_ = BackendBuffer(*be_, n * es);
     compute_ = compute_buf_.get();
   }
-  if (zero3_ && act_ != DType::F32 && master_) {
-    int64_t at = 0;
-    for (const GradRange& o : grad_buffer_->owned()) {
-      be_->cast(static_cast<char*>(compute_) + static_cast<size_t>(at) * es, act_, master_ + o.offset, DType::F32,
-                o.numel);
-      at += o.numel;
-    }
-  }
   updater_ = std::make_unique<Updater>(cfg, layout_, *be_, *grad_buffer_, groups, act_, master_, compute_, grads_);
   if (updater_->holds_master_weights()) {
     master_buf_.reset();
